@@ -1,0 +1,84 @@
+# Helpers that give every layer the same shape: one library per folder, one PCH for LibTorch, and
+# GoogleTest executables registered with ctest (plain, or under mpirun with the `mpi` label).
+
+include(GoogleTest)
+
+option(PARALLAX_PCH "Precompile LibTorch's headers once and reuse them in every target" ON)
+
+# One precompiled header for the whole tree (core/pch.h). Every target reuses it, so LibTorch's
+# headers are parsed once per build instead of once per translation unit.
+add_library(parallax_pch OBJECT ${PROJECT_SOURCE_DIR}/core/pch.cpp)
+target_link_libraries(parallax_pch PUBLIC torch parallax_fmt)
+target_include_directories(parallax_pch PUBLIC ${PROJECT_SOURCE_DIR})
+if(PARALLAX_PCH)
+  target_precompile_headers(parallax_pch PRIVATE ${PROJECT_SOURCE_DIR}/core/pch.h)
+endif()
+
+function(parallax_use_pch target)
+  if(PARALLAX_PCH)
+    target_precompile_headers(${target} REUSE_FROM parallax_pch)
+  endif()
+endfunction()
+
+# parallax_add_library(<name> SOURCES ... [DEPS ...])
+# A shared library linked with --no-undefined: a layer that uses a symbol of a layer it does not
+# list in DEPS fails to link, which is how the layering in ARCHITECTURE.md is enforced.
+function(parallax_add_library name)
+  cmake_parse_arguments(A "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  if(NOT A_SOURCES)
+    # A layer that is still headers only (config structs): an interface target, same name.
+    add_library(${name} INTERFACE)
+    target_include_directories(${name} INTERFACE ${PROJECT_SOURCE_DIR})
+    target_link_libraries(${name} INTERFACE ${A_DEPS})
+    return()
+  endif()
+  add_library(${name} SHARED ${A_SOURCES})
+  target_include_directories(${name} PUBLIC ${PROJECT_SOURCE_DIR})
+  target_link_libraries(${name} PUBLIC ${A_DEPS} PRIVATE ${A_PRIVATE_DEPS})
+  target_link_options(${name} PRIVATE "-Wl,--no-undefined")
+  parallax_use_pch(${name})
+endfunction()
+
+set(PARALLAX_TEST_ENV
+    "OMPI_ALLOW_RUN_AS_ROOT=1"
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+    "OMPI_MCA_rmaps_base_oversubscribe=1"
+    "OMPI_MCA_btl_vader_single_copy_mechanism=none"
+    "NCCL_NVLS_ENABLE=0"
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST=1"
+    "NVSHMEM_DISABLE_NVLS=1"
+    "PARALLAX_SOURCE_DIR=${PROJECT_SOURCE_DIR}"
+    "PARALLAX_BINARY_DIR=${PROJECT_BINARY_DIR}")
+
+# parallax_add_gtest(<name> SOURCES ... DEPS ... [LABELS ...] [MAIN gtest|none])
+# One executable; every TEST in it becomes its own ctest entry.
+function(parallax_add_gtest name)
+  cmake_parse_arguments(A "" "MAIN" "SOURCES;DEPS;LABELS" ${ARGN})
+  add_executable(${name} ${A_SOURCES})
+  target_link_libraries(${name} PRIVATE ${A_DEPS} GTest::gtest)
+  if(NOT A_MAIN STREQUAL "none")
+    target_link_libraries(${name} PRIVATE GTest::gtest_main)
+  endif()
+  parallax_use_pch(${name})
+  gtest_discover_tests(${name}
+    PROPERTIES LABELS "unit;${A_LABELS}" ENVIRONMENT "${PARALLAX_TEST_ENV}" TIMEOUT 300
+    DISCOVERY_TIMEOUT 120)
+endfunction()
+
+# parallax_add_mpi_test(<name> TARGET <exe> NP <n> [FILTER <gtest filter>] [TIMEOUT s] [LABELS ...])
+# Runs the whole executable (or the filtered tests) under `mpirun -np <n> --oversubscribe`.
+function(parallax_add_mpi_test name)
+  cmake_parse_arguments(A "" "TARGET;NP;FILTER;TIMEOUT" "LABELS;ARGS" ${ARGN})
+  if(NOT A_TIMEOUT)
+    set(A_TIMEOUT 300)
+  endif()
+  set(_filter "")
+  if(A_FILTER)
+    set(_filter "--gtest_filter=${A_FILTER}")
+  endif()
+  add_test(NAME ${name}
+           COMMAND ${PARALLAX_MPIRUN} --oversubscribe --bind-to none -np ${A_NP}
+                   $<TARGET_FILE:${A_TARGET}> ${_filter} ${A_ARGS})
+  set_tests_properties(${name} PROPERTIES LABELS "mpi;${A_LABELS}" TIMEOUT ${A_TIMEOUT}
+                                          ENVIRONMENT "${PARALLAX_TEST_ENV}")
+endfunction()

@@ -1,0 +1,289 @@
+// Config system: YAML files into typed, validated structs with defaults.
+//
+// A config section is a plain struct with defaults in its member initialisers and a `visit`
+// template that names each field once:
+//
+//   struct OptimConfig {
+//     std::string name = "adamw";
+//     double lr = 1e-3;
+//     template <class V> void visit(V& v) {
+//       v("name", name, "optimizer", Check::one_of({"adamw", "sgd"}));
+//       v("lr", lr, "peak learning rate", Check::positive());
+//     }
+//   };
+//
+// Nested sections are fields whose type has `visit`. The same `visit` drives reading (with type
+// checks, unknown-key detection and did-you-mean), writing the resolved config, and the key
+// listing of `--help-config`. A root struct may also have `void validate() const` for
+// cross-field rules; it throws ConfigError naming the keys.
+//
+// Composition: a file may list `_base_: other.yaml` (or a list of files, paths relative to the
+// file). Bases are merged in order, then the file itself on top: nested maps merge key by key,
+// lists and scalars replace, and a map holding `_delete_: true` replaces instead of merging (the
+// MMEngine convention). Overrides are Hydra-style `a.b=value` (value parsed as YAML, so `[1,2]`,
+// `true`, `3e-4` and `null` work), `a.b[1]=value` or `a.b.1=value` for one list element, and
+// `~a.b` to restore a key's default. Every error names the file and line, or the override, the
+// dotted key path and the offending value.
+#pragma once
+
+#include "core/error.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace parallax::core {
+
+// Value constraints checked while reading a field.
+struct Check {
+  std::vector<std::string> choices;  // for strings (and each element of string lists)
+  std::optional<double> min, max;    // for numbers (and each element of number lists), inclusive
+  bool exclusive_min = false;
+
+  static Check one_of(std::initializer_list<const char*> c) {
+    Check k;
+    for (const char* s : c) k.choices.emplace_back(s);
+    return k;
+  }
+  static Check at_least(double v) {
+    Check k;
+    k.min = v;
+    return k;
+  }
+  static Check positive() {
+    Check k;
+    k.min = 0;
+    k.exclusive_min = true;
+    return k;
+  }
+  static Check between(double lo, double hi) {
+    Check k;
+    k.min = lo;
+    k.max = hi;
+    return k;
+  }
+};
+
+// A YAML tree plus where each key came from ("file:line", "override 'a=b'", "default").
+class ConfigTree {
+ public:
+  ConfigTree();
+
+  // Loads `path`, resolving `_base_` recursively. Throws ConfigError for a missing file (with
+  // did-you-mean among sibling files), malformed YAML (file:line:column) or a `_base_` cycle.
+  static ConfigTree from_file(const std::string& path);
+  // Parses YAML text; `name` stands in for a file name in messages.
+  static ConfigTree from_string(const std::string& yaml, const std::string& name);
+  // Wraps a tree built in memory (e.g. a struct's defaults); origins are `origin_label`.
+  static ConfigTree from_node(const YAML::Node& node, const std::string& origin_label);
+
+  // Merges `over` on top of this tree (see the file comment for the rules).
+  void merge(const ConfigTree& over);
+  // Applies one `a.b=value`, `a.b[i]=value` or `~a.b` expression.
+  void apply_override(const std::string& expr);
+  void apply_overrides(const std::vector<std::string>& exprs);
+
+  const YAML::Node& root() const { return root_; }
+  // Where `path` (dotted, list elements as `a.b[2]`) was set; falls back to the nearest
+  // ancestor; "" if unknown.
+  std::string origin(const std::string& path) const;
+
+ private:
+  static ConfigTree load_recursive(const std::string& path, std::vector<std::string>& stack);
+  void record_origins(const YAML::Node& node, const std::string& path, const std::string& file);
+
+  YAML::Node root_;
+  std::map<std::string, std::string> origins_;
+};
+
+namespace detail {
+
+std::string child_path(const std::string& parent, const std::string& key);
+[[noreturn]] void fail_at(const ConfigTree& tree, const std::string& path, const std::string& what);
+
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, bool& out);
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, int& out);
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, int64_t& out);
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, double& out);
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, std::string& out);
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
+                std::vector<int>& out);
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
+                std::vector<int64_t>& out);
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
+                std::vector<double>& out);
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
+                std::vector<std::string>& out);
+
+void check_value(const Check& c, const std::string& path, const ConfigTree& t, double v);
+void check_value(const Check& c, const std::string& path, const ConfigTree& t, const std::string& v);
+template <class T>
+void check_value(const Check& c, const std::string& path, const ConfigTree& t,
+                 const std::vector<T>& v) {
+  for (std::size_t i = 0; i < v.size(); ++i) check_value(c, path + "[" + std::to_string(i) + "]", t, v[i]);
+}
+inline void check_value(const Check&, const std::string&, const ConfigTree&, bool) {}
+inline void check_value(const Check& c, const std::string& p, const ConfigTree& t, int v) {
+  check_value(c, p, t, static_cast<double>(v));
+}
+inline void check_value(const Check& c, const std::string& p, const ConfigTree& t, int64_t v) {
+  check_value(c, p, t, static_cast<double>(v));
+}
+
+// Unknown keys under `node` (a map at `path`) that are not in `known`: throws with did-you-mean.
+void reject_unknown(const YAML::Node& node, const std::string& path, const ConfigTree& t,
+                    const std::vector<std::string>& known, const std::vector<std::string>& all_paths);
+
+std::string type_name(const bool&);
+std::string type_name(const int&);
+std::string type_name(const int64_t&);
+std::string type_name(const double&);
+std::string type_name(const std::string&);
+template <class T>
+std::string type_name(const std::vector<T>&) {
+  return "list of " + type_name(T{});
+}
+
+template <class T, class V>
+concept VisitableWith = requires(T& t, V& v) { t.visit(v); };
+
+}  // namespace detail
+
+// Visitor that lists every leaf key path (for did-you-mean across sections and --help-config).
+class KeyLister {
+ public:
+  struct Entry {
+    std::string path, type, doc, default_value;
+  };
+  template <class T>
+  void operator()(const char* key, T& value, const char* doc = "", const Check& = {}) {
+    const std::string path = detail::child_path(prefix_, key);
+    if constexpr (detail::VisitableWith<T, KeyLister>) {
+      KeyLister sub;
+      sub.prefix_ = path;
+      value.visit(sub);
+      entries_.insert(entries_.end(), sub.entries_.begin(), sub.entries_.end());
+    } else {
+      YAML::Emitter e;
+      e << YAML::Flow << YAML::Node(value);
+      entries_.push_back({path, detail::type_name(value), doc, e.c_str()});
+    }
+  }
+  const std::vector<Entry>& entries() const { return entries_; }
+  std::vector<std::string> paths() const {
+    std::vector<std::string> p;
+    for (const auto& e : entries_) p.push_back(e.path);
+    return p;
+  }
+
+ private:
+  std::string prefix_;
+  std::vector<Entry> entries_;
+};
+
+// Visitor that writes a struct into a YAML map (the resolved config).
+class YamlWriter {
+ public:
+  template <class T>
+  void operator()(const char* key, T& value, const char* = "", const Check& = {}) {
+    if constexpr (detail::VisitableWith<T, YamlWriter>) {
+      YamlWriter sub;
+      value.visit(sub);
+      node_[key] = sub.node_;
+    } else {
+      node_[key] = value;
+    }
+  }
+  YAML::Node& node() { return node_; }
+
+ private:
+  YAML::Node node_{YAML::NodeType::Map};
+};
+
+// Visitor that reads a YAML map into a struct, with type and constraint checks.
+class YamlReader {
+ public:
+  YamlReader(const YAML::Node& node, std::string path, const ConfigTree& tree,
+             const std::vector<std::string>& all_paths)
+      : node_(node), path_(std::move(path)), tree_(tree), all_paths_(all_paths) {}
+
+  template <class T>
+  void operator()(const char* key, T& value, const char* = "", const Check& check = {}) {
+    known_.emplace_back(key);
+    const YAML::Node child = node_[key];
+    if (!child.IsDefined()) return;  // keep the default
+    const std::string path = detail::child_path(path_, key);
+    if constexpr (detail::VisitableWith<T, YamlReader>) {
+      if (child.IsNull()) return;
+      if (!child.IsMap()) detail::fail_at(tree_, path, "expects a section (a mapping of keys)");
+      YamlReader sub(child, path, tree_, all_paths_);
+      value.visit(sub);
+      sub.finish();
+    } else {
+      detail::read_value(child, path, tree_, value);
+      detail::check_value(check, path, tree_, value);
+    }
+  }
+
+  // Throws for keys present in the YAML map but not visited.
+  void finish() const { detail::reject_unknown(node_, path_, tree_, known_, all_paths_); }
+
+ private:
+  const YAML::Node node_;
+  std::string path_;
+  const ConfigTree& tree_;
+  const std::vector<std::string>& all_paths_;
+  std::vector<std::string> known_;
+};
+
+template <class T>
+YAML::Node to_yaml(T& cfg) {
+  YamlWriter w;
+  cfg.visit(w);
+  return w.node();
+}
+
+template <class T>
+std::vector<KeyLister::Entry> list_keys(T& cfg) {
+  KeyLister l;
+  cfg.visit(l);
+  return l.entries();
+}
+
+// Reads `tree` into `cfg` (whose current values are the defaults) and runs `validate()`.
+template <class T>
+void bind(const ConfigTree& tree, T& cfg) {
+  if (!tree.root().IsMap()) detail::fail_at(tree, "", "the config must be a mapping of sections");
+  KeyLister lister;
+  T defaults = cfg;
+  defaults.visit(lister);
+  const auto paths = lister.paths();
+  YamlReader r(tree.root(), "", tree, paths);
+  cfg.visit(r);
+  r.finish();
+  if constexpr (requires(const T& c) { c.validate(); }) cfg.validate();
+}
+
+// The resolved config as YAML text (what runs/<name>/config.yaml holds).
+std::string emit_yaml(const YAML::Node& node);
+
+// Defaults <- file (with its bases) <- overrides, bound into T and validated.
+template <class T>
+T load_config(const std::string& file, const std::vector<std::string>& overrides) {
+  T cfg;
+  ConfigTree tree = ConfigTree::from_node(to_yaml(cfg), "default");
+  if (!file.empty()) tree.merge(ConfigTree::from_file(file));
+  tree.apply_overrides(overrides);
+  bind(tree, cfg);
+  return cfg;
+}
+
+// 64-bit FNV-1a of `text`, as 16 hex digits: the config hash stored with checkpoints.
+std::string stable_hash(const std::string& text);
+
+}  // namespace parallax::core

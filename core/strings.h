@@ -1,0 +1,31 @@
+// Small string utilities shared by the config system, the CLI and error messages.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace parallax::core {
+
+// Levenshtein distance between a and b.
+std::size_t edit_distance(std::string_view a, std::string_view b);
+
+// The candidate closest to `word`, or "" when none is close enough to be a plausible typo
+// (distance <= max(2, |word| / 3)). Also matches when one is a prefix/suffix of the other.
+std::string closest_match(std::string_view word, const std::vector<std::string>& candidates);
+
+// " (did you mean 'x'?)" or "" when there is no plausible match.
+std::string did_you_mean(std::string_view word, const std::vector<std::string>& candidates);
+
+std::vector<std::string> split(std::string_view s, char sep);
+std::string join(const std::vector<std::string>& parts, std::string_view sep);
+std::string trim(std::string_view s);
+bool starts_with(std::string_view s, std::string_view prefix);
+
+// 1536 -> "1.5 KiB"; for bandwidth and memory reports.
+std::string human_bytes(double bytes);
+// 3725.0 -> "1h02m05s"; for ETAs.
+std::string human_duration(double seconds);
+
+}  // namespace parallax::core

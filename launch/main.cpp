@@ -1,0 +1,77 @@
+// Entry point of the `parallax` binary: dispatches to a verb and is the one place where errors
+// become `parallax: error: ...` and a non-zero exit code.
+#include "core/error.h"
+#include "core/strings.h"
+#include "launch/verbs.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <exception>
+
+namespace parallax::launch {
+
+const std::vector<Verb>& verbs() {
+  static const std::vector<Verb> kVerbs = {
+      {"train", "train a model from a config file (also under mpirun / srun / torchrun)", verb_train},
+  };
+  return kVerbs;
+}
+
+namespace {
+
+std::string top_help() {
+  std::string out =
+      "usage: parallax <verb> [options]\n\n"
+      "Parallax: distributed training of multi-camera BEV perception models in C++.\n\nverbs:\n";
+  for (const auto& v : verbs()) out += fmt::format("  {:<10} {}\n", v.name, v.summary);
+  out += "\nRun 'parallax <verb> --help' for the options of a verb.\n"
+         "Environment: PARALLAX_LOG_LEVEL=trace|debug|info|warn|error, PARALLAX_LOG_ALL_RANKS=1.\n";
+  return out;
+}
+
+int dispatch(int argc, char** argv) {
+  if (argc < 2) {
+    std::fputs(top_help().c_str(), stderr);
+    return 2;
+  }
+  const std::string verb = argv[1];
+  if (verb == "--help" || verb == "-h" || verb == "help") {
+    std::fputs(top_help().c_str(), stdout);
+    return 0;
+  }
+  if (verb == "--version") {
+    std::puts("parallax 0.1.0");
+    return 0;
+  }
+  std::vector<std::string> args(argv + 2, argv + argc);
+  std::vector<std::string> names;
+  for (const auto& v : verbs()) {
+    if (verb == v.name) return v.run(args);
+    names.push_back(v.name);
+  }
+  throw_error<UsageError>("unknown verb '{}'{}; verbs are: {}", verb, core::did_you_mean(verb, names),
+                          core::join(names, ", "));
+}
+
+}  // namespace
+}  // namespace parallax::launch
+
+int main(int argc, char** argv) {
+  try {
+    return parallax::launch::dispatch(argc, argv);
+  } catch (const parallax::UsageError& e) {
+    std::fprintf(stderr, "parallax: error: %s\n", e.what());
+    return 2;
+  } catch (const parallax::Error& e) {
+    std::fprintf(stderr, "parallax: error: %s\n", e.what());
+    return 1;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "parallax: error: LibTorch: %s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "parallax: error: %s\n", e.what());
+    return 1;
+  }
+}

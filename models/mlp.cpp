@@ -1,0 +1,50 @@
+#include "models/mlp.h"
+
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+
+namespace parallax::models {
+
+MlpModel::MlpModel(int64_t in_features, int64_t hidden, int64_t out_features, int64_t depth)
+    : in_(in_features), hidden_(hidden), out_(out_features), depth_(depth) {
+  net_ = register_module("net", torch::nn::Sequential());
+  int64_t width = in_;
+  for (int64_t i = 0; i < depth_; ++i) {
+    net_->push_back(torch::nn::Linear(width, hidden_));
+    net_->push_back(torch::nn::GELU());
+    width = hidden_;
+  }
+  net_->push_back(torch::nn::Linear(width, out_));
+  // The target function is part of the model definition (a buffer), so every rank agrees on it.
+  teacher_ = register_buffer("teacher", at::randn({in_, out_}) / std::sqrt(static_cast<double>(in_)));
+}
+
+core::TensorDict MlpModel::forward(const core::TensorDict& batch) {
+  return {{"y_hat", net_->forward(batch.at("x"))}};
+}
+
+LossOutput MlpModel::loss(const core::TensorDict& batch, const core::TensorDict& pred) {
+  const at::Tensor x = batch.at("x");
+  const at::Tensor target = batch.count("y") ? batch.at("y") : at::tanh(x.matmul(teacher_.to(x.dtype())));
+  at::Tensor mse = (pred.at("y_hat").to(at::kFloat) - target.to(at::kFloat)).pow(2).mean();
+  return {mse, {{"mse", mse.detach()}}};
+}
+
+double MlpModel::forward_flops_per_sample() const {
+  double f = 0;
+  int64_t width = in_;
+  for (int64_t i = 0; i < depth_; ++i) {
+    f += 2.0 * width * hidden_;
+    width = hidden_;
+  }
+  return f + 2.0 * width * out_;
+}
+
+int64_t MlpModel::batch_size(const core::TensorDict& batch) const { return batch.at("x").size(0); }
+
+core::TensorDict MlpModel::example_batch(int64_t n) const {
+  at::Tensor x = at::randn({n, in_});
+  return {{"x", x}, {"y", at::tanh(x.matmul(teacher_))}};
+}
+
+}  // namespace parallax::models

@@ -1,0 +1,28 @@
+// `mlp`: a small regression model, the stand-in the trainer and the parallel engines are tested
+// with where a perception model would make the test slow. Input "x" [B, in], target "y" [B, out];
+// loss is mean squared error.
+#pragma once
+
+#include "models/model.h"
+
+#include <torch/nn/modules/container/sequential.h>
+
+namespace parallax::models {
+
+class MlpModel : public Model {
+ public:
+  MlpModel(int64_t in_features, int64_t hidden, int64_t out_features, int64_t depth);
+
+  core::TensorDict forward(const core::TensorDict& batch) override;
+  LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) override;
+  double forward_flops_per_sample() const override;
+  int64_t batch_size(const core::TensorDict& batch) const override;
+  core::TensorDict example_batch(int64_t n) const override;
+
+ private:
+  int64_t in_, hidden_, out_, depth_;
+  torch::nn::Sequential net_{nullptr};
+  at::Tensor teacher_;  // fixed random map that defines the regression target
+};
+
+}  // namespace parallax::models

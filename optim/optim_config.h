@@ -1,0 +1,71 @@
+// The `optim`, `schedule` and `precision` config sections.
+#pragma once
+
+#include "core/config.h"
+
+#include <string>
+#include <vector>
+
+namespace parallax::optim {
+
+struct OptimConfig {
+  std::string name = "adamw";
+  double lr = 1e-3;
+  double weight_decay = 0.01;
+  std::vector<double> betas = {0.9, 0.999};
+  double eps = 1e-8;
+  double momentum = 0.9;
+  bool nesterov = false;
+  double grad_clip = 1.0;  // 0: off
+  std::string fused = "auto";
+
+  template <class V>
+  void visit(V& v) {
+    v("name", name, "optimizer", core::Check::one_of({"adamw", "sgd"}));
+    v("lr", lr, "peak learning rate", core::Check::positive());
+    v("weight_decay", weight_decay, "decoupled weight decay (not applied to norms and biases)",
+      core::Check::at_least(0));
+    v("betas", betas, "AdamW betas", core::Check::between(0, 1));
+    v("eps", eps, "AdamW epsilon", core::Check::positive());
+    v("momentum", momentum, "SGD momentum", core::Check::between(0, 1));
+    v("nesterov", nesterov, "SGD Nesterov momentum");
+    v("grad_clip", grad_clip, "clip the global gradient norm to this value (0: off)", core::Check::at_least(0));
+    v("fused", fused, "fused AdamW kernel on CUDA", core::Check::one_of({"auto", "on", "off"}));
+  }
+  void validate() const {
+    if (betas.size() != 2) throw_error<ConfigError>("key 'optim.betas' needs 2 values, got {}", betas.size());
+  }
+};
+
+struct ScheduleConfig {
+  std::string name = "cosine";
+  int64_t warmup_steps = 0;
+  double min_lr_ratio = 0.0;
+
+  template <class V>
+  void visit(V& v) {
+    v("name", name, "LR schedule after warmup", core::Check::one_of({"cosine", "linear", "constant"}));
+    v("warmup_steps", warmup_steps, "linear warmup steps from 0 to optim.lr", core::Check::at_least(0));
+    v("min_lr_ratio", min_lr_ratio, "final LR as a fraction of optim.lr", core::Check::between(0, 1));
+  }
+};
+
+struct PrecisionConfig {
+  std::string mode = "fp32";
+  double loss_scale_init = 65536.0;
+  int64_t loss_scale_growth_interval = 2000;
+  double loss_scale_min = 1.0;
+
+  template <class V>
+  void visit(V& v) {
+    v("mode", mode, "compute precision (bf16/fp16 via autocast, fp32 master weights)",
+      core::Check::one_of({"fp32", "bf16", "fp16"}));
+    v("loss_scale_init", loss_scale_init, "fp16 initial loss scale", core::Check::positive());
+    v("loss_scale_growth_interval", loss_scale_growth_interval,
+      "fp16: double the scale after this many steps without inf/NaN", core::Check::at_least(1));
+    v("loss_scale_min", loss_scale_min, "fp16: abort if the scale must fall below this",
+      core::Check::positive());
+  }
+};
+
+}  // namespace parallax::optim

@@ -1,0 +1,62 @@
+// The `parallel` config section: the DP x TP x PP layout, the communication backend and its
+// timeouts, and the DDP engine's options. The engines and the comm layer receive plain option
+// structs built from it; nothing below `parallel/` reads config.
+#pragma once
+
+#include "core/config.h"
+
+#include <string>
+
+namespace parallax::parallel {
+
+struct DdpConfig {
+  double bucket_mb = 25.0;
+  double first_bucket_mb = 1.0;
+  bool find_unused = false;
+  bool broadcast_buffers = true;
+
+  template <class V>
+  void visit(V& v) {
+    v("bucket_mb", bucket_mb, "gradient bucket cap in MiB (PyTorch DDP: 25)", core::Check::positive());
+    v("first_bucket_mb", first_bucket_mb, "cap of the first bucket in MiB, so communication starts early",
+      core::Check::positive());
+    v("find_unused", find_unused, "tolerate parameters that get no gradient in a step");
+    v("broadcast_buffers", broadcast_buffers, "broadcast buffers (e.g. BatchNorm stats) from rank 0 every step");
+  }
+};
+
+struct ParallelConfig {
+  int dp = 0;  // 0: world / (tp * pp)
+  int tp = 1;
+  int pp = 1;
+  std::string backend = "auto";
+  std::string allreduce = "native";
+  double timeout_s = 600;
+  double init_timeout_s = 300;
+  double checkpoint_timeout_s = 1800;
+  bool debug_collectives = false;
+  int flight_recorder_size = 512;
+  int gpus_per_node = 0;  // 0: detect
+  DdpConfig ddp;
+
+  template <class V>
+  void visit(V& v) {
+    v("dp", dp, "data-parallel degree (0: world / (tp * pp))", core::Check::at_least(0));
+    v("tp", tp, "tensor-parallel degree (innermost, contiguous ranks)", core::Check::at_least(1));
+    v("pp", pp, "pipeline-parallel degree (outermost)", core::Check::at_least(1));
+    v("backend", backend, "communication backend", core::Check::one_of({"auto", "mpi", "nccl", "gloo"}));
+    v("allreduce", allreduce, "all-reduce algorithm: backend native or the explicit ring",
+      core::Check::one_of({"native", "ring"}));
+    v("timeout_s", timeout_s, "timeout of a steady-state collective", core::Check::positive());
+    v("init_timeout_s", init_timeout_s, "timeout of communicator creation and rendezvous",
+      core::Check::positive());
+    v("checkpoint_timeout_s", checkpoint_timeout_s, "timeout of checkpoint barriers", core::Check::positive());
+    v("debug_collectives", debug_collectives, "cross-check op, group and shape across ranks before each collective");
+    v("flight_recorder_size", flight_recorder_size, "collectives kept per rank for hang reports",
+      core::Check::at_least(1));
+    v("gpus_per_node", gpus_per_node, "GPUs per node for layout checks (0: detect)", core::Check::at_least(0));
+    v("ddp", ddp);
+  }
+};
+
+}  // namespace parallax::parallel

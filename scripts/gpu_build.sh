@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds and tests Parallax on a GPU node (CUDA LibTorch, NCCL from the torch wheel). Used on the
+# project's H100/H200 machines (Ubuntu 24.04, CUDA 13, torch 2.11+cu130 in /opt/torch/.venv), which
+# have no network: libonnx comes from Debian .deb files in .debs/ unpacked into .deps/onnx.
+#   scripts/gpu_build.sh            # configure + build into build-gpu, then ctest
+#   scripts/gpu_build.sh -L cuda    # extra arguments go to ctest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+BUILD=${PARALLAX_BUILD_DIR:-build-gpu}
+EXTRA=()
+if ls .debs/libonnx*.deb >/dev/null 2>&1; then
+  mkdir -p .deps/onnx
+  for f in .debs/*.deb; do dpkg -x "$f" .deps/onnx; done
+  EXTRA+=(-DONNX_ROOT="$PWD/.deps/onnx/usr")
+fi
+start=$(date +%s)
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${EXTRA[@]}"
+cmake --build "$BUILD" -j "$(nproc)"
+echo "[gpu_build] built in $(( $(date +%s) - start ))s"
+export LD_LIBRARY_PATH="$PWD/.deps/onnx/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+cd "$BUILD" && ctest --output-on-failure -j 4 "$@"

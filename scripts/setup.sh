@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Installs what Parallax needs and is missing; does nothing for what is present (idempotent).
+# Prints every action. Works on Debian 12 (apt + PyPI) and on machines without network where
+# everything is already installed (it then only checks).
+set -euo pipefail
+
+PY=${PARALLAX_PYTHON:-python3}
+APT_PKGS=(cmake ninja-build g++ libopenmpi-dev openmpi-bin libhdf5-dev libfmt-dev libyaml-cpp-dev
+          libgtest-dev libonnx-dev libprotobuf-dev protobuf-compiler clang-format)
+# module name -> pip requirement
+declare -A PY_PKGS=([torch]="torch==2.13.0" [numpy]="numpy" [h5py]="h5py" [onnx]="onnx"
+                    [onnxruntime]="onnxruntime" [matplotlib]="matplotlib" [yaml]="pyyaml")
+
+say() { echo "[setup] $*"; }
+
+missing_apt=()
+if command -v dpkg-query >/dev/null; then
+  for p in "${APT_PKGS[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+      missing_apt+=("$p")
+    fi
+  done
+fi
+if ((${#missing_apt[@]})); then
+  SUDO=""
+  [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  say "installing Debian packages: ${missing_apt[*]}"
+  if ! DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing_apt[@]}" >/tmp/parallax_apt.log 2>&1; then
+    say "apt-get install failed; running apt-get update and retrying"
+    $SUDO apt-get update -q >/tmp/parallax_apt.log 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing_apt[@]}" >>/tmp/parallax_apt.log 2>&1 || {
+      cat /tmp/parallax_apt.log; say "error: could not install ${missing_apt[*]}"; exit 1; }
+  fi
+else
+  say "Debian packages: all present"
+fi
+
+missing_py=()
+for mod in "${!PY_PKGS[@]}"; do
+  if ! "$PY" -c "import $mod" >/dev/null 2>&1; then missing_py+=("${PY_PKGS[$mod]}"); fi
+done
+if ((${#missing_py[@]})); then
+  say "installing Python packages: ${missing_py[*]}"
+  "$PY" -m pip install -q --disable-pip-version-check "${missing_py[@]}" 2>&1 | grep -v "Running pip as the 'root'" || true
+  for mod in "${!PY_PKGS[@]}"; do
+    "$PY" -c "import $mod" >/dev/null 2>&1 || { say "error: Python module '$mod' still missing"; exit 1; }
+  done
+else
+  say "Python packages: all present"
+fi
+say "LibTorch: $("$PY" -c 'import torch; print(torch.__version__, torch.utils.cmake_prefix_path)')"

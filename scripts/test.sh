@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's test command: installs what is missing, builds, runs every test, ends with ctest's
+# summary. Pass ctest arguments through, e.g. `scripts/test.sh -L mpi` or `-R Config`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+scripts/build.sh
+BUILD=${PARALLAX_BUILD_DIR:-build}
+cd "$BUILD"
+ctest --output-on-failure --timeout 600 -j "${PARALLAX_TEST_JOBS:-2}" "$@"

@@ -1,0 +1,99 @@
+// The root config of a run (`parallax train --config X`): every section of ARCHITECTURE.md, each
+// owned by its layer, plus the `experiment` and `train` sections owned here.
+#pragma once
+
+#include "checkpoint/checkpoint_config.h"
+#include "core/config.h"
+#include "data/data_config.h"
+#include "models/model_config.h"
+#include "optim/optim_config.h"
+#include "parallel/parallel_config.h"
+
+#include <string>
+
+namespace parallax::train {
+
+struct ExperimentConfig {
+  std::string name = "default";
+  int64_t seed = 42;
+  std::string output_dir = "runs";
+
+  template <class V>
+  void visit(V& v) {
+    v("name", name, "run name: outputs go to <output_dir>/<name>");
+    v("seed", seed, "global seed (model init, data order, augmentation)", core::Check::at_least(0));
+    v("output_dir", output_dir, "parent folder of run directories");
+  }
+};
+
+struct TrainConfig {
+  int64_t steps = 100;
+  int64_t epochs = 0;  // if > 0, overrides steps
+  int grad_accum = 1;
+  int64_t eval_every = 0;
+  int64_t log_every = 10;
+  std::string activation_checkpointing = "none";
+  std::string resume;     // "" | auto | <checkpoint dir>
+  std::string load_from;  // weights-only initialisation
+  bool strict_load = true;
+  std::string device = "auto";
+  bool benchmark = false;
+
+  template <class V>
+  void visit(V& v) {
+    v("steps", steps, "optimizer steps to run", core::Check::at_least(0));
+    v("epochs", epochs, "if > 0, train this many epochs instead of `steps`", core::Check::at_least(0));
+    v("grad_accum", grad_accum, "micro-steps per optimizer step", core::Check::at_least(1));
+    v("eval_every", eval_every, "evaluate every N steps (0: only at the end)", core::Check::at_least(0));
+    v("log_every", log_every, "log metrics every N steps", core::Check::at_least(1));
+    v("activation_checkpointing", activation_checkpointing, "recompute transformer blocks in backward",
+      core::Check::one_of({"none", "full", "selective"}));
+    v("resume", resume, "resume from a checkpoint: '' (no), 'auto' (latest) or a path");
+    v("load_from", load_from, "initialise weights from a checkpoint or weights.h5 (fresh optimizer)");
+    v("strict_load", strict_load, "load_from: every tensor must match by name and shape");
+    v("device", device, "compute device", core::Check::one_of({"auto", "cpu", "cuda"}));
+    v("benchmark", benchmark, "benchmark mode: synthetic batches, no eval or checkpoints");
+  }
+};
+
+struct RunConfig {
+  ExperimentConfig experiment;
+  models::ModelConfig model;
+  data::DataConfig data;
+  parallel::ParallelConfig parallel;
+  optim::PrecisionConfig precision;
+  optim::OptimConfig optim;
+  optim::ScheduleConfig schedule;
+  TrainConfig train;
+  checkpoint::CheckpointConfig checkpoint;
+  checkpoint::ExportConfig export_;
+
+  template <class V>
+  void visit(V& v) {
+    v("experiment", experiment);
+    v("model", model);
+    v("data", data);
+    v("parallel", parallel);
+    v("precision", precision);
+    v("optim", optim);
+    v("schedule", schedule);
+    v("train", train);
+    v("checkpoint", checkpoint);
+    v("export", export_);
+  }
+
+  // Cross-section rules; throws ConfigError naming the keys.
+  void validate() const { optim.validate(); }
+};
+
+}  // namespace parallax::train
+
+namespace parallax::train {
+
+// Defaults <- `file` (with its `_base_` chain) <- `overrides`; validated. Throws ConfigError.
+RunConfig load_run_config(const std::string& file, const std::vector<std::string>& overrides);
+
+// The resolved config as YAML (every key, defaults included): what runs/<name>/config.yaml holds.
+std::string resolved_yaml(RunConfig& cfg);
+
+}  // namespace parallax::train
