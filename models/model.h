@@ -5,6 +5,7 @@
 // tensor-parallel layers borrowed from parallel/tensor do.
 #pragma once
 
+#include "core/scene.h"
 #include "core/tensor_dict.h"
 #include "models/model_config.h"
 
@@ -31,16 +32,20 @@ class Model : public torch::nn::Module {
   virtual double forward_flops_per_sample() const = 0;
   // Blocks that activation checkpointing may wrap (transformer blocks); empty if none.
   virtual std::vector<std::shared_ptr<torch::nn::Module>> checkpointable_blocks() { return {}; }
+  // Decoded outputs for evaluation and export (e.g. "bev_labels" [B, X, Y] int64, "det_boxes"
+  // [B, K, 9] and "det_scores" [B, K]); the default returns `pred` unchanged.
+  virtual core::TensorDict postprocess(const core::TensorDict& pred) { return pred; }
   // Samples in a batch (the leading dimension of the model's main input).
   virtual int64_t batch_size(const core::TensorDict& batch) const = 0;
   // A random batch of `n` samples with the shapes and dtypes the model expects (benchmark mode
-  // and tests), drawn from `gen`'s current state on the CPU.
+  // and tests), drawn from the default CPU generator.
   virtual core::TensorDict example_batch(int64_t n) const = 0;
 
   int64_t parameter_count() const;
 };
 
-// Builds a model of the zoo by `cfg.name` and `cfg.size`; throws ConfigError for unknown ones.
-std::shared_ptr<Model> build_model(const ModelConfig& cfg);
+// Builds a model of the zoo by `cfg.name` and `cfg.size` for data described by `scene`; throws
+// ConfigError for unknown names or sizes, or a scene the model cannot take.
+std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene);
 
 }  // namespace parallax::models

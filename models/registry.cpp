@@ -10,7 +10,7 @@ int64_t Model::parameter_count() const {
   return n;
 }
 
-std::shared_ptr<Model> build_model(const ModelConfig& cfg) {
+std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& /*scene*/) {
   if (cfg.name == "mlp") {
     if (cfg.size == "tiny") return std::make_shared<MlpModel>(32, 64, 8, 2);
     if (cfg.size == "small") return std::make_shared<MlpModel>(256, 1024, 64, 4);

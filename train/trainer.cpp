@@ -44,7 +44,7 @@ TrainSummary run_training(RunConfig& cfg) {
   core::log::info("run directory: {}", run_dir.string());
 
   core::seed_all(static_cast<uint64_t>(cfg.experiment.seed));
-  auto model = models::build_model(cfg.model);
+  auto model = models::build_model(cfg.model, core::SceneSpec{});
   core::log::info("model {}/{}: {:.3f} M parameters", cfg.model.name, cfg.model.size,
                   model->parameter_count() / 1e6);
 

@@ -1,0 +1,124 @@
+// The one communication interface every parallel engine uses (DDP, ZeRO, TP, PP, checkpoints).
+//
+// A Communicator is a group of ranks (the world, or a `split` of it: tp, dp, pp, dp x tp) bound
+// to one backend: `mpi` (CPU tensors) or `nccl` (CUDA tensors). Every collective has an async
+// form returning a Work handle; the blocking form is `async(...)->wait()`. Every wait has a
+// deadline (CommOptions); on expiry the rank throws TimeoutError naming the op, the group, the
+// peer ranks that never arrived (from the flight recorder) and the tensor size, instead of
+// hanging.
+//
+// Contracts:
+// - Collective calls on one Communicator must be issued in the same order on every member rank
+//   (as with MPI and NCCL). `CommOptions::debug_collectives` checks this at run time.
+// - A Communicator is used from one thread at a time (the training thread); Work handles may be
+//   waited on from that thread only. Backends may run progress/watchdog threads internally.
+// - Tensors must be contiguous and stay alive and unmodified until their Work completes.
+// - After a TimeoutError or CommError the communicator is unusable (aborted); create a new one.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace parallax::parallel::comm {
+
+enum class ReduceOp { kSum, kAvg, kMax, kMin };
+enum class AllReduceAlgo { kNative, kRing };
+
+const char* to_string(ReduceOp op);
+const char* to_string(AllReduceAlgo algo);
+
+struct CommOptions {
+  double timeout_s = 600;             // steady-state collectives
+  double init_timeout_s = 300;        // communicator creation, rendezvous, split
+  double checkpoint_timeout_s = 1800; // barrier(kCheckpoint)
+  bool debug_collectives = false;     // cross-check op/shape/dtype across ranks before each op
+  int flight_recorder_size = 512;     // collectives remembered per communicator
+  AllReduceAlgo allreduce_algo = AllReduceAlgo::kNative;
+  int64_t ring_chunk_bytes = 4 << 20; // pipelining granularity of the ring algorithm
+};
+
+// Counters for tests and benchmarks (e.g. "no collective before the last micro-step", "the ring
+// sends 2(N-1)/N x M bytes").
+struct CommStats {
+  int64_t collectives = 0;  // ops issued (all_reduce, reduce_scatter, ..., barrier); not send/recv
+  int64_t p2p_ops = 0;      // send + recv issued directly or inside the ring algorithm
+  int64_t bytes_sent = 0;   // payload bytes this rank sent point-to-point (ring + send)
+};
+
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks the host until the op completes or the deadline passes (TimeoutError). For NCCL, also
+  // makes the current CUDA stream ordered after the op.
+  virtual void wait() = 0;
+  // Orders the current device stream after the op without blocking the host (NCCL); a watchdog
+  // still enforces the deadline. On CPU backends identical to wait().
+  virtual void wait_stream() { wait(); }
+  // Non-blocking poll.
+  virtual bool is_completed() = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+// Elements of chunk `index` when `numel` elements are split into `parts` contiguous chunks; the
+// first numel % parts chunks get one element more. reduce_scatter and all_gather use this split.
+int64_t chunk_numel(int64_t numel, int parts, int index);
+int64_t chunk_offset(int64_t numel, int parts, int index);
+
+enum class BarrierKind { kDefault, kCheckpoint };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;  // rank inside this group
+  virtual int size() const = 0;
+  virtual const std::string& name() const = 0;          // "world", "tp", "dp", "pp", "dp_tp", ...
+  virtual const std::vector<int>& world_ranks() const = 0;  // world rank of each member
+  virtual std::string backend() const = 0;              // "mpi" | "nccl"
+  virtual c10::DeviceType device_type() const = 0;      // kCPU for mpi, kCUDA for nccl
+  virtual const CommOptions& options() const = 0;
+  virtual const CommStats& stats() const = 0;
+
+  // In place. kAvg divides by size() after summing. `algo` defaults to options().allreduce_algo.
+  virtual WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op) = 0;
+  virtual WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op, AllReduceAlgo algo) = 0;
+  // `input` (numel M, any shape) is reduced across ranks; this rank receives chunk rank() of the
+  // flattened result (chunk_numel(M, size(), rank()) elements) in `output`.
+  virtual WorkPtr reduce_scatter_async(const at::Tensor& input, at::Tensor& output, ReduceOp op) = 0;
+  // Every rank contributes `input`; `output` (flat, sum of all inputs' numel) receives rank r's
+  // input at chunk_offset(total, size, r). Inputs may differ by one element (uneven split).
+  virtual WorkPtr all_gather_async(const at::Tensor& input, at::Tensor& output) = 0;
+  // Same, into one tensor per rank (each shaped like that rank's input).
+  virtual WorkPtr all_gather_async(const at::Tensor& input, std::vector<at::Tensor>& outputs) = 0;
+  virtual WorkPtr broadcast_async(at::Tensor& tensor, int root) = 0;
+  virtual WorkPtr send_async(const at::Tensor& tensor, int peer, int tag = 0) = 0;
+  virtual WorkPtr recv_async(at::Tensor& tensor, int peer, int tag = 0) = 0;
+  virtual WorkPtr barrier_async(BarrierKind kind = BarrierKind::kDefault) = 0;
+
+  // Collective over this group: ranks with the same `color` form a new group ordered by `key`
+  // (then by rank). color < 0: this rank joins no group and gets nullptr. `name` labels the group
+  // in errors and the flight recorder.
+  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+
+  // Blocking forms.
+  void all_reduce(at::Tensor& t, ReduceOp op) { all_reduce_async(t, op)->wait(); }
+  void all_reduce(at::Tensor& t, ReduceOp op, AllReduceAlgo a) { all_reduce_async(t, op, a)->wait(); }
+  void reduce_scatter(const at::Tensor& in, at::Tensor& out, ReduceOp op) {
+    reduce_scatter_async(in, out, op)->wait();
+  }
+  void all_gather(const at::Tensor& in, at::Tensor& out) { all_gather_async(in, out)->wait(); }
+  void all_gather(const at::Tensor& in, std::vector<at::Tensor>& outs) { all_gather_async(in, outs)->wait(); }
+  void broadcast(at::Tensor& t, int root) { broadcast_async(t, root)->wait(); }
+  void send(const at::Tensor& t, int peer, int tag = 0) { send_async(t, peer, tag)->wait(); }
+  void recv(at::Tensor& t, int peer, int tag = 0) { recv_async(t, peer, tag)->wait(); }
+  void barrier(BarrierKind kind = BarrierKind::kDefault) { barrier_async(kind)->wait(); }
+};
+
+using CommPtr = std::shared_ptr<Communicator>;
+
+}  // namespace parallax::parallel::comm
