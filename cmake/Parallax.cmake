@@ -14,6 +14,17 @@ if(PARALLAX_PCH)
   target_precompile_headers(parallax_pch PRIVATE ${PROJECT_SOURCE_DIR}/core/pch.h)
 endif()
 
+# LibTorch's shared libraries export their own (statically linked) copies of libstdc++'s
+# std::filesystem functions; when LibTorch comes first in the global symbol lookup order, our
+# calls bind to those copies, and on the CUDA wheel (torch 2.11+cu130) std::filesystem::remove_all
+# from libtorch.so jumps to address 0. Putting libstdc++ first in every executable's DT_NEEDED list
+# makes the dynamic linker resolve std:: symbols to the real libstdc++.
+function(parallax_executable target)
+  target_link_options(${target} BEFORE PRIVATE "LINKER:--push-state,--no-as-needed" "-lstdc++"
+                      "LINKER:--pop-state")
+  parallax_use_pch(${target})
+endfunction()
+
 function(parallax_use_pch target)
   if(PARALLAX_PCH)
     target_precompile_headers(${target} REUSE_FROM parallax_pch)
@@ -59,7 +70,7 @@ function(parallax_add_gtest name)
   if(NOT A_MAIN STREQUAL "none")
     target_link_libraries(${name} PRIVATE GTest::gtest_main)
   endif()
-  parallax_use_pch(${name})
+  parallax_executable(${name})
   gtest_discover_tests(${name}
     PROPERTIES LABELS "unit;${A_LABELS}" ENVIRONMENT "${PARALLAX_TEST_ENV}" TIMEOUT 300
     DISCOVERY_TIMEOUT 120)

@@ -8,6 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUILD=${PARALLAX_BUILD_DIR:-build-gpu}
+# The GPU image sets CXX=/opt/gcc/bin/g++, a GCC that ships only a static libstdc++; the system
+# libraries we link (gtest, yaml-cpp, HDF5, OpenMPI) were built by the system g++ against the shared
+# libstdc++. Build with the system compiler unless PARALLAX_CXX says otherwise.
+export CXX=${PARALLAX_CXX:-/usr/bin/g++} CC=${PARALLAX_CC:-/usr/bin/gcc}
 EXTRA=()
 if ls .debs/libonnx*.deb >/dev/null 2>&1; then
   mkdir -p .deps/onnx
@@ -15,7 +19,7 @@ if ls .debs/libonnx*.deb >/dev/null 2>&1; then
   EXTRA+=(-DONNX_ROOT="$PWD/.deps/onnx/usr")
 fi
 start=$(date +%s)
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${EXTRA[@]}"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_HOST_COMPILER="$CXX" "${EXTRA[@]}"
 cmake --build "$BUILD" -j "$(nproc)"
 echo "[gpu_build] built in $(( $(date +%s) - start ))s"
 export LD_LIBRARY_PATH="$PWD/.deps/onnx/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
