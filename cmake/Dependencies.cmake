@@ -105,6 +105,9 @@ if(NOT TARGET parallax_hdf5)
 endif()
 
 find_program(PARALLAX_MPIRUN NAMES mpirun mpiexec HINTS ${MPI_HOME}/bin REQUIRED)
+# OpenMPI derives its prefix from an absolute argv[0]; /bin/mpirun (merged /usr) yields "/", which
+# mpirun rejects ("a prefix ... only contained slashes"). The resolved path yields /usr.
+get_filename_component(PARALLAX_MPIRUN "${PARALLAX_MPIRUN}" REALPATH)
 
 # ---- CUDA + NCCL (optional) --------------------------------------------------------------------
 set(PARALLAX_WITH_NCCL OFF)

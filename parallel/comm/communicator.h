@@ -14,6 +14,10 @@
 //   waited on from that thread only. Backends may run progress/watchdog threads internally.
 // - Tensors must be contiguous and stay alive and unmodified until their Work completes.
 // - After a TimeoutError or CommError the communicator is unusable (aborted); create a new one.
+// - Every op takes the caller's source location as a defaulted last argument (`site`); it is
+//   recorded by the flight recorder and named in mismatch and timeout errors. Callers never pass it
+//   explicitly unless they forward their own caller's location.
+// - User send/recv tags must lie in [0, kMaxUserTag); larger tags are reserved for the ring.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <source_location>
 #include <string>
 #include <vector>
 
@@ -31,15 +36,25 @@ enum class AllReduceAlgo { kNative, kRing };
 
 const char* to_string(ReduceOp op);
 const char* to_string(AllReduceAlgo algo);
+// "native" | "ring"; throws ConfigError naming the value otherwise.
+AllReduceAlgo parse_allreduce_algo(const std::string& name);
+
+// The caller's file, line and function, captured by default arguments.
+using CallSite = std::source_location;
+// "file.cpp:123 (function)", with the file reduced to its last two path components.
+std::string format_site(const CallSite& site);
+
+// User tags of send/recv must be below this; the tags above are the ring algorithm's.
+inline constexpr int kMaxUserTag = 1 << 20;
 
 struct CommOptions {
-  double timeout_s = 600;             // steady-state collectives
-  double init_timeout_s = 300;        // communicator creation, rendezvous, split
-  double checkpoint_timeout_s = 1800; // barrier(kCheckpoint)
-  bool debug_collectives = false;     // cross-check op/shape/dtype across ranks before each op
-  int flight_recorder_size = 512;     // collectives remembered per communicator
+  double timeout_s = 600;              // steady-state collectives
+  double init_timeout_s = 300;         // communicator creation, rendezvous, split
+  double checkpoint_timeout_s = 1800;  // barrier(kCheckpoint)
+  bool debug_collectives = false;      // cross-check op/shape/dtype across ranks before each op
+  int flight_recorder_size = 512;      // ops (collectives and p2p) remembered per communicator
   AllReduceAlgo allreduce_algo = AllReduceAlgo::kNative;
-  int64_t ring_chunk_bytes = 4 << 20; // pipelining granularity of the ring algorithm
+  int64_t ring_chunk_bytes = 4 << 20;  // pipelining granularity of the ring algorithm
 };
 
 // Counters for tests and benchmarks (e.g. "no collective before the last micro-step", "the ring
@@ -59,7 +74,9 @@ class Work {
   // Orders the current device stream after the op without blocking the host (NCCL); a watchdog
   // still enforces the deadline. On CPU backends identical to wait().
   virtual void wait_stream() { wait(); }
-  // Non-blocking poll.
+  // Non-blocking poll. On CPU backends this is also what drives a pending op forward (the ring
+  // algorithm advances its steps here and in wait()). Throws like wait() if the op failed or its
+  // deadline has passed.
   virtual bool is_completed() = 0;
 };
 using WorkPtr = std::shared_ptr<Work>;
@@ -71,52 +88,123 @@ int64_t chunk_offset(int64_t numel, int parts, int index);
 
 enum class BarrierKind { kDefault, kCheckpoint };
 
+// One message of batch_isend_irecv.
+struct P2POp {
+  enum class Kind { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  at::Tensor tensor;
+  int peer = 0;
+  int tag = 0;
+};
+
+// One op as the flight recorder remembers it. `seq` numbers the collectives of one communicator
+// (1, 2, ...; identical on every member when calls are consistent); send/recv get seq 0 and are
+// told apart by `p2p_seq`.
+enum class OpState { kIssued, kCompleted, kTimedOut, kFailed };
+const char* to_string(OpState state);
+
+struct FlightEntry {
+  uint64_t seq = 0;
+  uint64_t p2p_seq = 0;
+  std::string op;      // "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", ...
+  std::string group;   // communicator name
+  std::string detail;  // "sum, ring", "root 0", "to 3, tag 0", "checkpoint", ...
+  std::string dtype;
+  std::vector<int64_t> shape;
+  int64_t bytes = 0;
+  std::vector<int> peers;  // world ranks involved (the group, or the p2p peer)
+  std::string site;        // format_site(call site)
+  OpState state = OpState::kIssued;
+  double issued_at = 0;    // seconds since the epoch
+  double finished_at = 0;  // 0 while issued
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
 
   virtual int rank() const = 0;  // rank inside this group
   virtual int size() const = 0;
-  virtual const std::string& name() const = 0;          // "world", "tp", "dp", "pp", "dp_tp", ...
+  virtual const std::string& name() const = 0;  // "world", "tp", "dp", "pp", "dp_tp", ...
   virtual const std::vector<int>& world_ranks() const = 0;  // world rank of each member
-  virtual std::string backend() const = 0;              // "mpi" | "nccl"
-  virtual c10::DeviceType device_type() const = 0;      // kCPU for mpi, kCUDA for nccl
+  virtual std::string backend() const = 0;                  // "mpi" | "nccl" | "gloo"
+  virtual c10::DeviceType device_type() const = 0;          // kCPU for mpi and gloo, kCUDA for nccl
   virtual const CommOptions& options() const = 0;
   virtual const CommStats& stats() const = 0;
 
   // In place. kAvg divides by size() after summing. `algo` defaults to options().allreduce_algo.
-  virtual WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op) = 0;
-  virtual WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op, AllReduceAlgo algo) = 0;
+  virtual WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op,
+                                   CallSite site = CallSite::current()) = 0;
+  virtual WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op, AllReduceAlgo algo,
+                                   CallSite site = CallSite::current()) = 0;
   // `input` (numel M, any shape) is reduced across ranks; this rank receives chunk rank() of the
   // flattened result (chunk_numel(M, size(), rank()) elements) in `output`.
-  virtual WorkPtr reduce_scatter_async(const at::Tensor& input, at::Tensor& output, ReduceOp op) = 0;
+  virtual WorkPtr reduce_scatter_async(const at::Tensor& input, at::Tensor& output, ReduceOp op,
+                                       CallSite site = CallSite::current()) = 0;
   // Every rank contributes `input`; `output` (flat, sum of all inputs' numel) receives rank r's
   // input at chunk_offset(total, size, r). Inputs may differ by one element (uneven split).
-  virtual WorkPtr all_gather_async(const at::Tensor& input, at::Tensor& output) = 0;
+  virtual WorkPtr all_gather_async(const at::Tensor& input, at::Tensor& output,
+                                   CallSite site = CallSite::current()) = 0;
   // Same, into one tensor per rank (each shaped like that rank's input).
-  virtual WorkPtr all_gather_async(const at::Tensor& input, std::vector<at::Tensor>& outputs) = 0;
-  virtual WorkPtr broadcast_async(at::Tensor& tensor, int root) = 0;
-  virtual WorkPtr send_async(const at::Tensor& tensor, int peer, int tag = 0) = 0;
-  virtual WorkPtr recv_async(at::Tensor& tensor, int peer, int tag = 0) = 0;
-  virtual WorkPtr barrier_async(BarrierKind kind = BarrierKind::kDefault) = 0;
+  virtual WorkPtr all_gather_async(const at::Tensor& input, std::vector<at::Tensor>& outputs,
+                                   CallSite site = CallSite::current()) = 0;
+  virtual WorkPtr broadcast_async(at::Tensor& tensor, int root,
+                                  CallSite site = CallSite::current()) = 0;
+  virtual WorkPtr send_async(const at::Tensor& tensor, int peer, int tag = 0,
+                             CallSite site = CallSite::current()) = 0;
+  virtual WorkPtr recv_async(at::Tensor& tensor, int peer, int tag = 0,
+                             CallSite site = CallSite::current()) = 0;
+  virtual WorkPtr barrier_async(BarrierKind kind = BarrierKind::kDefault,
+                                CallSite site = CallSite::current()) = 0;
+  // Issues several sends and receives as one unit and completes when all have. Use it for
+  // exchanges where a rank both sends and receives (pipeline stages, halo swaps): NCCL runs them
+  // inside one ncclGroupStart/End, where separate send()/recv() calls would serialise on the comm
+  // stream and deadlock. NCCL ignores tags (messages between two ranks match in issue order); mpi
+  // and gloo match them by tag. The default issues send_async/recv_async in order.
+  virtual WorkPtr batch_isend_irecv(std::vector<P2POp>& ops, CallSite site = CallSite::current());
 
   // Collective over this group: ranks with the same `color` form a new group ordered by `key`
   // (then by rank). color < 0: this rank joins no group and gets nullptr. `name` labels the group
   // in errors and the flight recorder.
-  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name,
+                                              CallSite site = CallSite::current()) = 0;
 
   // Blocking forms.
-  void all_reduce(at::Tensor& t, ReduceOp op) { all_reduce_async(t, op)->wait(); }
-  void all_reduce(at::Tensor& t, ReduceOp op, AllReduceAlgo a) { all_reduce_async(t, op, a)->wait(); }
-  void reduce_scatter(const at::Tensor& in, at::Tensor& out, ReduceOp op) {
-    reduce_scatter_async(in, out, op)->wait();
+  void all_reduce(at::Tensor& t, ReduceOp op, CallSite site = CallSite::current()) {
+    all_reduce_async(t, op, site)->wait();
   }
-  void all_gather(const at::Tensor& in, at::Tensor& out) { all_gather_async(in, out)->wait(); }
-  void all_gather(const at::Tensor& in, std::vector<at::Tensor>& outs) { all_gather_async(in, outs)->wait(); }
-  void broadcast(at::Tensor& t, int root) { broadcast_async(t, root)->wait(); }
-  void send(const at::Tensor& t, int peer, int tag = 0) { send_async(t, peer, tag)->wait(); }
-  void recv(at::Tensor& t, int peer, int tag = 0) { recv_async(t, peer, tag)->wait(); }
-  void barrier(BarrierKind kind = BarrierKind::kDefault) { barrier_async(kind)->wait(); }
+  void all_reduce(at::Tensor& t, ReduceOp op, AllReduceAlgo a,
+                  CallSite site = CallSite::current()) {
+    all_reduce_async(t, op, a, site)->wait();
+  }
+  void reduce_scatter(const at::Tensor& in, at::Tensor& out, ReduceOp op,
+                      CallSite site = CallSite::current()) {
+    reduce_scatter_async(in, out, op, site)->wait();
+  }
+  void all_gather(const at::Tensor& in, at::Tensor& out, CallSite site = CallSite::current()) {
+    all_gather_async(in, out, site)->wait();
+  }
+  void all_gather(const at::Tensor& in, std::vector<at::Tensor>& outs,
+                  CallSite site = CallSite::current()) {
+    all_gather_async(in, outs, site)->wait();
+  }
+  void broadcast(at::Tensor& t, int root, CallSite site = CallSite::current()) {
+    broadcast_async(t, root, site)->wait();
+  }
+  void send(const at::Tensor& t, int peer, int tag = 0, CallSite site = CallSite::current()) {
+    send_async(t, peer, tag, site)->wait();
+  }
+  void recv(at::Tensor& t, int peer, int tag = 0, CallSite site = CallSite::current()) {
+    recv_async(t, peer, tag, site)->wait();
+  }
+  void barrier(BarrierKind kind = BarrierKind::kDefault, CallSite site = CallSite::current()) {
+    barrier_async(kind, site)->wait();
+  }
+
+  // The flight recorder's entries, oldest first (a thread-safe snapshot).
+  virtual std::vector<FlightEntry> flight_entries() const { return {}; }
+  // True once a timeout, mismatch or backend error has aborted this communicator.
+  virtual bool aborted() const { return false; }
 };
 
 using CommPtr = std::shared_ptr<Communicator>;

@@ -1,0 +1,187 @@
+// Internal: what every backend shares. CommBase numbers ops, records them in the flight recorder,
+// publishes sequence numbers for hang reports, runs the debug cross-check, builds timeout and
+// mismatch errors, and implements split() on top of a backend's byte all-gather. PollWork is the
+// host-polled Work of the CPU backends (MPI, gloo). Not part of the public API.
+#pragma once
+
+#include "parallel/comm/communicator.h"
+#include "parallel/comm/flight_recorder.h"
+#include "parallel/comm/world_context.h"
+
+#include <c10/core/ScalarType.h>
+
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace parallax::parallel::comm::detail {
+
+using Clock = std::chrono::steady_clock;
+
+enum class OpKind : int32_t {
+  kAllReduce = 1,
+  kReduceScatter,
+  kAllGather,
+  kAllGatherList,
+  kBroadcast,
+  kBarrier,
+  kSplit,
+  kSend,
+  kRecv,
+};
+const char* op_name(OpKind kind);
+bool is_p2p(OpKind kind);
+
+struct OpDesc {
+  OpKind kind = OpKind::kBarrier;
+  ReduceOp reduce = ReduceOp::kSum;
+  AllReduceAlgo algo = AllReduceAlgo::kNative;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  std::vector<int64_t> shape;  // this rank's tensor (input for reduce_scatter / all_gather)
+  int64_t numel = 0;
+  int64_t match_numel = 0;  // must agree across members (debug check)
+  int root = -1;            // broadcast root or p2p peer (group rank)
+  int tag = 0;
+  BarrierKind barrier = BarrierKind::kDefault;
+  CallSite site;
+
+  // "all_reduce(sum, native) float32[8, 4]"
+  std::string summary() const;
+  std::string tensor_text() const;  // "float32[8, 4] (128 B)"
+  int64_t bytes() const;
+};
+
+OpDesc tensor_desc(OpKind kind, const at::Tensor& t, CallSite site);
+
+struct Ticket {
+  uint64_t seq = 0;      // collectives
+  uint64_t p2p_seq = 0;  // send/recv
+  uint64_t record_id = 0;
+  Clock::time_point deadline;
+  double timeout_s = 0;
+  OpDesc desc;
+};
+
+// Fixed-size descriptor exchanged by the debug check (and nothing else).
+struct WireDesc {
+  uint64_t seq;
+  int32_t kind, reduce, algo, dtype, root, barrier, ndim, pad;
+  int64_t match_numel;
+  int64_t shape[8];
+  char site[320];
+  char group[64];
+};
+static_assert(sizeof(WireDesc) == 496, "WireDesc layout");
+
+class CommBase : public Communicator, public std::enable_shared_from_this<CommBase> {
+ public:
+  CommBase(std::shared_ptr<WorldContext> ctx, std::string name, std::string uid, int rank,
+           std::vector<int> world_ranks, CommOptions options);
+  ~CommBase() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(world_ranks_.size()); }
+  const std::string& name() const override { return name_; }
+  const std::vector<int>& world_ranks() const override { return world_ranks_; }
+  const CommOptions& options() const override { return options_; }
+  const CommStats& stats() const override { return stats_; }
+  std::vector<FlightEntry> flight_entries() const override { return recorder_.snapshot(); }
+  bool aborted() const override { return aborted_.load(); }
+
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name,
+                                      CallSite site) override;
+
+  const std::string& uid() const { return uid_; }
+  const std::shared_ptr<WorldContext>& ctx() const { return ctx_; }
+  CommStats& mutable_stats() { return stats_; }
+
+  // Op lifecycle, used by backends and Work objects.
+  Ticket begin(OpDesc desc);
+  void complete(const Ticket& t);
+  // Marks the op timed out, asks the store which peers never arrived, dumps the flight recorder,
+  // aborts the backend and throws TimeoutError.
+  [[noreturn]] void fail_timeout(const Ticket& t, const std::string& where = "");
+  // Same for a backend error (CommError).
+  [[noreturn]] void fail_error(const Ticket& t, const std::string& what);
+  // Throws CommError if the communicator was aborted.
+  void check_usable(const char* what) const;
+  std::string failure_message() const;
+
+  // Frees backend resources (World shutdown); the communicator is unusable afterwards.
+  virtual void release_backend() noexcept = 0;
+
+ protected:
+  // Every member contributes `mine` (same length); returns all members' bytes by group rank.
+  // Polled against t.deadline (fail_timeout on expiry).
+  virtual std::vector<std::vector<uint8_t>> allgather_bytes(const std::vector<uint8_t>& mine,
+                                                            const Ticket& t) = 0;
+  // Creates the communicator of this rank's color. `members` are group ranks of this communicator
+  // ordered by (key, rank); `color_index` numbers the colors in ascending order.
+  virtual std::shared_ptr<CommBase> create_child(int color, const std::vector<int>& members,
+                                                 const std::string& name, const std::string& uid,
+                                                 const Ticket& t) = 0;
+  // Stops the backend after a timeout/error (ncclCommAbort, abandon MPI requests). noexcept.
+  virtual void abort_backend() noexcept = 0;
+
+  double timeout_for(const OpDesc& d) const;
+  void debug_check(const Ticket& t);
+  std::string dump_flight(const std::string& reason);
+
+  std::shared_ptr<WorldContext> ctx_;
+  std::string name_;
+  std::string uid_;
+  int rank_;
+  std::vector<int> world_ranks_;
+  CommOptions options_;
+  CommStats stats_;
+  FlightRecorder recorder_;
+  uint64_t seq_ = 0;
+  uint64_t p2p_seq_ = 0;
+  int splits_ = 0;
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex failure_mu_;
+  std::string failure_;
+};
+
+// A Work completed by polling on the host (MPI and gloo). `poll` returns true once the backend op
+// is done and throws CommError on a backend failure; `on_done` runs once afterwards (copy out of a
+// staging buffer, divide for avg). `keep_alive` is buried if the op is abandoned.
+class PollWork : public Work {
+ public:
+  using PollFn = std::function<bool()>;
+  PollWork(std::shared_ptr<CommBase> comm, Ticket ticket, PollFn poll,
+           std::function<void()> on_done = {}, std::shared_ptr<void> keep_alive = {});
+  ~PollWork() override;
+
+  void wait() override;
+  bool is_completed() override;
+
+ private:
+  bool step();
+
+  std::shared_ptr<CommBase> comm_;
+  Ticket ticket_;
+  PollFn poll_;
+  std::function<void()> on_done_;
+  std::shared_ptr<void> keep_alive_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+// A Work that is already complete (size-1 groups, empty tensors).
+class DoneWork : public Work {
+ public:
+  void wait() override {}
+  bool is_completed() override { return true; }
+};
+
+// Validation shared by the backends; throw CommError naming the op, group, rank and sizes.
+void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::DeviceType device);
+void check_peer(const CommBase& c, const char* op, int peer);
+void check_tag(const CommBase& c, const char* op, int tag);
+
+}  // namespace parallax::parallel::comm::detail

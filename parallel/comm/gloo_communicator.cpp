@@ -1,0 +1,625 @@
+#include "parallel/comm/gloo_communicator.h"
+
+#include "core/error.h"
+#include "core/log.h"
+#include "parallel/comm/comm_base.h"
+#include "parallel/comm/ring.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+namespace parallax::parallel::comm::detail {
+
+namespace {
+
+std::chrono::milliseconds ms(double s) {
+  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+}
+
+// gloo's own deadline sits a little after ours, so that our TimeoutError (with the hang report)
+// comes first and gloo then releases its worker thread.
+double gloo_timeout(double ours) {
+  return ours + std::max(1.0, 0.1 * ours);
+}
+
+bool is_16bit_float(c10::ScalarType t) {
+  return t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16;
+}
+
+void check_dtype(const CommBase& c, const char* op, const at::Tensor& t, bool reduces) {
+  switch (t.scalar_type()) {
+    case c10::ScalarType::Float:
+    case c10::ScalarType::Double:
+    case c10::ScalarType::Half:
+    case c10::ScalarType::BFloat16:
+    case c10::ScalarType::Long:
+    case c10::ScalarType::Int:
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Char:
+      return;
+    case c10::ScalarType::Bool:
+      if (!reduces) return;
+      [[fallthrough]];
+    default:
+      throw_error<CommError>(
+          "{} on group '{}' (rank {}): dtype {} is not supported by the gloo backend{}", op,
+          c.name(), c.rank(), c10::toString(t.scalar_type()), reduces ? " for reductions" : "");
+  }
+}
+
+c10d::ReduceOp gloo_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return c10d::ReduceOp(c10d::ReduceOp::SUM);
+    case ReduceOp::kMax:
+      return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    case ReduceOp::kMin:
+      return c10d::ReduceOp(c10d::ReduceOp::MIN);
+  }
+  return c10d::ReduceOp(c10d::ReduceOp::SUM);
+}
+
+void divide_avg(at::Tensor& t, int n) {
+  if (at::isIntegralType(t.scalar_type(), false)) {
+    t.div_(n, "trunc");
+  } else {
+    t.div_(n);
+  }
+}
+
+// Some c10d gloo works (send/recv, reduce-scatter) complete only inside their wait(), and a timed
+// out wait ends a send/recv for good, so they cannot be polled. This thread waits on them in issue
+// order (gloo's transport thread moves the data meanwhile, so the order of the waits never blocks
+// progress) and publishes each completion for the host polls. abort_all() unblocks it (Work::abort)
+// on shutdown.
+class P2PWaiter {
+ public:
+  struct State {
+    std::atomic<bool> done{false};
+    std::exception_ptr error;  // written before done is set
+  };
+
+  P2PWaiter() : thread_([this] { run(); }) {}
+  ~P2PWaiter() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      for (auto& item : queue_) abort_quietly(item.work);
+      if (active_) abort_quietly(active_);
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  P2PWaiter(const P2PWaiter&) = delete;
+  P2PWaiter& operator=(const P2PWaiter&) = delete;
+
+  std::shared_ptr<State> watch(c10::intrusive_ptr<c10d::Work> work, Clock::time_point deadline,
+                               double slack_s) {
+    auto state = std::make_shared<State>();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back({std::move(work),
+                        deadline + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(slack_s)),
+                        state});
+    }
+    cv_.notify_all();
+    return state;
+  }
+
+ private:
+  // send/recv works stop waiting on abort(); collective works cannot be aborted (c10d throws), so
+  // their wait ends at its own deadline.
+  static void abort_quietly(const c10::intrusive_ptr<c10d::Work>& w) noexcept {
+    try {
+      w->abort();
+    } catch (...) {
+    }
+  }
+
+  struct Item {
+    c10::intrusive_ptr<c10d::Work> work;
+    Clock::time_point deadline;
+    std::shared_ptr<State> state;
+  };
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and drained
+      Item item = std::move(queue_.front());
+      queue_.pop_front();
+      active_ = item.work;
+      lock.unlock();
+      try {
+        auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(item.deadline - Clock::now());
+        item.work->wait(std::max(left, std::chrono::milliseconds(1)));
+      } catch (...) {
+        item.state->error = std::current_exception();
+      }
+      item.state->done.store(true, std::memory_order_release);
+      lock.lock();
+      active_.reset();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  c10::intrusive_ptr<c10d::Work> active_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+bool p2p_done(const std::shared_ptr<P2PWaiter::State>& s) {
+  if (!s->done.load(std::memory_order_acquire)) return false;
+  if (s->error) std::rethrow_exception(s->error);
+  return true;
+}
+
+class GlooRequest final : public RingTransport::Request {
+ public:
+  GlooRequest(c10::intrusive_ptr<c10d::Work> w, std::shared_ptr<P2PWaiter::State> s)
+      : w_(std::move(w)), s_(std::move(s)) {}
+  bool test() override { return p2p_done(s_); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> w_;
+  std::shared_ptr<P2PWaiter::State> s_;
+};
+
+std::shared_ptr<::gloo::transport::Device> make_device(const WorldContext& ctx) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  // Every rank on one host: loopback is always reachable; otherwise the host name's address.
+  if (ctx.launch.local_world_size == ctx.size)
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+struct Keep {
+  std::vector<at::Tensor> tensors;
+  c10::intrusive_ptr<c10d::Work> work;
+  std::shared_ptr<void> extra;
+};
+
+class GlooCommunicator final : public CommBase, public RingTransport {
+ public:
+  GlooCommunicator(std::shared_ptr<WorldContext> ctx, c10::intrusive_ptr<c10d::ProcessGroupGloo> pg,
+                   std::string name, std::string uid, int rank, std::vector<int> world_ranks,
+                   CommOptions options)
+      : CommBase(std::move(ctx), std::move(name), std::move(uid), rank, std::move(world_ranks),
+                 options),
+        pg_(std::move(pg)) {
+    if (ctx_->board) {
+      try {
+        ctx_->board->publish_now(uid_, 0, "created");
+      } catch (const std::exception& e) {
+        core::log::warn("group '{}': could not publish to the hang-report store: {}", name_,
+                        e.what());
+      }
+    }
+  }
+
+  ~GlooCommunicator() override {
+    ctx_->unregister_comm(this);
+    release_backend();
+  }
+
+  // Creates a ProcessGroupGloo of `size` ranks under `uid` (blocks until every member joined).
+  static c10::intrusive_ptr<c10d::ProcessGroupGloo> make_pg(const WorldContext& ctx,
+                                                            const std::string& uid, int rank,
+                                                            int size, const CommOptions& o) {
+    PARALLAX_CHECK(ctx.store, CommError,
+                   "backend 'gloo' needs the World's TCPStore, which is disabled or unavailable");
+    auto opts = c10d::ProcessGroupGloo::Options::create(ms(o.init_timeout_s));
+    opts->devices.push_back(make_device(ctx));
+    opts->threads = 2;
+    auto store = c10::make_intrusive<c10d::PrefixStore>("pxc/gloo/" + uid, ctx.store);
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+    pg->setTimeout(ms(gloo_timeout(o.timeout_s)));
+    return pg;
+  }
+
+  std::string backend() const override { return "gloo"; }
+  c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
+
+  WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op, CallSite site) override {
+    return all_reduce_async(tensor, op, options_.allreduce_algo, site);
+  }
+
+  WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op, AllReduceAlgo algo,
+                           CallSite site) override {
+    check_tensor(*this, "all_reduce", tensor, c10::DeviceType::CPU);
+    check_dtype(*this, "all_reduce", tensor, true);
+    OpDesc d = tensor_desc(OpKind::kAllReduce, tensor, site);
+    d.reduce = op;
+    d.algo = algo;
+    Ticket t = begin(d);
+    const int n = size();
+    if (n == 1 || tensor.numel() == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    at::Tensor target = tensor;
+    if (algo == AllReduceAlgo::kRing) {
+      // Same policy as the mpi ring: 16-bit floats are summed in float32.
+      const bool staged = is_16bit_float(tensor.scalar_type());
+      at::Tensor work = staged ? tensor.to(at::kFloat) : tensor;
+      auto ring = std::make_shared<RingOp>(shared_from_this(), work.view({-1}), op,
+                                           options_.ring_chunk_bytes, ring_tag_base(t.seq), *this);
+      ctx_->add_progressable(ring);
+      auto on_done = [staged, work, target]() mutable {
+        if (staged) target.copy_(work);
+      };
+      return std::make_shared<PollWork>(
+          shared_from_this(), std::move(t), [ring] { return ring->poll(); }, on_done,
+          std::make_shared<Keep>(Keep{{work, target}, {}, ring}));
+    }
+    std::vector<at::Tensor> v{tensor};
+    c10d::AllreduceOptions o;
+    o.reduceOp = gloo_op(op);
+    o.timeout = ms(gloo_timeout(t.timeout_s));
+    auto w = pg_->allreduce(v, o);
+    auto on_done = [target, op, n]() mutable {
+      if (op == ReduceOp::kAvg) divide_avg(target, n);
+    };
+    return make_work(std::move(t), w, on_done, {target});
+  }
+
+  WorkPtr reduce_scatter_async(const at::Tensor& input, at::Tensor& output, ReduceOp op,
+                               CallSite site) override {
+    check_tensor(*this, "reduce_scatter", input, c10::DeviceType::CPU);
+    check_tensor(*this, "reduce_scatter", output, c10::DeviceType::CPU);
+    check_dtype(*this, "reduce_scatter", input, true);
+    const int n = size();
+    const int64_t m = input.numel();
+    PARALLAX_CHECK(output.scalar_type() == input.scalar_type(), CommError,
+                   "reduce_scatter on group '{}' (rank {}): input is {} but output is {}", name_,
+                   rank_, c10::toString(input.scalar_type()), c10::toString(output.scalar_type()));
+    PARALLAX_CHECK(output.numel() == chunk_numel(m, n, rank_), CommError,
+                   "reduce_scatter on group '{}' (rank {}): output has {} elements but chunk {} of "
+                   "{} elements over {} "
+                   "ranks has {}",
+                   name_, rank_, output.numel(), rank_, m, n, chunk_numel(m, n, rank_));
+    OpDesc d = tensor_desc(OpKind::kReduceScatter, input, site);
+    d.reduce = op;
+    Ticket t = begin(d);
+    if (m == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    if (n == 1) {
+      output.view({-1}).copy_(input.view({-1}));
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    // gloo's reduce_scatter_base needs equal chunks: pad every chunk to the largest one.
+    const int64_t p = chunk_numel(m, n, 0);
+    at::Tensor in = input.view({-1});
+    if (m % n != 0) {
+      at::Tensor padded = at::zeros({n * p}, input.options());
+      for (int r = 0; r < n; ++r) {
+        padded.narrow(0, r * p, chunk_numel(m, n, r))
+            .copy_(in.narrow(0, chunk_offset(m, n, r), chunk_numel(m, n, r)));
+      }
+      in = padded;
+    }
+    at::Tensor out = at::empty({p}, input.options());
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = gloo_op(op);
+    o.timeout = ms(gloo_timeout(t.timeout_s));
+    auto w = pg_->_reduce_scatter_base(out, in, o);
+    at::Tensor target = output;
+    auto on_done = [out, target, op, n]() mutable {
+      at::Tensor mine = out.narrow(0, 0, target.numel());
+      if (op == ReduceOp::kAvg) divide_avg(mine, n);
+      target.view({-1}).copy_(mine);
+    };
+    return make_work(std::move(t), w, on_done, {in, out, target});
+  }
+
+  WorkPtr all_gather_async(const at::Tensor& input, at::Tensor& output, CallSite site) override {
+    check_tensor(*this, "all_gather", input, c10::DeviceType::CPU);
+    check_tensor(*this, "all_gather", output, c10::DeviceType::CPU);
+    check_dtype(*this, "all_gather", input, false);
+    const int n = size();
+    const int64_t total = output.numel();
+    PARALLAX_CHECK(output.scalar_type() == input.scalar_type(), CommError,
+                   "all_gather on group '{}' (rank {}): input is {} but output is {}", name_, rank_,
+                   c10::toString(input.scalar_type()), c10::toString(output.scalar_type()));
+    PARALLAX_CHECK(input.numel() == chunk_numel(total, n, rank_), CommError,
+                   "all_gather on group '{}' (rank {}): input has {} elements but chunk {} of the "
+                   "{}-element output "
+                   "over {} ranks has {}",
+                   name_, rank_, input.numel(), rank_, total, n, chunk_numel(total, n, rank_));
+    OpDesc d = tensor_desc(OpKind::kAllGather, input, site);
+    d.match_numel = total;
+    Ticket t = begin(d);
+    if (total == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    std::vector<int64_t> sizes(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) sizes[static_cast<size_t>(r)] = chunk_numel(total, n, r);
+    std::vector<at::Tensor> outs;
+    at::Tensor flat_out = output.view({-1});
+    for (int r = 0; r < n; ++r)
+      outs.push_back(flat_out.narrow(0, chunk_offset(total, n, r), sizes[static_cast<size_t>(r)]));
+    return gather_padded(std::move(t), input, sizes, outs, output);
+  }
+
+  WorkPtr all_gather_async(const at::Tensor& input, std::vector<at::Tensor>& outputs,
+                           CallSite site) override {
+    check_tensor(*this, "all_gather", input, c10::DeviceType::CPU);
+    check_dtype(*this, "all_gather", input, false);
+    const int n = size();
+    PARALLAX_CHECK(static_cast<int>(outputs.size()) == n, CommError,
+                   "all_gather on group '{}' (rank {}): {} output tensors for {} ranks", name_,
+                   rank_, outputs.size(), n);
+    int64_t total = 0;
+    std::vector<int64_t> sizes;
+    for (int r = 0; r < n; ++r) {
+      auto& o = outputs[static_cast<size_t>(r)];
+      check_tensor(*this, "all_gather", o, c10::DeviceType::CPU);
+      PARALLAX_CHECK(o.scalar_type() == input.scalar_type(), CommError,
+                     "all_gather on group '{}' (rank {}): output {} is {} but the input is {}",
+                     name_, rank_, r, c10::toString(o.scalar_type()),
+                     c10::toString(input.scalar_type()));
+      sizes.push_back(o.numel());
+      total += o.numel();
+    }
+    PARALLAX_CHECK(
+        outputs[static_cast<size_t>(rank_)].numel() == input.numel(), CommError,
+        "all_gather on group '{}' (rank {}): output {} has {} elements but the input has {}", name_,
+        rank_, rank_, outputs[static_cast<size_t>(rank_)].numel(), input.numel());
+    OpDesc d = tensor_desc(OpKind::kAllGatherList, input, site);
+    d.match_numel = total;
+    Ticket t = begin(d);
+    if (total == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    std::vector<at::Tensor> outs;
+    for (auto& o : outputs) outs.push_back(o.view({-1}));
+    return gather_padded(std::move(t), input, sizes, outs, at::Tensor());
+  }
+
+  WorkPtr broadcast_async(at::Tensor& tensor, int root, CallSite site) override {
+    check_tensor(*this, "broadcast", tensor, c10::DeviceType::CPU);
+    check_dtype(*this, "broadcast", tensor, false);
+    PARALLAX_CHECK(root >= 0 && root < size(), CommError,
+                   "broadcast on group '{}' (rank {}): root {} is not a rank of {}", name_, rank_,
+                   root, size());
+    OpDesc d = tensor_desc(OpKind::kBroadcast, tensor, site);
+    d.root = root;
+    Ticket t = begin(d);
+    if (size() == 1 || tensor.numel() == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    std::vector<at::Tensor> v{tensor};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    o.timeout = ms(gloo_timeout(t.timeout_s));
+    return make_work(std::move(t), pg_->broadcast(v, o), {}, {tensor});
+  }
+
+  WorkPtr send_async(const at::Tensor& tensor, int peer, int tag, CallSite site) override {
+    check_tensor(*this, "send", tensor, c10::DeviceType::CPU);
+    check_dtype(*this, "send", tensor, false);
+    check_peer(*this, "send", peer);
+    check_tag(*this, "send", tag);
+    OpDesc d = tensor_desc(OpKind::kSend, tensor, site);
+    d.root = peer;
+    d.tag = tag;
+    Ticket t = begin(d);
+    stats_.bytes_sent += tensor.numel() * static_cast<int64_t>(tensor.element_size());
+    std::vector<at::Tensor> v{tensor};
+    return make_work(std::move(t), pg_->send(v, peer, tag), {}, {tensor});
+  }
+
+  WorkPtr recv_async(at::Tensor& tensor, int peer, int tag, CallSite site) override {
+    check_tensor(*this, "recv", tensor, c10::DeviceType::CPU);
+    check_dtype(*this, "recv", tensor, false);
+    check_peer(*this, "recv", peer);
+    check_tag(*this, "recv", tag);
+    OpDesc d = tensor_desc(OpKind::kRecv, tensor, site);
+    d.root = peer;
+    d.tag = tag;
+    Ticket t = begin(d);
+    std::vector<at::Tensor> v{tensor};
+    return make_work(std::move(t), pg_->recv(v, peer, tag), {}, {tensor});
+  }
+
+  WorkPtr barrier_async(BarrierKind kind, CallSite site) override {
+    OpDesc d;
+    d.kind = OpKind::kBarrier;
+    d.barrier = kind;
+    d.site = site;
+    Ticket t = begin(d);
+    if (size() == 1) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    c10d::BarrierOptions o;
+    o.timeout = ms(gloo_timeout(t.timeout_s));
+    return make_work(std::move(t), pg_->barrier(o), {}, {});
+  }
+
+  std::unique_ptr<Request> isend(const at::Tensor& t, int peer, int tag) override {
+    std::vector<at::Tensor> v{t};
+    auto w = pg_->send(v, peer, tag);
+    return std::make_unique<GlooRequest>(w, waiter().watch(w, ring_deadline(), slack()));
+  }
+
+  std::unique_ptr<Request> irecv(at::Tensor& t, int peer, int tag) override {
+    std::vector<at::Tensor> v{t};
+    auto w = pg_->recv(v, peer, tag);
+    return std::make_unique<GlooRequest>(w, waiter().watch(w, ring_deadline(), slack()));
+  }
+
+  void release_backend() noexcept override {
+    waiter_.reset();  // aborts p2p waits still pending
+    if (aborted_ && pg_) {
+      // A worker thread may still sit in the timed-out op until gloo's own deadline (ours plus a
+      // little); the World releases the process group at shutdown instead of blocking here.
+      ctx_->bury(std::make_shared<c10::intrusive_ptr<c10d::ProcessGroupGloo>>(std::move(pg_)));
+    }
+    pg_.reset();
+  }
+
+ protected:
+  std::vector<std::vector<uint8_t>> allgather_bytes(const std::vector<uint8_t>& mine,
+                                                    const Ticket& t) override {
+    const int n = size();
+    const int64_t len = static_cast<int64_t>(mine.size());
+    at::Tensor in = at::empty({len}, at::kByte);
+    std::memcpy(in.data_ptr(), mine.data(), mine.size());
+    at::Tensor out = at::empty({n * len}, at::kByte);
+    c10d::AllgatherOptions o;
+    o.timeout = ms(gloo_timeout(t.timeout_s));
+    auto w = pg_->_allgather_base(out, in, o);
+    auto state = waiter().watch(w, t.deadline, slack());
+    int spins = 0;
+    while (true) {
+      bool done = false;
+      try {
+        done = p2p_done(state);
+      } catch (const std::exception& e) {
+        fail_error(t, e.what());
+      }
+      if (done) break;
+      if (Clock::now() > t.deadline) {
+        ctx_->bury(std::make_shared<Keep>(Keep{{in, out}, w, state}));
+        fail_timeout(t, t.desc.kind == OpKind::kSplit
+                            ? ""
+                            : " (in the debug_collectives descriptor exchange)");
+      }
+      if (++spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    std::vector<std::vector<uint8_t>> res(static_cast<size_t>(n));
+    const auto* p = out.data_ptr<uint8_t>();
+    for (int r = 0; r < n; ++r) res[static_cast<size_t>(r)].assign(p + r * len, p + (r + 1) * len);
+    return res;
+  }
+
+  std::shared_ptr<CommBase> create_child(int color, const std::vector<int>& members,
+                                         const std::string& name, const std::string& uid,
+                                         const Ticket& t) override {
+    if (color < 0) return nullptr;
+    int me = -1;
+    std::vector<int> wr;
+    for (size_t i = 0; i < members.size(); ++i) {
+      if (members[i] == rank_) me = static_cast<int>(i);
+      wr.push_back(world_ranks_[static_cast<size_t>(members[i])]);
+    }
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+    try {
+      pg = make_pg(*ctx_, uid, me, static_cast<int>(members.size()), options_);
+      // A member that returns while a peer is still connecting, and then drops the group, breaks
+      // the peer's connectFullMesh: leave only once every member is connected.
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t.deadline - Clock::now());
+      pg->barrier()->wait(std::max(left, std::chrono::milliseconds(1)));
+    } catch (const std::exception& e) {
+      fail_error(t, fmt::format("creating the gloo group '{}' failed: {}", name,
+                                std::string(e.what()).substr(0, 400)));
+    }
+    return std::make_shared<GlooCommunicator>(ctx_, std::move(pg), name, uid, me, std::move(wr),
+                                              options_);
+  }
+
+  void abort_backend() noexcept override {}
+
+ private:
+  // Every c10d work is completed through the waiter thread: some gloo works (send/recv, the
+  // reduce-scatter) only make progress or report completion inside their wait().
+  WorkPtr make_work(Ticket t, c10::intrusive_ptr<c10d::Work> w, std::function<void()> on_done,
+                    std::vector<at::Tensor> tensors) {
+    auto state = waiter().watch(w, t.deadline, slack());
+    auto poll = [state] { return p2p_done(state); };
+    return std::make_shared<PollWork>(shared_from_this(), std::move(t), std::move(poll),
+                                      std::move(on_done),
+                                      std::make_shared<Keep>(Keep{std::move(tensors), w, state}));
+  }
+
+  // All-gather of per-rank pieces of `sizes[r]` elements into `outs[r]`, padded to the largest.
+  WorkPtr gather_padded(Ticket t, const at::Tensor& input, const std::vector<int64_t>& sizes,
+                        std::vector<at::Tensor> outs, at::Tensor keep_output) {
+    const int n = size();
+    const int64_t p = *std::max_element(sizes.begin(), sizes.end());
+    at::Tensor in = at::zeros({p}, input.options());
+    in.narrow(0, 0, input.numel()).copy_(input.view({-1}));
+    at::Tensor out = at::empty({n * p}, input.options());
+    c10d::AllgatherOptions o;
+    o.timeout = ms(gloo_timeout(t.timeout_s));
+    auto w = pg_->_allgather_base(out, in, o);
+    auto on_done = [out, outs, sizes, p]() mutable {
+      for (size_t r = 0; r < outs.size(); ++r) {
+        outs[r].copy_(out.narrow(0, static_cast<int64_t>(r) * p, sizes[r]));
+      }
+    };
+    std::vector<at::Tensor> k = outs;
+    k.push_back(in);
+    k.push_back(out);
+    if (keep_output.defined()) k.push_back(keep_output);
+    return make_work(std::move(t), w, on_done, std::move(k));
+  }
+
+  P2PWaiter& waiter() {
+    if (!waiter_) waiter_ = std::make_unique<P2PWaiter>();
+    return *waiter_;
+  }
+  // Ring messages wait at most one steady-state timeout (the ring op's own deadline fires first).
+  Clock::time_point ring_deadline() const {
+    return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                              std::chrono::duration<double>(options_.timeout_s));
+  }
+  double slack() const { return gloo_timeout(options_.timeout_s) - options_.timeout_s; }
+
+  int ring_tag_base(uint64_t seq) const {
+    const int window = (INT32_MAX - kMaxUserTag) / RingAllReduce::kMaxColumns;
+    return kMaxUserTag +
+           static_cast<int>(seq % static_cast<uint64_t>(window)) * RingAllReduce::kMaxColumns;
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  std::unique_ptr<P2PWaiter> waiter_;
+};
+
+}  // namespace
+
+CommPtr make_gloo_world(const std::shared_ptr<WorldContext>& ctx, const CommOptions& options) {
+  const std::string uid = ctx->next_world_uid("gloo");
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  try {
+    pg = GlooCommunicator::make_pg(*ctx, uid, ctx->rank, ctx->size, options);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    ctx->failed = true;
+    throw_error<TimeoutError>(
+        "creating the gloo world communicator failed on world rank {} within the init timeout "
+        "({:.0f} s): {}",
+        ctx->rank, options.init_timeout_s, std::string(e.what()).substr(0, 400));
+  }
+  std::vector<int> ranks(static_cast<size_t>(ctx->size));
+  for (int i = 0; i < ctx->size; ++i) ranks[static_cast<size_t>(i)] = i;
+  return std::make_shared<GlooCommunicator>(ctx, std::move(pg), "world", uid, ctx->rank,
+                                            std::move(ranks), options);
+}
+
+}  // namespace parallax::parallel::comm::detail

@@ -1,0 +1,909 @@
+#ifdef PARALLAX_WITH_NCCL
+
+#include "parallel/comm/nccl_communicator.h"
+
+#include "core/error.h"
+#include "core/log.h"
+#include "parallel/comm/comm_base.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+namespace parallax::parallel::comm::detail {
+
+namespace {
+
+bool is_float(c10::ScalarType t) {
+  return at::isFloatingType(t);
+}
+
+ncclDataType_t nccl_type(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float:
+      return ncclFloat32;
+    case c10::ScalarType::Double:
+      return ncclFloat64;
+    case c10::ScalarType::Half:
+      return ncclFloat16;
+    case c10::ScalarType::BFloat16:
+      return ncclBfloat16;
+    case c10::ScalarType::Long:
+      return ncclInt64;
+    case c10::ScalarType::Int:
+      return ncclInt32;
+    case c10::ScalarType::Byte:
+      return ncclUint8;
+    case c10::ScalarType::Char:
+      return ncclInt8;
+    case c10::ScalarType::Bool:
+      return ncclUint8;
+    default:
+      return ncclNumTypes;
+  }
+}
+
+// Integers are averaged as a sum followed by a truncating division (the CPU backends' rule).
+ncclRedOp_t nccl_op(ReduceOp op, c10::ScalarType t) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kAvg:
+      return is_float(t) ? ncclAvg : ncclSum;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kMin:
+      return ncclMin;
+  }
+  return ncclSum;
+}
+
+void divide_avg_if_needed(at::Tensor t, ReduceOp op, int n) {
+  if (op == ReduceOp::kAvg && !is_float(t.scalar_type())) t.div_(n, "trunc");
+}
+
+void check_dtype(const CommBase& c, const char* op, const at::Tensor& t, bool reduces) {
+  PARALLAX_CHECK(nccl_type(t.scalar_type()) != ncclNumTypes, CommError,
+                 "{} on group '{}' (rank {}): dtype {} is not supported by the nccl backend", op,
+                 c.name(), c.rank(), c10::toString(t.scalar_type()));
+  PARALLAX_CHECK(!reduces || t.scalar_type() != c10::ScalarType::Bool, CommError,
+                 "{} on group '{}' (rank {}): bool tensors cannot be reduced", op, c.name(),
+                 c.rank());
+}
+
+std::string nccl_error(ncclResult_t rc, ncclComm_t comm) {
+  const char* last = comm ? ncclGetLastError(comm) : nullptr;
+  return fmt::format("{} ({}){}", ncclGetErrorString(rc), static_cast<int>(rc),
+                     last && *last ? fmt::format(": {}", last) : std::string());
+}
+
+// Polls a non-blocking communicator until its pending call finished (ncclSuccess), it failed
+// (CommError) or `deadline` passed (TimeoutError).
+void wait_ready(ncclComm_t comm, Clock::time_point deadline, const std::string& what) {
+  int spins = 0;
+  Clock::time_point first{};
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t rc = ncclCommGetAsyncError(comm, &state);
+    if (rc != ncclSuccess)
+      throw CommError(fmt::format("{}: ncclCommGetAsyncError: {}", what, nccl_error(rc, comm)));
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress)
+      throw CommError(fmt::format("{}: {}", what, nccl_error(state, comm)));
+    const auto now = Clock::now();
+    if (now > deadline)
+      throw TimeoutError(fmt::format("{}: not finished before the deadline", what));
+    // A non-blocking communicator usually finishes enqueueing within microseconds: spin (yielding)
+    // for the first 2 ms, then back off. A fixed sleep here cost ~200 us per collective and made
+    // the ring, which enqueues one group per step and column, latency-bound.
+    if (spins++ == 0) first = now;
+    if (now - first < std::chrono::milliseconds(2)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+// A CUDA event (timing disabled) owned by RAII; created on the device current at construction.
+class CudaEvent {
+ public:
+  CudaEvent() {
+    check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  }
+  ~CudaEvent() {
+    if (event_) cudaEventDestroy(event_);
+  }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+
+  void record(const c10::cuda::CUDAStream& s) {
+    check(cudaEventRecord(event_, s.stream()), "cudaEventRecord");
+  }
+  // Makes `s` wait for the last record (without blocking the host).
+  void block(const c10::cuda::CUDAStream& s) const {
+    check(cudaStreamWaitEvent(s.stream(), event_, 0), "cudaStreamWaitEvent");
+  }
+  bool query() const {
+    const cudaError_t rc = cudaEventQuery(event_);
+    if (rc == cudaErrorNotReady) return false;
+    check(rc, "cudaEventQuery");
+    return true;
+  }
+
+ private:
+  static void check(cudaError_t rc, const char* what) {
+    if (rc != cudaSuccess) throw CommError(fmt::format("{}: {}", what, cudaGetErrorString(rc)));
+  }
+  cudaEvent_t event_ = nullptr;
+};
+
+Clock::time_point after(double seconds) {
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+ncclConfig_t nonblocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+// One enqueued op (or batch): its tickets, end event and the tensors it must keep alive.
+struct Pending {
+  std::vector<Ticket> tickets;
+  std::shared_ptr<CudaEvent> end;
+  std::vector<at::Tensor> keep;
+  std::atomic<bool> completed{false};
+  std::atomic<bool> timed_out{false};
+  bool internal = false;  // a helper exchange of another op (debug check): not recorded as that op
+};
+
+class NcclCommunicator;
+
+class NcclWork final : public Work {
+ public:
+  NcclWork(std::shared_ptr<NcclCommunicator> comm, std::shared_ptr<Pending> p)
+      : comm_(std::move(comm)), p_(std::move(p)) {}
+  void wait() override;
+  void wait_stream() override;
+  bool is_completed() override;
+
+ private:
+  bool poll();
+  std::shared_ptr<NcclCommunicator> comm_;
+  std::shared_ptr<Pending> p_;
+};
+
+class NcclCommunicator final : public CommBase {
+ public:
+  NcclCommunicator(std::shared_ptr<WorldContext> ctx, ncclComm_t comm, c10::Device device,
+                   std::string name, std::string uid, int rank, std::vector<int> world_ranks,
+                   CommOptions options)
+      : CommBase(std::move(ctx), std::move(name), std::move(uid), rank, std::move(world_ranks),
+                 options),
+        comm_(comm),
+        device_(device),
+        stream_(c10::cuda::getStreamFromPool(true, device.index())),
+        reduce_stream_(c10::cuda::getStreamFromPool(true, device.index())) {
+    if (ctx_->board) {
+      try {
+        ctx_->board->publish_now(uid_, 0, "created");
+      } catch (const std::exception& e) {
+        core::log::warn("group '{}': could not publish to the hang-report store: {}", name_,
+                        e.what());
+      }
+    }
+    watchdog_ = std::thread([this] { watchdog(); });
+  }
+
+  ~NcclCommunicator() override {
+    ctx_->unregister_comm(this);
+    release_backend();
+  }
+
+  std::string backend() const override { return "nccl"; }
+  c10::DeviceType device_type() const override { return c10::DeviceType::CUDA; }
+  const c10::Device& device() const { return device_; }
+
+  // ---- ops -----------------------------------------------------------------------------------
+
+  WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op, CallSite site) override {
+    return all_reduce_async(tensor, op, options_.allreduce_algo, site);
+  }
+
+  WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op, AllReduceAlgo algo,
+                           CallSite site) override {
+    check_cuda(*this, "all_reduce", tensor);
+    check_dtype(*this, "all_reduce", tensor, true);
+    OpDesc d = tensor_desc(OpKind::kAllReduce, tensor, site);
+    d.reduce = op;
+    d.algo = algo;
+    Ticket t = begin(d);
+    const int n = size();
+    if (n == 1 || tensor.numel() == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    at::Tensor target = tensor;
+    if (algo == AllReduceAlgo::kRing) {
+      return enqueue({t}, {target}, [&] { ring(target.view({-1}), op, t); });
+    }
+    return enqueue({t}, {target}, [&] {
+      call(ncclAllReduce(target.data_ptr(), target.data_ptr(), static_cast<size_t>(target.numel()),
+                         nccl_type(target.scalar_type()), nccl_op(op, target.scalar_type()), comm_,
+                         stream_.stream()),
+           "ncclAllReduce", t);
+      divide_avg_if_needed(target, op, n);
+    });
+  }
+
+  WorkPtr reduce_scatter_async(const at::Tensor& input, at::Tensor& output, ReduceOp op,
+                               CallSite site) override {
+    check_cuda(*this, "reduce_scatter", input);
+    check_cuda(*this, "reduce_scatter", output);
+    check_dtype(*this, "reduce_scatter", input, true);
+    const int n = size();
+    const int64_t m = input.numel();
+    PARALLAX_CHECK(output.scalar_type() == input.scalar_type(), CommError,
+                   "reduce_scatter on group '{}' (rank {}): input is {} but output is {}", name_,
+                   rank_, c10::toString(input.scalar_type()), c10::toString(output.scalar_type()));
+    PARALLAX_CHECK(output.numel() == chunk_numel(m, n, rank_), CommError,
+                   "reduce_scatter on group '{}' (rank {}): output has {} elements but chunk {} of "
+                   "{} elements over {} "
+                   "ranks has {}",
+                   name_, rank_, output.numel(), rank_, m, n, chunk_numel(m, n, rank_));
+    OpDesc d = tensor_desc(OpKind::kReduceScatter, input, site);
+    d.reduce = op;
+    Ticket t = begin(d);
+    if (m == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    at::Tensor in = input, out = output;
+    return enqueue({t}, {in, out}, [&] {
+      const int64_t p = chunk_numel(m, n, 0);
+      at::Tensor src = in.view({-1}), dst = out.view({-1});
+      if (m % n != 0) {  // NCCL needs equal chunks: pad each to the largest
+        at::Tensor padded = at::zeros({n * p}, in.options());
+        for (int r = 0; r < n; ++r) {
+          padded.narrow(0, r * p, chunk_numel(m, n, r))
+              .copy_(src.narrow(0, chunk_offset(m, n, r), chunk_numel(m, n, r)));
+        }
+        src = padded;
+        dst = at::empty({p}, in.options());
+        keep_.push_back(src);
+        keep_.push_back(dst);
+      }
+      call(ncclReduceScatter(src.data_ptr(), dst.data_ptr(), static_cast<size_t>(p),
+                             nccl_type(in.scalar_type()), nccl_op(op, in.scalar_type()), comm_,
+                             stream_.stream()),
+           "ncclReduceScatter", t);
+      divide_avg_if_needed(dst, op, n);
+      if (dst.data_ptr() != out.data_ptr()) out.view({-1}).copy_(dst.narrow(0, 0, out.numel()));
+    });
+  }
+
+  WorkPtr all_gather_async(const at::Tensor& input, at::Tensor& output, CallSite site) override {
+    check_cuda(*this, "all_gather", input);
+    check_cuda(*this, "all_gather", output);
+    check_dtype(*this, "all_gather", input, false);
+    const int n = size();
+    const int64_t total = output.numel();
+    PARALLAX_CHECK(output.scalar_type() == input.scalar_type(), CommError,
+                   "all_gather on group '{}' (rank {}): input is {} but output is {}", name_, rank_,
+                   c10::toString(input.scalar_type()), c10::toString(output.scalar_type()));
+    PARALLAX_CHECK(input.numel() == chunk_numel(total, n, rank_), CommError,
+                   "all_gather on group '{}' (rank {}): input has {} elements but chunk {} of the "
+                   "{}-element output "
+                   "over {} ranks has {}",
+                   name_, rank_, input.numel(), rank_, total, n, chunk_numel(total, n, rank_));
+    OpDesc d = tensor_desc(OpKind::kAllGather, input, site);
+    d.match_numel = total;
+    Ticket t = begin(d);
+    if (total == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    at::Tensor in = input, out = output;
+    std::vector<int64_t> sizes;
+    std::vector<at::Tensor> outs;
+    for (int r = 0; r < n; ++r) {
+      sizes.push_back(chunk_numel(total, n, r));
+      outs.push_back(out.view({-1}).narrow(0, chunk_offset(total, n, r), sizes.back()));
+    }
+    return enqueue({t}, {in, out}, [&] {
+      if (total % n ==
+          0) {  // equal chunks: straight into the output (in place when `in` is our chunk)
+        call(ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(total / n),
+                           nccl_type(in.scalar_type()), comm_, stream_.stream()),
+             "ncclAllGather", t);
+      } else {
+        gather_padded(in, sizes, outs, t);
+      }
+    });
+  }
+
+  WorkPtr all_gather_async(const at::Tensor& input, std::vector<at::Tensor>& outputs,
+                           CallSite site) override {
+    check_cuda(*this, "all_gather", input);
+    check_dtype(*this, "all_gather", input, false);
+    const int n = size();
+    PARALLAX_CHECK(static_cast<int>(outputs.size()) == n, CommError,
+                   "all_gather on group '{}' (rank {}): {} output tensors for {} ranks", name_,
+                   rank_, outputs.size(), n);
+    int64_t total = 0;
+    std::vector<int64_t> sizes;
+    std::vector<at::Tensor> outs;
+    for (int r = 0; r < n; ++r) {
+      auto& o = outputs[static_cast<size_t>(r)];
+      check_cuda(*this, "all_gather", o);
+      PARALLAX_CHECK(o.scalar_type() == input.scalar_type(), CommError,
+                     "all_gather on group '{}' (rank {}): output {} is {} but the input is {}",
+                     name_, rank_, r, c10::toString(o.scalar_type()),
+                     c10::toString(input.scalar_type()));
+      sizes.push_back(o.numel());
+      outs.push_back(o.view({-1}));
+      total += o.numel();
+    }
+    PARALLAX_CHECK(
+        outputs[static_cast<size_t>(rank_)].numel() == input.numel(), CommError,
+        "all_gather on group '{}' (rank {}): output {} has {} elements but the input has {}", name_,
+        rank_, rank_, outputs[static_cast<size_t>(rank_)].numel(), input.numel());
+    OpDesc d = tensor_desc(OpKind::kAllGatherList, input, site);
+    d.match_numel = total;
+    Ticket t = begin(d);
+    if (total == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    std::vector<at::Tensor> keep = outputs;
+    keep.push_back(input);
+    at::Tensor in = input;
+    return enqueue({t}, keep, [&] { gather_padded(in, sizes, outs, t); });
+  }
+
+  WorkPtr broadcast_async(at::Tensor& tensor, int root, CallSite site) override {
+    check_cuda(*this, "broadcast", tensor);
+    check_dtype(*this, "broadcast", tensor, false);
+    PARALLAX_CHECK(root >= 0 && root < size(), CommError,
+                   "broadcast on group '{}' (rank {}): root {} is not a rank of {}", name_, rank_,
+                   root, size());
+    OpDesc d = tensor_desc(OpKind::kBroadcast, tensor, site);
+    d.root = root;
+    Ticket t = begin(d);
+    if (size() == 1 || tensor.numel() == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    at::Tensor x = tensor;
+    return enqueue({t}, {x}, [&] {
+      call(ncclBroadcast(x.data_ptr(), x.data_ptr(), static_cast<size_t>(x.numel()),
+                         nccl_type(x.scalar_type()), root, comm_, stream_.stream()),
+           "ncclBroadcast", t);
+    });
+  }
+
+  WorkPtr send_async(const at::Tensor& tensor, int peer, int tag, CallSite site) override {
+    std::vector<P2POp> ops{{P2POp::Kind::kSend, tensor, peer, tag}};
+    return batch_isend_irecv(ops, site);
+  }
+
+  WorkPtr recv_async(at::Tensor& tensor, int peer, int tag, CallSite site) override {
+    std::vector<P2POp> ops{{P2POp::Kind::kRecv, tensor, peer, tag}};
+    return batch_isend_irecv(ops, site);
+  }
+
+  WorkPtr batch_isend_irecv(std::vector<P2POp>& ops, CallSite site) override {
+    std::vector<Ticket> tickets;
+    std::vector<at::Tensor> tensors;
+    for (auto& op : ops) {
+      const bool send = op.kind == P2POp::Kind::kSend;
+      const char* what = send ? "send" : "recv";
+      check_cuda(*this, what, op.tensor);
+      check_dtype(*this, what, op.tensor, false);
+      check_peer(*this, what, op.peer);
+      check_tag(*this, what, op.tag);
+      tensors.push_back(op.tensor);
+    }
+    for (auto& op : ops) {
+      OpDesc d = tensor_desc(op.kind == P2POp::Kind::kSend ? OpKind::kSend : OpKind::kRecv,
+                             op.tensor, site);
+      d.root = op.peer;
+      d.tag = op.tag;
+      tickets.push_back(begin(d));
+      if (op.kind == P2POp::Kind::kSend) {
+        stats_.bytes_sent += op.tensor.numel() * static_cast<int64_t>(op.tensor.element_size());
+      }
+    }
+    if (ops.empty()) return std::make_shared<DoneWork>();
+    return enqueue(tickets, tensors, [&] {
+      group_start(tickets[0]);
+      for (auto& op : ops) {
+        if (op.kind == P2POp::Kind::kSend) {
+          call(ncclSend(op.tensor.data_ptr(), static_cast<size_t>(op.tensor.numel()),
+                        nccl_type(op.tensor.scalar_type()), op.peer, comm_, stream_.stream()),
+               "ncclSend", tickets[0]);
+        } else {
+          call(ncclRecv(op.tensor.data_ptr(), static_cast<size_t>(op.tensor.numel()),
+                        nccl_type(op.tensor.scalar_type()), op.peer, comm_, stream_.stream()),
+               "ncclRecv", tickets[0]);
+        }
+      }
+      group_end(tickets[0]);
+    });
+  }
+
+  WorkPtr barrier_async(BarrierKind kind, CallSite site) override {
+    OpDesc d;
+    d.kind = OpKind::kBarrier;
+    d.barrier = kind;
+    d.site = site;
+    Ticket t = begin(d);
+    if (size() == 1) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    // NCCL has no barrier: a one-element all-reduce, which completes only when every rank issued
+    // it.
+    if (!barrier_buf_.defined()) {
+      c10::cuda::CUDAGuard g(device_);
+      barrier_buf_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device_));
+    }
+    at::Tensor b = barrier_buf_;
+    return enqueue({t}, {b}, [&] {
+      call(
+          ncclAllReduce(b.data_ptr(), b.data_ptr(), 1, ncclInt32, ncclSum, comm_, stream_.stream()),
+          "ncclAllReduce", t);
+    });
+  }
+
+  void release_backend() noexcept override {
+    if (released_) return;
+    released_ = true;
+    {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      stop_ = true;
+    }
+    watchdog_cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+    if (comm_aborted_ || !comm_) return;
+    // Graceful: let enqueued work drain (bounded), finalize, destroy; abort if any step fails.
+    try {
+      c10::cuda::CUDAGuard g(device_);
+      const auto deadline = after(options_.timeout_s);
+      while (cudaStreamQuery(stream_.stream()) == cudaErrorNotReady) {
+        if (Clock::now() > deadline) throw TimeoutError("comm stream did not drain");
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      ncclResult_t rc = ncclCommFinalize(comm_);
+      if (rc != ncclSuccess && rc != ncclInProgress) throw CommError(nccl_error(rc, comm_));
+      wait_ready(comm_, after(options_.init_timeout_s), "ncclCommFinalize");
+      ncclCommDestroy(comm_);
+    } catch (const std::exception& e) {
+      core::log::warn("group '{}': NCCL communicator did not shut down cleanly ({}); aborting it",
+                      name_, e.what());
+      ncclCommAbort(comm_);
+    }
+    comm_ = nullptr;
+  }
+
+  // Called by a wait whose deadline passed (main thread) or by the watchdog.
+  [[noreturn]] void timeout(const std::shared_ptr<Pending>& p) {
+    std::lock_guard<std::mutex> lock(fail_mu_);
+    if (aborted_) {
+      if (p->timed_out) throw TimeoutError(failure_message());
+      throw CommError(failure_message());
+    }
+    p->timed_out = true;
+    fail_timeout(p->tickets[0]);
+  }
+
+  [[noreturn]] void rethrow_failure(const std::shared_ptr<Pending>& p) {
+    if (p->timed_out) throw TimeoutError(failure_message());
+    check_usable("wait");
+    throw CommError(failure_message());
+  }
+
+  void mark_completed(const std::shared_ptr<Pending>& p) {
+    if (p->completed.exchange(true) || p->internal) return;
+    for (const auto& t : p->tickets) complete(t);
+  }
+
+ protected:
+  std::vector<std::vector<uint8_t>> allgather_bytes(const std::vector<uint8_t>& mine,
+                                                    const Ticket& t) override {
+    const int n = size();
+    const int64_t len = static_cast<int64_t>(mine.size());
+    c10::cuda::CUDAGuard g(device_);
+    at::Tensor host = at::empty({len}, at::kByte);
+    std::memcpy(host.data_ptr(), mine.data(), mine.size());
+    at::Tensor in = host.to(device_);
+    at::Tensor out = at::empty({n * len}, in.options());
+    auto w = enqueue(
+        {t}, {in, out},
+        [&] {
+          call(ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(len), ncclUint8,
+                             comm_, stream_.stream()),
+               "ncclAllGather", t);
+        },
+        /*record=*/false);
+    w->wait();
+    at::Tensor all = out.cpu();
+    std::vector<std::vector<uint8_t>> res(static_cast<size_t>(n));
+    const auto* p = all.data_ptr<uint8_t>();
+    for (int r = 0; r < n; ++r) res[static_cast<size_t>(r)].assign(p + r * len, p + (r + 1) * len);
+    return res;
+  }
+
+  std::shared_ptr<CommBase> create_child(int color, const std::vector<int>& members,
+                                         const std::string& name, const std::string& uid,
+                                         const Ticket& t) override {
+    int key = 0;
+    for (size_t i = 0; i < members.size(); ++i) {
+      if (members[i] == rank_) key = static_cast<int>(i);
+    }
+    c10::cuda::CUDAGuard g(device_);
+    ncclConfig_t config = nonblocking_config();
+    ncclComm_t child = nullptr;
+    try {
+      ncclResult_t rc =
+          ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
+      if (rc != ncclSuccess && rc != ncclInProgress)
+        throw CommError(fmt::format("ncclCommSplit: {}", nccl_error(rc, comm_)));
+      wait_ready(comm_, t.deadline, "ncclCommSplit (parent)");
+      if (child) wait_ready(child, t.deadline, "ncclCommSplit (new communicator)");
+    } catch (const TimeoutError&) {
+      if (child) ncclCommAbort(child);
+      fail_timeout(t, " (in ncclCommSplit)");
+    } catch (const std::exception& e) {
+      if (child) ncclCommAbort(child);
+      fail_error(t, e.what());
+    }
+    if (color < 0 || !child) return nullptr;
+    std::vector<int> wr;
+    for (int m : members) wr.push_back(world_ranks_[static_cast<size_t>(m)]);
+    return std::make_shared<NcclCommunicator>(ctx_, child, device_, name, uid, key, std::move(wr),
+                                              options_);
+  }
+
+  void abort_backend() noexcept override {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (comm_ && !comm_aborted_) {
+      ncclCommAbort(comm_);
+      comm_aborted_ = true;
+    }
+  }
+
+ private:
+  static void check_cuda(const CommBase& c, const char* op, const at::Tensor& t) {
+    check_tensor(c, op, t, c10::DeviceType::CUDA);
+    const auto& me = static_cast<const NcclCommunicator&>(c);
+    PARALLAX_CHECK(t.device() == me.device_, CommError,
+                   "{} on group '{}' (rank {}): tensor on {} but the communicator uses {}", op,
+                   c.name(), c.rank(), t.device().str(), me.device_.str());
+  }
+
+  // Runs `body` (NCCL calls and post-processing) on the comm stream, after the caller's stream.
+  template <class F>
+  WorkPtr enqueue(std::vector<Ticket> tickets, std::vector<at::Tensor> tensors, F&& body,
+                  bool record = true) {
+    c10::cuda::CUDAGuard guard(device_);
+    auto p = std::make_shared<Pending>();
+    p->tickets = std::move(tickets);
+    p->internal = !record;
+    const Ticket& t = p->tickets[0];
+    try {
+      CudaEvent ready;
+      ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+      ready.block(stream_);
+      for (auto& x : tensors) {
+        if (x.defined() && x.numel() > 0)
+          c10::cuda::CUDACachingAllocator::recordStream(x.storage().data_ptr(), stream_);
+      }
+      keep_.clear();
+      {
+        c10::cuda::CUDAStreamGuard sg(stream_);
+        body();
+      }
+      p->end = std::make_shared<CudaEvent>();
+      p->end->record(stream_);
+    } catch (const TimeoutError&) {
+      fail_timeout(t, " (while enqueueing)");
+    } catch (const std::exception& e) {
+      fail_error(t, e.what());
+    }
+    p->keep = std::move(tensors);
+    for (auto& k : keep_) p->keep.push_back(k);
+    keep_.clear();
+    if (record) {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      pending_.push_back(p);
+    }
+    return std::make_shared<NcclWork>(
+        std::static_pointer_cast<NcclCommunicator>(shared_from_this()), p);
+  }
+
+  void call(ncclResult_t rc, const char* what, const Ticket& t) {
+    if (rc == ncclSuccess) return;
+    if (rc == ncclInProgress) {
+      wait_ready(comm_, t.deadline, what);
+      return;
+    }
+    throw CommError(fmt::format("{}: {}", what, nccl_error(rc, comm_)));
+  }
+  void group_start(const Ticket& t) { call(ncclGroupStart(), "ncclGroupStart", t); }
+  void group_end(const Ticket& t) { call(ncclGroupEnd(), "ncclGroupEnd", t); }
+
+  // All-gather of pieces of sizes[r] elements into outs[r], each padded to the largest.
+  void gather_padded(const at::Tensor& in, const std::vector<int64_t>& sizes,
+                     std::vector<at::Tensor>& outs, const Ticket& t) {
+    const int n = size();
+    const int64_t p = *std::max_element(sizes.begin(), sizes.end());
+    at::Tensor src = at::zeros({p}, in.options());
+    src.narrow(0, 0, in.numel()).copy_(in.view({-1}));
+    at::Tensor dst = at::empty({n * p}, in.options());
+    keep_.push_back(src);
+    keep_.push_back(dst);
+    call(ncclAllGather(src.data_ptr(), dst.data_ptr(), static_cast<size_t>(p),
+                       nccl_type(in.scalar_type()), comm_, stream_.stream()),
+         "ncclAllGather", t);
+    for (int r = 0; r < n; ++r)
+      outs[static_cast<size_t>(r)].copy_(dst.narrow(0, r * p, sizes[static_cast<size_t>(r)]));
+  }
+
+  // Ring all-reduce with ncclSend/ncclRecv inside ncclGroupStart/End per step and column.
+  // Transfers run on the comm stream, reductions on a second stream; per-column events let column
+  // c+1 transfer while column c is reduced (see ring.h for the schedule).
+  void ring(at::Tensor flat, ReduceOp op, const Ticket& t) {
+    const int n = size(), r = rank_;
+    const int next = (r + 1) % n, prev = (r + n - 1) % n;
+    const int64_t numel = flat.numel();
+    const int64_t elem = static_cast<int64_t>(flat.element_size());
+    const int64_t seg0 = chunk_numel(numel, n, 0);
+    const int64_t chunk = std::max<int64_t>(1, options_.ring_chunk_bytes);
+    const int cols =
+        static_cast<int>(std::clamp<int64_t>((seg0 * elem + chunk - 1) / chunk, 1, 1024));
+    auto view = [&](int seg, int c) {
+      const int64_t so = chunk_offset(numel, n, seg), sn = chunk_numel(numel, n, seg);
+      return flat.narrow(0, so + chunk_offset(sn, cols, c), chunk_numel(sn, cols, c));
+    };
+    auto mod = [n](int a) { return ((a % n) + n) % n; };
+    const int64_t max_col = chunk_numel(seg0, cols, 0);
+    at::Tensor scratch = at::empty({cols, std::max<int64_t>(max_col, 1)}, flat.options());
+    keep_.push_back(scratch);
+    c10::cuda::CUDACachingAllocator::recordStream(scratch.storage().data_ptr(), reduce_stream_);
+    c10::cuda::CUDACachingAllocator::recordStream(flat.storage().data_ptr(), reduce_stream_);
+    std::vector<CudaEvent> transferred(static_cast<size_t>(cols));
+    std::vector<CudaEvent> reduced(static_cast<size_t>(cols));
+    std::vector<bool> reduced_recorded(static_cast<size_t>(cols), false);
+    // The reduce stream starts after everything the comm stream has so far (the caller's data).
+    CudaEvent start;
+    start.record(stream_);
+    start.block(reduce_stream_);
+    for (int k = 0; k < 2 * (n - 1); ++k) {
+      const bool rs = k < n - 1;
+      const int s = k - (n - 1);
+      const int send_seg = rs ? mod(r - k) : mod(r + 1 - s);
+      const int recv_seg = rs ? mod(r - k - 1) : mod(r - s);
+      for (int c = 0; c < cols; ++c) {
+        at::Tensor out = view(send_seg, c), in = view(recv_seg, c);
+        at::Tensor landing = rs ? scratch[c].narrow(0, 0, in.numel()) : in;
+        // The column's previous reduction must be done before it is sent or its scratch reused.
+        if (reduced_recorded[static_cast<size_t>(c)])
+          reduced[static_cast<size_t>(c)].block(stream_);
+        group_start(t);
+        if (out.numel() > 0) {
+          call(ncclSend(out.data_ptr(), static_cast<size_t>(out.numel()),
+                        nccl_type(flat.scalar_type()), next, comm_, stream_.stream()),
+               "ncclSend (ring)", t);
+          stats_.p2p_ops += 1;
+          stats_.bytes_sent += out.numel() * elem;
+        }
+        if (in.numel() > 0) {
+          call(ncclRecv(landing.data_ptr(), static_cast<size_t>(in.numel()),
+                        nccl_type(flat.scalar_type()), prev, comm_, stream_.stream()),
+               "ncclRecv (ring)", t);
+          stats_.p2p_ops += 1;
+        }
+        group_end(t);
+        if (!rs) continue;
+        transferred[static_cast<size_t>(c)].record(stream_);
+        transferred[static_cast<size_t>(c)].block(reduce_stream_);
+        {
+          c10::cuda::CUDAStreamGuard sg(reduce_stream_);
+          switch (op) {
+            case ReduceOp::kSum:
+            case ReduceOp::kAvg:
+              in.add_(landing);
+              break;
+            case ReduceOp::kMax:
+              at::maximum_out(in, in, landing);
+              break;
+            case ReduceOp::kMin:
+              at::minimum_out(in, in, landing);
+              break;
+          }
+          if (k == n - 2 && op == ReduceOp::kAvg) {
+            if (is_float(in.scalar_type())) {
+              in.div_(n);
+            } else {
+              in.div_(n, "trunc");
+            }
+          }
+        }
+        reduced[static_cast<size_t>(c)].record(reduce_stream_);
+        reduced_recorded[static_cast<size_t>(c)] = true;
+      }
+    }
+    // Everything reduced is also in the comm stream's order from here on.
+    for (int c = 0; c < cols; ++c) {
+      if (reduced_recorded[static_cast<size_t>(c)]) reduced[static_cast<size_t>(c)].block(stream_);
+    }
+  }
+
+  void watchdog() {
+    try {
+      c10::cuda::CUDAGuard g(device_);
+      std::unique_lock<std::mutex> lock(pending_mu_);
+      while (!stop_) {
+        watchdog_cv_.wait_for(lock, std::chrono::milliseconds(100), [this] { return stop_; });
+        if (stop_) break;
+        std::vector<std::shared_ptr<Pending>> list(pending_.begin(), pending_.end());
+        lock.unlock();
+        std::vector<Pending*> done;
+        for (auto& p : list) {
+          if (p->completed || p->end->query()) {
+            mark_completed(p);
+            done.push_back(p.get());
+          } else if (Clock::now() > p->tickets[0].deadline && !aborted_) {
+            try {
+              timeout(p);
+            } catch (const std::exception&) {
+              // Reported (log, flight recorder, aborted communicator); the waiter rethrows it.
+            }
+          }
+        }
+        if (!aborted_ && comm_ && !comm_aborted_) {
+          ncclResult_t state = ncclSuccess;
+          if (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess &&
+              state != ncclInProgress && !list.empty()) {
+            std::lock_guard<std::mutex> fl(fail_mu_);
+            if (!aborted_) {
+              try {
+                fail_error(list.front()->tickets[0],
+                           fmt::format("asynchronous NCCL error: {}", nccl_error(state, comm_)));
+              } catch (const std::exception&) {
+              }
+            }
+          }
+        }
+        lock.lock();
+        pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                      [&](const std::shared_ptr<Pending>& p) {
+                                        return std::find(done.begin(), done.end(), p.get()) !=
+                                                   done.end() ||
+                                               aborted_;
+                                      }),
+                       pending_.end());
+      }
+    } catch (const std::exception& e) {
+      core::log::error("group '{}': NCCL watchdog stopped: {}", name_, e.what());
+    }
+  }
+
+  ncclComm_t comm_;
+  c10::Device device_;
+  c10::cuda::CUDAStream stream_;
+  c10::cuda::CUDAStream reduce_stream_;
+  at::Tensor barrier_buf_;
+  std::vector<at::Tensor> keep_;  // temporaries of the op being enqueued
+  std::mutex pending_mu_;
+  std::condition_variable watchdog_cv_;
+  std::vector<std::shared_ptr<Pending>> pending_;
+  bool stop_ = false;
+  std::thread watchdog_;
+  std::mutex fail_mu_;
+  std::mutex abort_mu_;
+  bool comm_aborted_ = false;
+  bool released_ = false;
+};
+
+bool NcclWork::poll() {
+  if (p_->completed) return true;
+  if (comm_->aborted()) comm_->rethrow_failure(p_);
+  c10::cuda::CUDAGuard g(comm_->device());
+  if (p_->end->query()) {
+    comm_->mark_completed(p_);
+    return true;
+  }
+  if (Clock::now() > p_->tickets[0].deadline) comm_->timeout(p_);
+  return false;
+}
+
+void NcclWork::wait() {
+  // Spin (yielding) for the first millisecond, then poll every 20 us: a fixed 50 us sleep added up
+  // to 50 us to every blocking collective.
+  const auto start = Clock::now();
+  while (!poll()) {
+    if (Clock::now() - start < std::chrono::milliseconds(1)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  wait_stream();
+}
+
+void NcclWork::wait_stream() {
+  if (comm_->aborted() && !p_->completed) comm_->rethrow_failure(p_);
+  c10::cuda::CUDAGuard g(comm_->device());
+  p_->end->block(c10::cuda::getCurrentCUDAStream(comm_->device().index()));
+}
+
+bool NcclWork::is_completed() {
+  return poll();
+}
+
+}  // namespace
+
+CommPtr make_nccl_world(const std::shared_ptr<WorldContext>& ctx, const CommOptions& options) {
+  PARALLAX_CHECK(ctx->device.has_value(), CommError,
+                 "backend 'nccl' needs a CUDA device on world rank {}", ctx->rank);
+  PARALLAX_CHECK(
+      ctx->launch.local_world_size <= ctx->cuda_devices, CommError,
+      "backend 'nccl': {} ranks on this node but only {} GPUs (world rank {}, local rank {})",
+      ctx->launch.local_world_size, ctx->cuda_devices, ctx->rank, ctx->launch.local_rank);
+  const c10::Device device = *ctx->device;
+  c10::cuda::CUDAGuard g(device);
+  const std::string uid = ctx->next_world_uid("nccl");
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  std::vector<uint8_t> bytes(sizeof(id));
+  if (ctx->rank == 0) {
+    ncclResult_t rc = ncclGetUniqueId(&id);
+    PARALLAX_CHECK(rc == ncclSuccess, CommError, "ncclGetUniqueId failed on world rank 0: {}",
+                   nccl_error(rc, nullptr));
+    std::memcpy(bytes.data(), &id, sizeof(id));
+  }
+  bytes = ctx->broadcast_from_root(std::move(bytes), uid + "/nccl_id", options.init_timeout_s);
+  PARALLAX_CHECK(bytes.size() == sizeof(id), CommError, "world rank {}: malformed NCCL unique id",
+                 ctx->rank);
+  std::memcpy(&id, bytes.data(), sizeof(id));
+  ncclConfig_t config = nonblocking_config();
+  ncclComm_t comm = nullptr;
+  ncclResult_t rc = ncclCommInitRankConfig(&comm, ctx->size, id, ctx->rank, &config);
+  try {
+    if (rc != ncclSuccess && rc != ncclInProgress) throw CommError(nccl_error(rc, comm));
+    wait_ready(comm, after(options.init_timeout_s), "ncclCommInitRankConfig");
+  } catch (const std::exception& e) {
+    if (comm) ncclCommAbort(comm);
+    ctx->failed = true;
+    if (dynamic_cast<const TimeoutError*>(&e)) {
+      throw_error<TimeoutError>(
+          "creating the nccl world communicator timed out after {:.0f} s on world rank {} "
+          "(init timeout): not every rank arrived",
+          options.init_timeout_s, ctx->rank);
+    }
+    throw_error<CommError>("creating the nccl world communicator failed on world rank {}: {}",
+                           ctx->rank, e.what());
+  }
+  std::vector<int> ranks(static_cast<size_t>(ctx->size));
+  for (int i = 0; i < ctx->size; ++i) ranks[static_cast<size_t>(i)] = i;
+  return std::make_shared<NcclCommunicator>(ctx, comm, device, "world", uid, ctx->rank,
+                                            std::move(ranks), options);
+}
+
+}  // namespace parallax::parallel::comm::detail
+
+#endif  // PARALLAX_WITH_NCCL

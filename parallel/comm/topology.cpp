@@ -1,0 +1,98 @@
+#include "parallel/comm/topology.h"
+
+#include "core/error.h"
+
+namespace parallax::parallel::comm {
+
+std::string Layout::to_string() const {
+  return fmt::format("dp={} x tp={} x pp={}", dp, tp, pp);
+}
+
+Layout resolve_layout(int world_size, int dp, int tp, int pp, int gpus_per_node) {
+  PARALLAX_CHECK(world_size >= 1, LayoutError, "parallel layout: world size {} must be at least 1",
+                 world_size);
+  PARALLAX_CHECK(tp >= 1 && pp >= 1 && dp >= 0, LayoutError,
+                 "parallel layout: tp={} and pp={} must be at least 1 and dp={} at least 0", tp, pp,
+                 dp);
+  Layout l{dp, tp, pp};
+  if (dp == 0) {
+    PARALLAX_CHECK(world_size % (tp * pp) == 0, LayoutError,
+                   "parallel layout: dp=0 (auto) needs the world size {} to be divisible by tp * "
+                   "pp = {} * {} = {}",
+                   world_size, tp, pp, tp * pp);
+    l.dp = world_size / (tp * pp);
+  }
+  PARALLAX_CHECK(
+      l.world() == world_size, LayoutError,
+      "parallel layout: dp * tp * pp = {} * {} * {} = {} does not equal the world size {}", l.dp,
+      l.tp, l.pp, l.world(), world_size);
+  if (gpus_per_node > 0) {
+    PARALLAX_CHECK(tp <= gpus_per_node, LayoutError,
+                   "parallel layout: tp={} is larger than the {} GPUs per node (a TP group must "
+                   "stay inside one node)",
+                   tp, gpus_per_node);
+    PARALLAX_CHECK(gpus_per_node % tp == 0, LayoutError,
+                   "parallel layout: tp={} does not divide the {} GPUs per node, so some TP groups "
+                   "would span two nodes",
+                   tp, gpus_per_node);
+  }
+  return l;
+}
+
+int rank_of(const Layout& l, const Coord& c) {
+  return c.pp * (l.dp * l.tp) + c.dp * l.tp + c.tp;
+}
+
+Coord coord_of(const Layout& l, int r) {
+  PARALLAX_CHECK(r >= 0 && r < l.world(), LayoutError,
+                 "rank {} is outside the layout {} of {} ranks", r, l.to_string(), l.world());
+  Coord c;
+  c.tp = r % l.tp;
+  c.dp = (r / l.tp) % l.dp;
+  c.pp = r / (l.tp * l.dp);
+  return c;
+}
+
+std::vector<int> group_ranks(const Layout& l, const std::string& name, int r) {
+  const Coord me = coord_of(l, r);
+  std::vector<int> out;
+  if (name == "tp") {
+    for (int i = 0; i < l.tp; ++i) out.push_back(rank_of(l, {me.dp, i, me.pp}));
+  } else if (name == "dp") {
+    for (int i = 0; i < l.dp; ++i) out.push_back(rank_of(l, {i, me.tp, me.pp}));
+  } else if (name == "pp") {
+    for (int i = 0; i < l.pp; ++i) out.push_back(rank_of(l, {me.dp, me.tp, i}));
+  } else if (name == "dp_tp") {
+    for (int i = 0; i < l.dp * l.tp; ++i) out.push_back(me.pp * l.dp * l.tp + i);
+  } else if (name == "world") {
+    for (int i = 0; i < l.world(); ++i) out.push_back(i);
+  } else {
+    throw_error<CommError>("unknown group '{}' (use tp|dp|pp|dp_tp|world)", name);
+  }
+  return out;
+}
+
+Topology::Topology(CommPtr world, Layout layout) : world_(std::move(world)), layout_(layout) {
+  PARALLAX_CHECK(world_ != nullptr, CommError, "Topology: null world communicator");
+  PARALLAX_CHECK(layout_.world() == world_->size(), LayoutError,
+                 "parallel layout {} has {} ranks but the world communicator has {}",
+                 layout_.to_string(), layout_.world(), world_->size());
+  const int r = world_->rank();
+  coord_ = coord_of(layout_, r);
+  const Coord& c = coord_;
+  const Layout& l = layout_;
+  groups_["world"] = world_;
+  groups_["tp"] = world_->split(c.pp * l.dp + c.dp, c.tp, "tp");
+  groups_["dp"] = world_->split(c.pp * l.tp + c.tp, c.dp, "dp");
+  groups_["pp"] = world_->split(c.dp * l.tp + c.tp, c.pp, "pp");
+  groups_["dp_tp"] = world_->split(c.pp, c.dp * l.tp + c.tp, "dp_tp");
+}
+
+const CommPtr& Topology::group(const std::string& name) const {
+  auto it = groups_.find(name);
+  PARALLAX_CHECK(it != groups_.end(), CommError,
+                 "unknown group '{}' (known: tp, dp, pp, dp_tp, world)", name);
+  return it->second;
+}
+
+}  // namespace parallax::parallel::comm

@@ -1,0 +1,663 @@
+#include "parallel/comm/world.h"
+
+#include "core/error.h"
+#include "core/log.h"
+#include "parallel/comm/comm_base.h"
+#include "parallel/comm/world_context.h"
+
+#include <ATen/Context.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+namespace parallax::parallel::comm {
+
+// ---- launch detection ------------------------------------------------------------------------
+
+const char* to_string(Launcher launcher) {
+  switch (launcher) {
+    case Launcher::kSingle:
+      return "single process";
+    case Launcher::kOpenMpi:
+      return "OpenMPI";
+    case Launcher::kTorchrun:
+      return "torchrun";
+    case Launcher::kSlurm:
+      return "Slurm";
+  }
+  return "?";
+}
+
+std::string LaunchInfo::describe() const {
+  std::string s = fmt::format("{}: rank {}/{}, local rank {}/{}", to_string(launcher), rank,
+                              world_size, local_rank, local_world_size);
+  if (use_mpi) return s + ", rendezvous through MPI";
+  return s + fmt::format(", store {}:{}{}", master_addr, master_port,
+                         agent_store ? " (agent store)" : "");
+}
+
+namespace {
+
+class EnvReader {
+ public:
+  explicit EnvReader(const GetEnv& getenv) : getenv_(getenv) {}
+
+  bool has(const char* name) const {
+    const char* v = get(name);
+    return v && *v;
+  }
+  const char* get(const char* name) const { return getenv_ ? getenv_(name) : std::getenv(name); }
+  std::string str(const char* name, const std::string& fallback = "") const {
+    const char* v = get(name);
+    return v && *v ? std::string(v) : fallback;
+  }
+  // Integer variable; `fallback` when unset; CommError naming the variable when malformed.
+  int integer(const char* name, std::optional<int> fallback, const char* launcher) const {
+    const char* v = get(name);
+    if (!v || !*v) {
+      if (fallback) return *fallback;
+      throw_error<CommError>(
+          "{} launch: environment variable {} is not set (needed to know this process's place "
+          "in the job)",
+          launcher, name);
+    }
+    int out = 0;
+    const char* end = v + std::strlen(v);
+    auto [ptr, ec] = std::from_chars(v, end, out);
+    if (ec != std::errc() || ptr != end) {
+      throw_error<CommError>("{} launch: environment variable {}='{}' is not an integer", launcher,
+                             name, v);
+    }
+    return out;
+  }
+
+ private:
+  const GetEnv& getenv_;
+};
+
+void validate(const LaunchInfo& info, const char* what) {
+  PARALLAX_CHECK(info.world_size >= 1, CommError, "{} launch: world size {} must be at least 1",
+                 what, info.world_size);
+  PARALLAX_CHECK(info.rank >= 0 && info.rank < info.world_size, CommError,
+                 "{} launch: rank {} is outside the world of {} ranks", what, info.rank,
+                 info.world_size);
+  PARALLAX_CHECK(
+      info.local_world_size >= 1 && info.local_rank >= 0 && info.local_rank < info.local_world_size,
+      CommError, "{} launch: local rank {} is outside the {} local ranks", what, info.local_rank,
+      info.local_world_size);
+}
+
+void read_master(const EnvReader& env, LaunchInfo& info, const char* what) {
+  info.master_addr = env.str("MASTER_ADDR");
+  info.master_port =
+      env.integer("MASTER_PORT", info.world_size == 1 ? std::optional<int>(0) : std::nullopt, what);
+  if (info.master_addr.empty()) {
+    PARALLAX_CHECK(info.world_size == 1, CommError,
+                   "{} launch without MPI: MASTER_ADDR is not set (rank {} of {} needs the address "
+                   "of rank 0's "
+                   "TCPStore; set MASTER_ADDR and MASTER_PORT)",
+                   what, info.rank, info.world_size);
+    info.master_addr = "127.0.0.1";
+  }
+  PARALLAX_CHECK(info.master_port >= 0 && info.master_port < 65536, CommError,
+                 "{} launch: MASTER_PORT={} is not a TCP port", what, info.master_port);
+}
+
+}  // namespace
+
+LaunchInfo detect_launch(const GetEnv& getenv) {
+  EnvReader env(getenv);
+  LaunchInfo info;
+  if (env.has("OMPI_COMM_WORLD_SIZE")) {
+    const char* w = "OpenMPI";
+    info.launcher = Launcher::kOpenMpi;
+    info.world_size = env.integer("OMPI_COMM_WORLD_SIZE", std::nullopt, w);
+    info.rank = env.integer("OMPI_COMM_WORLD_RANK", std::nullopt, w);
+    info.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, w);
+    info.local_world_size = env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, w);
+    info.use_mpi = true;
+    validate(info, w);
+    return info;
+  }
+  if (env.has("RANK") && env.has("WORLD_SIZE")) {
+    const char* w = "torchrun";
+    info.launcher = Launcher::kTorchrun;
+    info.rank = env.integer("RANK", std::nullopt, w);
+    info.world_size = env.integer("WORLD_SIZE", std::nullopt, w);
+    info.local_rank = env.integer("LOCAL_RANK", info.rank, w);
+    info.local_world_size = env.integer("LOCAL_WORLD_SIZE", info.world_size, w);
+    info.use_mpi = false;
+    info.agent_store = env.str("TORCHELASTIC_USE_AGENT_STORE") == "True";
+    read_master(env, info, w);
+    validate(info, w);
+    return info;
+  }
+  if (env.has("SLURM_PROCID") && env.has("SLURM_NTASKS")) {
+    const char* w = "Slurm";
+    info.launcher = Launcher::kSlurm;
+    info.rank = env.integer("SLURM_PROCID", std::nullopt, w);
+    info.world_size = env.integer("SLURM_NTASKS", std::nullopt, w);
+    info.local_rank = env.integer("SLURM_LOCALID", 0, w);
+    // SLURM_NTASKS_PER_NODE can read "4" or "4(x2)"; SLURM_STEP_TASKS_PER_NODE likewise.
+    std::string per_node = env.str("SLURM_NTASKS_PER_NODE", env.str("SLURM_STEP_TASKS_PER_NODE"));
+    info.local_world_size = std::max(1, info.local_rank + 1);
+    if (!per_node.empty()) {
+      int n = 0;
+      auto [ptr, ec] = std::from_chars(per_node.data(), per_node.data() + per_node.size(), n);
+      if (ec == std::errc() && n > info.local_rank) info.local_world_size = n;
+    }
+    info.use_mpi = env.has("PMIX_RANK") || env.has("PMI_RANK");
+    if (!info.use_mpi) read_master(env, info, w);
+    validate(info, w);
+    return info;
+  }
+  info.launcher = Launcher::kSingle;
+  info.use_mpi = env.str("PARALLAX_MPI", "1") != "0";
+  return info;
+}
+
+// ---- SeqBoard --------------------------------------------------------------------------------
+
+namespace detail {
+
+SeqBoard::SeqBoard(const c10::intrusive_ptr<c10d::Store>& store, int world_rank)
+    : reader_(store), world_rank_(world_rank) {
+  try {
+    writer_ = store->clone();
+  } catch (const std::exception& e) {
+    core::log::debug("seq board: store clone failed ({}); sharing the connection", e.what());
+    writer_ = store;
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+SeqBoard::~SeqBoard() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::string SeqBoard::key(const std::string& uid, int rank) {
+  return fmt::format("pxc/seq/{}/{}", uid, rank);
+}
+
+void SeqBoard::publish(const std::string& uid, uint64_t seq, std::function<std::string()> summary) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (broken_) return;
+  pending_[key(uid, world_rank_)] = Update{seq, std::move(summary)};
+}
+
+void SeqBoard::publish_now(const std::string& uid, uint64_t seq, const std::string& summary) {
+  const std::string v = fmt::format("{}|{}", seq, summary);
+  std::lock_guard<std::mutex> lock(reader_mu_);
+  reader_->set(key(uid, world_rank_), std::vector<uint8_t>(v.begin(), v.end()));
+}
+
+void SeqBoard::flush() {
+  std::unique_lock<std::mutex> lock(mu_);
+  flush_requested_ = true;
+  cv_.notify_all();
+  cv_.wait_for(lock, std::chrono::seconds(2),
+               [this] { return (pending_.empty() && !writing_) || broken_ || stop_; });
+}
+
+std::map<int, SeqBoard::PeerState> SeqBoard::read(const std::string& uid,
+                                                  const std::vector<int>& world_ranks) {
+  std::map<int, PeerState> out;
+  std::lock_guard<std::mutex> lock(reader_mu_);
+  for (int r : world_ranks) {
+    PeerState s;
+    const std::string k = key(uid, r);
+    if (reader_->check({k})) {
+      auto v = reader_->get(k);
+      std::string text(v.begin(), v.end());
+      auto bar = text.find('|');
+      s.known = true;
+      s.seq = std::strtoull(text.substr(0, bar).c_str(), nullptr, 10);
+      s.summary = bar == std::string::npos ? "" : text.substr(bar + 1);
+    }
+    out[r] = s;
+  }
+  return out;
+}
+
+void SeqBoard::run() {
+  // Wakes every kFlushInterval (or on flush()/stop) and writes the newest update of each group.
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait_for(lock, kFlushInterval, [this] { return stop_ || flush_requested_; });
+    flush_requested_ = false;
+    if (pending_.empty()) {
+      if (stop_) break;
+      cv_.notify_all();
+      continue;
+    }
+    std::map<std::string, Update> batch;
+    batch.swap(pending_);
+    writing_ = true;
+    lock.unlock();
+    bool ok = true;
+    std::string err;
+    try {
+      for (auto& [k, u] : batch) {
+        const std::string v = fmt::format("{}|{}", u.seq, u.summary ? u.summary() : std::string());
+        writer_->set(k, std::vector<uint8_t>(v.begin(), v.end()));
+      }
+    } catch (const std::exception& e) {
+      ok = false;
+      err = e.what();
+    }
+    lock.lock();
+    writing_ = false;
+    if (!ok && !broken_) {
+      broken_ = true;
+      pending_.clear();
+      core::log::warn("hang-report store unreachable, sequence numbers are no longer published: {}",
+                      err.substr(0, 200));
+    }
+    cv_.notify_all();
+    if (stop_ && pending_.empty()) break;
+  }
+}
+
+// ---- WorldContext ----------------------------------------------------------------------------
+
+void WorldContext::register_comm(CommBase* comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  comms_.push_back(comm);
+}
+
+void WorldContext::unregister_comm(CommBase* comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  comms_.erase(std::remove(comms_.begin(), comms_.end(), comm), comms_.end());
+}
+
+std::string WorldContext::flight_json(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out = fmt::format(
+      "{{\n\"rank\": {}, \"world_size\": {}, \"time\": {:.6f},\n\"reason\": \"{}\",\n"
+      "\"communicators\": [",
+      rank, size, wall_seconds(), json_escape(reason));
+  for (size_t i = 0; i < comms_.size(); ++i) {
+    CommBase* c = comms_[i];
+    out += fmt::format(
+        "{}\n {{\"name\": \"{}\", \"uid\": \"{}\", \"backend\": \"{}\", \"rank\": {}, \"size\": "
+        "{}, "
+        "\"world_ranks\": [{}], \"aborted\": {},\n  \"entries\": {}}}",
+        i ? "," : "", c->name(), c->uid(), c->backend(), c->rank(), c->size(),
+        fmt::join(c->world_ranks(), ", "), c->aborted() ? "true" : "false",
+        to_json(c->flight_entries()));
+  }
+  out += "\n]\n}\n";
+  return out;
+}
+
+void WorldContext::release_all() {
+  std::vector<CommBase*> comms;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    comms = comms_;
+  }
+  if (!comms.empty()) {
+    core::log::debug("world shutdown: releasing {} communicator(s) still alive", comms.size());
+  }
+  for (CommBase* c : comms) c->release_backend();
+}
+
+void WorldContext::add_progressable(const std::shared_ptr<Progressable>& p) {
+  std::lock_guard<std::mutex> lock(progress_mu_);
+  progress_.push_back(p);
+}
+
+void WorldContext::progress_all() {
+  std::vector<std::shared_ptr<Progressable>> live;
+  {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    if (progress_.empty()) return;
+    live.reserve(progress_.size());
+    for (auto& w : progress_) {
+      if (auto p = w.lock()) live.push_back(std::move(p));
+    }
+  }
+  std::vector<Progressable*> finished;
+  for (auto& p : live) {
+    if (p->progress_noexcept()) finished.push_back(p.get());
+  }
+  std::lock_guard<std::mutex> lock(progress_mu_);
+  progress_.erase(std::remove_if(progress_.begin(), progress_.end(),
+                                 [&](const std::weak_ptr<Progressable>& w) {
+                                   auto p = w.lock();
+                                   return !p || std::find(finished.begin(), finished.end(),
+                                                          p.get()) != finished.end();
+                                 }),
+                  progress_.end());
+}
+
+void WorldContext::bury(std::shared_ptr<void> keep_alive) {
+  if (!keep_alive) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  graveyard_.push_back(std::move(keep_alive));
+}
+
+std::string WorldContext::next_world_uid(const std::string& backend) {
+  std::lock_guard<std::mutex> lock(mu_);
+  int n = world_counts_[backend]++;
+  return fmt::format("world.{}.{}", backend, n);
+}
+
+namespace {
+
+// Polls an MPI request until done or `timeout_s` passes (CommError naming `what`).
+void mpi_wait_for(MPI_Request* req, double timeout_s, const std::string& what) {
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout_s));
+  int done = 0;
+  int spins = 0;
+  while (true) {
+    MPI_Test(req, &done, MPI_STATUS_IGNORE);
+    if (done) return;
+    if (Clock::now() > deadline) {
+      throw_error<TimeoutError>(
+          "{} timed out after {:.1f} s (init timeout): not every rank arrived", what, timeout_s);
+    }
+    if (++spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+}  // namespace
+
+std::vector<uint8_t> WorldContext::broadcast_from_root(std::vector<uint8_t> bytes,
+                                                       const std::string& key, double timeout_s) {
+  if (size == 1) return bytes;
+  if (mpi) {
+    int64_t n = static_cast<int64_t>(bytes.size());
+    MPI_Request req;
+    MPI_Ibcast(&n, 1, MPI_INT64_T, 0, MPI_COMM_WORLD, &req);
+    mpi_wait_for(&req, timeout_s, fmt::format("broadcast of '{}' from rank 0", key));
+    bytes.resize(static_cast<size_t>(n));
+    MPI_Ibcast(bytes.data(), static_cast<int>(n), MPI_BYTE, 0, MPI_COMM_WORLD, &req);
+    mpi_wait_for(&req, timeout_s, fmt::format("broadcast of '{}' from rank 0", key));
+    return bytes;
+  }
+  PARALLAX_CHECK(store, CommError, "rank {}: no MPI and no store to share '{}' from rank 0", rank,
+                 key);
+  const std::string k = "pxc/bcast/" + key;
+  if (rank == 0) {
+    store->set(k, bytes);
+    return bytes;
+  }
+  try {
+    store->wait({k}, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  } catch (const std::exception& e) {
+    throw_error<TimeoutError>(
+        "rank {}: waiting for '{}' from rank 0 through the store timed out after {:.1f} s: {}",
+        rank, key, timeout_s, e.what());
+  }
+  return store->get(k);
+}
+
+}  // namespace detail
+
+// ---- World -----------------------------------------------------------------------------------
+
+namespace {
+
+World* g_world = nullptr;
+
+std::string host_name() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
+  return buf;
+}
+
+std::chrono::milliseconds ms(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+c10::intrusive_ptr<c10d::Store> make_store(detail::WorldContext& ctx) {
+  const LaunchInfo& l = ctx.launch;
+  c10d::TCPStoreOptions o;
+  o.timeout = ms(ctx.init_timeout_s);
+  o.waitWorkers = false;
+  o.numWorkers = static_cast<size_t>(ctx.size);
+  if (!ctx.mpi && l.launcher != Launcher::kSingle) {
+    // torchrun style: rank 0 hosts the store at MASTER_ADDR:MASTER_PORT (or the agent does).
+    o.port = static_cast<uint16_t>(l.master_port);
+    o.isServer = ctx.rank == 0 && !l.agent_store;
+    try {
+      return c10::make_intrusive<c10d::TCPStore>(l.master_addr, o);
+    } catch (const std::exception& e) {
+      throw_error<CommError>(
+          "rank {}: cannot {} the TCPStore at {}:{} within {:.0f} s (init timeout): {}", ctx.rank,
+          o.isServer ? "host" : "reach", l.master_addr, l.master_port, ctx.init_timeout_s,
+          std::string(e.what()).substr(0, 300));
+    }
+  }
+  // MPI (or a single process): rank 0 hosts the store, its address travels through MPI.
+  std::string advertised;
+  const std::string me = host_name();
+  if (const char* a = std::getenv("PARALLAX_STORE_ADDR"); a && *a) {
+    advertised = a;
+  } else if (const char* m = std::getenv("MASTER_ADDR"); m && *m) {
+    advertised = m;
+  } else {
+    advertised = me;
+  }
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string msg;
+  if (ctx.rank == 0) {
+    o.isServer = true;
+    o.port = 0;
+    if (const char* p = std::getenv("PARALLAX_STORE_PORT"); p && *p)
+      o.port = static_cast<uint16_t>(std::atoi(p));
+    try {
+      auto tcp = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+      msg = fmt::format("{}\n{}\n{}", advertised, tcp->getPort(), me);
+      store = tcp;
+    } catch (const std::exception& e) {
+      msg = fmt::format("!{}", std::string(e.what()).substr(0, 300));
+    }
+  }
+  std::vector<uint8_t> bytes(msg.begin(), msg.end());
+  bytes = ctx.broadcast_from_root(std::move(bytes), "store", ctx.init_timeout_s);
+  msg.assign(bytes.begin(), bytes.end());
+  if (!msg.empty() && msg[0] == '!')
+    throw_error<CommError>("rank 0 could not host the TCPStore: {}", msg.substr(1));
+  if (ctx.rank == 0) return store;
+  auto parts = std::vector<std::string>();
+  size_t start = 0;
+  for (size_t i = 0; i <= msg.size(); ++i) {
+    if (i == msg.size() || msg[i] == '\n') {
+      parts.push_back(msg.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  PARALLAX_CHECK(parts.size() == 3, CommError, "rank {}: malformed store address '{}' from rank 0",
+                 ctx.rank, msg);
+  const std::string addr = parts[2] == me ? std::string("127.0.0.1") : parts[0];
+  o.isServer = false;
+  o.port = static_cast<uint16_t>(std::atoi(parts[1].c_str()));
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(addr, o);
+  } catch (const std::exception& e) {
+    throw_error<CommError>(
+        "rank {}: cannot reach rank 0's TCPStore at {}:{} within {:.0f} s (set PARALLAX_STORE_ADDR "
+        "to an address of rank 0's host reachable from here): {}",
+        ctx.rank, addr, o.port, ctx.init_timeout_s, std::string(e.what()).substr(0, 300));
+  }
+}
+
+}  // namespace
+
+World::World(WorldOptions options) : ctx_(std::make_shared<detail::WorldContext>()) {
+  PARALLAX_CHECK(g_world == nullptr, CommError,
+                 "a parallax World already exists in this process (create one, in main)");
+  auto& c = *ctx_;
+  c.launch = detect_launch();
+  c.init_timeout_s = options.init_timeout_s;
+  c.rank = c.launch.rank;
+  c.size = c.launch.world_size;
+  if (c.launch.use_mpi) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+      int provided = 0;
+      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      c.mpi_owned = true;
+      if (provided < MPI_THREAD_SERIALIZED) {
+        MPI_Finalize();
+        throw_error<CommError>(
+            "MPI provides thread level {} but Parallax needs at least MPI_THREAD_SERIALIZED",
+            provided);
+      }
+    }
+    c.mpi = true;
+    int r = 0, n = 1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    if (c.launch.launcher != Launcher::kSingle && (r != c.rank || n != c.size)) {
+      if (c.mpi_owned) MPI_Finalize();
+      throw_error<CommError>("{} says rank {}/{} but MPI says rank {}/{}", c.launch.describe(),
+                             c.rank, c.size, r, n);
+    }
+    c.rank = r;
+    c.size = n;
+    c.launch.rank = r;
+    c.launch.world_size = n;
+  }
+  core::log::set_rank(c.rank, c.size);
+
+  if (at::hasCUDA()) {
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    c.cuda_devices = impl.deviceCount();
+    if (c.cuda_devices > 0) {
+      c.device = c10::Device(c10::DeviceType::CUDA,
+                             static_cast<c10::DeviceIndex>(c.launch.local_rank % c.cuda_devices));
+      if (options.set_device) impl.setDevice(*c.device);
+    }
+  }
+
+  if (options.store) {
+    try {
+      c.store = make_store(c);
+      c.board = std::make_unique<detail::SeqBoard>(c.store, c.rank);
+    } catch (const Error& e) {
+      if (!c.mpi) {
+        if (c.mpi_owned) MPI_Finalize();
+        throw;
+      }
+      // Under MPI the store only serves hang reports (and gloo/NCCL ids, which then use MPI).
+      core::log::warn("no out-of-band store, hang reports will not name missing ranks: {}",
+                      e.what());
+      c.store.reset();
+    }
+  }
+  g_world = this;
+  core::log::debug("world: {}", c.launch.describe());
+}
+
+World::~World() {
+  auto& c = *ctx_;
+  c.shut_down = true;
+  c.release_all();
+  c.board.reset();
+  const bool failed = c.failed.load();
+  if (!failed && c.size > 1) {
+    // Exit barrier: rank 0 hosts the store; it must outlive every other rank's use of it.
+    try {
+      if (c.mpi) {
+        MPI_Request req;
+        MPI_Ibarrier(MPI_COMM_WORLD, &req);
+        detail::mpi_wait_for(&req, c.init_timeout_s, "world shutdown barrier");
+      } else if (c.store) {
+        // Two phases: everyone arrives, then everyone but rank 0 acknowledges having seen that, so
+        // rank 0 (the store's host) is the last to stop using the store.
+        const auto deadline =
+            detail::Clock::now() + std::chrono::seconds(static_cast<int64_t>(c.init_timeout_s));
+        c.store->add("pxc/exit", 1);
+        while (c.store->add("pxc/exit", 0) < c.size && detail::Clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        }
+        if (c.rank != 0) {
+          c.store->add("pxc/exit_ack", 1);
+        } else {
+          while (c.store->add("pxc/exit_ack", 0) < c.size - 1 && detail::Clock::now() < deadline) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          }
+        }
+      }
+    } catch (const std::exception& e) {
+      core::log::warn("world shutdown barrier failed: {}", e.what());
+    }
+  }
+  c.store.reset();
+  if (c.mpi_owned) {
+    if (failed) {
+      core::log::error(
+          "a communicator timed out or failed on this rank: not finalising MPI (a peer may be "
+          "stuck "
+          "inside a collective); the launcher will terminate the job");
+    } else {
+      MPI_Finalize();
+    }
+  }
+  g_world = nullptr;
+}
+
+World& World::current() {
+  PARALLAX_CHECK(g_world != nullptr, CommError,
+                 "no parallax World in this process: create parallax::parallel::comm::World at the "
+                 "top of main()");
+  return *g_world;
+}
+
+bool World::exists() {
+  return g_world != nullptr;
+}
+int World::rank() const {
+  return ctx_->rank;
+}
+int World::size() const {
+  return ctx_->size;
+}
+int World::local_rank() const {
+  return ctx_->launch.local_rank;
+}
+const LaunchInfo& World::launch() const {
+  return ctx_->launch;
+}
+bool World::has_mpi() const {
+  return ctx_->mpi;
+}
+std::optional<c10::Device> World::device() const {
+  return ctx_->device;
+}
+int World::cuda_device_count() const {
+  return ctx_->cuda_devices;
+}
+c10::intrusive_ptr<c10d::Store> World::store() const {
+  return ctx_->store;
+}
+bool World::comm_failed() const {
+  return ctx_->failed.load();
+}
+
+void World::abort(int code) {
+  std::fflush(nullptr);
+  if (ctx_->mpi) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+}  // namespace parallax::parallel::comm
