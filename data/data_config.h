@@ -1,11 +1,41 @@
-// The `data` config section: where the dataset lives and how it is loaded.
+// The `data` config section: where the dataset lives and how it is loaded and augmented.
 #pragma once
 
 #include "core/config.h"
 
 #include <string>
+#include <vector>
 
 namespace parallax::data {
+
+// `data.aug`: training-time augmentation (data/augment.h has the exact definitions).
+struct AugConfig {
+  bool photometric = true;
+  double brightness = 0.2;
+  double contrast = 0.2;
+  double saturation = 0.2;
+  double hue_deg = 8.0;
+  bool geometric = true;
+  std::vector<double> resize = {0.94, 1.12};
+  double rotate_deg = 10.0;
+  bool flip_y = true;
+
+  template <class V>
+  void visit(V& v) {
+    v("photometric", photometric, "per-camera brightness/contrast/saturation/hue jitter");
+    v("brightness", brightness, "brightness factor range 1 +- b", core::Check::between(0, 1));
+    v("contrast", contrast, "contrast factor range 1 +- c", core::Check::between(0, 1));
+    v("saturation", saturation, "saturation factor range 1 +- s", core::Check::between(0, 1));
+    v("hue_deg", hue_deg, "hue rotation range +- degrees", core::Check::between(0, 180));
+    v("geometric", geometric,
+      "image resize+crop (updates K) and BEV rotation/flip (updates cam_to_ego, labels)");
+    v("resize", resize, "image scale range [min, max] before cropping back to the original size",
+      core::Check::between(0.25, 4));
+    v("rotate_deg", rotate_deg, "BEV rotation about z, uniform in +- degrees",
+      core::Check::between(0, 180));
+    v("flip_y", flip_y, "BEV flip y -> -y with probability 1/2 (needs a grid symmetric in y)");
+  }
+};
 
 struct DataConfig {
   std::string path = "datasets/synth";
@@ -16,17 +46,31 @@ struct DataConfig {
   bool shuffle = true;
   bool drop_last = true;
   bool augment = true;
+  std::string train_split = "train";
+  std::string val_split = "val";
+  bool pin_memory = true;
+  int max_boxes = 64;
+  AugConfig aug;
 
   template <class V>
   void visit(V& v) {
     v("path", path, "dataset folder (HDF5 shards + dataset.json)");
     v("synthetic", synthetic, "random in-memory batches of the right shapes (benchmarks; no I/O)");
-    v("batch_size", batch_size, "samples per step on each data-parallel rank", core::Check::at_least(1));
-    v("num_workers", num_workers, "loader threads reading and decoding ahead", core::Check::at_least(0));
+    v("batch_size", batch_size, "samples per step on each data-parallel rank",
+      core::Check::at_least(1));
+    v("num_workers", num_workers, "loader threads reading and decoding ahead",
+      core::Check::at_least(0));
     v("prefetch", prefetch, "batches kept ready ahead of the trainer", core::Check::at_least(1));
     v("shuffle", shuffle, "reshuffle every epoch (deterministic by seed and epoch)");
     v("drop_last", drop_last, "drop the last incomplete batch of an epoch");
     v("augment", augment, "photometric and geometric augmentation (train split only)");
+    v("train_split", train_split, "split of the dataset used for training");
+    v("val_split", val_split, "split of the dataset used for evaluation");
+    v("pin_memory", pin_memory, "batches in pinned host memory when CUDA is available");
+    v("max_boxes", max_boxes,
+      "boxes per sample after padding (extra boxes, least visible first, dropped)",
+      core::Check::at_least(1));
+    v("aug", aug);
   }
 };
 

@@ -1,0 +1,127 @@
+// Data layer benchmarks; one JSON line per configuration on stdout.
+//
+//   data_bench datagen --out DIR [--scenes N] [--threads T] [--cameras 6 --height 128 --width 224]
+//       generates N train scenes (no val) and reports scenes/s and bytes written;
+//   data_bench loader --data DIR [--split train] [--workers 1,2] [--batch-size 4] [--batches 40]
+//                     [--augment 1] [--repeats 3]
+//       times the loader (read + decode + augment + collate) per worker count after a warm-up and
+//       reports the median over repeats of scenes/s.
+#include "core/log.h"
+#include "core/strings.h"
+#include "core/timer.h"
+#include "data/datagen.h"
+#include "data/dataset.h"
+#include "data/hdf5_util.h"
+#include "data/loader.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace parallax;
+
+namespace {
+
+std::map<std::string, std::string> parse(int argc, char** argv) {
+  std::map<std::string, std::string> m;
+  for (int i = 2; i + 1 < argc; i += 2) {
+    std::string k = argv[i];
+    if (k.rfind("--", 0) != 0) throw std::runtime_error("expected --key value, got " + k);
+    m[k.substr(2)] = argv[i + 1];
+  }
+  return m;
+}
+
+std::string get(const std::map<std::string, std::string>& m, const std::string& k,
+                const std::string& d) {
+  const auto it = m.find(k);
+  return it == m.end() ? d : it->second;
+}
+
+int bench_datagen(const std::map<std::string, std::string>& a) {
+  data::DatagenOptions o;
+  o.out = get(a, "out", "");
+  if (o.out.empty()) throw std::runtime_error("datagen: --out DIR is required");
+  o.train_scenes = std::stoll(get(a, "scenes", "40"));
+  o.val_scenes = 0;
+  o.threads = std::stoi(get(a, "threads", "2"));
+  o.gen.cameras = std::stoi(get(a, "cameras", "6"));
+  o.gen.height = std::stoi(get(a, "height", "128"));
+  o.gen.width = std::stoi(get(a, "width", "224"));
+  o.gen.samples_per_pixel = std::stoi(get(a, "samples-per-pixel", "4"));
+  o.compression = std::stoi(get(a, "compression", "1"));
+  o.overwrite = true;
+  o.progress_interval_s = 1e9;
+  const auto s = data::generate_dataset(o);
+  std::printf(
+      "{\"bench\": \"datagen\", \"scenes\": %lld, \"threads\": %d, \"cameras\": %d, \"height\": "
+      "%d, "
+      "\"width\": %d, \"samples_per_pixel\": %d, \"compression\": %d, \"seconds\": %.3f, "
+      "\"scenes_per_s\": %.3f, \"bytes_per_scene\": %lld, \"hardware_threads\": %u}\n",
+      static_cast<long long>(o.train_scenes), o.threads, o.gen.cameras, o.gen.height, o.gen.width,
+      o.gen.samples_per_pixel, o.compression, s.seconds, o.train_scenes / s.seconds,
+      static_cast<long long>(s.bytes / o.train_scenes), std::thread::hardware_concurrency());
+  return 0;
+}
+
+int bench_loader(const std::map<std::string, std::string>& a) {
+  const std::string dir = get(a, "data", "");
+  if (dir.empty()) throw std::runtime_error("loader: --data DIR is required");
+  const auto ds = data::Dataset::open(dir, get(a, "split", "train"));
+  const int64_t batch = std::stoll(get(a, "batch-size", "4"));
+  const int batches = std::stoi(get(a, "batches", "40"));
+  const int repeats = std::stoi(get(a, "repeats", "3"));
+  const bool augment = get(a, "augment", "1") == "1";
+  for (const auto& w : core::split(get(a, "workers", "1,2"), ',')) {
+    const int workers = std::stoi(w);
+    std::vector<double> rates;
+    for (int r = 0; r < repeats; ++r) {
+      data::LoaderOptions o;
+      o.batch_size = batch;
+      o.num_workers = workers;
+      o.prefetch = 4;
+      o.augment = augment;
+      o.seed = static_cast<uint64_t>(r);
+      data::DataLoader loader(ds, o);
+      for (int i = 0; i < 3; ++i) loader.next();  // warm-up: workers started, caches warm
+      core::Stopwatch sw;
+      for (int i = 0; i < batches; ++i) loader.next();
+      rates.push_back(static_cast<double>(batches * batch) / sw.elapsed_s());
+    }
+    std::sort(rates.begin(), rates.end());
+    std::printf(
+        "{\"bench\": \"loader\", \"workers\": %d, \"batch_size\": %lld, \"batches\": %d, "
+        "\"augment\": %s, "
+        "\"repeats\": %d, \"scenes_per_s_median\": %.2f, \"scenes_per_s_min\": %.2f, "
+        "\"scenes_per_s_max\": %.2f, \"cameras\": %lld, \"height\": %lld, \"width\": %lld, "
+        "\"hdf5_threadsafe\": %s, \"hardware_threads\": %u}\n",
+        workers, static_cast<long long>(batch), batches, augment ? "true" : "false", repeats,
+        rates[rates.size() / 2], rates.front(), rates.back(),
+        static_cast<long long>(ds->info().cameras), static_cast<long long>(ds->info().image_height),
+        static_cast<long long>(ds->info().image_width),
+        data::h5::library_threadsafe() ? "true" : "false", std::thread::hardware_concurrency());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const std::string mode = argc > 1 ? argv[1] : "";
+    if (mode == "datagen") return bench_datagen(parse(argc, argv));
+    if (mode == "loader") return bench_loader(parse(argc, argv));
+    std::fprintf(stderr,
+                 "usage: data_bench datagen|loader [--key value ...] (see the file comment)\n");
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "data_bench: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,280 @@
+#include "data/loader.h"
+
+#include "core/error.h"
+#include "core/log.h"
+
+#include <ATen/Context.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+namespace parallax::data {
+namespace {
+
+at::Tensor alloc(at::IntArrayRef sizes, at::ScalarType dtype, bool pin) {
+  return at::empty(sizes, at::TensorOptions().dtype(dtype).pinned_memory(pin));
+}
+
+// Keeps at most `max` boxes, the most visible first (ties: the stored order), in stored order.
+std::vector<int64_t> select_boxes(const at::Tensor& boxes, int64_t max) {
+  const int64_t K = boxes.size(0);
+  std::vector<int64_t> keep(static_cast<size_t>(K));
+  std::iota(keep.begin(), keep.end(), 0);
+  if (K <= max) return keep;
+  const float* b = boxes.data_ptr<float>();
+  std::stable_sort(keep.begin(), keep.end(), [&](int64_t a, int64_t c) {
+    return b[a * kBoxColumns + kBoxVisibility] > b[c * kBoxColumns + kBoxVisibility];
+  });
+  keep.resize(static_cast<size_t>(max));
+  std::sort(keep.begin(), keep.end());
+  return keep;
+}
+
+}  // namespace
+
+LoaderOptions LoaderOptions::from_config(const DataConfig& cfg, uint64_t seed, int rank, int world,
+                                         bool training) {
+  LoaderOptions o;
+  o.batch_size = cfg.batch_size;
+  o.num_workers = cfg.num_workers;
+  o.prefetch = cfg.prefetch;
+  o.pin_memory = cfg.pin_memory;
+  o.max_boxes = cfg.max_boxes;
+  o.seed = seed;
+  o.rank = rank;
+  o.world = world;
+  if (training) {
+    o.shuffle = cfg.shuffle;
+    o.drop_last = cfg.drop_last;
+    o.repeat = true;
+    o.augment = cfg.augment;
+  } else {
+    o.shuffle = false;
+    o.drop_last = false;
+    o.repeat = false;
+    o.augment = false;
+  }
+  if (cfg.aug.resize.size() != 2 || cfg.aug.resize[0] > cfg.aug.resize[1]) {
+    throw_error<ConfigError>("key 'data.aug.resize' must be [min, max] with min <= max, got [{}]",
+                             fmt::join(cfg.aug.resize, ", "));
+  }
+  o.aug.photometric = cfg.aug.photometric;
+  o.aug.brightness = cfg.aug.brightness;
+  o.aug.contrast = cfg.aug.contrast;
+  o.aug.saturation = cfg.aug.saturation;
+  o.aug.hue_deg = cfg.aug.hue_deg;
+  o.aug.geometric = cfg.aug.geometric;
+  o.aug.resize_min = cfg.aug.resize[0];
+  o.aug.resize_max = cfg.aug.resize[1];
+  o.aug.rotate_deg = cfg.aug.rotate_deg;
+  o.aug.flip_y = cfg.aug.flip_y;
+  return o;
+}
+
+DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, LoaderOptions opts,
+                       LoaderState start)
+    : dataset_(std::move(dataset)),
+      opts_(std::move(opts)),
+      sampler_(dataset_->size(), opts_.rank, opts_.world, opts_.shuffle, opts_.seed) {
+  const std::string what =
+      fmt::format("loader for split '{}' of '{}' (rank {} of {})", dataset_->split(),
+                  dataset_->info().dir, opts_.rank, opts_.world);
+  if (opts_.batch_size < 1 || opts_.prefetch < 1 || opts_.num_workers < 0 || opts_.max_boxes < 1) {
+    throw_error<DataError>(
+        "{}: batch_size, prefetch and max_boxes must be >= 1 and num_workers >= 0", what);
+  }
+  batches_per_epoch_ = sampler_.num_batches(opts_.batch_size, opts_.drop_last);
+  samples_per_epoch_ = sampler_.samples_used(opts_.batch_size, opts_.drop_last);
+  if (opts_.repeat && batches_per_epoch_ == 0) {
+    throw_error<DataError>(
+        "{}: the split has {} scenes, not one full batch of {} per rank for {} ranks", what,
+        dataset_->size(), opts_.batch_size, opts_.world);
+  }
+  const auto& g = dataset_->info().bev;
+  if (opts_.augment && opts_.aug.geometric && opts_.aug.flip_y &&
+      std::abs(g.y_min + g.y_max) > 1e-9) {
+    throw_error<DataError>("{}: data.aug.flip_y needs a BEV grid symmetric in y, got y in [{}, {}]",
+                           what, g.y_min, g.y_max);
+  }
+  if (start.epoch < 0 || start.position < 0 || start.position > samples_per_epoch_) {
+    throw_error<DataError>(
+        "{}: loader state (epoch {}, position {}) is outside an epoch of {} samples", what,
+        start.epoch, start.position, samples_per_epoch_);
+  }
+  pin_ = opts_.pin_memory && at::hasCUDA();
+  box_to_bev_ = box_to_bev_classes(dataset_->info());
+  cursor_ = start;
+  consumed_ = start;
+  end_epoch_ = opts_.repeat ? std::numeric_limits<int64_t>::max() : start.epoch + 1;
+  for (int i = 0; i < opts_.num_workers; ++i) workers_.emplace_back([this] { worker(); });
+}
+
+DataLoader::~DataLoader() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_work_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+std::optional<DataLoader::Plan> DataLoader::plan_next() {
+  const int64_t B = opts_.batch_size;
+  for (;;) {
+    if (cursor_.epoch >= end_epoch_) return std::nullopt;
+    const int64_t left = samples_per_epoch_ - cursor_.position;
+    if (left <= 0 || (opts_.drop_last && left < B)) {
+      cursor_ = {cursor_.epoch + 1, 0};
+      continue;
+    }
+    if (cached_epoch_ != cursor_.epoch) {
+      cached_indices_ = sampler_.indices(cursor_.epoch);
+      cached_epoch_ = cursor_.epoch;
+    }
+    Plan p;
+    p.epoch = cursor_.epoch;
+    const int64_t take = std::min(B, left);
+    const auto first = cached_indices_.begin() + cursor_.position;
+    p.scenes.assign(first, first + take);
+    cursor_.position += take;
+    const int64_t rest = samples_per_epoch_ - cursor_.position;
+    if (rest <= 0 || (opts_.drop_last && rest < B)) cursor_ = {cursor_.epoch + 1, 0};
+    p.after = cursor_;
+    return p;
+  }
+}
+
+core::TensorDict DataLoader::build(const Plan& plan) const {
+  const DatasetInfo& info = dataset_->info();
+  const auto B = static_cast<int64_t>(plan.scenes.size());
+  const int64_t N = info.cameras, H = info.image_height, W = info.image_width;
+  const int64_t X = info.bev.x_cells(), Y = info.bev.y_cells(), M = opts_.max_boxes;
+  core::TensorDict out;
+  at::Tensor images = alloc({B, N, H, W, 3}, at::kByte, pin_);
+  at::Tensor intr = alloc({B, N, 3, 3}, at::kFloat, pin_);
+  at::Tensor c2e = alloc({B, N, 4, 4}, at::kFloat, pin_);
+  at::Tensor bev = alloc({B, X, Y}, at::kLong, pin_);
+  at::Tensor boxes = alloc({B, M, kBoxColumns}, at::kFloat, pin_);
+  at::Tensor index = alloc({B}, at::kLong, pin_);
+  float* boxes_p = boxes.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t scene = plan.scenes[static_cast<size_t>(b)];
+    SceneRecord rec = dataset_->read(scene);
+    if (opts_.augment) {
+      rec = apply_augment(rec, draw_augment(opts_.aug, N, H, W, opts_.seed, plan.epoch, scene),
+                          info.bev, box_to_bev_);
+    }
+    std::memcpy(images.data_ptr<uint8_t>() + b * N * H * W * 3,
+                rec.images.contiguous().data_ptr<uint8_t>(), static_cast<size_t>(N * H * W * 3));
+    std::memcpy(intr.data_ptr<float>() + b * N * 9, rec.intrinsics.contiguous().data_ptr<float>(),
+                static_cast<size_t>(N * 9) * 4);
+    std::memcpy(c2e.data_ptr<float>() + b * N * 16, rec.cam_to_ego.contiguous().data_ptr<float>(),
+                static_cast<size_t>(N * 16) * 4);
+    const at::Tensor sem = rec.bev_semantics.contiguous();
+    const uint8_t* s = sem.data_ptr<uint8_t>();
+    int64_t* d = bev.data_ptr<int64_t>() + b * X * Y;
+    for (int64_t i = 0; i < X * Y; ++i) d[i] = s[i];
+    const at::Tensor bx = rec.boxes.contiguous();
+    const auto keep = select_boxes(bx, M);
+    if (static_cast<int64_t>(keep.size()) < bx.size(0)) {
+      if (!warned_boxes_.exchange(true)) {
+        core::log::warn(
+            "{}: {} boxes, more than data.max_boxes = {}; keeping the most visible (warned once)",
+            dataset_->shard_of(scene).where(scene), bx.size(0), M);
+      }
+    }
+    float* rows = boxes_p + b * M * kBoxColumns;
+    std::fill(rows, rows + M * kBoxColumns, 0.0f);
+    for (int64_t k = 0; k < M; ++k) rows[k * kBoxColumns + kBoxClass] = -1.0f;
+    for (size_t k = 0; k < keep.size(); ++k) {
+      std::memcpy(rows + static_cast<int64_t>(k) * kBoxColumns,
+                  bx.data_ptr<float>() + keep[k] * kBoxColumns, sizeof(float) * kBoxColumns);
+    }
+    index.data_ptr<int64_t>()[b] = scene;
+  }
+  out.emplace("images", images);
+  out.emplace("intrinsics", intr);
+  out.emplace("cam_to_ego", c2e);
+  out.emplace("bev_semantics", bev);
+  out.emplace("boxes", boxes);
+  out.emplace("scene_index", index);
+  return out;
+}
+
+void DataLoader::worker() {
+  for (;;) {
+    Plan plan;
+    int64_t seq = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_work_.wait(lock, [&] {
+        return stop_ || end_seq_ >= 0 || next_plan_seq_ < next_out_seq_ + opts_.prefetch;
+      });
+      if (stop_ || end_seq_ >= 0) return;
+      auto p = plan_next();
+      if (!p) {
+        end_seq_ = next_plan_seq_;
+        lock.unlock();
+        cv_ready_.notify_all();
+        cv_work_.notify_all();
+        return;
+      }
+      plan = std::move(*p);
+      seq = next_plan_seq_++;
+    }
+    Slot slot;
+    slot.after = plan.after;
+    try {
+      slot.batch = build(plan);
+    } catch (...) {
+      slot.error = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_.emplace(seq, std::move(slot));
+    }
+    cv_ready_.notify_all();
+  }
+}
+
+std::optional<core::TensorDict> DataLoader::next() {
+  if (workers_.empty()) {
+    auto p = plan_next();
+    if (!p) return std::nullopt;
+    core::TensorDict batch = build(*p);
+    std::lock_guard<std::mutex> lock(mu_);
+    consumed_ = p->after;
+    return batch;
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_ready_.wait(lock, [&] {
+    return ready_.count(next_out_seq_) > 0 || (end_seq_ >= 0 && next_out_seq_ >= end_seq_);
+  });
+  const auto it = ready_.find(next_out_seq_);
+  if (it == ready_.end()) return std::nullopt;
+  Slot slot = std::move(it->second);
+  ready_.erase(it);
+  if (slot.error) {
+    // The state keeps pointing at the failed batch; later calls move on to the next one.
+    ++next_out_seq_;
+    lock.unlock();
+    cv_work_.notify_all();
+    std::rethrow_exception(slot.error);
+  }
+  ++next_out_seq_;
+  consumed_ = slot.after;
+  lock.unlock();
+  cv_work_.notify_all();
+  return std::move(slot.batch);
+}
+
+LoaderState DataLoader::state() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return consumed_;
+}
+
+}  // namespace parallax::data

@@ -1,0 +1,104 @@
+// The on-disk dataset schema (docs/data.md): `dataset.json` metadata and one scene's tensors.
+//
+// `DatasetInfo` is dataset.json in memory; `read_dataset_info` parses it (yaml-cpp reads JSON, a
+// subset of YAML 1.2) and checks the schema version and every field; `write_dataset_json` writes it
+// atomically (temporary file, then rename). `SceneRecord` is one scene as stored, and
+// `check_scene` validates its shapes, dtypes and label ranges against the metadata. All failures
+// throw DataError naming the file (and the scene where there is one).
+#pragma once
+
+#include "core/scene.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace parallax::data {
+
+// The schema version this code reads and writes (dataset.json and each shard's root attribute).
+inline constexpr int64_t kSchemaVersion = 1;
+
+// Columns of a `boxes` row.
+enum BoxColumn : int64_t {
+  kBoxX = 0,
+  kBoxY,
+  kBoxZ,
+  kBoxL,
+  kBoxW,
+  kBoxH,
+  kBoxYaw,
+  kBoxClass,
+  kBoxVisibility,
+  kBoxColumns
+};
+
+struct SplitInfo {
+  std::vector<std::string> shards;  // file names relative to the dataset folder
+  int64_t scenes = 0;
+};
+
+struct BevGrid {
+  double x_min = -25, x_max = 25, y_min = -25, y_max = 25, resolution = 0.5;
+  int64_t x_cells() const { return static_cast<int64_t>((x_max - x_min) / resolution + 0.5); }
+  int64_t y_cells() const { return static_cast<int64_t>((y_max - y_min) / resolution + 0.5); }
+};
+
+struct DatasetInfo {
+  int64_t schema_version = kSchemaVersion;
+  std::string generator;
+  int64_t cameras = 6, image_height = 128, image_width = 224;
+  BevGrid bev;
+  std::vector<std::string> bev_classes = {"background", "road",       "marking",
+                                          "vehicle",    "pedestrian", "cyclist"};
+  std::vector<std::string> box_classes = {"vehicle", "pedestrian", "cyclist"};
+  std::map<std::string, SplitInfo> splits;
+  std::string dir;  // the folder it was read from ("" when built in memory)
+
+  // What the model builder needs; `max_boxes` is the loader's padding of `boxes`.
+  core::SceneSpec scene_spec(int64_t max_boxes = 64) const;
+  // The split or a DataError listing the splits there are.
+  const SplitInfo& split(const std::string& name) const;
+};
+
+// Reads and validates `<dir>/dataset.json`. Throws DataError for a missing or malformed file, a
+// schema version other than kSchemaVersion, or missing/invalid fields (naming the key).
+DatasetInfo read_dataset_info(const std::string& dir);
+// Writes `<dir>/dataset.json` (atomically). Throws IoError.
+void write_dataset_json(const std::string& dir, const DatasetInfo& info);
+// The JSON text of dataset.json.
+std::string dataset_json(const DatasetInfo& info);
+
+// One scene as stored in a shard (CPU tensors).
+struct SceneRecord {
+  int64_t index = -1;        // global index within its split
+  at::Tensor images;         // uint8 [N, H, W, 3]
+  at::Tensor intrinsics;     // float32 [N, 3, 3]
+  at::Tensor cam_to_ego;     // float32 [N, 4, 4]
+  at::Tensor bev_semantics;  // uint8 [X, Y]
+  at::Tensor boxes;          // float32 [K, 9]
+};
+
+// The datasets of a scene group, in the order they are written.
+inline const std::vector<std::string>& scene_dataset_names() {
+  static const std::vector<std::string> kNames = {"images", "intrinsics", "cam_to_ego",
+                                                  "bev_semantics", "boxes"};
+  return kNames;
+}
+
+// The expected shape of dataset `name` ("images", ...); -1 for the free dimension (boxes' K).
+std::vector<int64_t> expected_shape(const DatasetInfo& info, const std::string& name);
+
+// Checks dtypes, shapes and label ranges (bev class < |bev_classes|, box class in
+// [0, |box_classes|), visibility in [0, 1], finite numbers). `where` names the file and scene.
+void check_scene(const SceneRecord& scene, const DatasetInfo& info, const std::string& where);
+
+// "<dir>/<file>" as a string.
+std::string join_path(const std::string& dir, const std::string& file);
+
+// "000123": the group name of scene `index` under /scenes.
+std::string scene_name(int64_t index);
+
+}  // namespace parallax::data

@@ -1,0 +1,263 @@
+#include "data/shard.h"
+
+#include "core/error.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+
+namespace fs = std::filesystem;
+
+namespace parallax::data {
+namespace {
+
+bool parse_scene_name(const std::string& s, int64_t& out) {
+  if (s.empty() || s.size() > 12) return false;
+  for (char c : s) {
+    if (!std::isdigit(static_cast<unsigned char>(c))) return false;
+  }
+  out = std::stoll(s);
+  return true;
+}
+
+at::ScalarType dtype_of(const std::string& name) {
+  return (name == "images" || name == "bev_semantics") ? at::kByte : at::kFloat;
+}
+
+// Rank and fixed trailing dimensions every scene has, with or without dataset.json.
+void check_basic_shape(const std::string& name, const h5::DatasetShape& s,
+                       const std::string& where) {
+  const std::map<std::string, std::vector<int64_t>> kBasic = {{"images", {-1, -1, -1, 3}},
+                                                              {"intrinsics", {-1, 3, 3}},
+                                                              {"cam_to_ego", {-1, 4, 4}},
+                                                              {"bev_semantics", {-1, -1}},
+                                                              {"boxes", {-1, kBoxColumns}}};
+  const auto& want = kBasic.at(name);
+  bool ok = s.dims.size() == want.size();
+  for (size_t d = 0; ok && d < want.size(); ++d) ok = want[d] < 0 || s.dims[d] == want[d];
+  if (!ok) {
+    std::vector<std::string> w;
+    for (int64_t v : want) w.push_back(v < 0 ? "*" : std::to_string(v));
+    throw_error<DataError>("{}: dataset '{}' has shape [{}], expected [{}]", where, name,
+                           fmt::join(s.dims, ", "), fmt::join(w, ", "));
+  }
+}
+
+void check_type(const std::string& name, const h5::DatasetShape& s, const std::string& where) {
+  const bool want_int = dtype_of(name) == at::kByte;
+  const bool ok = want_int ? (s.type_class == H5T_INTEGER)
+                           : (s.type_class == H5T_FLOAT || s.type_class == H5T_INTEGER);
+  if (!ok) {
+    throw_error<DataError>("{}: dataset '{}' has type {}, expected {}", where, name, s.describe(),
+                           want_int ? "uint8" : "float32");
+  }
+}
+
+}  // namespace
+
+ShardReader::ShardReader(std::string path) : path_(std::move(path)) {
+  std::error_code ec;
+  if (!fs::exists(path_, ec)) throw_error<DataError>("shard '{}' not found", path_);
+  h5::Hdf5Lock lock;
+  file_ = h5::Id(H5Fopen(path_.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT),
+                 fmt::format("cannot open shard '{}' (truncated or not an HDF5 file?)", path_));
+  const std::string ctx = fmt::format("shard '{}'", path_);
+  const auto version = h5::read_int_attribute(file_, "schema_version", ctx);
+  if (!version)
+    throw_error<DataError>(
+        "shard '{}' has no 'schema_version' attribute: not a Parallax data shard", path_);
+  if (*version != kSchemaVersion) {
+    throw_error<DataError>("shard '{}' has schema_version {}; this build reads version {}", path_,
+                           *version, kSchemaVersion);
+  }
+  if (!h5::link_exists(file_, "scenes"))
+    throw_error<DataError>("shard '{}' has no /scenes group", path_);
+  h5::Id scenes(H5Gopen2(file_, "scenes", H5P_DEFAULT), ctx + ": cannot open /scenes");
+  for (const auto& name : h5::list_links(scenes, ctx + ": cannot list /scenes")) {
+    int64_t idx = 0;
+    if (!parse_scene_name(name, idx)) {
+      throw_error<DataError>("shard '{}': '/scenes/{}' is not a scene index (expected 6 digits)",
+                             path_, name);
+    }
+    indices_.push_back(idx);
+  }
+  std::sort(indices_.begin(), indices_.end());
+}
+
+bool ShardReader::has_scene(int64_t index) const {
+  return std::binary_search(indices_.begin(), indices_.end(), index);
+}
+
+std::string ShardReader::where(int64_t index) const {
+  return fmt::format("'{}' scene {}", path_, scene_name(index));
+}
+
+std::map<std::string, h5::DatasetShape> ShardReader::shapes(int64_t index) const {
+  const std::string w = where(index);
+  if (!has_scene(index)) throw_error<DataError>("{}: no such scene in this shard", w);
+  std::map<std::string, h5::DatasetShape> out;
+  h5::Hdf5Lock lock;
+  h5::Id group(H5Gopen2(file_, ("scenes/" + scene_name(index)).c_str(), H5P_DEFAULT),
+               w + ": cannot open group");
+  for (const auto& name : scene_dataset_names()) {
+    if (!h5::link_exists(group, name))
+      throw_error<DataError>("{}: dataset '{}' is missing", w, name);
+    h5::Id ds(H5Dopen2(group, name.c_str(), H5P_DEFAULT),
+              fmt::format("{}: cannot open dataset '{}'", w, name));
+    out[name] = h5::dataset_shape(ds, fmt::format("{}: dataset '{}'", w, name));
+  }
+  return out;
+}
+
+SceneRecord ShardReader::read(int64_t index, const DatasetInfo* info) const {
+  const std::string w = where(index);
+  if (!has_scene(index)) throw_error<DataError>("{}: no such scene in this shard", w);
+  SceneRecord rec;
+  rec.index = index;
+  {
+    h5::Hdf5Lock lock;
+    h5::Id group(H5Gopen2(file_, ("scenes/" + scene_name(index)).c_str(), H5P_DEFAULT),
+                 w + ": cannot open group");
+    for (const auto& name : scene_dataset_names()) {
+      if (!h5::link_exists(group, name))
+        throw_error<DataError>("{}: dataset '{}' is missing", w, name);
+      const std::string ctx = fmt::format("{}: dataset '{}'", w, name);
+      h5::Id ds(H5Dopen2(group, name.c_str(), H5P_DEFAULT), ctx + ": cannot open");
+      const h5::DatasetShape shape = h5::dataset_shape(ds, ctx);
+      check_type(name, shape, w);
+      check_basic_shape(name, shape, w);
+      if (info) {
+        // Check before reading, so a wrong file never makes us allocate or read garbage sizes.
+        const auto want = expected_shape(*info, name);
+        bool ok = true;
+        for (size_t d = 0; d < want.size(); ++d)
+          ok = ok && (want[d] < 0 || shape.dims[d] == want[d]);
+        if (!ok) {
+          std::vector<std::string> ws;
+          for (int64_t v : want) ws.push_back(v < 0 ? "K" : std::to_string(v));
+          throw_error<DataError>(
+              "{}: dataset '{}' has shape [{}], expected [{}] (from dataset.json)", w, name,
+              fmt::join(shape.dims, ", "), fmt::join(ws, ", "));
+        }
+      }
+      at::Tensor t =
+          h5::read_tensor(ds, shape, dtype_of(name), ctx + ": cannot read (corrupt shard?)");
+      if (name == "images")
+        rec.images = std::move(t);
+      else if (name == "intrinsics")
+        rec.intrinsics = std::move(t);
+      else if (name == "cam_to_ego")
+        rec.cam_to_ego = std::move(t);
+      else if (name == "bev_semantics")
+        rec.bev_semantics = std::move(t);
+      else
+        rec.boxes = std::move(t);
+    }
+  }
+  if (info) {
+    check_scene(rec, *info, w);
+  } else {
+    if (rec.intrinsics.size(0) != rec.images.size(0) ||
+        rec.cam_to_ego.size(0) != rec.images.size(0)) {
+      throw_error<DataError>(
+          "{}: images, intrinsics and cam_to_ego disagree on the number of cameras ({}, {}, {})", w,
+          rec.images.size(0), rec.intrinsics.size(0), rec.cam_to_ego.size(0));
+    }
+  }
+  return rec;
+}
+
+bool is_data_shard(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  char sig[8] = {};
+  if (!f.read(sig, 8)) return false;
+  // The HDF5 signature at offset 0 (files with a user block are not produced by Parallax).
+  if (std::string(sig, 8) != std::string("\x89HDF\r\n\x1a\n", 8)) return false;
+  h5::Hdf5Lock lock;
+  const hid_t fid = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  if (fid < 0) {
+    H5Eclear2(H5E_DEFAULT);
+    return true;  // an HDF5 signature but unreadable: let the shard reader report why
+  }
+  h5::Id file(fid, "");
+  return h5::link_exists(file, "scenes");
+}
+
+DatasetInfo infer_info(const ShardReader& shard) {
+  DatasetInfo info;
+  info.dir = fs::path(shard.path()).parent_path().string();
+  info.generator = "(inferred from " + shard.path() + ")";
+  if (shard.scene_indices().empty()) return info;
+  const auto shapes = shard.shapes(shard.scene_indices().front());
+  const auto& img = shapes.at("images").dims;
+  const auto& bev = shapes.at("bev_semantics").dims;
+  if (img.size() == 4) {
+    info.cameras = img[0];
+    info.image_height = img[1];
+    info.image_width = img[2];
+  }
+  if (bev.size() == 2) {
+    info.bev.x_min = -0.5 * info.bev.resolution * static_cast<double>(bev[0]);
+    info.bev.x_max = -info.bev.x_min;
+    info.bev.y_min = -0.5 * info.bev.resolution * static_cast<double>(bev[1]);
+    info.bev.y_max = -info.bev.y_min;
+  }
+  return info;
+}
+
+ShardWriter::ShardWriter(std::string path, int deflate_level)
+    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), deflate_level_(deflate_level) {
+  if (deflate_level_ < 0 || deflate_level_ > 9) {
+    throw_error<DataError>("shard '{}': compression level {} is not in 0..9", path_,
+                           deflate_level_);
+  }
+  h5::Hdf5Lock lock;
+  file_ = h5::create_file(tmp_path_);
+  const std::string ctx = fmt::format("shard '{}'", tmp_path_);
+  h5::write_int_attribute(file_, "schema_version", kSchemaVersion, ctx);
+  scenes_ = h5::create_group(file_, "scenes", ctx + ": cannot create /scenes");
+}
+
+ShardWriter::~ShardWriter() {
+  if (!file_.valid()) return;
+  h5::Hdf5Lock lock;
+  scenes_.reset();
+  file_.reset();
+  std::error_code ec;
+  fs::remove(tmp_path_, ec);
+}
+
+void ShardWriter::write(const SceneRecord& s) {
+  const std::string ctx = fmt::format("shard '{}' scene {}", tmp_path_, scene_name(s.index));
+  if (!file_.valid()) throw_error<DataError>("{}: the shard is already closed", ctx);
+  h5::Hdf5Lock lock;
+  h5::Id group = h5::create_group(scenes_, scene_name(s.index), ctx + ": cannot create group");
+  const int64_t h = s.images.size(1), w = s.images.size(2);
+  h5::write_tensor(group, "images", s.images, {deflate_level_, {1, h, w, 3}, true}, ctx);
+  h5::write_tensor(group, "intrinsics", s.intrinsics, {0, {}, true}, ctx);
+  h5::write_tensor(group, "cam_to_ego", s.cam_to_ego, {0, {}, true}, ctx);
+  h5::write_tensor(group, "bev_semantics", s.bev_semantics, {deflate_level_, {}, true}, ctx);
+  h5::write_tensor(group, "boxes", s.boxes, {0, {}, true}, ctx);
+  ++written_;
+}
+
+void ShardWriter::close() {
+  if (!file_.valid()) return;
+  {
+    h5::Hdf5Lock lock;
+    scenes_.reset();
+    h5::check(H5Fflush(file_, H5F_SCOPE_GLOBAL),
+              fmt::format("cannot flush shard '{}' (disk full?)", tmp_path_));
+    // Close explicitly to see the status (a failed final write is an error, not a silent loss).
+    const hid_t id = file_.release();
+    if (H5Fclose(id) < 0) h5::fail(fmt::format("cannot close shard '{}' (disk full?)", tmp_path_));
+  }
+  std::error_code ec;
+  fs::rename(tmp_path_, path_, ec);
+  if (ec) throw_error<IoError>("cannot rename '{}' to '{}': {}", tmp_path_, path_, ec.message());
+}
+
+}  // namespace parallax::data

@@ -1,0 +1,77 @@
+// One HDF5 shard of a split: a file holding `/scenes/<index>` groups (docs/data.md) and the root
+// attribute `schema_version`.
+//
+// ShardReader keeps the file open read-only and reads whole scenes; it is safe to call from several
+// threads (HDF5 serialises the calls; shape checks and label checks run outside HDF5). Every
+// failure is a DataError naming the file and, where there is one, the scene and the dataset.
+//
+// ShardWriter writes scenes into `<path>.tmp` and renames it to `<path>` on close(), so a shard
+// that exists is complete. Images are stored in one chunk per camera with deflate (optional) and a
+// Fletcher-32 checksum on every chunk; the other datasets are one checksummed chunk each. Object
+// times are not recorded, so the same scenes give bitwise identical files. Not thread-safe.
+#pragma once
+
+#include "data/hdf5_util.h"
+#include "data/schema.h"
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace parallax::data {
+
+class ShardReader {
+ public:
+  // Opens `path`, checks its `schema_version` attribute and lists its scenes. Throws DataError
+  // (missing file, not HDF5, truncated, wrong schema version, no /scenes group, bad scene names).
+  explicit ShardReader(std::string path);
+
+  const std::string& path() const { return path_; }
+  // Global scene indices held by this shard, ascending.
+  const std::vector<int64_t>& scene_indices() const { return indices_; }
+  bool has_scene(int64_t index) const;
+
+  // Reads scene `index`. With `info`, shapes are checked against dataset.json before any data is
+  // read and labels are range-checked after; without, only the ranks and the trailing fixed
+  // dimensions are checked.
+  SceneRecord read(int64_t index, const DatasetInfo* info) const;
+  // The stored shapes and types of scene `index`'s datasets, without reading their data.
+  std::map<std::string, h5::DatasetShape> shapes(int64_t index) const;
+  // "'<path>' scene 000123": the prefix of messages about that scene.
+  std::string where(int64_t index) const;
+
+ private:
+  std::string path_;
+  h5::Id file_;
+  std::vector<int64_t> indices_;
+};
+
+// True when `path` is an HDF5 file with a /scenes group (a data shard); false for any other file,
+// including non-HDF5 files. Never throws for unreadable files.
+bool is_data_shard(const std::string& path);
+
+// A DatasetInfo describing a lone shard (no dataset.json): cameras and sizes from its first scene,
+// the default class lists and BEV extent with the grid size of that scene.
+DatasetInfo infer_info(const ShardReader& shard);
+
+class ShardWriter {
+ public:
+  // `deflate_level` 0..9 applies to images (0: uncompressed).
+  ShardWriter(std::string path, int deflate_level);
+  ~ShardWriter();  // if close() was not called: closes and deletes the temporary file
+  ShardWriter(const ShardWriter&) = delete;
+  ShardWriter& operator=(const ShardWriter&) = delete;
+
+  void write(const SceneRecord& scene);
+  // Flushes, closes and renames the file into place. Throws IoError or DataError.
+  void close();
+  int64_t scenes_written() const { return written_; }
+
+ private:
+  std::string path_, tmp_path_;
+  int deflate_level_;
+  h5::Id file_, scenes_;
+  int64_t written_ = 0;
+};
+
+}  // namespace parallax::data

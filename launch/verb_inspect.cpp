@@ -1,0 +1,82 @@
+// `parallax inspect <path>`: describe and verify what is at a path: a dataset folder, a data shard,
+// or a checkpoint (a step directory, a checkpoints directory with `latest`, or a run directory).
+#include "checkpoint/format.h"
+#include "checkpoint/inspect.h"
+#include "core/error.h"
+#include "data/inspect.h"
+#include "data/shard.h"
+#include "launch/args.h"
+#include "launch/verbs.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+namespace fs = std::filesystem;
+
+namespace parallax::launch {
+namespace {
+
+enum class PathKind { kDataset, kDataShard, kCheckpoint, kUnknown };
+
+PathKind kind_of(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    if (fs::exists(fs::path(path) / "dataset.json", ec)) return PathKind::kDataset;
+    if (checkpoint::is_checkpoint_path(path)) return PathKind::kCheckpoint;
+    return PathKind::kUnknown;
+  }
+  if (fs::is_regular_file(path, ec) && data::is_data_shard(path)) return PathKind::kDataShard;
+  return PathKind::kUnknown;
+}
+
+}  // namespace
+
+int verb_inspect(const std::vector<std::string>& argv) {
+  Args args(
+      "inspect",
+      "Describe and verify a dataset folder (dataset.json + HDF5 shards), one data shard (.h5) or a "
+      "checkpoint. Datasets: metadata, splits, scene counts, per-scene shapes and class histograms; "
+      "every scene is read and checked. Checkpoints: step, layout, tensors and sizes; every shard's "
+      "checksum is verified. The first bad item ends it with an error naming the file and the scene "
+      "or tensor.");
+  args.positional("path", "a dataset folder, a data shard (.h5), or a checkpoint (step directory, "
+                          "checkpoints directory or run directory)")
+      .flag("quick", "skip reading every scene / verifying checksums (metadata and shapes only)")
+      .option("scene-lines", "N", "per-scene shape lines to print for a shard", "10")
+      .epilog(
+          "examples:\n"
+          "  parallax inspect datasets/synth\n"
+          "  parallax inspect datasets/synth/val_00000.h5 --scene-lines 100\n"
+          "  parallax inspect runs/bev_tiny            # its latest checkpoint");
+  args.parse(argv);
+  if (args.help_requested()) {
+    std::fputs(args.help_text().c_str(), stdout);
+    return 0;
+  }
+  const std::string path = args.positional_value();
+  data::InspectOptions opts;
+  opts.verify = !args.flag_set("quick");
+  opts.max_scene_lines = args.get_int("scene-lines");
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw_error<UsageError>("inspect: '{}' does not exist", path);
+  switch (kind_of(path)) {
+    case PathKind::kDataset:
+      data::inspect_dataset(path, stdout, opts);
+      return 0;
+    case PathKind::kDataShard:
+      data::inspect_shard(path, stdout, opts);
+      return 0;
+    case PathKind::kCheckpoint:
+      checkpoint::inspect(path, std::cout, opts.verify);
+      return 0;
+    case PathKind::kUnknown:
+      break;
+  }
+  throw_error<UsageError>(
+      "inspect: cannot tell what '{}' is: expected a dataset folder (with dataset.json), a data "
+      "shard (an HDF5 file with /scenes) or a checkpoint (with metadata.json or latest)",
+      path);
+}
+
+}  // namespace parallax::launch

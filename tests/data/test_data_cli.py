@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""End-to-end tests of `parallax datagen` and `parallax inspect`, and of the shard layout as another
+HDF5 reader (h5py) sees it. Usage: test_data_cli.py <parallax>."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+PARALLAX = None
+SMALL = ["--cameras", "3", "--height", "40", "--width", "64", "--samples-per-pixel", "1", "--threads", "2"]
+
+
+def run(*args):
+    p = subprocess.run([PARALLAX, *args], capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+class DataCliTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="parallax_data_cli_")
+        cls.ds = os.path.join(cls.tmp, "synth")
+        rc, out, err = run("datagen", "--out", cls.ds, "--scenes", "5", "--val-scenes", "2", "--shard-scenes", "3",
+                           "--seed", "3", *SMALL)
+        assert rc == 0, err
+        cls.datagen_log = err
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def assert_one_error_line(self, rc, err, *needles):
+        self.assertNotEqual(rc, 0)
+        lines = [l for l in err.splitlines() if l.strip() and not l.startswith("[parallax")]
+        self.assertEqual(len(lines), 1, f"expected one error line, got: {err!r}")
+        self.assertTrue(lines[0].startswith("parallax: error: "), lines[0])
+        for n in needles:
+            self.assertIn(n, lines[0])
+        self.assertNotIn("HDF5-DIAG", err)
+
+    def test_help_lists_the_verbs_and_their_options(self):
+        rc, out, _ = run("--help")
+        self.assertEqual(rc, 0)
+        self.assertIn("datagen", out)
+        self.assertIn("inspect", out)
+        rc, out, _ = run("datagen", "--help")
+        self.assertEqual(rc, 0)
+        for s in ("--out DIR", "--scenes N", "--val-scenes M", "--cameras N", "--seed S", "--shard-scenes K",
+                  "--threads T", "examples:"):
+            self.assertIn(s, out)
+        rc, out, _ = run("inspect", "--help")
+        self.assertEqual(rc, 0)
+        self.assertIn("--quick", out)
+
+    def test_datagen_writes_the_documented_folder(self):
+        with open(os.path.join(self.ds, "dataset.json")) as f:
+            meta = json.load(f)
+        self.assertEqual(meta["schema_version"], 1)
+        self.assertEqual((meta["cameras"], meta["image_height"], meta["image_width"]), (3, 40, 64))
+        self.assertEqual(meta["bev"], {"x_min": -25, "x_max": 25, "y_min": -25, "y_max": 25, "resolution": 0.5})
+        self.assertEqual(meta["box_classes"], ["vehicle", "pedestrian", "cyclist"])
+        self.assertEqual(meta["splits"]["train"], {"shards": ["train_00000.h5", "train_00001.h5"], "scenes": 5})
+        self.assertEqual(meta["splits"]["val"], {"shards": ["val_00000.h5"], "scenes": 2})
+        self.assertEqual(sorted(os.listdir(self.ds)),
+                         ["dataset.json", "train_00000.h5", "train_00001.h5", "val_00000.h5"])
+        self.assertIn("datagen scene", self.datagen_log)  # progress lines
+
+    def test_h5py_reads_the_documented_datasets_and_shapes(self):
+        import h5py
+        with h5py.File(os.path.join(self.ds, "train_00001.h5"), "r") as f:
+            self.assertEqual(int(f.attrs["schema_version"]), 1)
+            self.assertEqual(sorted(f["scenes"].keys()), ["000003", "000004"])
+            s = f["scenes/000004"]
+            self.assertEqual(sorted(s.keys()), ["bev_semantics", "boxes", "cam_to_ego", "images", "intrinsics"])
+            self.assertEqual((s["images"].dtype.str, s["images"].shape), ("|u1", (3, 40, 64, 3)))
+            self.assertEqual((s["intrinsics"].dtype.str, s["intrinsics"].shape), ("<f4", (3, 3, 3)))
+            self.assertEqual((s["cam_to_ego"].dtype.str, s["cam_to_ego"].shape), ("<f4", (3, 4, 4)))
+            self.assertEqual((s["bev_semantics"].dtype.str, s["bev_semantics"].shape), ("|u1", (100, 100)))
+            self.assertEqual(s["boxes"].dtype.str, "<f4")
+            self.assertEqual(s["boxes"].shape[1], 9)
+            boxes = s["boxes"][()]
+            self.assertGreater(boxes.shape[0], 3)
+            self.assertTrue(set(boxes[:, 7].tolist()) <= {0.0, 1.0, 2.0})
+            images = s["images"][()]
+            self.assertGreater(int(images.max()), int(images.min()))  # real pictures, not a constant
+            self.assertLess(int(s["bev_semantics"][()].max()), 6)
+
+    def test_inspect_dataset_reports_and_verifies(self):
+        rc, out, err = run("inspect", self.ds)
+        self.assertEqual(rc, 0, err)
+        for s in ("schema version: 1", "cameras: 3, images 40 x 64", "bev grid: 100 x 100 cells",
+                  "split train: 5 scenes in 2 shard(s)", "split val: 2 scenes in 1 shard(s)",
+                  "train_00000.h5: 3 scenes (000000..000002)", "000000: images uint8 [3, 40, 64, 3]",
+                  "boxes float32 [", "verified: all 5 scenes", "bev cells: background", "boxes: vehicle"):
+            self.assertIn(s, out)
+
+    def test_inspect_shard_reports_per_scene_shapes(self):
+        rc, out, err = run("inspect", os.path.join(self.ds, "val_00000.h5"))
+        self.assertEqual(rc, 0, err)
+        self.assertIn("scenes: 2 (000000..000001)", out)
+        self.assertIn("000001: images uint8 [3, 40, 64, 3]", out)
+        self.assertIn("verified: all 2 scenes", out)
+
+    def test_inspect_names_the_bad_file(self):
+        bad = os.path.join(self.tmp, "bad")
+        shutil.copytree(self.ds, bad)
+        shard = os.path.join(bad, "train_00001.h5")
+        os.truncate(shard, os.path.getsize(shard) // 2)
+        rc, _, err = run("inspect", bad)
+        self.assert_one_error_line(rc, err, shard, "truncated")
+        os.remove(shard)
+        rc, _, err = run("inspect", bad)
+        self.assert_one_error_line(rc, err, shard, "not found")
+        rc, _, err = run("inspect", os.path.join(self.tmp, "missing"))
+        self.assert_one_error_line(rc, err, "does not exist")
+        rc, _, err = run("inspect", self.tmp)
+        self.assert_one_error_line(rc, err, "cannot tell what")
+
+    def test_datagen_errors_are_one_line(self):
+        rc, _, err = run("datagen", "--scenes", "2")
+        self.assert_one_error_line(rc, err, "--out DIR is required")
+        rc, _, err = run("datagen", "--out", self.ds, "--scenes", "2", *SMALL)
+        self.assert_one_error_line(rc, err, "already holds a dataset", "--overwrite")
+        rc, _, err = run("datagen", "--out", os.path.join(self.tmp, "x"), "--scenes", "2", "--cameras", "0")
+        self.assert_one_error_line(rc, err, "--cameras")
+
+
+if __name__ == "__main__":
+    PARALLAX = os.path.abspath(sys.argv.pop(1))
+    unittest.main(verbosity=2)
