@@ -40,6 +40,10 @@ double MlpModel::forward_flops_per_sample() const {
   return f + 2.0 * width * out_;
 }
 
+std::vector<ModuleCost> MlpModel::cost_breakdown() const {
+  return {{"mlp", parameter_count(), forward_flops_per_sample()}};
+}
+
 int64_t MlpModel::batch_size(const core::TensorDict& batch) const { return batch.at("x").size(0); }
 
 core::TensorDict MlpModel::example_batch(int64_t n) const {

@@ -18,6 +18,7 @@ class MlpModel : public Model {
   double forward_flops_per_sample() const override;
   int64_t batch_size(const core::TensorDict& batch) const override;
   core::TensorDict example_batch(int64_t n) const override;
+  std::vector<ModuleCost> cost_breakdown() const override;
 
  private:
   int64_t in_, hidden_, out_, depth_;

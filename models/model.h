@@ -7,6 +7,7 @@
 
 #include "core/scene.h"
 #include "core/tensor_dict.h"
+#include "models/layers.h"
 #include "models/model_config.h"
 
 #include <torch/nn/module.h>
@@ -16,6 +17,14 @@
 #include <vector>
 
 namespace parallax::models {
+
+// Parameters and forward FLOPs (one sample, multiply-add = 2 FLOPs) of one named component of a
+// model at its configured input shape, e.g. {"backbone", 21.7e6, 5.1e9}.
+struct ModuleCost {
+  std::string name;
+  int64_t params = 0;
+  double flops = 0;
+};
 
 struct LossOutput {
   at::Tensor total;              // scalar, what backward() runs on
@@ -41,11 +50,23 @@ class Model : public torch::nn::Module {
   // and tests), drawn from the default CPU generator.
   virtual core::TensorDict example_batch(int64_t n) const = 0;
 
+  // Parameters and forward FLOPs per component (sums to parameter_count() and
+  // forward_flops_per_sample()); empty if the model does not break its cost down.
+  virtual std::vector<ModuleCost> cost_breakdown() const { return {}; }
+
   int64_t parameter_count() const;
 };
 
 // Builds a model of the zoo by `cfg.name` and `cfg.size` for data described by `scene`; throws
 // ConfigError for unknown names or sizes, or a scene the model cannot take.
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene);
+// The same, with the linear layers of every attention and MLP block built by `linear` (e.g. a
+// tensor-parallel factory from parallel/tensor; see LinearFactory in models/layers.h). Models
+// without such blocks (mlp) ignore it.
+std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene, const LinearFactory& linear);
+
+// The cost_breakdown() that build_model(cfg, scene) would report, computed from the config alone
+// without allocating the model (the 3b model has ~3e9 parameters). Same errors as build_model.
+std::vector<ModuleCost> analytic_cost(const ModelConfig& cfg, const core::SceneSpec& scene);
 
 }  // namespace parallax::models

@@ -1,4 +1,6 @@
 // The `model` config section: which model of the zoo, at which size, and its knobs.
+// Size presets (backbone shapes, BEV channels, query resolution, heights) are in
+// models/perception_model.cpp and documented in docs/models.md; the keys below override them.
 #pragma once
 
 #include "core/config.h"
@@ -13,6 +15,14 @@ struct ModelConfig {
   std::string backbone = "vit";
   int num_classes = 1000;  // vit_cls only
   double dropout = 0.0;
+  // bev only.
+  double bev_resolution = 0.0;  // metres per BEV query cell; 0 = the size's preset
+  int bev_heights = 0;          // reference points per pillar; 0 = the size's preset
+  double seg_loss_weight = 1.0;
+  double heatmap_loss_weight = 1.0;
+  double box_loss_weight = 0.25;
+  double score_threshold = 0.05;
+  int max_detections = 100;
 
   template <class V>
   void visit(V& v) {
@@ -22,6 +32,17 @@ struct ModelConfig {
     v("backbone", backbone, "image backbone", core::Check::one_of({"vit", "conv"}));
     v("num_classes", num_classes, "classes of the classification head (vit_cls)", core::Check::at_least(1));
     v("dropout", dropout, "dropout probability", core::Check::between(0, 1));
+    v("bev_resolution", bev_resolution, "bev: metres per BEV query cell (0: the size's preset)",
+      core::Check::at_least(0));
+    v("bev_heights", bev_heights, "bev: reference heights per BEV pillar (0: the size's preset)",
+      core::Check::at_least(0));
+    v("seg_loss_weight", seg_loss_weight, "bev: weight of the BEV segmentation cross-entropy", core::Check::at_least(0));
+    v("heatmap_loss_weight", heatmap_loss_weight, "bev: weight of the detection heatmap focal loss",
+      core::Check::at_least(0));
+    v("box_loss_weight", box_loss_weight, "bev: weight of the box regression L1 loss", core::Check::at_least(0));
+    v("score_threshold", score_threshold, "bev: minimum heatmap score of a decoded detection",
+      core::Check::between(0, 1));
+    v("max_detections", max_detections, "bev: detections per sample after top-K", core::Check::at_least(1));
   }
 };
 

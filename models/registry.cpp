@@ -1,8 +1,28 @@
 #include "core/error.h"
 #include "models/mlp.h"
 #include "models/model.h"
+#include "models/perception_model.h"
+#include "models/vit.h"
 
 namespace parallax::models {
+
+namespace {
+
+struct MlpShape {
+  int64_t in, hidden, out, depth;
+};
+
+MlpShape mlp_shape(const std::string& size) {
+  if (size == "tiny") return {32, 64, 8, 2};
+  if (size == "small") return {256, 1024, 64, 4};
+  throw_error<ConfigError>("key 'model.size': model 'mlp' has sizes tiny|small, got '{}'", size);
+}
+
+void check_vit_cls(const ModelConfig& cfg) {
+  PARALLAX_CHECK(cfg.size == "b16", ConfigError, "key 'model.size': model 'vit_cls' has size b16, got '{}'", cfg.size);
+}
+
+}  // namespace
 
 int64_t Model::parameter_count() const {
   int64_t n = 0;
@@ -10,14 +30,52 @@ int64_t Model::parameter_count() const {
   return n;
 }
 
-std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& /*scene*/) {
+std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene) {
+  return build_model(cfg, scene, dense_linear);
+}
+
+std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene, const LinearFactory& linear) {
   if (cfg.name == "mlp") {
-    if (cfg.size == "tiny") return std::make_shared<MlpModel>(32, 64, 8, 2);
-    if (cfg.size == "small") return std::make_shared<MlpModel>(256, 1024, 64, 4);
-    throw_error<ConfigError>("key 'model.size': model 'mlp' has sizes tiny|small, got '{}'", cfg.size);
+    const MlpShape s = mlp_shape(cfg.size);
+    return std::make_shared<MlpModel>(s.in, s.hidden, s.out, s.depth);
   }
-  throw_error<ConfigError>("key 'model.name': model '{}' (size '{}') is not built yet in this version",
-                           cfg.name, cfg.size);
+  if (cfg.name == "vit_cls") {
+    check_vit_cls(cfg);
+    VitSpec spec;  // ViT-B/16 at 224 x 224, as timm's vit_base_patch16_224
+    spec.dropout = cfg.dropout;
+    return std::make_shared<VitClassifier>(spec, 224, cfg.num_classes, linear);
+  }
+  if (cfg.name == "bev") return std::make_shared<PerceptionModel>(make_bev_spec(cfg, scene), linear);
+  throw_error<ConfigError>("key 'model.name': expected bev|vit_cls|mlp, got '{}'", cfg.name);
+}
+
+std::vector<ModuleCost> analytic_cost(const ModelConfig& cfg, const core::SceneSpec& scene) {
+  if (cfg.name == "mlp") {
+    const MlpShape s = mlp_shape(cfg.size);
+    int64_t params = 0, width = s.in;
+    for (int64_t i = 0; i < s.depth; ++i) {
+      params += width * s.hidden + s.hidden;
+      width = s.hidden;
+    }
+    params += width * s.out + s.out;
+    // Matches MlpModel::forward_flops_per_sample().
+    double flops = 0;
+    width = s.in;
+    for (int64_t i = 0; i < s.depth; ++i) {
+      flops += 2.0 * width * s.hidden;
+      width = s.hidden;
+    }
+    return {{"mlp", params, flops + 2.0 * width * s.out}};
+  }
+  if (cfg.name == "vit_cls") {
+    check_vit_cls(cfg);
+    VitSpec spec;
+    const Cost vit = VisionTransformerImpl::analytic_cost({spec, 224, 224, true, dense_linear});
+    const Cost head = linear_cost(spec.dim, cfg.num_classes, true, 1);
+    return {{"vit", vit.params, vit.flops}, {"head", head.params, head.flops}};
+  }
+  if (cfg.name == "bev") return PerceptionModel::analytic_cost(make_bev_spec(cfg, scene));
+  throw_error<ConfigError>("key 'model.name': expected bev|vit_cls|mlp, got '{}'", cfg.name);
 }
 
 }  // namespace parallax::models

@@ -1,0 +1,81 @@
+#include "models/backbone.h"
+
+#include "core/error.h"
+
+namespace parallax::models {
+
+namespace {
+
+void check_encoder(const ImageEncoderOptions& o) {
+  PARALLAX_CHECK(o.backbone == "vit" || o.backbone == "conv", ConfigError,
+                 "key 'model.backbone': expected vit|conv, got '{}'", o.backbone);
+  if (o.backbone == "conv") {
+    PARALLAX_CHECK(!o.conv.widths.empty() && o.conv.widths.size() == o.conv.blocks.size(), ConfigError,
+                   "conv backbone: {} stage widths but {} block counts", o.conv.widths.size(), o.conv.blocks.size());
+  }
+  const int64_t s = ImageEncoderImpl::stride_of(o);
+  PARALLAX_CHECK(o.image_h % s == 0 && o.image_w % s == 0, ConfigError,
+                 "model.backbone '{}' has stride {}; the image size {}x{} must be divisible by it", o.backbone, s,
+                 o.image_h, o.image_w);
+}
+
+}  // namespace
+
+int64_t ImageEncoderImpl::stride_of(const ImageEncoderOptions& o) {
+  return o.backbone == "vit" ? o.vit.patch : (int64_t{1} << o.conv.widths.size());
+}
+
+ImageEncoderImpl::ImageEncoderImpl(const ImageEncoderOptions& o) : opts_(o) {
+  check_encoder(o);
+  if (o.backbone == "vit") {
+    vit_ = register_module("vit", VisionTransformer(VisionTransformerOptions{o.vit, o.image_h, o.image_w, false, o.linear}));
+    vit_neck_ = register_module("neck", DenseLinear(o.vit.dim, o.out_channels));
+    for (const auto& b : vit_->blocks()) blocks_.push_back(b);
+    return;
+  }
+  conv_ = register_module("conv", torch::nn::Sequential());
+  int64_t in = 3, h = o.image_h, w = o.image_w;
+  for (std::size_t s = 0; s < o.conv.widths.size(); ++s) {
+    h /= 2;
+    w /= 2;
+    conv_->push_back(ConvNormAct(ConvNormActOptions{in, o.conv.widths[s], 3, 2, true, h, w}));
+    for (int64_t b = 0; b < o.conv.blocks[s]; ++b) {
+      auto blk = std::make_shared<ResidualConvBlock>(o.conv.widths[s], h, w);
+      conv_->push_back(blk);
+      blocks_.push_back(blk);
+    }
+    in = o.conv.widths[s];
+  }
+  conv_neck_ = register_module("neck", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, o.out_channels, 1)));
+}
+
+at::Tensor ImageEncoderImpl::forward(const at::Tensor& images) {
+  if (vit_) {
+    at::Tensor tokens = vit_neck_->forward(vit_->forward(images));  // [BN, T, C]
+    // [BN, h, w, C] viewed as NCHW: channels-last strides, no copy.
+    return tokens.view({tokens.size(0), vit_->grid_h(), vit_->grid_w(), tokens.size(2)}).permute({0, 3, 1, 2});
+  }
+  return conv_neck_->forward(conv_->forward(images));
+}
+
+Cost ImageEncoderImpl::analytic_cost(const ImageEncoderOptions& o) {
+  check_encoder(o);
+  const int64_t s = stride_of(o);
+  const int64_t fh = o.image_h / s, fw = o.image_w / s;
+  if (o.backbone == "vit") {
+    return VisionTransformerImpl::analytic_cost({o.vit, o.image_h, o.image_w, false, o.linear}) +
+           linear_cost(o.vit.dim, o.out_channels, true, static_cast<double>(fh * fw));
+  }
+  Cost c;
+  int64_t in = 3, h = o.image_h, w = o.image_w;
+  for (std::size_t st = 0; st < o.conv.widths.size(); ++st) {
+    h /= 2;
+    w /= 2;
+    c += ConvNormActImpl::analytic_cost({in, o.conv.widths[st], 3, 2, true, h, w});
+    c += ResidualConvBlock::analytic_cost(o.conv.widths[st], h, w).copies(o.conv.blocks[st]);
+    in = o.conv.widths[st];
+  }
+  return c + conv_cost(in, o.out_channels, 1, true, fh, fw);
+}
+
+}  // namespace parallax::models

@@ -1,0 +1,67 @@
+#include "models/layers.h"
+
+
+namespace parallax::models {
+
+Cost linear_cost(int64_t in, int64_t out, bool bias, double rows) {
+  return {in * out + (bias ? out : 0), 2.0 * rows * static_cast<double>(in) * static_cast<double>(out)};
+}
+
+Cost conv_cost(int64_t in, int64_t out, int64_t kernel, bool bias, int64_t out_h, int64_t out_w) {
+  const int64_t weights = in * out * kernel * kernel;
+  return {weights + (bias ? out : 0), 2.0 * static_cast<double>(out_h * out_w) * static_cast<double>(weights)};
+}
+
+int64_t count_parameters(const torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+
+DenseLinearImpl::DenseLinearImpl(int64_t in_features, int64_t out_features, bool with_bias) {
+  weight = register_parameter("weight", at::randn({out_features, in_features}) * 0.02);
+  if (with_bias) bias = register_parameter("bias", at::zeros({out_features}));
+}
+
+torch::nn::AnyModule dense_linear(const LinearSpec& spec) {
+  return torch::nn::AnyModule(DenseLinear(spec.in_features, spec.out_features, spec.bias));
+}
+
+int64_t norm_groups(int64_t channels) {
+  for (int64_t g : {32, 16, 8, 4, 2}) {
+    if (channels % g == 0 && channels / g >= 4) return g;
+  }
+  return 1;
+}
+
+ConvNormActImpl::ConvNormActImpl(const ConvNormActOptions& o) : opts_(o) {
+  conv_ = register_module(
+      "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in, o.out, o.kernel).stride(o.stride).padding(o.kernel / 2).bias(false)));
+  norm_ = register_module("norm", torch::nn::GroupNorm(norm_groups(o.out), o.out));
+}
+
+at::Tensor ConvNormActImpl::forward(const at::Tensor& x) {
+  at::Tensor y = norm_->forward(conv_->forward(x));
+  return opts_.act ? y.relu_() : y;
+}
+
+Cost ConvNormActImpl::analytic_cost(const ConvNormActOptions& o) {
+  return conv_cost(o.in, o.out, o.kernel, false, o.out_h, o.out_w) + Cost{2 * o.out, 0.0};
+}
+
+ResidualConvBlock::ResidualConvBlock(int64_t channels, int64_t h, int64_t w) : channels_(channels), h_(h), w_(w) {
+  ConvNormActOptions o{channels, channels, 3, 1, true, h, w};
+  conv1_ = register_module("conv1", ConvNormAct(o));
+  o.act = false;
+  conv2_ = register_module("conv2", ConvNormAct(o));
+}
+
+at::Tensor ResidualConvBlock::forward_impl(const at::Tensor& x) {
+  return (conv2_->forward(conv1_->forward(x)) + x).relu_();
+}
+
+Cost ResidualConvBlock::analytic_cost(int64_t channels, int64_t h, int64_t w) {
+  return ConvNormActImpl::analytic_cost({channels, channels, 3, 1, true, h, w}).copies(2);
+}
+
+}  // namespace parallax::models

@@ -1,0 +1,127 @@
+// Building blocks shared by the model zoo: cost accounting (parameters and forward FLOPs at the
+// configured input shape), the `Block` base class that activation checkpointing wraps, the linear
+// factory that tensor parallelism swaps, and the linear and conv/norm layers.
+//
+// Cost convention: a multiply-add is 2 FLOPs; only matmuls, convolutions and attention
+// (QK^T and AV) are counted; norms, activations, softmax, grid sampling and interpolation are
+// not. Every module's analytic cost is a static function of its options, so whole models can be
+// costed without being constructed (the 3b model); tests check it against real construction.
+#pragma once
+
+#include "models/checkpointable.h"
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace parallax::models {
+
+// Parameters and forward FLOPs of one sample at the module's configured input shape.
+struct Cost {
+  int64_t params = 0;
+  double flops = 0;
+
+  Cost& operator+=(const Cost& o) {
+    params += o.params;
+    flops += o.flops;
+    return *this;
+  }
+  friend Cost operator+(Cost a, const Cost& b) { return a += b; }
+  // The same module applied `k` times per sample (shared weights, e.g. across cameras).
+  Cost applied(double k) const { return {params, flops * k}; }
+  // `k` distinct copies of the module (e.g. a stack of identical blocks).
+  Cost copies(int64_t k) const { return {params * k, flops * static_cast<double>(k)}; }
+};
+
+// y = x W^T + b over `rows` input rows.
+Cost linear_cost(int64_t in, int64_t out, bool bias, double rows);
+// Conv2d producing an out_h x out_w map.
+Cost conv_cost(int64_t in, int64_t out, int64_t kernel, bool bias, int64_t out_h, int64_t out_w);
+// Sum of numel() over a module's parameters (recursively).
+int64_t count_parameters(const torch::nn::Module& m);
+
+// A residual block of the zoo: one tensor in, one tensor out, so that activation checkpointing
+// (models/checkpointable.h: set_checkpointing(true) makes forward() recompute forward_impl() in
+// backward) and later pipeline stage partitioning can wrap it without knowing its insides.
+class Block : public CheckpointableBlock {
+ public:
+  virtual Cost cost() const = 0;
+};
+
+// Role of a linear layer inside a transformer block, in Megatron's vocabulary: a tensor-parallel
+// factory builds kColumn layers split along outputs (qkv, fc1) and kRow layers split along inputs
+// (proj, fc2); the dense factory ignores it.
+enum class LinearRole { kColumn, kRow };
+
+struct LinearSpec {
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  bool bias = true;
+  LinearRole role = LinearRole::kColumn;
+};
+
+// Builds the linear layers of attention and MLP blocks. The returned module maps
+// [..., in_features] to [..., out_features'] where out_features' may be a shard of out_features
+// (column parallel); blocks derive head counts from the actual output width, so a TP factory can
+// be swapped in without touching them.
+using LinearFactory = std::function<torch::nn::AnyModule(const LinearSpec&)>;
+
+// y = x W^T + b through at::linear, which fuses the bias into the GEMM for inputs of any rank
+// (torch::nn::Linear of the C++ frontend runs matmul and a separate broadcast add for 3-D inputs,
+// ~15% slower on ViT-B/16). Parameters "weight" [out, in] and "bias" [out] (as torch::nn::Linear),
+// initialised N(0, 0.02) and zero (ViT init).
+class DenseLinearImpl : public torch::nn::Module {
+ public:
+  DenseLinearImpl(int64_t in_features, int64_t out_features, bool bias = true);
+  at::Tensor forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+
+  at::Tensor weight, bias;  // bias undefined without one
+};
+TORCH_MODULE(DenseLinear);
+
+// The default factory: a DenseLinear.
+torch::nn::AnyModule dense_linear(const LinearSpec& spec);
+
+// Group count for GroupNorm over `channels`: the most groups (up to 32) with >= 4 channels each.
+int64_t norm_groups(int64_t channels);
+
+struct ConvNormActOptions {
+  int64_t in = 0, out = 0, kernel = 3, stride = 1;
+  bool act = true;  // ReLU after the norm
+  int64_t out_h = 0, out_w = 0;  // configured output size, for cost()
+};
+
+// Conv2d (no bias, padding kernel/2) -> GroupNorm -> ReLU.
+class ConvNormActImpl : public torch::nn::Module {
+ public:
+  explicit ConvNormActImpl(const ConvNormActOptions& o);
+  at::Tensor forward(const at::Tensor& x);
+  Cost cost() const { return analytic_cost(opts_); }
+  static Cost analytic_cost(const ConvNormActOptions& o);
+
+ private:
+  ConvNormActOptions opts_;
+  torch::nn::Conv2d conv_{nullptr};
+  torch::nn::GroupNorm norm_{nullptr};
+};
+TORCH_MODULE(ConvNormAct);
+
+// Two 3x3 ConvNormAct at `channels` with an identity skip, ReLU after the sum (ResNet basic block).
+class ResidualConvBlock : public Block {
+ public:
+  ResidualConvBlock(int64_t channels, int64_t h, int64_t w);
+  at::Tensor forward_impl(const at::Tensor& x) override;
+  Cost cost() const override { return analytic_cost(channels_, h_, w_); }
+  static Cost analytic_cost(int64_t channels, int64_t h, int64_t w);
+
+ private:
+  int64_t channels_, h_, w_;
+  ConvNormAct conv1_{nullptr}, conv2_{nullptr};
+};
+
+}  // namespace parallax::models

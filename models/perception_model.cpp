@@ -1,0 +1,324 @@
+#include "models/perception_model.h"
+
+#include "core/error.h"
+#include "models/camera_rig.h"
+#include "models/detection.h"
+#include "models/geometry.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+namespace parallax::models {
+
+namespace {
+
+struct SizePreset {
+  VitSpec vit;
+  ConvBackboneSpec conv;
+  double bev_resolution;  // metres per query cell
+  int64_t heights, bev_channels, head_channels, encoder_blocks;
+};
+
+SizePreset size_preset(const std::string& size) {
+  // ViT shapes: dim, depth, heads, mlp_hidden, patch.
+  if (size == "tiny") return {{96, 2, 3, 384, 8}, {{24, 48, 96}, {0, 1, 1}}, 1.0, 4, 64, 32, 2};
+  if (size == "small") return {{384, 12, 6, 1536, 16}, {{32, 64, 128, 256}, {0, 1, 2, 2}}, 0.5, 4, 128, 64, 2};
+  if (size == "base") return {{768, 12, 12, 3072, 16}, {{64, 128, 256, 512}, {1, 2, 2, 2}}, 0.5, 4, 256, 128, 3};
+  if (size == "large") return {{1024, 24, 16, 4096, 16}, {{96, 192, 384, 768}, {1, 2, 3, 2}}, 0.5, 8, 256, 128, 4};
+  if (size == "3b") return {{2560, 36, 32, 10240, 16}, {{128, 256, 512, 1024}, {2, 3, 4, 3}}, 0.5, 8, 384, 192, 4};
+  throw_error<ConfigError>("key 'model.size': model 'bev' has sizes tiny|small|base|large|3b, got '{}'", size);
+}
+
+int64_t class_index(const std::vector<std::string>& names, const std::string& name) {
+  auto it = std::find(names.begin(), names.end(), name);
+  return it == names.end() ? -1 : static_cast<int64_t>(it - names.begin());
+}
+
+// Typical (l, w, h) in metres for a box class name.
+std::array<double, 3> typical_size(const std::string& name) {
+  if (name == "vehicle" || name == "car") return {4.5, 1.9, 1.6};
+  if (name == "pedestrian") return {0.7, 0.7, 1.75};
+  if (name == "cyclist" || name == "bicycle") return {1.8, 0.7, 1.6};
+  return {2.0, 1.0, 1.5};
+}
+
+}  // namespace
+
+BevGrid BevModelSpec::label_grid() const {
+  return {scene.x_min, scene.y_min, scene.bev_resolution, scene.bev_x_cells(), scene.bev_y_cells()};
+}
+
+BevModelSpec make_bev_spec(const ModelConfig& cfg, const core::SceneSpec& scene) {
+  const SizePreset p = size_preset(cfg.size);
+  PARALLAX_CHECK(scene.num_cameras >= 1 && scene.image_height > 0 && scene.image_width > 0, ConfigError,
+                 "model 'bev': the scene needs cameras and an image size, got {} cameras of {}x{}", scene.num_cameras,
+                 scene.image_height, scene.image_width);
+  PARALLAX_CHECK(scene.x_max > scene.x_min && scene.y_max > scene.y_min && scene.bev_resolution > 0, ConfigError,
+                 "model 'bev': invalid BEV grid x [{}, {}], y [{}, {}], resolution {}", scene.x_min, scene.x_max,
+                 scene.y_min, scene.y_max, scene.bev_resolution);
+  PARALLAX_CHECK(!scene.bev_classes.empty() && !scene.box_classes.empty(), ConfigError,
+                 "model 'bev': the scene needs BEV classes and box classes");
+  BevModelSpec s;
+  s.size = cfg.size;
+  s.scene = scene;
+  s.encoder.backbone = cfg.backbone;
+  s.encoder.vit = p.vit;
+  s.encoder.vit.dropout = cfg.dropout;
+  s.encoder.conv = p.conv;
+  s.encoder.image_h = scene.image_height;
+  s.encoder.image_w = scene.image_width;
+  s.encoder.out_channels = p.bev_channels;
+  // Validates the backbone against the image size (throws ConfigError).
+  (void)ImageEncoderImpl::analytic_cost(s.encoder);
+
+  const double res = cfg.bev_resolution > 0 ? cfg.bev_resolution : p.bev_resolution;
+  const double ex = scene.x_max - scene.x_min, ey = scene.y_max - scene.y_min;
+  const int64_t nx = std::max<int64_t>(1, std::llround(ex / res));
+  s.query_grid = {scene.x_min, scene.y_min, ex / static_cast<double>(nx), nx,
+                  std::max<int64_t>(1, std::llround(ey / (ex / static_cast<double>(nx))))};
+
+  const int64_t z = cfg.bev_heights > 0 ? cfg.bev_heights : p.heights;
+  for (int64_t k = 0; k < z; ++k) s.heights.push_back(z == 1 ? 1.0 : 2.0 * static_cast<double>(k) / static_cast<double>(z - 1));
+  s.bev_channels = p.bev_channels;
+  s.head_channels = p.head_channels;
+  s.encoder_blocks = p.encoder_blocks;
+  s.seg_loss_weight = cfg.seg_loss_weight;
+  s.heatmap_loss_weight = cfg.heatmap_loss_weight;
+  s.box_loss_weight = cfg.box_loss_weight;
+  s.score_threshold = cfg.score_threshold;
+  s.max_detections = cfg.max_detections;
+  return s;
+}
+
+core::SceneSpec benchmark_scene(const std::string& size) {
+  core::SceneSpec s;
+  if (size == "tiny") return s;
+  (void)size_preset(size);  // validates the name
+  s.image_height = 256;
+  s.image_width = 704;
+  s.x_min = s.y_min = -50;
+  s.x_max = s.y_max = 50;
+  s.bev_resolution = 0.5;
+  return s;
+}
+
+// ---- heads ------------------------------------------------------------------------------------
+
+BevHeadsImpl::BevHeadsImpl(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes,
+                           int64_t nx, int64_t ny)
+    : channels_(channels), head_channels_(head_channels), seg_classes_(seg_classes), box_classes_(box_classes),
+      nx_(nx), ny_(ny) {
+  const ConvNormActOptions o{channels, head_channels, 3, 1, true, nx, ny};
+  seg_conv_ = register_module("seg_conv", ConvNormAct(o));
+  seg_out_ = register_module("seg_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(head_channels, seg_classes, 1)));
+  heat_conv_ = register_module("heat_conv", ConvNormAct(o));
+  heat_out_ = register_module("heat_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(head_channels, box_classes, 1)));
+  reg_conv_ = register_module("reg_conv", ConvNormAct(o));
+  reg_out_ = register_module("reg_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(head_channels, kBoxCodeSize, 1)));
+  torch::NoGradGuard no_grad;
+  heat_out_->bias.fill_(-std::log((1 - 0.1) / 0.1));  // prior probability 0.1 (CenterNet)
+}
+
+core::TensorDict BevHeadsImpl::forward(const at::Tensor& bev) {
+  return {{"seg", seg_out_->forward(seg_conv_->forward(bev))},
+          {"heatmap", heat_out_->forward(heat_conv_->forward(bev))},
+          {"box_reg", reg_out_->forward(reg_conv_->forward(bev))}};
+}
+
+Cost BevHeadsImpl::analytic_cost(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes,
+                                 int64_t nx, int64_t ny) {
+  const Cost branch = ConvNormActImpl::analytic_cost({channels, head_channels, 3, 1, true, nx, ny});
+  return branch.copies(3) + conv_cost(head_channels, seg_classes, 1, true, nx, ny) +
+         conv_cost(head_channels, box_classes, 1, true, nx, ny) + conv_cost(head_channels, kBoxCodeSize, 1, true, nx, ny);
+}
+
+// ---- model ------------------------------------------------------------------------------------
+
+PerceptionModel::PerceptionModel(const BevModelSpec& spec, LinearFactory linear) : spec_(spec) {
+  spec_.encoder.linear = std::move(linear);
+  const BevGrid& g = spec_.query_grid;
+  const int64_t c = spec_.bev_channels;
+  encoder_ = register_module("encoder", ImageEncoder(spec_.encoder));
+  view_ = register_module("view", ViewTransformer(ViewTransformerOptions{c, c, spec_.heights, g, spec_.scene.image_height,
+                                                                         spec_.scene.image_width}));
+  for (int64_t i = 0; i < spec_.encoder_blocks; ++i) {
+    bev_blocks_.push_back(register_module("bev_block" + std::to_string(i), std::make_shared<ResidualConvBlock>(c, g.nx, g.ny)));
+  }
+  heads_ = register_module("heads", BevHeads(c, spec_.head_channels, static_cast<int64_t>(spec_.scene.bev_classes.size()),
+                                             static_cast<int64_t>(spec_.scene.box_classes.size()), g.nx, g.ny));
+  for (const auto& name : spec_.scene.box_classes) box_to_bev_class_.push_back(class_index(spec_.scene.bev_classes, name));
+}
+
+void PerceptionModel::check_batch(const core::TensorDict& batch) const {
+  for (const char* key : {"images", "intrinsics", "cam_to_ego"}) {
+    PARALLAX_CHECK(batch.count(key), Error, "model 'bev': batch has no '{}' (docs/data.md)", key);
+  }
+  const auto& sc = spec_.scene;
+  const at::Tensor& im = batch.at("images");
+  PARALLAX_CHECK(im.dim() == 5 && im.size(1) == sc.num_cameras && im.size(2) == sc.image_height &&
+                     im.size(3) == sc.image_width && im.size(4) == 3,
+                 Error, "model 'bev': batch 'images' must be [B, {}, {}, {}, 3], got {}", sc.num_cameras,
+                 sc.image_height, sc.image_width, fmt::format("{}", im.sizes()));
+  const int64_t b = im.size(0);
+  PARALLAX_CHECK(batch.at("intrinsics").sizes() == at::IntArrayRef({b, sc.num_cameras, 3, 3}) &&
+                     batch.at("cam_to_ego").sizes() == at::IntArrayRef({b, sc.num_cameras, 4, 4}),
+                 Error, "model 'bev': batch 'intrinsics' must be [B, N, 3, 3] and 'cam_to_ego' [B, N, 4, 4], got {} and {}",
+                 fmt::format("{}", batch.at("intrinsics").sizes()), fmt::format("{}", batch.at("cam_to_ego").sizes()));
+}
+
+core::TensorDict PerceptionModel::forward(const core::TensorDict& batch) {
+  check_batch(batch);
+  const at::Tensor& im = batch.at("images");
+  const int64_t b = im.size(0), n = im.size(1);
+  // [B, N, H, W, 3] is NCHW in channels-last layout once the camera dim is folded: no copy.
+  at::Tensor x = im.reshape({b * n, im.size(2), im.size(3), 3}).permute({0, 3, 1, 2});
+  x = normalize_images(x, view_->parameters().front().scalar_type());
+  at::Tensor bev = view_->forward(encoder_->forward(x), batch.at("intrinsics"), batch.at("cam_to_ego"));
+  for (const auto& blk : bev_blocks_) bev = blk->forward(bev);
+  core::TensorDict out = heads_->forward(bev);
+  at::Tensor seg = out.at("seg");
+  const BevGrid lg = spec_.label_grid();
+  if (seg.size(2) != lg.nx || seg.size(3) != lg.ny) {
+    seg = at::upsample_bilinear2d(seg, {lg.nx, lg.ny}, /*align_corners=*/false);
+  }
+  return {{"bev_logits", seg}, {"heatmap", out.at("heatmap")}, {"box_reg", out.at("box_reg")}};
+}
+
+LossOutput PerceptionModel::loss(const core::TensorDict& batch, const core::TensorDict& pred) {
+  for (const char* key : {"bev_semantics", "boxes"}) {
+    PARALLAX_CHECK(batch.count(key), Error, "model 'bev': batch has no '{}' (docs/data.md)", key);
+  }
+  // Segmentation: cross-entropy weighted per class by 1/sqrt(frequency in this batch), so rare
+  // classes (objects) are not drowned by background; labels outside [0, classes) are ignored.
+  const at::Tensor logits = pred.at("bev_logits").to(at::kFloat);
+  const int64_t ns = logits.size(1);
+  const at::Tensor labels = batch.at("bev_semantics").to(at::kLong);
+  const at::Tensor valid = (labels >= 0) & (labels < ns);
+  const at::Tensor counts = at::zeros({ns}, logits.options())
+                                .index_add_(0, at::where(valid, labels, at::zeros_like(labels)).flatten(),
+                                            valid.flatten().to(at::kFloat));
+  const at::Tensor weight = (counts / counts.sum().clamp_min(1)).clamp_min(1e-3).rsqrt();
+  const at::Tensor seg = at::cross_entropy_loss(logits, at::where(valid, labels, at::full_like(labels, -100)), weight,
+                                                at::Reduction::Mean, -100);
+  // Detection (CenterPoint): targets on the query grid from the padded boxes.
+  const DetectionTargets t = encode_detection_targets(batch.at("boxes").to(logits.device()), spec_.query_grid,
+                                                      static_cast<int64_t>(spec_.scene.box_classes.size()));
+  const at::Tensor heat = heatmap_focal_loss(pred.at("heatmap"), t.heatmap);
+  const at::Tensor reg = box_regression_loss(pred.at("box_reg"), t);
+  at::Tensor total = spec_.seg_loss_weight * seg + spec_.heatmap_loss_weight * heat + spec_.box_loss_weight * reg;
+  return {total, {{"seg_ce", seg.detach()}, {"heatmap_focal", heat.detach()}, {"box_l1", reg.detach()}}};
+}
+
+double PerceptionModel::forward_flops_per_sample() const {
+  double f = 0;
+  for (const auto& c : analytic_cost(spec_)) f += c.flops;
+  return f;
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> PerceptionModel::checkpointable_blocks() {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  for (const auto& b : encoder_->blocks()) out.push_back(b);
+  for (const auto& b : bev_blocks_) out.push_back(b);
+  return out;
+}
+
+core::TensorDict PerceptionModel::postprocess(const core::TensorDict& pred) {
+  Detections d = decode_detections(pred.at("heatmap"), pred.at("box_reg"), spec_.query_grid, spec_.max_detections,
+                                   spec_.score_threshold);
+  return {{"bev_labels", pred.at("bev_logits").argmax(1)}, {"det_boxes", d.boxes}, {"det_scores", d.scores}};
+}
+
+std::vector<ModuleCost> PerceptionModel::analytic_cost(const BevModelSpec& s) {
+  const BevGrid& g = s.query_grid;
+  const Cost backbone = ImageEncoderImpl::analytic_cost(s.encoder).applied(static_cast<double>(s.scene.num_cameras));
+  const Cost view = ViewTransformerImpl::analytic_cost(
+      {s.bev_channels, s.bev_channels, s.heights, g, s.scene.image_height, s.scene.image_width});
+  const Cost enc = ResidualConvBlock::analytic_cost(s.bev_channels, g.nx, g.ny).copies(s.encoder_blocks);
+  const Cost heads = BevHeadsImpl::analytic_cost(s.bev_channels, s.head_channels,
+                                                 static_cast<int64_t>(s.scene.bev_classes.size()),
+                                                 static_cast<int64_t>(s.scene.box_classes.size()), g.nx, g.ny);
+  return {{"backbone", backbone.params, backbone.flops},
+          {"view_transformer", view.params, view.flops},
+          {"bev_encoder", enc.params, enc.flops},
+          {"heads", heads.params, heads.flops}};
+}
+
+// ---- example batch ----------------------------------------------------------------------------
+
+core::TensorDict PerceptionModel::example_batch(int64_t n) const {
+  const auto& sc = spec_.scene;
+  const int64_t cams = sc.num_cameras, kmax = sc.max_boxes;
+  const int64_t nbox = static_cast<int64_t>(sc.box_classes.size());
+  CameraRig rig = jitter_rig(make_surround_rig({cams, sc.image_height, sc.image_width}), n);
+  at::Tensor images = at::randint(0, 256, {n, cams, sc.image_height, sc.image_width, 3}, at::kByte);
+
+  // Boxes: 2-8 per sample, class-typical sizes, kept off the ego vehicle.
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor typical = at::empty({nbox, 3}, f32);
+  for (int64_t c = 0; c < nbox; ++c) {
+    auto t = typical_size(sc.box_classes[c]);
+    for (int d = 0; d < 3; ++d) typical[c][d] = t[d];
+  }
+  const int64_t hi = std::min<int64_t>(8, kmax), lo = std::min<int64_t>(2, hi);
+  at::Tensor count = at::randint(lo, hi + 1, {n}, at::kLong);
+  at::Tensor row_valid = at::arange(kmax, at::kLong).unsqueeze(0) < count.unsqueeze(1);  // [n, K]
+  at::Tensor cls = at::randint(0, nbox, {n, kmax}, at::kLong);
+  at::Tensor dims = typical.index_select(0, cls.flatten()).view({n, kmax, 3}) * (0.85 + 0.3 * at::rand({n, kmax, 3}));
+  auto uniform = [&](double a, double b) { return a + (b - a) * at::rand({n, kmax}); };
+  at::Tensor x = uniform(sc.x_min + 2, sc.x_max - 2), y = uniform(sc.y_min + 2, sc.y_max - 2);
+  at::Tensor near = (x.abs() < 4) & (y.abs() < 4);
+  y = at::where(near, (y + 8).clamp_max(sc.y_max - 2), y);
+  at::Tensor yaw = uniform(-std::numbers::pi, std::numbers::pi);
+  at::Tensor l = dims.select(-1, 0), w = dims.select(-1, 1), h = dims.select(-1, 2);
+  at::Tensor z = h / 2;
+
+  // Visibility: fraction of the 8 corners and the centre seen by at least one camera.
+  at::Tensor signs = at::tensor({-0.5f, -0.5f, -0.5f, 0.5f, -0.5f, -0.5f, -0.5f, 0.5f, -0.5f, 0.5f, 0.5f, -0.5f,
+                                 -0.5f, -0.5f, 0.5f, 0.5f, -0.5f, 0.5f, -0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f,
+                                 0.0f, 0.0f, 0.0f})
+                          .view({9, 3});
+  at::Tensor local = signs.view({1, 1, 9, 3}) * dims.unsqueeze(2);  // [n, K, 9, 3]
+  at::Tensor c = yaw.cos().unsqueeze(-1), s = yaw.sin().unsqueeze(-1);
+  at::Tensor lx = local.select(-1, 0), ly = local.select(-1, 1), lz = local.select(-1, 2);
+  at::Tensor pts = at::stack({x.unsqueeze(-1) + c * lx - s * ly, y.unsqueeze(-1) + s * lx + c * ly, z.unsqueeze(-1) + lz}, -1);
+  Projection proj = project_points(pts.view({n, kmax * 9, 3}), rig.intrinsics, rig.cam_to_ego);
+  at::Tensor seen = visibility_mask(proj, sc.image_height, sc.image_width).any(1).view({n, kmax, 9});
+  at::Tensor vis = seen.to(at::kFloat).mean(-1);
+
+  at::Tensor boxes = at::stack({x, y, z, l, w, h, yaw, cls.to(at::kFloat), vis}, -1);
+  at::Tensor pad = at::zeros({9}, f32);
+  pad[7] = -1;
+  boxes = at::where(row_valid.unsqueeze(-1), boxes, pad);
+
+  // BEV semantics on the label grid: a road band along x with dashed markings, boxes on top.
+  const BevGrid lg = spec_.label_grid();
+  at::Tensor cx = (lg.x_min + (at::arange(lg.nx, f32) + 0.5) * lg.resolution).view({1, -1, 1});
+  at::Tensor cy = (lg.y_min + (at::arange(lg.ny, f32) + 0.5) * lg.resolution).view({1, 1, -1});
+  at::Tensor sem = at::zeros({n, lg.nx, lg.ny}, at::kLong);
+  at::Tensor y0 = (at::rand({n}) * 16 - 8).view({-1, 1, 1});
+  const int64_t road = class_index(sc.bev_classes, "road"), marking = class_index(sc.bev_classes, "marking");
+  if (road >= 0) sem.masked_fill_(((cy - y0).abs() < 4).expand({n, lg.nx, lg.ny}), road);
+  if (marking >= 0) {
+    at::Tensor dash = at::floor(cx / 3).remainder(2) == 0;
+    sem.masked_fill_(((cy - y0).abs() < 0.25) & dash, marking);
+  }
+  for (int64_t k = 0; k < kmax; ++k) {
+    auto v = [&](const at::Tensor& t) { return t.select(1, k).view({-1, 1, 1}); };
+    at::Tensor dx = cx - v(x), dy = cy - v(y);
+    at::Tensor along = dx * v(yaw).cos() + dy * v(yaw).sin(), across = -dx * v(yaw).sin() + dy * v(yaw).cos();
+    at::Tensor bev_cls = at::tensor(box_to_bev_class_, at::kLong).index_select(0, cls.select(1, k)).view({-1, 1, 1});
+    at::Tensor inside = (along.abs() <= v(l) / 2) & (across.abs() <= v(w) / 2) & v(row_valid) & (bev_cls >= 0);
+    sem = at::where(inside, bev_cls, sem);
+  }
+  return {{"images", images},
+          {"intrinsics", rig.intrinsics},
+          {"cam_to_ego", rig.cam_to_ego},
+          {"bev_semantics", sem},
+          {"boxes", boxes},
+          {"scene_index", at::arange(n, at::kLong)}};
+}
+
+}  // namespace parallax::models

@@ -1,0 +1,103 @@
+// `bev`: the multi-camera BEV perception model, one family in sizes tiny | small | base | large | 3b.
+//
+//   images [B, N, H, W, 3] uint8 --(normalise; shared image backbone + neck)--> [B*N, C, H/s, W/s]
+//   --(view transformer: pillar reference points projected with the batch's cameras)--> BEV
+//   [B, C, nx, ny] --(BEV encoder: residual conv blocks)--> heads:
+//     "bev_logits" [B, n_bev_classes, X, Y]  segmentation logits on the dataset's label grid
+//                                            (bilinearly resampled when the query grid differs)
+//     "heatmap"    [B, n_box_classes, nx, ny] CenterPoint class heatmap logits on the query grid
+//     "box_reg"    [B, 8, nx, ny]             box codes (models/detection.h)
+//
+// Batches follow docs/data.md: it reads "images", "intrinsics", "cam_to_ego" in forward() and
+// "bev_semantics", "boxes" in loss(). postprocess() gives "bev_labels", "det_boxes", "det_scores".
+// The model is built for one SceneSpec (cameras, image size, BEV grid, classes) and checks batches
+// against it.
+#pragma once
+
+#include "models/backbone.h"
+#include "models/bev_grid.h"
+#include "models/model.h"
+#include "models/view_transformer.h"
+
+#include <string>
+#include <vector>
+
+namespace parallax::models {
+
+// Everything that defines a bev model, resolved from (ModelConfig, SceneSpec).
+struct BevModelSpec {
+  std::string size = "tiny";
+  ImageEncoderOptions encoder;  // backbone choice, ViT/conv shapes, image size, out channels
+  core::SceneSpec scene;
+  BevGrid query_grid;
+  std::vector<double> heights;
+  int64_t bev_channels = 64;
+  int64_t head_channels = 32;
+  int64_t encoder_blocks = 2;
+  double seg_loss_weight = 1.0, heatmap_loss_weight = 1.0, box_loss_weight = 0.25;
+  double score_threshold = 0.05;
+  int64_t max_detections = 100;
+
+  BevGrid label_grid() const;
+};
+
+// Resolves the size preset and the config's overrides for `scene`; throws ConfigError naming the
+// key for an unknown size or a scene the model cannot take (e.g. image size not divisible by the
+// backbone stride).
+BevModelSpec make_bev_spec(const ModelConfig& cfg, const core::SceneSpec& scene);
+
+// The scene each size is benchmarked at (docs/models.md): tiny uses the synthetic dataset's
+// defaults (6 x 128 x 224, 100 x 100 BEV at 0.5 m); the GPU sizes use 6 x 256 x 704 images
+// (BEVDet's input) and a 100 m x 100 m BEV label grid at 0.5 m (200 x 200).
+core::SceneSpec benchmark_scene(const std::string& size);
+
+// Segmentation and detection heads: per task a 3x3 ConvNormAct to head_channels and a 1x1 conv.
+class BevHeadsImpl : public torch::nn::Module {
+ public:
+  BevHeadsImpl(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes, int64_t nx, int64_t ny);
+  core::TensorDict forward(const at::Tensor& bev);  // "seg", "heatmap", "box_reg" on the query grid
+  Cost cost() const { return analytic_cost(channels_, head_channels_, seg_classes_, box_classes_, nx_, ny_); }
+  static Cost analytic_cost(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes,
+                            int64_t nx, int64_t ny);
+
+ private:
+  int64_t channels_, head_channels_, seg_classes_, box_classes_, nx_, ny_;
+  ConvNormAct seg_conv_{nullptr}, heat_conv_{nullptr}, reg_conv_{nullptr};
+  torch::nn::Conv2d seg_out_{nullptr}, heat_out_{nullptr}, reg_out_{nullptr};
+};
+TORCH_MODULE(BevHeads);
+
+class PerceptionModel : public Model {
+ public:
+  explicit PerceptionModel(const BevModelSpec& spec, LinearFactory linear = dense_linear);
+
+  core::TensorDict forward(const core::TensorDict& batch) override;
+  LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) override;
+  double forward_flops_per_sample() const override;
+  // Every residual/transformer block: image backbone blocks, then BEV encoder blocks.
+  std::vector<std::shared_ptr<torch::nn::Module>> checkpointable_blocks() override;
+  core::TensorDict postprocess(const core::TensorDict& pred) override;
+  int64_t batch_size(const core::TensorDict& batch) const override { return batch.at("images").size(0); }
+  // Random noise images on a jittered surround rig (models/camera_rig.h), 2-8 random boxes per
+  // sample (class-typical sizes, visibility computed through the cameras) and BEV semantics
+  // consistent with them (a road band with lane markings, box footprints on top).
+  core::TensorDict example_batch(int64_t n) const override;
+  std::vector<ModuleCost> cost_breakdown() const override { return analytic_cost(spec_); }
+
+  static std::vector<ModuleCost> analytic_cost(const BevModelSpec& spec);
+  const BevModelSpec& spec() const { return spec_; }
+  ImageEncoder& encoder() { return encoder_; }
+  ViewTransformer& view_transformer() { return view_; }
+
+ private:
+  void check_batch(const core::TensorDict& batch) const;
+
+  BevModelSpec spec_;
+  ImageEncoder encoder_{nullptr};
+  ViewTransformer view_{nullptr};
+  std::vector<std::shared_ptr<ResidualConvBlock>> bev_blocks_;
+  BevHeads heads_{nullptr};
+  std::vector<int64_t> box_to_bev_class_;  // box class -> bev class index (-1 if absent)
+};
+
+}  // namespace parallax::models

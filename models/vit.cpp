@@ -1,0 +1,192 @@
+#include "models/vit.h"
+
+#include "core/error.h"
+
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <torch/nn/init.h>
+
+namespace parallax::models {
+
+namespace {
+
+at::Tensor maybe_dropout(const at::Tensor& x, double p, bool training) {
+  return (p > 0 && training) ? at::dropout(x, p, true) : x;
+}
+
+}  // namespace
+
+at::Tensor normalize_images(const at::Tensor& images, at::ScalarType dtype) {
+  if (images.scalar_type() != at::kByte) return images.to(dtype);
+  // ImageNet statistics: (x / 255 - mean) / std per channel (dim 1), in float32, with scalar
+  // operands only (no host-to-device copy of constants, so no stream synchronisation).
+  static constexpr double kMean[3] = {0.485, 0.456, 0.406};
+  static constexpr double kStd[3] = {0.229, 0.224, 0.225};
+  at::Tensor x = images.to(at::kFloat);
+  for (int64_t c = 0; c < 3; ++c) x.select(1, c).mul_(1.0 / (255.0 * kStd[c])).sub_(kMean[c] / kStd[c]);
+  return x.to(dtype);
+}
+
+// ---- attention, MLP, block --------------------------------------------------------------------
+
+AttentionImpl::AttentionImpl(const TransformerBlockOptions& o) : head_dim_(o.dim / o.heads), dropout_(o.dropout) {
+  PARALLAX_CHECK(o.dim % o.heads == 0, ConfigError, "attention: dim {} is not divisible by heads {}", o.dim, o.heads);
+  qkv_ = o.linear({o.dim, 3 * o.dim, o.qkv_bias, LinearRole::kColumn});
+  proj_ = o.linear({o.dim, o.dim, true, LinearRole::kRow});
+  register_module("qkv", qkv_.ptr());
+  register_module("proj", proj_.ptr());
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x) {
+  const int64_t b = x.size(0), t = x.size(1);
+  at::Tensor qkv = qkv_.forward<at::Tensor>(x);
+  // Heads from the actual width so that a column-parallel qkv (a shard of the heads) just works.
+  const int64_t heads = qkv.size(-1) / (3 * head_dim_);
+  // [B, T, 3, H, hd] -> [3, B, H, T, hd]: strided views, the last dim stays contiguous for SDPA.
+  // unbind (not three selects): its backward is one stack instead of three zero-filled
+  // full-size gradients that autograd then adds up.
+  const auto qkv_views = qkv.view({b, t, 3, heads, head_dim_}).permute({2, 0, 3, 1, 4}).unbind(0);
+  at::Tensor o = at::scaled_dot_product_attention(qkv_views[0], qkv_views[1], qkv_views[2]);
+  o = o.transpose(1, 2).reshape({b, t, heads * head_dim_});
+  return maybe_dropout(proj_.forward<at::Tensor>(o), dropout_, is_training());
+}
+
+MlpBlockImpl::MlpBlockImpl(const TransformerBlockOptions& o) : dropout_(o.dropout) {
+  fc1_ = o.linear({o.dim, o.mlp_hidden, true, LinearRole::kColumn});
+  fc2_ = o.linear({o.mlp_hidden, o.dim, true, LinearRole::kRow});
+  register_module("fc1", fc1_.ptr());
+  register_module("fc2", fc2_.ptr());
+}
+
+at::Tensor MlpBlockImpl::forward(const at::Tensor& x) {
+  at::Tensor h = maybe_dropout(at::gelu(fc1_.forward<at::Tensor>(x)), dropout_, is_training());
+  return maybe_dropout(fc2_.forward<at::Tensor>(h), dropout_, is_training());
+}
+
+TransformerBlock::TransformerBlock(const TransformerBlockOptions& o) : opts_(o) {
+  norm1_ = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim}).eps(1e-6)));
+  attn_ = register_module("attn", Attention(o));
+  norm2_ = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim}).eps(1e-6)));
+  mlp_ = register_module("mlp", MlpBlock(o));
+}
+
+at::Tensor TransformerBlock::forward_impl(const at::Tensor& x) {
+  at::Tensor y = x + attn_->forward(norm1_->forward(x));
+  return y + mlp_->forward(norm2_->forward(y));
+}
+
+Cost TransformerBlock::analytic_cost(const TransformerBlockOptions& o) {
+  const double t = static_cast<double>(o.tokens);
+  Cost c{4 * o.dim, 0.0};  // two LayerNorms
+  c += linear_cost(o.dim, 3 * o.dim, o.qkv_bias, t);
+  c += linear_cost(o.dim, o.dim, true, t);
+  c += linear_cost(o.dim, o.mlp_hidden, true, t);
+  c += linear_cost(o.mlp_hidden, o.dim, true, t);
+  c.flops += 2.0 * 2.0 * t * t * static_cast<double>(o.dim);  // QK^T and AV over all heads
+  return c;
+}
+
+// ---- ViT --------------------------------------------------------------------------------------
+
+namespace {
+
+TransformerBlockOptions block_options(const VisionTransformerOptions& o) {
+  const int64_t tokens = (o.image_h / o.spec.patch) * (o.image_w / o.spec.patch) + (o.class_token ? 1 : 0);
+  return {o.spec.dim, o.spec.heads, o.spec.mlp_hidden, o.spec.qkv_bias, o.spec.dropout, tokens, o.linear};
+}
+
+void check_vit(const VisionTransformerOptions& o) {
+  PARALLAX_CHECK(o.image_h % o.spec.patch == 0 && o.image_w % o.spec.patch == 0, ConfigError,
+                 "ViT: image size {}x{} is not divisible by the patch size {}", o.image_h, o.image_w, o.spec.patch);
+  PARALLAX_CHECK(o.spec.dim % o.spec.heads == 0, ConfigError, "ViT: dim {} is not divisible by heads {}", o.spec.dim,
+                 o.spec.heads);
+}
+
+}  // namespace
+
+VisionTransformerImpl::VisionTransformerImpl(const VisionTransformerOptions& o) : opts_(o) {
+  check_vit(o);
+  const VitSpec& s = o.spec;
+  patch_embed_ = register_module("patch_embed", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, s.dim, s.patch).stride(s.patch)));
+  const int64_t tokens = grid_h() * grid_w() + (o.class_token ? 1 : 0);
+  if (o.class_token) cls_token_ = register_parameter("cls_token", at::randn({1, 1, s.dim}) * 0.02);
+  pos_embed_ = register_parameter("pos_embed", at::randn({1, tokens, s.dim}) * 0.02);
+  const TransformerBlockOptions bo = block_options(o);
+  for (int64_t i = 0; i < s.depth; ++i) {
+    blocks_.push_back(register_module("block" + std::to_string(i), std::make_shared<TransformerBlock>(bo)));
+  }
+  norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.dim}).eps(1e-6)));
+}
+
+at::Tensor VisionTransformerImpl::forward(const at::Tensor& images) {
+  // [B, D, h, w] -> [B, h*w, D]: a free view for channels-last conv output, else one copy; the
+  // token stream stays contiguous so every linear takes at::linear's fused-bias path.
+  at::Tensor x = patch_embed_->forward(images).flatten(2).transpose(1, 2).contiguous();
+  if (opts_.class_token) x = at::cat({cls_token_.expand({x.size(0), -1, -1}), x}, 1);
+  x = x + pos_embed_;
+  for (const auto& blk : blocks_) x = blk->forward(x);
+  return norm_->forward(x);
+}
+
+Cost VisionTransformerImpl::analytic_cost(const VisionTransformerOptions& o) {
+  check_vit(o);
+  const VitSpec& s = o.spec;
+  const TransformerBlockOptions bo = block_options(o);
+  Cost c = conv_cost(3, s.dim, s.patch, true, o.image_h / s.patch, o.image_w / s.patch);
+  c.params += bo.tokens * s.dim + (o.class_token ? s.dim : 0);
+  c += TransformerBlock::analytic_cost(bo).copies(s.depth);
+  c.params += 2 * s.dim;  // final LayerNorm
+  return c;
+}
+
+// ---- vit_cls ----------------------------------------------------------------------------------
+
+VitClassifier::VitClassifier(const VitSpec& spec, int64_t image_size, int64_t num_classes, LinearFactory linear)
+    : spec_(spec), image_size_(image_size), num_classes_(num_classes) {
+  vit_ = register_module("vit", VisionTransformer(VisionTransformerOptions{spec, image_size, image_size, true, linear}));
+  head_ = register_module("head", DenseLinear(spec.dim, num_classes));
+}
+
+core::TensorDict VitClassifier::forward(const core::TensorDict& batch) {
+  const at::Tensor& images = batch.at("images");
+  PARALLAX_CHECK(images.dim() == 4 && images.size(1) == 3 && images.size(2) == image_size_ && images.size(3) == image_size_,
+                 Error, "vit_cls: batch 'images' must be [B, 3, {}, {}], got {}", image_size_, image_size_,
+                 fmt::format("{}", images.sizes()));
+  at::Tensor tokens = vit_->forward(normalize_images(images, head_->weight.scalar_type()));
+  return {{"logits", head_->forward(tokens.select(1, 0))}};
+}
+
+LossOutput VitClassifier::loss(const core::TensorDict& batch, const core::TensorDict& pred) {
+  const at::Tensor logits = pred.at("logits").to(at::kFloat);
+  const at::Tensor& labels = batch.at("labels");
+  at::Tensor ce = at::cross_entropy_loss(logits, labels);
+  at::Tensor acc = (logits.argmax(1) == labels).to(at::kFloat).mean();
+  return {ce, {{"ce", ce.detach()}, {"accuracy", acc}}};
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> VitClassifier::checkpointable_blocks() {
+  return {vit_->blocks().begin(), vit_->blocks().end()};
+}
+
+core::TensorDict VitClassifier::postprocess(const core::TensorDict& pred) {
+  core::TensorDict out = pred;
+  out["pred_labels"] = pred.at("logits").argmax(1);
+  return out;
+}
+
+core::TensorDict VitClassifier::example_batch(int64_t n) const {
+  return {{"images", at::randint(0, 256, {n, 3, image_size_, image_size_}, at::kByte)},
+          {"labels", at::randint(0, num_classes_, {n}, at::kLong)}};
+}
+
+std::vector<ModuleCost> VitClassifier::cost_breakdown() const {
+  const Cost vit = VisionTransformerImpl::analytic_cost({spec_, image_size_, image_size_, true, dense_linear});
+  const Cost head = linear_cost(spec_.dim, num_classes_, true, 1);
+  return {{"vit", vit.params, vit.flops}, {"head", head.params, head.flops}};
+}
+
+Cost VitClassifier::analytic_cost(const VitSpec& spec, int64_t image_size, int64_t num_classes) {
+  return VisionTransformerImpl::analytic_cost({spec, image_size, image_size, true, dense_linear}) +
+         linear_cost(spec.dim, num_classes, true, 1);
+}
+
+}  // namespace parallax::models

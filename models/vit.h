@@ -1,0 +1,141 @@
+// Vision Transformer: patch embedding, pre-norm transformer blocks (multi-head self-attention
+// through at::scaled_dot_product_attention, GELU MLP) and a final LayerNorm. Used as the image
+// backbone of the perception model (no class token, features reshaped to a map) and as the
+// `vit_cls` classifier (class token, head), which matches timm's vit_base_patch16_224 in shapes,
+// parameter count and FLOPs.
+//
+// Layouts: tokens are [B, T, D] (batch first, contiguous). Attention computes q, k, v from one
+// fused qkv linear and passes strided views (no copies) to SDPA, which picks flash attention on
+// GPU for fp16/bf16.
+#pragma once
+
+#include "models/layers.h"
+#include "models/model.h"
+
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+namespace parallax::models {
+
+// Shape of a ViT; the defaults are ViT-B/16.
+struct VitSpec {
+  int64_t dim = 768;
+  int64_t depth = 12;
+  int64_t heads = 12;
+  int64_t mlp_hidden = 3072;
+  int64_t patch = 16;
+  bool qkv_bias = true;
+  double dropout = 0.0;  // after the attention projection and in the MLP
+};
+
+struct TransformerBlockOptions {
+  int64_t dim = 768, heads = 12, mlp_hidden = 3072;
+  bool qkv_bias = true;
+  double dropout = 0.0;
+  int64_t tokens = 197;  // configured sequence length, for cost()
+  LinearFactory linear = dense_linear;
+};
+
+// Multi-head self-attention: qkv (kColumn) -> SDPA -> proj (kRow). [B, T, D] -> [B, T, D].
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const TransformerBlockOptions& o);
+  at::Tensor forward(const at::Tensor& x);
+
+ private:
+  int64_t head_dim_;
+  double dropout_;
+  torch::nn::AnyModule qkv_, proj_;
+};
+TORCH_MODULE(Attention);
+
+// fc1 (kColumn) -> GELU -> fc2 (kRow). [.., D] -> [.., D].
+class MlpBlockImpl : public torch::nn::Module {
+ public:
+  explicit MlpBlockImpl(const TransformerBlockOptions& o);
+  at::Tensor forward(const at::Tensor& x);
+
+ private:
+  double dropout_;
+  torch::nn::AnyModule fc1_, fc2_;
+};
+TORCH_MODULE(MlpBlock);
+
+// Pre-norm block: x + attn(ln1(x)), then + mlp(ln2(x)).
+class TransformerBlock : public Block {
+ public:
+  explicit TransformerBlock(const TransformerBlockOptions& o);
+  at::Tensor forward_impl(const at::Tensor& x) override;
+  Cost cost() const override { return analytic_cost(opts_); }
+  static Cost analytic_cost(const TransformerBlockOptions& o);
+
+ private:
+  TransformerBlockOptions opts_;
+  torch::nn::LayerNorm norm1_{nullptr}, norm2_{nullptr};
+  Attention attn_{nullptr};
+  MlpBlock mlp_{nullptr};
+};
+
+struct VisionTransformerOptions {
+  VitSpec spec;
+  int64_t image_h = 224, image_w = 224;
+  bool class_token = false;
+  LinearFactory linear = dense_linear;
+};
+
+// Patch embedding (conv kernel = stride = patch) + [class token] + learned position embedding
+// + blocks + final LayerNorm. forward(images [B, 3, H, W], any memory format) -> tokens
+// [B, T, D] with T = (H/p)(W/p) (+1 with the class token, at index 0).
+class VisionTransformerImpl : public torch::nn::Module {
+ public:
+  explicit VisionTransformerImpl(const VisionTransformerOptions& o);
+  at::Tensor forward(const at::Tensor& images);
+
+  int64_t grid_h() const { return opts_.image_h / opts_.spec.patch; }
+  int64_t grid_w() const { return opts_.image_w / opts_.spec.patch; }
+  const std::vector<std::shared_ptr<TransformerBlock>>& blocks() const { return blocks_; }
+  Cost cost() const { return analytic_cost(opts_); }
+  static Cost analytic_cost(const VisionTransformerOptions& o);
+
+ private:
+  VisionTransformerOptions opts_;
+  torch::nn::Conv2d patch_embed_{nullptr};
+  at::Tensor cls_token_, pos_embed_;
+  std::vector<std::shared_ptr<TransformerBlock>> blocks_;
+  torch::nn::LayerNorm norm_{nullptr};
+};
+TORCH_MODULE(VisionTransformer);
+
+// `vit_cls`: ViT + class token + linear head on the class token's final feature.
+// Batch: "images" [B, 3, H, W] uint8 (scaled to [0, 1] and normalised with ImageNet mean/std) or
+// floating point (taken as already normalised), "labels" int64 [B]. Prediction: "logits"
+// [B, num_classes]; loss: cross-entropy ("ce", and "accuracy" as a metric term).
+class VitClassifier : public Model {
+ public:
+  VitClassifier(const VitSpec& spec, int64_t image_size, int64_t num_classes, LinearFactory linear = dense_linear);
+
+  core::TensorDict forward(const core::TensorDict& batch) override;
+  LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) override;
+  double forward_flops_per_sample() const override { return cost().flops; }
+  std::vector<std::shared_ptr<torch::nn::Module>> checkpointable_blocks() override;
+  core::TensorDict postprocess(const core::TensorDict& pred) override;
+  int64_t batch_size(const core::TensorDict& batch) const override { return batch.at("images").size(0); }
+  core::TensorDict example_batch(int64_t n) const override;
+  std::vector<ModuleCost> cost_breakdown() const override;
+
+  Cost cost() const { return analytic_cost(spec_, image_size_, num_classes_); }
+  static Cost analytic_cost(const VitSpec& spec, int64_t image_size, int64_t num_classes);
+
+ private:
+  VitSpec spec_;
+  int64_t image_size_, num_classes_;
+  VisionTransformer vit_{nullptr};
+  DenseLinear head_{nullptr};
+};
+
+// Converts uint8 images to the parameters' dtype, scaled to [0, 1] and normalised with ImageNet
+// mean/std; floating-point images are only cast. Keeps the memory format of `images`.
+at::Tensor normalize_images(const at::Tensor& images, at::ScalarType dtype);
+
+}  // namespace parallax::models

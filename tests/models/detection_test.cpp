@@ -1,0 +1,169 @@
+// CenterPoint target encoding, losses and decoding on random boxes.
+#include "models/detection.h"
+#include "models/model.h"
+#include "models/perception_model.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numbers>
+
+namespace parallax::models {
+namespace {
+
+const BevGrid kGrid{-25, -25, 1.0, 50, 50};
+
+// `n` random boxes per sample at distinct centre cells (at least 3 cells apart), padded to k rows.
+at::Tensor random_boxes(int64_t b, int64_t n, int64_t k, int64_t classes) {
+  at::Tensor boxes = at::zeros({b, k, 9});
+  boxes.select(-1, 7).fill_(-1);
+  for (int64_t s = 0; s < b; ++s) {
+    // Distinct cells on a coarse lattice, then a random offset inside the cell.
+    const at::Tensor cells = at::randperm(16 * 16).narrow(0, 0, n);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t c = cells[i].item<int64_t>();
+      const double x = -25 + 3 * static_cast<double>(c / 16) + 1 + at::rand({}).item<double>() * 0.999;
+      const double y = -25 + 3 * static_cast<double>(c % 16) + 1 + at::rand({}).item<double>() * 0.999;
+      const at::Tensor size = 0.5 + 4 * at::rand({3});
+      boxes[s][i] = at::tensor({x, y, 0.3 + at::rand({}).item<double>(), size[0].item<double>(),
+                                size[1].item<double>(), size[2].item<double>(),
+                                (at::rand({}).item<double>() * 2 - 1) * 3.1, static_cast<double>(at::randint(classes, {}).item<int64_t>()),
+                                0.2 + 0.8 * at::rand({}).item<double>()},
+                               at::kFloat);
+    }
+  }
+  return boxes;
+}
+
+TEST(DetectionTargetsTest, HeatmapPeaksAtBoxCentres) {
+  at::manual_seed(21);
+  at::Tensor boxes = random_boxes(2, 6, 10, 3);
+  boxes[1][5][8] = 0;  // invisible: not a target
+  const DetectionTargets t = encode_detection_targets(boxes, kGrid, 3);
+  ASSERT_EQ(t.heatmap.sizes(), at::IntArrayRef({2, 3, 50, 50}));
+  EXPECT_EQ(t.mask.sum().item<int64_t>(), 11);
+  for (int64_t s = 0; s < 2; ++s) {
+    for (int64_t i = 0; i < 10; ++i) {
+      const int64_t cls = boxes[s][i][7].item<int64_t>();
+      const int64_t ci = static_cast<int64_t>(std::floor(boxes[s][i][0].item<double>() + 25));
+      const int64_t cj = static_cast<int64_t>(std::floor(boxes[s][i][1].item<double>() + 25));
+      if (cls < 0) continue;
+      const bool target = t.mask[s][i].item<bool>();
+      EXPECT_EQ(target, i != 5 || s != 1);
+      if (target) {
+        EXPECT_EQ(t.heatmap[s][cls][ci][cj].item<float>(), 1.0f);
+        EXPECT_EQ(t.index[s][i].item<int64_t>(), ci * 50 + cj);
+        // A strict local maximum of its class channel.
+        const at::Tensor patch = t.heatmap[s][cls].narrow(0, ci - 1, 3).narrow(1, cj - 1, 3).reshape({-1});
+        EXPECT_EQ((patch == 1).sum().item<int64_t>(), 1);
+      }
+    }
+  }
+  // Exactly the target centres are 1; everything else is below.
+  EXPECT_EQ((t.heatmap == 1).sum().item<int64_t>(), 11);
+  EXPECT_GE(t.heatmap.min().item<float>(), 0.0f);
+}
+
+TEST(DetectionTargetsTest, RegressionLossIsZeroAtTheEncodedTarget) {
+  at::manual_seed(22);
+  const at::Tensor boxes = random_boxes(3, 5, 8, 3);
+  const DetectionTargets t = encode_detection_targets(boxes, kGrid, 3);
+  // A prediction map holding each target's code at its centre cell, noise elsewhere.
+  at::Tensor reg = at::randn({3, kBoxCodeSize, 2500});
+  const at::Tensor idx = t.index.unsqueeze(1).expand({3, kBoxCodeSize, 8});
+  const at::Tensor codes = at::where(t.mask.unsqueeze(-1), t.codes, reg.gather(2, idx).transpose(1, 2));
+  reg.scatter_(2, idx, codes.transpose(1, 2));
+  reg = reg.view({3, kBoxCodeSize, 50, 50});
+  EXPECT_LT(box_regression_loss(reg, t).item<double>(), 1e-7);
+  // Off by 0.3 in one code entry of one box: L1 = 0.3 / number of boxes.
+  const int64_t cell = t.index[1][2].item<int64_t>();
+  reg[1][4][cell / 50][cell % 50] += 0.3;
+  EXPECT_NEAR(box_regression_loss(reg, t).item<double>(), 0.3 / 15, 1e-6);
+}
+
+TEST(DetectionTargetsTest, PostprocessOfEncodedTargetsRecoversTheBoxes) {
+  at::manual_seed(23);
+  ModelConfig cfg;
+  cfg.name = "bev";
+  cfg.backbone = "conv";
+  PerceptionModel model(make_bev_spec(cfg, core::SceneSpec{}));
+  ASSERT_EQ(model.spec().query_grid.nx, 50);
+  const at::Tensor boxes = random_boxes(2, 7, 12, 3);
+  const DetectionTargets t = encode_detection_targets(boxes, model.spec().query_grid, 3);
+  // Heatmap logits from the target heatmap; codes scattered at the centre cells.
+  const at::Tensor heat_logits = at::logit(t.heatmap, 1e-4);
+  at::Tensor reg = at::zeros({2, kBoxCodeSize, 2500});
+  reg.scatter_(2, t.index.unsqueeze(1).expand({2, kBoxCodeSize, 12}),
+               (t.codes * t.mask.unsqueeze(-1)).transpose(1, 2).contiguous());
+  core::TensorDict pred{{"bev_logits", at::randn({2, 6, 100, 100})},
+                        {"heatmap", heat_logits},
+                        {"box_reg", reg.view({2, kBoxCodeSize, 50, 50})}};
+  const auto out = model.postprocess(pred);
+  ASSERT_EQ(out.at("det_boxes").sizes(), at::IntArrayRef({2, 100, 9}));
+  ASSERT_EQ(out.at("bev_labels").sizes(), at::IntArrayRef({2, 100, 100}));
+  for (int64_t s = 0; s < 2; ++s) {
+    const at::Tensor det = out.at("det_boxes")[s];
+    const at::Tensor keep = det.select(-1, 7) >= 0;
+    ASSERT_EQ(keep.sum().item<int64_t>(), 7) << det;
+    EXPECT_EQ((out.at("det_scores")[s] > 0).sum().item<int64_t>(), 7);
+    // Compare as sets: sort both by x.
+    const at::Tensor got = det.index({keep});
+    const at::Tensor want = boxes[s].narrow(0, 0, 7).clone();
+    want.select(-1, 8).fill_(1);  // decoded visibility is 1
+    const at::Tensor g = got.index_select(0, got.select(-1, 0).argsort());
+    const at::Tensor w = want.index_select(0, want.select(-1, 0).argsort());
+    at::Tensor dyaw = g.select(-1, 6) - w.select(-1, 6);
+    dyaw = at::atan2(dyaw.sin(), dyaw.cos());
+    EXPECT_LT(dyaw.abs().max().item<double>(), 1e-5);
+    g.select(-1, 6).zero_();
+    w.select(-1, 6).zero_();
+    EXPECT_TRUE(at::allclose(g, w, 1e-5, 1e-5)) << g << w;
+  }
+}
+
+TEST(FocalLossTest, MatchesTheCenterNetFormula) {
+  at::manual_seed(24);
+  const at::Tensor logits = at::randn({2, 3, 6, 6}) * 2;
+  at::Tensor target = at::rand({2, 3, 6, 6}) * 0.9;
+  target[0][1][2][3] = 1;
+  target[1][2][0][0] = 1;
+  const at::Tensor p = at::sigmoid(logits).to(at::kDouble), t = target.to(at::kDouble);
+  double expect = 0;
+  auto pa = p.accessor<double, 4>();
+  auto ta = t.accessor<double, 4>();
+  for (int a = 0; a < 2; ++a)
+    for (int b = 0; b < 3; ++b)
+      for (int c = 0; c < 6; ++c)
+        for (int d = 0; d < 6; ++d) {
+          const double pp = pa[a][b][c][d], tt = ta[a][b][c][d];
+          expect += tt == 1 ? -std::pow(1 - pp, 2) * std::log(pp) : -std::pow(1 - tt, 4) * pp * pp * std::log(1 - pp);
+        }
+  EXPECT_NEAR(heatmap_focal_loss(logits, target).item<double>(), expect / 2, 1e-4 * expect);
+  // A confident correct prediction beats an uninformed one.
+  EXPECT_LT(heatmap_focal_loss(at::logit(target, 1e-3), target).item<double>(),
+            heatmap_focal_loss(at::zeros_like(target), target).item<double>());
+}
+
+TEST(DecodeTest, KeepsOnlyLocalMaximaAboveThreshold) {
+  at::Tensor heat = at::full({1, 2, 10, 10}, -10.0);
+  heat[0][0][3][3] = 3.0;   // peak
+  heat[0][0][3][4] = 2.0;   // suppressed neighbour
+  heat[0][1][7][7] = -1.0;  // sigmoid 0.27: kept at 0.2, dropped at 0.3
+  const at::Tensor reg = at::zeros({1, kBoxCodeSize, 10, 10});
+  const BevGrid g{0, 0, 2.0, 10, 10};
+  Detections d = decode_detections(heat, reg, g, 5, 0.2);
+  ASSERT_EQ(d.boxes.sizes(), at::IntArrayRef({1, 5, 9}));
+  EXPECT_EQ((d.boxes[0].select(-1, 7) >= 0).sum().item<int64_t>(), 2);
+  EXPECT_NEAR(d.boxes[0][0][0].item<double>(), 6.0, 1e-6);  // x = 0 + (3 + 0) * 2
+  EXPECT_NEAR(d.boxes[0][0][3].item<double>(), 1.0, 1e-6);  // exp(0)
+  EXPECT_EQ(d.boxes[0][1][7].item<float>(), 1.0f);
+  EXPECT_NEAR(d.scores[0][0].item<double>(), 1 / (1 + std::exp(-3.0)), 1e-6);
+  d = decode_detections(heat, reg, g, 5, 0.3);
+  EXPECT_EQ((d.boxes[0].select(-1, 7) >= 0).sum().item<int64_t>(), 1);
+  EXPECT_EQ(d.scores[0][1].item<float>(), 0.0f);
+  EXPECT_EQ(d.boxes[0][1][7].item<float>(), -1.0f);
+}
+
+}  // namespace
+}  // namespace parallax::models

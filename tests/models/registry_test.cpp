@@ -1,0 +1,65 @@
+// The registry: every name builds, analytic costs agree with the built models, bad names throw.
+#include "core/error.h"
+#include "models/model.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+namespace parallax::models {
+namespace {
+
+TEST(RegistryTest, MlpStandInKeepsWorkingAndMatchesItsAnalyticCost) {
+  at::manual_seed(50);
+  for (const char* size : {"tiny", "small"}) {
+    ModelConfig cfg;
+    cfg.name = "mlp";
+    cfg.size = size;
+    auto model = build_model(cfg, core::SceneSpec{});
+    const auto costs = analytic_cost(cfg, core::SceneSpec{});
+    ASSERT_EQ(costs.size(), 1u);
+    EXPECT_EQ(costs[0].params, model->parameter_count());
+    EXPECT_DOUBLE_EQ(costs[0].flops, model->forward_flops_per_sample());
+    const auto batch = model->example_batch(3);
+    const auto loss = model->loss(batch, model->forward(batch));
+    EXPECT_TRUE(std::isfinite(loss.total.item<double>()));
+    EXPECT_EQ(model->batch_size(batch), 3);
+  }
+}
+
+TEST(RegistryTest, UnknownNamesAndSizesThrowConfigError) {
+  ModelConfig cfg;
+  cfg.name = "resnet";
+  EXPECT_THROW(build_model(cfg, core::SceneSpec{}), ConfigError);
+  EXPECT_THROW(analytic_cost(cfg, core::SceneSpec{}), ConfigError);
+  cfg.name = "mlp";
+  cfg.size = "3b";
+  EXPECT_THROW(build_model(cfg, core::SceneSpec{}), ConfigError);
+  cfg.name = "bev";
+  cfg.size = "huge";
+  EXPECT_THROW(analytic_cost(cfg, core::SceneSpec{}), ConfigError);
+}
+
+TEST(RegistryTest, LinearFactoryReachesEveryTransformerBlock) {
+  int built = 0;
+  ModelConfig cfg;
+  cfg.name = "bev";
+  cfg.size = "tiny";
+  cfg.backbone = "vit";
+  auto model = build_model(cfg, core::SceneSpec{}, [&](const LinearSpec& s) {
+    ++built;
+    return dense_linear(s);
+  });
+  EXPECT_EQ(built, 4 * 2);  // 4 linears in each of the 2 ViT blocks
+  ModelConfig vit;
+  vit.name = "vit_cls";
+  vit.size = "b16";
+  built = 0;
+  build_model(vit, core::SceneSpec{}, [&](const LinearSpec& s) {
+    ++built;
+    return dense_linear(s);
+  });
+  EXPECT_EQ(built, 4 * 12);
+}
+
+}  // namespace
+}  // namespace parallax::models

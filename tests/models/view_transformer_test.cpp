@@ -1,0 +1,115 @@
+// The view transformer's sampling step must read image features exactly where the BEV reference
+// points project, and nowhere else.
+#include "models/camera_rig.h"
+#include "models/geometry.h"
+#include "models/view_transformer.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numbers>
+
+namespace parallax::models {
+namespace {
+
+constexpr int64_t kH = 128, kW = 224, kStride = 8, kC = 5;
+
+ViewTransformerOptions options() {
+  ViewTransformerOptions o;
+  o.in_channels = o.channels = kC;
+  o.heights = {0.0, 0.6, 1.2, 1.8};
+  o.grid = {-25, -25, 1.0, 50, 50};
+  o.image_h = kH;
+  o.image_w = kW;
+  return o;
+}
+
+TEST(ViewTransformerTest, ReferencePointsAreCellCentresAtEachHeight) {
+  ViewTransformer vt(options());
+  const at::Tensor p = vt->reference_points(at::kCPU).view({4, 50, 50, 3});
+  EXPECT_FLOAT_EQ(p[0][0][0][0].item<float>(), -24.5f);
+  EXPECT_FLOAT_EQ(p[0][0][0][1].item<float>(), -24.5f);
+  EXPECT_FLOAT_EQ(p[2][49][3][0].item<float>(), 24.5f);
+  EXPECT_FLOAT_EQ(p[2][49][3][1].item<float>(), -21.5f);
+  EXPECT_FLOAT_EQ(p[2][49][3][2].item<float>(), 1.2f);
+}
+
+TEST(ViewTransformerTest, OccupiedCellIsSampledFromTheRightCameraPixel) {
+  at::manual_seed(5);
+  ViewTransformer vt(options());
+  const CameraRig rig = make_surround_rig({6, kH, kW});
+  const at::Tensor k = rig.intrinsics.unsqueeze(0), e = rig.cam_to_ego.unsqueeze(0);
+  // Camera 1 looks along yaw 60 degrees; take the cell ~12 m along its axis, at height index 1.
+  const double yaw = std::numbers::pi / 3;
+  const int64_t ci = static_cast<int64_t>(std::floor(12 * std::cos(yaw) + 25));
+  const int64_t cj = static_cast<int64_t>(std::floor(12 * std::sin(yaw) + 25));
+  const int64_t zi = 1, cam = 1;
+  const at::Tensor point = at::tensor({-25 + ci + 0.5, -25 + cj + 0.5, 0.6}, at::kFloat).view({1, 3});
+  const Projection proj = project_points(point, k, e);
+  ASSERT_EQ(visibility_mask(proj, kH, kW)[0].select(1, 0).nonzero().numel(), 1) << "only camera 1 may see it";
+  const double u = proj.uv[0][cam][0][0].item<double>(), v = proj.uv[0][cam][0][1].item<double>();
+
+  // Feature maps are zero except a distinctive random vector at the feature pixel holding (u, v).
+  const int64_t fh = kH / kStride, fw = kW / kStride;
+  at::Tensor feats = at::zeros({6, kC, fh, fw});
+  const int64_t px = static_cast<int64_t>(u / kStride), py = static_cast<int64_t>(v / kStride);
+  const at::Tensor signal = at::rand({kC}) + 1;
+  feats[cam].select(1, py).select(1, px).copy_(signal);
+
+  const auto s = vt->sample(feats, k, e);
+  ASSERT_EQ(s.features.sizes(), at::IntArrayRef({1, kC, 4, 2500}));
+  // Bilinear weight of that pixel at the projection (align_corners=false: centres at i + 0.5).
+  const double wx = 1 - std::abs(u / kStride - 0.5 - static_cast<double>(px));
+  const double wy = 1 - std::abs(v / kStride - 0.5 - static_cast<double>(py));
+  const int64_t q = ci * 50 + cj;
+  EXPECT_EQ(s.count[0][zi][q].item<float>(), 1.0f);
+  const at::Tensor got = s.features[0].select(1, zi).select(1, q);
+  EXPECT_TRUE(at::allclose(got, signal * (wx * wy), 1e-5, 1e-6)) << got << signal * (wx * wy);
+
+  // Cells outside camera 1's field of view (more than 36 degrees off its axis, seen from the
+  // camera centre) receive nothing at any height; neither do cells far from the ray.
+  const at::Tensor pts = vt->reference_points(at::kCPU).view({4, 2500, 3});
+  const at::Tensor centre = rig.cam_to_ego[cam].narrow(0, 0, 3).select(1, 3);
+  const at::Tensor rel = pts.select(-1, 0) - centre[0], rely = pts.select(-1, 1) - centre[1];
+  at::Tensor off_axis = at::atan2(rely, rel) - yaw;
+  off_axis = at::atan2(off_axis.sin(), off_axis.cos()).abs();  // [4, 2500]
+  const at::Tensor energy = s.features[0].abs().sum(0);       // [4, 2500]
+  const at::Tensor unseen = off_axis > 36.0 * std::numbers::pi / 180.0;
+  ASSERT_GT(unseen.sum().item<int64_t>(), 4 * 1500);
+  EXPECT_EQ(energy.masked_select(unseen).abs().max().item<float>(), 0.0f);
+  // The lit pixel is 8 px wide (2.9 degrees at f = 160 px); bilinear sampling reaches it from up
+  // to 12 px away (4.3 degrees); cells more than 6 degrees off the point's bearing stay dark.
+  const double bearing = std::atan2(point[0][1].item<double>() - centre[1].item<double>(),
+                                    point[0][0].item<double>() - centre[0].item<double>());
+  at::Tensor off_point = at::atan2(rely, rel) - bearing;
+  off_point = at::atan2(off_point.sin(), off_point.cos()).abs();
+  EXPECT_EQ(energy.masked_select(off_point > 6.0 * std::numbers::pi / 180.0).max().item<float>(), 0.0f);
+  EXPECT_GT(energy.gt(0).sum().item<int64_t>(), 0);
+}
+
+TEST(ViewTransformerTest, MeanOverCamerasThatSeeAPoint) {
+  // Constant feature value per camera: a point seen by cameras a and b gets their mean.
+  ViewTransformer vt(options());
+  const CameraRig rig = make_surround_rig({6, kH, kW});
+  const at::Tensor k = rig.intrinsics.unsqueeze(0), e = rig.cam_to_ego.unsqueeze(0);
+  const at::Tensor value = at::arange(1, 7, at::kFloat);  // camera c has value c + 1
+  const at::Tensor feats = value.view({6, 1, 1, 1}).expand({6, kC, kH / kStride, kW / kStride}).contiguous();
+  const auto s = vt->sample(feats, k, e);
+  const Projection proj = project_points(vt->reference_points(at::kCPU), k, e);
+  const at::Tensor vis = visibility_mask(proj, kH, kW)[0].to(at::kFloat);  // [6, Z*Q]
+  // Where a point is well inside the images (bilinear weights sum to 1), the mean is exact.
+  const at::Tensor u = proj.uv[0].select(-1, 0), v = proj.uv[0].select(-1, 1);
+  const at::Tensor inner = (u > kStride) & (u < kW - kStride) & (v > kStride) & (v < kH - kStride);
+  const at::Tensor inner_or_unseen = (inner | (vis == 0)).all(0);
+  const at::Tensor count = vis.sum(0);
+  const at::Tensor expect = (vis * value.view({6, 1})).sum(0) / count.clamp_min(1);
+  const at::Tensor got = s.features[0][0].reshape({-1});
+  const at::Tensor sel = inner_or_unseen & (count > 0);
+  ASSERT_GT((sel & (count > 1)).sum().item<int64_t>(), 10) << "the test needs points in camera overlaps";
+  EXPECT_TRUE(at::allclose(got.masked_select(sel), expect.masked_select(sel), 1e-5, 1e-5));
+  EXPECT_TRUE(at::equal(s.count[0].reshape({-1}), count));
+}
+
+}  // namespace
+}  // namespace parallax::models

@@ -1,0 +1,146 @@
+// ViT layers and the vit_cls/b16 model against timm's vit_base_patch16_224 (shapes, parameters,
+// FLOPs) and against hand-written references.
+#include "core/error.h"
+#include "models/model.h"
+#include "models/vit.h"
+#include "tests/models/flop_profiler.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace parallax::models {
+namespace {
+
+ModelConfig vit_cls_config() {
+  ModelConfig cfg;
+  cfg.name = "vit_cls";
+  cfg.size = "b16";
+  return cfg;
+}
+
+// Attention FLOPs (QK^T and AV) of ViT-B/16 at 224: 12 blocks x 2 x 2 x 197^2 x 768.
+constexpr double kVitBAttentionFlops = 12.0 * 4.0 * 197 * 197 * 768;
+
+TEST(VitClassifierTest, ParameterCountMatchesTimmVitBase16) {
+  at::manual_seed(0);
+  auto model = build_model(vit_cls_config(), core::SceneSpec{});
+  EXPECT_EQ(model->parameter_count(), 86'567'656);  // timm vit_base_patch16_224
+  int64_t analytic = 0;
+  for (const auto& c : analytic_cost(vit_cls_config(), core::SceneSpec{})) analytic += c.params;
+  EXPECT_EQ(analytic, 86'567'656);
+  // Shapes of the timm state dict.
+  const auto params = model->named_parameters();
+  EXPECT_EQ(params["vit.pos_embed"].sizes(), at::IntArrayRef({1, 197, 768}));
+  EXPECT_EQ(params["vit.cls_token"].sizes(), at::IntArrayRef({1, 1, 768}));
+  EXPECT_EQ(params["vit.patch_embed.weight"].sizes(), at::IntArrayRef({768, 3, 16, 16}));
+  EXPECT_EQ(params["vit.block11.attn.qkv.weight"].sizes(), at::IntArrayRef({2304, 768}));
+  EXPECT_EQ(params["vit.block11.attn.qkv.bias"].sizes(), at::IntArrayRef({2304}));
+  EXPECT_EQ(params["vit.block11.mlp.fc1.weight"].sizes(), at::IntArrayRef({3072, 768}));
+  EXPECT_EQ(params["head.weight"].sizes(), at::IntArrayRef({1000, 768}));
+  EXPECT_EQ(model->checkpointable_blocks().size(), 12u);
+}
+
+TEST(VitClassifierTest, FlopsMatchFvcoreWithinTwoPercent) {
+  auto model = build_model(vit_cls_config(), core::SceneSpec{});
+  // fvcore / timm report 17.58 GMACs for vit_base_patch16_224 (attention matmuls included).
+  const double reference = 2 * 17.58e9;
+  EXPECT_NEAR(model->forward_flops_per_sample() / reference, 1.0, 0.02);
+  // Closed form: patch conv + 12 x (qkv, proj, fc1, fc2 over 197 tokens + attention) + head.
+  const double closed = 2.0 * 196 * 768 * 768 + 12 * 2.0 * 197 * (768.0 * 2304 + 768.0 * 768 + 2 * 768.0 * 3072) +
+                        kVitBAttentionFlops + 2.0 * 768 * 1000;
+  EXPECT_DOUBLE_EQ(model->forward_flops_per_sample(), closed);
+}
+
+TEST(VitClassifierTest, ProfilerCountedFlopsMatchAnalyticCount) {
+  at::manual_seed(1);
+  auto model = build_model(vit_cls_config(), core::SceneSpec{});
+  model->eval();
+  const auto batch = model->example_batch(1);
+  torch::NoGradGuard no_grad;
+  const double measured = testing::profiled_matmul_conv_flops([&] { model->forward(batch); });
+  // The profiler does not see inside SDPA; everything else must match exactly.
+  EXPECT_NEAR(measured / (model->forward_flops_per_sample() - kVitBAttentionFlops), 1.0, 1e-9);
+}
+
+TEST(VitClassifierTest, ForwardLossAndPostprocess) {
+  at::manual_seed(2);
+  auto model = build_model(vit_cls_config(), core::SceneSpec{});
+  auto batch = model->example_batch(2);
+  EXPECT_EQ(batch.at("images").scalar_type(), at::kByte);
+  const auto pred = model->forward(batch);
+  ASSERT_EQ(pred.at("logits").sizes(), at::IntArrayRef({2, 1000}));
+  const auto loss = model->loss(batch, pred);
+  // Cross-entropy against logsumexp(logits) - logit[label], averaged over the batch.
+  const at::Tensor logits = pred.at("logits").to(at::kDouble);
+  const at::Tensor labels = batch.at("labels");
+  const at::Tensor picked = logits.gather(1, labels.unsqueeze(1)).squeeze(1);
+  EXPECT_NEAR(loss.total.item<double>(), (logits.logsumexp(1) - picked).mean().item<double>(), 1e-4);
+  // Small random init (logit std ~0.55): near-uniform predictions, loss near ln(1000).
+  EXPECT_NEAR(loss.total.item<double>(), std::log(1000.0), 1.0);
+  EXPECT_EQ(model->postprocess(pred).at("pred_labels").sizes(), at::IntArrayRef({2}));
+  // Float images are taken as already normalised.
+  batch["images"] = at::randn({2, 3, 224, 224});
+  EXPECT_EQ(model->forward(batch).at("logits").sizes(), at::IntArrayRef({2, 1000}));
+  batch["images"] = at::randn({2, 3, 192, 224});
+  EXPECT_THROW(model->forward(batch), Error);
+}
+
+TEST(VitClassifierTest, RejectsOtherSizes) {
+  ModelConfig cfg = vit_cls_config();
+  cfg.size = "base";
+  EXPECT_THROW(build_model(cfg, core::SceneSpec{}), ConfigError);
+  EXPECT_THROW(analytic_cost(cfg, core::SceneSpec{}), ConfigError);
+}
+
+TEST(AttentionTest, MatchesSoftmaxAttentionReference) {
+  at::manual_seed(4);
+  TransformerBlockOptions o;
+  o.dim = 48;
+  o.heads = 4;
+  o.tokens = 7;
+  Attention attn(o);
+  const at::Tensor x = at::randn({3, 7, 48});
+  const at::Tensor got = attn->forward(x);
+  auto p = attn->named_parameters();
+  const at::Tensor qkv = at::linear(x, p["qkv.weight"], p["qkv.bias"]);  // [B, T, 3D]
+  auto split = qkv.chunk(3, -1);
+  auto heads = [](const at::Tensor& t) { return t.view({3, 7, 4, 12}).transpose(1, 2); };
+  const at::Tensor q = heads(split[0]), k = heads(split[1]), v = heads(split[2]);
+  const at::Tensor w = at::softmax(at::matmul(q, k.transpose(-1, -2)) / std::sqrt(12.0), -1);
+  const at::Tensor ref = at::linear(at::matmul(w, v).transpose(1, 2).reshape({3, 7, 48}), p["proj.weight"], p["proj.bias"]);
+  EXPECT_TRUE(at::allclose(got, ref, 1e-5, 1e-5));
+}
+
+TEST(TransformerBlockTest, FactoryBuildsEveryLinear) {
+  at::manual_seed(6);
+  int columns = 0, rows = 0;
+  TransformerBlockOptions o;
+  o.dim = 32;
+  o.heads = 2;
+  o.mlp_hidden = 64;
+  o.tokens = 5;
+  o.linear = [&](const LinearSpec& s) {
+    (s.role == LinearRole::kColumn ? columns : rows)++;
+    return dense_linear(s);
+  };
+  TransformerBlock block(o);
+  EXPECT_EQ(columns, 2);  // qkv, fc1
+  EXPECT_EQ(rows, 2);     // proj, fc2
+  EXPECT_EQ(count_parameters(block), TransformerBlock::analytic_cost(o).params);
+}
+
+TEST(DenseLinearTest, MatchesMatmulPlusBiasForAnyRank) {
+  at::manual_seed(7);
+  DenseLinear lin(12, 5);
+  for (const auto& x : {at::randn({3, 12}), at::randn({2, 4, 12}), at::randn({2, 3, 4, 12})}) {
+    const at::Tensor ref = at::matmul(x, lin->weight.t()) + lin->bias;
+    EXPECT_TRUE(at::allclose(lin->forward(x), ref, 1e-5, 1e-6));
+  }
+  EXPECT_NEAR(lin->weight.std().item<double>(), 0.02, 0.01);
+  EXPECT_EQ(lin->bias.abs().sum().item<double>(), 0.0);
+}
+
+}  // namespace
+}  // namespace parallax::models
