@@ -1,0 +1,48 @@
+// The precision policy of a run, one object for the trainer and the engines:
+//   fp32: no autocast, no loss scaling;
+//   bf16: autocast to bf16 on the compute device, fp32 parameters (the master weights), no scaling;
+//   fp16: autocast to fp16, fp32 parameters, dynamic loss scaling (LossScaler).
+// Parameters stay fp32 in all three modes, so they are their own master weights; parameters
+// stored in low precision (an engine's choice, e.g. ZeRO-3 flat buffers) get fp32 masters in the
+// Optimizer.
+#pragma once
+
+#include "optim/grad_utils.h"
+#include "optim/optim_config.h"
+
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
+
+namespace parallax::optim {
+
+struct PrecisionPolicy {
+  std::string mode = "fp32";
+  c10::DeviceType device_type = c10::DeviceType::CPU;
+
+  bool autocast() const { return mode != "fp32"; }
+  c10::ScalarType compute_dtype() const {
+    return mode == "bf16" ? c10::ScalarType::BFloat16 : mode == "fp16" ? c10::ScalarType::Half : c10::ScalarType::Float;
+  }
+  bool loss_scaling() const { return mode == "fp16"; }
+};
+
+PrecisionPolicy make_precision_policy(const PrecisionConfig& cfg, c10::DeviceType device_type);
+LossScaler make_loss_scaler(const PrecisionConfig& cfg);
+
+// RAII: enables autocast for the policy's device and dtype for the guard's lifetime (forward and
+// loss), restoring the previous state and clearing the cast cache on exit. No-op for fp32.
+class AutocastGuard {
+ public:
+  explicit AutocastGuard(const PrecisionPolicy& policy);
+  ~AutocastGuard();
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  bool active_ = false;
+  c10::DeviceType device_type_;
+  bool prev_enabled_ = false;
+  c10::ScalarType prev_dtype_ = c10::ScalarType::Float;
+};
+
+}  // namespace parallax::optim

@@ -1,0 +1,267 @@
+#include "parallel/ddp/ddp.h"
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/strings.h"
+#include "core/timer.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace parallax::parallel::ddp {
+
+std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& sizes_bytes,
+                                                 const std::vector<at::ScalarType>& dtypes,
+                                                 int64_t first_cap_bytes, int64_t cap_bytes) {
+  std::vector<std::vector<int64_t>> out;
+  // One open bucket per dtype; a bucket closes when it reaches its cap.
+  std::map<at::ScalarType, std::pair<std::vector<int64_t>, int64_t>> open;
+  auto cap_for_next = [&]() { return out.empty() ? first_cap_bytes : cap_bytes; };
+  for (int64_t i = static_cast<int64_t>(sizes_bytes.size()) - 1; i >= 0; --i) {
+    auto& [members, bytes] = open[dtypes[i]];
+    members.push_back(i);
+    bytes += sizes_bytes[i];
+    if (bytes >= cap_for_next()) {
+      out.push_back(std::move(members));
+      members.clear();
+      bytes = 0;
+    }
+  }
+  for (auto& [dt, mb] : open) {
+    if (!mb.first.empty()) out.push_back(std::move(mb.first));
+  }
+  return out;
+}
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                 comm::CommPtr dp_group, DdpOptions options)
+    : module_(std::move(module)), group_(std::move(dp_group)), options_(options) {
+  PARALLAX_CHECK(module_ != nullptr, Error, "DDP: module is null");
+  PARALLAX_CHECK(group_ != nullptr, Error, "DDP: data-parallel communicator is null");
+  at::NoGradGuard no_grad;
+
+  // Identical replicas: parameters and buffers from rank 0.
+  std::vector<at::Tensor> all;
+  for (auto& p : module_->parameters()) all.push_back(p);
+  for (auto& b : module_->buffers()) all.push_back(b);
+  broadcast_coalesced(all);
+
+  for (const auto& item : module_->named_parameters()) {
+    if (!item.value().requires_grad()) continue;  // frozen (e.g. LoRA base): not reduced
+    names_.push_back(item.key());
+    params_.push_back(item.value());
+  }
+  std::vector<int64_t> sizes;
+  std::vector<at::ScalarType> dtypes;
+  for (const auto& p : params_) {
+    sizes.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
+    dtypes.push_back(p.scalar_type());
+  }
+  const auto to_bytes = [](double mb) { return static_cast<int64_t>(mb * 1024.0 * 1024.0); };
+  const auto assignment = assign_buckets(sizes, dtypes, to_bytes(options_.first_bucket_mb), to_bytes(options_.bucket_mb));
+
+  param_bucket_.assign(params_.size(), -1);
+  param_slot_.assign(params_.size(), -1);
+  ready_.assign(params_.size(), 0);
+  for (const auto& members : assignment) {
+    Bucket b;
+    BucketInfo info;
+    int64_t numel = 0;
+    for (int64_t i : members) {
+      info.param_names.push_back(names_[i]);
+      info.offsets.push_back(numel);
+      numel += params_[i].numel();
+    }
+    info.numel = numel;
+    info.dtype = params_[members.front()].scalar_type();
+    b.buffer = at::zeros({numel}, params_[members.front()].options());
+    b.params = members;
+    for (std::size_t k = 0; k < members.size(); ++k) {
+      const int64_t i = members[k];
+      at::Tensor view = b.buffer.narrow(0, info.offsets[k], params_[i].numel()).view(params_[i].sizes());
+      // Keep an existing gradient's value; the gradient becomes the bucket view from now on.
+      if (params_[i].grad().defined()) view.copy_(params_[i].grad());
+      params_[i].mutable_grad() = view;
+      b.views.push_back(view);
+      param_bucket_[i] = static_cast<int64_t>(buckets_.size());
+      param_slot_[i] = static_cast<int64_t>(k);
+    }
+    buckets_.push_back(std::move(b));
+    bucket_info_.push_back(std::move(info));
+  }
+
+  // Post-accumulate hooks on the AccumulateGrad nodes (what PyTorch's reducer hooks).
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          std::lock_guard<std::mutex> lock(mu_);
+          Bucket& b = buckets_[param_bucket_[i]];
+          at::Tensor& view = b.views[param_slot_[i]];
+          at::Tensor& grad = params_[i].mutable_grad();
+          // AccumulateGrad stole or replaced the gradient (it was None): copy into the bucket and
+          // restore the view so later accumulation happens in place.
+          if (!grad.defined() || !grad.is_alias_of(view)) {
+            at::NoGradGuard ng;
+            if (grad.defined()) view.copy_(grad);
+            grad = view;
+          }
+          if (in_backward_ && require_sync_) mark_ready(static_cast<int64_t>(i));
+          return outputs;
+        }));
+    accumulators_.push_back(std::make_shared<decltype(acc)>(acc));
+  }
+  int64_t total = 0;
+  for (const auto& info : bucket_info_) total += info.bytes();
+  core::log::info("DDP: {} parameters in {} buckets ({} total, caps {}/{} MiB, algorithm {}), group '{}' of {} ranks",
+                  params_.size(), buckets_.size(), core::human_bytes(static_cast<double>(total)),
+                  options_.first_bucket_mb, options_.bucket_mb, comm::to_string(options_.algo),
+                  group_->name(), group_->size());
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  // Wait for reductions still in flight so no buffer is freed under a collective; never throw.
+  for (auto& b : buckets_) {
+    if (b.work) {
+      try {
+        b.work->wait();
+      } catch (const std::exception& e) {
+        core::log::warn("DDP: reduction still in flight at destruction failed: {}", e.what());
+      }
+    }
+  }
+}
+
+void DistributedDataParallel::broadcast_coalesced(std::vector<at::Tensor> tensors) {
+  if (group_->size() == 1) return;
+  // One flat broadcast per (dtype, device); the key is a string because c10::Device has no order.
+  std::map<std::string, std::vector<at::Tensor>> groups;
+  for (auto& t : tensors) {
+    if (t.defined() && t.numel() > 0) groups[fmt::format("{}/{}", c10::toString(t.scalar_type()), t.device().str())].push_back(t);
+  }
+  for (auto& [key, list] : groups) {
+    std::vector<at::Tensor> flat_parts;
+    for (auto& t : list) flat_parts.push_back(t.detach().reshape({-1}));
+    at::Tensor flat = at::cat(flat_parts);
+    group_->broadcast(flat, 0);
+    int64_t off = 0;
+    for (auto& t : list) {
+      t.detach().copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+      off += t.numel();
+    }
+  }
+}
+
+void DistributedDataParallel::before_forward() {
+  if (!options_.broadcast_buffers || group_->size() == 1) return;
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> bufs;
+  for (auto& b : module_->buffers()) bufs.push_back(b);
+  if (!bufs.empty()) broadcast_coalesced(bufs);
+}
+
+void DistributedDataParallel::before_backward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_backward_ = true;
+  hook_error_.clear();
+  if (!require_sync_) return;
+  std::fill(ready_.begin(), ready_.end(), 0);
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int64_t>(b.params.size());
+    b.work.reset();
+    b.launched = false;
+  }
+  next_bucket_ = 0;
+}
+
+void DistributedDataParallel::mark_ready(int64_t i) {
+  if (ready_[i]) {
+    throw_error<Error>(
+        "DDP: parameter '{}' received its gradient twice in one backward (it is used by two autograd "
+        "passes, e.g. shared between an activation-checkpointed block and the rest of the model); "
+        "this is not supported",
+        names_[i]);
+  }
+  ready_[i] = 1;
+  Bucket& b = buckets_[param_bucket_[i]];
+  if (--b.pending == 0) launch_ready_buckets();
+}
+
+void DistributedDataParallel::launch_ready_buckets() {
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
+    Bucket& b = buckets_[next_bucket_];
+    b.work = group_->all_reduce_async(b.buffer, comm::ReduceOp::kAvg, options_.algo);
+    b.launched = true;
+    ++next_bucket_;
+  }
+}
+
+void DistributedDataParallel::finalize_backward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool was_in_backward = in_backward_;
+  in_backward_ = false;
+  if (!require_sync_) return;
+  PARALLAX_CHECK(was_in_backward, Error, "DDP: finalize_backward() without before_backward()");
+  std::vector<std::string> missing;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!ready_[i]) missing.push_back(names_[i]);
+  }
+  // With find_unused, a parameter no rank used keeps no gradient (as in PyTorch, so optimizers skip
+  // it); one used on some ranks only gets the average with zeros from the others. Knowing which is
+  // which takes one small all-reduce of a usage bitmap, issued every step after the buckets.
+  at::Tensor used_anywhere;
+  if (options_.find_unused) {
+    at::Tensor used = at::zeros({static_cast<int64_t>(params_.size())}, at::kFloat);
+    for (std::size_t i = 0; i < params_.size(); ++i) used[static_cast<int64_t>(i)] = ready_[i] ? 1.0f : 0.0f;
+    used_anywhere = used;
+  }
+  if (!missing.empty()) {
+    if (!options_.find_unused) {
+      const std::size_t shown = std::min<std::size_t>(missing.size(), 5);
+      std::vector<std::string> head(missing.begin(), missing.begin() + static_cast<long>(shown));
+      throw_error<Error>(
+          "DDP (rank {} of group '{}'): {} parameter(s) got no gradient in this step: {}{}; if parts "
+          "of the model are legitimately unused, set parallel.ddp.find_unused=true",
+          group_->rank(), group_->name(), missing.size(), core::join(head, ", "),
+          missing.size() > shown ? fmt::format(" and {} more", missing.size() - shown) : "");
+    }
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (ready_[i]) continue;
+      // An unused parameter contributes zero; its view may still hold a stale value.
+      buckets_[param_bucket_[i]].views[param_slot_[i]].zero_();
+      params_[i].mutable_grad() = buckets_[param_bucket_[i]].views[param_slot_[i]];
+      mark_ready(static_cast<int64_t>(i));
+    }
+  }
+  core::Stopwatch sw;
+  const bool on_device = group_->device_type() != c10::DeviceType::CPU;
+  for (auto& b : buckets_) {
+    if (!b.work) continue;
+    if (on_device) {
+      b.work->wait_stream();
+    } else {
+      b.work->wait();
+    }
+    b.work.reset();
+  }
+  if (used_anywhere.defined()) {
+    at::Tensor bitmap = group_->device_type() == c10::kCPU ? used_anywhere : used_anywhere.to(params_.front().device());
+    group_->all_reduce(bitmap, comm::ReduceOp::kMax);
+    bitmap = bitmap.cpu();
+    const float* u = bitmap.data_ptr<float>();
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (u[i] == 0.0f) params_[i].mutable_grad() = at::Tensor();
+    }
+  }
+  exposed_ms_ = sw.elapsed_ms();
+}
+
+std::vector<at::Tensor> DistributedDataParallel::gradients() const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params_) out.push_back(p.grad());
+  return out;
+}
+
+}  // namespace parallax::parallel::ddp

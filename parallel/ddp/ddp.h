@@ -1,0 +1,143 @@
+// Distributed data parallel with PyTorch-DDP semantics, in C++.
+//
+// - Wrapping broadcasts every parameter and buffer from rank 0 of the data-parallel group, so all
+//   replicas start identical.
+// - Parameters that require grad are assigned to gradient buckets in reverse registration order
+//   (the order autograd produces their gradients), the first bucket capped at first_bucket_mb so
+//   communication starts early, the others at bucket_mb; a parameter larger than the cap gets a
+//   bucket of its own. A bucket holds one dtype on one device.
+// - Each parameter's `.grad()` is a view into its bucket's flat buffer, so gradients are reduced
+//   in place with no copy in or out (gradient_as_bucket_view). Clear gradients with
+//   `Optimizer::zero_grad(false)` (zero in place); if a gradient was set to None, the hook copies
+//   it into the bucket once and restores the view.
+// - A post-accumulate hook on each parameter's AccumulateGrad node marks it ready; when a bucket
+//   is full its all-reduce (native or ring) is launched asynchronously, overlapping the rest of
+//   backward. Buckets are launched strictly in index order, so every rank issues the same
+//   collective sequence even if hooks fire in a different order.
+// - Averaging: each bucket is all-reduced with ReduceOp::kAvg, i.e. summed then divided by the
+//   data-parallel size (post-divide).
+// - Gradient accumulation: inside a NoSyncGuard (or set_require_sync(false)) hooks do nothing and
+//   gradients accumulate locally in the bucket views; the first backward with sync on reduces the
+//   accumulated sums. No collective is issued during no-sync micro-steps.
+// - Unused parameters: by default, a parameter that got no gradient in a synced backward is an
+//   error naming it (every rank raises it, before any rank blocks). With find_unused, such
+//   parameters count as ready with a zero gradient at finalize_backward(), and one small
+//   all-reduce of a usage bitmap per step finds those no rank used: their `.grad()` is left
+//   undefined, as in PyTorch, so optimizers skip them.
+// - Activation checkpointing (reentrant recomputation) is supported: each parameter is still
+//   accumulated once per backward. A parameter marked ready twice in one backward is an error
+//   naming it.
+//
+// Usage per step:  ddp.before_forward(); loss = ...; ddp.before_backward(); loss.backward();
+//                  ddp.finalize_backward(); optimizer.step(lr);
+// Thread-safety: one training thread; hooks run on autograd's thread while that thread is blocked
+// in backward(). Errors: CommError/TimeoutError from the communicator, parallax::Error for usage.
+#pragma once
+
+#include "parallel/comm/communicator.h"
+
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace parallax::parallel::ddp {
+
+struct DdpOptions {
+  double bucket_mb = 25.0;
+  double first_bucket_mb = 1.0;
+  bool find_unused = false;
+  bool broadcast_buffers = true;
+  comm::AllReduceAlgo algo = comm::AllReduceAlgo::kNative;
+};
+
+struct BucketInfo {
+  std::vector<std::string> param_names;  // in the bucket's order
+  std::vector<int64_t> offsets;          // element offset of each parameter in the flat buffer
+  int64_t numel = 0;
+  at::ScalarType dtype = at::kFloat;
+  int64_t bytes() const { return numel * static_cast<int64_t>(c10::elementSize(dtype)); }
+};
+
+// Assigns parameters (given in registration order) to buckets as described above. Exposed for
+// tests. `sizes_bytes[i]`, `dtypes[i]` describe parameter i; returns parameter indices per bucket.
+std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& sizes_bytes,
+                                                 const std::vector<at::ScalarType>& dtypes,
+                                                 int64_t first_cap_bytes, int64_t cap_bytes);
+
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, comm::CommPtr dp_group,
+                          DdpOptions options);
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  // Broadcasts buffers from rank 0 when broadcast_buffers is on (call before each forward).
+  void before_forward();
+  // Resets per-backward state; call before loss.backward().
+  void before_backward();
+  // Launches what is left (find_unused), checks every parameter got a gradient, and waits for
+  // every bucket's reduction; afterwards each `.grad()` holds the average over the group.
+  void finalize_backward();
+
+  void set_require_sync(bool sync) { require_sync_ = sync; }
+  bool require_sync() const { return require_sync_; }
+
+  const std::vector<BucketInfo>& buckets() const { return bucket_info_; }
+  comm::Communicator& group() { return *group_; }
+  // Host time finalize_backward() spent waiting for reductions (exposed communication), last step.
+  double last_exposed_comm_ms() const { return exposed_ms_; }
+  // Every parameter's gradient (bucket views), in registration order; for clipping and tests.
+  std::vector<at::Tensor> gradients() const;
+
+ private:
+  struct Bucket {
+    at::Tensor buffer;                 // flat
+    std::vector<int64_t> params;       // indices into params_
+    std::vector<at::Tensor> views;     // per parameter, shaped like it
+    int64_t pending = 0;
+    comm::WorkPtr work;
+    bool launched = false;
+  };
+
+  void mark_ready(int64_t param_index);
+  void launch_ready_buckets();  // launches buckets in order while the next one is complete
+  void broadcast_coalesced(std::vector<at::Tensor> tensors);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  comm::CommPtr group_;
+  DdpOptions options_;
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> params_;
+  std::vector<int64_t> param_bucket_, param_slot_;
+  std::vector<char> ready_;
+  std::vector<Bucket> buckets_;
+  std::vector<BucketInfo> bucket_info_;
+  std::vector<std::shared_ptr<void>> accumulators_;  // keeps AccumulateGrad nodes (and hooks) alive
+  std::size_t next_bucket_ = 0;
+  bool require_sync_ = true;
+  bool in_backward_ = false;
+  double exposed_ms_ = 0;
+  std::mutex mu_;
+  std::string hook_error_;  // first error raised inside a hook (rethrown by finalize_backward)
+};
+
+// RAII no-sync scope for gradient accumulation micro-steps.
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp), prev_(ddp.require_sync()) {
+    ddp_.set_require_sync(false);
+  }
+  ~NoSyncGuard() { ddp_.set_require_sync(prev_); }
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+ private:
+  DistributedDataParallel& ddp_;
+  bool prev_;
+};
+
+}  // namespace parallax::parallel::ddp

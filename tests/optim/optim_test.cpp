@@ -1,0 +1,272 @@
+// optim: optimizers against LibTorch's reference implementations, master weights, parameter
+// groups, LR schedules, global-norm clipping, the fp16 loss scaler and autocast.
+
+#include "core/error.h"
+#include "optim/grad_utils.h"
+#include "optim/optimizer.h"
+#include "optim/param_groups.h"
+#include "optim/precision.h"
+#include "optim/schedule.h"
+
+#include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <cmath>
+
+using namespace parallax;
+
+namespace {
+
+// Fresh random parameters and a sequence of random gradients.
+struct Problem {
+  std::vector<at::Tensor> init;
+  std::vector<std::vector<at::Tensor>> grads;  // [step][param]
+};
+
+Problem make_problem(int steps, uint64_t seed) {
+  at::manual_seed(seed);
+  Problem p;
+  for (auto shape : {std::vector<int64_t>{7, 5}, {5}, {3, 4, 2}}) p.init.push_back(at::randn(shape));
+  for (int s = 0; s < steps; ++s) {
+    std::vector<at::Tensor> g;
+    for (const auto& t : p.init) g.push_back(at::randn_like(t));
+    p.grads.push_back(g);
+  }
+  return p;
+}
+
+std::vector<at::Tensor> clone_params(const Problem& p) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : p.init) out.push_back(t.clone().set_requires_grad(true));
+  return out;
+}
+
+optim::ParamGroup group_of(const std::vector<at::Tensor>& params, double wd) {
+  optim::ParamGroup g;
+  g.name = "all";
+  g.weight_decay = wd;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    g.names.push_back("p" + std::to_string(i));
+    g.params.push_back(params[i]);
+  }
+  return g;
+}
+
+double max_rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
+}
+
+}  // namespace
+
+TEST(OptimizerTest, AdamWMatchesLibTorchAdamWFusedAndReference) {
+  const auto prob = make_problem(10, 11);
+  for (bool fused : {true, false}) {
+    auto ours = clone_params(prob);
+    auto ref = clone_params(prob);
+    optim::AdamW opt({group_of(ours, 0.05)}, 0.9, 0.95, 1e-8, fused);
+    torch::optim::AdamW ref_opt(ref, torch::optim::AdamWOptions(3e-3).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.05));
+    for (int s = 0; s < 10; ++s) {
+      for (std::size_t i = 0; i < ours.size(); ++i) {
+        ours[i].mutable_grad() = prob.grads[s][i].clone();
+        ref[i].mutable_grad() = prob.grads[s][i].clone();
+      }
+      opt.step(3e-3);
+      ref_opt.step();
+    }
+    for (std::size_t i = 0; i < ours.size(); ++i) {
+      // Same algorithm, different kernels: agreement to fp32 rounding.
+      EXPECT_LT(max_rel_diff(ours[i], ref[i]), 1e-5) << "fused=" << fused << " param " << i;
+      EXPECT_FALSE(at::equal(ours[i], prob.init[i]));
+    }
+    EXPECT_EQ(opt.steps(), 10);
+  }
+}
+
+TEST(OptimizerTest, SgdMomentumMatchesLibTorchSgd) {
+  const auto prob = make_problem(8, 12);
+  for (bool nesterov : {false, true}) {
+    for (bool fused : {true, false}) {
+      auto ours = clone_params(prob);
+      auto ref = clone_params(prob);
+      optim::Sgd opt({group_of(ours, 1e-3)}, 0.9, nesterov, fused);
+      torch::optim::SGD ref_opt(ref, torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(nesterov).weight_decay(1e-3));
+      for (int s = 0; s < 8; ++s) {
+        for (std::size_t i = 0; i < ours.size(); ++i) {
+          ours[i].mutable_grad() = prob.grads[s][i].clone();
+          ref[i].mutable_grad() = prob.grads[s][i].clone();
+        }
+        opt.step(0.05);
+        ref_opt.step();
+      }
+      for (std::size_t i = 0; i < ours.size(); ++i) {
+        EXPECT_LT(max_rel_diff(ours[i], ref[i]), 1e-5) << "nesterov=" << nesterov << " fused=" << fused;
+      }
+    }
+  }
+}
+
+TEST(OptimizerTest, ParametersWithoutGradientKeepTheirValueAndState) {
+  const auto prob = make_problem(1, 13);
+  auto ps = clone_params(prob);
+  optim::AdamW opt({group_of(ps, 0.1)}, 0.9, 0.999, 1e-8, true);
+  ps[0].mutable_grad() = prob.grads[0][0].clone();  // only the first has a gradient
+  opt.step(1e-2);
+  EXPECT_FALSE(at::equal(ps[0], prob.init[0]));
+  EXPECT_TRUE(at::equal(ps[1], prob.init[1]));
+  EXPECT_TRUE(at::equal(ps[2], prob.init[2]));
+}
+
+TEST(OptimizerTest, Bf16ParametersGetFp32MasterWeights) {
+  at::manual_seed(3);
+  at::Tensor p = at::randn({64}).to(at::kBFloat16).set_requires_grad(true);
+  const at::Tensor start = p.detach().to(at::kFloat);
+  optim::Sgd opt({group_of({p}, 0.0)}, 0.0, false, true);
+  // 100 updates of 1e-4 each: every one is below bf16's resolution near |p| ~ 1, so a bf16-only
+  // optimizer would never move; the fp32 master accumulates them.
+  for (int s = 0; s < 100; ++s) {
+    p.mutable_grad() = at::full({64}, -1.0, at::kBFloat16);
+    opt.step(1e-4);
+  }
+  const auto state = opt.state();
+  at::Tensor master;
+  for (const auto& [k, v] : state) {
+    if (k == "p0.master") master = v;
+  }
+  ASSERT_TRUE(master.defined());
+  EXPECT_EQ(master.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::allclose(master, start + 0.01, 1e-5, 1e-5));
+  EXPECT_TRUE(at::equal(p.detach(), master.to(at::kBFloat16)));
+}
+
+TEST(OptimizerTest, StateRoundTripsAndMismatchIsNamed) {
+  const auto prob = make_problem(3, 14);
+  auto a = clone_params(prob);
+  optim::AdamW opt({group_of(a, 0.0)}, 0.9, 0.999, 1e-8, true);
+  for (int s = 0; s < 3; ++s) {
+    for (std::size_t i = 0; i < a.size(); ++i) a[i].mutable_grad() = prob.grads[s][i].clone();
+    opt.step(1e-2);
+  }
+  std::map<std::string, at::Tensor> saved;
+  for (const auto& [k, v] : opt.state()) saved[k] = v.clone();
+  auto b = clone_params(prob);
+  optim::AdamW opt2({group_of(b, 0.0)}, 0.9, 0.999, 1e-8, true);
+  opt2.load_state(saved);
+  EXPECT_EQ(opt2.steps(), 3);
+  for (const auto& [k, v] : opt2.state()) EXPECT_TRUE(at::equal(v, saved.at(k))) << k;
+  saved.erase("p1.exp_avg");
+  try {
+    opt2.load_state(saved);
+    FAIL();
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("'p1.exp_avg' is missing"), std::string::npos);
+  }
+}
+
+TEST(ParamGroupsTest, NoDecayForBiasesNormsAndEmbeddings) {
+  auto lin = torch::nn::Linear(4, 3);
+  auto norm = torch::nn::LayerNorm(torch::nn::LayerNormOptions({3}));
+  at::Tensor pos = at::zeros({1, 5, 3}).set_requires_grad(true);
+  at::Tensor frozen = at::zeros({3, 3});  // requires_grad false
+  optim::NamedParams named = {{"fc.weight", lin->weight}, {"fc.bias", lin->bias}, {"norm.weight", norm->weight},
+                              {"pos_embed", pos}, {"frozen", frozen}};
+  const auto groups = optim::make_param_groups(named, 0.05);
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].names, (std::vector<std::string>{"fc.weight"}));
+  EXPECT_DOUBLE_EQ(groups[0].weight_decay, 0.05);
+  EXPECT_EQ(groups[1].names, (std::vector<std::string>{"fc.bias", "norm.weight", "pos_embed"}));
+  EXPECT_DOUBLE_EQ(groups[1].weight_decay, 0.0);
+}
+
+TEST(ScheduleTest, WarmupThenCosineLinearConstant) {
+  optim::ScheduleConfig c;
+  c.warmup_steps = 10;
+  c.min_lr_ratio = 0.1;
+  c.name = "cosine";
+  EXPECT_DOUBLE_EQ(optim::lr_at(c, 1.0, 1, 110), 0.1);
+  EXPECT_DOUBLE_EQ(optim::lr_at(c, 1.0, 10, 110), 1.0);
+  EXPECT_NEAR(optim::lr_at(c, 1.0, 60, 110), 0.55, 1e-12);  // half way: mean of peak and floor
+  EXPECT_NEAR(optim::lr_at(c, 1.0, 110, 110), 0.1, 1e-12);
+  c.name = "linear";
+  EXPECT_NEAR(optim::lr_at(c, 2.0, 60, 110), 1.1, 1e-12);
+  EXPECT_NEAR(optim::lr_at(c, 2.0, 110, 110), 0.2, 1e-12);
+  c.name = "constant";
+  EXPECT_DOUBLE_EQ(optim::lr_at(c, 2.0, 100, 110), 2.0);
+  c.warmup_steps = 0;
+  c.name = "cosine";
+  EXPECT_NEAR(optim::lr_at(c, 1.0, 0, 100), 1.0, 1e-12);
+}
+
+TEST(ClipTest, GlobalNormMatchesLibTorchClip) {
+  const auto prob = make_problem(1, 15);
+  auto ours = clone_params(prob), ref = clone_params(prob);
+  std::vector<at::Tensor> grads;
+  for (std::size_t i = 0; i < ours.size(); ++i) {
+    ours[i].mutable_grad() = prob.grads[0][i].clone() * 3.0;
+    ref[i].mutable_grad() = prob.grads[0][i].clone() * 3.0;
+    grads.push_back(ours[i].grad());
+  }
+  const double ref_norm = torch::nn::utils::clip_grad_norm_(ref, 1.5);
+  const double norm = optim::clip_grad_norm(grads, 1.5).item<double>();
+  EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm);
+  for (std::size_t i = 0; i < ours.size(); ++i) EXPECT_TRUE(at::allclose(ours[i].grad(), ref[i].grad(), 1e-6, 1e-7));
+  // Below the threshold nothing changes.
+  const at::Tensor before = ours[0].grad().clone();
+  optim::clip_grad_norm(grads, 1e6);
+  EXPECT_TRUE(at::equal(before, ours[0].grad()));
+}
+
+TEST(LossScalerTest, InfSkipsAndHalvesCleanStepsGrow) {
+  optim::LossScaler s(true, 1024.0, /*growth_interval=*/3, /*min_scale=*/1.0);
+  at::Tensor g = at::randn({10}) * 1024.0;
+  const at::Tensor expect = g / 1024.0;
+  EXPECT_FALSE(s.unscale_and_check({g}));
+  EXPECT_TRUE(at::allclose(g, expect));
+  s.update(false);
+  at::Tensor bad = at::randn({10});
+  bad[3] = INFINITY;
+  EXPECT_TRUE(s.unscale_and_check({g.clone(), bad}));
+  s.update(true);
+  EXPECT_DOUBLE_EQ(s.scale(), 512.0);
+  EXPECT_EQ(s.skipped_steps(), 1);
+  at::Tensor nan = at::randn({4});
+  nan[0] = NAN;
+  EXPECT_TRUE(s.unscale_and_check({nan}));
+  for (int i = 0; i < 3; ++i) s.update(false);
+  EXPECT_DOUBLE_EQ(s.scale(), 1024.0);  // doubled after 3 clean steps
+  EXPECT_DOUBLE_EQ(s.scale_loss(at::ones({})).item<double>(), 1024.0);
+}
+
+TEST(LossScalerTest, CollapseIsAClearError) {
+  optim::LossScaler s(true, 4.0, 100, 2.0);
+  s.update(true);  // 4 -> 2
+  try {
+    s.update(true);  // would go to 1 < 2
+    FAIL();
+  } catch (const NumericsError& e) {
+    EXPECT_NE(std::string(e.what()).find("loss scale collapsed"), std::string::npos);
+  }
+  optim::LossScaler off(false);
+  at::Tensor bad = at::full({2}, INFINITY);
+  EXPECT_FALSE(off.unscale_and_check({bad}));
+  EXPECT_DOUBLE_EQ(off.scale(), 1.0);
+}
+
+TEST(PrecisionTest, AutocastGuardCastsMatmulsAndRestores) {
+  const at::Tensor a = at::randn({8, 8}), b = at::randn({8, 8});
+  optim::PrecisionConfig cfg;
+  cfg.mode = "bf16";
+  const auto policy = optim::make_precision_policy(cfg, c10::kCPU);
+  {
+    optim::AutocastGuard guard(policy);
+    EXPECT_EQ(at::mm(a, b).scalar_type(), at::kBFloat16);
+  }
+  EXPECT_EQ(at::mm(a, b).scalar_type(), at::kFloat);
+  cfg.mode = "fp32";
+  optim::AutocastGuard none(optim::make_precision_policy(cfg, c10::kCPU));
+  EXPECT_EQ(at::mm(a, b).scalar_type(), at::kFloat);
+}
+
