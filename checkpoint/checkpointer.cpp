@@ -1,0 +1,640 @@
+#include "checkpoint/checkpointer.h"
+
+#include "checkpoint/files.h"
+#include "checkpoint/h5.h"
+#include "checkpoint/tensor_io.h"
+#include "core/config.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/strings.h"
+#include "core/timer.h"
+#include "parallel/comm/world.h"
+
+#include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+namespace fs = std::filesystem;
+
+namespace parallax::checkpoint {
+namespace {
+
+// ---- one rank's file
+// ------------------------------------------------------------------------------
+
+struct ShardRecord {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape, offsets, lengths;
+  uint32_t crc32 = 0;
+};
+
+struct RankIndex {
+  int rank = 0;
+  std::string file;
+  int64_t bytes = 0;
+  std::vector<ShardRecord> shards;
+
+  // A line format (the name last, so it may hold spaces): cheap to parse for thousands of shards.
+  std::string serialize() const {
+    std::string out = fmt::format("parallax-shard-index 1\nfile {} {} {}\n", file, rank, bytes);
+    for (const auto& s : shards) {
+      out += fmt::format("shard {} {} {}", s.crc32, dtype_name(s.dtype), s.shape.size());
+      for (const auto* v : {&s.shape, &s.offsets, &s.lengths}) {
+        for (const int64_t x : *v) out += fmt::format(" {}", x);
+      }
+      out += " " + s.name + "\n";
+    }
+    return out;
+  }
+
+  static RankIndex parse(const std::string& text, int from_rank) {
+    auto bad = [&](const std::string& what) -> void {
+      throw_error<CheckpointError>("malformed shard index from rank {}: {}", from_rank, what);
+    };
+    std::istringstream in(text);
+    std::string line;
+    RankIndex idx;
+    if (!std::getline(in, line) || line != "parallax-shard-index 1")
+      bad("bad header '" + line + "'");
+    if (!std::getline(in, line)) bad("no file line");
+    {
+      std::istringstream ls(line);
+      std::string tag;
+      ls >> tag >> idx.file >> idx.rank >> idx.bytes;
+      if (tag != "file" || ls.fail()) bad("bad file line '" + line + "'");
+    }
+    while (std::getline(in, line)) {
+      if (line.empty()) continue;
+      std::istringstream ls(line);
+      std::string tag, dtype;
+      ShardRecord s;
+      size_t nd = 0;
+      ls >> tag >> s.crc32 >> dtype >> nd;
+      if (tag != "shard" || ls.fail() || nd > 64) bad("bad shard line '" + line + "'");
+      s.dtype = dtype_from_name(dtype, fmt::format("shard index of rank {}", from_rank));
+      for (auto* v : {&s.shape, &s.offsets, &s.lengths}) {
+        v->resize(nd);
+        for (auto& x : *v) ls >> x;
+      }
+      if (ls.fail()) bad("bad shard line '" + line + "'");
+      ls.get();  // the space before the name
+      std::getline(ls, s.name);
+      if (s.name.empty()) bad("a shard without a name");
+      idx.shards.push_back(std::move(s));
+    }
+    return idx;
+  }
+};
+
+RankIndex write_rank_file(const std::string& path, int rank, const std::vector<OwnedEntry>& entries,
+                          int64_t block_bytes, tensor_io::Staging& staging, int64_t& data_bytes,
+                          bool parallel_crc) {
+  h5::quiet_errors();
+  RankIndex idx;
+  idx.rank = rank;
+  idx.file = fs::path(path).filename().string();
+  data_bytes = 0;
+  {
+    h5::Id fapl(H5Pcreate(H5P_FILE_ACCESS));
+    if (!fapl.valid() || H5Pset_fclose_degree(fapl, H5F_CLOSE_STRONG) < 0)
+      h5::fail<IoError>("file properties");
+    h5::Id file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl));
+    if (!file.valid())
+      h5::fail<IoError>(fmt::format("rank {}: cannot create shard file '{}'", rank, path));
+    h5::write_string_attr(file, "format", "parallax-checkpoint-shard");
+    h5::write_int64_attr(file, "rank", rank);
+    for (const OwnedEntry& e : entries) {
+      const at::Tensor& src = e.tensor;
+      const std::string ctx =
+          fmt::format("rank {}: writing tensor '{}' to '{}'", rank, e.name, path);
+      const uint32_t crc =
+          tensor_io::write_dataset(file, e.name, src, block_bytes, staging, ctx, parallel_crc);
+      if (src.dim() > 0) {
+        h5::Id dset(H5Dopen2(file, e.name.c_str(), H5P_DEFAULT));
+        if (!dset.valid()) h5::fail<IoError>(ctx);
+        h5::write_int64s_attr(dset, "offsets", e.offsets);
+        h5::write_int64s_attr(dset, "global_shape", e.global_shape);
+      }
+      data_bytes += static_cast<int64_t>(src.nbytes());
+      idx.shards.push_back(ShardRecord{e.name, src.scalar_type(), e.global_shape, e.offsets,
+                                       src.sizes().vec(), crc});
+    }
+    // Close explicitly: buffered metadata is written here, and a full disk can surface here.
+    if (H5Fclose(file.release()) < 0) {
+      h5::fail<IoError>(
+          fmt::format("rank {}: cannot write shard file '{}' (closing it failed)", rank, path));
+    }
+  }
+  files::fsync_path(path, false);
+  idx.bytes = files::file_size(path);
+  return idx;
+}
+
+// ---- store helpers
+// -----------------------------------------------------------------------------------
+
+std::string to_string(const std::vector<uint8_t>& v) {
+  return std::string(v.begin(), v.end());
+}
+std::vector<uint8_t> to_bytes(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+CommitGroup CommitGroup::from_world() {
+  CommitGroup g;
+  if (!parallel::comm::World::exists()) return g;
+  auto& w = parallel::comm::World::current();
+  g.rank = w.rank();
+  g.world = w.size();
+  g.store = w.store();
+  return g;
+}
+
+struct Checkpointer::Impl {
+  std::string dir;
+  CheckpointerOptions opts;
+  CommitGroup group;
+  c10::intrusive_ptr<c10d::Store> store;  // this Checkpointer's own connection (the writer's)
+  std::string instance;                   // store key prefix of this Checkpointer
+  int64_t seq = 0;
+
+  std::thread worker;
+  bool running = false;
+  std::atomic<bool> done{false};
+  std::exception_ptr error;
+  std::optional<SaveStats> last;
+  SaveStats pending;
+
+  std::map<std::string, at::Tensor> snapshots;  // async: host buffers reused between saves
+  tensor_io::Staging staging;
+
+  struct Job {
+    int64_t step = 0;
+    int64_t seq = 0;
+    std::vector<OwnedEntry> entries;
+    std::map<std::string, ExtraValue> extra;
+  };
+
+  // ---- store ----
+  std::string key(const Job& job, const std::string& what) const {
+    return fmt::format("{}/{}/{}", instance, job.seq, what);
+  }
+  void store_set(const std::string& k, const std::string& v) { store->set(k, to_bytes(v)); }
+  std::string store_wait_get(const Job& job, const std::string& k, const std::string& what) {
+    try {
+      store->wait({k}, std::chrono::milliseconds(static_cast<int64_t>(opts.timeout_s * 1000)));
+      return to_string(store->get(k));
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw_error<TimeoutError>(
+          "rank {}: save of step {}: no word from rank 0 ({}) within {:.0f} s "
+          "(checkpoint timeout): {}",
+          group.rank, job.step, what, opts.timeout_s, std::string(e.what()).substr(0, 200));
+    }
+  }
+
+  // ---- directory maintenance (rank 0) ----
+  void remove_leftovers() {
+    std::error_code ec;
+    for (const auto& de : fs::directory_iterator(dir, ec)) {
+      const std::string n = de.path().filename().string();
+      if (core::starts_with(n, kTempPrefix) ||
+          core::starts_with(n, std::string(kLatestFile) + ".tmp-")) {
+        std::error_code rm;
+        fs::remove_all(de.path(), rm);
+        if (rm)
+          core::log::warn("checkpoint: cannot remove leftover '{}': {}", de.path().string(),
+                          rm.message());
+        else
+          core::log::info("checkpoint: removed leftover '{}' of an interrupted save",
+                          de.path().string());
+      }
+    }
+  }
+
+  void prune(int64_t step) {
+    if (opts.keep_last <= 0) return;
+    std::vector<std::pair<int64_t, std::string>> older;
+    std::error_code ec;
+    for (const auto& de : fs::directory_iterator(dir, ec)) {
+      const std::string n = de.path().filename().string();
+      if (auto s = parse_step_dir_name(n); s && *s < step && de.is_directory())
+        older.emplace_back(*s, n);
+    }
+    std::sort(older.rbegin(), older.rend());
+    for (size_t i = static_cast<size_t>(opts.keep_last - 1); i < older.size(); ++i) {
+      // Rename first, so that a kill during the removal leaves a temp dir, not a half checkpoint.
+      const fs::path from = fs::path(dir) / older[i].second;
+      const fs::path to = fs::path(dir) / (kTempPrefix + std::string("prune-") + older[i].second +
+                                           "-" + files::random_hex(4));
+      std::error_code e1, e2;
+      fs::rename(from, to, e1);
+      if (!e1) fs::remove_all(to, e2);
+      if (e1 || e2) {
+        core::log::warn("checkpoint: cannot prune '{}': {}", from.string(),
+                        (e1 ? e1 : e2).message());
+      } else {
+        core::log::debug("checkpoint: pruned '{}' (keep_last={})", from.string(), opts.keep_last);
+      }
+    }
+  }
+
+  // ---- the commit (rank 0) ----
+  std::string commit(const Job& job, const fs::path& tmp, std::vector<RankIndex> indexes) {
+    Metadata m;
+    m.step = job.step;
+    m.layout = opts.layout;
+    m.world = group.world;
+    m.config_hash = opts.config_hash;
+    m.created = files::utc_now_iso8601();
+    m.extra = job.extra;
+    std::map<std::string, int> first_rank;
+    std::sort(indexes.begin(), indexes.end(),
+              [](const RankIndex& a, const RankIndex& b) { return a.rank < b.rank; });
+    for (const RankIndex& idx : indexes) {
+      m.files.push_back(FileInfo{idx.file, idx.rank, idx.bytes});
+      for (const ShardRecord& s : idx.shards) {
+        auto [it, fresh] = m.tensors.try_emplace(s.name);
+        TensorInfo& t = it->second;
+        if (fresh) {
+          t.name = s.name;
+          t.dtype = s.dtype;
+          t.shape = s.shape;
+          first_rank[s.name] = idx.rank;
+        } else if (t.dtype != s.dtype || t.shape != s.shape) {
+          throw_error<CheckpointError>(
+              "save of step {}: tensor '{}' is {} {} on rank {} but {} {} on rank {} (every rank "
+              "holding a piece must "
+              "agree on dtype and global shape)",
+              job.step, s.name, dtype_name(t.dtype), t.shape, first_rank[s.name],
+              dtype_name(s.dtype), s.shape, idx.rank);
+        }
+        t.shards.push_back(ShardInfo{idx.file, s.offsets, s.lengths, s.crc32});
+      }
+    }
+    for (auto& [name, t] : m.tensors) {
+      std::sort(t.shards.begin(), t.shards.end(),
+                [](const ShardInfo& a, const ShardInfo& b) { return a.offsets < b.offsets; });
+      int64_t covered = 0;
+      for (const auto& s : t.shards) covered += s.numel();
+      bool overlap = false;
+      if (t.shards.size() <= 256) {
+        for (size_t a = 0; a < t.shards.size() && !overlap; ++a) {
+          for (size_t b = a + 1; b < t.shards.size() && !overlap; ++b) {
+            bool inter = true;
+            for (size_t d = 0; d < t.shape.size(); ++d) {
+              const auto& A = t.shards[a];
+              const auto& B = t.shards[b];
+              if (A.offsets[d] + A.lengths[d] <= B.offsets[d] ||
+                  B.offsets[d] + B.lengths[d] <= A.offsets[d]) {
+                inter = false;
+              }
+            }
+            overlap = inter && t.shards[a].numel() > 0 && t.shards[b].numel() > 0;
+          }
+        }
+      }
+      if (overlap || covered != t.numel()) {
+        std::vector<std::string> where;
+        for (const auto& s : t.shards)
+          where.push_back(fmt::format("{} at {} x {}", s.file, s.offsets, s.lengths));
+        throw_error<CheckpointError>(
+            "save of step {}: the pieces of tensor '{}' (shape {}) {} ({}); the ranks holding it "
+            "disagree about "
+            "its replicas or boxes",
+            job.step, name, t.shape,
+            overlap ? "overlap" : fmt::format("cover {} of {} elements", covered, t.numel()),
+            core::join(where, "; "));
+      }
+    }
+    files::write_durable((tmp / kMetadataFile).string(), m.to_json());
+    files::fsync_path(tmp.string(), true);
+    const fs::path final_dir = fs::path(dir) / step_dir_name(job.step);
+    const bool replaced = files::move_into_place(tmp.string(), final_dir.string());
+    files::fsync_path(dir, true);
+    files::write_atomic((fs::path(dir) / kLatestFile).string(), step_dir_name(job.step) + "\n");
+    if (replaced) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);  // the replaced checkpoint of the same step
+    }
+    prune(job.step);
+    return final_dir.string();
+  }
+
+  // ---- one save, on the training thread (sync) or the writer thread (async) ----
+  SaveStats run(Job& job) {
+    core::Stopwatch total;
+    SaveStats st;
+    st.step = job.step;
+    st.entries = static_cast<int64_t>(job.entries.size());
+    const int rank = group.rank;
+    const bool multi = group.world > 1;
+    std::string tmp_name;
+    if (rank == 0) {
+      try {
+        std::error_code ec;
+        fs::create_directories(dir, ec);
+        if (ec)
+          throw_error<IoError>("cannot create checkpoint directory '{}': {}", dir, ec.message());
+        remove_leftovers();
+        tmp_name = std::string(kTempPrefix) + step_dir_name(job.step) + "-" + files::random_hex(6);
+        fs::create_directory(fs::path(dir) / tmp_name, ec);
+        if (ec)
+          throw_error<IoError>("cannot create '{}': {}", (fs::path(dir) / tmp_name).string(),
+                               ec.message());
+      } catch (const std::exception& e) {
+        if (multi) store_set(key(job, "dir"), std::string("!") + e.what());
+        throw;
+      }
+      if (multi) store_set(key(job, "dir"), tmp_name);
+    } else {
+      tmp_name = store_wait_get(job, key(job, "dir"), "the temporary directory");
+      if (!tmp_name.empty() && tmp_name[0] == '!') {
+        throw_error<CheckpointError>("rank {}: save of step {} failed on rank 0: {}", rank,
+                                     job.step, tmp_name.substr(1));
+      }
+    }
+    const fs::path tmp = fs::path(dir) / tmp_name;
+    const std::string file = (tmp / rank_file_name(rank)).string();
+    RankIndex mine;
+    try {
+      core::Stopwatch w;
+      // A background writer checksums on its own thread only: training owns the other cores.
+      mine = write_rank_file(file, rank, job.entries, opts.block_bytes, staging, st.bytes,
+                             !opts.async);
+      st.write_s = w.elapsed_s();
+    } catch (const std::exception& e) {
+      if (multi) {
+        try {
+          store_set(key(job, fmt::format("error/{}", rank)), e.what());
+          store->add(key(job, "nfail"), 1);
+        } catch (const std::exception&) {
+        }
+      }
+      if (rank == 0) {
+        std::error_code ec;
+        fs::remove_all(tmp, ec);
+        if (multi) publish_result(job, std::string("error: ") + e.what());
+      }
+      throw;
+    }
+    if (multi && rank != 0) {
+      store_set(key(job, fmt::format("index/{}", rank)), mine.serialize());
+      store->add(key(job, "ndone"), 1);
+      const std::string result = store_wait_get(job, key(job, "result"), "the commit");
+      store->add(key(job, "nack"), 1);
+      if (result.rfind("ok ", 0) != 0) {
+        throw_error<CheckpointError>("rank {}: save of step {} was not committed: {}", rank,
+                                     job.step, result.substr(std::min<size_t>(result.size(), 7)));
+      }
+      st.path = result.substr(3);
+      st.total_s = total.elapsed_s();
+      return st;
+    }
+    // rank 0: gather, commit, publish.
+    try {
+      std::vector<RankIndex> indexes{std::move(mine)};
+      if (multi) gather(job, indexes);
+      st.path = commit(job, tmp, std::move(indexes));
+    } catch (const std::exception& e) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      if (multi) publish_result(job, std::string("error: ") + e.what());
+      throw;
+    }
+    if (multi) publish_result(job, "ok " + st.path);
+    st.total_s = total.elapsed_s();
+    return st;
+  }
+
+  void publish_result(const Job& job, const std::string& result) {
+    try {
+      store_set(key(job, "result"), result);
+    } catch (const std::exception& e) {
+      core::log::warn("checkpoint: cannot publish the result of step {}: {}", job.step, e.what());
+    }
+  }
+
+  void gather(const Job& job, std::vector<RankIndex>& indexes) {
+    const auto deadline =
+        Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts.timeout_s * 1000));
+    auto sleep = std::chrono::milliseconds(1);
+    for (;;) {
+      const int64_t failed = store->add(key(job, "nfail"), 0);
+      if (failed > 0) {
+        std::vector<std::string> errs;
+        for (int r = 1; r < group.world; ++r) {
+          const std::string k = key(job, fmt::format("error/{}", r));
+          if (store->check({k})) errs.push_back(to_string(store->get(k)));
+        }
+        throw_error<CheckpointError>("save of step {} failed on {} rank(s): {}", job.step, failed,
+                                     core::join(errs, " | "));
+      }
+      if (store->add(key(job, "ndone"), 0) >= group.world - 1) break;
+      if (Clock::now() > deadline) {
+        std::vector<int> missing;
+        for (int r = 1; r < group.world; ++r) {
+          if (!store->check({key(job, fmt::format("index/{}", r))})) missing.push_back(r);
+        }
+        throw_error<TimeoutError>(
+            "save of step {}: rank(s) {} did not finish their shard files within {:.0f} s "
+            "(checkpoint timeout)",
+            job.step, missing, opts.timeout_s);
+      }
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, std::chrono::milliseconds(50));
+    }
+    for (int r = 1; r < group.world; ++r) {
+      const std::string k = key(job, fmt::format("index/{}", r));
+      indexes.push_back(RankIndex::parse(to_string(store->get(k)), r));
+      store->deleteKey(k);
+    }
+  }
+
+  // ---- async ----
+  Job snapshot(Job job) {
+    std::set<c10::DeviceIndex> devices;
+    for (OwnedEntry& e : job.entries) {
+      const at::Tensor& src = e.tensor;
+      at::Tensor& buf = snapshots[e.name];
+      const bool pinned = src.is_cuda();
+      if (!buf.defined() || buf.sizes() != src.sizes() || buf.scalar_type() != src.scalar_type() ||
+          (pinned && !buf.is_pinned())) {
+        buf = at::empty(src.sizes(),
+                        at::TensorOptions().dtype(src.scalar_type()).pinned_memory(pinned));
+      }
+      buf.copy_(src, /*non_blocking=*/pinned);
+      if (src.is_cuda()) devices.insert(src.device().index());
+      e.tensor = buf;
+    }
+    for (const auto d : devices) at::accelerator::synchronizeDevice(d);
+    // Drop buffers of entries this save no longer has.
+    std::set<std::string> names;
+    for (const auto& e : job.entries) names.insert(e.name);
+    for (auto it = snapshots.begin(); it != snapshots.end();) {
+      it = names.count(it->first) ? std::next(it) : snapshots.erase(it);
+    }
+    return job;
+  }
+
+  void join_worker() {
+    if (!running) return;
+    worker.join();
+    running = false;
+    done = false;
+  }
+
+  void rethrow() {
+    if (error) {
+      std::exception_ptr e = error;
+      error = nullptr;
+      std::rethrow_exception(e);
+    }
+  }
+};
+
+Checkpointer::Checkpointer(std::string checkpoints_dir, CheckpointerOptions options,
+                           CommitGroup group)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& I = *impl_;
+  I.dir = std::move(checkpoints_dir);
+  I.opts = std::move(options);
+  I.group = std::move(group);
+  PARALLAX_CHECK(I.group.world >= 1 && I.group.rank >= 0 && I.group.rank < I.group.world,
+                 CheckpointError, "checkpoint group: rank {} of world {} is invalid", I.group.rank,
+                 I.group.world);
+  if (I.opts.layout.world() == 1 && I.group.world > 1) I.opts.layout.dp = I.group.world;
+  PARALLAX_CHECK(I.opts.layout.world() == I.group.world, LayoutError,
+                 "checkpoint layout {} has {} ranks but the world has {}",
+                 I.opts.layout.to_string(), I.opts.layout.world(), I.group.world);
+  PARALLAX_CHECK(I.opts.block_bytes >= 4096, CheckpointError,
+                 "checkpoint block_bytes {} is below 4096", I.opts.block_bytes);
+  PARALLAX_CHECK(I.opts.timeout_s > 0, CheckpointError, "checkpoint timeout {} s is not positive",
+                 I.opts.timeout_s);
+  if (I.group.world > 1) {
+    PARALLAX_CHECK(I.group.store, CheckpointError,
+                   "rank {}: checkpoints on {} ranks need the World's out-of-band store, which is "
+                   "not available "
+                   "(see the warning at start-up)",
+                   I.group.rank, I.group.world);
+    std::error_code ec;
+    const std::string abs = fs::absolute(I.dir, ec).lexically_normal().string();
+    const int64_t n = I.group.store->add(
+        fmt::format("pxckpt/instance/{}/{}", core::stable_hash(abs), I.group.rank), 1);
+    I.instance = fmt::format("pxckpt/{}/{}", core::stable_hash(abs), n);
+    // A TCPStore connection of its own for the writer; other stores (HashStore in tests) are
+    // in-process and thread-safe, and their clone() may not share the data.
+    I.store = I.group.store;
+    if (dynamic_cast<c10d::TCPStore*>(I.group.store.get()) != nullptr)
+      I.store = I.group.store->clone();
+  }
+}
+
+Checkpointer::~Checkpointer() {
+  try {
+    impl_->join_worker();
+    if (impl_->error) {
+      try {
+        std::rethrow_exception(impl_->error);
+      } catch (const std::exception& e) {
+        core::log::error("checkpoint: the last background save failed and nobody asked: {}",
+                         e.what());
+      }
+    }
+  } catch (...) {
+  }
+}
+
+void Checkpointer::save(int64_t step, const SaveState& state) {
+  Impl& I = *impl_;
+  wait();
+  PARALLAX_CHECK(step >= 0, CheckpointError, "checkpoint step {} is negative", step);
+  core::Stopwatch blocking;
+  Impl::Job job;
+  job.step = step;
+  job.seq = I.seq++;
+  job.entries = select_owned(state, I.group.rank, I.group.world);
+  job.extra = state.extra();
+  if (!I.opts.async) {
+    SaveStats st = I.run(job);
+    st.blocking_s = blocking.elapsed_s();
+    I.last = st;
+    core::log::info("checkpoint: saved step {} to '{}' ({} in {:.2f} s)", step, st.path,
+                    core::human_bytes(static_cast<double>(st.bytes)), st.total_s);
+    return;
+  }
+  job = I.snapshot(std::move(job));
+  const double blocked = blocking.elapsed_s();
+  I.running = true;
+  I.done = false;
+  I.worker = std::thread([&I, job = std::move(job), blocked]() mutable {
+    try {
+      SaveStats st = I.run(job);
+      st.blocking_s = blocked;
+      I.pending = st;
+    } catch (...) {
+      I.error = std::current_exception();
+    }
+    I.done = true;
+  });
+}
+
+void Checkpointer::poll() {
+  Impl& I = *impl_;
+  if (I.running && I.done.load()) {
+    I.join_worker();
+    if (!I.error) {
+      I.last = I.pending;
+      core::log::info("checkpoint: saved step {} to '{}' in the background ({} in {:.2f} s)",
+                      I.pending.step, I.pending.path,
+                      core::human_bytes(static_cast<double>(I.pending.bytes)), I.pending.total_s);
+    }
+  }
+  I.rethrow();
+}
+
+void Checkpointer::wait() {
+  Impl& I = *impl_;
+  if (I.running) {
+    I.join_worker();
+    if (!I.error) {
+      I.last = I.pending;
+      core::log::info("checkpoint: saved step {} to '{}' in the background ({} in {:.2f} s)",
+                      I.pending.step, I.pending.path,
+                      core::human_bytes(static_cast<double>(I.pending.bytes)), I.pending.total_s);
+    }
+  }
+  I.rethrow();
+}
+
+bool Checkpointer::busy() const {
+  return impl_->running && !impl_->done.load();
+}
+std::optional<SaveStats> Checkpointer::last_save() const {
+  return impl_->last;
+}
+const std::string& Checkpointer::dir() const {
+  return impl_->dir;
+}
+const CheckpointerOptions& Checkpointer::options() const {
+  return impl_->opts;
+}
+
+}  // namespace parallax::checkpoint

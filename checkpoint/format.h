@@ -1,0 +1,121 @@
+// The on-disk format of a Parallax checkpoint (version 1), its metadata and its names.
+//
+//   runs/<name>/checkpoints/
+//     latest                   one line, "step_00000100": the last committed checkpoint
+//     step_00000100/
+//       metadata.json          everything below, written last (see Metadata)
+//       rank_00000.h5 ...      one HDF5 file per rank holding only the shards that rank owns
+//     .tmp-step_00000200-<hex>/  a save in progress (or a killed one, removed by the next save)
+//
+// In a rank file each shard is a dataset whose HDF5 path is the tensor name ("model/fc.weight" is
+// dataset "fc.weight" in group "model"), with the shard's box as data (C order) and attributes
+// "dtype", "offsets" and "global_shape". A tensor is stored exactly: floats and integers as HDF5's
+// native types; bfloat16, float16 and float8 as unsigned integers of the same width holding the raw
+// bits; bool as uint8; the exact dtype is the "dtype" attribute and the metadata's "dtype".
+//
+// Thread-safety: everything here is a pure function or a value type.
+#pragma once
+
+#include "parallel/comm/topology.h"
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace parallax::checkpoint {
+
+inline constexpr int kFormatVersion = 1;
+inline constexpr const char* kFormatName = "parallax-checkpoint";
+inline constexpr const char* kMetadataFile = "metadata.json";
+inline constexpr const char* kLatestFile = "latest";
+inline constexpr const char* kTempPrefix = ".tmp-";
+
+// One rectangular piece of a tensor, stored in one rank file.
+struct ShardInfo {
+  std::string file;              // rank file name inside the checkpoint directory
+  std::vector<int64_t> offsets;  // per dimension, where the piece starts in the global tensor
+  std::vector<int64_t> lengths;  // per dimension, its extent
+  uint32_t crc32 = 0;            // zlib crc32 of the piece's bytes in C order
+  int64_t numel() const;
+};
+
+struct TensorInfo {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;     // global shape
+  std::vector<ShardInfo> shards;  // disjoint, together exactly the global tensor
+  int64_t numel() const;
+  int64_t nbytes() const;
+};
+
+struct FileInfo {
+  std::string name;   // "rank_00003.h5"
+  int rank = 0;       // world rank that wrote it
+  int64_t bytes = 0;  // file size on disk when committed (truncation check)
+};
+
+// A small scalar kept in metadata.json's "extra" map (step counters, loss scale, ...).
+using ExtraValue = std::variant<int64_t, double, std::string>;
+
+struct Metadata {
+  int format_version = kFormatVersion;
+  int64_t step = 0;
+  parallel::comm::Layout layout;  // dp x tp x pp at save time
+  int world = 1;
+  std::string config_hash;  // core::stable_hash of the resolved config text
+  std::string created;      // UTC, ISO 8601
+  std::vector<FileInfo> files;
+  std::map<std::string, ExtraValue> extra;
+  std::map<std::string, TensorInfo> tensors;
+
+  // metadata.json's text (see docs/checkpoints.md for the schema).
+  std::string to_json() const;
+  // Parses and validates metadata.json's text; `where` names the file in errors. Throws
+  // CheckpointError for malformed JSON, a missing key, a foreign format or a newer version.
+  static Metadata from_json(const std::string& text, const std::string& where);
+
+  bool has_extra(const std::string& key) const { return extra.count(key) != 0; }
+  // Typed access; CheckpointError naming the key if it is missing or of another type (an integer
+  // is accepted where a double is asked for).
+  int64_t extra_int(const std::string& key) const;
+  double extra_double(const std::string& key) const;
+  std::string extra_string(const std::string& key) const;
+  const TensorInfo* find(const std::string& name) const;
+};
+
+// "float32", "bfloat16", ... and back (CheckpointError for an unknown name).
+std::string dtype_name(at::ScalarType dtype);
+at::ScalarType dtype_from_name(const std::string& name, const std::string& where);
+
+// "step_00000100" (at least 8 digits) and back (nullopt if `name` is not a step directory name).
+std::string step_dir_name(int64_t step);
+std::optional<int64_t> parse_step_dir_name(const std::string& name);
+// "rank_00003.h5"
+std::string rank_file_name(int rank);
+// The name under which a per-rank entry `name` of world rank `rank` is stored: "rank/3/<name>".
+std::string rank_local_name(int rank, const std::string& name);
+
+// Tensor names are HDF5 paths: non-empty '/'-separated components, none empty, "." or "..".
+// Throws CheckpointError naming the entry.
+void validate_tensor_name(const std::string& name);
+
+// The committed checkpoint `path` denotes: a checkpoint directory (holds metadata.json), a
+// checkpoints directory (holds `latest`) or a run directory (holds checkpoints/latest). Throws
+// CheckpointError naming the path when it is none of these or `latest` points to nothing.
+std::string resolve_checkpoint(const std::string& path);
+// The checkpoint `latest` in `checkpoints_dir` names, or nullopt when there is no `latest`.
+std::optional<std::string> latest_checkpoint(const std::string& checkpoints_dir);
+// The checkpoint a run resumes from, for the trainer's `resume` setting: "" -> none; "auto" -> the
+// `latest` of `checkpoints_dir` if there is one (else none: a fresh start); anything else -> that
+// path through resolve_checkpoint (CheckpointError if it holds no checkpoint).
+std::optional<std::string> resume_checkpoint(const std::string& resume,
+                                             const std::string& checkpoints_dir);
+// True if resolve_checkpoint(path) would succeed (for `parallax inspect`'s dispatch).
+bool is_checkpoint_path(const std::string& path);
+
+}  // namespace parallax::checkpoint

@@ -1,0 +1,79 @@
+#include "checkpoint/inspect.h"
+
+#include "checkpoint/reader.h"
+#include "core/strings.h"
+#include "core/timer.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <map>
+
+namespace parallax::checkpoint {
+
+std::string inspect(const std::string& path, std::ostream& out, const InspectOptions& options) {
+  CheckpointReader reader(path);
+  const Metadata& m = reader.metadata();
+  int64_t file_bytes = 0;
+  for (const auto& f : m.files) file_bytes += f.bytes;
+  int64_t tensor_bytes = 0;
+  std::map<std::string, std::pair<int64_t, int64_t>>
+      groups;  // top-level prefix -> (tensors, bytes)
+  for (const auto& [name, t] : m.tensors) {
+    tensor_bytes += t.nbytes();
+    const auto slash = name.find('/');
+    auto& g = groups[slash == std::string::npos ? std::string("(root)") : name.substr(0, slash)];
+    g.first += 1;
+    g.second += t.nbytes();
+  }
+  out << fmt::format("checkpoint {}\n", reader.dir());
+  out << fmt::format("  format version {}, step {}, created {}\n", m.format_version, m.step,
+                     m.created.empty() ? "?" : m.created);
+  out << fmt::format("  layout {} (world {}), config hash {}\n", m.layout.to_string(), m.world,
+                     m.config_hash.empty() ? "(none)" : m.config_hash);
+  out << fmt::format("  files: {} ({})\n", m.files.size(),
+                     core::human_bytes(static_cast<double>(file_bytes)));
+  out << fmt::format("  tensors: {} ({})", m.tensors.size(),
+                     core::human_bytes(static_cast<double>(tensor_bytes)));
+  for (const auto& [g, v] : groups) {
+    out << fmt::format("; {} {} ({})", g, v.first,
+                       core::human_bytes(static_cast<double>(v.second)));
+  }
+  out << "\n";
+  if (!m.extra.empty()) {
+    out << "  extra:\n";
+    for (const auto& [k, v] : m.extra) {
+      std::visit([&](const auto& x) { out << fmt::format("    {} = {}\n", k, x); }, v);
+    }
+  }
+  if (options.list_tensors) {
+    size_t width = 4;
+    for (const auto& [name, t] : m.tensors) width = std::max(width, name.size());
+    out << fmt::format("  {:<{}}  {:<9} {:<20} {:>6} {:>10}\n", "name", width, "dtype", "shape",
+                       "shards", "size");
+    for (const auto& [name, t] : m.tensors) {
+      out << fmt::format("  {:<{}}  {:<9} {:<20} {:>6} {:>10}\n", name, width, dtype_name(t.dtype),
+                         fmt::format("{}", t.shape), t.shards.size(),
+                         core::human_bytes(static_cast<double>(t.nbytes())));
+      if (options.list_shards) {
+        for (const auto& s : t.shards) {
+          out << fmt::format("      {} offsets {} lengths {} crc32 {:08x}\n", s.file, s.offsets,
+                             s.lengths, s.crc32);
+        }
+      }
+    }
+  }
+  out.flush();
+  if (options.verify) {
+    core::Stopwatch sw;
+    const int64_t bytes = reader.verify_all();
+    size_t shards = 0;
+    for (const auto& [name, t] : m.tensors) shards += t.shards.size();
+    out << fmt::format("  verified: {} shards in {} files, {} checksummed in {:.2f} s: OK\n",
+                       shards, m.files.size(), core::human_bytes(static_cast<double>(bytes)),
+                       sw.elapsed_s());
+  }
+  return reader.dir();
+}
+
+}  // namespace parallax::checkpoint

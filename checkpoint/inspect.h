@@ -1,0 +1,27 @@
+// `parallax inspect` for checkpoints: a human-readable summary (step, layout, config hash, files,
+// extra scalars, every tensor with dtype, shape, shards and size) and, optionally, verification of
+// every shard (file present and of its recorded size, dataset shape, crc32).
+#pragma once
+
+#include <ostream>
+#include <string>
+
+namespace parallax::checkpoint {
+
+struct InspectOptions {
+  bool verify = true;        // stream every shard and check its checksum
+  bool list_tensors = true;  // one line per tensor
+  bool list_shards = false;  // and one line per shard under it
+};
+
+// `path`: a checkpoint directory, a checkpoints directory or a run directory (their `latest`).
+// Prints to `out`; throws CheckpointError naming the file and tensor on corruption (after printing
+// the summary). Returns the checkpoint directory inspected.
+std::string inspect(const std::string& path, std::ostream& out, const InspectOptions& options = {});
+inline std::string inspect(const std::string& path, std::ostream& out, bool verify) {
+  InspectOptions o;
+  o.verify = verify;
+  return inspect(path, out, o);
+}
+
+}  // namespace parallax::checkpoint

@@ -1,0 +1,408 @@
+#include "checkpoint/reader.h"
+
+#include "checkpoint/files.h"
+#include "checkpoint/h5.h"
+#include "checkpoint/tensor_io.h"
+#include "core/error.h"
+#include "core/strings.h"
+
+#include <ATen/ATen.h>
+#include <fmt/ranges.h>
+
+#include <filesystem>
+#include <map>
+#include <set>
+
+namespace fs = std::filesystem;
+
+namespace parallax::checkpoint {
+namespace {
+
+constexpr size_t kMaxOpenFiles = 64;
+
+struct Box {
+  std::vector<int64_t> offsets, lengths;
+};
+
+// Intersection of a shard with a requested box; false when empty.
+bool intersect(const ShardInfo& s, const Box& r, Box& out) {
+  const size_t nd = r.offsets.size();
+  out.offsets.resize(nd);
+  out.lengths.resize(nd);
+  for (size_t d = 0; d < nd; ++d) {
+    const int64_t lo = std::max(s.offsets[d], r.offsets[d]);
+    const int64_t hi = std::min(s.offsets[d] + s.lengths[d], r.offsets[d] + r.lengths[d]);
+    if (hi <= lo) return false;
+    out.offsets[d] = lo;
+    out.lengths[d] = hi - lo;
+  }
+  return true;
+}
+
+// Byte offset of the shard inside the C-order image of box `r` when the shard (which lies inside
+// `r`) occupies one contiguous run of it; -1 otherwise.
+int64_t contiguous_offset(const ShardInfo& s, const Box& r, int64_t esize) {
+  const size_t nd = r.lengths.size();
+  size_t k = 0;  // last dimension where the shard is narrower than the box
+  bool any = false;
+  for (size_t d = 0; d < nd; ++d) {
+    if (s.lengths[d] != r.lengths[d]) {
+      k = d;
+      any = true;
+    }
+  }
+  if (any) {
+    for (size_t d = 0; d < k; ++d) {
+      if (s.lengths[d] != 1) return -1;
+    }
+  }
+  int64_t lin = 0;
+  for (size_t d = 0; d < nd; ++d) lin = lin * r.lengths[d] + (s.offsets[d] - r.offsets[d]);
+  return lin * esize;
+}
+
+int64_t volume(const std::vector<int64_t>& v) {
+  int64_t n = 1;
+  for (int64_t x : v) n *= x;
+  return n;
+}
+
+}  // namespace
+
+struct CheckpointReader::Impl {
+  std::string dir;
+  Metadata meta;
+  int64_t block_bytes = 64 << 20;
+  std::map<std::string, const FileInfo*> file_info;
+  std::map<std::string, h5::Id> open_files;
+  std::set<std::pair<std::string, std::string>> verified;  // (file, tensor)
+  std::set<std::string> checked_files;                     // present with the recorded size
+  ReadStats stats;
+
+  std::string path_of(const std::string& file) const { return (fs::path(dir) / file).string(); }
+
+  static std::string holds(const std::string& tensor) {
+    return tensor.empty() ? std::string() : fmt::format(" (it holds tensor '{}')", tensor);
+  }
+
+  // Checks presence and size of `file` (once).
+  void check_file(const std::string& file, const std::string& tensor) {
+    if (checked_files.count(file)) return;
+    const auto it = file_info.find(file);
+    if (it == file_info.end()) {
+      throw_error<CheckpointError>(
+          "checkpoint '{}': tensor '{}' refers to file '{}', which metadata.json does not list",
+          dir, tensor, file);
+    }
+    const std::string p = path_of(file);
+    const int64_t size = files::file_size(p);
+    if (size < 0) {
+      throw_error<CheckpointError>("checkpoint '{}': shard file '{}' (rank {}) is missing{}", dir,
+                                   file, it->second->rank, holds(tensor));
+    }
+    if (size != it->second->bytes) {
+      throw_error<CheckpointError>(
+          "checkpoint '{}': shard file '{}' (rank {}) is {}: {} bytes on disk, {} recorded in "
+          "metadata.json{}",
+          dir, file, it->second->rank, size < it->second->bytes ? "truncated" : "altered", size,
+          it->second->bytes, holds(tensor));
+    }
+    checked_files.insert(file);
+  }
+
+  hid_t file(const std::string& name, const std::string& tensor) {
+    auto it = open_files.find(name);
+    if (it != open_files.end()) return it->second;
+    check_file(name, tensor);
+    if (open_files.size() >= kMaxOpenFiles) open_files.clear();
+    h5::quiet_errors();
+    h5::Id fapl(H5Pcreate(H5P_FILE_ACCESS));
+    H5Pset_fclose_degree(fapl, H5F_CLOSE_STRONG);
+    h5::Id f(H5Fopen(path_of(name).c_str(), H5F_ACC_RDONLY, fapl));
+    if (!f.valid()) {
+      h5::fail<CheckpointError>(
+          fmt::format("checkpoint '{}': cannot open shard file '{}' (holds tensor '{}'; "
+                      "truncated or not HDF5?)",
+                      dir, name, tensor));
+    }
+    return open_files.emplace(name, std::move(f)).first->second;
+  }
+
+  h5::Id dataset(const TensorInfo& t, const ShardInfo& s) {
+    const hid_t f = file(s.file, t.name);
+    h5::quiet_errors();
+    h5::Id d(H5Dopen2(f, t.name.c_str(), H5P_DEFAULT));
+    if (!d.valid()) {
+      h5::fail<CheckpointError>(fmt::format(
+          "checkpoint '{}': shard file '{}' has no dataset for tensor '{}'", dir, s.file, t.name));
+    }
+    const std::string ctx =
+        fmt::format("checkpoint '{}': shard file '{}', tensor '{}'", dir, s.file, t.name);
+    const std::vector<int64_t> dims = h5::dataset_dims(d, ctx);
+    if (dims != s.lengths) {
+      throw_error<CheckpointError>("{}: the dataset has shape {} but metadata.json records {}", ctx,
+                                   dims, s.lengths);
+    }
+    h5::Id type(H5Dget_type(d));
+    if (!type.valid() || H5Tget_size(type) != c10::elementSize(t.dtype)) {
+      throw_error<CheckpointError>("{}: the dataset's element size does not match dtype {}", ctx,
+                                   dtype_name(t.dtype));
+    }
+    return d;
+  }
+
+  void fail_checksum(const TensorInfo& t, const ShardInfo& s, uint32_t got) const {
+    throw_error<CheckpointError>(
+        "checkpoint '{}': checksum mismatch in shard file '{}' for tensor '{}' (box at {} of {}): "
+        "crc32 {:08x} "
+        "recorded, {:08x} read; the file is corrupt",
+        dir, s.file, t.name, s.offsets, s.lengths, s.crc32, got);
+  }
+
+  // Streams shard `s` in blocks and checks its crc32.
+  void verify_shard(const TensorInfo& t, const ShardInfo& s, bool extra) {
+    if (s.numel() == 0 || verified.count({s.file, t.name})) return;
+    h5::Id d = dataset(t, s);
+    const hid_t type = h5::storage_type(t.dtype, t.name);
+    const int64_t esize = static_cast<int64_t>(c10::elementSize(t.dtype));
+    const int64_t budget = std::min<int64_t>(block_bytes, s.numel() * esize);
+    std::vector<uint8_t> buf(static_cast<size_t>(budget));
+    uint32_t crc = 0;
+    h5::for_each_block(s.lengths, esize, budget, [&](const h5::Block& b) {
+      herr_t rc;
+      if (s.lengths.empty()) {
+        rc = H5Dread(d, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data());
+      } else {
+        h5::Id fspace(H5Dget_space(d));
+        h5::Id mspace = h5::make_space(b.count);
+        rc = H5Sselect_hyperslab(fspace, H5S_SELECT_SET, b.start.data(), nullptr, b.count.data(),
+                                 nullptr);
+        if (rc >= 0) rc = H5Dread(d, type, mspace, fspace, H5P_DEFAULT, buf.data());
+      }
+      if (rc < 0) {
+        h5::fail<CheckpointError>(fmt::format(
+            "checkpoint '{}': cannot read tensor '{}' from shard file '{}'", dir, t.name, s.file));
+      }
+      crc = tensor_io::crc32_update(crc, buf.data(), b.bytes, /*parallel=*/true);
+    });
+    stats.bytes_verified += s.numel() * esize;
+    if (extra) stats.extra_bytes += s.numel() * esize;
+    if (crc != s.crc32) fail_checksum(t, s, crc);
+    verified.insert({s.file, t.name});
+  }
+
+  // Reads box `r` of `t` into `host` (contiguous CPU, t.dtype, shape r.lengths).
+  void read_box(const TensorInfo& t, const Box& r, const at::Tensor& host, const ReadOptions& opt) {
+    const int64_t esize = static_cast<int64_t>(c10::elementSize(t.dtype));
+    const hid_t type = h5::storage_type(t.dtype, t.name);
+    auto* base = static_cast<uint8_t*>(host.data_ptr());
+    int64_t covered = 0;
+    for (const ShardInfo& s : t.shards) {
+      Box in;
+      if (s.numel() == 0 || !intersect(s, r, in)) continue;
+      h5::Id d = dataset(t, s);
+      herr_t rc;
+      if (r.lengths.empty()) {
+        rc = H5Dread(d, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, base);
+      } else {
+        std::vector<hsize_t> fstart(in.offsets.size()), mstart(in.offsets.size());
+        for (size_t k = 0; k < in.offsets.size(); ++k) {
+          fstart[k] = static_cast<hsize_t>(in.offsets[k] - s.offsets[k]);
+          mstart[k] = static_cast<hsize_t>(in.offsets[k] - r.offsets[k]);
+        }
+        const std::vector<hsize_t> count = h5::to_hsize(in.lengths);
+        h5::Id fspace(H5Dget_space(d));
+        h5::Id mspace = h5::make_space(h5::to_hsize(r.lengths));
+        rc = H5Sselect_hyperslab(fspace, H5S_SELECT_SET, fstart.data(), nullptr, count.data(),
+                                 nullptr);
+        if (rc >= 0)
+          rc = H5Sselect_hyperslab(mspace, H5S_SELECT_SET, mstart.data(), nullptr, count.data(),
+                                   nullptr);
+        if (rc >= 0) rc = H5Dread(d, type, mspace, fspace, H5P_DEFAULT, base);
+      }
+      if (rc < 0) {
+        h5::fail<CheckpointError>(fmt::format(
+            "checkpoint '{}': cannot read tensor '{}' from shard file '{}'", dir, t.name, s.file));
+      }
+      covered += volume(in.lengths);
+      if (!opt.verify || verified.count({s.file, t.name})) continue;
+      const bool whole = in.lengths == s.lengths;
+      const int64_t off = whole ? contiguous_offset(s, r, esize) : -1;
+      if (off >= 0) {
+        const int64_t n = s.numel() * esize;
+        const uint32_t crc = tensor_io::crc32_update(0, base + off, n, /*parallel=*/true);
+        stats.bytes_verified += n;
+        if (crc != s.crc32) fail_checksum(t, s, crc);
+        verified.insert({s.file, t.name});
+      } else {
+        verify_shard(t, s, /*extra=*/true);
+      }
+    }
+    if (covered != volume(r.lengths)) {
+      throw_error<CheckpointError>(
+          "checkpoint '{}': the shards of tensor '{}' cover {} of the {} elements of box {} x {}",
+          dir, t.name, covered, volume(r.lengths), r.offsets, r.lengths);
+    }
+    stats.bytes_read += volume(r.lengths) * esize;
+  }
+
+  const TensorInfo& info(const std::string& name) const {
+    if (const TensorInfo* t = meta.find(name)) return *t;
+    std::vector<std::string> names;
+    for (const auto& [n, t] : meta.tensors) names.push_back(n);
+    throw_error<CheckpointError>("checkpoint '{}' has no tensor '{}'{}", dir, name,
+                                 core::did_you_mean(name, names));
+  }
+
+  // Problems of one target that can be found without reading data; "" when none.
+  std::string check_target(const LoadTarget& tg, const ReadOptions& opt) const {
+    const TensorInfo* t = meta.find(tg.name);
+    if (!t) return fmt::format("tensor '{}' is not in the checkpoint", tg.name);
+    if (!tg.dest.defined())
+      return fmt::format("tensor '{}': the destination is undefined", tg.name);
+    const std::vector<int64_t> len = tg.dest.sizes().vec();
+    const std::vector<int64_t> off =
+        tg.offsets.empty() ? std::vector<int64_t>(len.size(), 0) : tg.offsets;
+    if (tg.offsets.empty() && len != t->shape) {
+      return fmt::format("tensor '{}': the checkpoint holds shape {}, the destination has shape {}",
+                         tg.name, t->shape, len);
+    }
+    if (len.size() != t->shape.size() || off.size() != t->shape.size()) {
+      return fmt::format(
+          "tensor '{}': the checkpoint holds shape {}, the destination has shape {} (at offsets "
+          "{})",
+          tg.name, t->shape, len, off);
+    }
+    for (size_t d = 0; d < len.size(); ++d) {
+      if (off[d] < 0 || off[d] + len[d] > t->shape[d]) {
+        return fmt::format(
+            "tensor '{}': the checkpoint holds shape {}, the destination box {} at offsets {} does "
+            "not fit in it",
+            tg.name, t->shape, len, off);
+      }
+    }
+    if (tg.dest.scalar_type() != t->dtype && !opt.allow_cast) {
+      return fmt::format("tensor '{}': the checkpoint holds {}, the destination is {}", tg.name,
+                         dtype_name(t->dtype), dtype_name(tg.dest.scalar_type()));
+    }
+    return "";
+  }
+
+  void read_into(const LoadTarget& tg, const ReadOptions& opt) {
+    const TensorInfo& t = info(tg.name);
+    Box r;
+    r.lengths = tg.dest.sizes().vec();
+    r.offsets = tg.offsets.empty() ? std::vector<int64_t>(r.lengths.size(), 0) : tg.offsets;
+    if (volume(r.lengths) == 0) return;
+    const bool direct =
+        tg.dest.is_cpu() && tg.dest.is_contiguous() && tg.dest.scalar_type() == t.dtype;
+    if (direct) {
+      read_box(t, r, tg.dest, opt);
+      return;
+    }
+    at::Tensor host = at::empty(r.lengths, at::TensorOptions().dtype(t.dtype));
+    read_box(t, r, host, opt);
+    at::NoGradGuard no_grad;
+    tg.dest.copy_(host);
+  }
+};
+
+CheckpointReader::CheckpointReader(const std::string& path, int64_t block_bytes)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& I = *impl_;
+  I.dir = resolve_checkpoint(path);
+  I.block_bytes = std::max<int64_t>(block_bytes, 4096);
+  const std::string mpath = (fs::path(I.dir) / kMetadataFile).string();
+  std::string text;
+  try {
+    text = files::read_text(mpath);
+  } catch (const IoError& e) {
+    throw_error<CheckpointError>("checkpoint '{}': {}", I.dir, e.what());
+  }
+  I.meta = Metadata::from_json(text, mpath);
+  for (const FileInfo& f : I.meta.files) I.file_info[f.name] = &f;
+}
+
+CheckpointReader::~CheckpointReader() = default;
+
+const std::string& CheckpointReader::dir() const {
+  return impl_->dir;
+}
+const Metadata& CheckpointReader::metadata() const {
+  return impl_->meta;
+}
+bool CheckpointReader::contains(const std::string& name) const {
+  return impl_->meta.find(name) != nullptr;
+}
+const TensorInfo& CheckpointReader::info(const std::string& name) const {
+  return impl_->info(name);
+}
+const ReadStats& CheckpointReader::stats() const {
+  return impl_->stats;
+}
+
+std::vector<std::string> CheckpointReader::names(const std::string& prefix) const {
+  std::vector<std::string> out;
+  for (const auto& [n, t] : impl_->meta.tensors) {
+    if (core::starts_with(n, prefix)) out.push_back(n);
+  }
+  return out;
+}
+
+void CheckpointReader::load(const std::vector<LoadTarget>& targets, const ReadOptions& options) {
+  Impl& I = *impl_;
+  std::vector<std::string> problems;
+  for (const auto& tg : targets) {
+    std::string p = I.check_target(tg, options);
+    if (!p.empty()) problems.push_back(std::move(p));
+  }
+  if (!problems.empty()) {
+    const size_t shown = std::min<size_t>(problems.size(), 20);
+    throw_error<CheckpointError>(
+        "checkpoint '{}': {} problem(s), nothing was loaded: {}{}", I.dir, problems.size(),
+        core::join(std::vector<std::string>(problems.begin(), problems.begin() + shown), "; "),
+        problems.size() > shown ? "; ..." : "");
+  }
+  // Every file and dataset the targets touch: present, right size and shape.
+  for (const auto& tg : targets) {
+    const TensorInfo& t = I.info(tg.name);
+    Box r;
+    r.lengths = tg.dest.sizes().vec();
+    r.offsets = tg.offsets.empty() ? std::vector<int64_t>(r.lengths.size(), 0) : tg.offsets;
+    if (volume(r.lengths) == 0) continue;
+    for (const ShardInfo& s : t.shards) {
+      Box in;
+      if (s.numel() > 0 && intersect(s, r, in)) I.dataset(t, s);
+    }
+  }
+  for (const auto& tg : targets) I.read_into(tg, options);
+}
+
+void CheckpointReader::read(const std::string& name, const at::Tensor& dest,
+                            const std::vector<int64_t>& offsets, const ReadOptions& options) {
+  load({LoadTarget{name, dest, offsets}}, options);
+}
+
+at::Tensor CheckpointReader::read(const std::string& name, const ReadOptions& options) {
+  const TensorInfo& t = impl_->info(name);
+  at::Tensor out = at::empty(t.shape, at::TensorOptions().dtype(t.dtype));
+  read(name, out, {}, options);
+  return out;
+}
+
+int64_t CheckpointReader::verify_all(const std::function<bool(const TensorInfo&)>& filter) {
+  Impl& I = *impl_;
+  for (const FileInfo& f : I.meta.files) I.check_file(f.name, "");
+  int64_t bytes = 0;
+  for (const auto& [name, t] : I.meta.tensors) {
+    if (filter && !filter(t)) continue;
+    for (const ShardInfo& s : t.shards) {
+      I.verified.erase({s.file, t.name});
+      I.verify_shard(t, s, /*extra=*/false);
+      bytes += s.numel() * static_cast<int64_t>(c10::elementSize(t.dtype));
+    }
+  }
+  return bytes;
+}
+
+}  // namespace parallax::checkpoint

@@ -1,0 +1,168 @@
+#include "checkpoint/save_state.h"
+
+#include "checkpoint/h5.h"
+#include "core/error.h"
+
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <set>
+
+namespace parallax::checkpoint {
+
+void SaveState::add_replicated(const std::string& name, const at::Tensor& tensor,
+                               std::vector<int> replicas) {
+  TensorEntry e;
+  e.name = name;
+  e.tensor = tensor;
+  if (tensor.defined()) e.global_shape = tensor.sizes().vec();
+  e.offsets.assign(e.global_shape.size(), 0);
+  e.kind = replicas.empty() ? TensorEntry::Kind::kReplicatedAll : TensorEntry::Kind::kExplicit;
+  e.replicas = std::move(replicas);
+  entries_.push_back(std::move(e));
+}
+
+void SaveState::add_shard(const std::string& name, const at::Tensor& tensor,
+                          std::vector<int64_t> global_shape, std::vector<int64_t> offsets,
+                          std::vector<int> replicas) {
+  TensorEntry e;
+  e.name = name;
+  e.tensor = tensor;
+  e.global_shape = std::move(global_shape);
+  e.offsets = std::move(offsets);
+  e.replicas = std::move(replicas);
+  e.kind = TensorEntry::Kind::kExplicit;
+  entries_.push_back(std::move(e));
+}
+
+void SaveState::add_rank_local(const std::string& name, const at::Tensor& tensor) {
+  TensorEntry e;
+  e.name = name;
+  e.tensor = tensor;
+  if (tensor.defined()) e.global_shape = tensor.sizes().vec();
+  e.offsets.assign(e.global_shape.size(), 0);
+  e.kind = TensorEntry::Kind::kRankLocal;
+  entries_.push_back(std::move(e));
+}
+
+void SaveState::set_extra(const std::string& key, int64_t value) {
+  extra_[key] = value;
+}
+
+void SaveState::set_extra(const std::string& key, double value) {
+  if (!std::isfinite(value))
+    throw_error<CheckpointError>("checkpoint extra '{}' is not finite ({})", key, value);
+  extra_[key] = value;
+}
+
+void SaveState::set_extra(const std::string& key, const std::string& value) {
+  extra_[key] = value;
+}
+
+int64_t SaveState::nbytes() const {
+  int64_t n = 0;
+  for (const auto& e : entries_)
+    n += e.tensor.defined() ? static_cast<int64_t>(e.tensor.nbytes()) : 0;
+  return n;
+}
+
+std::vector<int> balance_owners(const std::vector<int64_t>& bytes,
+                                const std::vector<std::string>& names, int members) {
+  std::vector<size_t> order(bytes.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (bytes[a] != bytes[b]) return bytes[a] > bytes[b];
+    return names[a] < names[b];
+  });
+  std::vector<int64_t> load(static_cast<size_t>(members), 0);
+  std::vector<int> owner(bytes.size(), 0);
+  for (size_t i : order) {
+    const int m = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[i] = m;
+    load[static_cast<size_t>(m)] += bytes[i];
+  }
+  return owner;
+}
+
+std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world) {
+  std::set<std::string> seen;
+  // Entries grouped by replica set; sets of one member are owned directly.
+  std::map<std::vector<int>, std::vector<size_t>> groups;
+  std::vector<OwnedEntry> owned;
+  std::vector<std::string> final_names(state.entries().size());
+  for (size_t i = 0; i < state.entries().size(); ++i) {
+    const TensorEntry& e = state.entries()[i];
+    const std::string name =
+        e.kind == TensorEntry::Kind::kRankLocal ? rank_local_name(rank, e.name) : e.name;
+    final_names[i] = name;
+    validate_tensor_name(name);
+    if (!e.tensor.defined())
+      throw_error<CheckpointError>("checkpoint entry '{}' has no tensor (undefined)", name);
+    if (!seen.insert(name).second) {
+      throw_error<CheckpointError>("checkpoint entry '{}' was added twice on rank {}", name, rank);
+    }
+    h5::storage_type(e.tensor.scalar_type(), name);  // throws for dtypes the format cannot store
+    const auto sizes = e.tensor.sizes();
+    if (e.global_shape.size() != sizes.size() || e.offsets.size() != sizes.size()) {
+      throw_error<CheckpointError>(
+          "checkpoint entry '{}' on rank {}: a {}-d tensor with a {}-d global shape and {} offsets",
+          name, rank, sizes.size(), e.global_shape.size(), e.offsets.size());
+    }
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      if (e.offsets[d] < 0 || e.offsets[d] + sizes[d] > e.global_shape[d]) {
+        throw_error<CheckpointError>(
+            "checkpoint entry '{}' on rank {}: box at offsets {} with shape {} lies outside the "
+            "global shape {}",
+            name, rank, e.offsets, sizes.vec(), e.global_shape);
+      }
+    }
+    std::vector<int> replicas;
+    switch (e.kind) {
+      case TensorEntry::Kind::kReplicatedAll:
+        replicas.resize(static_cast<size_t>(world));
+        std::iota(replicas.begin(), replicas.end(), 0);
+        break;
+      case TensorEntry::Kind::kRankLocal:
+        replicas = {rank};
+        break;
+      case TensorEntry::Kind::kExplicit:
+        replicas = e.replicas.empty() ? std::vector<int>{rank} : e.replicas;
+        break;
+    }
+    std::sort(replicas.begin(), replicas.end());
+    replicas.erase(std::unique(replicas.begin(), replicas.end()), replicas.end());
+    if (!std::binary_search(replicas.begin(), replicas.end(), rank)) {
+      throw_error<CheckpointError>("checkpoint entry '{}': rank {} is not among its replicas {}",
+                                   name, rank, replicas);
+    }
+    if (replicas.front() < 0 || replicas.back() >= world) {
+      throw_error<CheckpointError>(
+          "checkpoint entry '{}': replicas {} are not ranks of a world of {}", name, replicas,
+          world);
+    }
+    groups[replicas].push_back(i);
+  }
+  for (const auto& [members, idx] : groups) {
+    const int me =
+        static_cast<int>(std::lower_bound(members.begin(), members.end(), rank) - members.begin());
+    std::vector<int64_t> bytes;
+    std::vector<std::string> names;
+    for (size_t i : idx) {
+      bytes.push_back(static_cast<int64_t>(state.entries()[i].tensor.nbytes()));
+      names.push_back(final_names[i]);
+    }
+    const std::vector<int> owner = balance_owners(bytes, names, static_cast<int>(members.size()));
+    for (size_t j = 0; j < idx.size(); ++j) {
+      if (owner[j] != me) continue;
+      const TensorEntry& e = state.entries()[idx[j]];
+      owned.push_back(OwnedEntry{final_names[idx[j]], e.tensor, e.global_shape, e.offsets});
+    }
+  }
+  std::sort(owned.begin(), owned.end(),
+            [](const OwnedEntry& a, const OwnedEntry& b) { return a.name < b.name; });
+  return owned;
+}
+
+}  // namespace parallax::checkpoint

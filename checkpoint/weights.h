@@ -1,0 +1,81 @@
+// Weights only: loading model tensors by name into a module (from a checkpoint or an exported
+// weights.h5), and exporting a checkpoint's model tensors to one consolidated weights.h5.
+//
+// weights.h5 (format "parallax-weights", version 1), readable by h5py:
+//   - one dataset per model tensor (parameters and buffers) at the file's root, named by its flat
+//     module path ("backbone.blocks.0.attn.qkv.weight"), holding the whole (unsharded) tensor;
+//   - floating tensors in the export dtype: float32 as IEEE float32; bfloat16 as uint16 holding the
+//     raw bf16 bits (h5py: `np.asarray(d).astype(np.uint32) << 16` viewed as float32 is exact);
+//     integer and bool tensors (e.g. BatchNorm's num_batches_tracked) keep their dtype;
+//   - dataset attribute "dtype" ("float32", "bfloat16", "int64", ...);
+//   - file attributes "format", "format_version", "step", "config_hash", "source" (the checkpoint).
+// Export streams tensor by tensor (one whole tensor in host memory at a time), writes to a
+// temporary file and renames it into place.
+//
+// Module names are torch::nn::Module::named_parameters() / named_buffers() paths; in checkpoints
+// they are stored under the prefix "model/".
+#pragma once
+
+#include "checkpoint/reader.h"
+
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace parallax::checkpoint {
+
+inline constexpr const char* kModelPrefix = "model/";
+inline constexpr const char* kWeightsFormat = "parallax-weights";
+inline constexpr int kWeightsFormatVersion = 1;
+
+struct ShapeMismatch {
+  std::string name;
+  std::vector<int64_t> saved;  // shape in the checkpoint / weights file
+  std::vector<int64_t> model;  // shape in the module
+};
+
+struct WeightsReport {
+  std::vector<std::string> loaded;
+  std::vector<std::string> missing;     // in the module, not in the source
+  std::vector<std::string> unexpected;  // in the source, not in the module
+  std::vector<ShapeMismatch> mismatched;
+  bool clean() const { return missing.empty() && unexpected.empty() && mismatched.empty(); }
+  // "loaded 12; missing: a, b; unexpected: c; shape mismatch: d [4, 8] in the checkpoint vs [4, 9]"
+  std::string summary() const;
+};
+
+struct WeightsOptions {
+  // Strict: any missing, unexpected or mismatched tensor is a CheckpointError listing them all, and
+  // nothing is loaded. Non-strict: the tensors that match are loaded, the rest is reported.
+  bool strict = true;
+  bool verify = true;  // checksums (checkpoints only; weights.h5 relies on HDF5's own checks)
+  // Prefix of model tensors inside a checkpoint.
+  std::string prefix = kModelPrefix;
+  // Where this rank's tensor `name` starts in the saved (global) tensor, for modules whose tensors
+  // are slices (tensor parallelism). Default: the module holds whole tensors. Checkpoints only.
+  std::function<std::vector<int64_t>(const std::string& name, const at::Tensor& local)> offsets_of;
+};
+
+// Loads `module`'s parameters and buffers from `path`: an exported weights .h5 file, or a
+// checkpoint (a checkpoint directory, a checkpoints directory or a run directory). Values are
+// converted to each module tensor's dtype and device. Throws CheckpointError (strict, or a corrupt
+// source) naming the file and tensors.
+WeightsReport load_weights(torch::nn::Module& module, const std::string& path,
+                           const WeightsOptions& options = {});
+// Same, from an open checkpoint.
+WeightsReport load_weights(CheckpointReader& reader, torch::nn::Module& module,
+                           const WeightsOptions& options = {});
+
+// Writes the model tensors (prefix "model/") of the checkpoint at `checkpoint_path` to `out_file`
+// (see the file comment); `dtype` is at::kFloat or at::kBFloat16 for floating tensors. Verifies
+// checksums while reading. Returns the number of tensors written. Throws CheckpointError /
+// IoError.
+int64_t export_weights(const std::string& checkpoint_path, const std::string& out_file,
+                       at::ScalarType dtype);
+
+// True if `path` is an HDF5 file with the weights format attribute.
+bool is_weights_file(const std::string& path);
+
+}  // namespace parallax::checkpoint

@@ -1,0 +1,57 @@
+// main() of the multi-rank checkpoint tests (run under mpirun): creates the process World and a
+// world communicator (for the tests' own barriers and broadcasts, never used by the checkpoint
+// code), parses `--dir=PATH` (where the resharding tests keep their checkpoint between runs), and
+// prints results on rank 0 only, failures on every rank with the rank.
+#include "mpi_env.h"
+
+#include "parallel/comm/factory.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+
+namespace parallax::ckpt_test {
+
+MpiEnv& MpiEnv::get() {
+  static MpiEnv env;
+  return env;
+}
+
+}  // namespace parallax::ckpt_test
+
+namespace {
+
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed()) {
+      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
+                   r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
+    }
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  auto& env = parallax::ckpt_test::MpiEnv::get();
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--dir=", 6) == 0) env.dir = argv[i] + 6;
+  }
+  parallax::parallel::comm::World world;
+  env.comm = parallax::parallel::comm::make_world_communicator(world, "mpi");
+  if (world.rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new RankFailurePrinter(world.rank()));
+  }
+  const int rc = RUN_ALL_TESTS();
+  env.comm.reset();
+  return rc;
+}

@@ -1,0 +1,190 @@
+// The real multi-process protocol under mpirun (1 and 2 ranks): bitwise round trips of replicated,
+// sharded and per-rank entries, async saves, and a failure on one rank failing the save on all
+// ranks with the previous checkpoint intact.
+#include "checkpoint/checkpointer.h"
+#include "checkpoint/reader.h"
+#include "core/error.h"
+#include "mpi_env.h"
+#include "test_util.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <sys/resource.h>
+
+#include <csignal>
+#include <filesystem>
+
+using namespace parallax;
+using namespace parallax::checkpoint;
+using parallax::ckpt_test::bitwise_equal;
+using parallax::ckpt_test::chunk;
+using parallax::ckpt_test::MpiEnv;
+using parallax::ckpt_test::random_tensor;
+namespace fs = std::filesystem;
+
+namespace {
+
+// The global tensors of a test, identical on every rank (from the shared seed).
+std::map<std::string, at::Tensor> make_globals(uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::map<std::string, at::Tensor> g;
+  g["model/fc.weight"] = random_tensor(at::kFloat, {37, 5}, gen);
+  g["model/emb"] = random_tensor(at::kBFloat16, {64, 3}, gen);
+  g["model/ids"] = random_tensor(at::kLong, {9}, gen);
+  g["model/scale"] = random_tensor(at::kDouble, {}, gen);
+  g["optim/flat.exp_avg"] = random_tensor(at::kFloat, {1001}, gen);
+  g["model/tp.weight"] = random_tensor(at::kBFloat16, {6, 10}, gen);
+  return g;
+}
+
+at::Tensor rank_tensor(uint64_t seed, int rank) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed + 1000 + static_cast<uint64_t>(rank));
+  return random_tensor(at::kByte, {40}, gen);
+}
+
+SaveState make_state(const std::map<std::string, at::Tensor>& g, uint64_t seed, int rank,
+                     int world) {
+  SaveState s;
+  for (const char* n : {"model/fc.weight", "model/emb", "model/ids", "model/scale"})
+    s.add_replicated(n, g.at(n).clone());
+  const auto [off, len] = chunk(1001, world, rank);
+  s.add_shard("optim/flat.exp_avg", g.at("optim/flat.exp_avg").narrow(0, off, len).clone(), {1001},
+              {off});
+  const auto [c0, cl] = chunk(10, world, rank);
+  s.add_shard("model/tp.weight", g.at("model/tp.weight").narrow(1, c0, cl), {6, 10}, {0, c0});
+  s.add_rank_local("rng/cpu", rank_tensor(seed, rank));
+  s.set_extra("seed", static_cast<int64_t>(seed & 0x7fffffffffffffffULL));
+  return s;
+}
+
+std::string shared_scratch(MpiEnv& env, const std::string& tag) {
+  std::string dir;
+  if (env.rank() == 0) {
+    dir = (fs::temp_directory_path() /
+           ("parallax_ckpt_mpi_" + tag + "_" + std::to_string(std::random_device{}())))
+              .string();
+  }
+  return env.shared_string(dir);
+}
+
+}  // namespace
+
+TEST(CheckpointMpiTest, RoundTripReplicatedShardedAndPerRankBitwise) {
+  MpiEnv& env = MpiEnv::get();
+  const uint64_t seed = env.shared_seed();
+  const std::string root = shared_scratch(env, "rt");
+  const auto g = make_globals(seed);
+  {
+    CheckpointerOptions o;
+    o.config_hash = "abc";
+    Checkpointer ck(root + "/checkpoints", o);
+    ck.save(5, make_state(g, seed, env.rank(), env.size()));
+    ASSERT_TRUE(ck.last_save().has_value());
+    EXPECT_EQ(ck.last_save()->path, root + "/checkpoints/step_00000005");
+  }
+  // Committed on every rank when save() returns: every rank reads everything back.
+  CheckpointReader r(root + "/checkpoints");
+  const Metadata& m = r.metadata();
+  EXPECT_EQ(m.step, 5);
+  EXPECT_EQ(m.world, env.size());
+  EXPECT_EQ(m.layout.dp, env.size());
+  EXPECT_EQ(m.config_hash, "abc");
+  EXPECT_EQ(static_cast<int>(m.files.size()), env.size());
+  EXPECT_EQ(m.extra_int("seed"), static_cast<int64_t>(seed & 0x7fffffffffffffffULL));
+  EXPECT_EQ(static_cast<int>(r.info("optim/flat.exp_avg").shards.size()), env.size());
+  EXPECT_EQ(static_cast<int>(r.info("model/tp.weight").shards.size()), env.size());
+  EXPECT_EQ(r.info("model/fc.weight").shards.size(), 1u);
+  for (const auto& [n, t] : g) EXPECT_TRUE(bitwise_equal(r.read(n), t)) << n;
+  for (int q = 0; q < env.size(); ++q) {
+    EXPECT_TRUE(bitwise_equal(r.read(rank_local_name(q, "rng/cpu")), rank_tensor(seed, q)));
+  }
+  EXPECT_GT(r.verify_all(), 0);
+  env.barrier();
+  if (env.rank() == 0) fs::remove_all(root);
+}
+
+TEST(CheckpointMpiTest, AsyncSaveCommitsOnEveryRankWhileTrainingGoesOn) {
+  MpiEnv& env = MpiEnv::get();
+  const uint64_t seed = env.shared_seed();
+  const std::string root = shared_scratch(env, "async");
+  auto g = make_globals(seed);
+  g["model/big"] =
+      random_tensor(at::kFloat, {1 << 20}, at::make_generator<at::CPUGeneratorImpl>(seed + 7));
+  SaveState s = make_state(g, seed, env.rank(), env.size());
+  at::Tensor big = g["model/big"].clone();
+  s.add_replicated("model/big", big);
+  const at::Tensor big_at_save = big.clone();
+  {
+    CheckpointerOptions o;
+    o.async = true;
+    Checkpointer ck(root + "/checkpoints", o);
+    ck.save(1, s);
+    // Training steps (the same number on every rank: the loop runs while any rank is still saving)
+    // keep changing the state and running collectives on the training communicator.
+    for (;;) {
+      big.add_(1.0f);
+      env.comm->all_reduce(big, parallel::comm::ReduceOp::kAvg);
+      ck.poll();
+      at::Tensor busy = at::full({1}, ck.busy() ? 1.0f : 0.0f);
+      env.comm->all_reduce(busy, parallel::comm::ReduceOp::kMax);
+      if (busy.item<float>() == 0.0f) break;
+    }
+    ck.wait();
+    EXPECT_EQ(ck.last_save()->step, 1);
+  }
+  CheckpointReader r(root + "/checkpoints");
+  EXPECT_TRUE(bitwise_equal(r.read("model/big"), big_at_save));
+  EXPECT_TRUE(bitwise_equal(r.read("optim/flat.exp_avg"), g["optim/flat.exp_avg"]));
+  env.barrier();
+  if (env.rank() == 0) fs::remove_all(root);
+}
+
+TEST(CheckpointMpiTest, FailureOnOneRankFailsTheSaveEverywhere) {
+  MpiEnv& env = MpiEnv::get();
+  if (env.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  const uint64_t seed = env.shared_seed();
+  const std::string root = shared_scratch(env, "fail");
+  const auto g = make_globals(seed);
+  Checkpointer ck(root + "/checkpoints", CheckpointerOptions{});
+  ck.save(1, make_state(g, seed, env.rank(), env.size()));
+  // The last rank cannot write more than 1 MiB (as with a full disk on its node).
+  const bool failing = env.rank() == env.size() - 1;
+  SaveState s = make_state(g, seed, env.rank(), env.size());
+  s.add_rank_local("big", at::ones({1 << 20}));  // 4 MiB on every rank
+  rlimit old{};
+  getrlimit(RLIMIT_FSIZE, &old);
+  auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  if (failing) {
+    rlimit lim = old;
+    lim.rlim_cur = 1 << 20;
+    setrlimit(RLIMIT_FSIZE, &lim);
+  }
+  std::string message;
+  try {
+    ck.save(2, s);
+    ADD_FAILURE() << "the save succeeded";
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  if (failing) {
+    EXPECT_NE(message.find(rank_file_name(env.rank())), std::string::npos) << message;
+  } else {
+    EXPECT_NE(message.find("failed"), std::string::npos) << message;
+  }
+  env.barrier();
+  CheckpointReader r(root + "/checkpoints");
+  EXPECT_EQ(r.metadata().step, 1);
+  EXPECT_FALSE(fs::exists(root + "/checkpoints/step_00000002"));
+  for (const auto& e : fs::directory_iterator(root + "/checkpoints")) {
+    EXPECT_EQ(e.path().filename().string().rfind(".tmp-", 0), std::string::npos) << e.path();
+  }
+  env.barrier();  // every rank has looked before the next save creates its temporary directory
+  // The next save works.
+  ck.save(3, make_state(g, seed, env.rank(), env.size()));
+  EXPECT_EQ(CheckpointReader(root + "/checkpoints").metadata().step, 3);
+  env.barrier();
+  if (env.rank() == 0) fs::remove_all(root);
+}
