@@ -28,7 +28,7 @@ void Progress::update(int64_t done, const std::string& extra) {
   last_print_s_ = now;
   const double pct = total_ > 0 ? 100.0 * static_cast<double>(done) / static_cast<double>(total_) : 0.0;
   const double rate = done > start_done_ ? (done - start_done_) / std::max(1e-9, now - start_s_) : NAN;
-  log::info("{} {}/{} ({:.0f}%) | {} | elapsed {} | ETA {}", what_, done, total_, pct,
+  log::info("{} {}/{} ({:.0f}%) | {} | {} | elapsed {} | ETA {}", what_, done, total_, pct,
             std::isnan(rate) ? std::string("--/s") : fmt::format("{:.2f}/s", rate),
             extra.empty() ? std::string("-") : extra, human_duration(now), human_duration(eta_s(done)));
 }

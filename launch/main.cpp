@@ -15,6 +15,9 @@ namespace parallax::launch {
 const std::vector<Verb>& verbs() {
   static const std::vector<Verb> kVerbs = {
       {"train", "train a model from a config file (also under mpirun / srun / torchrun)", verb_train},
+      {"export", "export a run's checkpoint (weights.h5; ONNX later)", verb_export},
+      {"datagen", "generate a synthetic multi-camera dataset (HDF5 shards + dataset.json)", verb_datagen},
+      {"inspect", "describe and verify a dataset folder or an HDF5 data shard", verb_inspect},
   };
   return kVerbs;
 }

@@ -2,6 +2,7 @@
 #include "core/config.h"
 #include "launch/args.h"
 #include "launch/verbs.h"
+#include "parallel/comm/world.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
 
@@ -44,6 +45,11 @@ int verb_train(const std::vector<std::string>& argv) {
     std::fputs(train::resolved_yaml(cfg).c_str(), stdout);
     return 0;
   }
+  // The World (MPI or TCPStore rendezvous, device selection) lives for the whole run and is
+  // destroyed after every communicator the trainer created.
+  parallel::comm::WorldOptions wopts;
+  wopts.init_timeout_s = cfg.parallel.init_timeout_s;
+  parallel::comm::World world(wopts);
   train::run_training(cfg);
   return 0;
 }

@@ -6,10 +6,11 @@ set -euo pipefail
 
 PY=${PARALLAX_PYTHON:-python3}
 APT_PKGS=(cmake ninja-build g++ libopenmpi-dev openmpi-bin libhdf5-dev libfmt-dev libyaml-cpp-dev
-          libgtest-dev libonnx-dev libprotobuf-dev protobuf-compiler clang-format)
+          libgtest-dev libonnx-dev libprotobuf-dev protobuf-compiler clang-format libgloo-dev)
 # module name -> pip requirement
 declare -A PY_PKGS=([torch]="torch==2.13.0" [numpy]="numpy" [h5py]="h5py" [onnx]="onnx"
-                    [onnxruntime]="onnxruntime" [matplotlib]="matplotlib" [yaml]="pyyaml")
+                    [onnxruntime]="onnxruntime" [matplotlib]="matplotlib" [yaml]="pyyaml"
+                    [tensorboard]="tensorboard")
 
 say() { echo "[setup] $*"; }
 
@@ -41,7 +42,7 @@ for mod in "${!PY_PKGS[@]}"; do
 done
 if ((${#missing_py[@]})); then
   say "installing Python packages: ${missing_py[*]}"
-  "$PY" -m pip install -q --disable-pip-version-check "${missing_py[@]}" 2>&1 | grep -v "Running pip as the 'root'" || true
+  "$PY" -m pip install -q --disable-pip-version-check "${missing_py[@]}" 2>&1 | grep -v -e "Running pip as the 'root'" -e "WARNING: Location" || true
   for mod in "${!PY_PKGS[@]}"; do
     "$PY" -c "import $mod" >/dev/null 2>&1 || { say "error: Python module '$mod' still missing"; exit 1; }
   done

@@ -47,7 +47,7 @@ def plot(rows, kind, keys, title, out, logy=False):
     if logy:
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -67,12 +67,17 @@ def main():
     os.makedirs(out, exist_ok=True)
     train_keys = sorted({k for r in rows if r.get("kind") == "train" for k in r})
     loss_keys = [k for k in train_keys if k == "loss" or k.startswith("loss_")]
-    eval_keys = sorted({k for r in rows if r.get("kind") == "eval" for k in r} - {"kind", "step"})
+    eval_keys = sorted({k for r in rows if r.get("kind") == "eval" for k in r} - {"kind", "step", "eval_s"})
+    seg_keys = [k for k in eval_keys if k == "miou" or k.startswith("iou_")]
+    det_keys = [k for k in eval_keys if k.startswith("map") or k.startswith("ap_")]
+    other_keys = [k for k in eval_keys if k not in seg_keys and k not in det_keys]
     made = [
         plot(rows, "train", loss_keys, "training loss", os.path.join(out, "loss.png"), logy=True),
         plot(rows, "train", ["lr"], "learning rate", os.path.join(out, "lr.png")),
         plot(rows, "train", ["img_per_s"], "throughput (samples/s)", os.path.join(out, "throughput.png")),
-        plot(rows, "eval", eval_keys, "evaluation", os.path.join(out, "eval.png")),
+        plot(rows, "eval", seg_keys, "BEV segmentation IoU (val)", os.path.join(out, "eval_bev_iou.png")),
+        plot(rows, "eval", det_keys, "detection AP by centre distance (val)", os.path.join(out, "eval_detection.png")),
+        plot(rows, "eval", other_keys, "evaluation", os.path.join(out, "eval_loss.png")),
     ]
     for m in made:
         if m:

@@ -38,6 +38,7 @@ struct TrainConfig {
   bool strict_load = true;
   std::string device = "auto";
   bool benchmark = false;
+  int threads = 0;  // intra-op CPU threads per rank; 0: cores / ranks on the node
 
   template <class V>
   void visit(V& v) {
@@ -53,6 +54,8 @@ struct TrainConfig {
     v("strict_load", strict_load, "load_from: every tensor must match by name and shape");
     v("device", device, "compute device", core::Check::one_of({"auto", "cpu", "cuda"}));
     v("benchmark", benchmark, "benchmark mode: synthetic batches, no eval or checkpoints");
+    v("threads", threads, "intra-op CPU threads per rank (0: cores on the node / ranks on the node)",
+      core::Check::at_least(0));
   }
 };
 

@@ -1,24 +1,51 @@
 #include "train/trainer.h"
 
+#include "checkpoint/checkpointer.h"
+#include "checkpoint/format.h"
+#include "checkpoint/reader.h"
+#include "checkpoint/training_state.h"
+#include "checkpoint/weights.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/progress.h"
 #include "core/rng.h"
+#include "core/strings.h"
 #include "core/timer.h"
+#include "models/checkpointable.h"
 #include "models/model.h"
+#include "optim/grad_utils.h"
+#include "optim/optimizer.h"
+#include "optim/precision.h"
+#include "optim/schedule.h"
+#include "parallel/comm/factory.h"
+#include "parallel/comm/topology.h"
+#include "parallel/comm/world.h"
+#include "parallel/ddp/ddp.h"
+#include "train/batch_source.h"
+#include "train/evaluate.h"
 #include "train/metrics.h"
 
-#include <torch/optim/adamw.h>
-#include <torch/nn/utils/clip_grad.h>
+#include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
+
+#include <sys/resource.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 namespace fs = std::filesystem;
 
 namespace parallax::train {
 namespace {
+
+namespace comm = parallel::comm;
+namespace ck = checkpoint;
+
+constexpr double kPeakBf16Flops = 989e12;  // H100/H200 dense bf16, for MFU
 
 void write_text_file(const fs::path& path, const std::string& text) {
   const fs::path tmp = path.string() + ".tmp";
@@ -33,59 +60,430 @@ void write_text_file(const fs::path& path, const std::string& text) {
   if (ec) throw_error<IoError>("cannot rename '{}' to '{}': {}", tmp.string(), path.string(), ec.message());
 }
 
+// "NaN", "inf" or "-inf" (the platform prints "-nan" for some NaNs).
+std::string nonfinite_name(double v) { return std::isnan(v) ? "NaN" : (v > 0 ? "inf" : "-inf"); }
+
+c10::Device pick_device(const TrainConfig& cfg, const comm::World& world) {
+  const auto gpu = world.device();
+  if (cfg.device == "cpu") return c10::Device(c10::kCPU);
+  if (cfg.device == "cuda") {
+    PARALLAX_CHECK(gpu.has_value(), ConfigError,
+                   "key 'train.device' is 'cuda' but rank {} sees no CUDA device (LibTorch CUDA: {})",
+                   world.rank(), at::hasCUDA() ? "yes" : "no");
+    return *gpu;
+  }
+  return gpu.has_value() ? *gpu : c10::Device(c10::kCPU);
+}
+
+// Peak memory of this rank in GiB: the device allocator's peak on GPUs, peak RSS on the CPU.
+double peak_memory_gb(const c10::Device& device) {
+  if (device.is_cuda()) {
+    const auto stats = at::accelerator::getDeviceStats(device.index());
+    return static_cast<double>(stats.allocated_bytes[0].peak) / (1024.0 * 1024.0 * 1024.0);
+  }
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) / (1024.0 * 1024.0);  // ru_maxrss is KiB on Linux
+}
+
+void run_plot_tool(const fs::path& run_dir) {
+  const char* src = std::getenv("PARALLAX_SOURCE_DIR");
+  const fs::path tool = fs::path(src ? src : PARALLAX_SOURCE_DIR) / "tools" / "plot_metrics.py";
+  std::error_code ec;
+  if (!fs::exists(tool, ec)) {
+    core::log::warn("plots skipped: '{}' not found", tool.string());
+    return;
+  }
+  const char* py = std::getenv("PARALLAX_PYTHON");
+  const std::string cmd = fmt::format("'{}' '{}' '{}' 2>&1", py && *py ? py : PARALLAX_PYTHON_EXE, tool.string(),
+                                      run_dir.string());
+  std::string output;
+  int rc = -1;
+  if (std::FILE* pipe = popen(cmd.c_str(), "r")) {
+    char buf[512];
+    while (std::fgets(buf, sizeof(buf), pipe)) output += buf;
+    rc = pclose(pipe);
+  }
+  if (rc != 0) {
+    const std::string last = core::trim(output.substr(output.rfind('\n', output.size() >= 2 ? output.size() - 2 : 0) + 1));
+    core::log::warn("plots skipped: '{}' failed: {}", cmd, last.empty() ? "no output" : last);
+  } else {
+    core::log::info("plots: {}", (run_dir / "plots").string());
+  }
+}
+
+class Trainer {
+ public:
+  explicit Trainer(RunConfig& cfg) : cfg_(cfg), world_(comm::World::current()) {}
+
+  TrainSummary fit();
+
+ private:
+  void setup();
+  // Evaluates on the validation split (dataset runs of BEV models) and logs "eval" metrics.
+  void run_eval(int64_t step);
+  // Saves model, optimizer, RNG, loss scaler and data position as checkpoint `step`.
+  void save_checkpoint(int64_t step);
+  // One optimizer step of grad_accum micro-steps; returns the loss terms of this rank (device
+  // tensors, averaged over micro-steps).
+  std::map<std::string, at::Tensor> train_step(int64_t step, double lr);
+
+  RunConfig& cfg_;
+  comm::World& world_;
+  c10::Device device_{c10::kCPU};
+  comm::CommPtr world_comm_;
+  std::unique_ptr<comm::Topology> topo_;
+  fs::path run_dir_;
+  std::shared_ptr<models::Model> model_;
+  std::unique_ptr<parallel::ddp::DistributedDataParallel> ddp_;
+  std::unique_ptr<optim::Optimizer> optimizer_;
+  optim::PrecisionPolicy precision_;
+  std::unique_ptr<optim::LossScaler> scaler_;
+  std::unique_ptr<BatchSource> source_;
+  std::unique_ptr<ck::Checkpointer> checkpointer_;
+  std::unique_ptr<ck::CheckpointReader> resume_;  // open only during setup
+  int64_t start_step_ = 0;
+  bool synthetic_ = true;
+  core::SceneSpec scene_;
+  std::unique_ptr<MetricsWriter> metrics_;
+  bool rank0_ = true;
+  // Per-interval accumulators (reset at each log step).
+  double data_ms_ = 0, comm_ms_ = 0;
+  at::Tensor grad_norm_;
+  bool found_inf_ = false;
+};
+
+void Trainer::setup() {
+  device_ = pick_device(cfg_.train, world_);
+  // Ranks sharing a node share its cores: without this, every rank would start one intra-op
+  // thread per core and they would all fight over them.
+  const int local_ranks = std::max(1, world_.launch().local_world_size);
+  const int threads = cfg_.train.threads > 0
+                          ? cfg_.train.threads
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_ranks);
+  at::set_num_threads(threads);
+  const auto& p = cfg_.parallel;
+  const comm::CommOptions opts = comm::make_comm_options(p.timeout_s, p.init_timeout_s, p.checkpoint_timeout_s,
+                                                         p.debug_collectives, p.flight_recorder_size, p.allreduce);
+  std::string backend = p.backend;
+  if (backend == "auto" && device_.is_cpu()) backend = world_.has_mpi() ? "mpi" : "gloo";
+  world_comm_ = comm::make_world_communicator(world_, backend, opts);
+  PARALLAX_CHECK(device_.is_cpu() == (world_comm_->device_type() == c10::kCPU), ConfigError,
+                 "key 'parallel.backend': backend '{}' works on {} tensors but the model runs on {}",
+                 world_comm_->backend(), c10::DeviceTypeName(world_comm_->device_type()), device_.str());
+  const int gpus = p.gpus_per_node > 0 ? p.gpus_per_node : (device_.is_cuda() ? world_.cuda_device_count() : 0);
+  const comm::Layout layout = comm::resolve_layout(world_.size(), p.dp, p.tp, p.pp, gpus);
+  if (layout.tp > 1 || layout.pp > 1) {
+    throw_error<LayoutError>("layout {}: tensor and pipeline parallelism are not available in this version; "
+                             "use parallel.tp=1 parallel.pp=1 (data parallel over all {} ranks)",
+                             layout.to_string(), world_.size());
+  }
+  topo_ = std::make_unique<comm::Topology>(world_comm_, layout);
+  rank0_ = world_.rank() == 0;
+
+  run_dir_ = fs::path(cfg_.experiment.output_dir) / cfg_.experiment.name;
+  if (rank0_) {
+    std::error_code ec;
+    fs::create_directories(run_dir_, ec);
+    if (ec) throw_error<IoError>("cannot create run directory '{}': {}", run_dir_.string(), ec.message());
+    write_text_file(run_dir_ / "config.yaml", resolved_yaml(cfg_));
+    metrics_ = std::make_unique<MetricsWriter>((run_dir_ / "metrics.jsonl").string());
+  } else {
+    metrics_ = std::make_unique<MetricsWriter>();
+  }
+  core::log::info("run directory: {} | {} rank(s), layout {}, backend {}, device {}, {} CPU thread(s) per rank",
+                  run_dir_.string(), world_.size(), layout.to_string(), world_comm_->backend(), device_.str(),
+                  threads);
+
+  // Resume: the checkpoint's metadata says where training and the data stream continue.
+  const fs::path ckpt_dir = run_dir_ / "checkpoints";
+  if (auto path = ck::resume_checkpoint(cfg_.train.resume, ckpt_dir.string())) {
+    resume_ = std::make_unique<ck::CheckpointReader>(*path);
+    start_step_ = resume_->metadata().step;
+    core::log::info("resuming from {} (step {}, saved with layout {})", *path, start_step_,
+                    resume_->metadata().layout.to_string());
+  } else if (cfg_.train.resume == "auto") {
+    core::log::info("train.resume=auto: no checkpoint in {}, starting fresh", ckpt_dir.string());
+  }
+  std::pair<int64_t, int64_t> data_pos{0, 0};
+  // The data position is per data-parallel layout; after a change of dp the stream restarts at
+  // the saved epoch.
+  if (resume_ && resume_->metadata().has_extra("data.epoch")) {
+    data_pos.first = resume_->metadata().extra_int("data.epoch");
+    if (resume_->metadata().layout.dp == layout.dp) data_pos.second = resume_->metadata().extra_int("data.position");
+  }
+
+  // Data first: a dataset's dataset.json describes the scenes the model is built for.
+  const uint64_t seed = static_cast<uint64_t>(cfg_.experiment.seed);
+  synthetic_ = cfg_.data.synthetic || cfg_.train.benchmark || cfg_.model.name != "bev";
+  if (!synthetic_) {
+    source_ = make_dataset_source(cfg_.data, seed, topo_->coord().dp, layout.dp, data_pos);
+    scene_ = *source_->scene();
+  }
+  // Identical initialisation on every rank (DDP also broadcasts from rank 0).
+  core::seed_all(seed);
+  model_ = models::build_model(cfg_.model, scene_);
+  model_->to(device_);
+  model_->train();
+  if (resume_) {
+    ck::load_weights(*resume_, *model_);
+  } else if (!cfg_.train.load_from.empty()) {
+    ck::WeightsOptions w;
+    w.strict = cfg_.train.strict_load;
+    const auto report = ck::load_weights(*model_, cfg_.train.load_from, w);
+    core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
+  }
+  core::log::info("model {}/{}: {:.3f} M parameters, {:.3f} GFLOP forward per sample", cfg_.model.name,
+                  cfg_.model.size, model_->parameter_count() / 1e6, model_->forward_flops_per_sample() / 1e9);
+
+  if (cfg_.train.activation_checkpointing != "none") {
+    int idx = 0, wrapped = 0;
+    for (auto& block : model_->checkpointable_blocks()) {
+      auto cb = std::dynamic_pointer_cast<models::CheckpointableBlock>(block);
+      const bool on = cfg_.train.activation_checkpointing == "full" || idx % 2 == 0;  // selective: every other
+      if (cb && on) {
+        cb->set_checkpointing(true);
+        ++wrapped;
+      }
+      ++idx;
+    }
+    core::log::info("activation checkpointing ({}): {} of {} blocks", cfg_.train.activation_checkpointing,
+                    wrapped, idx);
+  }
+
+  if (layout.dp > 1) {
+    parallel::ddp::DdpOptions o;
+    o.bucket_mb = p.ddp.bucket_mb;
+    o.first_bucket_mb = p.ddp.first_bucket_mb;
+    o.find_unused = p.ddp.find_unused;
+    o.broadcast_buffers = p.ddp.broadcast_buffers;
+    o.algo = comm::parse_allreduce_algo(p.allreduce);
+    ddp_ = std::make_unique<parallel::ddp::DistributedDataParallel>(model_, topo_->dp(), o);
+  }
+
+  optim::NamedParams named;
+  for (const auto& item : model_->named_parameters()) named.emplace_back(item.key(), item.value());
+  optimizer_ = optim::build_optimizer(cfg_.optim, optim::make_param_groups(named, cfg_.optim.weight_decay));
+  precision_ = optim::make_precision_policy(cfg_.precision, device_.type());
+  scaler_ = std::make_unique<optim::LossScaler>(optim::make_loss_scaler(cfg_.precision));
+
+  if (synthetic_) {
+    // Each data-parallel rank draws its own batches.
+    source_ = make_synthetic_source(*model_, cfg_.data.batch_size, 8,
+                                    core::derive_seed(seed, static_cast<uint64_t>(topo_->coord().dp), 1),
+                                    device_, data_pos.second);
+  }
+  core::log::info("data: {}", source_->describe());
+
+  if (resume_) {
+    ck::load_optimizer(*resume_, *optimizer_);
+    ck::load_loss_scaler(resume_->metadata(), *scaler_);
+    // Last: everything above may have drawn random numbers.
+    if (!ck::load_rng(*resume_, world_.rank())) {
+      core::log::warn("checkpoint has no RNG state for rank {} (saved with {} ranks): RNG reseeded",
+                      world_.rank(), resume_->metadata().world);
+    }
+    resume_.reset();
+  }
+  if (!cfg_.train.benchmark) {
+    ck::CheckpointerOptions o;
+    o.keep_last = cfg_.checkpoint.keep_last;
+    o.async = cfg_.checkpoint.async;
+    o.timeout_s = cfg_.parallel.checkpoint_timeout_s;
+    o.config_hash = core::stable_hash(resolved_yaml(cfg_));
+    o.layout = layout;
+    checkpointer_ = std::make_unique<ck::Checkpointer>(ckpt_dir.string(), o);
+  }
+}
+
+std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr) {
+  const int accum = cfg_.train.grad_accum;
+  std::map<std::string, at::Tensor> terms;
+  for (int micro = 0; micro < accum; ++micro) {
+    core::Stopwatch data_clock;
+    core::TensorDict batch = core::to_device(source_->next(), device_);
+    data_ms_ += data_clock.elapsed_ms();
+    const bool last = micro == accum - 1;
+    if (ddp_) {
+      ddp_->set_require_sync(last);
+      ddp_->before_forward();
+    }
+    models::LossOutput loss;
+    {
+      optim::AutocastGuard autocast(precision_);
+      const auto pred = model_->forward(batch);
+      loss = model_->loss(batch, pred);
+    }
+    at::Tensor scaled = scaler_->scale_loss(loss.total / static_cast<double>(accum));
+    if (ddp_) ddp_->before_backward();
+    scaled.backward();
+    if (ddp_) ddp_->finalize_backward();
+    terms["loss"] = terms.count("loss") ? terms["loss"] + loss.total.detach() / accum : loss.total.detach() / accum;
+    for (const auto& [k, v] : loss.terms) {
+      const std::string key = "loss_" + k;
+      terms[key] = terms.count(key) ? terms[key] + v.detach().to(at::kFloat) / accum : v.detach().to(at::kFloat) / accum;
+    }
+  }
+  if (ddp_) comm_ms_ += ddp_->last_exposed_comm_ms();
+
+  std::vector<at::Tensor> grads;
+  for (const auto& p : model_->parameters()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  // Gradients are replicated across DP ranks after DDP's all-reduce: no shard groups to reduce over.
+  found_inf_ = scaler_->unscale_and_check(grads);
+  grad_norm_ = optim::clip_grad_norm(grads, found_inf_ ? 0.0 : cfg_.optim.grad_clip);
+  if (!found_inf_) optimizer_->step(lr);
+  scaler_->update(found_inf_);
+  optimizer_->zero_grad(/*set_to_none=*/false);
+  return terms;
+}
+
+void Trainer::save_checkpoint(int64_t step) {
+  if (!checkpointer_) return;
+  ck::SaveState state;
+  const std::vector<int> replicas = topo_->dp()->world_ranks();
+  ck::add_module(state, *model_, replicas);
+  ck::add_optimizer(state, *optimizer_, replicas);
+  ck::add_rng(state);
+  ck::add_loss_scaler(state, *scaler_);
+  const auto pos = source_->position();
+  state.set_extra("data.epoch", pos.first);
+  state.set_extra("data.position", pos.second);
+  checkpointer_->save(step, state);
+  if (const auto st = checkpointer_->last_save(); st && st->step == step) {
+    core::log::info("checkpoint step {} committed: {} ({:.2f} s)", step, st->path, st->total_s);
+  } else {
+    core::log::info("checkpoint step {}: writing in the background", step);
+  }
+}
+
+void Trainer::run_eval(int64_t step) {
+  if (synthetic_ || cfg_.model.name != "bev") return;
+  auto m = evaluate(*model_, cfg_.data, scene_, static_cast<uint64_t>(cfg_.experiment.seed), *topo_->dp(), device_,
+                    precision_);
+  metrics_->write("eval", step, m);
+}
+
+TrainSummary Trainer::fit() {
+  setup();
+  int64_t total = cfg_.train.steps;
+  if (cfg_.train.epochs > 0) {
+    PARALLAX_CHECK(source_->batches_per_epoch() > 0, ConfigError,
+                   "key 'train.epochs' needs a dataset (synthetic batches have no epochs); use train.steps");
+    total = cfg_.train.epochs * source_->batches_per_epoch() / cfg_.train.grad_accum;
+  }
+  const int64_t global_batch = static_cast<int64_t>(cfg_.data.batch_size) * cfg_.train.grad_accum * topo_->layout().dp;
+  const double flops_per_step = 3.0 * model_->forward_flops_per_sample() * static_cast<double>(global_batch);
+  core::log::info("training {} steps: global batch {} ({} per rank x {} micro-steps x dp {}), precision {}",
+                  total, global_batch, cfg_.data.batch_size, cfg_.train.grad_accum, topo_->layout().dp,
+                  cfg_.precision.mode);
+
+  core::Progress progress("step", total, 5.0);
+  if (start_step_ > 0) progress.update(start_step_);
+  core::Stopwatch run_clock, interval_clock;
+  int64_t interval_steps = 0;
+  double first_step_s = 0;
+  TrainSummary summary{run_dir_.string(), 0, 0, 0};
+  const comm::CommPtr& dp = topo_->dp();
+  const c10::Device reduce_device = dp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
+
+  if (start_step_ >= total) {
+    core::log::info("checkpoint step {} >= train.steps {}: nothing to train", start_step_, total);
+  }
+  for (int64_t step = start_step_ + 1; step <= total; ++step) {
+    const double lr = optim::lr_at(cfg_.schedule, cfg_.optim.lr, step, total);
+    auto terms = train_step(step, lr);
+    ++interval_steps;
+    if (checkpointer_) checkpointer_->poll();  // surfaces a failed background save
+    if (step == start_step_ + 1) first_step_s = run_clock.elapsed_s();
+    if (cfg_.checkpoint.every > 0 && step % cfg_.checkpoint.every == 0 && step != total) save_checkpoint(step);
+    const bool log_now = step % cfg_.train.log_every == 0 || step == total;
+    // On the CPU a finite-loss check is free; on GPUs it would sync every step, so it happens at
+    // log steps (the error then names the interval).
+    if (!log_now && device_.is_cpu()) {
+      const double v = terms["loss"].item<double>();
+      if (!std::isfinite(v)) {
+        throw_error<NumericsError>("loss is {} at step {} on rank {} (metrics so far are in {}); lower optim.lr "
+                                   "or check the data",
+                                   nonfinite_name(v), step, world_.rank(), (run_dir_ / "metrics.jsonl").string());
+      }
+    }
+    if (!log_now) {
+      if (cfg_.train.eval_every > 0 && step % cfg_.train.eval_every == 0) {
+        run_eval(step);
+        interval_clock.reset();  // evaluation time is not training time
+        interval_steps = 0;
+        data_ms_ = comm_ms_ = 0;
+      }
+      continue;
+    }
+
+    // Mean of every loss term over the data-parallel group (one small collective at log steps).
+    std::vector<std::string> keys;
+    std::vector<at::Tensor> vals;
+    for (const auto& [k, v] : terms) {
+      keys.push_back(k);
+      vals.push_back(v.to(at::kFloat).reshape({1}));
+    }
+    at::Tensor packed = at::cat(vals).to(reduce_device);
+    if (dp->size() > 1) dp->all_reduce(packed, comm::ReduceOp::kAvg);
+    packed = packed.cpu();
+    const double loss = packed[0].item<double>();  // "loss" sorts first
+    if (!std::isfinite(loss)) {
+      throw_error<NumericsError>("loss is {} at step {} (data-parallel mean; last finite log is in {}); lower "
+                                 "optim.lr or use precision.mode=bf16",
+                                 nonfinite_name(loss), step, (run_dir_ / "metrics.jsonl").string());
+    }
+    const double interval_s = interval_clock.elapsed_s();
+    const double step_ms = 1000.0 * interval_s / interval_steps;
+    std::map<std::string, double> m;
+    for (std::size_t i = 0; i < keys.size(); ++i) m[keys[i]] = packed[static_cast<int64_t>(i)].item<double>();
+    m["lr"] = lr;
+    m["grad_norm"] = grad_norm_.defined() ? grad_norm_.item<double>() : NAN;
+    m["loss_scale"] = scaler_->scale();
+    m["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
+    m["step_ms"] = step_ms;
+    m["data_ms"] = data_ms_ / interval_steps;
+    m["comm_exposed_ms"] = comm_ms_ / interval_steps;
+    m["img_per_s"] = global_batch * 1000.0 / step_ms;
+    m["mem_gb"] = peak_memory_gb(device_);
+    m["mfu"] = device_.is_cuda() ? flops_per_step / (step_ms / 1000.0) / (kPeakBf16Flops * world_.size()) : NAN;
+    metrics_->write("train", step, m);
+    progress.update(step, fmt::format("loss {:.4f} | lr {:.2e} | {:.0f} ms/step | {:.1f} samples/s", loss, lr,
+                                      step_ms, m["img_per_s"]));
+    summary.steps = step;
+    summary.final_loss = loss;
+    data_ms_ = comm_ms_ = 0;
+    interval_steps = 0;
+    if (cfg_.train.eval_every > 0 && step % cfg_.train.eval_every == 0 && step != total) run_eval(step);
+    interval_clock.reset();
+  }
+  if (total > start_step_) {
+    save_checkpoint(total);
+    run_eval(total);
+  }
+  if (checkpointer_) checkpointer_->wait();
+  const double run_s = run_clock.elapsed_s();
+  const int64_t ran = total - start_step_;
+  if (ran > 1) summary.samples_per_s = (ran - 1) * global_batch / std::max(1e-9, run_s - first_step_s);
+  progress.finish(fmt::format("final loss {:.4f}, {:.1f} samples/s", summary.final_loss, summary.samples_per_s));
+  // The last record: tells followers (tools/tb_sidecar.py) the run is complete.
+  metrics_->write("summary", summary.steps,
+                  {{"loss", summary.final_loss}, {"samples_per_s", summary.samples_per_s}, {"wall_s", run_s}});
+  world_comm_->barrier();
+  if (rank0_) {
+    core::log::info("metrics: {}", (run_dir_ / "metrics.jsonl").string());
+    run_plot_tool(run_dir_);
+  }
+  return summary;
+}
+
 }  // namespace
 
 TrainSummary run_training(RunConfig& cfg) {
-  const fs::path run_dir = fs::path(cfg.experiment.output_dir) / cfg.experiment.name;
-  std::error_code ec;
-  fs::create_directories(run_dir, ec);
-  if (ec) throw_error<IoError>("cannot create run directory '{}': {}", run_dir.string(), ec.message());
-  write_text_file(run_dir / "config.yaml", resolved_yaml(cfg));
-  core::log::info("run directory: {}", run_dir.string());
-
-  core::seed_all(static_cast<uint64_t>(cfg.experiment.seed));
-  auto model = models::build_model(cfg.model, core::SceneSpec{});
-  core::log::info("model {}/{}: {:.3f} M parameters", cfg.model.name, cfg.model.size,
-                  model->parameter_count() / 1e6);
-
-  torch::optim::AdamW opt(model->parameters(),
-                          torch::optim::AdamWOptions(cfg.optim.lr)
-                              .betas({cfg.optim.betas[0], cfg.optim.betas[1]})
-                              .eps(cfg.optim.eps)
-                              .weight_decay(cfg.optim.weight_decay));
-  MetricsWriter metrics((run_dir / "metrics.jsonl").string());
-  core::Progress progress("train step", cfg.train.steps, 2.0);
-  TrainSummary summary{run_dir.string(), 0, 0};
-  for (int64_t step = 1; step <= cfg.train.steps; ++step) {
-    core::Stopwatch sw;
-    const auto batch = model->example_batch(cfg.data.batch_size);
-    opt.zero_grad();
-    const auto pred = model->forward(batch);
-    auto loss = model->loss(batch, pred);
-    const double loss_v = loss.total.item<double>();
-    if (!std::isfinite(loss_v)) throw_error<NumericsError>("loss is {} at step {}", loss_v, step);
-    loss.total.backward();
-    double grad_norm = NAN;
-    if (cfg.optim.grad_clip > 0) {
-      grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), cfg.optim.grad_clip);
-    }
-    opt.step();
-    const double step_ms = sw.elapsed_ms();
-    summary.steps = step;
-    summary.final_loss = loss_v;
-    if (step % cfg.train.log_every == 0 || step == cfg.train.steps) {
-      metrics.write("train", step,
-                    {{"loss", loss_v},
-                     {"lr", cfg.optim.lr},
-                     {"grad_norm", grad_norm},
-                     {"step_ms", step_ms},
-                     {"img_per_s", cfg.data.batch_size * 1000.0 / step_ms}});
-    }
-    progress.update(step, fmt::format("loss {:.4f}", loss_v));
-  }
-  progress.finish(fmt::format("final loss {:.4f}", summary.final_loss));
-  core::log::info("metrics: {}", (run_dir / "metrics.jsonl").string());
-  return summary;
+  Trainer trainer(cfg);
+  return trainer.fit();
 }
 
 }  // namespace parallax::train

@@ -90,7 +90,10 @@ TEST_F(LogTest, ProgressPrintsRateAndEta) {
   p.finish();
   ASSERT_GE(lines_.size(), 4u);
   EXPECT_NE(lines_[1].find("work 2/4 (50%)"), std::string::npos) << lines_[1];
-  EXPECT_NE(lines_[1].find("ETA"), std::string::npos);
+  // Every field in its place: rate, the caller's text, elapsed time, then the ETA.
+  EXPECT_NE(lines_[1].find("/s | loss 1.0 | elapsed "), std::string::npos) << lines_[1];
+  EXPECT_NE(lines_[1].find(" | ETA "), std::string::npos) << lines_[1];
+  EXPECT_EQ(lines_[1].find("ETA --"), std::string::npos) << "no ETA after two items: " << lines_[1];
   EXPECT_NE(lines_.back().find("work done: 4"), std::string::npos) << lines_.back();
 }
 

@@ -103,7 +103,8 @@ class CliTest(unittest.TestCase):
             with open(os.path.join(run_dir, "metrics.jsonl")) as f:
                 rows = [json.loads(l) for l in f if l.strip()]
             self.assertEqual([r["step"] for r in rows if r["kind"] == "train"], [2, 4, 6])
-            for r in rows:
+            self.assertEqual(rows[-1]["kind"], "summary")
+            for r in rows[:-1]:
                 for k in ("loss", "lr", "step_ms", "img_per_s"):
                     self.assertIn(k, r)
 
