@@ -19,41 +19,6 @@ namespace {
 // ---- JSON writing
 // --------------------------------------------------------------------------------
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\b':
-        out += "\\b";
-        break;
-      case '\f':
-        out += "\\f";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(c)));
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
 
 std::string json_ints(const std::vector<int64_t>& v) {
   return fmt::format("[{}]", fmt::join(v, ", "));
@@ -69,7 +34,7 @@ std::string json_double(double v) {
 std::string json_extra(const ExtraValue& v) {
   if (const auto* i = std::get_if<int64_t>(&v)) return std::to_string(*i);
   if (const auto* d = std::get_if<double>(&v)) return json_double(*d);
-  return json_string(std::get<std::string>(v));
+  return core::json_quote(std::get<std::string>(v));
 }
 
 // ---- JSON reading (through yaml-cpp: JSON is YAML's flow style) ---------------------------------
@@ -187,34 +152,34 @@ at::ScalarType dtype_from_name(const std::string& name, const std::string& where
 
 std::string Metadata::to_json() const {
   std::string o = "{\n";
-  o += fmt::format("  \"format\": {},\n", json_string(kFormatName));
+  o += fmt::format("  \"format\": {},\n", core::json_quote(kFormatName));
   o += fmt::format("  \"format_version\": {},\n", format_version);
   o += fmt::format("  \"step\": {},\n", step);
-  o += fmt::format("  \"created\": {},\n", json_string(created));
-  o += fmt::format("  \"config_hash\": {},\n", json_string(config_hash));
+  o += fmt::format("  \"created\": {},\n", core::json_quote(created));
+  o += fmt::format("  \"config_hash\": {},\n", core::json_quote(config_hash));
   o += fmt::format("  \"layout\": {{\"world\": {}, \"dp\": {}, \"tp\": {}, \"pp\": {}}},\n", world,
                    layout.dp, layout.tp, layout.pp);
   o += "  \"files\": [";
   for (size_t i = 0; i < files.size(); ++i) {
     o += fmt::format("{}\n    {{\"name\": {}, \"rank\": {}, \"bytes\": {}}}", i ? "," : "",
-                     json_string(files[i].name), files[i].rank, files[i].bytes);
+                     core::json_quote(files[i].name), files[i].rank, files[i].bytes);
   }
   o += files.empty() ? "],\n" : "\n  ],\n";
   o += "  \"extra\": {";
   size_t i = 0;
   for (const auto& [k, v] : extra)
-    o += fmt::format("{}\n    {}: {}", i++ ? "," : "", json_string(k), json_extra(v));
+    o += fmt::format("{}\n    {}: {}", i++ ? "," : "", core::json_quote(k), json_extra(v));
   o += extra.empty() ? "},\n" : "\n  },\n";
   o += "  \"tensors\": {";
   i = 0;
   for (const auto& [name, t] : tensors) {
     o += fmt::format("{}\n    {}: {{\"dtype\": {}, \"shape\": {}, \"shards\": [", i++ ? "," : "",
-                     json_string(name), json_string(dtype_name(t.dtype)), json_ints(t.shape));
+                     core::json_quote(name), core::json_quote(dtype_name(t.dtype)), json_ints(t.shape));
     for (size_t s = 0; s < t.shards.size(); ++s) {
       const ShardInfo& sh = t.shards[s];
       o +=
           fmt::format("{}\n      {{\"file\": {}, \"offsets\": {}, \"lengths\": {}, \"crc32\": {}}}",
-                      s ? "," : "", json_string(sh.file), json_ints(sh.offsets),
+                      s ? "," : "", core::json_quote(sh.file), json_ints(sh.offsets),
                       json_ints(sh.lengths), sh.crc32);
     }
     o += t.shards.empty() ? "]}" : "\n    ]}";

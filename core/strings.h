@@ -23,6 +23,10 @@ std::string join(const std::vector<std::string>& parts, std::string_view sep);
 std::string trim(std::string_view s);
 bool starts_with(std::string_view s, std::string_view prefix);
 
+// `s` as a JSON string literal: quoted, with quotes, backslashes and control characters escaped.
+// For the small JSON documents Parallax writes (metrics, metadata, flight records).
+std::string json_quote(std::string_view s);
+
 // 1536 -> "1.5 KiB"; for bandwidth and memory reports.
 std::string human_bytes(double bytes);
 // 3725.0 -> "1h02m05s"; for ETAs.

@@ -1,5 +1,7 @@
 #include "data/schema.h"
 
+#include "core/strings.h"
+
 #include "core/error.h"
 
 #include <fmt/format.h>
@@ -15,39 +17,10 @@ namespace fs = std::filesystem;
 namespace parallax::data {
 namespace {
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<int>(c));
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
 
 std::string json_string_list(const std::vector<std::string>& v) {
   std::string out = "[";
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + json_string(v[i]);
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + core::json_quote(v[i]);
   return out + "]";
 }
 
@@ -199,7 +172,7 @@ DatasetInfo read_dataset_info(const std::string& dir) {
 std::string dataset_json(const DatasetInfo& info) {
   std::string out = "{\n";
   out += fmt::format("  \"schema_version\": {},\n", info.schema_version);
-  out += fmt::format("  \"generator\": {},\n", json_string(info.generator));
+  out += fmt::format("  \"generator\": {},\n", core::json_quote(info.generator));
   out += fmt::format("  \"cameras\": {}, \"image_height\": {}, \"image_width\": {},\n",
                      info.cameras, info.image_height, info.image_width);
   out += fmt::format(
@@ -212,7 +185,7 @@ std::string dataset_json(const DatasetInfo& info) {
   size_t i = 0;
   for (const auto& [name, s] : info.splits) {
     out += fmt::format("{}\n    {}: {{\"shards\": {}, \"scenes\": {}}}", i++ ? "," : "",
-                       json_string(name), json_string_list(s.shards), s.scenes);
+                       core::json_quote(name), json_string_list(s.shards), s.scenes);
   }
   out += "\n  }\n}\n";
   return out;

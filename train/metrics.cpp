@@ -1,6 +1,7 @@
 #include "train/metrics.h"
 
 #include "core/error.h"
+#include "core/strings.h"
 
 #include <fmt/format.h>
 
@@ -21,10 +22,10 @@ MetricsWriter::~MetricsWriter() {
 
 void MetricsWriter::write(const std::string& kind, int64_t step, const std::map<std::string, double>& values) {
   if (!file_) return;
-  std::string line = fmt::format("{{\"kind\": \"{}\", \"step\": {}", kind, step);
+  std::string line = fmt::format("{{\"kind\": {}, \"step\": {}", core::json_quote(kind), step);
   for (const auto& [k, v] : values) {
-    if (std::isfinite(v)) line += fmt::format(", \"{}\": {}", k, v);
-    else line += fmt::format(", \"{}\": null", k);
+    if (std::isfinite(v)) line += fmt::format(", {}: {}", core::json_quote(k), v);
+    else line += fmt::format(", {}: null", core::json_quote(k));
   }
   line += "}\n";
   if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0) {

@@ -521,6 +521,52 @@ void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::D
                  t.device().str());
 }
 
+void check_reduce_scatter_shapes(const CommBase& c, const at::Tensor& input, const at::Tensor& output) {
+  const int n = c.size();
+  const int64_t m = input.numel();
+  PARALLAX_CHECK(output.scalar_type() == input.scalar_type(), CommError,
+                 "reduce_scatter on group '{}' (rank {}): input is {} but output is {}", c.name(), c.rank(),
+                 c10::toString(input.scalar_type()), c10::toString(output.scalar_type()));
+  PARALLAX_CHECK(output.numel() == chunk_numel(m, n, c.rank()), CommError,
+                 "reduce_scatter on group '{}' (rank {}): output has {} elements but chunk {} of {} elements "
+                 "over {} ranks has {}",
+                 c.name(), c.rank(), output.numel(), c.rank(), m, n, chunk_numel(m, n, c.rank()));
+}
+
+void check_all_gather_shapes(const CommBase& c, const at::Tensor& input, const at::Tensor& output) {
+  const int n = c.size();
+  const int64_t total = output.numel();
+  PARALLAX_CHECK(output.scalar_type() == input.scalar_type(), CommError,
+                 "all_gather on group '{}' (rank {}): input is {} but output is {}", c.name(), c.rank(),
+                 c10::toString(input.scalar_type()), c10::toString(output.scalar_type()));
+  PARALLAX_CHECK(input.numel() == chunk_numel(total, n, c.rank()), CommError,
+                 "all_gather on group '{}' (rank {}): input has {} elements but chunk {} of the {}-element "
+                 "output over {} ranks has {}",
+                 c.name(), c.rank(), input.numel(), c.rank(), total, n, chunk_numel(total, n, c.rank()));
+}
+
+int64_t check_all_gather_list_shapes(const CommBase& c, const at::Tensor& input,
+                                     const std::vector<at::Tensor>& outputs) {
+  const int n = c.size();
+  PARALLAX_CHECK(static_cast<int>(outputs.size()) == n, CommError,
+                 "all_gather on group '{}' (rank {}): {} output tensors for {} ranks", c.name(), c.rank(),
+                 outputs.size(), n);
+  int64_t total = 0;
+  for (int r = 0; r < n; ++r) {
+    const auto& o = outputs[static_cast<size_t>(r)];
+    PARALLAX_CHECK(o.defined() && o.scalar_type() == input.scalar_type(), CommError,
+                   "all_gather on group '{}' (rank {}): output {} is {} but the input is {}", c.name(), c.rank(),
+                   r, o.defined() ? c10::toString(o.scalar_type()) : "undefined",
+                   c10::toString(input.scalar_type()));
+    total += o.numel();
+  }
+  const auto& mine = outputs[static_cast<size_t>(c.rank())];
+  PARALLAX_CHECK(mine.numel() == input.numel(), CommError,
+                 "all_gather on group '{}' (rank {}): output {} has {} elements but the input has {}", c.name(),
+                 c.rank(), c.rank(), mine.numel(), input.numel());
+  return total;
+}
+
 void check_peer(const CommBase& c, const char* op, int peer) {
   PARALLAX_CHECK(peer >= 0 && peer < c.size() && peer != c.rank(), CommError,
                  "{} on group '{}' (rank {}): peer {} is not another rank of this group of {}", op,

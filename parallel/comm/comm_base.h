@@ -183,5 +183,13 @@ class DoneWork : public Work {
 void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::DeviceType device);
 void check_peer(const CommBase& c, const char* op, int peer);
 void check_tag(const CommBase& c, const char* op, int tag);
+// reduce_scatter: same dtype, and `output` holds this rank's chunk of `input`.
+void check_reduce_scatter_shapes(const CommBase& c, const at::Tensor& input, const at::Tensor& output);
+// all_gather into one flat tensor: same dtype, and `input` is this rank's chunk of `output`.
+void check_all_gather_shapes(const CommBase& c, const at::Tensor& input, const at::Tensor& output);
+// all_gather into a list: one output per rank, each of the input's dtype, this rank's shaped like
+// the input. Returns the total number of elements.
+int64_t check_all_gather_list_shapes(const CommBase& c, const at::Tensor& input,
+                                     const std::vector<at::Tensor>& outputs);
 
 }  // namespace parallax::parallel::comm::detail

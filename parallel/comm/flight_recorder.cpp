@@ -1,6 +1,7 @@
 #include "parallel/comm/flight_recorder.h"
 
 #include "core/log.h"
+#include "core/strings.h"
 
 #include <fmt/ranges.h>
 #include <chrono>
@@ -42,42 +43,15 @@ uint64_t FlightRecorder::total_recorded() const {
   return next_;
 }
 
-std::string json_escape(const std::string& s) {
-  std::string out;
-  out.reserve(s.size() + 2);
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<int>(c));
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out;
-}
 
 std::string to_json(const FlightEntry& e) {
   return fmt::format(
-      "{{\"seq\": {}, \"p2p_seq\": {}, \"op\": \"{}\", \"group\": \"{}\", \"detail\": \"{}\", "
-      "\"dtype\": \"{}\", \"shape\": [{}], \"bytes\": {}, \"peers\": [{}], \"site\": \"{}\", "
+      "{{\"seq\": {}, \"p2p_seq\": {}, \"op\": {}, \"group\": {}, \"detail\": {}, "
+      "\"dtype\": {}, \"shape\": [{}], \"bytes\": {}, \"peers\": [{}], \"site\": {}, "
       "\"state\": \"{}\", \"issued_at\": {:.6f}, \"finished_at\": {:.6f}}}",
-      e.seq, e.p2p_seq, json_escape(e.op), json_escape(e.group), json_escape(e.detail),
-      json_escape(e.dtype), fmt::join(e.shape, ", "), e.bytes, fmt::join(e.peers, ", "),
-      json_escape(e.site), to_string(e.state), e.issued_at, e.finished_at);
+      e.seq, e.p2p_seq, core::json_quote(e.op), core::json_quote(e.group), core::json_quote(e.detail),
+      core::json_quote(e.dtype), fmt::join(e.shape, ", "), e.bytes, fmt::join(e.peers, ", "),
+      core::json_quote(e.site), to_string(e.state), e.issued_at, e.finished_at);
 }
 
 std::string to_json(const std::vector<FlightEntry>& entries) {

@@ -40,9 +40,6 @@ class FlightRecorder {
 std::string to_json(const FlightEntry& entry);
 std::string to_json(const std::vector<FlightEntry>& entries);
 
-// `s` with JSON string escapes (quotes, backslashes, control characters).
-std::string json_escape(const std::string& s);
-
 // Seconds since the epoch (wall clock), the time base of FlightEntry.
 double wall_seconds();
 

@@ -265,14 +265,7 @@ WorkPtr MpiCommunicator::reduce_scatter_async(const at::Tensor& input, at::Tenso
   check_dtype(*this, "reduce_scatter", input, true);
   const int n = size();
   const int64_t m = input.numel();
-  PARALLAX_CHECK(output.scalar_type() == input.scalar_type(), CommError,
-                 "reduce_scatter on group '{}' (rank {}): input is {} but output is {}", name_,
-                 rank_, c10::toString(input.scalar_type()), c10::toString(output.scalar_type()));
-  PARALLAX_CHECK(output.numel() == chunk_numel(m, n, rank_), CommError,
-                 "reduce_scatter on group '{}' (rank {}): output has {} elements but chunk {} of "
-                 "{} elements over {} "
-                 "ranks has {}",
-                 name_, rank_, output.numel(), rank_, m, n, chunk_numel(m, n, rank_));
+  check_reduce_scatter_shapes(*this, input, output);
   OpDesc d = tensor_desc(OpKind::kReduceScatter, input, site);
   d.reduce = op;
   Ticket t = begin(d);
@@ -305,14 +298,7 @@ WorkPtr MpiCommunicator::all_gather_async(const at::Tensor& input, at::Tensor& o
   check_dtype(*this, "all_gather", input, false);
   const int n = size();
   const int64_t total = output.numel();
-  PARALLAX_CHECK(output.scalar_type() == input.scalar_type(), CommError,
-                 "all_gather on group '{}' (rank {}): input is {} but output is {}", name_, rank_,
-                 c10::toString(input.scalar_type()), c10::toString(output.scalar_type()));
-  PARALLAX_CHECK(input.numel() == chunk_numel(total, n, rank_), CommError,
-                 "all_gather on group '{}' (rank {}): input has {} elements but chunk {} of the "
-                 "{}-element output over "
-                 "{} ranks has {}",
-                 name_, rank_, input.numel(), rank_, total, n, chunk_numel(total, n, rank_));
+  check_all_gather_shapes(*this, input, output);
   OpDesc d = tensor_desc(OpKind::kAllGather, input, site);
   d.match_numel = total;
   Ticket t = begin(d);
@@ -341,22 +327,8 @@ WorkPtr MpiCommunicator::all_gather_async(const at::Tensor& input, std::vector<a
   check_tensor(*this, "all_gather", input, c10::DeviceType::CPU);
   check_dtype(*this, "all_gather", input, false);
   const int n = size();
-  PARALLAX_CHECK(static_cast<int>(outputs.size()) == n, CommError,
-                 "all_gather on group '{}' (rank {}): {} output tensors for {} ranks", name_, rank_,
-                 outputs.size(), n);
-  int64_t total = 0;
-  for (int r = 0; r < n; ++r) {
-    auto& o = outputs[static_cast<size_t>(r)];
-    check_tensor(*this, "all_gather", o, c10::DeviceType::CPU);
-    PARALLAX_CHECK(o.scalar_type() == input.scalar_type(), CommError,
-                   "all_gather on group '{}' (rank {}): output {} is {} but the input is {}", name_,
-                   rank_, r, c10::toString(o.scalar_type()), c10::toString(input.scalar_type()));
-    total += o.numel();
-  }
-  PARALLAX_CHECK(
-      outputs[static_cast<size_t>(rank_)].numel() == input.numel(), CommError,
-      "all_gather on group '{}' (rank {}): output {} has {} elements but the input has {}", name_,
-      rank_, rank_, outputs[static_cast<size_t>(rank_)].numel(), input.numel());
+  const int64_t total = check_all_gather_list_shapes(*this, input, outputs);
+  for (auto& o : outputs) check_tensor(*this, "all_gather", o, c10::DeviceType::CPU);
   OpDesc d = tensor_desc(OpKind::kAllGatherList, input, site);
   d.match_numel = total;
   Ticket t = begin(d);

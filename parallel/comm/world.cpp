@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/strings.h"
 #include "parallel/comm/comm_base.h"
 #include "parallel/comm/world_context.h"
 
@@ -287,9 +288,9 @@ void WorldContext::unregister_comm(CommBase* comm) {
 std::string WorldContext::flight_json(const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out = fmt::format(
-      "{{\n\"rank\": {}, \"world_size\": {}, \"time\": {:.6f},\n\"reason\": \"{}\",\n"
+      "{{\n\"rank\": {}, \"world_size\": {}, \"time\": {:.6f},\n\"reason\": {},\n"
       "\"communicators\": [",
-      rank, size, wall_seconds(), json_escape(reason));
+      rank, size, wall_seconds(), core::json_quote(reason));
   for (size_t i = 0; i < comms_.size(); ++i) {
     CommBase* c = comms_[i];
     out += fmt::format(

@@ -5,6 +5,7 @@
 #include "mpi_env.h"
 
 #include "parallel/comm/factory.h"
+#include "tests/common/mpi_gtest.h"
 
 #include <gtest/gtest.h>
 
@@ -20,23 +21,6 @@ MpiEnv& MpiEnv::get() {
 
 }  // namespace parallax::ckpt_test
 
-namespace {
-
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed()) {
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
-                   r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
-    }
-  }
-
- private:
-  int rank_;
-};
-
-}  // namespace
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
@@ -46,11 +30,7 @@ int main(int argc, char** argv) {
   }
   parallax::parallel::comm::World world;
   env.comm = parallax::parallel::comm::make_world_communicator(world, "mpi");
-  if (world.rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter(world.rank()));
-  }
+  parallax::testing::install_rank_printer(world.rank());
   const int rc = RUN_ALL_TESTS();
   env.comm.reset();
   return rc;
