@@ -37,4 +37,8 @@ double DeviceTimer::elapsed_ms() {
   return start_event_->elapsedTime(*stop_event_);
 }
 
+bool DeviceTimer::ready() const {
+  return !stop_event_ || stop_event_->query();
+}
+
 }  // namespace parallax::core

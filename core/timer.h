@@ -36,6 +36,9 @@ class DeviceTimer {
   void stop();
   // Milliseconds between start() and stop(); waits for the stop mark to complete on the device.
   double elapsed_ms();
+  // Whether the stop mark has completed (elapsed_ms() would not block). Always true on the CPU.
+  bool ready() const;
+  bool on_device() const { return stop_event_ != nullptr; }
 
  private:
   c10::Device device_;

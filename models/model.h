@@ -57,6 +57,11 @@ class Model : public torch::nn::Module {
   int64_t parameter_count() const;
 };
 
+// Makes `name` (auto | cudnn | flash | fa3 | efficient | math) the first fused attention kernel that
+// at::scaled_dot_product_attention tries, process-wide (fa3: FlashAttention-3 on Hopper, where this
+// LibTorch has it). build_model() applies `cfg.attention`. ConfigError for an unknown name.
+void set_attention_backend(const std::string& name);
+
 // Builds a model of the zoo by `cfg.name` and `cfg.size` for data described by `scene`; throws
 // ConfigError for unknown names or sizes, or a scene the model cannot take.
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene);

@@ -15,6 +15,13 @@ struct ModelConfig {
   std::string backbone = "vit";
   int num_classes = 1000;  // vit_cls only
   double dropout = 0.0;
+  // Fused attention kernel tried first by at::scaled_dot_product_attention (process-wide);
+  // auto keeps LibTorch's order (flash, memory-efficient, math, cuDNN). Falls back down the
+  // order when the first cannot take the inputs.
+  std::string attention = "auto";
+  // Transformer residual stream and LayerNorms in fp32 under autocast (eager PyTorch's numerics)
+  // rather than in autocast's dtype (Megatron-Core's default, less memory traffic).
+  bool fp32_residual = false;
   // bev only.
   double bev_resolution = 0.0;  // metres per BEV query cell; 0 = the size's preset
   int bev_heights = 0;          // reference points per pillar; 0 = the size's preset
@@ -32,6 +39,9 @@ struct ModelConfig {
     v("backbone", backbone, "image backbone", core::Check::one_of({"vit", "conv"}));
     v("num_classes", num_classes, "classes of the classification head (vit_cls)", core::Check::at_least(1));
     v("dropout", dropout, "dropout probability", core::Check::between(0, 1));
+    v("attention", attention, "fused attention kernel tried first (GPU): auto | cudnn | flash | fa3 | efficient | math",
+      core::Check::one_of({"auto", "cudnn", "flash", "fa3", "efficient", "math"}));
+    v("fp32_residual", fp32_residual, "keep the transformer residual stream and LayerNorms in fp32 under autocast");
     v("bev_resolution", bev_resolution, "bev: metres per BEV query cell (0: the size's preset)",
       core::Check::at_least(0));
     v("bev_heights", bev_heights, "bev: reference heights per BEV pillar (0: the size's preset)",

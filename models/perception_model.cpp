@@ -67,6 +67,7 @@ BevModelSpec make_bev_spec(const ModelConfig& cfg, const core::SceneSpec& scene)
   s.encoder.backbone = cfg.backbone;
   s.encoder.vit = p.vit;
   s.encoder.vit.dropout = cfg.dropout;
+  s.encoder.vit.fp32_residual = cfg.fp32_residual;
   s.encoder.conv = p.conv;
   s.encoder.image_h = scene.image_height;
   s.encoder.image_w = scene.image_width;

@@ -4,6 +4,12 @@
 #include "models/perception_model.h"
 #include "models/vit.h"
 
+#include <ATen/Context.h>
+#include <ATen/SDPBackend.h>
+
+#include <algorithm>
+#include <map>
+
 namespace parallax::models {
 
 namespace {
@@ -34,7 +40,34 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
   return build_model(cfg, scene, dense_linear);
 }
 
+void set_attention_backend(const std::string& name) {
+  using B = at::SDPBackend;
+  // LibTorch's own order, captured once so that "auto" restores it after another choice.
+  static const auto kDefault = at::globalContext().sDPPriorityOrder();
+  std::vector<B> order(kDefault.begin(), kDefault.end());
+  const std::map<std::string, B> by_name = {{"cudnn", B::cudnn_attention},
+                                            {"flash", B::flash_attention},
+                                            {"efficient", B::efficient_attention},
+                                            {"math", B::math}};
+  // FlashAttention-3 is a variant of the flash backend that this LibTorch may or may not have.
+  constexpr bool kHasFa3 = requires(at::Context& c) { c.setSDPUseFA3(true); };
+  if constexpr (kHasFa3) at::globalContext().setSDPUseFA3(name == "fa3");
+  PARALLAX_CHECK(name != "fa3" || kHasFa3, ConfigError,
+                 "key 'model.attention': fa3 needs a LibTorch with FlashAttention-3 (this one has none)");
+  if (name != "auto") {
+    const auto it = by_name.find(name == "fa3" ? "flash" : name);
+    PARALLAX_CHECK(it != by_name.end(), ConfigError,
+                   "key 'model.attention': expected auto|cudnn|flash|fa3|efficient|math, got '{}'", name);
+    order.erase(std::find(order.begin(), order.end(), it->second));
+    order.insert(order.begin(), it->second);
+  }
+  std::vector<int64_t> ids;
+  for (B b : order) ids.push_back(static_cast<int64_t>(b));
+  at::globalContext().setSDPPriorityOrder(ids);
+}
+
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene, const LinearFactory& linear) {
+  set_attention_backend(cfg.attention);
   if (cfg.name == "mlp") {
     const MlpShape s = mlp_shape(cfg.size);
     return std::make_shared<MlpModel>(s.in, s.hidden, s.out, s.depth);
@@ -43,6 +76,7 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
     check_vit_cls(cfg);
     VitSpec spec;  // ViT-B/16 at 224 x 224, as timm's vit_base_patch16_224
     spec.dropout = cfg.dropout;
+    spec.fp32_residual = cfg.fp32_residual;
     return std::make_shared<VitClassifier>(spec, 224, cfg.num_classes, linear);
   }
   if (cfg.name == "bev") return std::make_shared<PerceptionModel>(make_bev_spec(cfg, scene), linear);

@@ -2,7 +2,10 @@
 
 #include "core/error.h"
 
+#include <ATen/autocast_mode.h>
+#include <ATen/ops/layer_norm.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/nn/init.h>
 
 namespace parallax::models {
@@ -13,7 +16,30 @@ at::Tensor maybe_dropout(const at::Tensor& x, double p, bool training) {
   return (p > 0 && training) ? at::dropout(x, p, true) : x;
 }
 
+// The dtype of the residual stream: autocast's lower precision when autocast is on for x's
+// device, else x's own. Keeping the stream in bf16/fp16 under autocast (as Megatron-Core does
+// without fp32_residual_connection) halves the memory traffic of every residual add and
+// LayerNorm; eager PyTorch under autocast promotes the stream to fp32 at the first add of an
+// fp32 parameter (the position embedding) and pays a cast in and out of every LayerNorm.
+at::ScalarType stream_dtype(const at::Tensor& x) {
+  const c10::DeviceType d = x.device().type();
+  if (at::autocast::is_autocast_enabled(d)) return at::autocast::get_autocast_dtype(d);
+  return x.scalar_type();
+}
+
 }  // namespace
+
+// LayerNorm in x's dtype: autocast would run it in fp32 (it is on autocast's fp32 list) and
+// return fp32. The statistics are still accumulated in fp32 inside the kernel; only the output
+// (and the affine parameters, cast per call) are in x's dtype.
+at::Tensor layer_norm_in_dtype(torch::nn::LayerNorm& ln, const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) return ln->forward(x);
+  const auto& o = ln->options;
+  const at::Tensor w = ln->weight.defined() ? ln->weight.to(x.scalar_type()) : at::Tensor();
+  const at::Tensor b = ln->bias.defined() ? ln->bias.to(x.scalar_type()) : at::Tensor();
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  return at::layer_norm(x, o.normalized_shape(), w, b, o.eps());
+}
 
 at::Tensor normalize_images(const at::Tensor& images, at::ScalarType dtype) {
   if (images.scalar_type() != at::kByte) return images.to(dtype);
@@ -70,8 +96,8 @@ TransformerBlock::TransformerBlock(const TransformerBlockOptions& o) : opts_(o) 
 }
 
 at::Tensor TransformerBlock::forward_impl(const at::Tensor& x) {
-  at::Tensor y = x + attn_->forward(norm1_->forward(x));
-  return y + mlp_->forward(norm2_->forward(y));
+  at::Tensor y = x + attn_->forward(layer_norm_in_dtype(norm1_, x));
+  return y + mlp_->forward(layer_norm_in_dtype(norm2_, y));
 }
 
 Cost TransformerBlock::analytic_cost(const TransformerBlockOptions& o) {
@@ -121,10 +147,12 @@ at::Tensor VisionTransformerImpl::forward(const at::Tensor& images) {
   // [B, D, h, w] -> [B, h*w, D]: a free view for channels-last conv output, else one copy; the
   // token stream stays contiguous so every linear takes at::linear's fused-bias path.
   at::Tensor x = patch_embed_->forward(images).flatten(2).transpose(1, 2).contiguous();
-  if (opts_.class_token) x = at::cat({cls_token_.expand({x.size(0), -1, -1}), x}, 1);
-  x = x + pos_embed_;
+  const at::ScalarType dt = opts_.spec.fp32_residual ? at::kFloat : stream_dtype(x);
+  x = x.to(dt);
+  if (opts_.class_token) x = at::cat({cls_token_.to(dt).expand({x.size(0), -1, -1}), x}, 1);
+  x = x + pos_embed_.to(dt);
   for (const auto& blk : blocks_) x = blk->forward(x);
-  return norm_->forward(x);
+  return layer_norm_in_dtype(norm_, x);
 }
 
 Cost VisionTransformerImpl::analytic_cost(const VisionTransformerOptions& o) {

@@ -27,6 +27,9 @@ struct VitSpec {
   int64_t patch = 16;
   bool qkv_bias = true;
   double dropout = 0.0;  // after the attention projection and in the MLP
+  // Under autocast, keep the residual stream and LayerNorms in fp32 (eager PyTorch's behaviour)
+  // instead of autocast's dtype (the default; see vit.cpp).
+  bool fp32_residual = false;
 };
 
 struct TransformerBlockOptions {
@@ -137,5 +140,9 @@ class VitClassifier : public Model {
 // Converts uint8 images to the parameters' dtype, scaled to [0, 1] and normalised with ImageNet
 // mean/std; floating-point images are only cast. Keeps the memory format of `images`.
 at::Tensor normalize_images(const at::Tensor& images, at::ScalarType dtype);
+
+// LayerNorm that keeps x's dtype under autocast (which would run and return it in fp32); used on
+// the ViT's residual stream, which stays in autocast's dtype (see vit.cpp).
+at::Tensor layer_norm_in_dtype(torch::nn::LayerNorm& ln, const at::Tensor& x);
 
 }  // namespace parallax::models

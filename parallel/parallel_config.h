@@ -36,6 +36,8 @@ struct ParallelConfig {
   double checkpoint_timeout_s = 1800;
   bool debug_collectives = false;
   int flight_recorder_size = 512;
+  double ring_chunk_mb = 0;  // 0: the backend's default
+  bool nccl_blocking = false;
   int gpus_per_node = 0;  // 0: detect
   DdpConfig ddp;
 
@@ -54,6 +56,11 @@ struct ParallelConfig {
     v("debug_collectives", debug_collectives, "cross-check op, group and shape across ranks before each collective");
     v("flight_recorder_size", flight_recorder_size, "collectives kept per rank for hang reports",
       core::Check::at_least(1));
+    v("ring_chunk_mb", ring_chunk_mb, "pipelining chunk of the ring all-reduce in MiB (0: backend default)",
+      core::Check::at_least(0));
+    v("nccl_blocking", nccl_blocking,
+      "NCCL data-path communicators in blocking mode: ~70 us less per collective, but a first "
+      "contact with a rank that never arrives can block past timeout_s");
     v("gpus_per_node", gpus_per_node, "GPUs per node for layout checks (0: detect)", core::Check::at_least(0));
     v("ddp", ddp);
   }

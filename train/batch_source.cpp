@@ -1,5 +1,6 @@
 #include "train/batch_source.h"
 
+#include "core/rng.h"
 #include "data/dataset.h"
 #include "data/loader.h"
 
@@ -13,8 +14,8 @@ namespace {
 
 class SyntheticSource : public BatchSource {
  public:
-  SyntheticSource(const models::Model& model, int64_t batch_size, int count, uint64_t seed, const c10::Device& device,
-                  int64_t start)
+  SyntheticSource(const models::Model& model, int64_t batch_size, int count, uint64_t seed, int rank,
+                  const c10::Device& device, int64_t start)
       : batch_size_(batch_size), next_(static_cast<std::size_t>(start)) {
     // Draw from a private generator state so the model's initialisation stream is untouched.
     auto gen = at::detail::getDefaultCPUGenerator();
@@ -22,9 +23,24 @@ class SyntheticSource : public BatchSource {
     {
       std::lock_guard<std::mutex> lock(gen.mutex());
       saved = gen.get_state();
-      gen.set_current_seed(seed);
     }
-    for (int i = 0; i < count; ++i) batches_.push_back(core::to_device(model.example_batch(batch_size), device, false));
+    for (int i = 0; i < count; ++i) {
+      std::vector<core::TensorDict> samples;
+      for (int64_t j = rank * batch_size; j < (rank + 1) * batch_size; ++j) {
+        {
+          std::lock_guard<std::mutex> lock(gen.mutex());
+          gen.set_current_seed(core::derive_seed(seed, static_cast<uint64_t>(i), static_cast<uint64_t>(j)));
+        }
+        samples.push_back(model.example_batch(1));
+      }
+      core::TensorDict batch;
+      for (const auto& [key, first] : samples.front()) {
+        std::vector<at::Tensor> parts;
+        for (const auto& s : samples) parts.push_back(s.at(key));
+        batch[key] = at::cat(parts, 0);
+      }
+      batches_.push_back(core::to_device(batch, device, false));
+    }
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(saved);
   }
@@ -47,12 +63,21 @@ class SyntheticSource : public BatchSource {
 
 class DatasetSource : public BatchSource {
  public:
-  DatasetSource(const data::DataConfig& cfg, uint64_t seed, int rank, int world, std::pair<int64_t, int64_t> start)
+  DatasetSource(const data::DataConfig& cfg, uint64_t seed, int rank, int world, std::pair<int64_t, int64_t> start,
+                int start_world)
       : path_(cfg.path), split_(cfg.train_split), max_boxes_(cfg.max_boxes) {
     auto ds = data::Dataset::open(cfg.path, cfg.train_split);
     data::LoaderState st;
     st.epoch = start.first;
     st.position = start.second;
+    if (start_world > 0 && start_world != world) {
+      const int64_t consumed = start.second * start_world;  // scenes of the epoch's permutation read
+      const auto opts = data::LoaderOptions::from_config(cfg, seed, rank, world, true);
+      const int64_t per_epoch = data::DistributedSampler(ds->size(), rank, world, opts.shuffle, opts.seed)
+                                    .samples_used(opts.batch_size, opts.drop_last);
+      st.position = consumed / world;
+      if (consumed % world != 0 || st.position >= per_epoch) st = {start.first + 1, 0};
+    }
     loader_ = std::make_unique<data::DataLoader>(ds, data::LoaderOptions::from_config(cfg, seed, rank, world, true), st);
   }
   core::TensorDict next() override { return *loader_->next(); }  // repeating: never ends
@@ -76,14 +101,14 @@ class DatasetSource : public BatchSource {
 }  // namespace
 
 std::unique_ptr<BatchSource> make_dataset_source(const data::DataConfig& cfg, uint64_t seed, int rank, int world,
-                                                 std::pair<int64_t, int64_t> start) {
-  return std::make_unique<DatasetSource>(cfg, seed, rank, world, start);
+                                                 std::pair<int64_t, int64_t> start, int start_world) {
+  return std::make_unique<DatasetSource>(cfg, seed, rank, world, start, start_world);
 }
 
 std::unique_ptr<BatchSource> make_synthetic_source(const models::Model& model, int64_t batch_size,
-                                                   int count, uint64_t seed, const c10::Device& device,
-                                                   int64_t start) {
-  return std::make_unique<SyntheticSource>(model, batch_size, count, seed, device, start);
+                                                   int count, uint64_t seed, int rank,
+                                                   const c10::Device& device, int64_t start) {
+  return std::make_unique<SyntheticSource>(model, batch_size, count, seed, rank, device, start);
 }
 
 }  // namespace parallax::train

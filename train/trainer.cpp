@@ -13,6 +13,7 @@
 #include "core/timer.h"
 #include "models/checkpointable.h"
 #include "models/model.h"
+#include "models/perception_model.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
 #include "optim/precision.h"
@@ -148,7 +149,7 @@ class Trainer {
   std::unique_ptr<MetricsWriter> metrics_;
   bool rank0_ = true;
   // Per-interval accumulators (reset at each log step).
-  double data_ms_ = 0, comm_ms_ = 0;
+  double data_ms_ = 0, comm_ms_ = 0, backward_ms_ = 0;
   at::Tensor grad_norm_;
   bool found_inf_ = false;
 };
@@ -163,8 +164,10 @@ void Trainer::setup() {
                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_ranks);
   at::set_num_threads(threads);
   const auto& p = cfg_.parallel;
-  const comm::CommOptions opts = comm::make_comm_options(p.timeout_s, p.init_timeout_s, p.checkpoint_timeout_s,
-                                                         p.debug_collectives, p.flight_recorder_size, p.allreduce);
+  comm::CommOptions opts = comm::make_comm_options(p.timeout_s, p.init_timeout_s, p.checkpoint_timeout_s,
+                                                   p.debug_collectives, p.flight_recorder_size, p.allreduce,
+                                                   static_cast<int64_t>(p.ring_chunk_mb * (1 << 20)));
+  opts.nccl_blocking = p.nccl_blocking;
   std::string backend = p.backend;
   if (backend == "auto" && device_.is_cpu()) backend = world_.has_mpi() ? "mpi" : "gloo";
   world_comm_ = comm::make_world_communicator(world_, backend, opts);
@@ -205,20 +208,24 @@ void Trainer::setup() {
   } else if (cfg_.train.resume == "auto") {
     core::log::info("train.resume=auto: no checkpoint in {}, starting fresh", ckpt_dir.string());
   }
+  // Where the data stream continues; the sources remap it when dp changed (batch_source.h).
   std::pair<int64_t, int64_t> data_pos{0, 0};
-  // The data position is per data-parallel layout; after a change of dp the stream restarts at
-  // the saved epoch.
+  int data_pos_dp = 0;
   if (resume_ && resume_->metadata().has_extra("data.epoch")) {
-    data_pos.first = resume_->metadata().extra_int("data.epoch");
-    if (resume_->metadata().layout.dp == layout.dp) data_pos.second = resume_->metadata().extra_int("data.position");
+    data_pos = {resume_->metadata().extra_int("data.epoch"), resume_->metadata().extra_int("data.position")};
+    data_pos_dp = resume_->metadata().layout.dp;
   }
 
   // Data first: a dataset's dataset.json describes the scenes the model is built for.
   const uint64_t seed = static_cast<uint64_t>(cfg_.experiment.seed);
   synthetic_ = cfg_.data.synthetic || cfg_.train.benchmark || cfg_.model.name != "bev";
   if (!synthetic_) {
-    source_ = make_dataset_source(cfg_.data, seed, topo_->coord().dp, layout.dp, data_pos);
+    source_ = make_dataset_source(cfg_.data, seed, topo_->coord().dp, layout.dp, data_pos, data_pos_dp);
     scene_ = *source_->scene();
+  } else if (cfg_.model.name == "bev") {
+    // Synthetic batches use the size's benchmark scene (tiny: the default 6 x 128x224 scene;
+    // small and up: BEVFormer's 6 x 256x704 cameras and 200 x 200 BEV cells at 0.5 m).
+    scene_ = models::benchmark_scene(cfg_.model.size);
   }
   // Identical initialisation on every rank (DDP also broadcasts from rank 0).
   core::seed_all(seed);
@@ -268,10 +275,9 @@ void Trainer::setup() {
   scaler_ = std::make_unique<optim::LossScaler>(optim::make_loss_scaler(cfg_.precision));
 
   if (synthetic_) {
-    // Each data-parallel rank draws its own batches.
-    source_ = make_synthetic_source(*model_, cfg_.data.batch_size, 8,
-                                    core::derive_seed(seed, static_cast<uint64_t>(topo_->coord().dp), 1),
-                                    device_, data_pos.second);
+    // Each data-parallel rank holds its slice of every global batch.
+    source_ = make_synthetic_source(*model_, cfg_.data.batch_size, 8, core::derive_seed(seed, 0, 1),
+                                    topo_->coord().dp, device_, data_pos.second);
   }
   core::log::info("data: {}", source_->describe());
 
@@ -324,7 +330,10 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr) {
       terms[key] = terms.count(key) ? terms[key] + v.detach().to(at::kFloat) / accum : v.detach().to(at::kFloat) / accum;
     }
   }
-  if (ddp_) comm_ms_ += ddp_->last_exposed_comm_ms();
+  if (ddp_) {
+    comm_ms_ += ddp_->last_exposed_comm_ms();
+    backward_ms_ += ddp_->last_backward_ms();
+  }
 
   std::vector<at::Tensor> grads;
   for (const auto& p : model_->parameters()) {
@@ -414,7 +423,7 @@ TrainSummary Trainer::fit() {
         run_eval(step);
         interval_clock.reset();  // evaluation time is not training time
         interval_steps = 0;
-        data_ms_ = comm_ms_ = 0;
+        data_ms_ = comm_ms_ = backward_ms_ = 0;
       }
       continue;
     }
@@ -446,6 +455,7 @@ TrainSummary Trainer::fit() {
     m["step_ms"] = step_ms;
     m["data_ms"] = data_ms_ / interval_steps;
     m["comm_exposed_ms"] = comm_ms_ / interval_steps;
+    if (ddp_) m["backward_ms"] = backward_ms_ / interval_steps;
     m["img_per_s"] = global_batch * 1000.0 / step_ms;
     m["mem_gb"] = peak_memory_gb(device_);
     m["mfu"] = device_.is_cuda() ? flops_per_step / (step_ms / 1000.0) / (kPeakBf16Flops * world_.size()) : NAN;
@@ -454,7 +464,7 @@ TrainSummary Trainer::fit() {
                                       step_ms, m["img_per_s"]));
     summary.steps = step;
     summary.final_loss = loss;
-    data_ms_ = comm_ms_ = 0;
+    data_ms_ = comm_ms_ = backward_ms_ = 0;
     interval_steps = 0;
     if (cfg_.train.eval_every > 0 && step % cfg_.train.eval_every == 0 && step != total) run_eval(step);
     interval_clock.reset();

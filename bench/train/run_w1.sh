@@ -30,21 +30,24 @@ print(json.dumps({"impl": "parallax", "workload": "W1 vit_b16", "gpus": gpus, "b
                   "step_ms": round(ms, 2), "img_per_s": round(128 * gpus * 1000 / ms, 1),
                   "tflops_per_gpu": round(3 * 35.13e9 * 128 / (ms / 1000) / 1e12, 1),
                   "mfu": round(statistics.median(r["mfu"] for r in rows), 4),
-                  "peak_mem_gb": round(rows[-1]["mem_gb"], 2)}), flush=True)
+                  "peak_mem_gb": round(rows[-1]["mem_gb"], 2),
+                  **({"backward_ms": round(statistics.median(r["backward_ms"] for r in rows), 2),
+                      "comm_exposed_ms": round(statistics.median(r["comm_exposed_ms"] for r in rows), 2)}
+                     if "backward_ms" in rows[0] else {})}), flush=True)
 PY
 }
 for n in 1 "$GPUS"; do
-  [[ $n -lt 1 ]] && continue
+  if [[ $n -lt 1 ]]; then continue; fi
   rm -rf "$OUTDIR/w1_$n"
   mpirun --oversubscribe --bind-to none -np "$n" "$BUILD/bin/parallax" train --config configs/bench/w1_vit_b16.yaml \
     "experiment.output_dir=$OUTDIR" "experiment.name=w1_$n" > "$OUTDIR.log_$n" 2>&1 || { tail -20 "$OUTDIR.log_$n"; exit 1; }
   summarise "$OUTDIR/w1_$n" "$n"
   if [[ $n -eq 1 ]]; then
     python3 bench/train/torch_vit_ref.py --batch 128 --mode eager
-    ((COMPILE)) && python3 bench/train/torch_vit_ref.py --batch 128 --mode compile
+    if ((COMPILE)); then python3 bench/train/torch_vit_ref.py --batch 128 --mode compile; fi
   else
     python3 -m torch.distributed.run --standalone --nproc-per-node "$n" bench/train/torch_vit_ref.py --batch 128 --mode eager
-    ((COMPILE)) && python3 -m torch.distributed.run --standalone --nproc-per-node "$n" bench/train/torch_vit_ref.py --batch 128 --mode compile
+    if ((COMPILE)); then python3 -m torch.distributed.run --standalone --nproc-per-node "$n" bench/train/torch_vit_ref.py --batch 128 --mode compile; fi
   fi
-  [[ $GPUS -eq 1 ]] && break
+  if [[ $GPUS -eq 1 ]]; then break; fi
 done

@@ -100,7 +100,8 @@ CommOptions make_comm_options(double timeout_s, double init_timeout_s, double ch
                  "parallel.checkpoint_timeout_s: must be positive, got {}", checkpoint_timeout_s);
   PARALLAX_CHECK(flight_recorder_size >= 1, ConfigError,
                  "parallel.flight_recorder_size: must be at least 1, got {}", flight_recorder_size);
-  PARALLAX_CHECK(ring_chunk_bytes >= 1, ConfigError, "ring_chunk_bytes: must be positive, got {}",
+  PARALLAX_CHECK(ring_chunk_bytes >= 0, ConfigError,
+                 "ring_chunk_bytes: must be positive (or 0 for the backend's default), got {}",
                  ring_chunk_bytes);
   CommOptions o;
   o.timeout_s = timeout_s;

@@ -260,7 +260,7 @@ class GlooCommunicator final : public CommBase, public RingTransport {
       const bool staged = is_16bit_float(tensor.scalar_type());
       at::Tensor work = staged ? tensor.to(at::kFloat) : tensor;
       auto ring = std::make_shared<RingOp>(shared_from_this(), work.view({-1}), op,
-                                           options_.ring_chunk_bytes, ring_tag_base(t.seq), *this);
+                                           ring_chunk_or(options_, int64_t{4} << 20), ring_tag_base(t.seq), *this);
       ctx_->add_progressable(ring);
       auto on_done = [staged, work, target]() mutable {
         if (staged) target.copy_(work);

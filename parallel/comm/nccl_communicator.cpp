@@ -153,10 +153,35 @@ Clock::time_point after(double seconds) {
          std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
+// Every group has a non-blocking control communicator, through which creation and split honour
+// their deadlines. With CommOptions::nccl_blocking the data path runs on a blocking twin split
+// from it (see CommOptions for the trade-off): NCCL's non-blocking enqueue costs ~100 us per collective against ~30 us
+// (measured on 2 x H200, docs/comm.md). With lazy connection setup the control communicator,
+// which never runs a collective, holds no buffers.
 ncclConfig_t nonblocking_config() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   return config;
+}
+
+// The blocking data-path twin of the non-blocking `ctrl` (collective over ctrl's ranks).
+// Throws TimeoutError/CommError; `what` names the group for the message.
+ncclComm_t make_blocking_twin(ncclComm_t ctrl, int rank, Clock::time_point deadline, const std::string& what) {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 1;
+  ncclComm_t twin = nullptr;
+  ncclResult_t rc = ncclCommSplit(ctrl, 0, rank, &twin, &config);
+  try {
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      throw CommError(fmt::format("ncclCommSplit ({} data path): {}", what, nccl_error(rc, ctrl)));
+    wait_ready(ctrl, deadline, "ncclCommSplit (" + what + " data path)");
+    if (twin) wait_ready(twin, deadline, "ncclCommSplit (" + what + " data path, new communicator)");
+  } catch (...) {
+    if (twin) ncclCommAbort(twin);
+    throw;
+  }
+  PARALLAX_CHECK(twin != nullptr, CommError, "ncclCommSplit ({} data path) returned no communicator", what);
+  return twin;
 }
 
 // One enqueued op (or batch): its tickets, end event and the tensors it must keep alive.
@@ -187,12 +212,15 @@ class NcclWork final : public Work {
 
 class NcclCommunicator final : public CommBase {
  public:
-  NcclCommunicator(std::shared_ptr<WorldContext> ctx, ncclComm_t comm, c10::Device device,
-                   std::string name, std::string uid, int rank, std::vector<int> world_ranks,
-                   CommOptions options)
+  // `comm`: the data path; `ctrl`: the non-blocking control communicator (nullptr: comm itself).
+  // Takes ownership of both.
+  NcclCommunicator(std::shared_ptr<WorldContext> ctx, ncclComm_t comm, ncclComm_t ctrl,
+                   c10::Device device, std::string name, std::string uid, int rank,
+                   std::vector<int> world_ranks, CommOptions options)
       : CommBase(std::move(ctx), std::move(name), std::move(uid), rank, std::move(world_ranks),
                  options),
         comm_(comm),
+        ctrl_(ctrl),
         device_(device),
         stream_(c10::cuda::getStreamFromPool(true, device.index())),
         reduce_stream_(c10::cuda::getStreamFromPool(true, device.index())) {
@@ -462,12 +490,22 @@ class NcclCommunicator final : public CommBase {
       if (rc != ncclSuccess && rc != ncclInProgress) throw CommError(nccl_error(rc, comm_));
       wait_ready(comm_, after(options_.init_timeout_s), "ncclCommFinalize");
       ncclCommDestroy(comm_);
+      comm_ = nullptr;
+      if (ctrl_) {
+        rc = ncclCommFinalize(ctrl_);
+        if (rc != ncclSuccess && rc != ncclInProgress) throw CommError(nccl_error(rc, ctrl_));
+        wait_ready(ctrl_, after(options_.init_timeout_s), "ncclCommFinalize (control)");
+        ncclCommDestroy(ctrl_);
+        ctrl_ = nullptr;
+      }
     } catch (const std::exception& e) {
       core::log::warn("group '{}': NCCL communicator did not shut down cleanly ({}); aborting it",
                       name_, e.what());
-      ncclCommAbort(comm_);
+      if (comm_) ncclCommAbort(comm_);
+      if (ctrl_) ncclCommAbort(ctrl_);
     }
     comm_ = nullptr;
+    ctrl_ = nullptr;
   }
 
   // Called by a wait whose deadline passed (main thread) or by the watchdog.
@@ -527,14 +565,16 @@ class NcclCommunicator final : public CommBase {
     }
     c10::cuda::CUDAGuard g(device_);
     ncclConfig_t config = nonblocking_config();
-    ncclComm_t child = nullptr;
+    ncclComm_t parent = ctrl_ ? ctrl_ : comm_;
+    ncclComm_t child = nullptr, twin = nullptr;
     try {
       ncclResult_t rc =
-          ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
+          ncclCommSplit(parent, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
       if (rc != ncclSuccess && rc != ncclInProgress)
-        throw CommError(fmt::format("ncclCommSplit: {}", nccl_error(rc, comm_)));
-      wait_ready(comm_, t.deadline, "ncclCommSplit (parent)");
+        throw CommError(fmt::format("ncclCommSplit: {}", nccl_error(rc, parent)));
+      wait_ready(parent, t.deadline, "ncclCommSplit (parent)");
       if (child) wait_ready(child, t.deadline, "ncclCommSplit (new communicator)");
+      if (child && options_.nccl_blocking) twin = make_blocking_twin(child, key, t.deadline, name);
     } catch (const TimeoutError&) {
       if (child) ncclCommAbort(child);
       fail_timeout(t, " (in ncclCommSplit)");
@@ -545,14 +585,15 @@ class NcclCommunicator final : public CommBase {
     if (color < 0 || !child) return nullptr;
     std::vector<int> wr;
     for (int m : members) wr.push_back(world_ranks_[static_cast<size_t>(m)]);
-    return std::make_shared<NcclCommunicator>(ctx_, child, device_, name, uid, key, std::move(wr),
-                                              options_);
+    return std::make_shared<NcclCommunicator>(ctx_, twin ? twin : child, twin ? child : nullptr,
+                                              device_, name, uid, key, std::move(wr), options_);
   }
 
   void abort_backend() noexcept override {
     std::lock_guard<std::mutex> lock(abort_mu_);
     if (comm_ && !comm_aborted_) {
       ncclCommAbort(comm_);
+      if (ctrl_) ncclCommAbort(ctrl_);
       comm_aborted_ = true;
     }
   }
@@ -643,7 +684,7 @@ class NcclCommunicator final : public CommBase {
     const int64_t numel = flat.numel();
     const int64_t elem = static_cast<int64_t>(flat.element_size());
     const int64_t seg0 = chunk_numel(numel, n, 0);
-    const int64_t chunk = std::max<int64_t>(1, options_.ring_chunk_bytes);
+    const int64_t chunk = ring_chunk_or(options_, int64_t{128} << 20);
     const int cols =
         static_cast<int>(std::clamp<int64_t>((seg0 * elem + chunk - 1) / chunk, 1, 1024));
     auto view = [&](int seg, int c) {
@@ -775,6 +816,7 @@ class NcclCommunicator final : public CommBase {
   }
 
   ncclComm_t comm_;
+  ncclComm_t ctrl_ = nullptr;  // non-blocking control twin of comm_ (splits); nullptr: comm_
   c10::Device device_;
   c10::cuda::CUDAStream stream_;
   c10::cuda::CUDAStream reduce_stream_;
@@ -855,9 +897,12 @@ CommPtr make_nccl_world(const std::shared_ptr<WorldContext>& ctx, const CommOpti
   ncclConfig_t config = nonblocking_config();
   ncclComm_t comm = nullptr;
   ncclResult_t rc = ncclCommInitRankConfig(&comm, ctx->size, id, ctx->rank, &config);
+  ncclComm_t twin = nullptr;
   try {
     if (rc != ncclSuccess && rc != ncclInProgress) throw CommError(nccl_error(rc, comm));
-    wait_ready(comm, after(options.init_timeout_s), "ncclCommInitRankConfig");
+    const auto deadline = after(options.init_timeout_s);
+    wait_ready(comm, deadline, "ncclCommInitRankConfig");
+    if (options.nccl_blocking) twin = make_blocking_twin(comm, ctx->rank, deadline, "world");
   } catch (const std::exception& e) {
     if (comm) ncclCommAbort(comm);
     ctx->failed = true;
@@ -872,8 +917,8 @@ CommPtr make_nccl_world(const std::shared_ptr<WorldContext>& ctx, const CommOpti
   }
   std::vector<int> ranks(static_cast<size_t>(ctx->size));
   for (int i = 0; i < ctx->size; ++i) ranks[static_cast<size_t>(i)] = i;
-  return std::make_shared<NcclCommunicator>(ctx, comm, device, "world", uid, ctx->rank,
-                                            std::move(ranks), options);
+  return std::make_shared<NcclCommunicator>(ctx, twin ? twin : comm, twin ? comm : nullptr, device,
+                                            "world", uid, ctx->rank, std::move(ranks), options);
 }
 
 }  // namespace parallax::parallel::comm::detail

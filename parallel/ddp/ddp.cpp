@@ -173,6 +173,23 @@ void DistributedDataParallel::before_backward() {
     b.launched = false;
   }
   next_bucket_ = 0;
+  ensure_timers();
+  collect_timers(/*block=*/false);
+  backward_timer_->start();
+}
+
+void DistributedDataParallel::ensure_timers() {
+  if (backward_timer_) return;
+  const c10::Device dev = params_.empty() ? c10::Device(c10::kCPU) : params_.front().device();
+  backward_timer_ = std::make_unique<core::DeviceTimer>(dev);
+  exposed_timer_ = std::make_unique<core::DeviceTimer>(dev);
+}
+
+void DistributedDataParallel::collect_timers(bool block) {
+  if (!timers_pending_ || !(block || exposed_timer_->ready())) return;
+  backward_ms_ = backward_timer_->elapsed_ms();
+  exposed_ms_ = exposed_timer_->elapsed_ms();
+  timers_pending_ = false;
 }
 
 void DistributedDataParallel::mark_ready(int64_t i) {
@@ -235,7 +252,9 @@ void DistributedDataParallel::finalize_backward() {
       mark_ready(static_cast<int64_t>(i));
     }
   }
-  core::Stopwatch sw;
+  ensure_timers();
+  backward_timer_->stop();
+  exposed_timer_->start();
   const bool on_device = group_->device_type() != c10::DeviceType::CPU;
   for (auto& b : buckets_) {
     if (!b.work) continue;
@@ -255,7 +274,10 @@ void DistributedDataParallel::finalize_backward() {
       if (u[i] == 0.0f) params_[i].mutable_grad() = at::Tensor();
     }
   }
-  exposed_ms_ = sw.elapsed_ms();
+  exposed_timer_->stop();
+  timers_pending_ = true;
+  // CPU timers are host clocks: read them now. GPU ones are read at a later step once complete.
+  if (!exposed_timer_->on_device()) collect_timers(/*block=*/true);
 }
 
 std::vector<at::Tensor> DistributedDataParallel::gradients() const {

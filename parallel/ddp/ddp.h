@@ -34,6 +34,7 @@
 // in backward(). Errors: CommError/TimeoutError from the communicator, parallax::Error for usage.
 #pragma once
 
+#include "core/timer.h"
 #include "parallel/comm/communicator.h"
 
 #include <torch/nn/module.h>
@@ -88,8 +89,15 @@ class DistributedDataParallel {
 
   const std::vector<BucketInfo>& buckets() const { return bucket_info_; }
   comm::Communicator& group() { return *group_; }
-  // Host time finalize_backward() spent waiting for reductions (exposed communication), last step.
+  // Exposed communication: the time finalize_backward() adds to the step waiting for reductions
+  // that backward did not hide. On the CPU, host time of the last step. On a GPU, measured on the
+  // compute stream with timing events between the end of backward's kernels and the point where
+  // the stream may use the reduced gradients; read without a host sync, so it is the latest step
+  // whose events have completed (0 before the first).
   double last_exposed_comm_ms() const { return exposed_ms_; }
+  // Backward time (GPU: compute-stream time from before_backward() to finalize_backward(); CPU:
+  // host time) of the same step as last_exposed_comm_ms().
+  double last_backward_ms() const { return backward_ms_; }
   // Every parameter's gradient (bucket views), in registration order; for clipping and tests.
   std::vector<at::Tensor> gradients() const;
 
@@ -120,7 +128,11 @@ class DistributedDataParallel {
   std::size_t next_bucket_ = 0;
   bool require_sync_ = true;
   bool in_backward_ = false;
-  double exposed_ms_ = 0;
+  double exposed_ms_ = 0, backward_ms_ = 0;
+  std::unique_ptr<core::DeviceTimer> backward_timer_, exposed_timer_;
+  bool timers_pending_ = false;
+  void ensure_timers();
+  void collect_timers(bool block);
   std::mutex mu_;
   std::string hook_error_;  // first error raised inside a hook (rethrown by finalize_backward)
 };

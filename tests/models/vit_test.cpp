@@ -6,9 +6,12 @@
 #include "tests/models/flop_profiler.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/Context.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 
 namespace parallax::models {
 namespace {
@@ -129,6 +132,54 @@ TEST(TransformerBlockTest, FactoryBuildsEveryLinear) {
   EXPECT_EQ(columns, 2);  // qkv, fc1
   EXPECT_EQ(rows, 2);     // proj, fc2
   EXPECT_EQ(count_parameters(block), TransformerBlock::analytic_cost(o).params);
+}
+
+// Under bf16 autocast the residual stream and LayerNorms stay in bf16 (output bf16) unless
+// fp32_residual, which keeps eager PyTorch's fp32 stream; both track the fp32 forward, and the fp32
+// LayerNorm parameters still get fp32 gradients.
+TEST(VisionTransformerTest, ResidualStreamInAutocastDtypeUnlessFp32Residual) {
+  VitSpec spec;
+  spec.dim = 64;
+  spec.depth = 2;
+  spec.heads = 4;
+  spec.mlp_hidden = 128;
+  at::manual_seed(3);
+  at::Tensor images = at::randn({2, 3, 32, 32});
+  at::Tensor ref;
+  std::map<bool, at::Tensor> out;
+  for (bool fp32_residual : {false, true}) {
+    spec.fp32_residual = fp32_residual;
+    at::manual_seed(4);  // same weights for both
+    VisionTransformer vit(VisionTransformerOptions{spec, 32, 32, true});
+    if (!ref.defined()) ref = vit->forward(images).detach();
+    {
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      out[fp32_residual] = vit->forward(images);
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::clear_cache();
+    }
+    EXPECT_EQ(out[fp32_residual].scalar_type(), fp32_residual ? at::kFloat : at::kBFloat16);
+    out[fp32_residual].to(at::kFloat).square().sum().backward();
+    const at::Tensor g = vit->named_parameters()["norm.weight"].grad();
+    ASSERT_TRUE(g.defined());
+    EXPECT_EQ(g.scalar_type(), at::kFloat);
+    EXPECT_GT(g.abs().sum().item<double>(), 0.0);
+    const double rel = (out[fp32_residual].to(at::kFloat) - ref).norm().item<double>() / ref.norm().item<double>();
+    EXPECT_LT(rel, 3e-2) << "fp32_residual=" << fp32_residual;  // bf16 rounding through 2 blocks
+    EXPECT_GT(rel, 0.0) << "autocast did not run";
+  }
+}
+
+TEST(AttentionBackendTest, ConfigPicksTheFirstKernelAndAutoRestoresTheDefault) {
+  const auto before = at::globalContext().sDPPriorityOrder();
+  set_attention_backend("math");
+  EXPECT_EQ(at::globalContext().sDPPriorityOrder()[0], at::SDPBackend::math);
+  set_attention_backend("cudnn");
+  EXPECT_EQ(at::globalContext().sDPPriorityOrder()[0], at::SDPBackend::cudnn_attention);
+  set_attention_backend("auto");
+  EXPECT_EQ(at::globalContext().sDPPriorityOrder(), before);
+  EXPECT_THROW(set_attention_backend("tensorrt"), ConfigError);
 }
 
 TEST(DenseLinearTest, MatchesMatmulPlusBiasForAnyRank) {

@@ -139,6 +139,9 @@ TEST_F(DdpTest, MatchesSingleProcessOnFullBatch) {
     engine.before_backward();
     loss.backward();
     engine.finalize_backward();
+    // CPU: host clocks, read at finalize_backward(); backward did real work, waiting cannot be negative.
+    EXPECT_GT(engine.last_backward_ms(), 0.0);
+    EXPECT_GE(engine.last_exposed_comm_ms(), 0.0);
     opt.step(1e-2);
     opt.zero_grad(false);
 
@@ -171,8 +174,12 @@ TEST_F(DdpTest, GradAccumulationEqualsLargerBatchAndSkipsCommunication) {
       (mse(a->forward(xs.narrow(0, m * micro_rows, micro_rows)), ys.narrow(0, m * micro_rows, micro_rows)) / k)
           .backward();
       ea.finalize_backward();
-      if (!last) EXPECT_EQ(world_->stats().collectives, before) << "collective issued in no-sync micro-step " << m;
-      if (last) EXPECT_GT(world_->stats().collectives, before);
+      if (!last) {
+        EXPECT_EQ(world_->stats().collectives, before) << "collective issued in no-sync micro-step " << m;
+      }
+      if (last) {
+        EXPECT_GT(world_->stats().collectives, before);
+      }
     }
     oa.step(0.05);
     oa.zero_grad(false);
@@ -293,10 +300,14 @@ TEST_F(DdpTest, FindUnusedMatchesReference) {
     e.before_backward();
     mse(net->forward(x.narrow(0, rank_ * 4, 4)), y.narrow(0, rank_ * 4, 4)).backward();
     e.finalize_backward();
-    if (step < 2) EXPECT_FALSE(net->branch->weight.grad().defined()) << "globally unused: no gradient";
+    if (step < 2) {
+      EXPECT_FALSE(net->branch->weight.grad().defined()) << "globally unused: no gradient";
+    }
     opt.step(1e-2);
     opt.zero_grad(false);
-    if (step < 2) EXPECT_TRUE(at::equal(net->branch->weight.detach(), branch_before));
+    if (step < 2) {
+      EXPECT_TRUE(at::equal(net->branch->weight.detach(), branch_before));
+    }
   }
   EXPECT_LT(max_rel(flat_params(*net), flat_params(*ref)), tol());
 }

@@ -50,7 +50,10 @@ def weights(run_dir):
         return out
 
 
-class TrainTest(unittest.TestCase):
+class RunDirTest(unittest.TestCase):
+    """Runs of the mlp stand-in in a temporary folder; COMMON: the overrides every run gets."""
+    COMMON = ["model.size=tiny", "train.log_every=1", "schedule.warmup_steps=2"]
+
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
         self.d = self.tmp.name
@@ -60,7 +63,10 @@ class TrainTest(unittest.TestCase):
 
     def common(self, name, *extra):
         return ["train", "--config", MLP, f"experiment.output_dir={self.d}", f"experiment.name={name}",
-                "model.size=tiny", "train.log_every=1", "schedule.warmup_steps=2", *extra]
+                *self.COMMON, *extra]
+
+
+class TrainTest(RunDirTest):
 
     def check_exact_resume(self, ranks):
         full = os.path.join(self.d, "full")
