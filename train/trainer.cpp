@@ -232,8 +232,11 @@ void Trainer::setup() {
   model_ = models::build_model(cfg_.model, scene_);
   model_->to(device_);
   model_->train();
+  double load_s = 0;  // checkpoint read time: the weights here, the optimizer state below
   if (resume_) {
+    core::Stopwatch load_clock;
     ck::load_weights(*resume_, *model_);
+    load_s += load_clock.elapsed_s();
   } else if (!cfg_.train.load_from.empty()) {
     ck::WeightsOptions w;
     w.strict = cfg_.train.strict_load;
@@ -282,6 +285,7 @@ void Trainer::setup() {
   core::log::info("data: {}", source_->describe());
 
   if (resume_) {
+    core::Stopwatch load_clock;
     ck::load_optimizer(*resume_, *optimizer_);
     ck::load_loss_scaler(resume_->metadata(), *scaler_);
     // Last: everything above may have drawn random numbers.
@@ -289,6 +293,12 @@ void Trainer::setup() {
       core::log::warn("checkpoint has no RNG state for rank {} (saved with {} ranks): RNG reseeded",
                       world_.rank(), resume_->metadata().world);
     }
+    // Every tensor of a replicated (DDP) checkpoint is read by every rank.
+    int64_t bytes = 0;
+    for (const auto& [name, info] : resume_->metadata().tensors) bytes += info.nbytes();
+    load_s += load_clock.elapsed_s();
+    core::log::info("checkpoint loaded: {:.2f} GB in {:.2f} s on rank {} ({:.2f} GB/s)", bytes / 1e9, load_s,
+                    world_.rank(), bytes / 1e9 / load_s);
     resume_.reset();
   }
   if (!cfg_.train.benchmark) {
