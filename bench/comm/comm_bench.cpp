@@ -6,7 +6,7 @@
 //   mpirun -np 4 comm_bench [--backend auto|mpi|gloo|nccl] [--min-bytes 1024] [--max-bytes N]
 //          [--step 4] [--ops all_reduce,reduce_scatter,all_gather] [--impls native,ring,raw]
 //          [--warmup 3] [--min-iters 5] [--max-iters 200] [--target-s 0.3] [--dtype float32]
-//          [--ring-chunk 4M]
+//          [--ring-chunk 4M] [--nccl-blocking]
 //
 // Method: per configuration, `warmup` untimed runs, then iterations (each preceded by a barrier
 // and timed on the host until the op completed) until min-iters and target-s are both reached or
@@ -54,6 +54,7 @@ struct Args {
   double target_s = 0.3;
   std::string dtype = "float32";
   int64_t ring_chunk = 0;  // 0: CommOptions' default
+  bool nccl_blocking = false;
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -105,6 +106,8 @@ Args parse(int argc, char** argv) {
       a.max_iters = std::atoi(next().c_str());
     else if (k == "--target-s")
       a.target_s = std::atof(next().c_str());
+    else if (k == "--nccl-blocking")
+      a.nccl_blocking = true;
     else if (k == "--ring-chunk")
       a.ring_chunk = parse_bytes(next());
     else if (k == "--dtype")
@@ -156,6 +159,7 @@ int main(int argc, char** argv) {
   World world;
   CommOptions copts;
   if (args.ring_chunk > 0) copts.ring_chunk_bytes = args.ring_chunk;
+  copts.nccl_blocking = args.nccl_blocking;
   CommPtr comm = make_world_communicator(world, args.backend, copts);
   const bool gpu = comm->device_type() == c10::DeviceType::CUDA;
   const int n = comm->size(), rank = comm->rank();
