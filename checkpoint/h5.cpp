@@ -17,61 +17,7 @@ namespace {
   return true;
 }();
 
-herr_t collect_error(unsigned n, const H5E_error2_t* err, void* data) {
-  auto* out = static_cast<std::vector<std::string>*>(data);
-  if (err->desc && *err->desc) out->emplace_back(err->desc);
-  return 0;
-}
-
 }  // namespace
-
-void quiet_errors() {
-  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-}
-
-std::string error_message() {
-  std::vector<std::string> descs;
-  H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, collect_error, &descs);
-  H5Eclear2(H5E_DEFAULT);
-  if (descs.empty()) return "";
-  if (descs.size() == 1) return descs.front();
-  return descs.front() + ": " + descs.back();
-}
-
-std::string describe(const std::string& context) {
-  const std::string m = error_message();
-  return m.empty() ? context : context + ": HDF5: " + m;
-}
-
-void Id::reset() {
-  if (id_ < 0) return;
-  switch (H5Iget_type(id_)) {
-    case H5I_FILE:
-      H5Fclose(id_);
-      break;
-    case H5I_GROUP:
-      H5Gclose(id_);
-      break;
-    case H5I_DATASET:
-      H5Dclose(id_);
-      break;
-    case H5I_DATASPACE:
-      H5Sclose(id_);
-      break;
-    case H5I_DATATYPE:
-      H5Tclose(id_);
-      break;
-    case H5I_ATTR:
-      H5Aclose(id_);
-      break;
-    case H5I_GENPROP_LST:
-      H5Pclose(id_);
-      break;
-    default:
-      break;
-  }
-  id_ = -1;
-}
 
 hid_t storage_type(at::ScalarType dtype, const std::string& tensor_name) {
   switch (dtype) {

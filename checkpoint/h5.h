@@ -1,5 +1,5 @@
-// Internal: the small RAII layer over the HDF5 C API that the checkpoint files need (owned
-// identifiers, storage types per dtype, attributes, error capture), and the C-order block iterator
+// Internal: what the checkpoint files need on top of core/h5.h (owned identifiers and error
+// capture): storage types per dtype, attributes, and the C-order block iterator
 // that streams a tensor through a bounded buffer. Not part of the public API.
 //
 // Error policy: every entry point of the checkpoint layer that touches HDF5 first calls
@@ -15,6 +15,8 @@
 // them and a background checkpoint writer never stalls the data loader for long.
 #pragma once
 
+#include "core/h5.h"
+
 #include <hdf5.h>
 
 #include <c10/core/ScalarType.h>
@@ -26,50 +28,12 @@
 
 namespace parallax::checkpoint::h5 {
 
-void quiet_errors();
-// The calling thread's HDF5 error stack as "<outermost>: <innermost>" (then cleared); "" if empty.
-std::string error_message();
-// "<context>: HDF5: <error_message()>" (or the context alone).
-std::string describe(const std::string& context);
-
-// Throws E(describe(context)).
-template <class E>
-[[noreturn]] void fail(const std::string& context) {
-  throw E(describe(context));
-}
-
-// An owned HDF5 identifier of any kind; closed with the matching H5*close. Move-only.
-class Id {
- public:
-  Id() = default;
-  explicit Id(hid_t id) : id_(id) {}
-  ~Id() { reset(); }
-  Id(Id&& o) noexcept : id_(o.id_) { o.id_ = -1; }
-  Id& operator=(Id&& o) noexcept {
-    if (this != &o) {
-      reset();
-      id_ = o.id_;
-      o.id_ = -1;
-    }
-    return *this;
-  }
-  Id(const Id&) = delete;
-  Id& operator=(const Id&) = delete;
-
-  hid_t get() const { return id_; }
-  operator hid_t() const { return id_; }
-  bool valid() const { return id_ >= 0; }
-  void reset();
-  // Gives up ownership without closing (for closes whose result must be checked).
-  hid_t release() {
-    const hid_t i = id_;
-    id_ = -1;
-    return i;
-  }
-
- private:
-  hid_t id_ = -1;
-};
+// The shared RAII and error layer (core/h5.h).
+using core::h5::describe;
+using core::h5::error_message;
+using core::h5::fail;
+using core::h5::Id;
+using core::h5::quiet_errors;
 
 // The HDF5 type a tensor of `dtype` is stored as: native IEEE floats and integers where HDF5 has
 // them (float32/64, int8..int64, uint8), else an unsigned integer of the same width holding the raw

@@ -8,16 +8,6 @@
 namespace parallax::data::h5 {
 namespace {
 
-struct WalkState {
-  std::vector<std::string> descs;
-};
-
-herr_t collect_error(unsigned /*n*/, const H5E_error2_t* err, void* data) {
-  auto* st = static_cast<WalkState*>(data);
-  if (err->desc && *err->desc) st->descs.emplace_back(err->desc);
-  return 0;
-}
-
 hid_t native_type(at::ScalarType t) {
   switch (t) {
     case at::kByte:
@@ -73,76 +63,13 @@ bool library_threadsafe() {
   return ts;
 }
 
-void quiet_errors() {
-  thread_local bool done = false;
-  if (done) return;
-  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-  done = true;
-}
-
-std::string error_message() {
-  WalkState st;
-  H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, collect_error, &st);
-  H5Eclear2(H5E_DEFAULT);
-  if (st.descs.empty()) return "";
-  if (st.descs.size() == 1 || st.descs.front() == st.descs.back()) return st.descs.front();
-  return st.descs.front() + ": " + st.descs.back();
-}
-
 void fail(const std::string& context) {
-  const std::string msg = error_message();
-  if (msg.empty()) throw DataError(context);
-  throw DataError(context + ": HDF5: " + msg);
+  core::h5::fail<DataError>(context);
 }
 
 Hdf5Lock::Hdf5Lock() {
   quiet_errors();
   if (!library_threadsafe()) lock_ = std::unique_lock<std::mutex>(global_hdf5_mutex());
-}
-
-Id::Id(hid_t id, const std::string& context) : id_(id) {
-  if (id_ < 0) fail(context);
-}
-
-Id& Id::operator=(Id&& o) noexcept {
-  if (this != &o) {
-    reset();
-    id_ = o.id_;
-    o.id_ = -1;
-  }
-  return *this;
-}
-
-void Id::reset() {
-  if (id_ < 0) return;
-  switch (H5Iget_type(id_)) {
-    case H5I_FILE:
-      H5Fclose(id_);
-      break;
-    case H5I_GROUP:
-      H5Gclose(id_);
-      break;
-    case H5I_DATASET:
-      H5Dclose(id_);
-      break;
-    case H5I_DATASPACE:
-      H5Sclose(id_);
-      break;
-    case H5I_DATATYPE:
-      H5Tclose(id_);
-      break;
-    case H5I_ATTR:
-      H5Aclose(id_);
-      break;
-    case H5I_GENPROP_LST:
-      H5Pclose(id_);
-      break;
-    default:
-      H5Idec_ref(id_);
-      break;
-  }
-  H5Eclear2(H5E_DEFAULT);
-  id_ = -1;
 }
 
 Id open_file_readonly(const std::string& path) {

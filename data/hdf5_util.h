@@ -15,6 +15,8 @@
 // Keep work that needs no HDF5 (decoding, augmentation) outside those sections.
 #pragma once
 
+#include "core/h5.h"
+
 #include <hdf5.h>
 
 #include <ATen/core/Tensor.h>
@@ -27,12 +29,9 @@
 
 namespace parallax::data::h5 {
 
-// Turns off HDF5's automatic error printing for the calling thread (idempotent, cheap).
-void quiet_errors();
-
-// The calling thread's HDF5 error stack as one line ("<outermost>: <innermost>"), then cleared.
-// "" when the stack is empty.
-std::string error_message();
+// The shared RAII and error layer (core/h5.h).
+using core::h5::error_message;
+using core::h5::quiet_errors;
 
 // Throws DataError "<context>: HDF5: <error_message()>" (or just the context when HDF5 has no
 // message).
@@ -52,32 +51,14 @@ class Hdf5Lock {
   std::unique_lock<std::mutex> lock_;
 };
 
-// An owned HDF5 identifier of any kind (file, group, dataset, dataspace, type, property list,
-// attribute); closed with the matching H5*close on destruction. Move-only.
-class Id {
+// core::h5::Id with a checked constructor for the data layer: Id(h, context) takes ownership of
+// `h` and throws DataError via fail(context) if `h` < 0.
+class Id : public core::h5::Id {
  public:
   Id() = default;
-  // Takes ownership of `id`; if `id` < 0, throws via fail(context).
-  Id(hid_t id, const std::string& context);
-  ~Id() { reset(); }
-  Id(Id&& o) noexcept : id_(o.id_) { o.id_ = -1; }
-  Id& operator=(Id&& o) noexcept;
-  Id(const Id&) = delete;
-  Id& operator=(const Id&) = delete;
-
-  hid_t get() const { return id_; }
-  operator hid_t() const { return id_; }
-  bool valid() const { return id_ >= 0; }
-  void reset();
-  // Gives up ownership without closing.
-  hid_t release() {
-    const hid_t i = id_;
-    id_ = -1;
-    return i;
+  Id(hid_t id, const std::string& context) : core::h5::Id(id) {
+    if (id < 0) fail(context);
   }
-
- private:
-  hid_t id_ = -1;
 };
 
 // Checks an herr_t / htri_t result; throws via fail(context) if negative.
