@@ -68,6 +68,7 @@ BevModelSpec make_bev_spec(const ModelConfig& cfg, const core::SceneSpec& scene)
   s.encoder.vit = p.vit;
   s.encoder.vit.dropout = cfg.dropout;
   s.encoder.vit.fp32_residual = cfg.fp32_residual;
+  s.encoder.vit.fused_kernels = cfg.fused_kernels;
   s.encoder.conv = p.conv;
   s.encoder.image_h = scene.image_height;
   s.encoder.image_w = scene.image_width;

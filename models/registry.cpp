@@ -77,6 +77,7 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
     VitSpec spec;  // ViT-B/16 at 224 x 224, as timm's vit_base_patch16_224
     spec.dropout = cfg.dropout;
     spec.fp32_residual = cfg.fp32_residual;
+    spec.fused_kernels = cfg.fused_kernels;
     return std::make_shared<VitClassifier>(spec, 224, cfg.num_classes, linear);
   }
   if (cfg.name == "bev") return std::make_shared<PerceptionModel>(make_bev_spec(cfg, scene), linear);

@@ -30,6 +30,8 @@ struct VitSpec {
   // Under autocast, keep the residual stream and LayerNorms in fp32 (eager PyTorch's behaviour)
   // instead of autocast's dtype (the default; see vit.cpp).
   bool fp32_residual = false;
+  // Residual add + LayerNorm through kernels/ (fused CUDA kernels on GPU; ATen otherwise).
+  bool fused_kernels = true;
 };
 
 struct TransformerBlockOptions {
@@ -38,6 +40,7 @@ struct TransformerBlockOptions {
   double dropout = 0.0;
   int64_t tokens = 197;  // configured sequence length, for cost()
   LinearFactory linear = dense_linear;
+  bool fused_kernels = true;  // see VitSpec
 };
 
 // Multi-head self-attention: qkv (kColumn) -> SDPA -> proj (kRow). [B, T, D] -> [B, T, D].
@@ -142,7 +145,8 @@ class VitClassifier : public Model {
 at::Tensor normalize_images(const at::Tensor& images, at::ScalarType dtype);
 
 // LayerNorm that keeps x's dtype under autocast (which would run and return it in fp32); used on
-// the ViT's residual stream, which stays in autocast's dtype (see vit.cpp).
-at::Tensor layer_norm_in_dtype(torch::nn::LayerNorm& ln, const at::Tensor& x);
+// the ViT's residual stream, which stays in autocast's dtype (see vit.cpp). `fused`: through
+// kernels::add_layer_norm when its CUDA kernel takes x.
+at::Tensor layer_norm_in_dtype(torch::nn::LayerNorm& ln, const at::Tensor& x, bool fused = true);
 
 }  // namespace parallax::models

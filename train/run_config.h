@@ -39,6 +39,8 @@ struct TrainConfig {
   std::string device = "auto";
   bool benchmark = false;
   int threads = 0;  // intra-op CPU threads per rank; 0: cores / ranks on the node
+  int64_t profile_steps = 0;  // > 0: Chrome trace of that many steps
+  int64_t profile_start = 5;
 
   template <class V>
   void visit(V& v) {
@@ -56,6 +58,10 @@ struct TrainConfig {
     v("benchmark", benchmark, "benchmark mode: synthetic batches, no eval or checkpoints");
     v("threads", threads, "intra-op CPU threads per rank (0: cores on the node / ranks on the node)",
       core::Check::at_least(0));
+    v("profile_steps", profile_steps,
+      "record this many steps with the Kineto profiler into <run>/profile/trace_rank<r>.json (0: off)",
+      core::Check::at_least(0));
+    v("profile_start", profile_start, "first profiled step", core::Check::at_least(1));
   }
 };
 

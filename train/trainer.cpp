@@ -25,6 +25,7 @@
 #include "train/batch_source.h"
 #include "train/evaluate.h"
 #include "train/metrics.h"
+#include "train/profiler.h"
 
 #include <ATen/ATen.h>
 #include <ATen/DeviceAccelerator.h>
@@ -354,7 +355,10 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr) {
   grad_norm_ = optim::clip_grad_norm(grads, found_inf_ ? 0.0 : cfg_.optim.grad_clip);
   if (!found_inf_) optimizer_->step(lr);
   scaler_->update(found_inf_);
-  optimizer_->zero_grad(/*set_to_none=*/false);
+  // DDP's gradients are views into its buckets and must stay; without DDP, dropping them (as
+  // PyTorch's zero_grad does by default) lets the next backward write each gradient once instead
+  // of filling zeros and accumulating into them.
+  optimizer_->zero_grad(/*set_to_none=*/!ddp_);
   return terms;
 }
 
@@ -410,9 +414,14 @@ TrainSummary Trainer::fit() {
   if (start_step_ >= total) {
     core::log::info("checkpoint step {} >= train.steps {}: nothing to train", start_step_, total);
   }
+  StepProfiler profiler(cfg_.train.profile_steps > 0 ? std::max(cfg_.train.profile_start, start_step_ + 1) : 0,
+                        cfg_.train.profile_steps, device_.is_cuda(),
+                        (run_dir_ / "profile" / fmt::format("trace_rank{}.json", world_.rank())).string());
   for (int64_t step = start_step_ + 1; step <= total; ++step) {
     const double lr = optim::lr_at(cfg_.schedule, cfg_.optim.lr, step, total);
+    profiler.before(step);
     auto terms = train_step(step, lr);
+    profiler.after(step);
     ++interval_steps;
     if (checkpointer_) checkpointer_->poll();  // surfaces a failed background save
     if (step == start_step_ + 1) first_step_s = run_clock.elapsed_s();

@@ -6,7 +6,9 @@
 //   mpirun -np 4 comm_bench [--backend auto|mpi|gloo|nccl] [--min-bytes 1024] [--max-bytes N]
 //          [--step 4] [--ops all_reduce,reduce_scatter,all_gather] [--impls native,ring,raw]
 //          [--warmup 3] [--min-iters 5] [--max-iters 200] [--target-s 0.3] [--dtype float32]
-//          [--ring-chunk 4M] [--nccl-blocking]
+//          [--ring-chunk 4M] [--nccl-blocking | --nccl-nonblocking]
+//
+// On GPUs the first line reports the device memory that creating the world communicator took.
 //
 // Method: per configuration, `warmup` untimed runs, then iterations (each preceded by a barrier
 // and timed on the host until the op completed) until min-iters and target-s are both reached or
@@ -54,7 +56,7 @@ struct Args {
   double target_s = 0.3;
   std::string dtype = "float32";
   int64_t ring_chunk = 0;  // 0: CommOptions' default
-  bool nccl_blocking = false;
+  bool nccl_blocking = CommOptions{}.nccl_blocking;
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -108,6 +110,8 @@ Args parse(int argc, char** argv) {
       a.target_s = std::atof(next().c_str());
     else if (k == "--nccl-blocking")
       a.nccl_blocking = true;
+    else if (k == "--nccl-nonblocking")
+      a.nccl_blocking = false;
     else if (k == "--ring-chunk")
       a.ring_chunk = parse_bytes(next());
     else if (k == "--dtype")
@@ -160,9 +164,29 @@ int main(int argc, char** argv) {
   CommOptions copts;
   if (args.ring_chunk > 0) copts.ring_chunk_bytes = args.ring_chunk;
   copts.nccl_blocking = args.nccl_blocking;
+  // Device memory taken by creating the world communicator (NCCL buffers and streams).
+  size_t free_before = 0, free_after = 0;
+  [[maybe_unused]] size_t total_mem = 0;
+#ifdef PARALLAX_WITH_NCCL
+  const bool on_gpu = world.device().has_value() && world.device()->is_cuda();
+  if (on_gpu) {
+    cudaSetDevice(world.device()->index());
+    cudaFree(nullptr);
+    cudaMemGetInfo(&free_before, &total_mem);
+  }
+#endif
   CommPtr comm = make_world_communicator(world, args.backend, copts);
+#ifdef PARALLAX_WITH_NCCL
+  if (on_gpu) cudaMemGetInfo(&free_after, &total_mem);
+#endif
   const bool gpu = comm->device_type() == c10::DeviceType::CUDA;
   const int n = comm->size(), rank = comm->rank();
+  if (gpu && rank == 0) {
+    std::printf("{\"comm_create_MiB\": %.1f, \"nccl_blocking\": %s}\n",
+                (double(free_before) - double(free_after)) / double(1 << 20),
+                copts.nccl_blocking ? "true" : "false");
+    std::fflush(stdout);
+  }
   const c10::ScalarType dt = dtype_of(args.dtype);
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dt));
   const int64_t max_bytes =

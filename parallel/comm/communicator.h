@@ -57,13 +57,15 @@ struct CommOptions {
   // Pipelining granularity of the ring algorithm; 0: the backend's default (4 MiB on the CPU
   // backends; 128 MiB on NCCL, where fewer, larger send/recv groups measured faster on NVLink).
   int64_t ring_chunk_bytes = 0;
-  // NCCL: data-path communicators in NCCL's blocking mode (~30 us per small collective instead of
-  // ~100 us with non-blocking enqueue; docs/comm.md). Creation and split still go through a
-  // non-blocking control communicator, so init_timeout_s holds, and a collective whose peers'
-  // kernels never come is still timed out by the watchdog (ncclCommAbort). But an op that must
-  // first connect to a peer that never arrives (the first send/recv to it, or the first
-  // collective) blocks the host inside NCCL past timeout_s. Off by default for that reason.
-  bool nccl_blocking = false;
+  // NCCL: collectives on communicators in NCCL's blocking mode (~30 us per small collective
+  // instead of ~100 us with non-blocking enqueue; docs/comm.md). Creation and split go through a
+  // non-blocking control communicator, so init_timeout_s holds; every collective connection is
+  // made during creation (NCCL_RUNTIME_CONNECT=0 unless the user set it), so no collective waits
+  // for a peer on the host; point-to-point traffic (whose connections NCCL always makes on first
+  // use) stays on the non-blocking control communicator; a collective whose peers' kernels never
+  // come is timed out by the watchdog (ncclCommAbort). false: everything on non-blocking
+  // communicators.
+  bool nccl_blocking = true;
 };
 
 inline int64_t ring_chunk_or(const CommOptions& o, int64_t backend_default) {

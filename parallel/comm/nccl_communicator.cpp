@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -148,16 +149,40 @@ class CudaEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+// NCCL connects a collective's peers on first use by default (NCCL_RUNTIME_CONNECT=1). On a
+// blocking communicator that first use would wait for a missing peer inside NCCL with the host
+// blocked, out of reach of timeout_s. With NCCL_RUNTIME_CONNECT=0 every communicator connects its
+// ring and tree peers while it is created, which the non-blocking creation path bounds by
+// init_timeout_s. NCCL reads the variable once per process, before its first communicator, so it
+// is set here unless the user set it.
+void connect_at_creation(int rank) {
+  const char* user = std::getenv("NCCL_RUNTIME_CONNECT");
+  if (user) {
+    if (std::string(user) != "0") {
+      core::log::warn(
+          "world rank {}: NCCL_RUNTIME_CONNECT={} with blocking NCCL communicators "
+          "(parallel.nccl_blocking): a collective's first contact with a rank that never arrives "
+          "can block past timeout_s",
+          rank, user);
+    }
+    return;
+  }
+  ::setenv("NCCL_RUNTIME_CONNECT", "0", 0);
+}
+
 Clock::time_point after(double seconds) {
   return Clock::now() +
          std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 // Every group has a non-blocking control communicator, through which creation and split honour
-// their deadlines. With CommOptions::nccl_blocking the data path runs on a blocking twin split
-// from it (see CommOptions for the trade-off): NCCL's non-blocking enqueue costs ~100 us per collective against ~30 us
-// (measured on 2 x H200, docs/comm.md). With lazy connection setup the control communicator,
-// which never runs a collective, holds no buffers.
+// their deadlines, and which carries point-to-point traffic (its first contact with a peer
+// connects lazily, and only non-blocking mode lets that wait time out). With
+// CommOptions::nccl_blocking (the default) collectives run on a blocking twin split from it:
+// NCCL's non-blocking enqueue costs ~100 us per collective against ~30 us (measured on
+// 2 x H200, docs/comm.md). The twin's collective connections are made while it is created
+// (NCCL_RUNTIME_CONNECT=0, see make_nccl_world), under the creation deadline, so no collective
+// on it has to wait for a peer on the host.
 ncclConfig_t nonblocking_config() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
@@ -432,15 +457,15 @@ class NcclCommunicator final : public CommBase {
       for (auto& op : ops) {
         if (op.kind == P2POp::Kind::kSend) {
           call(ncclSend(op.tensor.data_ptr(), static_cast<size_t>(op.tensor.numel()),
-                        nccl_type(op.tensor.scalar_type()), op.peer, comm_, stream_.stream()),
-               "ncclSend", tickets[0]);
+                        nccl_type(op.tensor.scalar_type()), op.peer, p2p_comm(), stream_.stream()),
+               "ncclSend", tickets[0], p2p_comm());
         } else {
           call(ncclRecv(op.tensor.data_ptr(), static_cast<size_t>(op.tensor.numel()),
-                        nccl_type(op.tensor.scalar_type()), op.peer, comm_, stream_.stream()),
-               "ncclRecv", tickets[0]);
+                        nccl_type(op.tensor.scalar_type()), op.peer, p2p_comm(), stream_.stream()),
+               "ncclRecv", tickets[0], p2p_comm());
         }
       }
-      group_end(tickets[0]);
+      group_end(tickets[0], p2p_comm());
     });
   }
 
@@ -647,16 +672,26 @@ class NcclCommunicator final : public CommBase {
         std::static_pointer_cast<NcclCommunicator>(shared_from_this()), p);
   }
 
-  void call(ncclResult_t rc, const char* what, const Ticket& t) {
+  // Point-to-point traffic (send/recv, batches, the ring) runs on the non-blocking control
+  // communicator when there is one: its first contact with a peer connects lazily, and only a
+  // non-blocking communicator lets that wait honour the deadline when the peer never comes.
+  // Collectives stay on comm_, whose connections were made at creation (NCCL_RUNTIME_CONNECT=0).
+  ncclComm_t p2p_comm() const { return ctrl_ ? ctrl_ : comm_; }
+
+  // `comm`: the communicator the call was made on (nullptr: comm_).
+  void call(ncclResult_t rc, const char* what, const Ticket& t, ncclComm_t comm = nullptr) {
+    if (!comm) comm = comm_;
     if (rc == ncclSuccess) return;
     if (rc == ncclInProgress) {
-      wait_ready(comm_, t.deadline, what);
+      wait_ready(comm, t.deadline, what);
       return;
     }
-    throw CommError(fmt::format("{}: {}", what, nccl_error(rc, comm_)));
+    throw CommError(fmt::format("{}: {}", what, nccl_error(rc, comm)));
   }
   void group_start(const Ticket& t) { call(ncclGroupStart(), "ncclGroupStart", t); }
-  void group_end(const Ticket& t) { call(ncclGroupEnd(), "ncclGroupEnd", t); }
+  void group_end(const Ticket& t, ncclComm_t comm) {
+    call(ncclGroupEnd(), "ncclGroupEnd", t, comm);
+  }
 
   // All-gather of pieces of sizes[r] elements into outs[r], each padded to the largest.
   void gather_padded(const at::Tensor& in, const std::vector<int64_t>& sizes,
@@ -718,18 +753,18 @@ class NcclCommunicator final : public CommBase {
         group_start(t);
         if (out.numel() > 0) {
           call(ncclSend(out.data_ptr(), static_cast<size_t>(out.numel()),
-                        nccl_type(flat.scalar_type()), next, comm_, stream_.stream()),
-               "ncclSend (ring)", t);
+                        nccl_type(flat.scalar_type()), next, p2p_comm(), stream_.stream()),
+               "ncclSend (ring)", t, p2p_comm());
           stats_.p2p_ops += 1;
           stats_.bytes_sent += out.numel() * elem;
         }
         if (in.numel() > 0) {
           call(ncclRecv(landing.data_ptr(), static_cast<size_t>(in.numel()),
-                        nccl_type(flat.scalar_type()), prev, comm_, stream_.stream()),
-               "ncclRecv (ring)", t);
+                        nccl_type(flat.scalar_type()), prev, p2p_comm(), stream_.stream()),
+               "ncclRecv (ring)", t, p2p_comm());
           stats_.p2p_ops += 1;
         }
-        group_end(t);
+        group_end(t, p2p_comm());
         if (!rs) continue;
         transferred[static_cast<size_t>(c)].record(stream_);
         transferred[static_cast<size_t>(c)].block(reduce_stream_);
@@ -787,15 +822,16 @@ class NcclCommunicator final : public CommBase {
             }
           }
         }
-        if (!aborted_ && comm_ && !comm_aborted_) {
+        for (ncclComm_t c : {comm_, ctrl_}) {
+          if (aborted_ || !c || comm_aborted_ || list.empty()) break;
           ncclResult_t state = ncclSuccess;
-          if (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess &&
-              state != ncclInProgress && !list.empty()) {
+          if (ncclCommGetAsyncError(c, &state) == ncclSuccess && state != ncclSuccess &&
+              state != ncclInProgress) {
             std::lock_guard<std::mutex> fl(fail_mu_);
             if (!aborted_) {
               try {
                 fail_error(list.front()->tickets[0],
-                           fmt::format("asynchronous NCCL error: {}", nccl_error(state, comm_)));
+                           fmt::format("asynchronous NCCL error: {}", nccl_error(state, c)));
               } catch (const std::exception&) {
               }
             }
@@ -880,6 +916,7 @@ CommPtr make_nccl_world(const std::shared_ptr<WorldContext>& ctx, const CommOpti
       ctx->launch.local_world_size, ctx->cuda_devices, ctx->rank, ctx->launch.local_rank);
   const c10::Device device = *ctx->device;
   c10::cuda::CUDAGuard g(device);
+  if (options.nccl_blocking) connect_at_creation(ctx->rank);
   const std::string uid = ctx->next_world_uid("nccl");
   ncclUniqueId id;
   std::memset(&id, 0, sizeof(id));

@@ -82,10 +82,36 @@ Topology::Topology(CommPtr world, Layout layout) : world_(std::move(world)), lay
   const Coord& c = coord_;
   const Layout& l = layout_;
   groups_["world"] = world_;
-  groups_["tp"] = world_->split(c.pp * l.dp + c.dp, c.tp, "tp");
-  groups_["dp"] = world_->split(c.pp * l.tp + c.tp, c.dp, "dp");
-  groups_["pp"] = world_->split(c.dp * l.tp + c.tp, c.pp, "pp");
-  groups_["dp_tp"] = world_->split(c.pp, c.dp * l.tp + c.tp, "dp_tp");
+  owner_["world"] = "world";
+  // A group whose ranks are those of a group made before it (dp = world when tp = pp = 1,
+  // dp_tp = dp when tp = 1, every 1-rank group) shares that communicator instead of splitting a
+  // new one: each NCCL communicator holds its connection buffers (connected at creation, see
+  // CommOptions::nccl_blocking), so duplicates would cost device memory for nothing. Whether two
+  // groups coincide depends only on the layout, so every rank makes the same splits.
+  const auto make = [&](const std::string& name, int color, int key) {
+    const std::vector<int> members = group_ranks(l, name, r);
+    for (const char* prev : {"world", "tp", "dp", "pp"}) {
+      auto it = groups_.find(prev);
+      if (it != groups_.end() && it->second->world_ranks() == members) {
+        groups_[name] = it->second;
+        owner_[name] = owner_[prev];
+        return;
+      }
+    }
+    groups_[name] = world_->split(color, key, name);
+    owner_[name] = name;
+  };
+  make("tp", c.pp * l.dp + c.dp, c.tp);
+  make("dp", c.pp * l.tp + c.tp, c.dp);
+  make("pp", c.dp * l.tp + c.tp, c.pp);
+  make("dp_tp", c.pp, c.dp * l.tp + c.tp);
+}
+
+const std::string& Topology::communicator_of(const std::string& name) const {
+  auto it = owner_.find(name);
+  PARALLAX_CHECK(it != owner_.end(), CommError,
+                 "unknown group '{}' (known: tp, dp, pp, dp_tp, world)", name);
+  return it->second;
 }
 
 const CommPtr& Topology::group(const std::string& name) const {

@@ -3,7 +3,8 @@
 // Rank order: TP is innermost (the tp ranks of one model replica slice are contiguous, so they sit
 // on one node), then DP, then PP outermost:
 //   world_rank = pp_index * (dp * tp) + dp_index * tp + tp_index
-// Groups (each created once, through split, in this order on every rank):
+// Groups (each created once, through split, in this order on every rank; a group with the same
+// ranks as an earlier one shares its communicator, see communicator_of()):
 //   tp    ranks sharing (pp, dp), ordered by tp index     (tensor-parallel all-reduce/all-gather)
 //   dp    ranks sharing (pp, tp), ordered by dp index     (gradient all-reduce)
 //   pp    ranks sharing (dp, tp), ordered by pp index     (pipeline p2p)
@@ -60,12 +61,16 @@ class Topology {
   const CommPtr& dp_tp() const { return group("dp_tp"); }
   // Throws CommError naming the known groups for an unknown name.
   const CommPtr& group(const std::string& name) const;
+  // The group whose communicator `name` uses: itself, or an earlier group with the same ranks
+  // ("world", "tp", "dp" or "pp"), whose name then appears in that communicator's messages.
+  const std::string& communicator_of(const std::string& name) const;
 
  private:
   CommPtr world_;
   Layout layout_;
   Coord coord_;
   std::map<std::string, CommPtr> groups_;
+  std::map<std::string, std::string> owner_;
 };
 
 }  // namespace parallax::parallel::comm

@@ -337,7 +337,11 @@ void check_layout(const CommPtr& world, Layout layout, const Groups& expected) {
     const CommPtr& g = topo.group(name);
     ASSERT_TRUE(g) << name;
     EXPECT_EQ(g->world_ranks(), members) << layout.to_string() << " group " << name;
-    EXPECT_EQ(g->name(), name);
+    EXPECT_EQ(g->name(), topo.communicator_of(name));
+    if (topo.communicator_of(name) != name) {  // shared: an earlier group with the same ranks
+      EXPECT_EQ(topo.group(topo.communicator_of(name)), g);
+      EXPECT_EQ(g->world_ranks(), members);
+    }
     // Each rank contributes (world rank + 1); the sum covers exactly the group's members.
     at::Tensor t =
         at::full({3}, double(r + 1), at::TensorOptions().dtype(at::kDouble).device(test_device()));
@@ -375,6 +379,29 @@ TEST(TopologyTest, GroupsOfEachLayoutReduceOnlyInsideThemselves) {
   } else {
     GTEST_SKIP() << "layouts are written out for 2 and 4 ranks";
   }
+}
+
+// Groups with the same ranks share one communicator (one set of NCCL buffers), decided by the
+// layout alone: the 1-rank groups share the first one made, dp = world when tp = pp = 1,
+// dp_tp = dp when tp = 1.
+TEST(TopologyTest, GroupsWithTheSameRanksShareACommunicator) {
+  auto& c = world_comm();
+  const int n = c->size();
+  if (n < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  Topology pure_dp(c, resolve_layout(n, 0, 1, 1));
+  EXPECT_EQ(pure_dp.dp(), c);
+  EXPECT_EQ(pure_dp.communicator_of("dp"), "world");
+  EXPECT_EQ(pure_dp.communicator_of("dp_tp"), "world");
+  EXPECT_EQ(pure_dp.communicator_of("tp"), "tp");  // the first 1-rank group
+  EXPECT_EQ(pure_dp.communicator_of("pp"), "tp");
+  EXPECT_EQ(pure_dp.pp(), pure_dp.tp());
+  if (n % 2 == 0 && n >= 4) {
+    Topology dp_pp(c, resolve_layout(n, 0, 1, 2));
+    EXPECT_EQ(dp_pp.communicator_of("dp_tp"), "dp");
+    EXPECT_EQ(dp_pp.communicator_of("dp"), "dp");
+    EXPECT_NE(dp_pp.dp(), c);
+  }
+  EXPECT_THROW(pure_dp.communicator_of("ep"), CommError);
 }
 
 TEST(SplitTest, NegativeColorJoinsNoGroupAndKeyOrdersRanks) {

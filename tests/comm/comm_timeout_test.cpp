@@ -97,6 +97,35 @@ TEST(TimeoutTest, RanksWaitingForAMissingRankFailInTimeNamingIt) {
   }
   store_barrier("after_collective");
 
+  // The first collective on a fresh communicator, which the last rank skips. On NCCL's blocking
+  // communicators (the default) this is the case that needs the collective's connections made at
+  // creation: a first contact inside the call would wait for the missing rank with the host
+  // blocked, past the timeout.
+  {
+    CommPtr f = make_world_communicator(test_backend(), o);
+    if (r != last) {
+      at::Tensor x = at::ones({4096}, at::TensorOptions().device(test_device()));
+      const auto start = std::chrono::steady_clock::now();
+      std::string message;
+      try {
+        f->all_reduce(x, ReduceOp::kSum);  // #1: the last rank never comes
+      } catch (const TimeoutError& e) {
+        message = e.what();
+      }
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      ASSERT_FALSE(message.empty()) << "no TimeoutError";
+      EXPECT_GE(elapsed, kTimeout);
+      EXPECT_LT(elapsed, kTimeout + 3.0) << "the timeout fired late";
+      EXPECT_NE(message.find("all_reduce(sum, native) #1 on group 'world'"), std::string::npos)
+          << message;
+      EXPECT_NE(message.find(fmt::format("Ranks that never arrived: [{}]", last)),
+                std::string::npos)
+          << message;
+    }
+    store_barrier("after_first_collective");
+  }
+
   // A point-to-point receive whose sender never sends.
   CommPtr p = make_world_communicator(test_backend(), o);
   if (r == 0) {

@@ -116,6 +116,40 @@ TEST(AttentionTest, MatchesSoftmaxAttentionReference) {
   EXPECT_TRUE(at::allclose(got, ref, 1e-5, 1e-5));
 }
 
+// The attention's own qkv-split backward (one write of dq, dk, dv into the packed gradient)
+// against autograd through the plain chunk/view/transpose composition.
+TEST(AttentionTest, GradientsMatchSoftmaxAttentionReference) {
+  at::manual_seed(5);
+  TransformerBlockOptions o;
+  o.dim = 48;
+  o.heads = 4;
+  o.tokens = 7;
+  Attention attn(o);
+  auto p = attn->named_parameters();
+  const at::Tensor x0 = at::randn({3, 7, 48}, at::kDouble).to(at::kFloat);
+  const at::Tensor upstream = at::randn({3, 7, 48});
+
+  at::Tensor x = x0.clone().requires_grad_(true);
+  (attn->forward(x) * upstream).sum().backward();
+  const at::Tensor gx = x.grad().clone(), gw = p["qkv.weight"].grad().clone(),
+                   gb = p["qkv.bias"].grad().clone();
+
+  at::Tensor xr = x0.clone().requires_grad_(true);
+  at::Tensor w = p["qkv.weight"].detach().clone().requires_grad_(true);
+  at::Tensor bias = p["qkv.bias"].detach().clone().requires_grad_(true);
+  auto split = at::linear(xr, w, bias).chunk(3, -1);
+  auto heads = [](const at::Tensor& t) { return t.reshape({3, 7, 4, 12}).transpose(1, 2); };
+  const at::Tensor q = heads(split[0]), k = heads(split[1]), v = heads(split[2]);
+  const at::Tensor a = at::softmax(at::matmul(q, k.transpose(-1, -2)) / std::sqrt(12.0), -1);
+  const at::Tensor ref = at::linear(at::matmul(a, v).transpose(1, 2).reshape({3, 7, 48}),
+                                    p["proj.weight"].detach(), p["proj.bias"].detach());
+  (ref * upstream).sum().backward();
+  EXPECT_TRUE(at::allclose(gx, xr.grad(), 1e-5, 1e-5)) << (gx - xr.grad()).abs().max();
+  EXPECT_TRUE(at::allclose(gw, w.grad(), 1e-5, 1e-5)) << (gw - w.grad()).abs().max();
+  EXPECT_TRUE(at::allclose(gb, bias.grad(), 1e-5, 1e-5)) << (gb - bias.grad()).abs().max();
+  EXPECT_GT(gw.abs().sum().item<double>(), 0.0);
+}
+
 TEST(TransformerBlockTest, FactoryBuildsEveryLinear) {
   at::manual_seed(6);
   int columns = 0, rows = 0;

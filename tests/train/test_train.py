@@ -109,6 +109,20 @@ class TrainTest(RunDirTest):
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("parallax: error:", p.stderr)
 
+    def test_profiler_writes_a_chrome_trace_of_the_window_that_the_summary_reads(self):
+        run(self.common("prof", "train.steps=4", "train.profile_steps=2", "train.profile_start=2"))
+        trace = os.path.join(self.d, "prof", "profile", "trace_rank0.json")
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+        names = {e.get("name", "") for e in events}
+        self.assertTrue(any(n.startswith("aten::") for n in names), sorted(names)[:20])
+        self.assertIn("aten::mm", names)
+        p = subprocess.run([sys.executable, os.path.join(SRC, "bench", "train", "trace_summary.py"), trace,
+                            "--steps", "2"], capture_output=True, text=True, timeout=120)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("per step", p.stdout)
+        self.assertRegex(p.stdout, r"aten::")
+
     def test_nan_loss_is_a_clear_error(self):
         p = run(self.common("nan", "train.steps=5", "optim.lr=1e30", "optim.grad_clip=0"), check=False)
         self.assertNotEqual(p.returncode, 0)

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Breaks a Chrome trace (from `parallax train ... train.profile_steps=N`, or torch.profiler's
+export_chrome_trace) down by kernel class: per-step GPU time of GEMMs, attention, LayerNorm,
+reductions, copies, elementwise kernels, optimizer, NCCL and convolutions, then the top kernels.
+Without GPU kernels in the trace (a CPU run) it lists the top host ops instead.
+
+Usage: trace_summary.py TRACE.json [--steps N] [--top K]
+"""
+import argparse
+import collections
+import json
+import re
+import sys
+
+# First match wins; patterns are searched in the lower-cased kernel name.
+CLASSES = [
+    ("nccl", r"nccl"),
+    ("attention", r"flash|fmha|sdpa|attention|cudnn_generated_fort_native_sdpa|sm90_flash"),
+    ("layer_norm", r"layer_?norm|gammabeta|rmsnorm"),
+    ("conv", r"conv|implicit_convolve|fprop|dgrad|wgrad|winograd"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|matmul|sm90_"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("batch_norm", r"batch_norm|bn_fw|bn_bw|welford"),
+    ("copy/cat", r"catarray|copy|memcpy|memset|transpose|permute"),
+    ("reduction", r"reduce|softmax|cross_entropy|nll_loss|sum_kernel"),
+    ("elementwise", r"elementwise|vectorized|unrolled|gelu|add_kernel|mul_kernel|fill"),
+]
+
+
+def classify(name):
+    n = name.lower()
+    for cls, pat in CLASSES:
+        if re.search(pat, n):
+            return cls
+    return "other"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--steps", type=int, default=1, help="steps the trace holds (times are divided by it)")
+    ap.add_argument("--top", type=int, default=15)
+    a = ap.parse_args()
+    try:
+        with open(a.trace) as f:
+            events = json.load(f)["traceEvents"]
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"trace_summary: cannot read {a.trace}: {e}")
+    steps = max(1, a.steps)
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if kernels:
+        by_class, by_name = collections.Counter(), collections.Counter()
+        for e in kernels:
+            by_class[classify(e["name"])] += e["dur"]
+            by_name[e["name"]] += e["dur"]
+        total = sum(by_class.values())
+        print(f"GPU kernel time per step: {total / 1000 / steps:.2f} ms ({len(kernels)} kernels, {steps} steps)")
+        print(f"{'class':<14} {'ms/step':>9} {'share':>7}")
+        for cls, us in by_class.most_common():
+            print(f"{cls:<14} {us / 1000 / steps:9.2f} {100 * us / total:6.1f}%")
+        print(f"\ntop {a.top} kernels (ms per step)")
+        for name, us in by_name.most_common(a.top):
+            print(f"{us / 1000 / steps:8.3f}  {classify(name):<12} {name[:110]}")
+        return
+    ops = collections.Counter()
+    for e in events:
+        if e.get("cat") == "cpu_op" and "dur" in e:
+            ops[e["name"]] += e["dur"]
+    if not ops:
+        sys.exit(f"trace_summary: {a.trace} has neither GPU kernels nor host ops")
+    print(f"no GPU kernels in the trace: top {a.top} host ops (inclusive ms per step)")
+    for name, us in ops.most_common(a.top):
+        print(f"{us / 1000 / steps:9.3f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
