@@ -13,7 +13,8 @@ scatter-add mean over cameras, seen flags, 1x1-conv lift, query embedding, BEV b
 bilinear resampling to the label grid) and the same losses (class-balanced cross-entropy,
 CenterNet focal loss, box L1 at the centre cells). Checked on CPU in float32 against the C++ model
 with its own parameters and example batch (bev/tiny and bev/base at both scenes): identical outputs,
-loss terms and gradients. Only the ViT backbone is mirrored (W2 uses it), not `model.backbone: conv`.
+loss terms and gradients (2026-11-22; the C++ patch embedding has since become a GEMM on the patch
+rows, the same sums in another order, so they now agree to float32 rounding, not bitwise). Only the ViT backbone is mirrored (W2 uses it), not `model.backbone: conv`.
 Under bf16 autocast the ViT residual stream is float32, as eager PyTorch does it. `--mode compile`
 compiles the model except the view transformer's sampling step, whose sizes come from a host sync
 (as in the C++ model) and would make dynamo recompile for every batch.
