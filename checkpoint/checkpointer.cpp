@@ -588,6 +588,7 @@ void Checkpointer::save(int64_t step, const SaveState& state) {
     try {
       SaveStats st = I.run(job);
       st.blocking_s = blocked;
+      st.total_s += blocked;  // run() times the write; total_s counts from save(), snapshot included
       I.pending = st;
     } catch (...) {
       I.error = std::current_exception();
