@@ -182,8 +182,8 @@ at::Tensor VisionTransformerImpl::forward(const at::Tensor& images) {
   // The stride-p, kernel-p patch convolution as one GEMM: the non-overlapping patches become rows
   // ([B, gh, gw, C, p, p] -> [B*T, C*p*p], one copy) times the conv weight viewed [D, C*p*p].
   // Same sums as the convolution, without cuDNN's NCHW/NHWC conversions and implicit-GEMM
-  // kernels (1.3 ms per W1 step on an H200 against ~0.2 ms here). The token stream comes out
-  // contiguous, so every later linear takes at::linear's fused-bias path.
+  // kernels (1.6 ms of kernels per W1 step on an H200; about 1 ms saved, bench/NOTES.md lever 9).
+  // The token stream comes out contiguous, so every later linear takes at::linear's fused-bias path.
   const int64_t b = images.size(0), c = images.size(1), p = opts_.spec.patch;
   const int64_t channels = patch_embed_->weight.size(1);
   PARALLAX_CHECK(images.dim() == 4 && c == channels && images.size(2) == opts_.image_h &&

@@ -15,9 +15,9 @@ import sys
 # First match wins; patterns are searched in the lower-cased kernel name.
 CLASSES = [
     ("nccl", r"nccl"),
-    ("attention", r"flash|fmha|sdpa|attention|cudnn_generated_fort_native_sdpa|sm90_flash"),
+    ("attention", r"flash|fmha|sdpa|attention|cudnn::fusion"),  # cudnn::fusion: SDPA backward helpers
     ("layer_norm", r"layer_?norm|gammabeta|rmsnorm"),
-    ("conv", r"conv|implicit_convolve|fprop|dgrad|wgrad|winograd"),
+    ("conv", r"conv(?!ert)|fprop|dgrad|wgrad|winograd"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|matmul|sm90_"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("batch_norm", r"batch_norm|bn_fw|bn_bw|welford"),

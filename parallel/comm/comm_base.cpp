@@ -521,28 +521,17 @@ void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::D
                  t.device().str());
 }
 
-void check_reduce_scatter_shapes(const CommBase& c, const at::Tensor& input, const at::Tensor& output) {
+void check_chunk_shapes(const CommBase& c, const char* op, const at::Tensor& whole, const char* whole_name,
+                        const at::Tensor& chunk, const char* chunk_name) {
   const int n = c.size();
-  const int64_t m = input.numel();
-  PARALLAX_CHECK(output.scalar_type() == input.scalar_type(), CommError,
-                 "reduce_scatter on group '{}' (rank {}): input is {} but output is {}", c.name(), c.rank(),
-                 c10::toString(input.scalar_type()), c10::toString(output.scalar_type()));
-  PARALLAX_CHECK(output.numel() == chunk_numel(m, n, c.rank()), CommError,
-                 "reduce_scatter on group '{}' (rank {}): output has {} elements but chunk {} of {} elements "
-                 "over {} ranks has {}",
-                 c.name(), c.rank(), output.numel(), c.rank(), m, n, chunk_numel(m, n, c.rank()));
-}
-
-void check_all_gather_shapes(const CommBase& c, const at::Tensor& input, const at::Tensor& output) {
-  const int n = c.size();
-  const int64_t total = output.numel();
-  PARALLAX_CHECK(output.scalar_type() == input.scalar_type(), CommError,
-                 "all_gather on group '{}' (rank {}): input is {} but output is {}", c.name(), c.rank(),
-                 c10::toString(input.scalar_type()), c10::toString(output.scalar_type()));
-  PARALLAX_CHECK(input.numel() == chunk_numel(total, n, c.rank()), CommError,
-                 "all_gather on group '{}' (rank {}): input has {} elements but chunk {} of the {}-element "
-                 "output over {} ranks has {}",
-                 c.name(), c.rank(), input.numel(), c.rank(), total, n, chunk_numel(total, n, c.rank()));
+  const int64_t m = whole.numel(), want = chunk_numel(m, n, c.rank());
+  PARALLAX_CHECK(chunk.scalar_type() == whole.scalar_type(), CommError,
+                 "{} on group '{}' (rank {}): {} is {} but {} is {}", op, c.name(), c.rank(), whole_name,
+                 c10::toString(whole.scalar_type()), chunk_name, c10::toString(chunk.scalar_type()));
+  PARALLAX_CHECK(chunk.numel() == want, CommError,
+                 "{} on group '{}' (rank {}): {} has {} elements but chunk {} of the {}-element {} over {} ranks "
+                 "has {}",
+                 op, c.name(), c.rank(), chunk_name, chunk.numel(), c.rank(), m, whole_name, n, want);
 }
 
 int64_t check_all_gather_list_shapes(const CommBase& c, const at::Tensor& input,

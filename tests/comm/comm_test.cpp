@@ -201,6 +201,39 @@ TEST(ReduceScatterTest, EachRankGetsItsChunkOfTheReduction) {
   }
 }
 
+// Chunk shapes are checked before anything is sent, on every rank, with the numbers in the message.
+TEST(ReduceScatterTest, WrongChunkShapeOrDtypeIsAnErrorNamingBoth) {
+  auto& c = world_comm();
+  const int n = c->size(), r = c->rank();
+  const auto opts = at::TensorOptions().device(test_device());
+  at::Tensor whole = at::ones({10 * n + 1}, opts);  // rank 0's chunk is one longer
+  at::Tensor bad = at::empty({5}, opts), other_dtype = at::empty({10 + (r == 0 ? 1 : 0)}, opts.dtype(at::kDouble));
+  std::string message;
+  try {
+    c->reduce_scatter(whole, bad, ReduceOp::kSum);
+  } catch (const CommError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find(fmt::format("reduce_scatter on group 'world' (rank {}): output has 5 elements but chunk "
+                                     "{} of the {}-element input over {} ranks has {}",
+                                     r, r, 10 * n + 1, n, 10 + (r == 0 ? 1 : 0))),
+            std::string::npos)
+      << message;
+  EXPECT_THROW(c->reduce_scatter(whole, other_dtype, ReduceOp::kSum), CommError);
+  message.clear();
+  try {
+    c->all_gather(bad, whole);
+  } catch (const CommError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("all_gather on group 'world'"), std::string::npos) << message;
+  EXPECT_NE(message.find("input has 5 elements but chunk"), std::string::npos) << message;
+  // Nothing was issued: the group still works.
+  at::Tensor t = at::ones({3}, opts);
+  c->all_reduce(t, ReduceOp::kSum);
+  EXPECT_TRUE(at::equal(t.cpu(), at::full({3}, double(n), at::kFloat)));
+}
+
 TEST(AllGatherTest, FlatOutputHoldsEveryRanksChunkInRankOrder) {
   auto& c = world_comm();
   const int n = c->size(), r = c->rank();

@@ -48,6 +48,25 @@ std::string read_file(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
+// Runs `op`, which must fail with a TimeoutError no earlier than kTimeout and at most 3 s later;
+// returns its message ("" when none came) and prints it as the hang report.
+template <class F>
+std::string timeout_message(F&& op) {
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    op();
+  } catch (const TimeoutError& e) {
+    message = e.what();
+  }
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::fprintf(stderr, "[rank %d] hang report after %.2f s:\n%s\n", World::current().rank(), elapsed,
+               message.c_str());
+  EXPECT_GE(elapsed, kTimeout);
+  EXPECT_LT(elapsed, kTimeout + 3.0) << "the timeout fired late";
+  return message;
+}
+
 }  // namespace
 
 TEST(TimeoutTest, RanksWaitingForAMissingRankFailInTimeNamingIt) {
@@ -59,20 +78,9 @@ TEST(TimeoutTest, RanksWaitingForAMissingRankFailInTimeNamingIt) {
   at::Tensor t = at::ones({1000}, at::TensorOptions().device(test_device()));
   c->all_reduce(t, ReduceOp::kSum);  // #1: everyone
   if (r != last) {
-    const auto start = std::chrono::steady_clock::now();
-    std::string message;
-    const int line = __LINE__ + 2;
-    try {
-      c->all_reduce(t, ReduceOp::kSum);  // #2: the last rank never comes
-    } catch (const TimeoutError& e) {
-      message = e.what();
-    }
-    const double elapsed =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const int line = __LINE__ + 1;  // #2: the last rank never comes
+    const std::string message = timeout_message([&] { c->all_reduce(t, ReduceOp::kSum); });
     ASSERT_FALSE(message.empty()) << "no TimeoutError";
-    std::fprintf(stderr, "[rank %d] hang report after %.2f s:\n%s\n", r, elapsed, message.c_str());
-    EXPECT_GE(elapsed, kTimeout);
-    EXPECT_LT(elapsed, kTimeout + 3.0) << "the timeout fired late";
     EXPECT_NE(message.find("all_reduce(sum, native) #2 on group 'world'"), std::string::npos)
         << message;
     EXPECT_NE(message.find(fmt::format("timed out after {:.1f} s on world rank {}", kTimeout, r)),
@@ -105,18 +113,9 @@ TEST(TimeoutTest, RanksWaitingForAMissingRankFailInTimeNamingIt) {
     CommPtr f = make_world_communicator(test_backend(), o);
     if (r != last) {
       at::Tensor x = at::ones({4096}, at::TensorOptions().device(test_device()));
-      const auto start = std::chrono::steady_clock::now();
-      std::string message;
-      try {
-        f->all_reduce(x, ReduceOp::kSum);  // #1: the last rank never comes
-      } catch (const TimeoutError& e) {
-        message = e.what();
-      }
-      const double elapsed =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      // #1: the last rank never comes
+      const std::string message = timeout_message([&] { f->all_reduce(x, ReduceOp::kSum); });
       ASSERT_FALSE(message.empty()) << "no TimeoutError";
-      EXPECT_GE(elapsed, kTimeout);
-      EXPECT_LT(elapsed, kTimeout + 3.0) << "the timeout fired late";
       EXPECT_NE(message.find("all_reduce(sum, native) #1 on group 'world'"), std::string::npos)
           << message;
       EXPECT_NE(message.find(fmt::format("Ranks that never arrived: [{}]", last)),

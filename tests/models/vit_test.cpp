@@ -97,22 +97,33 @@ TEST(VitClassifierTest, RejectsOtherSizes) {
   EXPECT_THROW(analytic_cost(cfg, core::SceneSpec{}), ConfigError);
 }
 
-TEST(AttentionTest, MatchesSoftmaxAttentionReference) {
-  at::manual_seed(4);
+// A 4-head attention of width 48 over 7 tokens, and the same computation written out with chunk,
+// view, transpose, softmax and matmul ([B, 7, 48] -> [B, 7, 48]).
+Attention small_attention() {
   TransformerBlockOptions o;
   o.dim = 48;
   o.heads = 4;
   o.tokens = 7;
-  Attention attn(o);
+  return Attention(o);
+}
+
+at::Tensor softmax_attention(const at::Tensor& x, const at::Tensor& qkv_w, const at::Tensor& qkv_b,
+                             const at::Tensor& proj_w, const at::Tensor& proj_b) {
+  const int64_t b = x.size(0);
+  auto split = at::linear(x, qkv_w, qkv_b).chunk(3, -1);  // [B, T, 3D] -> 3 x [B, T, D]
+  auto heads = [b](const at::Tensor& t) { return t.reshape({b, 7, 4, 12}).transpose(1, 2); };
+  const at::Tensor q = heads(split[0]), k = heads(split[1]), v = heads(split[2]);
+  const at::Tensor w = at::softmax(at::matmul(q, k.transpose(-1, -2)) / std::sqrt(12.0), -1);
+  return at::linear(at::matmul(w, v).transpose(1, 2).reshape({b, 7, 48}), proj_w, proj_b);
+}
+
+TEST(AttentionTest, MatchesSoftmaxAttentionReference) {
+  at::manual_seed(4);
+  Attention attn = small_attention();
   const at::Tensor x = at::randn({3, 7, 48});
   const at::Tensor got = attn->forward(x);
   auto p = attn->named_parameters();
-  const at::Tensor qkv = at::linear(x, p["qkv.weight"], p["qkv.bias"]);  // [B, T, 3D]
-  auto split = qkv.chunk(3, -1);
-  auto heads = [](const at::Tensor& t) { return t.view({3, 7, 4, 12}).transpose(1, 2); };
-  const at::Tensor q = heads(split[0]), k = heads(split[1]), v = heads(split[2]);
-  const at::Tensor w = at::softmax(at::matmul(q, k.transpose(-1, -2)) / std::sqrt(12.0), -1);
-  const at::Tensor ref = at::linear(at::matmul(w, v).transpose(1, 2).reshape({3, 7, 48}), p["proj.weight"], p["proj.bias"]);
+  const at::Tensor ref = softmax_attention(x, p["qkv.weight"], p["qkv.bias"], p["proj.weight"], p["proj.bias"]);
   EXPECT_TRUE(at::allclose(got, ref, 1e-5, 1e-5));
 }
 
@@ -120,14 +131,9 @@ TEST(AttentionTest, MatchesSoftmaxAttentionReference) {
 // against autograd through the plain chunk/view/transpose composition.
 TEST(AttentionTest, GradientsMatchSoftmaxAttentionReference) {
   at::manual_seed(5);
-  TransformerBlockOptions o;
-  o.dim = 48;
-  o.heads = 4;
-  o.tokens = 7;
-  Attention attn(o);
+  Attention attn = small_attention();
   auto p = attn->named_parameters();
-  const at::Tensor x0 = at::randn({3, 7, 48}, at::kDouble).to(at::kFloat);
-  const at::Tensor upstream = at::randn({3, 7, 48});
+  const at::Tensor x0 = at::randn({3, 7, 48}), upstream = at::randn({3, 7, 48});
 
   at::Tensor x = x0.clone().requires_grad_(true);
   (attn->forward(x) * upstream).sum().backward();
@@ -137,13 +143,7 @@ TEST(AttentionTest, GradientsMatchSoftmaxAttentionReference) {
   at::Tensor xr = x0.clone().requires_grad_(true);
   at::Tensor w = p["qkv.weight"].detach().clone().requires_grad_(true);
   at::Tensor bias = p["qkv.bias"].detach().clone().requires_grad_(true);
-  auto split = at::linear(xr, w, bias).chunk(3, -1);
-  auto heads = [](const at::Tensor& t) { return t.reshape({3, 7, 4, 12}).transpose(1, 2); };
-  const at::Tensor q = heads(split[0]), k = heads(split[1]), v = heads(split[2]);
-  const at::Tensor a = at::softmax(at::matmul(q, k.transpose(-1, -2)) / std::sqrt(12.0), -1);
-  const at::Tensor ref = at::linear(at::matmul(a, v).transpose(1, 2).reshape({3, 7, 48}),
-                                    p["proj.weight"].detach(), p["proj.bias"].detach());
-  (ref * upstream).sum().backward();
+  (softmax_attention(xr, w, bias, p["proj.weight"].detach(), p["proj.bias"].detach()) * upstream).sum().backward();
   EXPECT_TRUE(at::allclose(gx, xr.grad(), 1e-5, 1e-5)) << (gx - xr.grad()).abs().max();
   EXPECT_TRUE(at::allclose(gw, w.grad(), 1e-5, 1e-5)) << (gw - w.grad()).abs().max();
   EXPECT_TRUE(at::allclose(gb, bias.grad(), 1e-5, 1e-5)) << (gb - bias.grad()).abs().max();
