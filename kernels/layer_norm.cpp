@@ -11,9 +11,9 @@
 #ifdef PARALLAX_WITH_CUDA_KERNELS
 #include "kernels/layer_norm_cuda.h"
 
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
 #endif
 
 namespace parallax::kernels {
@@ -45,10 +45,9 @@ cuda::DType dtype_of(const at::Tensor& t) {
   }
 }
 
+// The device's SM count (ATen caches the device properties; the backward asks on every call).
 int multiprocessors(int device) {
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) sms = 0;
-  return sms;
+  return at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->multiProcessorCount;
 }
 
 void check_launch(int rc, const char* what) {

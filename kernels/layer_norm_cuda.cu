@@ -29,38 +29,41 @@ __device__ __forceinline__ void store8(float* p, const float* f) {
   reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
   reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
 }
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* f) {
+// 16-bit types: one 16-byte vector of four pairs, converted through the pair type's intrinsics.
+template <typename T>
+struct Pair16;
+template <>
+struct Pair16<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 to_float2(type h) { return __bfloat1622float2(h); }
+  static __device__ __forceinline__ type from_floats(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+template <>
+struct Pair16<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 to_float2(type h) { return __half22float2(h); }
+  static __device__ __forceinline__ type from_floats(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* f) {
+  using P = Pair16<T>;
   const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+  const typename P::type* h = reinterpret_cast<const typename P::type*>(&v);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(h[i]);
+    const float2 t = P::to_float2(h[i]);
     f[2 * i] = t.x;
     f[2 * i + 1] = t.y;
   }
 }
-__device__ __forceinline__ void store8(__nv_bfloat16* p, const float* f) {
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float* f) {
+  using P = Pair16<T>;
   uint4 v;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+  typename P::type* h = reinterpret_cast<typename P::type*>(&v);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = v;
-}
-__device__ __forceinline__ void load8(const __half* p, float* f) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __half22float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-__device__ __forceinline__ void store8(__half* p, const float* f) {
-  uint4 v;
-  __half2* h = reinterpret_cast<__half2*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) h[i] = P::from_floats(f[2 * i], f[2 * i + 1]);
   *reinterpret_cast<uint4*>(p) = v;
 }
 

@@ -3,13 +3,11 @@
 // checks shapes, dtypes and alignment and is the only caller.
 #pragma once
 
+#include "kernels/cuda_common.h"
+
 #include <cstdint>
 
-typedef struct CUstream_st* cudaStream_t;
-
 namespace parallax::kernels::cuda {
-
-enum class DType { kFloat32, kBFloat16, kFloat16 };
 
 // The widest row the kernels take (one warp per row, up to 4 x 8 elements per lane), and the
 // row-length granule (one 16-byte vector of 16-bit elements).
@@ -35,7 +33,5 @@ int layer_norm_backward(DType t, const void* dy, const void* s, const float* mea
                          const float* rstd, const float* gamma, const void* dsum, void* dx,
                          float* dgamma, float* dbeta, float* partial, int parts, int64_t rows,
                          int cols, cudaStream_t stream);
-
-const char* error_string(int error);
 
 }  // namespace parallax::kernels::cuda

@@ -23,7 +23,8 @@ struct ModelConfig {
   // rather than in autocast's dtype (Megatron-Core's default, less memory traffic).
   bool fp32_residual = false;
   // Parallax's fused CUDA kernels (kernels/): residual add + LayerNorm forward and backward in one
-  // kernel each. false: the same math with ATen ops.
+  // kernel each, qkv-gradient packing, and the BEV view transformer's sampling and camera mean.
+  // false: the same math with ATen ops.
   bool fused_kernels = true;
   // bev only.
   double bev_resolution = 0.0;  // metres per BEV query cell; 0 = the size's preset
@@ -45,7 +46,7 @@ struct ModelConfig {
     v("attention", attention, "fused attention kernel tried first (GPU): auto | cudnn | flash | fa3 | efficient | math",
       core::Check::one_of({"auto", "cudnn", "flash", "fa3", "efficient", "math"}));
     v("fp32_residual", fp32_residual, "keep the transformer residual stream and LayerNorms in fp32 under autocast");
-    v("fused_kernels", fused_kernels, "fused CUDA kernels for residual add + LayerNorm (false: ATen ops)");
+    v("fused_kernels", fused_kernels, "fused CUDA kernels: residual add + LayerNorm, qkv-gradient packing, BEV sampling (false: ATen ops)");
     v("bev_resolution", bev_resolution, "bev: metres per BEV query cell (0: the size's preset)",
       core::Check::at_least(0));
     v("bev_heights", bev_heights, "bev: reference heights per BEV pillar (0: the size's preset)",

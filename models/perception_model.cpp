@@ -145,7 +145,8 @@ PerceptionModel::PerceptionModel(const BevModelSpec& spec, LinearFactory linear)
   const int64_t c = spec_.bev_channels;
   encoder_ = register_module("encoder", ImageEncoder(spec_.encoder));
   view_ = register_module("view", ViewTransformer(ViewTransformerOptions{c, c, spec_.heights, g, spec_.scene.image_height,
-                                                                         spec_.scene.image_width}));
+                                                                         spec_.scene.image_width,
+                                                                         spec_.encoder.vit.fused_kernels}));
   for (int64_t i = 0; i < spec_.encoder_blocks; ++i) {
     bev_blocks_.push_back(register_module("bev_block" + std::to_string(i), std::make_shared<ResidualConvBlock>(c, g.nx, g.ny)));
   }

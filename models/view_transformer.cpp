@@ -1,6 +1,7 @@
 #include "models/view_transformer.h"
 
 #include "core/error.h"
+#include "kernels/bev_sample.h"
 #include "models/geometry.h"
 
 #include <ATen/ATen.h>
@@ -81,11 +82,23 @@ ViewTransformerImpl::Sampled ViewTransformerImpl::sample(const at::Tensor& featu
 
 at::Tensor ViewTransformerImpl::forward(const at::Tensor& features, const at::Tensor& intrinsics,
                                         const at::Tensor& cam_to_ego) {
-  Sampled s = sample(features, intrinsics, cam_to_ego);
-  const int64_t b = s.features.size(0), nx = opts_.grid.nx, ny = opts_.grid.ny;
-  const int64_t zc = s.features.size(1) * s.features.size(2);
-  at::Tensor seen = (s.count > 0).to(s.features.scalar_type()).view({b, -1, nx, ny});
-  at::Tensor x = at::cat({s.features.view({b, zc, nx, ny}), seen}, 1);
+  const int64_t b = intrinsics.size(0), nx = opts_.grid.nx, ny = opts_.grid.ny;
+  at::Tensor x;  // [B, C*Z + Z, nx, ny]: per-height means, then per-height seen flags
+  if (opts_.fused_kernels && features.is_cuda()) {
+    const Projection proj = project_points(reference_points(features.device()), intrinsics, cam_to_ego);
+    const at::Tensor visible = visibility_mask(proj, opts_.image_h, opts_.image_w);
+    const at::Tensor f = features.contiguous();  // e.g. a channels-last map from a conv neck
+    if (kernels::fused_bev_sample_supported(f, proj.uv, visible)) {
+      const int64_t z = static_cast<int64_t>(opts_.heights.size());
+      x = kernels::bev_sample(f, proj.uv, visible, z, opts_.image_h, opts_.image_w).lifted.view({b, -1, nx, ny});
+    }
+  }
+  if (!x.defined()) {
+    Sampled s = sample(features, intrinsics, cam_to_ego);
+    const int64_t zc = s.features.size(1) * s.features.size(2);
+    at::Tensor seen = (s.count > 0).to(s.features.scalar_type()).view({b, -1, nx, ny});
+    x = at::cat({s.features.view({b, zc, nx, ny}), seen}, 1);
+  }
   x = lift2_->forward(norm_->forward(lift1_->forward(x)).relu_());
   return x + query_embed_;
 }

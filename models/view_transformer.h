@@ -10,7 +10,9 @@
 // learned per-cell query embedding. Each camera samples only the reference points it sees
 // (compacted per camera, then scatter-added), so the sampling work is ~1/5 of sampling every
 // point in every camera of a surround rig; sample() synchronises with the device once to size
-// the compacted batches.
+// the compacted batches. On CUDA the forward instead runs kernels::bev_sample (every point in every
+// camera that sees it, fused with the mean and the seen flags; no host sync), unless
+// fused_kernels is false.
 #pragma once
 
 #include "models/bev_grid.h"
@@ -29,6 +31,9 @@ struct ViewTransformerOptions {
   std::vector<double> heights = {0.0, 0.67, 1.33, 2.0};  // metres above the ground (ego z)
   BevGrid grid;               // the BEV query grid
   int64_t image_h = 128, image_w = 224;  // pixels; the feature maps cover the image exactly
+  // On CUDA, sample and average with kernels/bev_sample's fused kernels (one pass forward and
+  // backward, no host sync) instead of the compacted ATen path of sample().
+  bool fused_kernels = true;
 };
 
 class ViewTransformerImpl : public torch::nn::Module {

@@ -59,15 +59,7 @@ struct SplitQkv : public torch::autograd::Function<SplitQkv> {
 // return fp32. The statistics are still accumulated in fp32 inside the kernel; only the output
 // (and the affine parameters, cast per call) are in x's dtype.
 at::Tensor layer_norm_in_dtype(torch::nn::LayerNorm& ln, const at::Tensor& x, bool fused) {
-  if (fused && kernels::fused_layer_norm_supported(x, {}, ln->weight, ln->bias)) {
-    return kernels::add_layer_norm(x, {}, ln->weight, ln->bias, ln->options.eps()).first;
-  }
-  if (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) return ln->forward(x);
-  const auto& o = ln->options;
-  const at::Tensor w = ln->weight.defined() ? ln->weight.to(x.scalar_type()) : at::Tensor();
-  const at::Tensor b = ln->bias.defined() ? ln->bias.to(x.scalar_type()) : at::Tensor();
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  return at::layer_norm(x, o.normalized_shape(), w, b, o.eps());
+  return kernels::add_layer_norm(x, {}, ln->weight, ln->bias, ln->options.eps(), fused).first;
 }
 
 at::Tensor normalize_images(const at::Tensor& images, at::ScalarType dtype) {
@@ -125,13 +117,10 @@ TransformerBlock::TransformerBlock(const TransformerBlockOptions& o) : opts_(o) 
 at::Tensor TransformerBlock::forward_impl(const at::Tensor& x) {
   const bool fused = opts_.fused_kernels;
   const at::Tensor a = attn_->forward(layer_norm_in_dtype(norm1_, x, fused));
-  // y = x + a and LayerNorm(y) in one kernel (and one backward that also adds y's other gradient).
-  if (fused && kernels::fused_layer_norm_supported(x, a, norm2_->weight, norm2_->bias)) {
-    const auto [h, y] = kernels::add_layer_norm(x, a, norm2_->weight, norm2_->bias, norm2_->options.eps());
-    return y + mlp_->forward(h);
-  }
-  const at::Tensor y = x + a;
-  return y + mlp_->forward(layer_norm_in_dtype(norm2_, y, fused));
+  // y = x + a and LayerNorm(y) in one kernel (and one backward that also adds y's other gradient);
+  // add_layer_norm falls back to the ATen ops itself when the kernel cannot take the inputs.
+  const auto [h, y] = kernels::add_layer_norm(x, a, norm2_->weight, norm2_->bias, norm2_->options.eps(), fused);
+  return y + mlp_->forward(h);
 }
 
 Cost TransformerBlock::analytic_cost(const TransformerBlockOptions& o) {

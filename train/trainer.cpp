@@ -355,10 +355,12 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr) {
   grad_norm_ = optim::clip_grad_norm(grads, found_inf_ ? 0.0 : cfg_.optim.grad_clip);
   if (!found_inf_) optimizer_->step(lr);
   scaler_->update(found_inf_);
-  // DDP's gradients are views into its buckets and must stay; without DDP, dropping them (as
-  // PyTorch's zero_grad does by default) lets the next backward write each gradient once instead
-  // of filling zeros and accumulating into them.
-  optimizer_->zero_grad(/*set_to_none=*/!ddp_);
+  // Drop the gradients (PyTorch's zero_grad default): the next backward writes each one once
+  // instead of filling zeros and accumulating into them. Under DDP the first gradient of a step is
+  // then copied into its bucket and the gradient becomes the bucket view again (DDP's hook, as
+  // PyTorch's reducer does with gradient_as_bucket_view), which moves half the bytes of a zero
+  // fill plus an accumulate.
+  optimizer_->zero_grad(/*set_to_none=*/true);
   return terms;
 }
 

@@ -42,14 +42,14 @@ import json
 import math
 import os
 import resource
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from step_timing import median_step_ms  # same folder: python puts the script's folder on sys.path
 
 PEAK_BF16 = 989e12  # H100/H200 dense bf16, as Parallax's trainer (train/trainer.cpp)
 BOX_CODE_SIZE = 8
@@ -716,6 +716,8 @@ def main():
     ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--window", type=int, default=10,
+                    help="steps per timed window (no sync inside; Parallax's train.log_every)")
     ap.add_argument("--size", choices=list(SIZE_PRESETS), default="base")
     ap.add_argument("--scene", choices=["benchmark", "default"], default="benchmark",
                     help="benchmark: models::benchmark_scene(size), as `parallax train` with synthetic "
@@ -779,20 +781,7 @@ def main():
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(a.iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1000.0 * (time.perf_counter() - t0))
-    step_ms = statistics.median(times)
+    step_ms = median_step_ms(step, a.iters, a.window, cuda)
     img_s = a.batch * world * 1000.0 / step_ms
     tflops = 3 * fwd_flops * a.batch / (step_ms / 1000.0) / 1e12
     if cuda:

@@ -10,12 +10,12 @@ bf16 autocast, fused AdamW, synthetic in-memory batches (no loader), on one GPU 
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from step_timing import median_step_ms  # same folder: python puts the script's folder on sys.path
 
 # Forward multiply-adds of ViT-B/16 at 224 (timm/fvcore: 17.56 GMACs); training = 3x forward.
 VIT_B16_FWD_FLOPS = 2 * 17.56e9
@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--window", type=int, default=10,
+                    help="steps per timed window (no sync inside; Parallax's train.log_every)")
     a = ap.parse_args()
 
     import timm
@@ -62,15 +64,7 @@ def main():
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(a.iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    step_ms = statistics.median(times)
+    step_ms = median_step_ms(step, a.iters, a.window, cuda=True)
     img_s = a.batch * world * 1000.0 / step_ms
     tflops = 3 * VIT_B16_FWD_FLOPS * a.batch / (step_ms / 1000.0) / 1e12
     if rank == 0:

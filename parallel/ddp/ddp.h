@@ -7,9 +7,10 @@
 //   communication starts early, the others at bucket_mb; a parameter larger than the cap gets a
 //   bucket of its own. A bucket holds one dtype on one device.
 // - Each parameter's `.grad()` is a view into its bucket's flat buffer, so gradients are reduced
-//   in place with no copy in or out (gradient_as_bucket_view). Clear gradients with
-//   `Optimizer::zero_grad(false)` (zero in place); if a gradient was set to None, the hook copies
-//   it into the bucket once and restores the view.
+//   in place with no copy out (gradient_as_bucket_view). Gradients may be cleared either way:
+//   `Optimizer::zero_grad(true)` (what the trainer does: the first gradient of the next backward is
+//   copied into the bucket by the hook, which then restores the view; one read and one write) or
+//   `zero_grad(false)` (zero in place, then accumulate: a write, then two reads and a write).
 // - A post-accumulate hook on each parameter's AccumulateGrad node marks it ready; when a bucket
 //   is full its all-reduce (native or ring) is launched asynchronously, overlapping the rest of
 //   backward. Buckets are launched strictly in index order, so every rank issues the same

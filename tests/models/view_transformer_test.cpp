@@ -1,5 +1,6 @@
 // The view transformer's sampling step must read image features exactly where the BEV reference
 // points project, and nowhere else.
+#include "kernels/bev_sample.h"
 #include "models/camera_rig.h"
 #include "models/geometry.h"
 #include "models/view_transformer.h"
@@ -109,6 +110,42 @@ TEST(ViewTransformerTest, MeanOverCamerasThatSeeAPoint) {
   ASSERT_GT((sel & (count > 1)).sum().item<int64_t>(), 10) << "the test needs points in camera overlaps";
   EXPECT_TRUE(at::allclose(got.masked_select(sel), expect.masked_select(sel), 1e-5, 1e-5));
   EXPECT_TRUE(at::equal(s.count[0].reshape({-1}), count));
+}
+
+TEST(ViewTransformerTest, KernelReferencePathMatchesCompactedSample) {
+  // kernels::bev_sample's ATen path (the reference of the fused CUDA kernels that forward() runs
+  // on GPUs) must mean what the model's compacted sample() means: same per-camera means, counts
+  // and seen flags for the projected reference points, and the same feature gradients.
+  at::manual_seed(6);
+  ViewTransformer vt(options());
+  const int64_t b = 2, n = 6, z = 4, q = 2500;
+  const CameraRig rig = jitter_rig(make_surround_rig({n, kH, kW}), b);  // the samples differ
+  const at::Tensor features = at::randn({b * n, kC, kH / kStride, kW / kStride});
+  at::Tensor f_model = features.clone().requires_grad_(true), f_kernel = features.clone().requires_grad_(true);
+
+  const auto s = vt->sample(f_model, rig.intrinsics, rig.cam_to_ego);
+  const Projection proj = project_points(vt->reference_points(at::kCPU), rig.intrinsics, rig.cam_to_ego);
+  const at::Tensor visible = visibility_mask(proj, kH, kW);
+  const kernels::BevSample k = kernels::bev_sample(f_kernel, proj.uv, visible, z, kH, kW, /*fused=*/false);
+  ASSERT_EQ(k.lifted.sizes(), at::IntArrayRef({b, kC * z + z, q}));
+  ASSERT_TRUE((s.count > 1).any().item<bool>() && (s.count == 0).any().item<bool>());
+
+  // lifted[b, c*Z + z, q] is s.features[b, c, z, q]; lifted[b, C*Z + z, q] is s.count > 0.
+  const at::Tensor mean = k.lifted.narrow(1, 0, kC * z).view({b, kC, z, q});
+  const at::Tensor seen = k.lifted.narrow(1, kC * z, z).view({b, z, q});
+  // float32, different summation orders (scatter_add vs dense sums): 1e-5.
+  EXPECT_TRUE(at::allclose(mean, s.features, 1e-5, 1e-5)) << (mean - s.features).abs().max();
+  EXPECT_TRUE(at::equal(k.count.view({b, z, q}), s.count));
+  EXPECT_TRUE(at::equal(seen, (s.count > 0).to(at::kFloat)));
+  EXPECT_GT(s.features.abs().max().item<float>(), 0.1f);
+
+  const at::Tensor w = at::randn({b, kC, z, q});
+  (s.features * w).sum().backward();
+  (mean * w).sum().backward();
+  const at::Tensor& g = f_model.grad();
+  const double scale = g.abs().max().item<double>();
+  ASSERT_GT(scale, 0.0);
+  EXPECT_TRUE(at::allclose(f_kernel.grad(), g, 1e-5, 1e-5 * scale)) << (f_kernel.grad() - g).abs().max();
 }
 
 }  // namespace

@@ -1,0 +1,36 @@
+"""Step timing shared by the PyTorch reference scripts (torch_vit_ref.py, torch_bev_ref.py).
+
+Parallax reports the wall time of each logged interval of `train.log_every` steps divided by its
+step count, with no device synchronisation inside an interval. The references measure the same
+way: windows of `window` consecutive steps between two CUDA events (host clock on CPU), no sync
+inside a window, and the median over the windows. Synchronising after every step instead would
+leave the GPU idle while the host launches the next step's first kernels, charging the reference
+for a gap Parallax does not pay.
+"""
+import statistics
+import time
+
+import torch
+
+
+def median_step_ms(step, iters, window, cuda):
+    """Runs `step` iters times (rounded down to whole windows, at least one window) and returns the
+    median over windows of the mean step time in milliseconds."""
+    window = max(1, min(window, iters))
+    times = []
+    for _ in range(max(1, iters // window)):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(window):
+                step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / window)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(window):
+                step()
+            times.append(1000.0 * (time.perf_counter() - t0) / window)
+    return statistics.median(times)

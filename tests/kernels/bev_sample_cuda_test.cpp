@@ -1,0 +1,256 @@
+// The fused BEV sampling CUDA kernels (bev_sample with fused=true) against the ATen path
+// (fused=false, itself checked against hand-written loops and a float64 autograd reference in
+// bev_sample_test.cpp) on the same CUDA inputs: every supported dtype; 1 and 6 cameras; channel
+// counts that are and are not multiples of the kernels' channel chunks and tiles; a small feature
+// map and one large enough for the backward's global-atomics path; 1 and 4 heights. Inputs put
+// visible points off the map (zero-padding taps), unseen points at inf/NaN pixels (behind-camera
+// projections), and a camera that sees nothing. Also the inputs the kernels refuse, which must
+// fall back to the ATen result. Skips without a GPU.
+#include "kernels/bev_sample.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/autograd.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <tuple>
+
+namespace parallax::kernels {
+namespace {
+
+#define SKIP_WITHOUT_CUDA() \
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"
+
+struct Shape {
+  int64_t n, c, fh, fw, z;
+};
+constexpr int64_t kB = 2, kQ = 1237, kStride = 8;  // Q: not a multiple of any block size
+
+struct Inputs {
+  at::Tensor features, uv, visible;
+  int64_t z, image_h, image_w;
+};
+
+// Random features; uv uniform in [-0.1 W, 1.1 W] x [-0.1 H, 1.1 H]; each camera sees each point
+// with probability 0.35, except the last camera of sample 1, which sees nothing; ~2% of the unseen
+// points project to +-inf or NaN.
+Inputs make_inputs(const Shape& s, at::ScalarType dtype) {
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const int64_t p = s.z * kQ, h = s.fh * kStride, w = s.fw * kStride;
+  const at::Tensor features = at::randn({kB * s.n, s.c, s.fh, s.fw}, cuda).to(dtype);
+  at::Tensor uv = at::stack({(at::rand({kB, s.n, p}, cuda) * 1.2 - 0.1) * static_cast<double>(w),
+                             (at::rand({kB, s.n, p}, cuda) * 1.2 - 0.1) * static_cast<double>(h)},
+                            -1);
+  at::Tensor visible = at::rand({kB, s.n, p}, cuda) < 0.35;
+  visible[1][s.n - 1].fill_(false);
+  const double inf = std::numeric_limits<double>::infinity(),
+               nan = std::numeric_limits<double>::quiet_NaN();
+  uv.select(-1, 0).masked_fill_((~visible) & (at::rand({kB, s.n, p}, cuda) < 0.02), inf);
+  uv.select(-1, 1).masked_fill_((~visible) & (at::rand({kB, s.n, p}, cuda) < 0.02), -inf);
+  uv.masked_fill_(((~visible) & (at::rand({kB, s.n, p}, cuda) < 0.02)).unsqueeze(-1), nan);
+  return {features, uv.contiguous(), visible, s.z, h, w};
+}
+
+struct Outcome {
+  at::Tensor lifted, count, grad;
+};
+
+// Forward, then the gradient of sum(lifted * w) w.r.t. the features.
+Outcome run_both_passes(const Inputs& in, const at::Tensor& w, bool fused) {
+  at::Tensor f = in.features.clone().requires_grad_(true);
+  const BevSample s = bev_sample(f, in.uv, in.visible, in.z, in.image_h, in.image_w, fused);
+  {
+    // The kernels' gradient (and workspace) come from at::empty: hand the caching allocator blocks
+    // of exactly that size full of NaN first, so elements the backward does not write show up.
+    const at::Tensor junk1 =
+        at::full(f.sizes(), std::numeric_limits<double>::quiet_NaN(), f.options());
+    const at::Tensor junk2 =
+        at::full(f.sizes(), std::numeric_limits<double>::quiet_NaN(), f.options());
+  }
+  torch::autograd::backward({s.lifted}, {w});
+  return {s.lifted.detach(), s.count, f.grad()};
+}
+
+// |a - b| <= rtol * |b| + atol elementwise, with the worst element in the failure message.
+::testing::AssertionResult close(const at::Tensor& a, const at::Tensor& b, double rtol,
+                                 double atol) {
+  if (a.sizes() != b.sizes())
+    return ::testing::AssertionFailure() << "sizes " << a.sizes() << " vs " << b.sizes();
+  const at::Tensor a64 = a.to(at::kDouble), b64 = b.to(at::kDouble);
+  const at::Tensor excess =
+      at::where(at::isnan(a64) | at::isnan(b64), at::full({}, 1.0, a64.options()),
+                (a64 - b64).abs() - (b64.abs() * rtol + atol));
+  const int64_t worst = excess.flatten().argmax().item<int64_t>();
+  if (excess.flatten()[worst].item<double>() <= 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "element " << worst << " of " << a.sizes() << ": "
+         << a64.flatten()[worst].item<double>() << " vs " << b64.flatten()[worst].item<double>()
+         << " (rtol " << rtol << ", atol " << atol << ")";
+}
+
+// One unit in the last place, relative: 2^-7 for bf16 (8 significant bits), 2^-10 for fp16.
+double ulp(at::ScalarType t) {
+  return t == at::kBFloat16 ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
+}
+
+class BevSampleCudaTest : public ::testing::TestWithParam<std::tuple<at::ScalarType, Shape>> {};
+
+TEST_P(BevSampleCudaTest, FusedMatchesAtenForwardAndBackward) {
+  SKIP_WITHOUT_CUDA();
+  const auto [dtype, shape] = GetParam();
+  at::manual_seed(shape.n * 1000 + shape.c * 10 + shape.z + shape.fh);
+  const Inputs in = make_inputs(shape, dtype);
+  ASSERT_TRUE(fused_bev_sample_supported(in.features, in.uv, in.visible));
+
+  // The cases the kernels must handle all occur.
+  const at::Tensor seen_by = in.visible.sum(1);  // [B, P]
+  EXPECT_TRUE((seen_by == 0).any().item<bool>());
+  EXPECT_TRUE((seen_by == 1).any().item<bool>());
+  if (shape.n > 1) {
+    EXPECT_TRUE((seen_by >= 2).any().item<bool>());
+  }
+  const at::Tensor u = in.uv.select(-1, 0), v = in.uv.select(-1, 1);
+  const at::Tensor off_image = (u < 0) | (u >= static_cast<double>(in.image_w)) | (v < 0) |
+                               (v >= static_cast<double>(in.image_h));
+  EXPECT_TRUE((in.visible & off_image).any().item<bool>())
+      << "visible points whose taps are all padding";
+  EXPECT_TRUE(((~in.visible) & ~at::isfinite(in.uv).all(-1)).any().item<bool>())
+      << "inf/NaN at unseen points";
+
+  const int64_t cz = shape.c * shape.z;
+  const at::Tensor w = at::randn({kB, cz + shape.z, kQ}, in.features.options());
+  const Outcome kernel = run_both_passes(in, w, /*fused=*/true);
+  const Outcome ref = run_both_passes(in, w, /*fused=*/false);
+
+  ASSERT_EQ(kernel.lifted.sizes(), ref.lifted.sizes());
+  EXPECT_EQ(kernel.lifted.scalar_type(), dtype);
+  EXPECT_EQ(kernel.count.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::isfinite(kernel.lifted).all().item<bool>());
+  EXPECT_TRUE(at::isfinite(kernel.grad).all().item<bool>());
+  EXPECT_TRUE(at::equal(kernel.count, ref.count));
+  EXPECT_TRUE(at::equal(kernel.lifted.narrow(1, cz, shape.z), ref.lifted.narrow(1, cz, shape.z)))
+      << "seen flags";
+
+  // Both paths compute a tap position as grid_sample does, ix = ((u * (2 / W) - 1 + 1) * Wf - 1) /
+  // 2 in fp32, but may round (g + 1) * Wf - 1 differently (ATen's grid_sample is compiled with FMA
+  // contraction; measured on an H100 with a 160 x 160 map: forward differences up to 3e-5 on O(1)
+  // values). So positions may differ by up to `coord` = max(Hf, Wf) * 2^-23 feature pixels per
+  // axis, which moves a sample by up to coord * 2 max|f| per axis and a tap weight by up to
+  // 2 coord.
+  const double coord = static_cast<double>(std::max(shape.fh, shape.fw)) * std::ldexp(1.0, -23);
+  const double fmax = in.features.abs().max().item<double>();
+
+  // Forward: both paths sample and average in fp32 and round once, so they differ by fp32
+  // rounding (fp32: 1e-5 relative plus 1e-5 absolute for O(1) values) or, in 16 bits, by at most
+  // one unit in the last place where the fp32 values straddle a rounding boundary (plus 1e-5
+  // absolute for fp32-level differences of values near zero); plus the tap positions' term.
+  const bool fp32 = dtype == at::kFloat;
+  const double rtol = fp32 ? 1e-5 : ulp(dtype);
+  EXPECT_TRUE(close(kernel.lifted.narrow(1, 0, cz), ref.lifted.narrow(1, 0, cz), rtol,
+                    1e-5 + 4 * coord * fmax));
+
+  // Backward: fp32 accumulation (atomics in both paths, different orders) rounded once. fp32:
+  // 1e-5 relative; 16 bits: two units in the last place. The absolute part (1e-5 of the largest
+  // gradient) covers elements where terms cancel, plus the tap weights' term for up to 4 terms of
+  // |w| <= max|w| per element. The full tensor is compared: an element the kernel does not write
+  // reads NaN (see run_both_passes()).
+  const double scale = ref.grad.abs().max().item<double>();
+  const double wmax = w.abs().max().item<double>();
+  ASSERT_GT(scale, 0.0);
+  EXPECT_TRUE(close(kernel.grad, ref.grad, fp32 ? 1e-5 : 2 * ulp(dtype),
+                    1e-5 * scale + 4 * 2 * coord * wmax));
+  const at::Tensor blind = kernel.grad[1 * shape.n + shape.n - 1];  // the camera that sees nothing
+  EXPECT_EQ(blind.abs().max().item<double>(), 0.0);
+  EXPECT_EQ(ref.grad[1 * shape.n + shape.n - 1].abs().max().item<double>(), 0.0);
+}
+
+std::string param_name(const ::testing::TestParamInfo<std::tuple<at::ScalarType, Shape>>& info) {
+  const auto& [dtype, s] = info.param;
+  const char* t = dtype == at::kFloat ? "f32" : dtype == at::kBFloat16 ? "bf16" : "f16";
+  return std::string(t) + "_N" + std::to_string(s.n) + "_C" + std::to_string(s.c) + "_" +
+         std::to_string(s.fh) + "x" + std::to_string(s.fw) + "_Z" + std::to_string(s.z);
+}
+
+// C = 37 is a multiple of neither the forward's 8-channel chunks nor the backward's 32-channel
+// tiles; a 32-channel tile of a 160 x 160 map (3.3 MB) exceeds any GPU's shared memory, so that
+// backward takes the global-atomics path (16 x 44 takes the shared-memory tile).
+INSTANTIATE_TEST_SUITE_P(
+    DtypesAndShapes, BevSampleCudaTest,
+    ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16, at::kHalf),
+                       ::testing::Values(Shape{1, 37, 16, 44, 1}, Shape{1, 64, 160, 160, 4},
+                                         Shape{6, 37, 16, 44, 4}, Shape{6, 64, 16, 44, 1},
+                                         Shape{6, 37, 160, 160, 1}, Shape{6, 64, 160, 160, 4},
+                                         Shape{1, 37, 160, 160, 4}, Shape{6, 64, 16, 44, 4})),
+    param_name);
+
+// Inputs outside the kernels' range are refused, and bev_sample (fused=true) returns the ATen
+// result.
+TEST(BevSampleCudaFallbackTest, UnsupportedInputsFallBackToAten) {
+  SKIP_WITHOUT_CUDA();
+  at::manual_seed(77);
+  const Inputs base = make_inputs({6, 16, 8, 12, 2}, at::kFloat);
+  ASSERT_TRUE(fused_bev_sample_supported(base.features, base.uv, base.visible));
+  auto expect_aten = [](const Inputs& in, const char* what) {
+    SCOPED_TRACE(what);
+    EXPECT_FALSE(fused_bev_sample_supported(in.features, in.uv, in.visible));
+    const BevSample got =
+        bev_sample(in.features, in.uv, in.visible, in.z, in.image_h, in.image_w, /*fused=*/true);
+    const BevSample ref =
+        bev_sample(in.features, in.uv, in.visible, in.z, in.image_h, in.image_w, /*fused=*/false);
+    EXPECT_EQ(got.lifted.scalar_type(), in.features.scalar_type());
+    EXPECT_TRUE(at::equal(got.lifted, ref.lifted));
+    EXPECT_TRUE(at::equal(got.count, ref.count));
+  };
+  // 33 cameras: more than the kernels' visibility bits.
+  expect_aten(make_inputs({kBevSampleMaxCameras + 1, 16, 8, 12, 2}, at::kFloat), "33 cameras");
+  // Non-contiguous features (a transposed map).
+  Inputs strided = base;
+  strided.features = base.features.transpose(2, 3).contiguous().transpose(2, 3);
+  ASSERT_FALSE(strided.features.is_contiguous());
+  expect_aten(strided, "non-contiguous features");
+  // float64 features.
+  Inputs wide = base;
+  wide.features = base.features.to(at::kDouble);
+  expect_aten(wide, "float64 features");
+}
+
+// uv in float64: the kernels refuse it as given, and bev_sample samples it as float32 (the
+// geometry is data), so the result equals the float32 one.
+TEST(BevSampleCudaFallbackTest, Float64UvIsSampledAsFloat32) {
+  SKIP_WITHOUT_CUDA();
+  at::manual_seed(78);
+  const Inputs base = make_inputs({6, 16, 8, 12, 2}, at::kFloat);
+  const at::Tensor uv64 = base.uv.to(at::kDouble);
+  EXPECT_FALSE(fused_bev_sample_supported(base.features, uv64, base.visible));
+  const BevSample got =
+      bev_sample(base.features, uv64, base.visible, base.z, base.image_h, base.image_w);
+  const BevSample ref = bev_sample(base.features, base.uv, base.visible, base.z, base.image_h,
+                                   base.image_w, /*fused=*/false);
+  EXPECT_TRUE(at::allclose(got.lifted, ref.lifted, 1e-5, 1e-5));
+  EXPECT_TRUE(at::equal(got.count, ref.count));
+}
+
+// A contiguous uv that starts at an odd float (a view into a larger buffer): the kernels read a
+// point's (u, v) as one 8-byte load, so they must either refuse such a tensor or read it right.
+// Run it in its own process (ctest does): a misaligned load leaves the CUDA context unusable.
+TEST(BevSampleCudaFallbackTest, UvAtAnOddOffsetIsSampledCorrectly) {
+  SKIP_WITHOUT_CUDA();
+  at::manual_seed(79);
+  const Inputs base = make_inputs({6, 16, 8, 12, 2}, at::kFloat);
+  const at::Tensor buffer = at::empty({base.uv.numel() + 1}, base.uv.options());
+  const at::Tensor odd = buffer.narrow(0, 1, base.uv.numel()).view(base.uv.sizes()).copy_(base.uv);
+  ASSERT_TRUE(odd.is_contiguous());
+  const BevSample got =
+      bev_sample(base.features, odd, base.visible, base.z, base.image_h, base.image_w);
+  const BevSample ref = bev_sample(base.features, base.uv, base.visible, base.z, base.image_h,
+                                   base.image_w, /*fused=*/false);
+  EXPECT_TRUE(at::allclose(got.lifted, ref.lifted, 1e-5, 1e-5));
+  EXPECT_TRUE(at::equal(got.count, ref.count));
+}
+
+}  // namespace
+}  // namespace parallax::kernels
