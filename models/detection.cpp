@@ -40,24 +40,33 @@ DetectionTargets encode_detection_targets(const at::Tensor& boxes, const BevGrid
   return {heatmap, codes, index, mask};
 }
 
-at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target) {
+namespace {
+
+// A loss's normaliser: the count, or its mean over the replicas, at least 1.
+at::Tensor normaliser(const at::Tensor& count, const CountMean& mean) {
+  return (mean ? mean(count) : count).clamp_min(1);
+}
+
+}  // namespace
+
+at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target, const CountMean& mean) {
   const at::Tensor x = logits.to(at::kFloat);
   const at::Tensor t = target.to(at::kFloat);
   const at::Tensor pos = t.eq(1).to(at::kFloat);
   const at::Tensor p = at::sigmoid(x);
   const at::Tensor pos_term = (1 - p).pow(2) * at::log_sigmoid(x) * pos;
   const at::Tensor neg_term = (1 - t).pow(4) * p.pow(2) * at::log_sigmoid(-x) * (1 - pos);
-  return -(pos_term.sum() + neg_term.sum()) / pos.sum().clamp_min(1);
+  return -(pos_term.sum() + neg_term.sum()) / normaliser(pos.sum(), mean);
 }
 
-at::Tensor box_regression_loss(const at::Tensor& box_reg, const DetectionTargets& targets) {
+at::Tensor box_regression_loss(const at::Tensor& box_reg, const DetectionTargets& targets, const CountMean& mean) {
   const int64_t b = box_reg.size(0), k = targets.index.size(1);
   const at::Tensor flat = box_reg.reshape({b, kBoxCodeSize, -1});
   const at::Tensor idx = targets.index.unsqueeze(1).expand({b, kBoxCodeSize, k});
   const at::Tensor pred = flat.gather(2, idx).transpose(1, 2).to(at::kFloat);  // [B, K, 8]
   const at::Tensor m = targets.mask.to(at::kFloat);
   const at::Tensor l1 = (pred - targets.codes).abs().sum(-1) * m;
-  return l1.sum() / m.sum().clamp_min(1);
+  return l1.sum() / normaliser(m.sum(), mean);
 }
 
 Detections decode_detections(const at::Tensor& heatmap_logits, const at::Tensor& box_reg, const BevGrid& grid,

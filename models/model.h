@@ -2,7 +2,8 @@
 //
 // A model maps a batch (named tensors from the data layer) to predictions and computes its own
 // loss terms, so the trainer stays model-agnostic. Models never call collectives themselves;
-// tensor-parallel layers borrowed from parallel/tensor do.
+// tensor-parallel layers borrowed from parallel/tensor do, and a loss may use the replica mean the
+// trainer installs (set_replica_mean).
 #pragma once
 
 #include "core/scene.h"
@@ -12,6 +13,7 @@
 
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,6 +27,10 @@ struct ModuleCost {
   int64_t params = 0;
   double flops = 0;
 };
+
+// The mean over the data-parallel replicas of a small float tensor, on the tensor's device and
+// without a host sync; what a loss uses for normalisers that count things in the batch.
+using ReplicaMean = std::function<at::Tensor(const at::Tensor&)>;
 
 struct LossOutput {
   at::Tensor total;              // scalar, what backward() runs on
@@ -55,6 +61,18 @@ class Model : public torch::nn::Module {
   virtual std::vector<ModuleCost> cost_breakdown() const { return {}; }
 
   int64_t parameter_count() const;
+
+  // Loss normalisers that count things in the batch (positive heatmap cells, target boxes,
+  // labelled cells per class) must count the whole data-parallel batch, or DDP's average of the
+  // replicas' gradients is not the gradient of one process on that batch (MMDetection3D does the
+  // same with reduce_mean of avg_factor). The trainer installs the mean over its data-parallel
+  // group around each training step, when every replica runs loss() the same number of times;
+  // empty (the default, and during evaluation) means this replica alone.
+  void set_replica_mean(ReplicaMean mean) { replica_mean_ = std::move(mean); }
+  const ReplicaMean& replica_mean() const { return replica_mean_; }
+
+ private:
+  ReplicaMean replica_mean_;
 };
 
 // Makes `name` (auto | cudnn | flash | fa3 | efficient | math) the first fused attention kernel that

@@ -194,23 +194,31 @@ LossOutput PerceptionModel::loss(const core::TensorDict& batch, const core::Tens
   for (const char* key : {"bev_semantics", "boxes"}) {
     PARALLAX_CHECK(batch.count(key), Error, "model 'bev': batch has no '{}' (docs/data.md)", key);
   }
-  // Segmentation: cross-entropy weighted per class by 1/sqrt(frequency in this batch), so rare
+  // Counts in the batch (class frequencies, positives, boxes) are means over the data-parallel
+  // replicas when the trainer installed them (Model::set_replica_mean), so DDP computes the
+  // gradient of one process on the whole batch.
+  const ReplicaMean& mean = replica_mean();
+  // Segmentation: cross-entropy weighted per class by 1/sqrt(frequency in the batch), so rare
   // classes (objects) are not drowned by background; labels outside [0, classes) are ignored.
   const at::Tensor logits = pred.at("bev_logits").to(at::kFloat);
   const int64_t ns = logits.size(1);
   const at::Tensor labels = batch.at("bev_semantics").to(at::kLong);
   const at::Tensor valid = (labels >= 0) & (labels < ns);
-  const at::Tensor counts = at::zeros({ns}, logits.options())
-                                .index_add_(0, at::where(valid, labels, at::zeros_like(labels)).flatten(),
-                                            valid.flatten().to(at::kFloat));
+  at::Tensor counts = at::zeros({ns}, logits.options())
+                          .index_add_(0, at::where(valid, labels, at::zeros_like(labels)).flatten(),
+                                      valid.flatten().to(at::kFloat));
+  if (mean) counts = mean(counts);
   const at::Tensor weight = (counts / counts.sum().clamp_min(1)).clamp_min(1e-3).rsqrt();
-  const at::Tensor seg = at::cross_entropy_loss(logits, at::where(valid, labels, at::full_like(labels, -100)), weight,
-                                                at::Reduction::Mean, -100);
+  // cross_entropy's weighted mean, sum_i w[y_i] l_i / sum_i w[y_i], with the denominator counted
+  // over the (replicas') batch: sum_c counts_c w_c. 0 when no cell is labelled.
+  const at::Tensor per_cell = at::cross_entropy_loss(
+      logits, at::where(valid, labels, at::full_like(labels, -100)), weight, at::Reduction::None, -100);
+  const at::Tensor seg = per_cell.sum() / (counts * weight).sum().clamp_min(1e-12);
   // Detection (CenterPoint): targets on the query grid from the padded boxes.
   const DetectionTargets t = encode_detection_targets(batch.at("boxes").to(logits.device()), spec_.query_grid,
                                                       static_cast<int64_t>(spec_.scene.box_classes.size()));
-  const at::Tensor heat = heatmap_focal_loss(pred.at("heatmap"), t.heatmap);
-  const at::Tensor reg = box_regression_loss(pred.at("box_reg"), t);
+  const at::Tensor heat = heatmap_focal_loss(pred.at("heatmap"), t.heatmap, mean);
+  const at::Tensor reg = box_regression_loss(pred.at("box_reg"), t, mean);
   at::Tensor total = spec_.seg_loss_weight * seg + spec_.heatmap_loss_weight * heat + spec_.box_loss_weight * reg;
   return {total, {{"seg_ce", seg.detach()}, {"heatmap_focal", heat.detach()}, {"box_l1", reg.detach()}}};
 }

@@ -138,6 +138,9 @@ class Trainer {
   fs::path run_dir_;
   std::shared_ptr<models::Model> model_;
   std::unique_ptr<parallel::ddp::DistributedDataParallel> ddp_;
+  // Mean over the data-parallel group, installed on the model around each training step (empty
+  // with one data-parallel rank); see models::Model::set_replica_mean.
+  models::ReplicaMean replica_mean_;
   std::unique_ptr<optim::Optimizer> optimizer_;
   optim::PrecisionPolicy precision_;
   std::unique_ptr<optim::LossScaler> scaler_;
@@ -271,6 +274,17 @@ void Trainer::setup() {
     o.algo = comm::parse_allreduce_algo(p.allreduce);
     ddp_ = std::make_unique<parallel::ddp::DistributedDataParallel>(model_, topo_->dp(), o);
   }
+  if (layout.dp > 1) {
+    // Asynchronous on GPUs: the compute stream waits for the small all-reduce, the host does not.
+    const comm::CommPtr dp = topo_->dp();
+    const c10::Device at_device = dp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
+    replica_mean_ = [dp, at_device](const at::Tensor& t) {
+      at::Tensor x = t.detach().to(at_device, at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+      const comm::WorkPtr w = dp->all_reduce_async(x, comm::ReduceOp::kAvg);
+      w->wait_stream();
+      return x.device() == t.device() ? x : x.to(t.device());
+    };
+  }
 
   optim::NamedParams named;
   for (const auto& item : model_->named_parameters()) named.emplace_back(item.key(), item.value());
@@ -315,6 +329,13 @@ void Trainer::setup() {
 
 std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr) {
   const int accum = cfg_.train.grad_accum;
+  // Loss normalisers over the whole data-parallel batch during the step only: evaluation runs a
+  // different number of batches per rank and must not issue collectives.
+  struct ReplicaMeanScope {
+    models::Model& model;
+    ReplicaMeanScope(models::Model& m, const models::ReplicaMean& mean) : model(m) { model.set_replica_mean(mean); }
+    ~ReplicaMeanScope() { model.set_replica_mean({}); }
+  } replica_mean_scope(*model_, replica_mean_);
   std::map<std::string, at::Tensor> terms;
   for (int micro = 0; micro < accum; ++micro) {
     core::Stopwatch data_clock;

@@ -355,21 +355,22 @@ class NcclCommunicator final : public CommBase {
       return std::make_shared<DoneWork>();
     }
     at::Tensor in = input, out = output;
-    std::vector<int64_t> sizes;
-    std::vector<at::Tensor> outs;
-    for (int r = 0; r < n; ++r) {
-      sizes.push_back(chunk_numel(total, n, r));
-      outs.push_back(out.view({-1}).narrow(0, chunk_offset(total, n, r), sizes.back()));
-    }
     return enqueue({t}, {in, out}, [&] {
-      if (total % n ==
-          0) {  // equal chunks: straight into the output (in place when `in` is our chunk)
+      if (total % n == 0) {  // equal chunks: straight into the output (in place when `in` is our chunk)
         call(ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(total / n),
                            nccl_type(in.scalar_type()), comm_, stream_.stream()),
              "ncclAllGather", t);
-      } else {
-        gather_padded(in, sizes, outs, t);
+        return;
       }
+      // Uneven chunks only: the per-rank views of the output (their construction is host time on
+      // every call, which the even path, the common one, does not need).
+      std::vector<int64_t> sizes;
+      std::vector<at::Tensor> outs;
+      for (int r = 0; r < n; ++r) {
+        sizes.push_back(chunk_numel(total, n, r));
+        outs.push_back(out.view({-1}).narrow(0, chunk_offset(total, n, r), sizes.back()));
+      }
+      gather_padded(in, sizes, outs, t);
     });
   }
 

@@ -10,6 +10,7 @@
 // bitwise identical after every step on both.
 #include "core/error.h"
 #include "models/checkpointable.h"
+#include "models/model.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
 #include "parallel/comm/factory.h"
@@ -413,4 +414,65 @@ TEST_F(DdpTest, ActivationCheckpointingGivesIdenticalGradients) {
     ob.zero_grad(false);
   }
   EXPECT_TRUE(at::equal(flat_params(*a), flat_params(*b)));
+}
+
+// The perception model's losses are normalised by counts in the batch (centre cells, target boxes,
+// labelled cells per class), which differ between the ranks' slices. With the mean over the
+// replicas installed on the model (as the trainer does around each step), DDP's averaged gradient
+// equals one process's on the whole batch, to fp32 summation order; without it, it does not.
+TEST_F(DdpTest, BevLossNormalisersSpanTheWholeBatch) {
+  models::ModelConfig cfg;
+  cfg.name = "bev";
+  cfg.size = "tiny";
+  const core::SceneSpec scene;  // bev/tiny's default scene
+  at::manual_seed(3);
+  auto ref = models::build_model(cfg, scene);
+  at::manual_seed(3);
+  auto net = models::build_model(cfg, scene);
+  ref->to(test_device());
+  net->to(test_device());
+  const int64_t per_rank = 1;
+  at::manual_seed(11);  // the same global batch on every rank
+  core::TensorDict batch = ref->example_batch(per_rank * n_);
+  for (auto& [k, v] : batch) v = v.to(test_device());
+
+  const models::LossOutput ref_loss = ref->loss(batch, ref->forward(batch));
+  ref_loss.total.backward();
+  std::vector<at::Tensor> ref_grads;
+  for (const auto& p : ref->parameters()) ref_grads.push_back(p.grad().reshape({-1}));
+  const at::Tensor expected = at::cat(ref_grads);
+
+  ddp::DistributedDataParallel engine(net, world_, {});
+  core::TensorDict mine;
+  for (const auto& [k, v] : batch) mine[k] = v.narrow(0, rank_ * per_rank, per_rank);
+  auto ddp_gradient = [&](bool replica_mean) {
+    if (replica_mean) {
+      net->set_replica_mean([this](const at::Tensor& t) {
+        at::Tensor x = t.detach().to(at::kFloat).clone();
+        world_->all_reduce(x, comm::ReduceOp::kAvg);
+        return x;
+      });
+    } else {
+      net->set_replica_mean({});
+    }
+    for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
+    const models::LossOutput loss = net->loss(mine, net->forward(mine));
+    engine.before_forward();
+    engine.before_backward();
+    loss.total.backward();
+    engine.finalize_backward();
+    at::Tensor mean_loss = loss.total.detach().clone();
+    world_->all_reduce(mean_loss, comm::ReduceOp::kAvg);
+    std::vector<at::Tensor> parts;
+    for (const auto& g : engine.gradients()) parts.push_back(g.reshape({-1}).clone());
+    return std::make_pair(at::cat(parts), mean_loss.item<double>());
+  };
+  // The engine's gradients follow named_parameters() order, like ref->parameters().
+  const auto [with_mean, loss_with_mean] = ddp_gradient(true);
+  EXPECT_NEAR(loss_with_mean, ref_loss.total.item<double>(), 1e-5 * std::abs(ref_loss.total.item<double>()));
+  EXPECT_LT(max_rel(with_mean, expected), 1e-5);
+  if (n_ > 1) {
+    const auto [without, loss_without] = ddp_gradient(false);
+    EXPECT_GT(max_rel(without, expected), 1e-3) << "the ranks' slices count the same: the test cannot fail";
+  }
 }
