@@ -4,7 +4,12 @@ export_chrome_trace) down by kernel class: per-step GPU time of GEMMs, attention
 reductions, copies, elementwise kernels, optimizer, NCCL and convolutions, then the top kernels.
 Without GPU kernels in the trace (a CPU run) it lists the top host ops instead.
 
-Usage: trace_summary.py TRACE.json [--steps N] [--top K]
+With --gaps it also reports how busy the GPU was: the span from the first kernel's start to the
+last kernel's end, the union of all kernel intervals over every stream (busy), the rest (idle: no
+kernel running anywhere, e.g. while the GPU waits for the host to launch), and the longest idle
+gaps with the kernel that ended each.
+
+Usage: trace_summary.py TRACE.json [--steps N] [--top K] [--gaps K]
 """
 import argparse
 import collections
@@ -35,11 +40,30 @@ def classify(name):
     return "other"
 
 
+def idle_gaps(kernels):
+    """(span_us, busy_us, gaps) of kernel events; gaps: [(idle_us, name of the kernel after it)],
+    longest first. Busy is the union of the kernels' intervals over all streams."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in kernels)
+    busy, gaps = 0.0, []
+    start, end = spans[0][0], spans[0][1]
+    for s, e, name in spans[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append((s - end, name))
+            start = s
+        end = max(end, e)
+    busy += end - start
+    gaps.sort(key=lambda g: -g[0])
+    return max(e for _, e, _ in spans) - spans[0][0], busy, gaps
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--steps", type=int, default=1, help="steps the trace holds (times are divided by it)")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--gaps", type=int, default=0, metavar="K",
+                    help="also print busy/idle GPU time per step and the K longest idle gaps")
     a = ap.parse_args()
     try:
         with open(a.trace) as f:
@@ -61,6 +85,12 @@ def main():
         print(f"\ntop {a.top} kernels (ms per step)")
         for name, us in by_name.most_common(a.top):
             print(f"{us / 1000 / steps:8.3f}  {classify(name):<12} {name[:110]}")
+        if a.gaps > 0:
+            span, busy, gaps = idle_gaps(kernels)
+            print(f"\nspan {span / 1000 / steps:.2f} ms/step, busy (union over streams) {busy / 1000 / steps:.2f} "
+                  f"ms/step, idle {(span - busy) / 1000 / steps:.2f} ms/step")
+            for us, name in gaps[:a.gaps]:
+                print(f"gap {us:8.0f} us before {name[:100]}")
         return
     ops = collections.Counter()
     for e in events:

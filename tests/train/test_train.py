@@ -12,6 +12,7 @@
 Usage: test_train.py <parallax binary> <mpirun>
 """
 import json
+import re
 import os
 import subprocess
 import sys
@@ -122,6 +123,21 @@ class TrainTest(RunDirTest):
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertIn("per step", p.stdout)
         self.assertRegex(p.stdout, r"aten::")
+
+    def test_trace_summary_gaps_are_the_idle_time_between_kernels_of_any_stream(self):
+        # Two streams: [0, 10) and [5, 15) overlap, then idle 15-20, [20, 25), idle 25-40, [40, 41).
+        kernels = [("gemm_a", 0, 10, 7), ("nccl_b", 5, 10, 8), ("elementwise_c", 20, 5, 7), ("reduce_d", 40, 1, 7)]
+        trace = os.path.join(self.d, "synthetic_trace.json")
+        with open(trace, "w") as f:
+            json.dump({"traceEvents": [{"cat": "kernel", "name": n, "ts": ts, "dur": d, "tid": tid}
+                                       for n, ts, d, tid in kernels]}, f)
+        p = subprocess.run([sys.executable, os.path.join(SRC, "bench", "train", "trace_summary.py"), trace,
+                            "--gaps", "5"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        # Microseconds: span 41, busy 15 + 5 + 1 = 21, idle 20; printed in ms per step.
+        self.assertIn("span 0.04 ms/step, busy (union over streams) 0.02 ms/step, idle 0.02 ms/step", p.stdout)
+        gaps = re.findall(r"gap +(\d+) us before (\S+)", p.stdout)
+        self.assertEqual(gaps, [("15", "reduce_d"), ("5", "elementwise_c")])
 
     def test_nan_loss_is_a_clear_error(self):
         p = run(self.common("nan", "train.steps=5", "optim.lr=1e30", "optim.grad_clip=0"), check=False)
