@@ -218,6 +218,16 @@ TEST(BevSampleCudaFallbackTest, UnsupportedInputsFallBackToAten) {
   expect_aten(wide, "float64 features");
 }
 
+// bev_sample with `uv` in place of the float32, aligned base.uv gives the ATen path's result on
+// base.uv (to float32 rounding), whichever path takes it.
+void expect_sampled_like_float32_uv(const Inputs& base, const at::Tensor& uv) {
+  const BevSample got = bev_sample(base.features, uv, base.visible, base.z, base.image_h, base.image_w);
+  const BevSample ref =
+      bev_sample(base.features, base.uv, base.visible, base.z, base.image_h, base.image_w, /*fused=*/false);
+  EXPECT_TRUE(at::allclose(got.lifted, ref.lifted, 1e-5, 1e-5));
+  EXPECT_TRUE(at::equal(got.count, ref.count));
+}
+
 // uv in float64: the kernels refuse it as given, and bev_sample samples it as float32 (the
 // geometry is data), so the result equals the float32 one.
 TEST(BevSampleCudaFallbackTest, Float64UvIsSampledAsFloat32) {
@@ -226,12 +236,7 @@ TEST(BevSampleCudaFallbackTest, Float64UvIsSampledAsFloat32) {
   const Inputs base = make_inputs({6, 16, 8, 12, 2}, at::kFloat);
   const at::Tensor uv64 = base.uv.to(at::kDouble);
   EXPECT_FALSE(fused_bev_sample_supported(base.features, uv64, base.visible));
-  const BevSample got =
-      bev_sample(base.features, uv64, base.visible, base.z, base.image_h, base.image_w);
-  const BevSample ref = bev_sample(base.features, base.uv, base.visible, base.z, base.image_h,
-                                   base.image_w, /*fused=*/false);
-  EXPECT_TRUE(at::allclose(got.lifted, ref.lifted, 1e-5, 1e-5));
-  EXPECT_TRUE(at::equal(got.count, ref.count));
+  expect_sampled_like_float32_uv(base, uv64);
 }
 
 // A contiguous uv that starts at an odd float (a view into a larger buffer): the kernels read a
@@ -244,12 +249,7 @@ TEST(BevSampleCudaFallbackTest, UvAtAnOddOffsetIsSampledCorrectly) {
   const at::Tensor buffer = at::empty({base.uv.numel() + 1}, base.uv.options());
   const at::Tensor odd = buffer.narrow(0, 1, base.uv.numel()).view(base.uv.sizes()).copy_(base.uv);
   ASSERT_TRUE(odd.is_contiguous());
-  const BevSample got =
-      bev_sample(base.features, odd, base.visible, base.z, base.image_h, base.image_w);
-  const BevSample ref = bev_sample(base.features, base.uv, base.visible, base.z, base.image_h,
-                                   base.image_w, /*fused=*/false);
-  EXPECT_TRUE(at::allclose(got.lifted, ref.lifted, 1e-5, 1e-5));
-  EXPECT_TRUE(at::equal(got.count, ref.count));
+  expect_sampled_like_float32_uv(base, odd);
 }
 
 }  // namespace
