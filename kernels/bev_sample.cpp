@@ -8,6 +8,7 @@
 
 #ifdef PARALLAX_WITH_CUDA_KERNELS
 #include "kernels/bev_sample_cuda.h"
+#include "kernels/launch.h"
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -20,6 +21,12 @@ namespace {
 struct Dims {
   int64_t b, n, c, fh, fw, z, q, p;
 };
+
+// The sizes of validated inputs (check_dims).
+Dims dims_of(const at::Tensor& features, const at::Tensor& uv, int64_t heights) {
+  const int64_t p = uv.size(2);
+  return {uv.size(0), uv.size(1), features.size(1), features.size(2), features.size(3), heights, p / heights, p};
+}
 
 Dims check_dims(const at::Tensor& features, const at::Tensor& uv, const at::Tensor& visible, int64_t heights,
                 int64_t image_h, int64_t image_w) {
@@ -40,7 +47,7 @@ Dims check_dims(const at::Tensor& features, const at::Tensor& uv, const at::Tens
                  "bev_sample: the {} points per sample are not {} heights of equal size", p, heights);
   PARALLAX_CHECK(image_h > 0 && image_w > 0, Error, "bev_sample: image size {}x{} must be positive", image_h,
                  image_w);
-  return {b, n, features.size(1), features.size(2), features.size(3), heights, p / heights, p};
+  return dims_of(features, uv, heights);
 }
 
 // The ATen composition: one dense grid_sample per camera in float32, weighted by visibility.
@@ -66,20 +73,7 @@ BevSample reference(const at::Tensor& features, const at::Tensor& uv, const at::
 
 #ifdef PARALLAX_WITH_CUDA_KERNELS
 
-cuda::DType dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16:
-      return cuda::DType::kBFloat16;
-    case at::kHalf:
-      return cuda::DType::kFloat16;
-    default:
-      return cuda::DType::kFloat32;
-  }
-}
-
-void check_launch(int rc, const char* what) {
-  PARALLAX_CHECK(rc == 0, Error, "fused BEV sampling: {} kernel launch failed: {}", what, cuda::error_string(rc));
-}
+void check_launch(int rc, const char* what) { detail::check_launch(rc, "fused BEV sampling", what); }
 
 cuda::BevSampleShape shape_of(const Dims& d, int64_t image_h, int64_t image_w) {
   return {d.b, d.n, d.c, d.fh, d.fw, d.z, d.q, image_h, image_w};
@@ -89,12 +83,12 @@ struct FusedBevSample : public torch::autograd::Function<FusedBevSample> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& features,
                                                 const at::Tensor& uv, const at::Tensor& visible, int64_t heights,
                                                 int64_t image_h, int64_t image_w) {
-    const Dims d = check_dims(features, uv, visible, heights, image_h, image_w);
+    const Dims d = dims_of(features, uv, heights);  // validated by bev_sample()
     c10::cuda::CUDAGuard guard(features.device());
     at::Tensor lifted = at::empty({d.b, d.c * d.z + d.z, d.q}, features.options());
     at::Tensor count = at::empty({d.b, d.p}, uv.options());
     const cuda::BevSampleShape s = shape_of(d, image_h, image_w);
-    check_launch(cuda::bev_sample_forward(dtype_of(features), features.data_ptr(), uv.data_ptr<float>(),
+    check_launch(cuda::bev_sample_forward(detail::dtype_of(features), features.data_ptr(), uv.data_ptr<float>(),
                                           visible.data_ptr<bool>(), lifted.data_ptr(), count.data_ptr<float>(), s,
                                           c10::cuda::getCurrentCUDAStream().stream()),
                  "forward");
@@ -125,7 +119,7 @@ struct FusedBevSample : public torch::autograd::Function<FusedBevSample> {
     const cuda::BevSampleShape s = shape_of(d, dims[4], dims[5]);
     const int64_t ws = cuda::bev_sample_backward_workspace(s);
     at::Tensor workspace = ws > 0 ? at::empty({ws}, uv.options()) : at::Tensor();
-    check_launch(cuda::bev_sample_backward(dtype_of(g), g.data_ptr(), uv.data_ptr<float>(), visible.data_ptr<bool>(),
+    check_launch(cuda::bev_sample_backward(detail::dtype_of(g), g.data_ptr(), uv.data_ptr<float>(), visible.data_ptr<bool>(),
                                            count.data_ptr<float>(), gf.data_ptr(),
                                            ws > 0 ? workspace.data_ptr<float>() : nullptr, s,
                                            c10::cuda::getCurrentCUDAStream().stream()),

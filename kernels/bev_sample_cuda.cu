@@ -21,6 +21,7 @@
 // not fit in shared memory (over ~1,600 pixels on Hopper) use global fp32 atomics into a workspace
 // and one cast.
 #include "kernels/bev_sample_cuda.h"
+#include "kernels/device_math.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -34,25 +35,6 @@ constexpr int kChunk = 8;                  // fp32 accumulators per thread in th
 constexpr int kThreads = 256;              // forward and global-backward block size
 constexpr int kMaxTileWarps = 16;          // shared-memory backward: warps per block, at most
 constexpr int kMinTileWarps = 4;           // and at least (else the global-atomics path)
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half_rn(v);
-}
 
 // The four bilinear taps of a point, as grid_sample computes them: normalised g = u * (2 / W) - 1,
 // source index ((g + 1) * Wf - 1) / 2, weights from the floor corners. A tap outside the map has

@@ -9,6 +9,7 @@
 #include <array>
 
 #ifdef PARALLAX_WITH_CUDA_KERNELS
+#include "kernels/launch.h"
 #include "kernels/layer_norm_cuda.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -34,25 +35,12 @@ std::pair<at::Tensor, at::Tensor> reference(const at::Tensor& x, const at::Tenso
 
 #ifdef PARALLAX_WITH_CUDA_KERNELS
 
-cuda::DType dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16:
-      return cuda::DType::kBFloat16;
-    case at::kHalf:
-      return cuda::DType::kFloat16;
-    default:
-      return cuda::DType::kFloat32;
-  }
-}
-
 // The device's SM count (ATen caches the device properties; the backward asks on every call).
 int multiprocessors(int device) {
   return at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->multiProcessorCount;
 }
 
-void check_launch(int rc, const char* what) {
-  PARALLAX_CHECK(rc == 0, Error, "fused LayerNorm: {} kernel launch failed: {}", what, cuda::error_string(rc));
-}
+void check_launch(int rc, const char* what) { detail::check_launch(rc, "fused LayerNorm", what); }
 
 // Shared by the two autograd functions below (LibTorch's custom functions take no undefined
 // tensor inputs, so "no residual" is its own function). Returns {y} or {y, sum}.
@@ -68,7 +56,7 @@ torch::autograd::variable_list forward_impl(torch::autograd::AutogradContext* ct
   at::Tensor sum = rc.defined() ? at::empty_like(xc, at::MemoryFormat::Contiguous) : at::Tensor();
   const auto stat = x.options().dtype(at::kFloat);
   at::Tensor mean = at::empty({rows}, stat), rstd = at::empty({rows}, stat);
-  check_launch(cuda::layer_norm_forward(dtype_of(xc), xc.data_ptr(), rc.defined() ? rc.data_ptr() : nullptr,
+  check_launch(cuda::layer_norm_forward(detail::dtype_of(xc), xc.data_ptr(), rc.defined() ? rc.data_ptr() : nullptr,
                                         sum.defined() ? sum.data_ptr() : nullptr, y.data_ptr(), g.data_ptr<float>(),
                                         b.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows,
                                         static_cast<int>(cols), static_cast<float>(eps),
@@ -97,7 +85,7 @@ std::array<at::Tensor, 3> backward_impl(torch::autograd::AutogradContext* ctx,
   const auto f32 = s.options().dtype(at::kFloat);
   at::Tensor partial = at::empty({2, parts, cols}, f32);
   at::Tensor dgamma = at::empty({cols}, f32), dbeta = at::empty({cols}, f32);
-  check_launch(cuda::layer_norm_backward(dtype_of(s), dy.data_ptr(), s.data_ptr(), mean.data_ptr<float>(),
+  check_launch(cuda::layer_norm_backward(detail::dtype_of(s), dy.data_ptr(), s.data_ptr(), mean.data_ptr<float>(),
                                          rstd.data_ptr<float>(), g.data_ptr<float>(),
                                          dsum.defined() ? dsum.data_ptr() : nullptr, dx.data_ptr(),
                                          dgamma.data_ptr<float>(), dbeta.data_ptr<float>(), partial.data_ptr<float>(),

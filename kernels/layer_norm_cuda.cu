@@ -4,6 +4,7 @@
 // optional incoming residual gradient fused into the backward. gamma/beta gradients are reduced
 // per block in a fixed order (deterministic) and then across blocks by a second small kernel, so
 // the rows are read once in the backward instead of twice (ATen's GammaBetaBackward re-reads them).
+#include "kernels/device_math.cuh"
 #include "kernels/layer_norm_cuda.h"
 
 #include <cuda_bf16.h>
@@ -65,22 +66,6 @@ __device__ __forceinline__ void store8(T* p, const float* f) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) h[i] = P::from_floats(f[2 * i], f[2 * i + 1]);
   *reinterpret_cast<uint4*>(p) = v;
-}
-
-// Rounds an fp32 value to T's precision (what an elementwise add in T produces).
-template <typename T>
-__device__ __forceinline__ float round_to(float v);
-template <>
-__device__ __forceinline__ float round_to<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float round_to<__nv_bfloat16>(float v) {
-  return __bfloat162float(__float2bfloat16(v));
-}
-template <>
-__device__ __forceinline__ float round_to<__half>(float v) {
-  return __half2float(__float2half(v));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -127,8 +127,9 @@ class Trainer {
   // Saves model, optimizer, RNG, loss scaler and data position as checkpoint `step`.
   void save_checkpoint(int64_t step);
   // One optimizer step of grad_accum micro-steps; returns the loss terms of this rank (device
-  // tensors, averaged over micro-steps).
-  std::map<std::string, at::Tensor> train_step(int64_t step, double lr);
+  // tensors, averaged over micro-steps). `log_step`: the gradient norm is needed for the metrics
+  // (without clipping it is computed only then).
+  std::map<std::string, at::Tensor> train_step(int64_t step, double lr, bool log_step);
 
   RunConfig& cfg_;
   comm::World& world_;
@@ -327,7 +328,7 @@ void Trainer::setup() {
   }
 }
 
-std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr) {
+std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, bool log_step) {
   const int accum = cfg_.train.grad_accum;
   // Loss normalisers over the whole data-parallel batch during the step only: evaluation runs a
   // different number of batches per rank and must not issue collectives.
@@ -373,7 +374,14 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr) {
   }
   // Gradients are replicated across DP ranks after DDP's all-reduce: no shard groups to reduce over.
   found_inf_ = scaler_->unscale_and_check(grads);
-  grad_norm_ = optim::clip_grad_norm(grads, found_inf_ ? 0.0 : cfg_.optim.grad_clip);
+  // Without clipping the norm is only a metric: computing it every step cost ~0.5 ms of host time
+  // per ViT-B step (a multi-tensor norm over ~150 gradients and a stack), at the end of the step,
+  // where the GPU waits for the host (bench/NOTES.md).
+  if (cfg_.optim.grad_clip > 0 || log_step) {
+    grad_norm_ = optim::clip_grad_norm(grads, found_inf_ ? 0.0 : cfg_.optim.grad_clip);
+  } else {
+    grad_norm_ = at::Tensor();
+  }
   if (!found_inf_) optimizer_->step(lr);
   scaler_->update(found_inf_);
   // Drop the gradients (PyTorch's zero_grad default): the next backward writes each one once
@@ -442,14 +450,14 @@ TrainSummary Trainer::fit() {
                         (run_dir_ / "profile" / fmt::format("trace_rank{}.json", world_.rank())).string());
   for (int64_t step = start_step_ + 1; step <= total; ++step) {
     const double lr = optim::lr_at(cfg_.schedule, cfg_.optim.lr, step, total);
+    const bool log_now = step % cfg_.train.log_every == 0 || step == total;
     profiler.before(step);
-    auto terms = train_step(step, lr);
+    auto terms = train_step(step, lr, log_now);
     profiler.after(step);
     ++interval_steps;
     if (checkpointer_) checkpointer_->poll();  // surfaces a failed background save
     if (step == start_step_ + 1) first_step_s = run_clock.elapsed_s();
     if (cfg_.checkpoint.every > 0 && step % cfg_.checkpoint.every == 0 && step != total) save_checkpoint(step);
-    const bool log_now = step % cfg_.train.log_every == 0 || step == total;
     // On the CPU a finite-loss check is free; on GPUs it would sync every step, so it happens at
     // log steps (the error then names the interval).
     if (!log_now && device_.is_cpu()) {

@@ -3,8 +3,16 @@
 // (MPI_Allreduce / MPI_Reduce_scatter_block / MPI_Allgather on CPU; ncclAllReduce /
 // ncclReduceScatter / ncclAllGather on GPU). One JSON line per (op, size, impl).
 //
+// Point-to-point baselines on GPUs (what the ring algorithm is built from), raw NCCL only:
+// op `sendrecv` is one ncclSend to the next rank and one ncclRecv from the previous, `bytes` each
+// way (busbw = algbw: the bandwidth per direction); impl `raw_ring` is the all_reduce ring written
+// directly on ncclSend/ncclRecv, one stream, no columns (the least a ring on send/recv can cost);
+// `raw_ring_split` is the same on a blocking communicator split from the raw one (Parallax's data
+// path is such a split).
+//
 //   mpirun -np 4 comm_bench [--backend auto|mpi|gloo|nccl] [--min-bytes 1024] [--max-bytes N]
-//          [--step 4] [--ops all_reduce,reduce_scatter,all_gather] [--impls native,ring,raw]
+//          [--step 4] [--ops all_reduce,reduce_scatter,all_gather,sendrecv]
+//          [--impls native,ring,raw,raw_ring,raw_ring_split]
 //          [--warmup 3] [--min-iters 5] [--max-iters 200] [--target-s 0.3] [--dtype float32]
 //          [--ring-chunk 4M] [--nccl-blocking | --nccl-nonblocking]
 //
@@ -137,13 +145,16 @@ c10::ScalarType dtype_of(const std::string& s) {
 
 double bus_factor(const std::string& op, int n) {
   if (n == 1) return 0.0;
+  if (op == "sendrecv") return 1.0;
   return op == "all_reduce" ? 2.0 * (n - 1) / n : double(n - 1) / n;
 }
 
 #ifdef PARALLAX_WITH_NCCL
 struct RawNccl {
   ncclComm_t comm = nullptr;
+  ncclComm_t split = nullptr;  // a blocking split of comm (raw_ring_split)
   ~RawNccl() {
+    if (split) ncclCommDestroy(split);
     if (comm) ncclCommDestroy(comm);
   }
 };
@@ -194,7 +205,9 @@ int main(int argc, char** argv) {
   const at::TensorOptions opts =
       at::TensorOptions().dtype(dt).device(gpu ? *world.device() : c10::Device(c10::kCPU));
   PARALLAX_CHECK(
-      world.has_mpi() || std::find(args.impls.begin(), args.impls.end(), "raw") == args.impls.end(),
+      world.has_mpi() || (std::find(args.impls.begin(), args.impls.end(), "raw") == args.impls.end() &&
+                          std::find(args.impls.begin(), args.impls.end(), "raw_ring") == args.impls.end() &&
+                          std::find(args.impls.begin(), args.impls.end(), "raw_ring_split") == args.impls.end()),
       parallax::Error, "comm_bench: the raw baseline needs an MPI launch (mpirun)");
 
   MPI_Comm raw_comm = MPI_COMM_NULL;
@@ -207,6 +220,8 @@ int main(int argc, char** argv) {
     MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
     c10::cuda::CUDAGuard g(*world.device());
     ncclCommInitRank(&raw_nccl.comm, n, id, rank);
+    if (std::find(args.impls.begin(), args.impls.end(), "raw_ring_split") != args.impls.end())
+      ncclCommSplit(raw_nccl.comm, 0, rank, &raw_nccl.split, nullptr);
   }
 #endif
 
@@ -228,8 +243,11 @@ int main(int argc, char** argv) {
       const int64_t numel = std::max<int64_t>(n, (bytes / elem / n) * n);  // divisible by N
       at::Tensor full = at::randn({numel}, opts.dtype(at::kFloat)).to(dt);
       at::Tensor chunk = at::empty({numel / n}, opts);
+      at::Tensor landing;  // receive buffer of the point-to-point baselines
       for (const auto& impl : args.impls) {
         if (impl == "ring" && op != "all_reduce") continue;
+        if (op == "sendrecv" && impl != "raw") continue;
+        if ((impl == "raw_ring" || impl == "raw_ring_split") && (op != "all_reduce" || !gpu)) continue;
         std::function<void()> run;
         if (impl == "native" || impl == "ring") {
           const AllReduceAlgo algo = impl == "ring" ? AllReduceAlgo::kRing : AllReduceAlgo::kNative;
@@ -282,6 +300,45 @@ int main(int argc, char** argv) {
               cudaStreamSynchronize(s);
             };
           }
+          if (op == "sendrecv") {
+            landing = at::empty_like(full);
+            run = [&, s, count, t] {
+              ncclGroupStart();
+              ncclSend(full.data_ptr(), count, t, (rank + 1) % n, raw_nccl.comm, s);
+              ncclRecv(landing.data_ptr(), count, t, (rank + n - 1) % n, raw_nccl.comm, s);
+              ncclGroupEnd();
+              cudaStreamSynchronize(s);
+            };
+          }
+#else
+          continue;
+#endif
+        } else if (impl == "raw_ring" || impl == "raw_ring_split") {
+#ifdef PARALLAX_WITH_NCCL
+          ncclComm_t rc = impl == "raw_ring" ? raw_nccl.comm : raw_nccl.split;
+          if (!rc) continue;
+          cudaStream_t s = c10::cuda::getCurrentCUDAStream(opts.device().index()).stream();
+          landing = at::empty({numel / n}, opts);
+          run = [&, s, rc] {
+            // Reduce-scatter: after step k rank r holds the sum of k+2 contributions to segment
+            // (r-k-1) mod n; then all-gather circulates the reduced segments.
+            const ncclDataType_t t = nccl_dtype(dt);
+            const int64_t seg = numel / n;
+            auto at_seg = [&](int i) { return full.narrow(0, ((i % n) + n) % n * seg, seg); };
+            for (int k = 0; k < 2 * (n - 1); ++k) {
+              const bool rs = k < n - 1;
+              const int j = rs ? k : k - (n - 1);
+              at::Tensor out = rs ? at_seg(rank - j) : at_seg(rank + 1 - j);
+              at::Tensor in = rs ? at_seg(rank - j - 1) : at_seg(rank - j);
+              ncclGroupStart();
+              ncclSend(out.data_ptr(), static_cast<size_t>(seg), t, (rank + 1) % n, rc, s);
+              ncclRecv(rs ? landing.data_ptr() : in.data_ptr(), static_cast<size_t>(seg), t,
+                       (rank + n - 1) % n, rc, s);
+              ncclGroupEnd();
+              if (rs) in.add_(landing);  // on the current stream s, after the transfer
+            }
+            cudaStreamSynchronize(s);
+          };
 #else
           continue;
 #endif

@@ -9,7 +9,13 @@ last kernel's end, the union of all kernel intervals over every stream (busy), t
 kernel running anywhere, e.g. while the GPU waits for the host to launch), and the longest idle
 gaps with the kernel that ended each.
 
-Usage: trace_summary.py TRACE.json [--steps N] [--top K] [--gaps K]
+With --host (and --gaps) it asks whether the host kept the GPU fed: the lead of each kernel (its
+start minus the host's launch call, matched by the profiler's correlation id; a lead near zero
+means the GPU waited for the host), the lead of the kernel after each listed gap, and the host ops
+on the launching thread that cover the gap, innermost first, with how many microseconds of it
+each covers (what the host was busy with).
+
+Usage: trace_summary.py TRACE.json [--steps N] [--top K] [--gaps K] [--host]
 """
 import argparse
 import collections
@@ -41,20 +47,69 @@ def classify(name):
 
 
 def idle_gaps(kernels):
-    """(span_us, busy_us, gaps) of kernel events; gaps: [(idle_us, name of the kernel after it)],
-    longest first. Busy is the union of the kernels' intervals over all streams."""
-    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in kernels)
+    """(span_us, busy_us, gaps) of kernel events; gaps: [(idle_us, gap start, the kernel event
+    after it)], longest first. Busy is the union of the kernels' intervals over all streams."""
+    spans = sorted(kernels, key=lambda e: e["ts"])
     busy, gaps = 0.0, []
-    start, end = spans[0][0], spans[0][1]
-    for s, e, name in spans[1:]:
-        if s > end:
+    start, end = spans[0]["ts"], spans[0]["ts"] + spans[0]["dur"]
+    for k in spans[1:]:
+        if k["ts"] > end:
             busy += end - start
-            gaps.append((s - end, name))
-            start = s
-        end = max(end, e)
+            gaps.append((k["ts"] - end, end, k))
+            start = k["ts"]
+        end = max(end, k["ts"] + k["dur"])
     busy += end - start
     gaps.sort(key=lambda g: -g[0])
-    return max(e for _, e, _ in spans) - spans[0][0], busy, gaps
+    return max(k["ts"] + k["dur"] for k in spans) - spans[0]["ts"], busy, gaps
+
+
+def correlation(e):
+    return (e.get("args") or {}).get("correlation")
+
+
+def launches(events):
+    """Host launch calls (CUDA runtime/driver events) by correlation id."""
+    out = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and correlation(e) is not None:
+            out[correlation(e)] = e
+    return out
+
+
+def percentile(values, q):
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+def print_host(events, kernels, gaps, k):
+    launch = launches(events)
+    leads = [e["ts"] - launch[correlation(e)]["ts"] for e in kernels if correlation(e) in launch]
+    if not leads:
+        print("\nhost: the trace has no launch calls with correlation ids")
+        return
+    short = sum(1 for x in leads if x < 50)
+    print(f"\nhost lead (kernel start - launch call), {len(leads)} kernels: p10 {percentile(leads, 0.1):.0f} us, "
+          f"median {percentile(leads, 0.5):.0f} us; {100 * short / len(leads):.1f}% started < 50 us after launch")
+    ops = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
+    for us, gap_start, after in gaps[:k]:
+        call = launch.get(correlation(after))
+        if call is None:
+            print(f"gap {us:8.0f} us before {after['name'][:60]}: no launch call in the trace")
+            continue
+        # Ops of the launching thread covering at least a quarter of [gap start, launch call),
+        # innermost (shortest) first: their parents follow.
+        window = max(1e-9, call["ts"] - gap_start)
+        busy = []
+        for o in ops:
+            if o.get("tid") != call.get("tid"):
+                continue
+            overlap = min(o["ts"] + o["dur"], call["ts"]) - max(o["ts"], gap_start)
+            if overlap >= 0.25 * window:
+                busy.append((overlap, o))
+        busy.sort(key=lambda x: x[1]["dur"])
+        what = ", ".join(f"{o['name'][:50]} ({ov:.0f} of {o['dur']:.0f})" for ov, o in busy[:4]) or "no op"
+        print(f"gap {us:8.0f} us before {after['name'][:60]}: launched {after['ts'] - call['ts']:.0f} us before it "
+              f"started; host meanwhile: {what}")
 
 
 def main():
@@ -64,6 +119,8 @@ def main():
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--gaps", type=int, default=0, metavar="K",
                     help="also print busy/idle GPU time per step and the K longest idle gaps")
+    ap.add_argument("--host", action="store_true",
+                    help="with --gaps: host launch lead per kernel and what the host did during each gap")
     a = ap.parse_args()
     try:
         with open(a.trace) as f:
@@ -89,8 +146,10 @@ def main():
             span, busy, gaps = idle_gaps(kernels)
             print(f"\nspan {span / 1000 / steps:.2f} ms/step, busy (union over streams) {busy / 1000 / steps:.2f} "
                   f"ms/step, idle {(span - busy) / 1000 / steps:.2f} ms/step")
-            for us, name in gaps[:a.gaps]:
-                print(f"gap {us:8.0f} us before {name[:100]}")
+            for us, _, after in gaps[:a.gaps]:
+                print(f"gap {us:8.0f} us before {after['name'][:100]}")
+            if a.host:
+                print_host(events, kernels, gaps, a.gaps)
         return
     ops = collections.Counter()
     for e in events:

@@ -290,6 +290,7 @@ class NcclCommunicator final : public CommBase {
     }
     at::Tensor target = tensor;
     if (algo == AllReduceAlgo::kRing) {
+      connect_ring_peers(t);
       return enqueue({t}, {target}, [&] { ring(target.view({-1}), op, t); });
     }
     return enqueue({t}, {target}, [&] {
@@ -679,6 +680,21 @@ class NcclCommunicator final : public CommBase {
   // Collectives stay on comm_, whose connections were made at creation (NCCL_RUNTIME_CONNECT=0).
   ncclComm_t p2p_comm() const { return ctrl_ ? ctrl_ : comm_; }
 
+  // The ring's point-to-point messages go over the blocking data path comm_ when there is one:
+  // one group per step costs ~30 us to enqueue there against ~100 us on the non-blocking control
+  // communicator, which made the ring 45% of native at 64 MiB (a ring written directly on
+  // ncclSend/ncclRecv of a blocking communicator reached 82%; docs/comm.md). Their first contact
+  // with the ring neighbours connects them on the host, which on a blocking communicator cannot
+  // time out if a neighbour never calls; so the first ring op first checks, under its deadline,
+  // that every rank of the group has reached it (a one-byte all-gather on comm_, whose collective
+  // connections exist since creation): after that the neighbours are known to be there.
+  void connect_ring_peers(const Ticket& t) {
+    if (!ctrl_ || ring_peers_ready_) return;
+    allgather_bytes(std::vector<uint8_t>{1}, t);
+    ring_peers_ready_ = true;
+  }
+  ncclComm_t ring_comm() const { return ring_peers_ready_ ? comm_ : p2p_comm(); }
+
   // `comm`: the communicator the call was made on (nullptr: comm_).
   void call(ncclResult_t rc, const char* what, const Ticket& t, ncclComm_t comm = nullptr) {
     if (!comm) comm = comm_;
@@ -712,15 +728,20 @@ class NcclCommunicator final : public CommBase {
   }
 
   // Ring all-reduce with ncclSend/ncclRecv inside ncclGroupStart/End per step and column.
-  // Transfers run on the comm stream, reductions on a second stream; per-column events let column
-  // c+1 transfer while column c is reduced (see ring.h for the schedule).
+  // Transfers run on the comm stream; with several columns the reductions run on a second stream
+  // and per-column events let column c+1 transfer while column c is reduced (see ring.h for the
+  // schedule); one column stays on the comm stream.
   void ring(at::Tensor flat, ReduceOp op, const Ticket& t) {
     const int n = size(), r = rank_;
+    const ncclComm_t pc = ring_comm();
     const int next = (r + 1) % n, prev = (r + n - 1) % n;
     const int64_t numel = flat.numel();
     const int64_t elem = static_cast<int64_t>(flat.element_size());
     const int64_t seg0 = chunk_numel(numel, n, 0);
-    const int64_t chunk = ring_chunk_or(options_, int64_t{128} << 20);
+    // One column per segment up to 1 GiB: on 2 x H200, 128 MiB columns (reductions overlapping
+    // transfers on a second stream) took 4152 us at 1 GiB against 3444 us for one send/recv group
+    // per step on one stream (comm_bench raw_ring), docs/comm.md.
+    const int64_t chunk = ring_chunk_or(options_, int64_t{1} << 30);
     const int cols =
         static_cast<int>(std::clamp<int64_t>((seg0 * elem + chunk - 1) / chunk, 1, 1024));
     auto view = [&](int seg, int c) {
@@ -729,17 +750,27 @@ class NcclCommunicator final : public CommBase {
     };
     auto mod = [n](int a) { return ((a % n) + n) % n; };
     const int64_t max_col = chunk_numel(seg0, cols, 0);
+    // Allocated on the comm stream (the caller's stream guard), so the caching allocator reuses it
+    // in that stream's order once this function drops it: it needs no keep-alive until the op
+    // completes. (It was kept alive with the op, until the watchdog's next sweep, so back-to-back
+    // rings each allocated fresh device memory: ~190 us of a 64 MiB ring on 2 x H200.)
     at::Tensor scratch = at::empty({cols, std::max<int64_t>(max_col, 1)}, flat.options());
-    keep_.push_back(scratch);
-    c10::cuda::CUDACachingAllocator::recordStream(scratch.storage().data_ptr(), reduce_stream_);
-    c10::cuda::CUDACachingAllocator::recordStream(flat.storage().data_ptr(), reduce_stream_);
-    std::vector<CudaEvent> transferred(static_cast<size_t>(cols));
-    std::vector<CudaEvent> reduced(static_cast<size_t>(cols));
+    // With several columns the reductions run on a second stream so that column c is reduced
+    // while column c+1 transfers; a single column has nothing to overlap, so it stays on the comm
+    // stream and needs no events.
+    const bool overlap = cols > 1;
+    const c10::cuda::CUDAStream red = overlap ? reduce_stream_ : stream_;
+    std::vector<CudaEvent> transferred(overlap ? static_cast<size_t>(cols) : 0);
+    std::vector<CudaEvent> reduced(overlap ? static_cast<size_t>(cols) : 0);
     std::vector<bool> reduced_recorded(static_cast<size_t>(cols), false);
-    // The reduce stream starts after everything the comm stream has so far (the caller's data).
-    CudaEvent start;
-    start.record(stream_);
-    start.block(reduce_stream_);
+    if (overlap) {
+      c10::cuda::CUDACachingAllocator::recordStream(scratch.storage().data_ptr(), red);
+      c10::cuda::CUDACachingAllocator::recordStream(flat.storage().data_ptr(), red);
+      // The reduce stream starts after everything the comm stream has so far (the caller's data).
+      CudaEvent start;
+      start.record(stream_);
+      start.block(red);
+    }
     for (int k = 0; k < 2 * (n - 1); ++k) {
       const bool rs = k < n - 1;
       const int s = k - (n - 1);
@@ -749,28 +780,30 @@ class NcclCommunicator final : public CommBase {
         at::Tensor out = view(send_seg, c), in = view(recv_seg, c);
         at::Tensor landing = rs ? scratch[c].narrow(0, 0, in.numel()) : in;
         // The column's previous reduction must be done before it is sent or its scratch reused.
-        if (reduced_recorded[static_cast<size_t>(c)])
+        if (overlap && reduced_recorded[static_cast<size_t>(c)])
           reduced[static_cast<size_t>(c)].block(stream_);
         group_start(t);
         if (out.numel() > 0) {
           call(ncclSend(out.data_ptr(), static_cast<size_t>(out.numel()),
-                        nccl_type(flat.scalar_type()), next, p2p_comm(), stream_.stream()),
-               "ncclSend (ring)", t, p2p_comm());
+                        nccl_type(flat.scalar_type()), next, pc, stream_.stream()),
+               "ncclSend (ring)", t, pc);
           stats_.p2p_ops += 1;
           stats_.bytes_sent += out.numel() * elem;
         }
         if (in.numel() > 0) {
           call(ncclRecv(landing.data_ptr(), static_cast<size_t>(in.numel()),
-                        nccl_type(flat.scalar_type()), prev, p2p_comm(), stream_.stream()),
-               "ncclRecv (ring)", t, p2p_comm());
+                        nccl_type(flat.scalar_type()), prev, pc, stream_.stream()),
+               "ncclRecv (ring)", t, pc);
           stats_.p2p_ops += 1;
         }
-        group_end(t, p2p_comm());
+        group_end(t, pc);
         if (!rs) continue;
-        transferred[static_cast<size_t>(c)].record(stream_);
-        transferred[static_cast<size_t>(c)].block(reduce_stream_);
+        if (overlap) {
+          transferred[static_cast<size_t>(c)].record(stream_);
+          transferred[static_cast<size_t>(c)].block(red);
+        }
         {
-          c10::cuda::CUDAStreamGuard sg(reduce_stream_);
+          c10::cuda::CUDAStreamGuard sg(red);
           switch (op) {
             case ReduceOp::kSum:
             case ReduceOp::kAvg:
@@ -791,12 +824,12 @@ class NcclCommunicator final : public CommBase {
             }
           }
         }
-        reduced[static_cast<size_t>(c)].record(reduce_stream_);
+        if (overlap) reduced[static_cast<size_t>(c)].record(red);
         reduced_recorded[static_cast<size_t>(c)] = true;
       }
     }
     // Everything reduced is also in the comm stream's order from here on.
-    for (int c = 0; c < cols; ++c) {
+    for (int c = 0; overlap && c < cols; ++c) {
       if (reduced_recorded[static_cast<size_t>(c)]) reduced[static_cast<size_t>(c)].block(stream_);
     }
   }
@@ -858,6 +891,7 @@ class NcclCommunicator final : public CommBase {
   c10::cuda::CUDAStream stream_;
   c10::cuda::CUDAStream reduce_stream_;
   at::Tensor barrier_buf_;
+  bool ring_peers_ready_ = false;  // connect_ring_peers() succeeded: the ring runs on comm_
   std::vector<at::Tensor> keep_;  // temporaries of the op being enqueued
   std::mutex pending_mu_;
   std::condition_variable watchdog_cv_;

@@ -77,6 +77,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     info.dtype = params_[members.front()].scalar_type();
     b.buffer = at::zeros({numel}, params_[members.front()].options());
     b.params = members;
+    b.incoming.resize(members.size());
     for (std::size_t k = 0; k < members.size(); ++k) {
       const int64_t i = members[k];
       at::Tensor view = b.buffer.narrow(0, info.offsets[k], params_[i].numel()).view(params_[i].sizes());
@@ -100,14 +101,23 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
           Bucket& b = buckets_[param_bucket_[i]];
           at::Tensor& view = b.views[param_slot_[i]];
           at::Tensor& grad = params_[i].mutable_grad();
-          // AccumulateGrad stole or replaced the gradient (it was None): copy into the bucket and
-          // restore the view so later accumulation happens in place.
-          if (!grad.defined() || !grad.is_alias_of(view)) {
-            at::NoGradGuard ng;
-            if (grad.defined()) view.copy_(grad);
+          // AccumulateGrad stole or replaced the gradient (it was None). In a synced backward the
+          // bucket copies it in at launch, with its other new gradients in one multi-tensor copy;
+          // otherwise it is copied now. Either way the gradient becomes the view again, so later
+          // accumulation happens in place.
+          const bool sync = in_backward_ && require_sync_;
+          if (grad.defined() && !grad.is_alias_of(view)) {
+            if (sync) {
+              b.incoming[param_slot_[i]] = grad;
+            } else {
+              at::NoGradGuard ng;
+              view.copy_(grad);
+              grad = view;
+            }
+          } else if (!grad.defined()) {
             grad = view;
           }
-          if (in_backward_ && require_sync_) mark_ready(static_cast<int64_t>(i));
+          if (sync) mark_ready(static_cast<int64_t>(i));
           return outputs;
         }));
     accumulators_.push_back(std::make_shared<decltype(acc)>(acc));
@@ -171,6 +181,8 @@ void DistributedDataParallel::before_backward() {
     b.pending = static_cast<int64_t>(b.params.size());
     b.work.reset();
     b.launched = false;
+    // Left over only if a previous backward failed before launching the bucket.
+    for (auto& g : b.incoming) g = at::Tensor();
   }
   next_bucket_ = 0;
   ensure_timers();
@@ -208,6 +220,18 @@ void DistributedDataParallel::mark_ready(int64_t i) {
 void DistributedDataParallel::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     Bucket& b = buckets_[next_bucket_];
+    std::vector<at::Tensor> dst, src;
+    for (std::size_t k = 0; k < b.incoming.size(); ++k) {
+      if (!b.incoming[k].defined()) continue;
+      dst.push_back(b.views[k]);
+      src.push_back(std::move(b.incoming[k]));
+      b.incoming[k] = at::Tensor();
+      params_[b.params[k]].mutable_grad() = b.views[k];
+    }
+    if (!dst.empty()) {
+      at::NoGradGuard ng;
+      at::_foreach_copy_(dst, src);
+    }
     b.work = group_->all_reduce_async(b.buffer, comm::ReduceOp::kAvg, options_.algo);
     b.launched = true;
     ++next_bucket_;

@@ -9,8 +9,12 @@
 // - Each parameter's `.grad()` is a view into its bucket's flat buffer, so gradients are reduced
 //   in place with no copy out (gradient_as_bucket_view). Gradients may be cleared either way:
 //   `Optimizer::zero_grad(true)` (what the trainer does: the first gradient of the next backward is
-//   copied into the bucket by the hook, which then restores the view; one read and one write) or
-//   `zero_grad(false)` (zero in place, then accumulate: a write, then two reads and a write).
+//   copied into the bucket, which restores the view; one read and one write) or `zero_grad(false)`
+//   (zero in place, then accumulate: a write, then two reads and a write). In a synced backward
+//   those copies are batched: the hook only keeps the new gradient, and the bucket copies all of
+//   them with one multi-tensor copy (`_foreach_copy_`) just before its all-reduce, so the backward
+//   thread launches one kernel per bucket instead of one per parameter (the host, not the GPU,
+//   limits the 2-GPU ViT step: bench/NOTES.md).
 // - A post-accumulate hook on each parameter's AccumulateGrad node marks it ready; when a bucket
 //   is full its all-reduce (native or ring) is launched asynchronously, overlapping the rest of
 //   backward. Buckets are launched strictly in index order, so every rank issues the same
@@ -107,6 +111,7 @@ class DistributedDataParallel {
     at::Tensor buffer;                 // flat
     std::vector<int64_t> params;       // indices into params_
     std::vector<at::Tensor> views;     // per parameter, shaped like it
+    std::vector<at::Tensor> incoming;  // per parameter: a new gradient to copy in at launch
     int64_t pending = 0;
     comm::WorkPtr work;
     bool launched = false;

@@ -6,6 +6,7 @@
 #include "models/model.h"
 #include "models/perception_model.h"
 #include "models/view_transformer.h"
+#include "tests/common/no_tf32.h"
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -35,21 +36,7 @@ class CudaAutocast {
   }
 };
 
-// Exact fp32 on the GPU (no TF32) for the duration of a test.
-class NoTf32 {
- public:
-  NoTf32() : cudnn_(at::globalContext().allowTF32CuDNN()), cublas_(at::globalContext().allowTF32CuBLAS()) {
-    at::globalContext().setAllowTF32CuDNN(false);
-    at::globalContext().setAllowTF32CuBLAS(false);
-  }
-  ~NoTf32() {
-    at::globalContext().setAllowTF32CuDNN(cudnn_);
-    at::globalContext().setAllowTF32CuBLAS(cublas_);
-  }
-
- private:
-  bool cudnn_, cublas_;
-};
+using parallax::testing::NoTf32;
 
 ModelConfig config(const std::string& name, const std::string& size, const std::string& backbone) {
   ModelConfig c;

@@ -139,6 +139,39 @@ class TrainTest(RunDirTest):
         gaps = re.findall(r"gap +(\d+) us before (\S+)", p.stdout)
         self.assertEqual(gaps, [("15", "reduce_d"), ("5", "elementwise_c")])
 
+    def test_trace_summary_host_lead_names_what_the_host_did_during_a_gap(self):
+        # Kernel "late" starts 2 us after its launch call, made at 143 after a 30 us op (112-142)
+        # that covers 27 us of the idle gap 115-145 inside its parent op; kernel "early" was
+        # launched 100 us ahead.
+        events = [
+            {"cat": "kernel", "name": "early", "ts": 100, "dur": 15, "tid": 7, "args": {"correlation": 1}},
+            {"cat": "kernel", "name": "late", "ts": 145, "dur": 5, "tid": 7, "args": {"correlation": 2}},
+            {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 3, "tid": 1, "args": {"correlation": 1}},
+            {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 143, "dur": 3, "tid": 1,
+             "args": {"correlation": 2}},
+            {"cat": "cpu_op", "name": "ddp_hook_work", "ts": 112, "dur": 30, "tid": 1},
+            {"cat": "cpu_op", "name": "backward_parent", "ts": 110, "dur": 50, "tid": 1},
+            {"cat": "cpu_op", "name": "other_thread", "ts": 120, "dur": 20, "tid": 2},
+        ]
+        trace = os.path.join(self.d, "host_trace.json")
+        with open(trace, "w") as f:
+            json.dump({"traceEvents": events}, f)
+        p = subprocess.run([sys.executable, os.path.join(SRC, "bench", "train", "trace_summary.py"), trace,
+                            "--gaps", "3", "--host"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("2 kernels: p10 2 us, median 100 us; 50.0% started < 50 us after launch", p.stdout)
+        self.assertIn("gap       30 us before late: launched 2 us before it started; host meanwhile: "
+                      "ddp_hook_work (27 of 30), backward_parent (28 of 50)", p.stdout)
+        self.assertNotIn("other_thread", p.stdout)
+
+    def test_grad_norm_is_logged_without_clipping(self):
+        # Without clipping the norm is computed only at log steps; it must still be there.
+        run(self.common("noclip", "train.steps=4", "train.log_every=2", "optim.grad_clip=0"))
+        rows = metrics(os.path.join(self.d, "noclip"))
+        self.assertEqual([r["step"] for r in rows], [2, 4])
+        for r in rows:
+            self.assertTrue(np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r)
+
     def test_nan_loss_is_a_clear_error(self):
         p = run(self.common("nan", "train.steps=5", "optim.lr=1e30", "optim.grad_clip=0"), check=False)
         self.assertNotEqual(p.returncode, 0)
