@@ -43,13 +43,13 @@ DetectionTargets encode_detection_targets(const at::Tensor& boxes, const BevGrid
 namespace {
 
 // A loss's normaliser: the count, or its mean over the replicas, at least 1.
-at::Tensor normaliser(const at::Tensor& count, const CountMean& mean) {
+at::Tensor normaliser(const at::Tensor& count, const ReplicaMean& mean) {
   return (mean ? mean(count) : count).clamp_min(1);
 }
 
 }  // namespace
 
-at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target, const CountMean& mean) {
+at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target, const ReplicaMean& mean) {
   const at::Tensor x = logits.to(at::kFloat);
   const at::Tensor t = target.to(at::kFloat);
   const at::Tensor pos = t.eq(1).to(at::kFloat);
@@ -59,7 +59,7 @@ at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target
   return -(pos_term.sum() + neg_term.sum()) / normaliser(pos.sum(), mean);
 }
 
-at::Tensor box_regression_loss(const at::Tensor& box_reg, const DetectionTargets& targets, const CountMean& mean) {
+at::Tensor box_regression_loss(const at::Tensor& box_reg, const DetectionTargets& targets, const ReplicaMean& mean) {
   const int64_t b = box_reg.size(0), k = targets.index.size(1);
   const at::Tensor flat = box_reg.reshape({b, kBoxCodeSize, -1});
   const at::Tensor idx = targets.index.unsqueeze(1).expand({b, kBoxCodeSize, k});

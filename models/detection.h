@@ -12,11 +12,11 @@
 #pragma once
 
 #include "models/bev_grid.h"
+#include "models/replica_mean.h"
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <functional>
 
 namespace parallax::models {
 
@@ -31,20 +31,16 @@ struct DetectionTargets {
 
 DetectionTargets encode_detection_targets(const at::Tensor& boxes, const BevGrid& grid, int64_t num_classes);
 
-// The mean of a count over the data-parallel replicas (models/model.h: ReplicaMean); empty: this
-// replica's count.
-using CountMean = std::function<at::Tensor(const at::Tensor&)>;
-
 // CenterNet focal loss (alpha 2, beta 4) of heatmap logits against Gaussian targets, normalised
 // by the number of centre cells (target == 1), at least 1; with `mean`, by the mean of that number
-// over the data-parallel replicas. Computed in float32.
-at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target, const CountMean& mean = {});
+// over the data-parallel replicas (models/replica_mean.h). Computed in float32.
+at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target, const ReplicaMean& mean = {});
 
 // L1 over the 8 code entries (summed) at each target box's centre cell, averaged over target
 // boxes (0 if none; with `mean`, over the mean number of target boxes of the replicas).
 // box_reg: [B, 8, nx, ny].
 at::Tensor box_regression_loss(const at::Tensor& box_reg, const DetectionTargets& targets,
-                               const CountMean& mean = {});
+                               const ReplicaMean& mean = {});
 
 struct Detections {
   at::Tensor boxes;   // float32 [B, K, 9], visibility column 1, padding rows all 0 with class -1

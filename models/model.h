@@ -10,10 +10,10 @@
 #include "core/tensor_dict.h"
 #include "models/layers.h"
 #include "models/model_config.h"
+#include "models/replica_mean.h"
 
 #include <torch/nn/module.h>
 
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,10 +27,6 @@ struct ModuleCost {
   int64_t params = 0;
   double flops = 0;
 };
-
-// The mean over the data-parallel replicas of a small float tensor, on the tensor's device and
-// without a host sync; what a loss uses for normalisers that count things in the batch.
-using ReplicaMean = std::function<at::Tensor(const at::Tensor&)>;
 
 struct LossOutput {
   at::Tensor total;              // scalar, what backward() runs on

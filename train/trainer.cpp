@@ -274,9 +274,8 @@ void Trainer::setup() {
     o.broadcast_buffers = p.ddp.broadcast_buffers;
     o.algo = comm::parse_allreduce_algo(p.allreduce);
     ddp_ = std::make_unique<parallel::ddp::DistributedDataParallel>(model_, topo_->dp(), o);
-  }
-  if (layout.dp > 1) {
-    // Asynchronous on GPUs: the compute stream waits for the small all-reduce, the host does not.
+    // Loss normalisers over the replicas (Model::set_replica_mean). Asynchronous on GPUs: the
+    // compute stream waits for the small all-reduce, the host does not.
     const comm::CommPtr dp = topo_->dp();
     const c10::Device at_device = dp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
     replica_mean_ = [dp, at_device](const at::Tensor& t) {
@@ -374,9 +373,9 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, b
   }
   // Gradients are replicated across DP ranks after DDP's all-reduce: no shard groups to reduce over.
   found_inf_ = scaler_->unscale_and_check(grads);
-  // Without clipping the norm is only a metric: computing it every step cost ~0.5 ms of host time
-  // per ViT-B step (a multi-tensor norm over ~150 gradients and a stack), at the end of the step,
-  // where the GPU waits for the host (bench/NOTES.md).
+  // Without clipping the norm is only a metric: computing it every step took ~1.9 ms of host time
+  // per profiled ViT-B step (a multi-tensor norm over ~150 gradients and a stack), at the end of
+  // the step, where the GPU waits for the host (bench/NOTES.md lever 15).
   if (cfg_.optim.grad_clip > 0 || log_step) {
     grad_norm_ = optim::clip_grad_norm(grads, found_inf_ ? 0.0 : cfg_.optim.grad_clip);
   } else {
@@ -385,10 +384,10 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, b
   if (!found_inf_) optimizer_->step(lr);
   scaler_->update(found_inf_);
   // Drop the gradients (PyTorch's zero_grad default): the next backward writes each one once
-  // instead of filling zeros and accumulating into them. Under DDP the first gradient of a step is
-  // then copied into its bucket and the gradient becomes the bucket view again (DDP's hook, as
-  // PyTorch's reducer does with gradient_as_bucket_view), which moves half the bytes of a zero
-  // fill plus an accumulate.
+  // instead of filling zeros and accumulating into them. Under DDP the first gradients of a step are
+  // then copied into their bucket (one multi-tensor copy per bucket) and become the bucket views
+  // again, as PyTorch's reducer does with gradient_as_bucket_view: half the bytes of a zero fill
+  // plus an accumulate.
   optimizer_->zero_grad(/*set_to_none=*/true);
   return terms;
 }

@@ -680,10 +680,11 @@ class NcclCommunicator final : public CommBase {
   // Collectives stay on comm_, whose connections were made at creation (NCCL_RUNTIME_CONNECT=0).
   ncclComm_t p2p_comm() const { return ctrl_ ? ctrl_ : comm_; }
 
-  // The ring's point-to-point messages go over the blocking data path comm_ when there is one:
-  // one group per step costs ~30 us to enqueue there against ~100 us on the non-blocking control
-  // communicator, which made the ring 45% of native at 64 MiB (a ring written directly on
-  // ncclSend/ncclRecv of a blocking communicator reached 82%; docs/comm.md). Their first contact
+  // The ring's point-to-point messages go over the blocking data path comm_ when there is one
+  // (NCCL's non-blocking enqueue measured ~100 us per collective against ~30 us blocking): on the
+  // non-blocking control communicator the ring was 42-45% of native at 64 MiB, on comm_ 52-60%,
+  // and a ring written directly on ncclSend/ncclRecv of a blocking communicator 82-84%
+  // (docs/comm.md). Their first contact
   // with the ring neighbours connects them on the host, which on a blocking communicator cannot
   // time out if a neighbour never calls; so the first ring op first checks, under its deadline,
   // that every rank of the group has reached it (a one-byte all-gather on comm_, whose collective
@@ -753,7 +754,8 @@ class NcclCommunicator final : public CommBase {
     // Allocated on the comm stream (the caller's stream guard), so the caching allocator reuses it
     // in that stream's order once this function drops it: it needs no keep-alive until the op
     // completes. (It was kept alive with the op, until the watchdog's next sweep, so back-to-back
-    // rings each allocated fresh device memory: ~190 us of a 64 MiB ring on 2 x H200.)
+    // rings each allocated fresh device memory: a 64 MiB ring took 460-527 us that way on
+    // 2 x H200, 350 us without.)
     at::Tensor scratch = at::empty({cols, std::max<int64_t>(max_col, 1)}, flat.options());
     // With several columns the reductions run on a second stream so that column c is reduced
     // while column c+1 transfers; a single column has nothing to overlap, so it stays on the comm
@@ -762,7 +764,7 @@ class NcclCommunicator final : public CommBase {
     const c10::cuda::CUDAStream red = overlap ? reduce_stream_ : stream_;
     std::vector<CudaEvent> transferred(overlap ? static_cast<size_t>(cols) : 0);
     std::vector<CudaEvent> reduced(overlap ? static_cast<size_t>(cols) : 0);
-    std::vector<bool> reduced_recorded(static_cast<size_t>(cols), false);
+    std::vector<bool> reduced_recorded(static_cast<size_t>(cols), false);  // overlap only
     if (overlap) {
       c10::cuda::CUDACachingAllocator::recordStream(scratch.storage().data_ptr(), red);
       c10::cuda::CUDACachingAllocator::recordStream(flat.storage().data_ptr(), red);
@@ -780,8 +782,7 @@ class NcclCommunicator final : public CommBase {
         at::Tensor out = view(send_seg, c), in = view(recv_seg, c);
         at::Tensor landing = rs ? scratch[c].narrow(0, 0, in.numel()) : in;
         // The column's previous reduction must be done before it is sent or its scratch reused.
-        if (overlap && reduced_recorded[static_cast<size_t>(c)])
-          reduced[static_cast<size_t>(c)].block(stream_);
+        if (reduced_recorded[static_cast<size_t>(c)]) reduced[static_cast<size_t>(c)].block(stream_);
         group_start(t);
         if (out.numel() > 0) {
           call(ncclSend(out.data_ptr(), static_cast<size_t>(out.numel()),
@@ -824,12 +825,14 @@ class NcclCommunicator final : public CommBase {
             }
           }
         }
-        if (overlap) reduced[static_cast<size_t>(c)].record(red);
-        reduced_recorded[static_cast<size_t>(c)] = true;
+        if (overlap) {
+          reduced[static_cast<size_t>(c)].record(red);
+          reduced_recorded[static_cast<size_t>(c)] = true;
+        }
       }
     }
     // Everything reduced is also in the comm stream's order from here on.
-    for (int c = 0; overlap && c < cols; ++c) {
+    for (int c = 0; c < cols; ++c) {
       if (reduced_recorded[static_cast<size_t>(c)]) reduced[static_cast<size_t>(c)].block(stream_);
     }
   }

@@ -155,7 +155,8 @@ TEST_F(DdpTest, MatchesSingleProcessOnFullBatch) {
     EXPECT_GE(engine.last_exposed_comm_ms(), 0.0);
     opt.step(1e-2);
     // Both ways of clearing: zero in place (the bucket views stay), or set to None (the trainer's
-    // way: the hook copies the next first gradient into the bucket and restores the view).
+    // way: the bucket copies the next first gradients in before its all-reduce and restores the
+    // views).
     opt.zero_grad(/*set_to_none=*/step % 2 == 0);
 
     at::Tensor mean_loss = loss.detach().clone();
