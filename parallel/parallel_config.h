@@ -10,6 +10,7 @@
 namespace parallax::parallel {
 
 struct DdpConfig {
+  std::string bucket_mode = "flat";
   double bucket_mb = 25.0;
   double first_bucket_mb = 1.0;
   bool find_unused = false;
@@ -17,6 +18,10 @@ struct DdpConfig {
 
   template <class V>
   void visit(V& v) {
+    v("bucket_mode", bucket_mode,
+      "gradient buckets: flat (gradients are views of one buffer per bucket) or grouped (each gradient "
+      "all-reduced in place, one NCCL group per bucket; native all-reduce only)",
+      core::Check::one_of({"flat", "grouped"}));
     v("bucket_mb", bucket_mb, "gradient bucket cap in MiB (PyTorch DDP: 25)", core::Check::positive());
     v("first_bucket_mb", first_bucket_mb, "cap of the first bucket in MiB, so communication starts early",
       core::Check::positive());

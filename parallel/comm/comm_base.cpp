@@ -70,6 +70,7 @@ std::string dtype_name(c10::ScalarType t) {
 std::string detail_of(const OpDesc& d) {
   switch (d.kind) {
     case OpKind::kAllReduce:
+      if (d.tensors > 1) return fmt::format("{}, {}, {} tensors", to_string(d.reduce), to_string(d.algo), d.tensors);
       return fmt::format("{}, {}", to_string(d.reduce), to_string(d.algo));
     case OpKind::kReduceScatter:
       return to_string(d.reduce);
@@ -509,10 +510,11 @@ bool PollWork::is_completed() {
 
 // ---- validation ------------------------------------------------------------------------------
 
-void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::DeviceType device) {
+void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::DeviceType device,
+                  bool contiguous) {
   PARALLAX_CHECK(t.defined(), CommError, "{} on group '{}' (rank {}): undefined tensor", op,
                  c.name(), c.rank());
-  PARALLAX_CHECK(t.is_contiguous(), CommError,
+  PARALLAX_CHECK(!contiguous || t.is_contiguous(), CommError,
                  "{} on group '{}' (rank {}): tensor of shape [{}] is not contiguous", op, c.name(),
                  c.rank(), fmt::join(t.sizes(), ", "));
   PARALLAX_CHECK(t.device().type() == device, CommError,

@@ -47,6 +47,7 @@ struct OpDesc {
   int root = -1;            // broadcast root or p2p peer (group rank)
   int tag = 0;
   BarrierKind barrier = BarrierKind::kDefault;
+  int tensors = 1;  // all_reduce_coalesced: how many tensors `shape` (their total) spans
   CallSite site;
 
   // "all_reduce(sum, native) float32[8, 4]"
@@ -180,7 +181,8 @@ class DoneWork : public Work {
 };
 
 // Validation shared by the backends; throw CommError naming the op, group, rank and sizes.
-void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::DeviceType device);
+void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::DeviceType device,
+                  bool contiguous = true);
 void check_peer(const CommBase& c, const char* op, int peer);
 void check_tag(const CommBase& c, const char* op, int tag);
 // `chunk` has `whole`'s dtype and this rank's share of its elements (chunk_numel).

@@ -90,7 +90,73 @@ class AllOfWork final : public Work {
   std::vector<WorkPtr> parts_;
 };
 
+// A flat all-reduce whose result is copied back into the tensors it was gathered from, once.
+class CopyBackWork final : public Work {
+ public:
+  CopyBackWork(WorkPtr inner, at::Tensor flat, std::vector<at::Tensor> targets)
+      : inner_(std::move(inner)), flat_(std::move(flat)), targets_(std::move(targets)) {}
+  void wait() override {
+    inner_->wait();
+    copy_back();
+  }
+  void wait_stream() override {
+    inner_->wait_stream();
+    copy_back();
+  }
+  bool is_completed() override {
+    if (!inner_->is_completed()) return false;
+    copy_back();
+    return true;
+  }
+
+ private:
+  void copy_back() {
+    if (done_) return;
+    at::NoGradGuard no_grad;
+    int64_t off = 0;
+    for (auto& t : targets_) {
+      t.copy_(flat_.narrow(0, off, t.numel()).view(t.sizes()));
+      off += t.numel();
+    }
+    done_ = true;
+  }
+  WorkPtr inner_;
+  at::Tensor flat_;
+  std::vector<at::Tensor> targets_;
+  bool done_ = false;
+};
+
 }  // namespace
+
+WorkPtr Communicator::all_reduce_coalesced_async(std::vector<at::Tensor>& tensors, ReduceOp op,
+                                                 CallSite site) {
+  // One flat buffer per (dtype, device), in first-appearance order so every rank issues the same
+  // sequence of collectives.
+  std::vector<std::vector<at::Tensor>> groups;
+  for (const auto& t : tensors) {
+    PARALLAX_CHECK(t.defined(), CommError, "all_reduce_coalesced on group '{}' (rank {}): undefined tensor",
+                   name(), rank());
+    auto same = [&](const std::vector<at::Tensor>& g) {
+      return g.front().scalar_type() == t.scalar_type() && g.front().device() == t.device();
+    };
+    auto it = std::find_if(groups.begin(), groups.end(), same);
+    if (it == groups.end()) {
+      groups.push_back({t});
+    } else {
+      it->push_back(t);
+    }
+  }
+  std::vector<WorkPtr> parts;
+  for (auto& g : groups) {
+    std::vector<at::Tensor> flat_parts;
+    for (const auto& t : g) flat_parts.push_back(t.detach().reshape({-1}));
+    at::Tensor flat = at::cat(flat_parts);
+    WorkPtr w = all_reduce_async(flat, op, site);
+    parts.push_back(std::make_shared<CopyBackWork>(std::move(w), flat, g));
+  }
+  if (parts.size() == 1) return parts.front();
+  return std::make_shared<AllOfWork>(std::move(parts));
+}
 
 WorkPtr Communicator::batch_isend_irecv(std::vector<P2POp>& ops, CallSite site) {
   std::vector<WorkPtr> parts;

@@ -152,6 +152,12 @@ class Communicator {
                                    CallSite site = CallSite::current()) = 0;
   virtual WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op, AllReduceAlgo algo,
                                    CallSite site = CallSite::current()) = 0;
+  // Each tensor all-reduced in place (backend-native algorithm), issued and completed as one unit.
+  // NCCL runs one all-reduce per tensor inside one ncclGroupStart/End: no flat staging copy (DDP's
+  // grouped buckets use it). The default flattens the tensors of each dtype into one buffer,
+  // all-reduces that, and copies the result back when the op completes (wait/is_completed).
+  virtual WorkPtr all_reduce_coalesced_async(std::vector<at::Tensor>& tensors, ReduceOp op,
+                                             CallSite site = CallSite::current());
   // `input` (numel M, any shape) is reduced across ranks; this rank receives chunk rank() of the
   // flattened result (chunk_numel(M, size(), rank()) elements) in `output`.
   virtual WorkPtr reduce_scatter_async(const at::Tensor& input, at::Tensor& output, ReduceOp op,
@@ -191,6 +197,10 @@ class Communicator {
   void all_reduce(at::Tensor& t, ReduceOp op, AllReduceAlgo a,
                   CallSite site = CallSite::current()) {
     all_reduce_async(t, op, a, site)->wait();
+  }
+  void all_reduce_coalesced(std::vector<at::Tensor>& ts, ReduceOp op,
+                            CallSite site = CallSite::current()) {
+    all_reduce_coalesced_async(ts, op, site)->wait();
   }
   void reduce_scatter(const at::Tensor& in, at::Tensor& out, ReduceOp op,
                       CallSite site = CallSite::current()) {

@@ -302,6 +302,54 @@ class NcclCommunicator final : public CommBase {
     });
   }
 
+  // One ticket for the whole group (one flight-recorder entry, one sequence number), so a
+  // 150-tensor DDP step costs the host 14 ticket/event pairs rather than 150.
+  WorkPtr all_reduce_coalesced_async(std::vector<at::Tensor>& tensors, ReduceOp op,
+                                     CallSite site) override {
+    if (tensors.empty()) return std::make_shared<DoneWork>();
+    const auto dtype = tensors.front().scalar_type();
+    int64_t total = 0;
+    for (const auto& t : tensors) {
+      check_cuda(*this, "all_reduce_coalesced", t, /*contiguous=*/false);
+      check_dtype(*this, "all_reduce_coalesced", t, true);
+      // Mixed dtypes: one flat buffer per dtype (the default), each a single all-reduce.
+      if (t.scalar_type() != dtype) return Communicator::all_reduce_coalesced_async(tensors, op, site);
+      total += t.numel();
+    }
+    OpDesc d = tensor_desc(OpKind::kAllReduce, tensors.front(), site);
+    d.reduce = op;
+    d.shape = {total};
+    d.numel = d.match_numel = total;
+    d.tensors = static_cast<int>(tensors.size());
+    Ticket t = begin(d);
+    const int n = size();
+    if (n == 1 || total == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
+    }
+    return enqueue({t}, tensors, [&] {
+      // A tensor whose elements are not one dense block (a strided view) is reduced through a
+      // contiguous copy; gradients and parameters always are dense.
+      std::vector<at::Tensor> targets;
+      for (const auto& x : tensors) {
+        targets.push_back(x.is_non_overlapping_and_dense() ? x : x.contiguous());
+        if (!targets.back().is_same(x)) keep_.push_back(targets.back());
+      }
+      group_start(t);
+      for (auto& x : targets) {
+        if (x.numel() == 0) continue;
+        call(ncclAllReduce(x.data_ptr(), x.data_ptr(), static_cast<size_t>(x.numel()), nccl_type(dtype),
+                           nccl_op(op, dtype), comm_, stream_.stream()),
+             "ncclAllReduce", t);
+      }
+      group_end(t, comm_);
+      for (std::size_t i = 0; i < targets.size(); ++i) {
+        divide_avg_if_needed(targets[i], op, n);
+        if (!targets[i].is_same(tensors[i])) tensors[i].copy_(targets[i]);
+      }
+    });
+  }
+
   WorkPtr reduce_scatter_async(const at::Tensor& input, at::Tensor& output, ReduceOp op,
                                CallSite site) override {
     check_cuda(*this, "reduce_scatter", input);
@@ -626,8 +674,8 @@ class NcclCommunicator final : public CommBase {
   }
 
  private:
-  static void check_cuda(const CommBase& c, const char* op, const at::Tensor& t) {
-    check_tensor(c, op, t, c10::DeviceType::CUDA);
+  static void check_cuda(const CommBase& c, const char* op, const at::Tensor& t, bool contiguous = true) {
+    check_tensor(c, op, t, c10::DeviceType::CUDA, contiguous);
     const auto& me = static_cast<const NcclCommunicator&>(c);
     PARALLAX_CHECK(t.device() == me.device_, CommError,
                    "{} on group '{}' (rank {}): tensor on {} but the communicator uses {}", op,

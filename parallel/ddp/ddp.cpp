@@ -11,6 +11,22 @@
 
 namespace parallax::parallel::ddp {
 
+const char* to_string(BucketMode mode) {
+  switch (mode) {
+    case BucketMode::kFlat:
+      return "flat";
+    case BucketMode::kGrouped:
+      return "grouped";
+  }
+  return "?";
+}
+
+BucketMode parse_bucket_mode(const std::string& name) {
+  if (name == "flat") return BucketMode::kFlat;
+  if (name == "grouped") return BucketMode::kGrouped;
+  throw_error<ConfigError>("parallel.ddp.bucket_mode: unknown mode '{}' (use flat|grouped)", name);
+}
+
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& sizes_bytes,
                                                  const std::vector<at::ScalarType>& dtypes,
                                                  int64_t first_cap_bytes, int64_t cap_bytes) {
@@ -40,6 +56,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   PARALLAX_CHECK(module_ != nullptr, Error, "DDP: module is null");
   PARALLAX_CHECK(group_ != nullptr, Error, "DDP: data-parallel communicator is null");
   at::NoGradGuard no_grad;
+  PARALLAX_CHECK(mode() == BucketMode::kFlat || options_.algo == comm::AllReduceAlgo::kNative, ConfigError,
+                 "DDP: parallel.ddp.bucket_mode=grouped needs parallel.allreduce=native (the ring reduces one "
+                 "flat buffer); use bucket_mode=flat");
 
   // Identical replicas: parameters and buffers from rank 0.
   std::vector<at::Tensor> all;
@@ -75,18 +94,22 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     }
     info.numel = numel;
     info.dtype = params_[members.front()].scalar_type();
-    b.buffer = at::zeros({numel}, params_[members.front()].options());
     b.params = members;
-    b.incoming.resize(members.size());
     for (std::size_t k = 0; k < members.size(); ++k) {
+      param_bucket_[members[k]] = static_cast<int64_t>(buckets_.size());
+      param_slot_[members[k]] = static_cast<int64_t>(k);
+    }
+    if (mode() == BucketMode::kFlat) {
+      b.buffer = at::zeros({numel}, params_[members.front()].options());
+      b.incoming.resize(members.size());
+    }
+    for (std::size_t k = 0; mode() == BucketMode::kFlat && k < members.size(); ++k) {
       const int64_t i = members[k];
       at::Tensor view = b.buffer.narrow(0, info.offsets[k], params_[i].numel()).view(params_[i].sizes());
       // Keep an existing gradient's value; the gradient becomes the bucket view from now on.
       if (params_[i].grad().defined()) view.copy_(params_[i].grad());
       params_[i].mutable_grad() = view;
       b.views.push_back(view);
-      param_bucket_[i] = static_cast<int64_t>(buckets_.size());
-      param_slot_[i] = static_cast<int64_t>(k);
     }
     buckets_.push_back(std::move(b));
     bucket_info_.push_back(std::move(info));
@@ -98,6 +121,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
           std::lock_guard<std::mutex> lock(mu_);
+          const bool sync = in_backward_ && require_sync_;
+          if (mode() == BucketMode::kGrouped) {
+            // The gradient stays autograd's tensor; the bucket reduces it in place at launch.
+            if (sync) mark_ready(static_cast<int64_t>(i));
+            return outputs;
+          }
           Bucket& b = buckets_[param_bucket_[i]];
           at::Tensor& view = b.views[param_slot_[i]];
           at::Tensor& grad = params_[i].mutable_grad();
@@ -105,7 +134,6 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
           // bucket copies it in at launch, with its other new gradients in one multi-tensor copy;
           // otherwise it is copied now. Either way the gradient becomes the view again, so later
           // accumulation happens in place.
-          const bool sync = in_backward_ && require_sync_;
           if (grad.defined() && !grad.is_alias_of(view)) {
             if (sync) {
               b.incoming[param_slot_[i]] = grad;
@@ -124,8 +152,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   int64_t total = 0;
   for (const auto& info : bucket_info_) total += info.bytes();
-  core::log::info("DDP: {} parameters in {} buckets ({} total, caps {}/{} MiB, algorithm {}), group '{}' of {} ranks",
-                  params_.size(), buckets_.size(), core::human_bytes(static_cast<double>(total)),
+  core::log::info("DDP: {} parameters in {} {} buckets ({} total, caps {}/{} MiB, algorithm {}), group '{}' of {} ranks",
+                  params_.size(), buckets_.size(), to_string(mode()), core::human_bytes(static_cast<double>(total)),
                   options_.first_bucket_mb, options_.bucket_mb, comm::to_string(options_.algo),
                   group_->name(), group_->size());
 }
@@ -220,6 +248,15 @@ void DistributedDataParallel::mark_ready(int64_t i) {
 void DistributedDataParallel::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     Bucket& b = buckets_[next_bucket_];
+    if (mode() == BucketMode::kGrouped) {
+      std::vector<at::Tensor> grads;
+      grads.reserve(b.params.size());
+      for (int64_t i : b.params) grads.push_back(params_[i].grad());
+      b.work = group_->all_reduce_coalesced_async(grads, comm::ReduceOp::kAvg);
+      b.launched = true;
+      ++next_bucket_;
+      continue;
+    }
     std::vector<at::Tensor> dst, src;
     for (std::size_t k = 0; k < b.incoming.size(); ++k) {
       if (!b.incoming[k].defined()) continue;
@@ -270,9 +307,16 @@ void DistributedDataParallel::finalize_backward() {
     at::NoGradGuard no_grad;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (ready_[i]) continue;
-      // An unused parameter contributes zero; its view may still hold a stale value.
-      buckets_[param_bucket_[i]].views[param_slot_[i]].zero_();
-      params_[i].mutable_grad() = buckets_[param_bucket_[i]].views[param_slot_[i]];
+      // An unused parameter contributes zero; its gradient may still hold a stale value.
+      at::Tensor& grad = params_[i].mutable_grad();
+      if (mode() == BucketMode::kFlat) {
+        buckets_[param_bucket_[i]].views[param_slot_[i]].zero_();
+        grad = buckets_[param_bucket_[i]].views[param_slot_[i]];
+      } else if (grad.defined()) {
+        grad.zero_();
+      } else {
+        grad = at::zeros_like(params_[i]);
+      }
       mark_ready(static_cast<int64_t>(i));
     }
   }

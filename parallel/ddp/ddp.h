@@ -6,15 +6,21 @@
 //   (the order autograd produces their gradients), the first bucket capped at first_bucket_mb so
 //   communication starts early, the others at bucket_mb; a parameter larger than the cap gets a
 //   bucket of its own. A bucket holds one dtype on one device.
-// - Each parameter's `.grad()` is a view into its bucket's flat buffer, so gradients are reduced
+// - Two bucket layouts (DdpOptions::mode). Flat (the default) as described next. Grouped (native
+//   all-reduce only): a bucket is a list of parameters; its gradients, as autograd produced them,
+//   are all-reduced in place with one grouped call (ncclGroupStart/End around one all-reduce per
+//   gradient on NCCL): no flat buffer and no copy in. It is not the default because the NCCL
+//   communicator keeps an op's tensors alive until its watchdog's next sweep (every 100 ms), so
+//   with fast steps the gradients of up to ~100 ms of steps stay allocated (W1 on 2 GPUs: peak
+//   9.85 GB against 8.98 GB flat in earlier runs, for 0.18 ms less per step; docs/training.md).
+// - Flat: each parameter's `.grad()` is a view into its bucket's flat buffer, so gradients are reduced
 //   in place with no copy out (gradient_as_bucket_view). Gradients may be cleared either way:
 //   `Optimizer::zero_grad(true)` (what the trainer does: the first gradient of the next backward is
 //   copied into the bucket, which restores the view; one read and one write) or `zero_grad(false)`
 //   (zero in place, then accumulate: a write, then two reads and a write). In a synced backward
 //   those copies are batched: the hook only keeps the new gradient, and the bucket copies all of
 //   them with one multi-tensor copy (`_foreach_copy_`) just before its all-reduce, so the backward
-//   thread launches one kernel per bucket instead of one per parameter (the host, not the GPU,
-//   limits the 2-GPU ViT step: bench/NOTES.md).
+//   thread launches one kernel per bucket instead of one per parameter (bench/NOTES.md lever 14).
 // - A post-accumulate hook on each parameter's AccumulateGrad node marks it ready; when a bucket
 //   is full its all-reduce (native or ring) is launched asynchronously, overlapping the rest of
 //   backward. Buckets are launched strictly in index order, so every rank issues the same
@@ -22,7 +28,7 @@
 // - Averaging: each bucket is all-reduced with ReduceOp::kAvg, i.e. summed then divided by the
 //   data-parallel size (post-divide).
 // - Gradient accumulation: inside a NoSyncGuard (or set_require_sync(false)) hooks do nothing and
-//   gradients accumulate locally in the bucket views; the first backward with sync on reduces the
+//   gradients accumulate locally (in the bucket views when flat); the first backward with sync on reduces the
 //   accumulated sums. No collective is issued during no-sync micro-steps.
 // - Unused parameters: by default, a parameter that got no gradient in a synced backward is an
 //   error naming it (every rank raises it, before any rank blocks). With find_unused, such
@@ -51,7 +57,12 @@
 
 namespace parallax::parallel::ddp {
 
+enum class BucketMode { kFlat, kGrouped };
+const char* to_string(BucketMode mode);
+BucketMode parse_bucket_mode(const std::string& name);  // "flat" | "grouped"
+
 struct DdpOptions {
+  BucketMode mode = BucketMode::kFlat;  // kGrouped needs algo kNative
   double bucket_mb = 25.0;
   double first_bucket_mb = 1.0;
   bool find_unused = false;
@@ -93,6 +104,7 @@ class DistributedDataParallel {
   bool require_sync() const { return require_sync_; }
 
   const std::vector<BucketInfo>& buckets() const { return bucket_info_; }
+  BucketMode mode() const { return options_.mode; }
   comm::Communicator& group() { return *group_; }
   // Exposed communication: the time finalize_backward() adds to the step waiting for reductions
   // that backward did not hide. On the CPU, host time of the last step. On a GPU, measured on the
@@ -103,15 +115,15 @@ class DistributedDataParallel {
   // Backward time (GPU: compute-stream time from before_backward() to finalize_backward(); CPU:
   // host time) of the same step as last_exposed_comm_ms().
   double last_backward_ms() const { return backward_ms_; }
-  // Every parameter's gradient (bucket views), in registration order; for clipping and tests.
+  // Every parameter's gradient (bucket views in flat mode), in registration order.
   std::vector<at::Tensor> gradients() const;
 
  private:
   struct Bucket {
-    at::Tensor buffer;                 // flat
+    at::Tensor buffer;                 // flat mode: the flat buffer
     std::vector<int64_t> params;       // indices into params_
-    std::vector<at::Tensor> views;     // per parameter, shaped like it
-    std::vector<at::Tensor> incoming;  // per parameter: a new gradient to copy in at launch
+    std::vector<at::Tensor> views;     // flat mode: per parameter, shaped like it
+    std::vector<at::Tensor> incoming;  // flat mode: per parameter, a new gradient to copy in at launch
     int64_t pending = 0;
     comm::WorkPtr work;
     bool launched = false;

@@ -109,6 +109,61 @@ TEST(AllReduceTest, MatchesReferenceForEveryOpDtypeSizeAndAlgorithm) {
   }
 }
 
+TEST(AllReduceTest, CoalescedReducesEachTensorInPlace) {
+  auto& c = world_comm();
+  const int n = c->size(), r = c->rank();
+  // Several shapes (one empty), a strided view and, for the mixed case, a second dtype: each
+  // tensor is reduced in place, as one all_reduce of it would be.
+  for (bool mixed : {false, true}) {
+    for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      const std::vector<int64_t> numels = {7, 0, 1000 * n + 3, 4096};
+      std::vector<std::vector<at::Tensor>> inputs(numels.size());
+      std::vector<at::Tensor> mine;
+      for (std::size_t k = 0; k < numels.size(); ++k) {
+        const auto dt = mixed && k % 2 == 1 ? at::kBFloat16 : at::kFloat;
+        for (int q = 0; q < n; ++q) inputs[k].push_back(random_input(numels[k], dt, seed_of(900 + k + (mixed ? 50 : 0), q)));
+        mine.push_back(inputs[k][static_cast<size_t>(r)].clone().to(test_device()));
+      }
+      // A transposed (non-contiguous, but dense) matrix and a strided slice.
+      at::Tensor base = at::arange(24, at::TensorOptions().dtype(at::kFloat)).view({4, 6}) * (r + 1);
+      at::Tensor dense_t = base.clone().to(test_device()).t();
+      at::Tensor holder = at::zeros({10}, at::TensorOptions().device(test_device()));
+      at::Tensor strided = holder.slice(0, 0, 10, 2);
+      strided.fill_(static_cast<double>(r + 1));
+      std::vector<at::Tensor> all = mine;
+      all.push_back(dense_t);
+      all.push_back(strided);
+      const int64_t before = c->stats().collectives;
+      auto work = c->all_reduce_coalesced_async(all, op);
+      work->wait();
+      EXPECT_GT(c->stats().collectives, before);
+      if (c->backend() == "nccl" && !mixed) {
+        // One grouped op: one sequence number and one flight-recorder entry for all six tensors.
+        EXPECT_EQ(c->stats().collectives, before + 1);
+        const auto entries = c->flight_entries();
+        ASSERT_FALSE(entries.empty());
+        EXPECT_NE(entries.back().detail.find("6 tensors"), std::string::npos) << entries.back().detail;
+        int64_t total = 0;
+        for (const auto& t : all) total += t.numel();
+        EXPECT_EQ(entries.back().shape, std::vector<int64_t>({total}));
+      }
+      for (std::size_t k = 0; k < numels.size(); ++k) {
+        const auto dt = inputs[k][0].scalar_type();
+        expect_reduced(mine[k], reduce_reference(inputs[k], op, dt), op, dt, n,
+                       fmt::format("coalesced tensor {} ({}mixed)", k, mixed ? "" : "not "));
+      }
+      const double ranks_sum = n * (n + 1) / 2.0;
+      const double scale = op == ReduceOp::kAvg ? ranks_sum / n : ranks_sum;
+      at::Tensor want_t = (at::arange(24, at::TensorOptions().dtype(at::kFloat)).view({4, 6}) * scale).t();
+      EXPECT_TRUE(at::allclose(dense_t.cpu(), want_t)) << "transposed view";
+      at::Tensor h = holder.cpu();
+      for (int64_t i = 0; i < 10; ++i) {
+        EXPECT_NEAR(h[i].item<double>(), i % 2 == 0 ? scale : 0.0, 1e-6) << "strided view, element " << i;
+      }
+    }
+  }
+}
+
 TEST(AllReduceTest, FourRankFixtureAveragesToKnownValues) {
   auto& c = world_comm();
   if (c->size() != 4) GTEST_SKIP() << "needs 4 ranks";

@@ -118,13 +118,27 @@ class DdpTest : public ::testing::Test {
   int rank_ = 0, n_ = 1;
 };
 
+// The tests that check the reduction itself run with both bucket layouts.
+class DdpModeTest : public DdpTest, public ::testing::WithParamInterface<ddp::BucketMode> {
+ protected:
+  ddp::DdpOptions options() const {
+    ddp::DdpOptions o;
+    o.mode = GetParam();
+    return o;
+  }
+};
+
 }  // namespace
 
-TEST_F(DdpTest, MatchesSingleProcessOnFullBatch) {
+INSTANTIATE_TEST_SUITE_P(Layouts, DdpModeTest, ::testing::Values(ddp::BucketMode::kFlat, ddp::BucketMode::kGrouped),
+                         [](const auto& info) { return std::string(ddp::to_string(info.param)); });
+
+TEST_P(DdpModeTest, MatchesSingleProcessOnFullBatch) {
   const int64_t global_rows = 8 * n_;
   auto ref = make_net(7);
   auto net = make_net(7 + rank_);  // different init per rank: DDP must broadcast rank 0's weights
-  ddp::DistributedDataParallel engine(net, world_, {});
+  ddp::DistributedDataParallel engine(net, world_, options());
+  ASSERT_EQ(engine.mode(), GetParam());
   EXPECT_TRUE(at::equal(flat_params(*net), flat_params(*ref))) << "parameters not broadcast from rank 0";
   optim::AdamW ref_opt({all_params(*ref)}, 0.9, 0.999, 1e-8, true);
   optim::AdamW opt({all_params(*net)}, 0.9, 0.999, 1e-8, true);
@@ -141,11 +155,14 @@ TEST_F(DdpTest, MatchesSingleProcessOnFullBatch) {
     engine.before_backward();
     loss.backward();
     engine.finalize_backward();
-    // Every gradient is its bucket's view again, whether it was cleared in place or set to None
-    // (then the bucket copied the new gradient in just before its all-reduce).
+    // Flat: every gradient is its bucket's view again, whether it was cleared in place or set to
+    // None (then the bucket copied the new gradient in just before its all-reduce). Grouped: each
+    // gradient is its own tensor, reduced in place.
     const std::vector<at::Tensor> grads = engine.gradients();
     ASSERT_EQ(engine.buckets().size(), 1u);
-    for (const auto& g : grads) EXPECT_TRUE(g.is_alias_of(grads.front())) << "step " << step;
+    for (std::size_t k = 1; k < grads.size(); ++k) {
+      EXPECT_EQ(grads[k].is_alias_of(grads.front()), GetParam() == ddp::BucketMode::kFlat) << "step " << step;
+    }
     // CPU: host clocks, read at finalize_backward(); backward did real work, waiting cannot be
     // negative. GPU: CUDA events read one step late without a sync (0 at the first step; the
     // loss's item() below makes each step's events complete before the next reads them).
@@ -165,15 +182,15 @@ TEST_F(DdpTest, MatchesSingleProcessOnFullBatch) {
     expect_replicas_identical(*net, step);
   }
   EXPECT_LT(max_rel(flat_params(*net), flat_params(*ref)), tol());
-  // The last step zeroed in place: the gradients are the bucket views.
+  // The last step zeroed in place: the gradients are still there.
   for (const auto& g : engine.gradients()) EXPECT_TRUE(g.defined());
 }
 
-TEST_F(DdpTest, GradAccumulationEqualsLargerBatchAndSkipsCommunication) {
+TEST_P(DdpModeTest, GradAccumulationEqualsLargerBatchAndSkipsCommunication) {
   const int k = 4;
   const int64_t micro_rows = 3;
   auto a = make_net(21), b = make_net(21);
-  ddp::DistributedDataParallel ea(a, world_, {}), eb(b, world_, {});
+  ddp::DistributedDataParallel ea(a, world_, options()), eb(b, world_, options());
   optim::Sgd oa({all_params(*a)}, 0.9, false, true), ob({all_params(*b)}, 0.9, false, true);
   for (int step = 0; step < 3; ++step) {
     auto [x, y] = global_batch(step, k * micro_rows * n_);
@@ -243,6 +260,23 @@ TEST_F(DdpTest, RingAndNativeGiveTheSameParameters) {
   EXPECT_LT(max_rel(flat_params(*a), flat_params(*b)), tol());
 }
 
+TEST_F(DdpTest, DefaultLayoutIsFlatAndTheRingRefusesGrouped) {
+  auto net = make_net(2);
+  ddp::DistributedDataParallel e(net, world_, {});
+  EXPECT_EQ(e.mode(), ddp::BucketMode::kFlat);
+  ddp::DdpOptions ring;
+  ring.algo = comm::AllReduceAlgo::kRing;
+  ring.mode = ddp::BucketMode::kGrouped;
+  try {
+    ddp::DistributedDataParallel bad(make_net(2), world_, ring);
+    FAIL() << "grouped buckets with the ring must be refused";
+  } catch (const ConfigError& err) {
+    EXPECT_NE(std::string(err.what()).find("parallel.ddp.bucket_mode"), std::string::npos) << err.what();
+  }
+  EXPECT_EQ(ddp::parse_bucket_mode("grouped"), ddp::BucketMode::kGrouped);
+  EXPECT_THROW(ddp::parse_bucket_mode("fused"), ConfigError);
+}
+
 TEST(DdpBucketTest, ReverseOrderCapsAndFirstBucket) {
   // Parameter sizes in bytes, registration order.
   const std::vector<int64_t> sizes = {400, 400, 4000, 100, 100, 100, 2000};
@@ -297,9 +331,9 @@ TEST_F(DdpTest, UnusedParameterIsAnErrorNamingIt) {
   }
 }
 
-TEST_F(DdpTest, FindUnusedMatchesReference) {
+TEST_P(DdpModeTest, FindUnusedMatchesReference) {
   auto ref = make_net(6, true), net = make_net(6, true);
-  ddp::DdpOptions o;
+  ddp::DdpOptions o = options();
   o.find_unused = true;
   ddp::DistributedDataParallel e(net, world_, o);
   optim::AdamW ref_opt({all_params(*ref)}, 0.9, 0.999, 1e-8, true), opt({all_params(*net)}, 0.9, 0.999, 1e-8, true);
