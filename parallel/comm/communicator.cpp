@@ -151,7 +151,7 @@ WorkPtr Communicator::all_reduce_coalesced_async(std::vector<at::Tensor>& tensor
     std::vector<at::Tensor> flat_parts;
     for (const auto& t : g) flat_parts.push_back(t.detach().reshape({-1}));
     at::Tensor flat = at::cat(flat_parts);
-    WorkPtr w = all_reduce_async(flat, op, site);
+    WorkPtr w = all_reduce_async(flat, op, AllReduceAlgo::kNative, site);
     parts.push_back(std::make_shared<CopyBackWork>(std::move(w), flat, g));
   }
   if (parts.size() == 1) return parts.front();

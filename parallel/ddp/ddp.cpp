@@ -95,16 +95,16 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     info.numel = numel;
     info.dtype = params_[members.front()].scalar_type();
     b.params = members;
-    for (std::size_t k = 0; k < members.size(); ++k) {
-      param_bucket_[members[k]] = static_cast<int64_t>(buckets_.size());
-      param_slot_[members[k]] = static_cast<int64_t>(k);
-    }
-    if (mode() == BucketMode::kFlat) {
+    const bool flat = mode() == BucketMode::kFlat;
+    if (flat) {
       b.buffer = at::zeros({numel}, params_[members.front()].options());
       b.incoming.resize(members.size());
     }
-    for (std::size_t k = 0; mode() == BucketMode::kFlat && k < members.size(); ++k) {
+    for (std::size_t k = 0; k < members.size(); ++k) {
       const int64_t i = members[k];
+      param_bucket_[i] = static_cast<int64_t>(buckets_.size());
+      param_slot_[i] = static_cast<int64_t>(k);
+      if (!flat) continue;
       at::Tensor view = b.buffer.narrow(0, info.offsets[k], params_[i].numel()).view(params_[i].sizes());
       // Keep an existing gradient's value; the gradient becomes the bucket view from now on.
       if (params_[i].grad().defined()) view.copy_(params_[i].grad());
@@ -253,23 +253,21 @@ void DistributedDataParallel::launch_ready_buckets() {
       grads.reserve(b.params.size());
       for (int64_t i : b.params) grads.push_back(params_[i].grad());
       b.work = group_->all_reduce_coalesced_async(grads, comm::ReduceOp::kAvg);
-      b.launched = true;
-      ++next_bucket_;
-      continue;
+    } else {
+      std::vector<at::Tensor> dst, src;
+      for (std::size_t k = 0; k < b.incoming.size(); ++k) {
+        if (!b.incoming[k].defined()) continue;
+        dst.push_back(b.views[k]);
+        src.push_back(std::move(b.incoming[k]));
+        b.incoming[k] = at::Tensor();
+        params_[b.params[k]].mutable_grad() = b.views[k];
+      }
+      if (!dst.empty()) {
+        at::NoGradGuard ng;
+        at::_foreach_copy_(dst, src);
+      }
+      b.work = group_->all_reduce_async(b.buffer, comm::ReduceOp::kAvg, options_.algo);
     }
-    std::vector<at::Tensor> dst, src;
-    for (std::size_t k = 0; k < b.incoming.size(); ++k) {
-      if (!b.incoming[k].defined()) continue;
-      dst.push_back(b.views[k]);
-      src.push_back(std::move(b.incoming[k]));
-      b.incoming[k] = at::Tensor();
-      params_[b.params[k]].mutable_grad() = b.views[k];
-    }
-    if (!dst.empty()) {
-      at::NoGradGuard ng;
-      at::_foreach_copy_(dst, src);
-    }
-    b.work = group_->all_reduce_async(b.buffer, comm::ReduceOp::kAvg, options_.algo);
     b.launched = true;
     ++next_bucket_;
   }

@@ -72,7 +72,7 @@ struct DdpOptions {
 
 struct BucketInfo {
   std::vector<std::string> param_names;  // in the bucket's order
-  std::vector<int64_t> offsets;          // element offset of each parameter in the flat buffer
+  std::vector<int64_t> offsets;          // element offset of each parameter in the flat buffer (flat mode)
   int64_t numel = 0;
   at::ScalarType dtype = at::kFloat;
   int64_t bytes() const { return numel * static_cast<int64_t>(c10::elementSize(dtype)); }
