@@ -9,10 +9,11 @@
 // - Two bucket layouts (DdpOptions::mode). Flat (the default) as described next. Grouped (native
 //   all-reduce only): a bucket is a list of parameters; its gradients, as autograd produced them,
 //   are all-reduced in place with one grouped call (ncclGroupStart/End around one all-reduce per
-//   gradient on NCCL): no flat buffer and no copy in. It is not the default because the NCCL
-//   communicator keeps an op's tensors alive until its watchdog's next sweep (every 100 ms), so
-//   with fast steps the gradients of up to ~100 ms of steps stay allocated (W1 on 2 GPUs: peak
-//   9.85 GB against 8.98 GB flat in earlier runs, for 0.18 ms less per step; docs/training.md).
+//   gradient on NCCL): no flat buffer and no copy in. It is not the default because peak memory
+//   rose, most likely because the NCCL communicator keeps an op's tensors alive until its
+//   watchdog's next sweep (every 100 ms), so with fast steps the gradients of up to ~100 ms of
+//   steps stay allocated (W1 on 2 GPUs: peak 9.85 GB against 8.98 GB flat in earlier runs, for
+//   0.18 ms less per step; docs/training.md).
 // - Flat: each parameter's `.grad()` is a view into its bucket's flat buffer, so gradients are reduced
 //   in place with no copy out (gradient_as_bucket_view). Gradients may be cleared either way:
 //   `Optimizer::zero_grad(true)` (what the trainer does: the first gradient of the next backward is
