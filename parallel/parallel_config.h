@@ -10,7 +10,8 @@
 namespace parallax::parallel {
 
 struct DdpConfig {
-  std::string bucket_mode = "flat";
+  std::string bucket_mode = "auto";
+  std::string reduce_dtype = "grad";
   double bucket_mb = 25.0;
   double first_bucket_mb = 1.0;
   bool find_unused = false;
@@ -19,9 +20,14 @@ struct DdpConfig {
   template <class V>
   void visit(V& v) {
     v("bucket_mode", bucket_mode,
-      "gradient buckets: flat (gradients are views of one buffer per bucket) or grouped (each gradient "
-      "all-reduced in place, one NCCL group per bucket; native all-reduce only)",
-      core::Check::one_of({"flat", "grouped"}));
+      "gradient buckets: flat (gradients are views of one buffer per bucket), grouped (each gradient "
+      "all-reduced in place, one NCCL group per bucket; native all-reduce in the gradients' dtype only), or auto "
+      "(grouped where it applies, else flat)",
+      core::Check::one_of({"auto", "flat", "grouped"}));
+    v("reduce_dtype", reduce_dtype,
+      "dtype gradients are all-reduced in: grad (their own, fp32 as PyTorch DDP), or bf16/fp16 (half the bytes, "
+      "the average rounded to that dtype, as PyTorch's bf16_compress_hook; flat buckets only)",
+      core::Check::one_of({"grad", "bf16", "fp16"}));
     v("bucket_mb", bucket_mb, "gradient bucket cap in MiB (PyTorch DDP: 25)", core::Check::positive());
     v("first_bucket_mb", first_bucket_mb, "cap of the first bucket in MiB, so communication starts early",
       core::Check::positive());

@@ -269,6 +269,7 @@ void Trainer::setup() {
   if (layout.dp > 1) {
     parallel::ddp::DdpOptions o;
     o.mode = parallel::ddp::parse_bucket_mode(p.ddp.bucket_mode);
+    o.reduce_dtype = parallel::ddp::parse_reduce_dtype(p.ddp.reduce_dtype);
     o.bucket_mb = p.ddp.bucket_mb;
     o.first_bucket_mb = p.ddp.first_bucket_mb;
     o.find_unused = p.ddp.find_unused;

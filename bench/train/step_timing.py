@@ -1,4 +1,5 @@
-"""Step timing shared by the PyTorch reference scripts (torch_vit_ref.py, torch_bev_ref.py).
+"""Step timing and DDP wrapping shared by the PyTorch reference scripts (torch_vit_ref.py,
+torch_bev_ref.py).
 
 Parallax reports the wall time of each logged interval of `train.log_every` steps divided by its
 step count, with no device synchronisation inside an interval. The references measure the same
@@ -34,3 +35,15 @@ def median_step_ms(step, iters, window, cuda):
                 step()
             times.append(1000.0 * (time.perf_counter() - t0) / window)
     return statistics.median(times)
+
+
+def wrap_ddp(model, device_ids, grad_dtype):
+    """PyTorch DDP as the references run it (gradient_as_bucket_view, as Parallax's flat buckets);
+    grad_dtype "bf16" registers PyTorch's bf16_compress_hook, the counterpart of Parallax's
+    parallel.ddp.reduce_dtype=bf16. Returns the model and the suffix of the run's "impl" label."""
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    if grad_dtype == "fp32":
+        return ddp, ""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return ddp, "+bf16grads"

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from step_timing import median_step_ms  # same folder: python puts the script's folder on sys.path
+from step_timing import median_step_ms, wrap_ddp  # same folder: python puts the script's folder on sys.path
 
 PEAK_BF16 = 989e12  # H100/H200 dense bf16, as Parallax's trainer (train/trainer.cpp)
 BOX_CODE_SIZE = 8
@@ -714,6 +714,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=32, help="samples (6-camera scenes) per GPU")
     ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
+    ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="DDP gradient all-reduce dtype (bf16: PyTorch's bf16_compress_hook)")
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--window", type=int, default=10,
@@ -759,9 +761,9 @@ def main():
     analytic_flops = sum(r[2] for r in analytic_cost(spec))
     fwd_flops = a.fwd_gflops_per_sample * 1e9 if a.fwd_gflops_per_sample > 0 else analytic_flops
     opt = torch.optim.AdamW(param_groups(model, a.weight_decay), lr=a.lr, fused=cuda)
+    variant = ""  # "+bf16grads" with --grad-dtype bf16
     if distributed:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None,
-                                                          gradient_as_bucket_view=True)
+        model, variant = wrap_ddp(model, [local_rank] if cuda else None, a.grad_dtype)
     fwd = torch.compile(model) if a.mode == "compile" else model
     gen = torch.Generator().manual_seed(1000 + rank)  # each data-parallel rank draws its own batches
     batches = [{k: v.to(dev) for k, v in example_batch(spec, a.batch, gen).items()} for _ in range(a.distinct)]
@@ -792,7 +794,7 @@ def main():
         device_name = "cpu"
     if rank == 0:
         sc = spec.scene
-        print(json.dumps({"impl": f"torch-{a.mode}", "workload": f"W2 bev_{a.size}", "gpus": world,
+        print(json.dumps({"impl": f"torch-{a.mode}{variant}", "workload": f"W2 bev_{a.size}", "gpus": world,
                           "batch_per_gpu": a.batch, "sample": f"one {sc.num_cameras}-camera scene",
                           "scene": f"{sc.num_cameras} x {sc.image_height}x{sc.image_width}, BEV "
                                    f"{spec.query.nx}x{spec.query.ny}",

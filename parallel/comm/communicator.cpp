@@ -158,6 +158,26 @@ WorkPtr Communicator::all_reduce_coalesced_async(std::vector<at::Tensor>& tensor
   return std::make_shared<AllOfWork>(std::move(parts));
 }
 
+void check_wire_dtype(const Communicator& c, const at::Tensor& t, at::ScalarType wire) {
+  PARALLAX_CHECK(t.defined(), CommError, "all_reduce_compressed on group '{}' (rank {}): undefined tensor", c.name(),
+                 c.rank());
+  PARALLAX_CHECK(c10::isFloatingType(t.scalar_type()) && c10::isFloatingType(wire) &&
+                     c10::elementSize(wire) <= c10::elementSize(t.scalar_type()),
+                 CommError,
+                 "all_reduce_compressed on group '{}' (rank {}): cannot reduce a {} tensor through {}: the wire "
+                 "dtype must be a floating type no wider than the tensor's",
+                 c.name(), c.rank(), c10::toString(t.scalar_type()), c10::toString(wire));
+}
+
+WorkPtr Communicator::all_reduce_compressed_async(at::Tensor& tensor, ReduceOp op, at::ScalarType wire,
+                                                  AllReduceAlgo algo, CallSite site) {
+  check_wire_dtype(*this, tensor, wire);
+  if (wire == tensor.scalar_type()) return all_reduce_async(tensor, op, algo, site);
+  at::Tensor copy = tensor.detach().to(wire).reshape({-1});
+  WorkPtr w = all_reduce_async(copy, op, algo, site);
+  return std::make_shared<CopyBackWork>(std::move(w), copy, std::vector<at::Tensor>{tensor});
+}
+
 WorkPtr Communicator::batch_isend_irecv(std::vector<P2POp>& ops, CallSite site) {
   std::vector<WorkPtr> parts;
   parts.reserve(ops.size());

@@ -158,6 +158,17 @@ class Communicator {
   // all-reduces that, and copies the result back when the op completes (wait/is_completed).
   virtual WorkPtr all_reduce_coalesced_async(std::vector<at::Tensor>& tensors, ReduceOp op,
                                              CallSite site = CallSite::current());
+  // All-reduce in place through a copy in the narrower floating dtype `wire` (gradient
+  // compression, as PyTorch DDP's bf16_compress_hook/fp16_compress_hook or DeepSpeed's
+  // communication_data_type): half the bytes for bf16/fp16 copies of fp32 tensors. The result is
+  // the reduction of the ranks' wire copies, rounded to `wire`, cast back into `tensor`; kAvg
+  // scales before summing where the backend sums in `wire` (NCCL), so fp16 overflows no sooner than
+  // fp32 would. NCCL casts on its comm stream, overlapping the caller's work; the default casts on
+  // the caller's stream and copies back at completion (wait/wait_stream/is_completed).
+  // `wire` equal to the tensor's dtype is a plain all-reduce. CommError if `tensor` is not
+  // floating or `wire` is wider than it.
+  virtual WorkPtr all_reduce_compressed_async(at::Tensor& tensor, ReduceOp op, at::ScalarType wire,
+                                              AllReduceAlgo algo, CallSite site = CallSite::current());
   // `input` (numel M, any shape) is reduced across ranks; this rank receives chunk rank() of the
   // flattened result (chunk_numel(M, size(), rank()) elements) in `output`.
   virtual WorkPtr reduce_scatter_async(const at::Tensor& input, at::Tensor& output, ReduceOp op,
@@ -202,6 +213,10 @@ class Communicator {
                             CallSite site = CallSite::current()) {
     all_reduce_coalesced_async(ts, op, site)->wait();
   }
+  void all_reduce_compressed(at::Tensor& t, ReduceOp op, at::ScalarType wire, AllReduceAlgo a,
+                             CallSite site = CallSite::current()) {
+    all_reduce_compressed_async(t, op, wire, a, site)->wait();
+  }
   void reduce_scatter(const at::Tensor& in, at::Tensor& out, ReduceOp op,
                       CallSite site = CallSite::current()) {
     reduce_scatter_async(in, out, op, site)->wait();
@@ -233,5 +248,8 @@ class Communicator {
 };
 
 using CommPtr = std::shared_ptr<Communicator>;
+
+// all_reduce_compressed's argument check (CommError naming the op, group and rank).
+void check_wire_dtype(const Communicator& c, const at::Tensor& t, at::ScalarType wire);
 
 }  // namespace parallax::parallel::comm

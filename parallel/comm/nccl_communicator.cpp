@@ -209,11 +209,12 @@ ncclComm_t make_blocking_twin(ncclComm_t ctrl, int rank, Clock::time_point deadl
   return twin;
 }
 
-// One enqueued op (or batch): its tickets, end event and the tensors it must keep alive.
+// One enqueued op (or batch): its tickets and end event, as the watchdog tracks it. It holds no
+// tensors: the watchdog sweeps every 100 ms, and holding an op's tensors until then kept several
+// steps of DDP gradients alive at once (bench/NOTES.md lever 23).
 struct Pending {
   std::vector<Ticket> tickets;
   std::shared_ptr<CudaEvent> end;
-  std::vector<at::Tensor> keep;
   std::atomic<bool> completed{false};
   std::atomic<bool> timed_out{false};
   bool internal = false;  // a helper exchange of another op (debug check): not recorded as that op
@@ -223,8 +224,9 @@ class NcclCommunicator;
 
 class NcclWork final : public Work {
  public:
-  NcclWork(std::shared_ptr<NcclCommunicator> comm, std::shared_ptr<Pending> p)
-      : comm_(std::move(comm)), p_(std::move(p)) {}
+  NcclWork(std::shared_ptr<NcclCommunicator> comm, std::shared_ptr<Pending> p,
+           std::vector<at::Tensor> tensors)
+      : comm_(std::move(comm)), p_(std::move(p)), tensors_(std::move(tensors)) {}
   void wait() override;
   void wait_stream() override;
   bool is_completed() override;
@@ -233,6 +235,9 @@ class NcclWork final : public Work {
   bool poll();
   std::shared_ptr<NcclCommunicator> comm_;
   std::shared_ptr<Pending> p_;
+  // The op's tensors, for as long as the caller holds the work (as PyTorch's work objects do).
+  // Memory safety does not depend on it: enqueue() records them on the comm stream.
+  std::vector<at::Tensor> tensors_;
 };
 
 class NcclCommunicator final : public CommBase {
@@ -289,16 +294,36 @@ class NcclCommunicator final : public CommBase {
       return std::make_shared<DoneWork>();
     }
     at::Tensor target = tensor;
-    if (algo == AllReduceAlgo::kRing) {
-      connect_ring_peers(t);
-      return enqueue({t}, {target}, [&] { ring(target.view({-1}), op, t); });
+    if (algo == AllReduceAlgo::kRing) connect_ring_peers(t);
+    return enqueue({t}, {target}, [&] { reduce_in_place(target, op, algo, t); });
+  }
+
+  // The wire copy is made, reduced and cast back on the comm stream, so both casts overlap the
+  // caller's work (DDP: the rest of backward). ncclAvg on a floating type multiplies by 1/n before
+  // summing (NCCL's PreMulSum).
+  WorkPtr all_reduce_compressed_async(at::Tensor& tensor, ReduceOp op, at::ScalarType wire,
+                                      AllReduceAlgo algo, CallSite site) override {
+    check_cuda(*this, "all_reduce", tensor);
+    check_wire_dtype(*this, tensor, wire);
+    if (wire == tensor.scalar_type()) return all_reduce_async(tensor, op, algo, site);
+    PARALLAX_CHECK(nccl_type(wire) != ncclNumTypes, CommError,
+                   "all_reduce_compressed on group '{}' (rank {}): wire dtype {} is not supported by the nccl backend",
+                   name_, rank_, c10::toString(wire));
+    OpDesc d = tensor_desc(OpKind::kAllReduce, tensor, site);
+    d.dtype = wire;  // what travels, and what the debug check compares across ranks
+    d.reduce = op;
+    d.algo = algo;
+    Ticket t = begin(d);
+    if (size() == 1 || tensor.numel() == 0) {
+      complete(t);
+      return std::make_shared<DoneWork>();
     }
+    at::Tensor target = tensor;
+    if (algo == AllReduceAlgo::kRing) connect_ring_peers(t);
     return enqueue({t}, {target}, [&] {
-      call(ncclAllReduce(target.data_ptr(), target.data_ptr(), static_cast<size_t>(target.numel()),
-                         nccl_type(target.scalar_type()), nccl_op(op, target.scalar_type()), comm_,
-                         stream_.stream()),
-           "ncclAllReduce", t);
-      divide_avg_if_needed(target, op, n);
+      at::Tensor copy = target.to(wire);
+      reduce_in_place(copy, op, algo, t);
+      target.copy_(copy);
     });
   }
 
@@ -333,7 +358,6 @@ class NcclCommunicator final : public CommBase {
       std::vector<at::Tensor> targets;
       for (const auto& x : tensors) {
         targets.push_back(x.is_non_overlapping_and_dense() ? x : x.contiguous());
-        if (!targets.back().is_same(x)) keep_.push_back(targets.back());
       }
       group_start(t);
       for (auto& x : targets) {
@@ -377,8 +401,6 @@ class NcclCommunicator final : public CommBase {
         }
         src = padded;
         dst = at::empty({p}, in.options());
-        keep_.push_back(src);
-        keep_.push_back(dst);
       }
       call(ncclReduceScatter(src.data_ptr(), dst.data_ptr(), static_cast<size_t>(p),
                              nccl_type(in.scalar_type()), nccl_op(op, in.scalar_type()), comm_,
@@ -699,7 +721,8 @@ class NcclCommunicator final : public CommBase {
         if (x.defined() && x.numel() > 0)
           c10::cuda::CUDACachingAllocator::recordStream(x.storage().data_ptr(), stream_);
       }
-      keep_.clear();
+      // Temporaries that `body` allocates are on the comm stream, so the caching allocator reuses
+      // their memory in that stream's order once `body` drops them: they need no keep-alive.
       {
         c10::cuda::CUDAStreamGuard sg(stream_);
         body();
@@ -711,15 +734,12 @@ class NcclCommunicator final : public CommBase {
     } catch (const std::exception& e) {
       fail_error(t, e.what());
     }
-    p->keep = std::move(tensors);
-    for (auto& k : keep_) p->keep.push_back(k);
-    keep_.clear();
     if (record) {
       std::lock_guard<std::mutex> lock(pending_mu_);
       pending_.push_back(p);
     }
     return std::make_shared<NcclWork>(
-        std::static_pointer_cast<NcclCommunicator>(shared_from_this()), p);
+        std::static_pointer_cast<NcclCommunicator>(shared_from_this()), p, std::move(tensors));
   }
 
   // Point-to-point traffic (send/recv, batches, the ring) runs on the non-blocking control
@@ -759,6 +779,18 @@ class NcclCommunicator final : public CommBase {
     call(ncclGroupEnd(), "ncclGroupEnd", t, comm);
   }
 
+  // One all-reduce of a contiguous tensor, on the comm stream (inside enqueue()'s body).
+  void reduce_in_place(at::Tensor& x, ReduceOp op, AllReduceAlgo algo, const Ticket& t) {
+    if (algo == AllReduceAlgo::kRing) {
+      ring(x.view({-1}), op, t);
+      return;
+    }
+    call(ncclAllReduce(x.data_ptr(), x.data_ptr(), static_cast<size_t>(x.numel()), nccl_type(x.scalar_type()),
+                       nccl_op(op, x.scalar_type()), comm_, stream_.stream()),
+         "ncclAllReduce", t);
+    divide_avg_if_needed(x, op, size());
+  }
+
   // All-gather of pieces of sizes[r] elements into outs[r], each padded to the largest.
   void gather_padded(const at::Tensor& in, const std::vector<int64_t>& sizes,
                      std::vector<at::Tensor>& outs, const Ticket& t) {
@@ -767,8 +799,6 @@ class NcclCommunicator final : public CommBase {
     at::Tensor src = at::zeros({p}, in.options());
     src.narrow(0, 0, in.numel()).copy_(in.view({-1}));
     at::Tensor dst = at::empty({n * p}, in.options());
-    keep_.push_back(src);
-    keep_.push_back(dst);
     call(ncclAllGather(src.data_ptr(), dst.data_ptr(), static_cast<size_t>(p),
                        nccl_type(in.scalar_type()), comm_, stream_.stream()),
          "ncclAllGather", t);
@@ -799,11 +829,9 @@ class NcclCommunicator final : public CommBase {
     };
     auto mod = [n](int a) { return ((a % n) + n) % n; };
     const int64_t max_col = chunk_numel(seg0, cols, 0);
-    // Allocated on the comm stream (the caller's stream guard), so the caching allocator reuses it
-    // in that stream's order once this function drops it: it needs no keep-alive until the op
-    // completes. (It was kept alive with the op, until the watchdog's next sweep, so back-to-back
-    // rings each allocated fresh device memory: a 64 MiB ring took 460-527 us that way on
-    // 2 x H200, 350 us without.)
+    // Allocated on the comm stream, like every temporary of enqueue()'s body (no keep-alive).
+    // (Kept alive until the watchdog's next sweep, back-to-back rings each allocated fresh device
+    // memory: a 64 MiB ring took 460-527 us that way on 2 x H200, 350 us without.)
     at::Tensor scratch = at::empty({cols, std::max<int64_t>(max_col, 1)}, flat.options());
     // With several columns the reductions run on a second stream so that column c is reduced
     // while column c+1 transfers; a single column has nothing to overlap, so it stays on the comm
@@ -943,7 +971,6 @@ class NcclCommunicator final : public CommBase {
   c10::cuda::CUDAStream reduce_stream_;
   at::Tensor barrier_buf_;
   bool ring_peers_ready_ = false;  // connect_ring_peers() succeeded: the ring runs on comm_
-  std::vector<at::Tensor> keep_;  // temporaries of the op being enqueued
   std::mutex pending_mu_;
   std::condition_variable watchdog_cv_;
   std::vector<std::shared_ptr<Pending>> pending_;

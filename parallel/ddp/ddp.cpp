@@ -13,6 +13,8 @@ namespace parallax::parallel::ddp {
 
 const char* to_string(BucketMode mode) {
   switch (mode) {
+    case BucketMode::kAuto:
+      return "auto";
     case BucketMode::kFlat:
       return "flat";
     case BucketMode::kGrouped:
@@ -22,9 +24,24 @@ const char* to_string(BucketMode mode) {
 }
 
 BucketMode parse_bucket_mode(const std::string& name) {
+  if (name == "auto") return BucketMode::kAuto;
   if (name == "flat") return BucketMode::kFlat;
   if (name == "grouped") return BucketMode::kGrouped;
-  throw_error<ConfigError>("parallel.ddp.bucket_mode: unknown mode '{}' (use flat|grouped)", name);
+  throw_error<ConfigError>("parallel.ddp.bucket_mode: unknown mode '{}' (use auto|flat|grouped)", name);
+}
+
+namespace {
+const char* reduce_dtype_name(const std::optional<at::ScalarType>& t) {
+  if (!t) return "grad";
+  return *t == at::kBFloat16 ? "bf16" : *t == at::kHalf ? "fp16" : c10::toString(*t);
+}
+}  // namespace
+
+std::optional<at::ScalarType> parse_reduce_dtype(const std::string& name) {
+  if (name == "grad") return std::nullopt;
+  if (name == "bf16") return at::kBFloat16;
+  if (name == "fp16") return at::kHalf;
+  throw_error<ConfigError>("parallel.ddp.reduce_dtype: unknown dtype '{}' (use grad|bf16|fp16)", name);
 }
 
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& sizes_bytes,
@@ -56,9 +73,20 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   PARALLAX_CHECK(module_ != nullptr, Error, "DDP: module is null");
   PARALLAX_CHECK(group_ != nullptr, Error, "DDP: data-parallel communicator is null");
   at::NoGradGuard no_grad;
+  if (options_.mode == BucketMode::kAuto) {
+    const bool native = options_.algo == comm::AllReduceAlgo::kNative;
+    options_.mode = native && !options_.reduce_dtype ? BucketMode::kGrouped : BucketMode::kFlat;
+  }
   PARALLAX_CHECK(mode() == BucketMode::kFlat || options_.algo == comm::AllReduceAlgo::kNative, ConfigError,
                  "DDP: parallel.ddp.bucket_mode=grouped needs parallel.allreduce=native (the ring reduces one "
                  "flat buffer); use bucket_mode=flat");
+  PARALLAX_CHECK(mode() == BucketMode::kFlat || !options_.reduce_dtype, ConfigError,
+                 "DDP: parallel.ddp.reduce_dtype={} needs parallel.ddp.bucket_mode=flat (the reduced copy is one "
+                 "flat buffer per bucket; grouped buckets exist to avoid that copy)",
+                 reduce_dtype_name(options_.reduce_dtype));
+  PARALLAX_CHECK(!options_.reduce_dtype || *options_.reduce_dtype == at::kBFloat16 || *options_.reduce_dtype == at::kHalf,
+                 ConfigError, "DDP: parallel.ddp.reduce_dtype must be bf16 or fp16, got {}",
+                 reduce_dtype_name(options_.reduce_dtype));
 
   // Identical replicas: parameters and buffers from rank 0.
   std::vector<at::Tensor> all;
@@ -152,10 +180,14 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   int64_t total = 0;
   for (const auto& info : bucket_info_) total += info.bytes();
-  core::log::info("DDP: {} parameters in {} {} buckets ({} total, caps {}/{} MiB, algorithm {}), group '{}' of {} ranks",
-                  params_.size(), buckets_.size(), to_string(mode()), core::human_bytes(static_cast<double>(total)),
-                  options_.first_bucket_mb, options_.bucket_mb, comm::to_string(options_.algo),
-                  group_->name(), group_->size());
+  core::log::info(
+      "DDP: {} parameters in {} {} buckets ({} total, caps {}/{} MiB, algorithm {}, reduced in {}), group '{}' of {} "
+      "ranks",
+      params_.size(), buckets_.size(), to_string(mode()), core::human_bytes(static_cast<double>(total)),
+      options_.first_bucket_mb, options_.bucket_mb, comm::to_string(options_.algo),
+      options_.reduce_dtype ? reduce_dtype_name(options_.reduce_dtype) : "the gradients' dtype",
+      group_->name(),
+      group_->size());
 }
 
 DistributedDataParallel::~DistributedDataParallel() {
@@ -248,11 +280,10 @@ void DistributedDataParallel::mark_ready(int64_t i) {
 void DistributedDataParallel::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     Bucket& b = buckets_[next_bucket_];
+    std::vector<at::Tensor> tensors;
     if (mode() == BucketMode::kGrouped) {
-      std::vector<at::Tensor> grads;
-      grads.reserve(b.params.size());
-      for (int64_t i : b.params) grads.push_back(params_[i].grad());
-      b.work = group_->all_reduce_coalesced_async(grads, comm::ReduceOp::kAvg);
+      tensors.reserve(b.params.size());
+      for (int64_t i : b.params) tensors.push_back(params_[i].grad());
     } else {
       std::vector<at::Tensor> dst, src;
       for (std::size_t k = 0; k < b.incoming.size(); ++k) {
@@ -266,11 +297,26 @@ void DistributedDataParallel::launch_ready_buckets() {
         at::NoGradGuard ng;
         at::_foreach_copy_(dst, src);
       }
-      b.work = group_->all_reduce_async(b.buffer, comm::ReduceOp::kAvg, options_.algo);
+      tensors.push_back(b.buffer);
     }
+    b.work = issue(tensors);
     b.launched = true;
     ++next_bucket_;
   }
+}
+
+comm::WorkPtr DistributedDataParallel::issue(std::vector<at::Tensor>& tensors) {
+  if (mode() == BucketMode::kGrouped) return group_->all_reduce_coalesced_async(tensors, comm::ReduceOp::kAvg);
+  at::Tensor& flat = tensors.front();
+  if (compressed(flat.scalar_type())) {
+    return group_->all_reduce_compressed_async(flat, comm::ReduceOp::kAvg, *options_.reduce_dtype, options_.algo);
+  }
+  return group_->all_reduce_async(flat, comm::ReduceOp::kAvg, options_.algo);
+}
+
+bool DistributedDataParallel::compressed(at::ScalarType grad_dtype) const {
+  return options_.reduce_dtype && c10::isFloatingType(grad_dtype) &&
+         c10::elementSize(*options_.reduce_dtype) < c10::elementSize(grad_dtype);
 }
 
 void DistributedDataParallel::finalize_backward() {

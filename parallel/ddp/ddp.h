@@ -6,14 +6,12 @@
 //   (the order autograd produces their gradients), the first bucket capped at first_bucket_mb so
 //   communication starts early, the others at bucket_mb; a parameter larger than the cap gets a
 //   bucket of its own. A bucket holds one dtype on one device.
-// - Two bucket layouts (DdpOptions::mode). Flat (the default) as described next. Grouped (native
-//   all-reduce only): a bucket is a list of parameters; its gradients, as autograd produced them,
-//   are all-reduced in place with one grouped call (ncclGroupStart/End around one all-reduce per
-//   gradient on NCCL): no flat buffer and no copy in. It is not the default because peak memory
-//   rose, most likely because the NCCL communicator keeps an op's tensors alive until its
-//   watchdog's next sweep (every 100 ms), so with fast steps the gradients of up to ~100 ms of
-//   steps stay allocated (W1 on 2 GPUs: peak 9.85 GB against 8.98 GB flat in earlier runs, for
-//   0.18 ms less per step; docs/training.md).
+// - Two bucket layouts (DdpOptions::mode). Grouped (the default where it applies: the native
+//   all-reduce in the gradients' dtype): a bucket is a list of parameters; its gradients, as
+//   autograd produced them, are all-reduced in place with one grouped call (ncclGroupStart/End
+//   around one all-reduce per gradient on NCCL): no flat buffer and no copy in (W1 on 2 x H200:
+//   peak 8.65 against 8.97 GB flat, 37.94 against 38.00 ms per step; docs/training.md). Flat
+//   (the ring, reduce_dtype, or asked for) as described next.
 // - Flat: each parameter's `.grad()` is a view into its bucket's flat buffer, so gradients are reduced
 //   in place with no copy out (gradient_as_bucket_view). Gradients may be cleared either way:
 //   `Optimizer::zero_grad(true)` (what the trainer does: the first gradient of the next backward is
@@ -28,6 +26,12 @@
 //   collective sequence even if hooks fire in a different order.
 // - Averaging: each bucket is all-reduced with ReduceOp::kAvg, i.e. summed then divided by the
 //   data-parallel size (post-divide).
+// - Reduction dtype (DdpOptions::reduce_dtype, flat layout): by default gradients are reduced in
+//   their own dtype (fp32, as PyTorch DDP). bf16 or fp16 all-reduces a copy of each fp32 bucket in
+//   that dtype (Communicator::all_reduce_compressed: half the bytes, the casts on the comm stream)
+//   and casts the average back into the bucket: PyTorch's bf16_compress_hook, DeepSpeed's
+//   communication_data_type, Megatron-Core's reduction of bf16 gradients. The averaged gradients
+//   then carry that dtype's rounding (bf16: 8 significant bits).
 // - Gradient accumulation: inside a NoSyncGuard (or set_require_sync(false)) hooks do nothing and
 //   gradients accumulate locally (in the bucket views when flat); the first backward with sync on reduces the
 //   accumulated sums. No collective is issued during no-sync micro-steps.
@@ -53,23 +57,32 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace parallax::parallel::ddp {
 
-enum class BucketMode { kFlat, kGrouped };
+// kAuto: grouped with the native all-reduce in the gradients' dtype, flat otherwise (the ring and
+// reduce_dtype need a flat buffer).
+enum class BucketMode { kAuto, kFlat, kGrouped };
 const char* to_string(BucketMode mode);
-BucketMode parse_bucket_mode(const std::string& name);  // "flat" | "grouped"
+BucketMode parse_bucket_mode(const std::string& name);  // "auto" | "flat" | "grouped"
 
 struct DdpOptions {
-  BucketMode mode = BucketMode::kFlat;  // kGrouped needs algo kNative
+  BucketMode mode = BucketMode::kAuto;  // kGrouped needs algo kNative and no reduce_dtype
   double bucket_mb = 25.0;
   double first_bucket_mb = 1.0;
   bool find_unused = false;
   bool broadcast_buffers = true;
   comm::AllReduceAlgo algo = comm::AllReduceAlgo::kNative;
+  // nullopt: each bucket in its gradients' dtype; kBFloat16/kHalf: through a copy in that dtype
+  // where it is narrower than the gradients' (flat layout only).
+  std::optional<at::ScalarType> reduce_dtype;
 };
+
+// "grad" (nullopt) | "bf16" | "fp16" (parallel.ddp.reduce_dtype).
+std::optional<at::ScalarType> parse_reduce_dtype(const std::string& name);
 
 struct BucketInfo {
   std::vector<std::string> param_names;  // in the bucket's order
@@ -105,7 +118,7 @@ class DistributedDataParallel {
   bool require_sync() const { return require_sync_; }
 
   const std::vector<BucketInfo>& buckets() const { return bucket_info_; }
-  BucketMode mode() const { return options_.mode; }
+  BucketMode mode() const { return options_.mode; }  // resolved: kFlat or kGrouped
   comm::Communicator& group() { return *group_; }
   // Exposed communication: the time finalize_backward() adds to the step waiting for reductions
   // that backward did not hide. On the CPU, host time of the last step. On a GPU, measured on the
@@ -131,6 +144,8 @@ class DistributedDataParallel {
   };
 
   void mark_ready(int64_t param_index);
+  comm::WorkPtr issue(std::vector<at::Tensor>& tensors);  // the all-reduce of one bucket
+  bool compressed(at::ScalarType grad_dtype) const;  // reduced through a reduce_dtype copy
   void launch_ready_buckets();  // launches buckets in order while the next one is complete
   void broadcast_coalesced(std::vector<at::Tensor> tensors);
 

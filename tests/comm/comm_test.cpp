@@ -164,6 +164,57 @@ TEST(AllReduceTest, CoalescedReducesEachTensorInPlace) {
   }
 }
 
+// all_reduce_compressed: each rank's fp32 tensor travels as its bf16/fp16 copy. The result is the
+// reduction of those copies (the reference reduces the inputs rounded to the wire dtype, within
+// the wire dtype's error bound), every element is representable in the wire dtype, and the call
+// counts as one collective of wire-dtype bytes.
+TEST(AllReduceTest, CompressedReducesTheWireCopies) {
+  auto& c = world_comm();
+  const int n = c->size(), r = c->rank();
+  const int64_t numel = 1000 * n + 5;
+  for (auto wire : {at::kBFloat16, at::kHalf}) {
+    for (auto algo : kAlgos) {
+      for (auto op : kOps) {
+        const uint64_t id = 1300 + 10 * (wire == at::kHalf) + 4 * (algo == AllReduceAlgo::kRing) + static_cast<int>(op);
+        std::vector<at::Tensor> inputs, rounded;
+        for (int q = 0; q < n; ++q) {
+          inputs.push_back(random_input(numel, at::kFloat, seed_of(id, q)));
+          rounded.push_back(inputs.back().to(wire));
+        }
+        // A shaped tensor: the copy back keeps its shape.
+        at::Tensor mine = inputs[static_cast<size_t>(r)].to(test_device()).view({-1, 1}).clone();
+        const std::string what = fmt::format("compressed all_reduce through {} ({}, {})", c10::toString(wire),
+                                             to_string(op), to_string(algo));
+        const int64_t before = c->stats().collectives;
+        c->all_reduce_compressed(mine, op, wire, algo);
+        EXPECT_EQ(c->stats().collectives, before + 1) << what;
+        EXPECT_EQ(mine.scalar_type(), at::kFloat) << what;
+        expect_reduced(mine, reduce_reference(rounded, op, wire), op, wire, n, what);
+        at::Tensor got = mine.cpu();
+        EXPECT_TRUE(at::equal(got, got.to(wire).to(at::kFloat))) << what << ": not rounded to the wire dtype";
+        const auto entries = c->flight_entries();
+        ASSERT_FALSE(entries.empty());
+        EXPECT_EQ(entries.back().bytes, numel * 2) << what << ": the entry records the wire bytes";
+      }
+    }
+  }
+  // The tensor's own dtype is a plain all-reduce; a wider wire or an integer tensor is refused.
+  at::Tensor x = at::full({8}, static_cast<double>(r + 1), at::TensorOptions().device(test_device()));
+  c->all_reduce_compressed(x, ReduceOp::kSum, at::kFloat, AllReduceAlgo::kNative);
+  EXPECT_TRUE(at::equal(x.cpu(), at::full({8}, n * (n + 1) / 2.0))) << x.cpu();
+  at::Tensor half = at::ones({8}, at::TensorOptions().dtype(at::kBFloat16).device(test_device()));
+  at::Tensor ints = at::ones({8}, at::TensorOptions().dtype(at::kLong).device(test_device()));
+  for (at::Tensor* bad : {&half, &ints}) {
+    try {
+      c->all_reduce_compressed(*bad, ReduceOp::kSum, bad == &half ? at::kFloat : at::kHalf, AllReduceAlgo::kNative);
+      FAIL() << "accepted a " << c10::toString(bad->scalar_type()) << " tensor";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(r)), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("no wider than"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(AllReduceTest, FourRankFixtureAveragesToKnownValues) {
   auto& c = world_comm();
   if (c->size() != 4) GTEST_SKIP() << "needs 4 ranks";

@@ -260,12 +260,16 @@ TEST_F(DdpTest, RingAndNativeGiveTheSameParameters) {
   EXPECT_LT(max_rel(flat_params(*a), flat_params(*b)), tol());
 }
 
-TEST_F(DdpTest, DefaultLayoutIsFlatAndTheRingRefusesGrouped) {
+TEST_F(DdpTest, AutoLayoutIsGroupedUnlessTheRingOrReduceDtypeNeedFlat) {
   auto net = make_net(2);
   ddp::DistributedDataParallel e(net, world_, {});
-  EXPECT_EQ(e.mode(), ddp::BucketMode::kFlat);
+  EXPECT_EQ(e.mode(), ddp::BucketMode::kGrouped);
   ddp::DdpOptions ring;
   ring.algo = comm::AllReduceAlgo::kRing;
+  EXPECT_EQ(ddp::DistributedDataParallel(make_net(2), world_, ring).mode(), ddp::BucketMode::kFlat);
+  ddp::DdpOptions bf16;
+  bf16.reduce_dtype = at::kBFloat16;
+  EXPECT_EQ(ddp::DistributedDataParallel(make_net(2), world_, bf16).mode(), ddp::BucketMode::kFlat);
   ring.mode = ddp::BucketMode::kGrouped;
   try {
     ddp::DistributedDataParallel bad(make_net(2), world_, ring);
@@ -273,8 +277,67 @@ TEST_F(DdpTest, DefaultLayoutIsFlatAndTheRingRefusesGrouped) {
   } catch (const ConfigError& err) {
     EXPECT_NE(std::string(err.what()).find("parallel.ddp.bucket_mode"), std::string::npos) << err.what();
   }
+  EXPECT_EQ(ddp::parse_bucket_mode("auto"), ddp::BucketMode::kAuto);
   EXPECT_EQ(ddp::parse_bucket_mode("grouped"), ddp::BucketMode::kGrouped);
   EXPECT_THROW(ddp::parse_bucket_mode("fused"), ConfigError);
+}
+
+// reduce_dtype=bf16 (PyTorch's bf16_compress_hook): two engines on identical replicas and data,
+// one reducing in fp32 and one in bf16 through three buckets. The bf16 engine's averaged gradients
+// are exactly bf16 values (the average is rounded to bf16, then cast back into the fp32 bucket)
+// and agree with the fp32 average to bf16's precision: an element's error is at most (n+2)
+// roundings of 2^-8 of the ranks' summed magnitudes (each rank's copy, the partial sums, the
+// division). The test bounds those magnitudes loosely by n times the largest element of the fp32
+// average's tensor; a missing division or a wrong bucket is off by far more. The bf16 engine's
+// replicas stay bitwise identical.
+TEST_F(DdpTest, Bf16ReductionRoundsTheAverageToBf16) {
+  auto a = make_net(41), b = make_net(41);
+  ddp::DdpOptions fp32;
+  fp32.bucket_mb = 0.002;  // three buckets: {fc3}, {fc2}, {fc1}
+  fp32.first_bucket_mb = 0.0005;
+  ddp::DdpOptions bf16 = fp32;
+  bf16.reduce_dtype = at::kBFloat16;
+  ddp::DistributedDataParallel ea(a, world_, fp32), eb(b, world_, bf16);
+  ASSERT_GT(eb.buckets().size(), 2u);
+  ASSERT_EQ(eb.mode(), ddp::BucketMode::kFlat);
+  optim::AdamW oa({all_params(*a)}, 0.9, 0.999, 1e-8, true), ob({all_params(*b)}, 0.9, 0.999, 1e-8, true);
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = global_batch(step, 4 * n_);
+    at::Tensor xs = x.narrow(0, rank_ * 4, 4), ys = y.narrow(0, rank_ * 4, 4);
+    for (auto [net, eng] : {std::pair{a.get(), &ea}, std::pair{b.get(), &eb}}) {
+      eng->before_backward();
+      mse(net->forward(xs), ys).backward();
+      eng->finalize_backward();
+    }
+    const auto ga = ea.gradients(), gb = eb.gradients();
+    ASSERT_EQ(ga.size(), gb.size());
+    for (std::size_t k = 0; k < ga.size(); ++k) {
+      at::Tensor g32 = ga[k].cpu(), g16 = gb[k].cpu();
+      ASSERT_EQ(g16.scalar_type(), at::kFloat);
+      EXPECT_TRUE(at::equal(g16, g16.to(at::kBFloat16).to(at::kFloat))) << "step " << step << ", gradient " << k
+                                                                         << ": not a bf16 value";
+      EXPECT_FALSE(at::equal(g16, g32)) << "step " << step << ", gradient " << k << ": not reduced in bf16";
+      const double bound = std::ldexp(1.0, -8) * (n_ + 2) * n_ * g32.abs().max().item<double>();
+      EXPECT_LE((g16 - g32).abs().max().item<double>(), bound) << "step " << step << ", gradient " << k;
+    }
+    oa.step(1e-2);
+    ob.step(1e-2);
+    oa.zero_grad(true);
+    ob.zero_grad(true);
+    expect_replicas_identical(*b, step);
+  }
+  // Only flat buckets reduce a copy; the config names the key.
+  ddp::DdpOptions grouped = bf16;
+  grouped.mode = ddp::BucketMode::kGrouped;
+  try {
+    ddp::DistributedDataParallel bad(make_net(2), world_, grouped);
+    FAIL() << "grouped buckets with reduce_dtype=bf16 must be refused";
+  } catch (const ConfigError& err) {
+    EXPECT_NE(std::string(err.what()).find("parallel.ddp.reduce_dtype=bf16"), std::string::npos) << err.what();
+  }
+  EXPECT_EQ(ddp::parse_reduce_dtype("grad"), std::nullopt);
+  EXPECT_EQ(ddp::parse_reduce_dtype("fp16"), at::kHalf);
+  EXPECT_THROW(ddp::parse_reduce_dtype("fp8"), ConfigError);
 }
 
 TEST(DdpBucketTest, ReverseOrderCapsAndFirstBucket) {
