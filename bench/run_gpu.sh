@@ -3,7 +3,9 @@
 # W1 (ViT-B/16) and W2 (bev/base), Parallax against PyTorch eager, torch.compile and torchrun DDP,
 # on 1 GPU and on every GPU of the node. Builds first if build-gpu is missing.
 #   bench/run_gpu.sh [--gpus N] [--no-compile]
-# Writes bench_gpu.jsonl (one JSON line per run) and prints a Markdown table of it.
+# Writes bench_gpu.jsonl (one JSON line per run) and prints a Markdown table of it. The rows with
+# gradients all-reduced in bf16 on both sides come from bench/train/run_w1.sh --bf16-grads (and
+# run_w2.sh --bf16-grads), outside this command's 10 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -386,7 +386,7 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, b
   if (!found_inf_) optimizer_->step(lr);
   scaler_->update(found_inf_);
   // Drop the gradients (PyTorch's zero_grad default): the next backward writes each one once
-  // instead of filling zeros and accumulating into them. Under DDP with flat buckets (the default)
+  // instead of filling zeros and accumulating into them. Under DDP with flat buckets
   // the first gradients of a step are then copied into their bucket (one multi-tensor copy per
   // bucket) and become the bucket views again, as PyTorch's reducer does with
   // gradient_as_bucket_view: half the bytes of a zero fill plus an accumulate. With grouped
