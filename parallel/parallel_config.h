@@ -22,7 +22,7 @@ struct DdpConfig {
     v("bucket_mode", bucket_mode,
       "gradient buckets: flat (gradients are views of one buffer per bucket), grouped (each gradient "
       "all-reduced in place, one NCCL group per bucket; native all-reduce in the gradients' dtype only), or auto "
-      "(grouped where it applies, else flat)",
+      "(grouped on NCCL with the native all-reduce and no reduce_dtype, else flat)",
       core::Check::one_of({"auto", "flat", "grouped"}));
     v("reduce_dtype", reduce_dtype,
       "dtype gradients are all-reduced in: grad (their own, fp32 as PyTorch DDP), or bf16/fp16 (half the bytes, "

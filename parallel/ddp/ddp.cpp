@@ -74,8 +74,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   PARALLAX_CHECK(group_ != nullptr, Error, "DDP: data-parallel communicator is null");
   at::NoGradGuard no_grad;
   if (options_.mode == BucketMode::kAuto) {
+    // The CPU backends run a grouped all-reduce through a flat copy and back: flat costs less there.
+    const bool grouped_native = group_->device_type() != c10::DeviceType::CPU;
     const bool native = options_.algo == comm::AllReduceAlgo::kNative;
-    options_.mode = native && !options_.reduce_dtype ? BucketMode::kGrouped : BucketMode::kFlat;
+    options_.mode = grouped_native && native && !options_.reduce_dtype ? BucketMode::kGrouped : BucketMode::kFlat;
   }
   PARALLAX_CHECK(mode() == BucketMode::kFlat || options_.algo == comm::AllReduceAlgo::kNative, ConfigError,
                  "DDP: parallel.ddp.bucket_mode=grouped needs parallel.allreduce=native (the ring reduces one "
@@ -185,8 +187,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
       "ranks",
       params_.size(), buckets_.size(), to_string(mode()), core::human_bytes(static_cast<double>(total)),
       options_.first_bucket_mb, options_.bucket_mb, comm::to_string(options_.algo),
-      options_.reduce_dtype ? reduce_dtype_name(options_.reduce_dtype) : "the gradients' dtype",
-      group_->name(),
+      options_.reduce_dtype ? reduce_dtype_name(options_.reduce_dtype) : "the gradients' dtype", group_->name(),
       group_->size());
 }
 

@@ -6,12 +6,12 @@
 //   (the order autograd produces their gradients), the first bucket capped at first_bucket_mb so
 //   communication starts early, the others at bucket_mb; a parameter larger than the cap gets a
 //   bucket of its own. A bucket holds one dtype on one device.
-// - Two bucket layouts (DdpOptions::mode). Grouped (the default where it applies: the native
-//   all-reduce in the gradients' dtype): a bucket is a list of parameters; its gradients, as
+// - Two bucket layouts (DdpOptions::mode). Grouped (the default where it applies: NCCL, the
+//   native all-reduce in the gradients' dtype): a bucket is a list of parameters; its gradients, as
 //   autograd produced them, are all-reduced in place with one grouped call (ncclGroupStart/End
 //   around one all-reduce per gradient on NCCL): no flat buffer and no copy in (W1 on 2 x H200:
 //   peak 8.65 against 8.97 GB flat, 37.94 against 38.00 ms per step; docs/training.md). Flat
-//   (the ring, reduce_dtype, or asked for) as described next.
+//   (CPU backends, the ring, reduce_dtype, or asked for) as described next.
 // - Flat: each parameter's `.grad()` is a view into its bucket's flat buffer, so gradients are reduced
 //   in place with no copy out (gradient_as_bucket_view). Gradients may be cleared either way:
 //   `Optimizer::zero_grad(true)` (what the trainer does: the first gradient of the next backward is
@@ -63,8 +63,9 @@
 
 namespace parallax::parallel::ddp {
 
-// kAuto: grouped with the native all-reduce in the gradients' dtype, flat otherwise (the ring and
-// reduce_dtype need a flat buffer).
+// kAuto: grouped on device backends (NCCL) with the native all-reduce in the gradients' dtype,
+// flat otherwise (the ring and reduce_dtype need a flat buffer; the CPU backends run a grouped
+// all-reduce through a flat copy and back).
 enum class BucketMode { kAuto, kFlat, kGrouped };
 const char* to_string(BucketMode mode);
 BucketMode parse_bucket_mode(const std::string& name);  // "auto" | "flat" | "grouped"
