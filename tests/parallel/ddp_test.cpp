@@ -114,6 +114,16 @@ class DdpTest : public ::testing::Test {
     EXPECT_TRUE(at::equal(mine, root)) << "rank " << rank_ << " diverged from rank 0 at step " << step;
   }
 
+  // Wrapping a model with `o` is a ConfigError whose message names `key`.
+  void expect_refused(const ddp::DdpOptions& o, const std::string& key) {
+    try {
+      ddp::DistributedDataParallel bad(make_net(2), world_, o);
+      ADD_FAILURE() << "options naming " << key << " were accepted";
+    } catch (const ConfigError& err) {
+      EXPECT_NE(std::string(err.what()).find(key), std::string::npos) << err.what();
+    }
+  }
+
   comm::CommPtr world_;
   int rank_ = 0, n_ = 1;
 };
@@ -273,12 +283,7 @@ TEST_F(DdpTest, AutoLayoutIsGroupedOnNcclUnlessTheRingOrReduceDtypeNeedFlat) {
   bf16.reduce_dtype = at::kBFloat16;
   EXPECT_EQ(ddp::DistributedDataParallel(make_net(2), world_, bf16).mode(), ddp::BucketMode::kFlat);
   ring.mode = ddp::BucketMode::kGrouped;
-  try {
-    ddp::DistributedDataParallel bad(make_net(2), world_, ring);
-    FAIL() << "grouped buckets with the ring must be refused";
-  } catch (const ConfigError& err) {
-    EXPECT_NE(std::string(err.what()).find("parallel.ddp.bucket_mode"), std::string::npos) << err.what();
-  }
+  expect_refused(ring, "parallel.ddp.bucket_mode");  // grouped buckets with the ring
   EXPECT_EQ(ddp::parse_bucket_mode("auto"), ddp::BucketMode::kAuto);
   EXPECT_EQ(ddp::parse_bucket_mode("grouped"), ddp::BucketMode::kGrouped);
   EXPECT_THROW(ddp::parse_bucket_mode("fused"), ConfigError);
@@ -331,12 +336,7 @@ TEST_F(DdpTest, Bf16ReductionRoundsTheAverageToBf16) {
   // Only flat buckets reduce a copy; the config names the key.
   ddp::DdpOptions grouped = bf16;
   grouped.mode = ddp::BucketMode::kGrouped;
-  try {
-    ddp::DistributedDataParallel bad(make_net(2), world_, grouped);
-    FAIL() << "grouped buckets with reduce_dtype=bf16 must be refused";
-  } catch (const ConfigError& err) {
-    EXPECT_NE(std::string(err.what()).find("parallel.ddp.reduce_dtype=bf16"), std::string::npos) << err.what();
-  }
+  expect_refused(grouped, "parallel.ddp.reduce_dtype=bf16");
   EXPECT_EQ(ddp::parse_reduce_dtype("grad"), std::nullopt);
   EXPECT_EQ(ddp::parse_reduce_dtype("fp16"), at::kHalf);
   EXPECT_THROW(ddp::parse_reduce_dtype("fp8"), ConfigError);
