@@ -48,7 +48,8 @@ int64_t MlpModel::batch_size(const core::TensorDict& batch) const { return batch
 
 core::TensorDict MlpModel::example_batch(int64_t n) const {
   at::Tensor x = at::randn({n, in_});
-  return {{"x", x}, {"y", at::tanh(x.matmul(teacher_))}};
+  // On the CPU like the rest of the batch, wherever the model (and so its buffer) lives.
+  return {{"x", x}, {"y", at::tanh(x.matmul(teacher_.to(at::kCPU)))}};
 }
 
 }  // namespace parallax::models

@@ -56,6 +56,11 @@ class Model : public torch::nn::Module {
   // forward_flops_per_sample()); empty if the model does not break its cost down.
   virtual std::vector<ModuleCost> cost_breakdown() const { return {}; }
 
+  // Why a training step of this model cannot be captured into a CUDA graph (train.cuda_graph):
+  // a forward or loss that reads device values on the host, or whose shapes depend on the data.
+  // Empty: capturable.
+  virtual std::string graph_capture_blocker() const { return {}; }
+
   int64_t parameter_count() const;
 
   // Loss normalisers that count things in the batch (positive heatmap cells, target boxes,

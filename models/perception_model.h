@@ -83,6 +83,10 @@ class PerceptionModel : public Model {
   // consistent with them (a road band with lane markings, box footprints on top).
   core::TensorDict example_batch(int64_t n) const override;
   std::vector<ModuleCost> cost_breakdown() const override { return analytic_cost(spec_); }
+  std::string graph_capture_blocker() const override {
+    return "the view transformer samples as many points per camera as the batch's cameras see (one host read of "
+           "the counts per forward), so the step's shapes depend on the data";
+  }
 
   static std::vector<ModuleCost> analytic_cost(const BevModelSpec& spec);
   const BevModelSpec& spec() const { return spec_; }

@@ -41,12 +41,24 @@ void Optimizer::step(double lr) {
     }
     if (active.empty()) continue;
     any = true;
-    update(active, grads, lr, groups_[g].weight_decay);
+    update(active, grads, lr, lr_tensor_, groups_[g].weight_decay);
     for (Slot* s : active) {
       if (!s->master.is_same(s->param)) s->param.detach().copy_(s->master);
     }
   }
-  if (any) ++steps_;
+  if (any && !capturable()) ++steps_;
+}
+
+void Optimizer::set_capturable(c10::Device device) {
+  PARALLAX_CHECK(fused(), ConfigError,
+                 "key 'optim.fused': CUDA graph capture (train.cuda_graph) needs the fused optimizer kernels, which "
+                 "read the learning rate from device memory; set optim.fused=auto");
+  lr_tensor_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+}
+
+void Optimizer::set_lr(double lr) {
+  PARALLAX_CHECK(capturable(), Error, "Optimizer::set_lr() needs set_capturable() first");
+  lr_tensor_.fill_(lr);
 }
 
 void Optimizer::zero_grad(bool set_to_none) {
@@ -115,7 +127,8 @@ void AdamW::init_state(Slot& s) {
   s.state["step"] = at::zeros({}, s.master.options().dtype(at::kFloat));
 }
 
-void AdamW::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, double wd) {
+void AdamW::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, const at::Tensor& lr_tensor,
+                   double wd) {
   std::vector<at::Tensor> params, m, v, steps;
   for (Slot* s : slots) {
     params.push_back(s->master);
@@ -125,8 +138,13 @@ void AdamW::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, do
   }
   at::_foreach_add_(steps, 1.0);
   if (fused_) {
-    at::_fused_adamw_(params, grads, m, v, {}, steps, lr, beta1_, beta2_, wd, eps_,
-                      /*amsgrad=*/false, /*maximize=*/false);
+    if (lr_tensor.defined()) {
+      at::_fused_adamw_(params, grads, m, v, {}, steps, lr_tensor, beta1_, beta2_, wd, eps_, /*amsgrad=*/false,
+                        /*maximize=*/false);
+    } else {
+      at::_fused_adamw_(params, grads, m, v, {}, steps, lr, beta1_, beta2_, wd, eps_, /*amsgrad=*/false,
+                        /*maximize=*/false);
+    }
     return;
   }
   // Reference: PyTorch's single-tensor AdamW, op for op.
@@ -152,7 +170,8 @@ void Sgd::init_state(Slot& s) {
   if (momentum_ != 0) s.state["momentum_buffer"] = at::zeros_like(s.master, at::MemoryFormat::Preserve);
 }
 
-void Sgd::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, double wd) {
+void Sgd::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, const at::Tensor& lr_tensor,
+                 double wd) {
   std::vector<at::Tensor> params, bufs;
   for (Slot* s : slots) {
     params.push_back(s->master);
@@ -161,8 +180,13 @@ void Sgd::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, doub
   // Buffers start at zero, so the first step gives buf = grad exactly as PyTorch's
   // is_first_step path does (dampening is 0).
   if (fused_) {
-    at::_fused_sgd_(params, grads, bufs, wd, momentum_, lr, /*dampening=*/0.0, nesterov_,
-                    /*maximize=*/false, /*is_first_step=*/false);
+    if (lr_tensor.defined()) {
+      at::_fused_sgd_(params, grads, bufs, wd, momentum_, lr_tensor, /*dampening=*/0.0, nesterov_,
+                      /*maximize=*/false, /*is_first_step=*/false);
+    } else {
+      at::_fused_sgd_(params, grads, bufs, wd, momentum_, lr, /*dampening=*/0.0, nesterov_,
+                      /*maximize=*/false, /*is_first_step=*/false);
+    }
     return;
   }
   for (std::size_t i = 0; i < params.size(); ++i) {

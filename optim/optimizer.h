@@ -15,6 +15,7 @@
 #include "optim/param_groups.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <map>
 #include <memory>
@@ -30,7 +31,18 @@ class Optimizer {
 
   // One update with learning rate `lr` for every parameter that has a gradient. Parameters
   // without a gradient (frozen, or unused with find_unused) are skipped and their state untouched.
+  // Capturable mode: `lr` is ignored (see set_capturable) and the step is not counted.
   void step(double lr);
+  // Capturable mode (CUDA graphs, train.cuda_graph): the fused kernels read the learning rate from
+  // a one-element fp32 tensor on `device` that set_lr() writes, instead of taking it as a kernel
+  // argument that a captured graph would freeze; step() does not count steps, because a captured
+  // call runs no update (the caller counts what ran with count_step()). Needs the fused kernels:
+  // ConfigError naming optim.fused otherwise. Call before the first step.
+  void set_capturable(c10::Device device);
+  bool capturable() const { return lr_tensor_.defined(); }
+  // Capturable mode: the learning rate of the next step (an fp32 fill on the current stream).
+  void set_lr(double lr);
+  void count_step() { ++steps_; }
   // Sets every gradient to None (frees memory) or zeroes it in place (`set_to_none` false; keeps
   // DDP bucket views alive).
   void zero_grad(bool set_to_none);
@@ -55,13 +67,17 @@ class Optimizer {
   };
   // Creates state for a slot on first use.
   virtual void init_state(Slot& slot) = 0;
-  // Updates `slots` (all have grads; masters fp32) with their fp32 grads.
+  // Updates `slots` (all have grads; masters fp32) with their fp32 grads. `lr_tensor` is defined
+  // in capturable mode (and then used instead of `lr`).
   virtual void update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr,
-                      double weight_decay) = 0;
+                      const at::Tensor& lr_tensor, double weight_decay) = 0;
+  // Whether update() runs ATen's fused kernel (the only path that takes a tensor learning rate).
+  virtual bool fused() const = 0;
 
   std::vector<ParamGroup> groups_;
   std::vector<std::vector<Slot>> slots_;  // per group
   int64_t steps_ = 0;
+  at::Tensor lr_tensor_;  // capturable mode only
 };
 
 class AdamW : public Optimizer {
@@ -70,7 +86,9 @@ class AdamW : public Optimizer {
 
  protected:
   void init_state(Slot& slot) override;
-  void update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, double wd) override;
+  void update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, const at::Tensor& lr_tensor,
+              double wd) override;
+  bool fused() const override { return fused_; }
 
  private:
   double beta1_, beta2_, eps_;
@@ -83,7 +101,9 @@ class Sgd : public Optimizer {
 
  protected:
   void init_state(Slot& slot) override;
-  void update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, double wd) override;
+  void update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, const at::Tensor& lr_tensor,
+              double wd) override;
+  bool fused() const override { return fused_; }
 
  private:
   double momentum_;

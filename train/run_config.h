@@ -41,6 +41,8 @@ struct TrainConfig {
   int threads = 0;  // intra-op CPU threads per rank; 0: cores / ranks on the node
   int64_t profile_steps = 0;  // > 0: Chrome trace of that many steps
   int64_t profile_start = 5;
+  bool cuda_graph = false;     // capture the whole step into a CUDA graph (train/cuda_graph.h)
+  int64_t cuda_graph_warmup = 3;  // eager steps before the capture
 
   template <class V>
   void visit(V& v) {
@@ -62,6 +64,12 @@ struct TrainConfig {
       "record this many steps with the Kineto profiler into <run>/profile/trace_rank<r>.json (0: off)",
       core::Check::at_least(0));
     v("profile_start", profile_start, "first profiled step", core::Check::at_least(1));
+    v("cuda_graph", cuda_graph,
+      "capture forward, backward, DDP's all-reduces and the optimizer step into one CUDA graph, replayed each step "
+      "(GPU; static shapes; not with fp16 loss scaling, find_unused or debug_collectives)");
+    v("cuda_graph_warmup", cuda_graph_warmup,
+      "eager steps before the capture (lazy initialisation: cuBLAS workspaces, NCCL connections, optimizer state)",
+      core::Check::at_least(1));
   }
 };
 

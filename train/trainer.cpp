@@ -23,6 +23,7 @@
 #include "parallel/comm/world.h"
 #include "parallel/ddp/ddp.h"
 #include "train/batch_source.h"
+#include "train/cuda_graph.h"
 #include "train/evaluate.h"
 #include "train/metrics.h"
 #include "train/profiler.h"
@@ -130,6 +131,19 @@ class Trainer {
   // tensors, averaged over micro-steps). `log_step`: the gradient norm is needed for the metrics
   // (without clipping it is computed only then).
   std::map<std::string, at::Tensor> train_step(int64_t step, double lr, bool log_step);
+  // train_step with train.cuda_graph: warm-up steps eager, then one capture and a replay per step.
+  std::map<std::string, at::Tensor> graph_step(int64_t step, double lr, bool log_step);
+  // Forward, backward (DDP), unscale, clip and optimizer step on the micro-batches batch_of(0..accum-1).
+  // Leaves the gradients in place. No host synchronisation on GPUs unless fp16 loss scaling is on.
+  std::map<std::string, at::Tensor> compute_step(const std::function<core::TensorDict(int)>& batch_of, double lr,
+                                                 bool log_step);
+  // Runs a graph launch or drain. A replay that never finished (a peer stopped inside a captured
+  // collective) leaves this process's streams and communicators stuck, so no graceful shutdown is
+  // possible: the error is printed and the job is torn down (World::abort, MPI_Abort under mpirun).
+  void replay_or_abort(const std::function<void()>& launch);
+  // train.cuda_graph: refuses what a captured step cannot do, naming the key (the model's own
+  // blockers are checked once it is built).
+  void check_graph_capturable() const;
 
   RunConfig& cfg_;
   comm::World& world_;
@@ -157,7 +171,37 @@ class Trainer {
   double data_ms_ = 0, comm_ms_ = 0, backward_ms_ = 0;
   at::Tensor grad_norm_;
   bool found_inf_ = false;
+  // train.cuda_graph: the graph, the captured input buffers (one batch per micro-step) and the
+  // captured step's loss terms (overwritten by each replay).
+  std::unique_ptr<CudaStepGraph> graph_;
+  std::vector<core::TensorDict> graph_inputs_;
+  std::map<std::string, at::Tensor> graph_terms_;
 };
+
+void Trainer::replay_or_abort(const std::function<void()>& launch) {
+  try {
+    launch();
+  } catch (const TimeoutError& e) {
+    std::fprintf(stderr, "parallax: error: %s\n", e.what());
+    world_.abort(1);
+  }
+}
+
+void Trainer::check_graph_capturable() const {
+  const auto& p = cfg_.parallel;
+  PARALLAX_CHECK(device_.is_cuda(), ConfigError,
+                 "key 'train.cuda_graph': CUDA graphs need a GPU, but rank {} trains on {} (train.device={})",
+                 world_.rank(), device_.str(), cfg_.train.device);
+  PARALLAX_CHECK(cfg_.precision.mode != "fp16", ConfigError,
+                 "key 'train.cuda_graph': precision.mode=fp16's dynamic loss scaler decides on the host whether a "
+                 "step is skipped, which a captured step cannot do; use precision.mode=bf16 or fp32");
+  PARALLAX_CHECK(!p.ddp.find_unused, ConfigError,
+                 "key 'train.cuda_graph': parallel.ddp.find_unused reads which parameters got gradients on the host "
+                 "every step; set parallel.ddp.find_unused=false");
+  PARALLAX_CHECK(!p.debug_collectives, ConfigError,
+                 "key 'train.cuda_graph': parallel.debug_collectives cross-checks every collective on the host "
+                 "before it runs; set parallel.debug_collectives=false (or train.cuda_graph=false to debug)");
+}
 
 void Trainer::setup() {
   device_ = pick_device(cfg_.train, world_);
@@ -232,6 +276,14 @@ void Trainer::setup() {
     // small and up: BEVFormer's 6 x 256x704 cameras and 200 x 200 BEV cells at 0.5 m).
     scene_ = models::benchmark_scene(cfg_.model.size);
   }
+  if (cfg_.train.cuda_graph) {
+    check_graph_capturable();
+    // From here on the training thread runs on the graph's side stream, before anything autograd
+    // will use is built: a parameter's gradient accumulator (made by DDP's constructor or the
+    // first backward) runs on the stream current when it was made, and the legacy default stream
+    // cannot take part in a capture (PyTorch asks the same: DDP built in a side-stream context).
+    graph_ = std::make_unique<CudaStepGraph>(device_, world_.rank(), cfg_.parallel.timeout_s);
+  }
   // Identical initialisation on every rank (DDP also broadcasts from rank 0).
   core::seed_all(seed);
   model_ = models::build_model(cfg_.model, scene_);
@@ -250,6 +302,14 @@ void Trainer::setup() {
   }
   core::log::info("model {}/{}: {:.3f} M parameters, {:.3f} GFLOP forward per sample", cfg_.model.name,
                   cfg_.model.size, model_->parameter_count() / 1e6, model_->forward_flops_per_sample() / 1e9);
+  if (graph_) {
+    const std::string blocker = model_->graph_capture_blocker();
+    PARALLAX_CHECK(blocker.empty(), ConfigError,
+                   "key 'train.cuda_graph': model '{}' cannot be captured: {}; set train.cuda_graph=false",
+                   cfg_.model.name, blocker);
+    core::log::info("CUDA graph: {} eager warm-up step(s), then the whole step is captured and replayed",
+                    cfg_.train.cuda_graph_warmup);
+  }
 
   if (cfg_.train.activation_checkpointing != "none") {
     int idx = 0, wrapped = 0;
@@ -275,6 +335,7 @@ void Trainer::setup() {
     o.find_unused = p.ddp.find_unused;
     o.broadcast_buffers = p.ddp.broadcast_buffers;
     o.algo = comm::parse_allreduce_algo(p.allreduce);
+    o.timing = !cfg_.train.cuda_graph;
     ddp_ = std::make_unique<parallel::ddp::DistributedDataParallel>(model_, topo_->dp(), o);
     // Loss normalisers over the replicas (Model::set_replica_mean). Asynchronous on GPUs: the
     // compute stream waits for the small all-reduce, the host does not.
@@ -293,6 +354,7 @@ void Trainer::setup() {
   optimizer_ = optim::build_optimizer(cfg_.optim, optim::make_param_groups(named, cfg_.optim.weight_decay));
   precision_ = optim::make_precision_policy(cfg_.precision, device_.type());
   scaler_ = std::make_unique<optim::LossScaler>(optim::make_loss_scaler(cfg_.precision));
+  if (graph_) optimizer_->set_capturable(device_);
 
   if (synthetic_) {
     // Each data-parallel rank holds its slice of every global batch.
@@ -330,6 +392,91 @@ void Trainer::setup() {
 }
 
 std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, bool log_step) {
+  if (graph_) return graph_step(step, lr, log_step);
+  auto terms = compute_step(
+      [&](int) {
+        core::Stopwatch data_clock;
+        core::TensorDict batch = core::to_device(source_->next(), device_);
+        data_ms_ += data_clock.elapsed_ms();
+        return batch;
+      },
+      lr, log_step);
+  // Drop the gradients (PyTorch's zero_grad default): the next backward writes each one once
+  // instead of filling zeros and accumulating into them. Under DDP with flat buckets
+  // the first gradients of a step are then copied into their bucket (one multi-tensor copy per
+  // bucket) and become the bucket views again, as PyTorch's reducer does with
+  // gradient_as_bucket_view: half the bytes of a zero fill plus an accumulate. With grouped
+  // buckets the new gradients are reduced where autograd wrote them.
+  optimizer_->zero_grad(/*set_to_none=*/true);
+  return terms;
+}
+
+std::map<std::string, at::Tensor> Trainer::graph_step(int64_t step, double lr, bool log_step) {
+  // This step's batches go into the captured input buffers (stream-ordered after the last replay
+  // that read them).
+  for (int micro = 0; micro < cfg_.train.grad_accum; ++micro) {
+    core::Stopwatch data_clock;
+    core::TensorDict batch = core::to_device(source_->next(), device_);
+    if (graph_inputs_.size() <= static_cast<std::size_t>(micro)) {
+      core::TensorDict copy;
+      for (const auto& [k, v] : batch) copy.emplace(k, v.defined() ? v.clone() : v);
+      graph_inputs_.push_back(std::move(copy));
+    } else {
+      at::NoGradGuard no_grad;
+      for (auto& [k, dst] : graph_inputs_[static_cast<std::size_t>(micro)]) {
+        const auto it = batch.find(k);
+        PARALLAX_CHECK(it != batch.end() && it->second.defined() == dst.defined() &&
+                           (!dst.defined() || it->second.sizes() == dst.sizes()),
+                       DataError,
+                       "train.cuda_graph: step {} micro-batch {}: batch key '{}' has shape {} but the captured step "
+                       "was built for {}; a CUDA graph replays fixed shapes (every batch must be full and alike)",
+                       step, micro, k, it == batch.end() || !it->second.defined() ? "none" : fmt::format("{}", it->second.sizes()),
+                       dst.defined() ? fmt::format("{}", dst.sizes()) : "none");
+        if (dst.defined()) dst.copy_(it->second, /*non_blocking=*/true);
+      }
+    }
+    data_ms_ += data_clock.elapsed_ms();
+  }
+  // Buffers are broadcast once per step, before the graph (a blocking broadcast cannot be captured).
+  if (ddp_) ddp_->before_forward();
+  optimizer_->set_lr(lr);
+  const auto inputs = [this](int micro) { return graph_inputs_[static_cast<std::size_t>(micro)]; };
+  if (step - start_step_ <= cfg_.train.cuda_graph_warmup) {
+    // Warm-up: the same step eagerly, on the side stream and with the device learning rate.
+    auto terms = compute_step(inputs, lr, log_step);
+    optimizer_->zero_grad(/*set_to_none=*/true);
+    optimizer_->count_step();
+    return terms;
+  }
+  if (!graph_->captured()) {
+    // The gradients are allocated by the captured backward (from the graph's memory pool) and stay
+    // the graph's: replays overwrite them, nothing sets them to None.
+    optimizer_->zero_grad(/*set_to_none=*/true);
+    core::Stopwatch capture_clock;
+    try {
+      graph_->capture([&] { graph_terms_ = compute_step(inputs, lr, /*log_step=*/false); });
+    } catch (const std::exception& e) {
+      throw_error<Error>("train.cuda_graph: capturing step {} on rank {} failed: {} (something in the step "
+                         "synchronises with the host or changes shape; set train.cuda_graph=false)",
+                         step, world_.rank(), e.what());
+    }
+    core::log::info("CUDA graph: step {} captured in {:.2f} s", step, capture_clock.elapsed_s());
+  }
+  replay_or_abort([&] { graph_->replay(step); });
+  optimizer_->count_step();
+  if (log_step && cfg_.optim.grad_clip <= 0) {
+    // Without clipping the norm is only a metric: computed eagerly from the replay's gradients.
+    std::vector<at::Tensor> grads;
+    for (const auto& p : model_->parameters()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+    grad_norm_ = optim::clip_grad_norm(grads, 0.0);
+  }
+  return graph_terms_;
+}
+
+std::map<std::string, at::Tensor> Trainer::compute_step(const std::function<core::TensorDict(int)>& batch_of,
+                                                        double lr, bool log_step) {
   const int accum = cfg_.train.grad_accum;
   // Loss normalisers over the whole data-parallel batch during the step only: evaluation runs a
   // different number of batches per rank and must not issue collectives.
@@ -340,13 +487,11 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, b
   } replica_mean_scope(*model_, replica_mean_);
   std::map<std::string, at::Tensor> terms;
   for (int micro = 0; micro < accum; ++micro) {
-    core::Stopwatch data_clock;
-    core::TensorDict batch = core::to_device(source_->next(), device_);
-    data_ms_ += data_clock.elapsed_ms();
+    const core::TensorDict batch = batch_of(micro);
     const bool last = micro == accum - 1;
     if (ddp_) {
       ddp_->set_require_sync(last);
-      ddp_->before_forward();
+      if (!graph_) ddp_->before_forward();  // graph_step broadcasts buffers before the graph
     }
     models::LossOutput loss;
     {
@@ -385,13 +530,6 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, b
   }
   if (!found_inf_) optimizer_->step(lr);
   scaler_->update(found_inf_);
-  // Drop the gradients (PyTorch's zero_grad default): the next backward writes each one once
-  // instead of filling zeros and accumulating into them. Under DDP with flat buckets
-  // the first gradients of a step are then copied into their bucket (one multi-tensor copy per
-  // bucket) and become the bucket views again, as PyTorch's reducer does with
-  // gradient_as_bucket_view: half the bytes of a zero fill plus an accumulate. With grouped
-  // buckets the new gradients are reduced where autograd wrote them.
-  optimizer_->zero_grad(/*set_to_none=*/true);
   return terms;
 }
 
@@ -506,8 +644,9 @@ TrainSummary Trainer::fit() {
     m["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
     m["step_ms"] = step_ms;
     m["data_ms"] = data_ms_ / interval_steps;
-    m["comm_exposed_ms"] = comm_ms_ / interval_steps;
-    if (ddp_) m["backward_ms"] = backward_ms_ / interval_steps;
+    // Not measured inside a CUDA graph (DDP's timing events cannot be captured).
+    m["comm_exposed_ms"] = graph_ ? NAN : comm_ms_ / interval_steps;
+    if (ddp_) m["backward_ms"] = graph_ ? NAN : backward_ms_ / interval_steps;
     m["img_per_s"] = global_batch * 1000.0 / step_ms;
     m["mem_gb"] = peak_memory_gb(device_);
     m["mfu"] = device_.is_cuda() ? flops_per_step / (step_ms / 1000.0) / (kPeakBf16Flops * world_.size()) : NAN;
@@ -525,6 +664,7 @@ TrainSummary Trainer::fit() {
     save_checkpoint(total);
     run_eval(total);
   }
+  if (graph_) replay_or_abort([&] { graph_->drain(); });
   if (checkpointer_) checkpointer_->wait();
   const double run_s = run_clock.elapsed_s();
   const int64_t ran = total - start_step_;

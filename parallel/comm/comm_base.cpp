@@ -206,6 +206,8 @@ void CommBase::complete(const Ticket& t) {
   recorder_.set_state(t.record_id, OpState::kCompleted);
 }
 
+void CommBase::captured(const Ticket& t) { recorder_.set_state(t.record_id, OpState::kCaptured); }
+
 namespace {
 
 WireDesc encode(const OpDesc& d, uint64_t seq, const std::string& group) {

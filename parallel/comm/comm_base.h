@@ -103,6 +103,8 @@ class CommBase : public Communicator, public std::enable_shared_from_this<CommBa
   // Op lifecycle, used by backends and Work objects.
   Ticket begin(OpDesc desc);
   void complete(const Ticket& t);
+  // The op was recorded into a CUDA graph instead of running (flight recorder state "captured").
+  void captured(const Ticket& t);
   // Marks the op timed out, asks the store which peers never arrived, dumps the flight recorder,
   // aborts the backend and throws TimeoutError.
   [[noreturn]] void fail_timeout(const Ticket& t, const std::string& where = "");

@@ -41,6 +41,8 @@ const char* to_string(OpState state) {
       return "timed_out";
     case OpState::kFailed:
       return "failed";
+    case OpState::kCaptured:
+      return "captured";
   }
   return "?";
 }

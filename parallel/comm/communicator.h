@@ -115,7 +115,9 @@ struct P2POp {
 // One op as the flight recorder remembers it. `seq` numbers the collectives of one communicator
 // (1, 2, ...; identical on every member when calls are consistent); send/recv get seq 0 and are
 // told apart by `p2p_seq`.
-enum class OpState { kIssued, kCompleted, kTimedOut, kFailed };
+// kCaptured: recorded into a CUDA graph (NCCL, during capture); it runs with each replay of the
+// graph, whose completion the graph's owner bounds (train/cuda_graph.h), not the watchdog.
+enum class OpState { kIssued, kCompleted, kTimedOut, kFailed, kCaptured };
 const char* to_string(OpState state);
 
 struct FlightEntry {

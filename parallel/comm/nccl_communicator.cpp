@@ -218,6 +218,9 @@ struct Pending {
   std::atomic<bool> completed{false};
   std::atomic<bool> timed_out{false};
   bool internal = false;  // a helper exchange of another op (debug check): not recorded as that op
+  // Enqueued while the caller's stream was being captured into a CUDA graph: nothing ran, and the
+  // end event exists only inside the capture (it orders streams but cannot be queried).
+  bool captured = false;
 };
 
 class NcclCommunicator;
@@ -714,8 +717,16 @@ class NcclCommunicator final : public CommBase {
     p->internal = !record;
     const Ticket& t = p->tickets[0];
     try {
+      const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device_.index());
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      const cudaError_t rc = cudaStreamIsCapturing(caller.stream(), &capture);
+      if (rc != cudaSuccess) throw CommError(fmt::format("cudaStreamIsCapturing: {}", cudaGetErrorString(rc)));
+      // While the caller's stream is captured, the comm stream joins the capture through `ready`
+      // and NCCL records its kernels into the graph (NCCL >= 2.9); the caller's wait_stream() on
+      // `end` joins it back.
+      p->captured = capture == cudaStreamCaptureStatusActive;
       CudaEvent ready;
-      ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+      ready.record(caller);
       ready.block(stream_);
       for (auto& x : tensors) {
         if (x.defined() && x.numel() > 0)
@@ -734,7 +745,13 @@ class NcclCommunicator final : public CommBase {
     } catch (const std::exception& e) {
       fail_error(t, e.what());
     }
-    if (record) {
+    if (p->captured) {
+      // Not the watchdog's: nothing runs until a replay, which the graph's owner bounds.
+      p->completed = true;
+      if (record) {
+        for (const auto& x : p->tickets) captured(x);
+      }
+    } else if (record) {
       std::lock_guard<std::mutex> lock(pending_mu_);
       pending_.push_back(p);
     }
@@ -983,6 +1000,10 @@ class NcclCommunicator final : public CommBase {
 };
 
 bool NcclWork::poll() {
+  PARALLAX_CHECK(!p_->captured, CommError,
+                 "group '{}' (rank {}): a collective captured into a CUDA graph has no completion to wait for on the "
+                 "host (it runs when the graph is replayed); use wait_stream()",
+                 comm_->name(), comm_->rank());
   if (p_->completed) return true;
   if (comm_->aborted()) comm_->rethrow_failure(p_);
   c10::cuda::CUDAGuard g(comm_->device());

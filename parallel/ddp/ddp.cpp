@@ -246,6 +246,7 @@ void DistributedDataParallel::before_backward() {
     for (auto& g : b.incoming) g = at::Tensor();
   }
   next_bucket_ = 0;
+  if (!options_.timing) return;
   ensure_timers();
   collect_timers(/*block=*/false);
   backward_timer_->start();
@@ -365,9 +366,11 @@ void DistributedDataParallel::finalize_backward() {
       mark_ready(static_cast<int64_t>(i));
     }
   }
-  ensure_timers();
-  backward_timer_->stop();
-  exposed_timer_->start();
+  if (options_.timing) {
+    ensure_timers();
+    backward_timer_->stop();
+    exposed_timer_->start();
+  }
   const bool on_device = group_->device_type() != c10::DeviceType::CPU;
   for (auto& b : buckets_) {
     if (!b.work) continue;
@@ -387,6 +390,7 @@ void DistributedDataParallel::finalize_backward() {
       if (u[i] == 0.0f) params_[i].mutable_grad() = at::Tensor();
     }
   }
+  if (!options_.timing) return;
   exposed_timer_->stop();
   timers_pending_ = true;
   // CPU timers are host clocks: read them now. GPU ones are read at a later step once complete.

@@ -80,6 +80,9 @@ struct DdpOptions {
   // nullopt: each bucket in its gradients' dtype; kBFloat16/kHalf: through a copy in that dtype
   // where it is narrower than the gradients' (flat layout only).
   std::optional<at::ScalarType> reduce_dtype;
+  // Backward and exposed-communication timers (last_backward_ms, last_exposed_comm_ms). Off under
+  // CUDA graph capture (train.cuda_graph): events recorded in a capture cannot be timed or queried.
+  bool timing = true;
 };
 
 // "grad" (nullopt) | "bf16" | "fp16" (parallel.ddp.reduce_dtype).
@@ -125,7 +128,7 @@ class DistributedDataParallel {
   // that backward did not hide. On the CPU, host time of the last step. On a GPU, measured on the
   // compute stream with timing events between the end of backward's kernels and the point where
   // the stream may use the reduced gradients; read without a host sync, so it is the latest step
-  // whose events have completed (0 before the first).
+  // whose events have completed (0 before the first; always 0 with DdpOptions::timing off).
   double last_exposed_comm_ms() const { return exposed_ms_; }
   // Backward time (GPU: compute-stream time from before_backward() to finalize_backward(); CPU:
   // host time) of the same step as last_exposed_comm_ms().

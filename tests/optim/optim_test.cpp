@@ -109,6 +109,49 @@ TEST(OptimizerTest, SgdMomentumMatchesLibTorchSgd) {
   }
 }
 
+// Capturable mode (CUDA graphs) reads the learning rate from a tensor written by set_lr(); with a
+// changing schedule it must give what the plain fused step gives with the same rates, and leave
+// the step count to the caller. (Runs on the CPU fused kernels; the CUDA ones are exercised by
+// the trainer's graph test, tests/train/test_cuda_graph.py.)
+TEST(OptimizerTest, CapturableStepReadsTheLearningRateTensor) {
+  const auto prob = make_problem(6, 21);
+  const std::vector<double> rates = {1e-3, 3e-3, 2e-3, 5e-4, 4e-3, 1e-3};
+  for (const std::string name : {"adamw", "sgd"}) {
+    auto plain = clone_params(prob);
+    auto capt = clone_params(prob);
+    auto make = [&](std::vector<at::Tensor>& ps, bool fused) -> std::unique_ptr<optim::Optimizer> {
+      if (name == "adamw") return std::make_unique<optim::AdamW>(std::vector{group_of(ps, 0.05)}, 0.9, 0.95, 1e-8, fused);
+      return std::make_unique<optim::Sgd>(std::vector{group_of(ps, 1e-3)}, 0.9, false, fused);
+    };
+    auto a = make(plain, true);
+    auto b = make(capt, true);
+    b->set_capturable(at::Device(at::kCPU));
+    for (int s = 0; s < 6; ++s) {
+      for (std::size_t i = 0; i < plain.size(); ++i) {
+        plain[i].mutable_grad() = prob.grads[s][i].clone();
+        capt[i].mutable_grad() = prob.grads[s][i].clone();
+      }
+      a->step(rates[s]);
+      b->set_lr(rates[s]);
+      b->step(/*ignored*/ 1.0);
+      b->count_step();
+    }
+    for (std::size_t i = 0; i < plain.size(); ++i) {
+      // The tensor holds the rate in fp32, the plain kernel gets a double: fp32 rounding apart.
+      EXPECT_LT(max_rel_diff(capt[i], plain[i]), 1e-6) << name << " param " << i;
+    }
+    EXPECT_EQ(b->steps(), 6) << name;
+    // The reference (unfused) kernels take the rate as a host number: refused, naming the key.
+    auto c = make(capt, false);
+    try {
+      c->set_capturable(at::Device(at::kCPU));
+      ADD_FAILURE() << name << ": unfused capturable accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("optim.fused"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(OptimizerTest, ParametersWithoutGradientKeepTheirValueAndState) {
   const auto prob = make_problem(1, 13);
   auto ps = clone_params(prob);

@@ -177,6 +177,14 @@ class TrainTest(RunDirTest):
         self.assertNotEqual(p.returncode, 0)
         self.assertRegex(p.stderr, r"parallax: error: loss is (NaN|inf|-inf) at step \d+")
 
+    def test_cuda_graph_on_the_cpu_is_refused_naming_the_key(self):
+        # The GPU side (graph against eager, 1 and 2 GPUs) is tests/train/test_cuda_graph.py.
+        p = run(self.common("graph", "train.steps=2", "train.device=cpu", "train.cuda_graph=true"), check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("parallax: error: key 'train.cuda_graph': CUDA graphs need a GPU", p.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.d, "graph", "metrics.jsonl")) and
+                         metrics(os.path.join(self.d, "graph")))
+
     def test_bev_tiny_trains_evaluates_checkpoints_on_two_ranks(self):
         data = os.path.join(self.d, "data")
         run(["datagen", "--out", data, "--scenes", "16", "--val-scenes", "4", "--threads", "2",
