@@ -141,6 +141,11 @@ class Trainer {
   // collective) leaves this process's streams and communicators stuck, so no graceful shutdown is
   // possible: the error is printed and the job is torn down (World::abort, MPI_Abort under mpirun).
   void replay_or_abort(const std::function<void()>& launch);
+  // graph_step's inputs: the source's next grad_accum batches copied into graph_inputs_ (which the
+  // first call allocates); a DataError names a key whose shape differs from the captured one.
+  void stage_graph_inputs(int64_t step);
+  // Every parameter gradient that is defined, in registration order.
+  std::vector<at::Tensor> gradients() const;
   // train.cuda_graph: refuses what a captured step cannot do, naming the key (the model's own
   // blockers are checked once it is built).
   void check_graph_capturable() const;
@@ -411,9 +416,17 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, b
   return terms;
 }
 
-std::map<std::string, at::Tensor> Trainer::graph_step(int64_t step, double lr, bool log_step) {
+std::vector<at::Tensor> Trainer::gradients() const {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : model_->parameters()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  return grads;
+}
+
+void Trainer::stage_graph_inputs(int64_t step) {
   // This step's batches go into the captured input buffers (stream-ordered after the last replay
-  // that read them).
+  // that read them); the first step allocates them.
   for (int micro = 0; micro < cfg_.train.grad_accum; ++micro) {
     core::Stopwatch data_clock;
     core::TensorDict batch = core::to_device(source_->next(), device_);
@@ -437,6 +450,10 @@ std::map<std::string, at::Tensor> Trainer::graph_step(int64_t step, double lr, b
     }
     data_ms_ += data_clock.elapsed_ms();
   }
+}
+
+std::map<std::string, at::Tensor> Trainer::graph_step(int64_t step, double lr, bool log_step) {
+  stage_graph_inputs(step);
   // Buffers are broadcast once per step, before the graph (a blocking broadcast cannot be captured).
   if (ddp_) ddp_->before_forward();
   optimizer_->set_lr(lr);
@@ -466,11 +483,7 @@ std::map<std::string, at::Tensor> Trainer::graph_step(int64_t step, double lr, b
   optimizer_->count_step();
   if (log_step && cfg_.optim.grad_clip <= 0) {
     // Without clipping the norm is only a metric: computed eagerly from the replay's gradients.
-    std::vector<at::Tensor> grads;
-    for (const auto& p : model_->parameters()) {
-      if (p.grad().defined()) grads.push_back(p.grad());
-    }
-    grad_norm_ = optim::clip_grad_norm(grads, 0.0);
+    grad_norm_ = optim::clip_grad_norm(gradients(), 0.0);
   }
   return graph_terms_;
 }
@@ -514,10 +527,7 @@ std::map<std::string, at::Tensor> Trainer::compute_step(const std::function<core
     backward_ms_ += ddp_->last_backward_ms();
   }
 
-  std::vector<at::Tensor> grads;
-  for (const auto& p : model_->parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
+  std::vector<at::Tensor> grads = gradients();
   // Gradients are replicated across DP ranks after DDP's all-reduce: no shard groups to reduce over.
   found_inf_ = scaler_->unscale_and_check(grads);
   // Without clipping the norm is only a metric: computing it every step took ~1.9 ms of host time
