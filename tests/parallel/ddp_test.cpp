@@ -270,6 +270,32 @@ TEST_F(DdpTest, RingAndNativeGiveTheSameParameters) {
   EXPECT_LT(max_rel(flat_params(*a), flat_params(*b)), tol());
 }
 
+// DdpOptions::timing off (what train.cuda_graph uses: timing events cannot be captured) records no
+// timers and reduces exactly as with timing on.
+TEST_F(DdpTest, TimingOffReducesTheSameAndReportsNoTimes) {
+  auto a = make_net(41), b = make_net(41);
+  ddp::DdpOptions off;
+  off.timing = false;
+  ddp::DistributedDataParallel ea(a, world_, {}), eb(b, world_, off);
+  optim::AdamW oa({all_params(*a)}, 0.9, 0.999, 1e-8, true), ob({all_params(*b)}, 0.9, 0.999, 1e-8, true);
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = global_batch(step, 4 * n_);
+    at::Tensor xs = x.narrow(0, rank_ * 4, 4), ys = y.narrow(0, rank_ * 4, 4);
+    for (auto [net, eng, opt] : {std::tuple{a.get(), &ea, &oa}, std::tuple{b.get(), &eb, &ob}}) {
+      eng->before_backward();
+      mse(net->forward(xs), ys).backward();
+      eng->finalize_backward();
+      opt->step(1e-2);
+      opt->zero_grad(true);
+    }
+  }
+  EXPECT_TRUE(at::equal(flat_params(*a), flat_params(*b)));
+  EXPECT_EQ(eb.last_backward_ms(), 0.0);
+  EXPECT_EQ(eb.last_exposed_comm_ms(), 0.0);
+  // With timing on, CPU timers are host clocks read at once (GPU ones a step or more later).
+  if (test_device().is_cpu()) EXPECT_GT(ea.last_backward_ms(), 0.0);
+}
+
 // auto: grouped where NCCL groups the per-gradient all-reduces natively; the CPU backends would
 // flatten and copy back, so flat there.
 TEST_F(DdpTest, AutoLayoutIsGroupedOnNcclUnlessTheRingOrReduceDtypeNeedFlat) {
