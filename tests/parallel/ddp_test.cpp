@@ -124,6 +124,24 @@ class DdpTest : public ::testing::Test {
     }
   }
 
+  // `steps` AdamW steps of two DDP-wrapped nets on the same batches (rank r takes rows 4r..4r+3 of
+  // each global batch), one after the other within each step.
+  void train_side_by_side(Net& a, ddp::DistributedDataParallel& ea, Net& b, ddp::DistributedDataParallel& eb,
+                          int steps, bool set_to_none) {
+    optim::AdamW oa({all_params(a)}, 0.9, 0.999, 1e-8, true), ob({all_params(b)}, 0.9, 0.999, 1e-8, true);
+    for (int step = 0; step < steps; ++step) {
+      auto [x, y] = global_batch(step, 4 * n_);
+      at::Tensor xs = x.narrow(0, rank_ * 4, 4), ys = y.narrow(0, rank_ * 4, 4);
+      for (auto [net, eng, opt] : {std::tuple{&a, &ea, &oa}, std::tuple{&b, &eb, &ob}}) {
+        eng->before_backward();
+        mse(net->forward(xs), ys).backward();
+        eng->finalize_backward();
+        opt->step(1e-2);
+        opt->zero_grad(set_to_none);
+      }
+    }
+  }
+
   comm::CommPtr world_;
   int rank_ = 0, n_ = 1;
 };
@@ -254,18 +272,7 @@ TEST_F(DdpTest, RingAndNativeGiveTheSameParameters) {
   native.algo = comm::AllReduceAlgo::kNative;
   ddp::DistributedDataParallel ea(a, world_, ring), eb(b, world_, native);
   EXPECT_GT(ea.buckets().size(), 2u);
-  optim::AdamW oa({all_params(*a)}, 0.9, 0.999, 1e-8, true), ob({all_params(*b)}, 0.9, 0.999, 1e-8, true);
-  for (int step = 0; step < 5; ++step) {
-    auto [x, y] = global_batch(step, 4 * n_);
-    at::Tensor xs = x.narrow(0, rank_ * 4, 4), ys = y.narrow(0, rank_ * 4, 4);
-    for (auto [net, eng, opt] : {std::tuple{a.get(), &ea, &oa}, std::tuple{b.get(), &eb, &ob}}) {
-      eng->before_backward();
-      mse(net->forward(xs), ys).backward();
-      eng->finalize_backward();
-      opt->step(1e-2);
-      opt->zero_grad(false);
-    }
-  }
+  train_side_by_side(*a, ea, *b, eb, 5, /*set_to_none=*/false);
   // fp32 sums in a different order: equal within rounding.
   EXPECT_LT(max_rel(flat_params(*a), flat_params(*b)), tol());
 }
@@ -277,18 +284,7 @@ TEST_F(DdpTest, TimingOffReducesTheSameAndReportsNoTimes) {
   ddp::DdpOptions off;
   off.timing = false;
   ddp::DistributedDataParallel ea(a, world_, {}), eb(b, world_, off);
-  optim::AdamW oa({all_params(*a)}, 0.9, 0.999, 1e-8, true), ob({all_params(*b)}, 0.9, 0.999, 1e-8, true);
-  for (int step = 0; step < 3; ++step) {
-    auto [x, y] = global_batch(step, 4 * n_);
-    at::Tensor xs = x.narrow(0, rank_ * 4, 4), ys = y.narrow(0, rank_ * 4, 4);
-    for (auto [net, eng, opt] : {std::tuple{a.get(), &ea, &oa}, std::tuple{b.get(), &eb, &ob}}) {
-      eng->before_backward();
-      mse(net->forward(xs), ys).backward();
-      eng->finalize_backward();
-      opt->step(1e-2);
-      opt->zero_grad(true);
-    }
-  }
+  train_side_by_side(*a, ea, *b, eb, 3, /*set_to_none=*/true);
   EXPECT_TRUE(at::equal(flat_params(*a), flat_params(*b)));
   EXPECT_EQ(eb.last_backward_ms(), 0.0);
   EXPECT_EQ(eb.last_exposed_comm_ms(), 0.0);

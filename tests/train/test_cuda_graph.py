@@ -16,24 +16,23 @@ Exits 77 (ctest: skipped) without a GPU, or without two for the two-rank cases.
 
 Usage: test_cuda_graph.py <parallax binary> <mpirun>
 """
-import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import unittest
 
-import h5py
 import numpy as np
 
-PARALLAX = MPIRUN = None
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_train as tt  # noqa: E402  (shared helpers: run, metrics, weights, RunDirTest)
+
 GPUS = 0
-SRC = os.environ.get("PARALLAX_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
-MLP = os.path.join(SRC, "configs", "mlp_demo.yaml")
+SRC = tt.SRC
+MLP = tt.MLP
+BEV = tt.BEV
 W1 = os.path.join(SRC, "configs", "bench", "w1_vit_b16.yaml")
-BEV = os.path.join(SRC, "configs", "bev_tiny.yaml")
 
 
 def gpu_count():
@@ -44,42 +43,16 @@ def gpu_count():
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
-def run(args, ranks=1, timeout=600, check=True):
-    cmd = [PARALLAX, *args]
-    if ranks > 1:
-        cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(ranks), *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
-    return p
-
-
 def losses(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, f)) if r["kind"] == "train"}
+    return {r["step"]: r["loss"] for r in tt.metrics(run_dir)}
 
 
-def weights(run_dir):
-    run(["export", "--run", run_dir, "--format", "weights"])
-    with h5py.File(os.path.join(run_dir, "export", "weights.h5"), "r") as f:
-        out = {}
-        f.visititems(lambda n, o: out.__setitem__(n, o[()]) if isinstance(o, h5py.Dataset) else None)
-        return out
-
-
-class CudaGraphTest(unittest.TestCase):
+class CudaGraphTest(tt.RunDirTest):
     MLP_COMMON = ["model.size=tiny", "train.device=cuda", "train.log_every=1", "schedule.warmup_steps=6",
                   "optim.grad_clip=0.5", "train.grad_accum=2", "train.cuda_graph_warmup=2"]
 
-    def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.d = self.tmp.name
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
     def train(self, config, name, *extra, ranks=1, check=True, timeout=600):
-        return run(["train", "--config", config, f"experiment.output_dir={self.d}", f"experiment.name={name}",
+        return tt.run(["train", "--config", config, f"experiment.output_dir={self.d}", f"experiment.name={name}",
                     *extra], ranks, timeout, check)
 
     def assert_same_run(self, eager, graph, loss_rtol, weight_atol, label):
@@ -87,7 +60,7 @@ class CudaGraphTest(unittest.TestCase):
         a, b = losses(os.path.join(self.d, eager)), losses(os.path.join(self.d, graph))
         self.assertEqual(sorted(a), sorted(b), label)
         loss_diff = max(abs(a[s] - b[s]) / max(abs(a[s]), 1e-12) for s in a)
-        wa, wb = weights(os.path.join(self.d, eager)), weights(os.path.join(self.d, graph))
+        wa, wb = tt.weights(os.path.join(self.d, eager)), tt.weights(os.path.join(self.d, graph))
         self.assertEqual(sorted(wa), sorted(wb), label)
         w_diff = max(float(np.max(np.abs(wa[k].astype(np.float64) - wb[k].astype(np.float64)))) for k in wa)
         bitwise = all(a[s] == b[s] for s in a) and all(np.array_equal(wa[k], wb[k]) for k in wa)
@@ -136,7 +109,7 @@ class CudaGraphTest(unittest.TestCase):
         for s in b:
             self.assertEqual(a[s], b[s], f"step {s}")
         # The optimizer's step count (AdamW's bias correction) was saved and restored.
-        wa, wb = weights(os.path.join(self.d, "full")), weights(os.path.join(self.d, "resumed"))
+        wa, wb = tt.weights(os.path.join(self.d, "full")), tt.weights(os.path.join(self.d, "resumed"))
         for k in wa:
             self.assertTrue(np.array_equal(wa[k], wb[k]), k)
 
@@ -144,7 +117,7 @@ class CudaGraphTest(unittest.TestCase):
         if GPUS < 2:
             self.skipTest("needs 2 GPUs")
         # No log steps after the capture: the eager collectives' own watchdog must not be what fires.
-        args = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "2", PARALLAX, "train", "--config", MLP,
+        args = [tt.MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "2", tt.PARALLAX, "train", "--config", MLP,
                 f"experiment.output_dir={self.d}", "experiment.name=stall", *self.MLP_COMMON, "train.steps=100000",
                 "train.log_every=100000", "train.cuda_graph=true", "parallel.timeout_s=5",
                 # The per-step buffer broadcast is an eager collective with its own timeout.
@@ -211,7 +184,7 @@ class CudaGraphTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    PARALLAX, MPIRUN = sys.argv[1], sys.argv[2]
+    tt.PARALLAX, tt.MPIRUN = os.path.abspath(sys.argv[1]), sys.argv[2]
     GPUS = gpu_count()
     if GPUS == 0:
         print("no GPU: skipped")
