@@ -74,19 +74,28 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       replay.device = ctx->saved_data["dev_rng"].toTensor();
       replay.dev = saved.device();
     }
-    const RngSnapshot current = take_rng(saved.device());
-    const bool prev_autocast = at::autocast::is_autocast_enabled(dt);
-    const auto prev_dtype = at::autocast::get_autocast_dtype(dt);
     at::Tensor out;
     {
+      // Restores the current RNG and autocast state when the scope ends, also when the
+      // recomputation throws (a CommError inside a tensor-parallel block, an OOM): the rest of
+      // training must not continue with the forward's RNG stream or autocast setting.
+      struct RestoreState {
+        c10::DeviceType dt;
+        RngSnapshot rng;
+        bool autocast;
+        at::ScalarType dtype;
+        ~RestoreState() {
+          at::autocast::set_autocast_enabled(dt, autocast);
+          at::autocast::set_autocast_dtype(dt, dtype);
+          put_rng(rng);
+        }
+      } restore{dt, take_rng(saved.device()), at::autocast::is_autocast_enabled(dt),
+                at::autocast::get_autocast_dtype(dt)};
       put_rng(replay);
       at::autocast::set_autocast_enabled(dt, ctx->saved_data["autocast"].toBool());
       at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
       at::AutoGradMode grad_on(true);
       out = block->forward_impl(x);
-      at::autocast::set_autocast_enabled(dt, prev_autocast);
-      at::autocast::set_autocast_dtype(dt, prev_dtype);
-      put_rng(current);
     }
     if (out.requires_grad()) {
       // Reentrant backward: accumulates the block's parameter gradients and x.grad.

@@ -239,6 +239,7 @@ void Trainer::setup() {
   rank0_ = world_.rank() == 0;
 
   run_dir_ = fs::path(cfg_.experiment.output_dir) / cfg_.experiment.name;
+  world_.set_report_dir(run_dir_.string());  // hang reports (flight recorder JSON) go with the run
   if (rank0_) {
     std::error_code ec;
     fs::create_directories(run_dir_, ec);

@@ -4,6 +4,7 @@
 #include "core/log.h"
 #include "core/strings.h"
 
+#include <c10/util/Exception.h>
 #include <fmt/ranges.h>
 #include <algorithm>
 #include <cstring>
@@ -40,6 +41,18 @@ bool is_p2p(OpKind kind) {
 }
 
 namespace {
+
+// How long a hang report waits for the store (the peers' sequence numbers) before it reports what
+// this rank knows: the store may live in a stopped or dead rank, whose calls never return.
+constexpr std::chrono::milliseconds kReportStoreDeadline{10000};
+// How long a peer's heartbeat must stall to be reported as not responding (6 heartbeats).
+constexpr std::chrono::milliseconds kSilenceWindow{1500};
+
+// The first line of an error text (c10's messages carry a stack trace after it).
+std::string first_line(const std::string& text) {
+  const std::string line = text.substr(0, text.find('\n'));
+  return line.size() > 300 ? line.substr(0, 300) + "..." : line;
+}
 
 std::string dtype_name(c10::ScalarType t) {
   if (t == c10::ScalarType::Undefined) return "";
@@ -293,14 +306,18 @@ void CommBase::debug_check(const Ticket& t) {
 
 std::string CommBase::dump_flight(const std::string& reason) {
   std::string json = ctx_->flight_json(reason);
-  std::string path = write_flight_dump(ctx_->rank, json);
-  // The failing communicator's recent ops also go to the log, newest last.
+  std::string path = write_flight_dump(ctx_->rank, json, ctx_->report_dir());
+  // The console gets the one error line (with the path); the failing communicator's recent ops go
+  // to the console only when the dump could not be written, so that they are not lost.
   auto entries = recorder_.snapshot();
   const size_t first = entries.size() > 16 ? entries.size() - 16 : 0;
-  core::log::error("flight recorder of group '{}' on world rank {} (last {} of {} ops{}):", name_,
-                   ctx_->rank, entries.size() - first, recorder_.total_recorded(),
-                   path.empty() ? "" : ", all groups in " + path);
-  for (size_t i = first; i < entries.size(); ++i) core::log::error("  {}", to_json(entries[i]));
+  const core::log::Level level = path.empty() ? core::log::Level::kError : core::log::Level::kDebug;
+  if (core::log::enabled(level)) {
+    core::log::write(level, fmt::format("flight recorder of group '{}' on world rank {} (last {} of {} ops{}):", name_,
+                                        ctx_->rank, entries.size() - first, recorder_.total_recorded(),
+                                        path.empty() ? "" : ", all groups in " + path));
+    for (size_t i = first; i < entries.size(); ++i) core::log::write(level, "  " + to_json(entries[i]));
+  }
   return path;
 }
 
@@ -320,21 +337,18 @@ std::string op_label(const Ticket& t, const std::vector<int>& world_ranks) {
 
 }  // namespace
 
-[[noreturn]] void CommBase::fail_timeout(const Ticket& t, const std::string& where) {
-  recorder_.set_state(t.record_id, OpState::kTimedOut);
-  aborted_ = true;
-  ctx_->failed = true;
   // Which members never arrived: each rank publishes its last issued sequence number per group to
   // the store, independently of the stuck op.
+std::string CommBase::peer_report(const Ticket& t) {
   std::string arrival;
   if (!ctx_->board) {
     arrival = "Peer state unknown (no out-of-band store)";
   } else {
     try {
-      ctx_->board->flush();
-      std::this_thread::sleep_for(SeqBoard::kFlushInterval *
-                                  5);  // let the peers' last updates land
-      auto states = ctx_->board->read(uid_, world_ranks_);
+      // Each step has its own deadline: the store may live in the rank that stopped.
+      ctx_->board->flush(std::chrono::milliseconds(1000));
+      std::this_thread::sleep_for(SeqBoard::kFlushInterval * 5);  // let the peers' last updates land
+      auto states = ctx_->board->read(uid_, world_ranks_, kReportStoreDeadline);
       const int me = ctx_->rank;
       if (is_p2p(t.desc.kind)) {
         const int peer = world_ranks_.at(static_cast<size_t>(t.desc.root));
@@ -369,17 +383,33 @@ std::string op_label(const Ticket& t, const std::vector<int>& world_ranks) {
                                 fmt::join(missing_ranks, ", "), fmt::join(missing, "; "));
         } else {
           arrival = fmt::format(
-              "Every member issued #{}: the op is stuck inside the {} backend (a peer died or the "
-              "network failed)",
+              "Every member issued #{}: the op failed or is stuck inside the {} backend (a peer died "
+              "or the network failed)",
               t.seq, backend());
         }
         if (!ahead.empty()) arrival += fmt::format(" ({})", fmt::join(ahead, "; "));
       }
+      // Which peers stopped responding at all (their board writer's heartbeat stalled).
+      const auto silent = ctx_->board->unresponsive(world_ranks_, kSilenceWindow, kReportStoreDeadline);
+      if (!silent.empty()) {
+        arrival += fmt::format(". Not responding (no heartbeat for {:.1f} s: stopped, killed or wedged): world rank{} {}",
+                               kSilenceWindow.count() / 1000.0, silent.size() > 1 ? "s" : "",
+                               fmt::join(silent, ", "));
+      }
+    } catch (const c10::Error& e) {
+      arrival = fmt::format("Peer state unknown (store unreachable: {})", first_line(e.what_without_backtrace()));
     } catch (const std::exception& e) {
-      arrival = fmt::format("Peer state unknown (store unreachable: {})",
-                            std::string(e.what()).substr(0, 200));
+      arrival = fmt::format("Peer state unknown (store unreachable: {})", first_line(e.what()));
     }
   }
+  return arrival;
+}
+
+[[noreturn]] void CommBase::fail_timeout(const Ticket& t, const std::string& where) {
+  recorder_.set_state(t.record_id, OpState::kTimedOut);
+  aborted_ = true;
+  ctx_->failed = true;
+  const std::string arrival = peer_report(t);
   std::string head = fmt::format(
       "{} on group '{}' (world ranks [{}]) timed out after {:.1f} s on world rank {}{}: {}, called "
       "at {}. {}.",
@@ -391,7 +421,7 @@ std::string op_label(const Ticket& t, const std::vector<int>& world_ranks) {
     std::lock_guard<std::mutex> lock(failure_mu_);
     failure_ = msg;
   }
-  core::log::error("{}", msg);
+  core::log::debug("{}", msg);  // the exception carries it to the one error line
   abort_backend();
   throw TimeoutError(msg);
 }
@@ -401,16 +431,16 @@ std::string op_label(const Ticket& t, const std::vector<int>& world_ranks) {
   aborted_ = true;
   ctx_->failed = true;
   std::string head = fmt::format(
-      "{} on group '{}' (world ranks [{}]) failed on world rank {}: {}, called at {}: {}",
+      "{} on group '{}' (world ranks [{}]) failed on world rank {}: {}, called at {}: {}. {}",
       op_label(t, world_ranks_), name_, fmt::join(world_ranks_, ", "), ctx_->rank,
-      t.desc.tensor_text(), format_site(t.desc.site), what);
+      t.desc.tensor_text(), format_site(t.desc.site), first_line(what), peer_report(t));
   std::string path = dump_flight(head);
   std::string msg = path.empty() ? head : fmt::format("{}. Flight recorder: {}", head, path);
   {
     std::lock_guard<std::mutex> lock(failure_mu_);
     failure_ = msg;
   }
-  core::log::error("{}", msg);
+  core::log::debug("{}", msg);  // the exception carries it to the one error line
   abort_backend();
   throw CommError(msg);
 }

@@ -133,6 +133,9 @@ class CommBase : public Communicator, public std::enable_shared_from_this<CommBa
   double timeout_for(const OpDesc& d) const;
   void debug_check(const Ticket& t);
   std::string dump_flight(const std::string& reason);
+  // What the out-of-band store says about the other members at `t` (which never arrived, which are
+  // ahead). Every store step has its own deadline; an unreachable store is reported, not waited on.
+  std::string peer_report(const Ticket& t);
 
   std::shared_ptr<WorldContext> ctx_;
   std::string name_;

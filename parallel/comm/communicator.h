@@ -142,7 +142,7 @@ class Communicator {
 
   virtual int rank() const = 0;  // rank inside this group
   virtual int size() const = 0;
-  virtual const std::string& name() const = 0;  // "world", "tp", "dp", "pp", "dp_tp", ...
+  virtual const std::string& name() const = 0;  // "world", "tp", "dp", "pp", ...
   virtual const std::vector<int>& world_ranks() const = 0;  // world rank of each member
   virtual std::string backend() const = 0;                  // "mpi" | "nccl" | "gloo"
   virtual c10::DeviceType device_type() const = 0;          // kCPU for mpi and gloo, kCUDA for nccl

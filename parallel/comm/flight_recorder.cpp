@@ -68,14 +68,14 @@ double wall_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-std::string flight_dump_path(int rank) {
-  std::filesystem::path dir = ".";
+std::string flight_dump_path(int rank, const std::string& report_dir) {
+  std::filesystem::path dir = report_dir.empty() ? "." : report_dir;
   if (const char* env = std::getenv("PARALLAX_FLIGHT_DIR"); env && *env) dir = env;
   return (dir / fmt::format("parallax_flight_{}.json", rank)).string();
 }
 
-std::string write_flight_dump(int rank, const std::string& json) {
-  const std::string path = flight_dump_path(rank);
+std::string write_flight_dump(int rank, const std::string& json, const std::string& report_dir) {
+  const std::string path = flight_dump_path(rank, report_dir);
   try {
     std::filesystem::path p(path);
     if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());

@@ -43,12 +43,13 @@ std::string to_json(const std::vector<FlightEntry>& entries);
 // Seconds since the epoch (wall clock), the time base of FlightEntry.
 double wall_seconds();
 
-// The dump file's path for `rank`: $PARALLAX_FLIGHT_DIR/parallax_flight_<rank>.json, or the working
-// directory when the variable is unset or empty.
-std::string flight_dump_path(int rank);
+// The dump file's path for `rank`: parallax_flight_<rank>.json in $PARALLAX_FLIGHT_DIR when set,
+// else in `report_dir` (the run directory, World::set_report_dir), else in the working directory.
+std::string flight_dump_path(int rank, const std::string& report_dir = "");
 
-// Writes `json` to flight_dump_path(rank) atomically (temp file + rename). Returns the path, or ""
-// if it could not be written (the failure is logged; a dump must never mask the original error).
-std::string write_flight_dump(int rank, const std::string& json);
+// Writes `json` to flight_dump_path(rank, report_dir) atomically (temp file + rename). Returns the
+// path, or "" if it could not be written (the failure is logged; a dump must never mask the
+// original error).
+std::string write_flight_dump(int rank, const std::string& json, const std::string& report_dir = "");
 
 }  // namespace parallax::parallel::comm

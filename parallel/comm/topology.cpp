@@ -62,12 +62,10 @@ std::vector<int> group_ranks(const Layout& l, const std::string& name, int r) {
     for (int i = 0; i < l.dp; ++i) out.push_back(rank_of(l, {i, me.tp, me.pp}));
   } else if (name == "pp") {
     for (int i = 0; i < l.pp; ++i) out.push_back(rank_of(l, {me.dp, me.tp, i}));
-  } else if (name == "dp_tp") {
-    for (int i = 0; i < l.dp * l.tp; ++i) out.push_back(me.pp * l.dp * l.tp + i);
   } else if (name == "world") {
     for (int i = 0; i < l.world(); ++i) out.push_back(i);
   } else {
-    throw_error<CommError>("unknown group '{}' (use tp|dp|pp|dp_tp|world)", name);
+    throw_error<CommError>("unknown group '{}' (use tp|dp|pp|world)", name);
   }
   return out;
 }
@@ -83,8 +81,8 @@ Topology::Topology(CommPtr world, Layout layout) : world_(std::move(world)), lay
   const Layout& l = layout_;
   groups_["world"] = world_;
   owner_["world"] = "world";
-  // A group whose ranks are those of a group made before it (dp = world when tp = pp = 1,
-  // dp_tp = dp when tp = 1, every 1-rank group) shares that communicator instead of splitting a
+  // A group whose ranks are those of a group made before it (dp = world when tp = pp = 1, every
+  // 1-rank group) shares that communicator instead of splitting a
   // new one: each NCCL communicator holds its connection buffers (connected at creation, see
   // CommOptions::nccl_blocking), so duplicates would cost device memory for nothing. Whether two
   // groups coincide depends only on the layout, so every rank makes the same splits.
@@ -104,20 +102,19 @@ Topology::Topology(CommPtr world, Layout layout) : world_(std::move(world)), lay
   make("tp", c.pp * l.dp + c.dp, c.tp);
   make("dp", c.pp * l.tp + c.tp, c.dp);
   make("pp", c.dp * l.tp + c.tp, c.pp);
-  make("dp_tp", c.pp, c.dp * l.tp + c.tp);
 }
 
 const std::string& Topology::communicator_of(const std::string& name) const {
   auto it = owner_.find(name);
   PARALLAX_CHECK(it != owner_.end(), CommError,
-                 "unknown group '{}' (known: tp, dp, pp, dp_tp, world)", name);
+                 "unknown group '{}' (known: tp, dp, pp, world)", name);
   return it->second;
 }
 
 const CommPtr& Topology::group(const std::string& name) const {
   auto it = groups_.find(name);
   PARALLAX_CHECK(it != groups_.end(), CommError,
-                 "unknown group '{}' (known: tp, dp, pp, dp_tp, world)", name);
+                 "unknown group '{}' (known: tp, dp, pp, world)", name);
   return it->second;
 }
 

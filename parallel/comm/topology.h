@@ -8,10 +8,10 @@
 //   tp    ranks sharing (pp, dp), ordered by tp index     (tensor-parallel all-reduce/all-gather)
 //   dp    ranks sharing (pp, tp), ordered by dp index     (gradient all-reduce)
 //   pp    ranks sharing (dp, tp), ordered by pp index     (pipeline p2p)
-//   dp_tp ranks sharing pp, ordered by world rank         (ZeRO over the whole model-parallel
-//   slice)
 // Example, world 8 = dp 2 x tp 2 x pp 2: tp groups {0,1} {2,3} {4,5} {6,7}; dp groups {0,2} {1,3}
-// {4,6} {5,7}; pp groups {0,4} {1,5} {2,6} {3,7}; dp_tp groups {0,1,2,3} {4,5,6,7}.
+// {4,6} {5,7}; pp groups {0,4} {1,5} {2,6} {3,7}.
+// There is no dp x tp group: ranks of different tp indices hold different TP shards, so nothing is
+// reduced or sharded over them together (ZeRO shards over dp within one tp index).
 #pragma once
 
 #include "parallel/comm/communicator.h"
@@ -43,7 +43,7 @@ Layout resolve_layout(int world_size, int dp, int tp, int pp, int gpus_per_node 
 
 int rank_of(const Layout& layout, const Coord& coord);
 Coord coord_of(const Layout& layout, int world_rank);
-// World ranks of the `name` group ("tp", "dp", "pp", "dp_tp", "world") that contains `world_rank`.
+// World ranks of the `name` group ("tp", "dp", "pp", "world") that contains `world_rank`.
 std::vector<int> group_ranks(const Layout& layout, const std::string& name, int world_rank);
 
 // The groups of one layout over one world communicator. Construction is collective over `world`.
@@ -58,7 +58,6 @@ class Topology {
   const CommPtr& tp() const { return group("tp"); }
   const CommPtr& dp() const { return group("dp"); }
   const CommPtr& pp() const { return group("pp"); }
-  const CommPtr& dp_tp() const { return group("dp_tp"); }
   // Throws CommError naming the known groups for an unknown name.
   const CommPtr& group(const std::string& name) const;
   // The group whose communicator `name` uses: itself, or an earlier group with the same ranks

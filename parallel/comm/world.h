@@ -98,6 +98,10 @@ class World {
   // True once any communicator of this process timed out or failed.
   bool comm_failed() const;
 
+  // Where communicators write their failure reports (flight recorder JSON): the run directory.
+  // $PARALLAX_FLIGHT_DIR, when set, takes precedence; unset, the working directory.
+  void set_report_dir(const std::string& dir);
+
   // Tears the whole job down: MPI_Abort(MPI_COMM_WORLD, code) under MPI, else flushes and _Exit.
   // The documented way out after a TimeoutError when the caller wants a specific exit code.
   [[noreturn]] void abort(int code);

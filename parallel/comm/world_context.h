@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <functional>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -23,9 +24,18 @@ class CommBase;
 // `pxc/seq/<uid>/<world rank>`, and reads the peers' values when an op times out. Publishing runs
 // on a background thread over its own store connection (a clone), so a collective never waits on
 // the store; updates are coalesced and written within ~kFlushInterval.
+//
+// Every wait is bounded: the store may live in a peer that is stopped (SIGSTOP) or dead, and
+// c10d's TCPStore client calls (set, check, get) have no deadline of their own. read() runs its
+// store calls on a helper thread and gives up after its deadline; the destructor waits at most
+// kStopWait for the writer and then leaves it behind (its state is shared, not owned by `this`).
 class SeqBoard {
  public:
   static constexpr std::chrono::milliseconds kFlushInterval{20};
+  static constexpr std::chrono::milliseconds kStopWait{2000};
+  // The writer also bumps a per-rank heartbeat counter (`pxc/alive/<world rank>`) this often, so a
+  // failing rank can tell which peers stopped responding (stopped, killed, or wedged).
+  static constexpr std::chrono::milliseconds kHeartbeat{250};
 
   SeqBoard(const c10::intrusive_ptr<c10d::Store>& store, int world_rank);
   ~SeqBoard();
@@ -37,36 +47,34 @@ class SeqBoard {
   void publish(const std::string& uid, uint64_t seq, std::function<std::string()> summary);
   // Writes synchronously (communicator creation, so that every member's key exists).
   void publish_now(const std::string& uid, uint64_t seq, const std::string& summary);
-  // Blocks until every pending update is written (or the writer gave up).
-  void flush();
+  // Waits until every pending update is written, the writer gave up, or `timeout` passed.
+  void flush(std::chrono::milliseconds timeout = std::chrono::milliseconds(2000));
 
   struct PeerState {
     bool known = false;
     uint64_t seq = 0;
     std::string summary;
   };
-  // Reads the members' published states; throws c10::Error / std::exception if the store fails.
-  std::map<int, PeerState> read(const std::string& uid, const std::vector<int>& world_ranks);
+  // Reads the members' published states within `timeout`. Throws TimeoutError if the store did not
+  // answer in time (a stopped or dead store host), or the store's own error.
+  std::map<int, PeerState> read(const std::string& uid, const std::vector<int>& world_ranks,
+                                std::chrono::milliseconds timeout);
+  // The ranks of `world_ranks` (other than this one) whose heartbeat did not advance over `window`
+  // (at least 4 heartbeats), or that never published one. Bounded by window + 2 x `timeout`; throws
+  // as read() does.
+  std::vector<int> unresponsive(const std::vector<int>& world_ranks, std::chrono::milliseconds window,
+                                std::chrono::milliseconds timeout);
 
  private:
-  void run();
+  struct Shared;  // what the writer thread and read()'s helper threads may outlive `this` with
+  static void run(const std::shared_ptr<Shared>& s);
   static std::string key(const std::string& uid, int rank);
+  // Reads `keys` on a helper thread within `timeout` (nullopt: key absent).
+  std::vector<std::optional<std::string>> read_keys(const std::vector<std::string>& keys,
+                                                    std::chrono::milliseconds timeout);
 
-  c10::intrusive_ptr<c10d::Store> writer_;  // used by the thread only
-  c10::intrusive_ptr<c10d::Store> reader_;  // used by callers of read()/publish_now()
+  std::shared_ptr<Shared> shared_;
   int world_rank_;
-  std::mutex mu_;
-  std::mutex reader_mu_;
-  std::condition_variable cv_;
-  struct Update {
-    uint64_t seq = 0;
-    std::function<std::string()> summary;
-  };
-  std::map<std::string, Update> pending_;  // key -> newest update
-  bool stop_ = false;
-  bool flush_requested_ = false;
-  bool writing_ = false;
-  bool broken_ = false;
   std::thread thread_;
 };
 
@@ -108,6 +116,10 @@ class WorldContext {
   // write into them.
   void bury(std::shared_ptr<void> keep_alive);
 
+  // Where hang and failure reports go (the run directory; World::set_report_dir).
+  void set_report_dir(std::string dir);
+  std::string report_dir();
+
   // Per-process counter for world communicators of one backend, so their store keys differ.
   std::string next_world_uid(const std::string& backend);
 
@@ -121,6 +133,7 @@ class WorldContext {
   std::vector<std::weak_ptr<Progressable>> progress_;
   std::vector<std::shared_ptr<void>> graveyard_;
   std::map<std::string, int> world_counts_;
+  std::string report_dir_;
   std::mutex progress_mu_;
 };
 

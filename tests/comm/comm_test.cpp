@@ -501,28 +501,25 @@ TEST(TopologyTest, GroupsOfEachLayoutReduceOnlyInsideThemselves) {
     check_layout(c, resolve_layout(4, 0, 2, 1),
                  {{"tp", {{0, 1}, {2, 3}}},
                   {"dp", {{0, 2}, {1, 3}}},
-                  {"pp", {{0}, {1}, {2}, {3}}},
-                  {"dp_tp", {{0, 1, 2, 3}}}});
+                  {"pp", {{0}, {1}, {2}, {3}}}});
     // dp=2 x tp=1 x pp=2: PP outermost.
     check_layout(c, resolve_layout(4, 2, 1, 2),
                  {{"tp", {{0}, {1}, {2}, {3}}},
                   {"dp", {{0, 1}, {2, 3}}},
-                  {"pp", {{0, 2}, {1, 3}}},
-                  {"dp_tp", {{0, 1}, {2, 3}}}});
+                  {"pp", {{0, 2}, {1, 3}}}});
   } else if (c->size() == 2) {
     check_layout(c, resolve_layout(2, 0, 2, 1),
                  {{"tp", {{0, 1}}}, {"dp", {{0}, {1}}}, {"pp", {{0}, {1}}}});
     check_layout(c, resolve_layout(2, 1, 1, 2),
                  {{"tp", {{0}, {1}}}, {"dp", {{0}, {1}}}, {"pp", {{0, 1}}}});
-    check_layout(c, resolve_layout(2, 0, 1, 1), {{"dp", {{0, 1}}}, {"dp_tp", {{0, 1}}}});
+    check_layout(c, resolve_layout(2, 0, 1, 1), {{"dp", {{0, 1}}}});
   } else {
     GTEST_SKIP() << "layouts are written out for 2 and 4 ranks";
   }
 }
 
 // Groups with the same ranks share one communicator (one set of NCCL buffers), decided by the
-// layout alone: the 1-rank groups share the first one made, dp = world when tp = pp = 1,
-// dp_tp = dp when tp = 1.
+// layout alone: the 1-rank groups share the first one made, dp = world when tp = pp = 1.
 TEST(TopologyTest, GroupsWithTheSameRanksShareACommunicator) {
   auto& c = world_comm();
   const int n = c->size();
@@ -530,17 +527,16 @@ TEST(TopologyTest, GroupsWithTheSameRanksShareACommunicator) {
   Topology pure_dp(c, resolve_layout(n, 0, 1, 1));
   EXPECT_EQ(pure_dp.dp(), c);
   EXPECT_EQ(pure_dp.communicator_of("dp"), "world");
-  EXPECT_EQ(pure_dp.communicator_of("dp_tp"), "world");
   EXPECT_EQ(pure_dp.communicator_of("tp"), "tp");  // the first 1-rank group
   EXPECT_EQ(pure_dp.communicator_of("pp"), "tp");
   EXPECT_EQ(pure_dp.pp(), pure_dp.tp());
   if (n % 2 == 0 && n >= 4) {
     Topology dp_pp(c, resolve_layout(n, 0, 1, 2));
-    EXPECT_EQ(dp_pp.communicator_of("dp_tp"), "dp");
     EXPECT_EQ(dp_pp.communicator_of("dp"), "dp");
     EXPECT_NE(dp_pp.dp(), c);
   }
   EXPECT_THROW(pure_dp.communicator_of("ep"), CommError);
+  EXPECT_THROW(pure_dp.communicator_of("dp_tp"), CommError);  // no dp x tp group (topology.h)
 }
 
 TEST(SplitTest, NegativeColorJoinsNoGroupAndKeyOrdersRanks) {

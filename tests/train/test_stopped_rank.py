@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""A stopped (SIGSTOP) or killed (SIGKILL) rank never hangs the job, under mpirun and under torchrun.
+
+2 CPU ranks train the mlp stand-in with parallel.timeout_s=T; once training runs, one rank is
+stopped or killed. The job must end within T + 30 s (every step of the hang report has its own
+deadline, including the store reads when the store lives in the stopped rank 0), and the surviving
+rank prints exactly one `parallax: error:` line that names the op and the unreachable rank, with no
+C++ stack trace, and writes its flight-recorder JSON into the run directory, not the working
+directory.
+
+Usage: test_stopped_rank.py <parallax binary> <mpirun>
+"""
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+PARALLAX = MPIRUN = None
+SRC = os.environ.get("PARALLAX_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+MLP = os.path.join(SRC, "configs", "mlp_demo.yaml")
+TIMEOUT_S = 10  # parallel.timeout_s of these runs
+SLACK_S = 30    # what the issue allows beyond it
+
+
+def children(pid):
+    """Every descendant pid of `pid` (via /proc), depth first."""
+    out = []
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = f.read().split()
+    except OSError:
+        return out
+    for k in map(int, kids):
+        out.append(k)
+        out.extend(children(k))
+    return out
+
+
+def alive(pid):
+    """True while `pid` runs (a zombie awaiting its parent's wait counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def env_of(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
+
+
+def rank_pids(launcher_pid):
+    """world rank -> pid of the parallax processes under the launcher."""
+    out = {}
+    for pid in children(launcher_pid):
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            continue
+        if os.path.basename(exe) != "parallax":
+            continue
+        env = env_of(pid)
+        rank = env.get("OMPI_COMM_WORLD_RANK", env.get("RANK"))
+        if rank is not None:
+            out[int(rank)] = pid
+    return out
+
+
+class StoppedRankTest(unittest.TestCase):
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.d = self.tmp.name
+        self.cwd = os.path.join(self.d, "cwd")
+        os.makedirs(self.cwd)
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def launch(self, launcher, name):
+        args = [PARALLAX, "train", "--config", MLP, f"experiment.output_dir={self.d}", f"experiment.name={name}",
+                "model.size=tiny", "train.steps=1000000", "train.log_every=1000", f"parallel.timeout_s={TIMEOUT_S}",
+                "parallel.backend=gloo" if launcher == "torchrun" else "parallel.backend=mpi"]
+        if launcher == "mpirun":
+            cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "2", *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--no-python",
+                   "--monitor-interval", "0.5", *args]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_RANK"))}
+        env.pop("PARALLAX_FLIGHT_DIR", None)  # reports must go to the run directory by themselves
+        # Output goes to files, not pipes: a full pipe would block the ranks' logging.
+        self.err_path = os.path.join(self.d, f"{name}.stderr")
+        with open(os.path.join(self.d, f"{name}.stdout"), "w") as out, open(self.err_path, "w") as err:
+            return subprocess.Popen(cmd, stdout=out, stderr=err, cwd=self.cwd, env=env, start_new_session=True)
+
+    def stderr(self):
+        with open(self.err_path, errors="replace") as f:
+            return f.read()
+
+    def wait_training(self, proc, name):
+        """Waits until both ranks exist and the run has logged a step; returns {rank: pid}."""
+        metrics = os.path.join(self.d, name, "metrics.jsonl")
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                self.fail(f"job ended before training: {self.stderr()[-3000:]}")
+            pids = rank_pids(proc.pid)
+            if len(pids) == 2 and os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+                return pids
+            time.sleep(0.2)
+        self.fail("training did not start within 120 s")
+
+    def check(self, launcher, victim, sig, killed=False):
+        name = f"{launcher}_{victim}_{sig.name}"
+        proc = self.launch(launcher, name)
+        pids = {}
+        reported = None
+        try:
+            pids = self.wait_training(proc, name)
+            os.kill(pids[victim], sig)
+            start = time.time()
+            # The survivor reports and exits within timeout_s + SLACK_S. Under mpirun the job ends
+            # with it (mpirun kills the stopped rank). Under torchrun the job ends after torchrun's
+            # own SIGTERM->SIGKILL grace for the other workers (30 s; a stopped process does not act
+            # on SIGTERM): that is torchrun's, so the test stops waiting once the survivor is gone.
+            survivor_pid = pids[1 - victim]
+            end = start + TIMEOUT_S + SLACK_S
+            while time.time() < end and proc.poll() is None:
+                if reported is None and "parallax: error:" in self.stderr():
+                    reported = time.time() - start
+                if launcher == "torchrun" and reported is not None and not alive(survivor_pid):
+                    break
+                time.sleep(0.2)
+            if launcher == "torchrun" and proc.poll() is None and not alive(survivor_pid):
+                pass
+            elif proc.poll() is None:
+                self.fail(f"{launcher}: the job did not end within {end - start:.0f} s after rank {victim} got "
+                          f"{sig.name}:\n{self.stderr()[-3000:]}")
+            elapsed = time.time() - start
+            if reported is None:
+                reported = elapsed
+        finally:
+            for pid in pids.values():
+                for s in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, s)
+                    except ProcessLookupError:
+                        pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        if launcher == "mpirun" or killed:
+            self.assertNotEqual(proc.returncode, 0)
+        self.assertLess(reported, TIMEOUT_S + SLACK_S)
+        survivor = 1 - victim
+        err = self.stderr()
+        self.assertNotIn("frame #", err)
+        self.assertNotRegex(err, r"Exception raised from .* at ")
+        if killed and "parallax: error:" not in err:
+            # torchrun SIGTERMs the other workers as soon as one dies (before their report) and names
+            # the dead worker as the root cause itself.
+            root = err[err.index("Root Cause"):]
+            self.assertRegex(root, rf"rank\s*: {victim} .*\n\s*exitcode\s*: -9", root)
+            return name, ""
+        errors = [l for l in err.splitlines() if l.startswith("parallax: error:")]
+        # The survivor's line comes first, exactly once. (mpirun SIGCONTs a stopped rank before its
+        # SIGTERM, so the victim may report its own broken collective as it is torn down.)
+        self.assertTrue(errors, f"no error line:\n{err[-4000:]}")
+        line = errors[0]
+        self.assertIn(f"on world rank {survivor}", line)
+        mine = [l for l in errors if f"on world rank {survivor}" in l]
+        self.assertEqual(len(mine), 1, f"expected one error line from rank {survivor}, got:\n{err[-4000:]}")
+        # The victim is named: as the rank that never arrived, or as the peer whose heartbeat stopped,
+        # or (its own process hosting the store) as the unreachable store's host.
+        self.assertRegex(line, rf"never arrived: \[{victim}\]|Not responding .*: world rank {victim}\b|"
+                               rf"its host, world rank {victim}\b", line)
+        self.assertRegex(line, r"all_reduce|broadcast|all_gather|reduce_scatter|barrier", line)
+        self.assertNotIn("frame #", err)
+        self.assertNotRegex(err, r"Exception raised from .* at ")
+        print(f"\n  {launcher} {sig.name} rank {victim}: reported after {reported:.1f} s, ended after {elapsed:.1f} s: "
+              f"{line}", file=sys.stderr)
+        return name, line
+
+    def check_report_in_run_dir(self, name, survivor):
+        run_dir = os.path.join(self.d, name)
+        self.assertEqual(glob.glob(os.path.join(self.cwd, "parallax_flight_*")), [])
+        self.assertTrue(os.path.exists(os.path.join(run_dir, f"parallax_flight_{survivor}.json")),
+                        os.listdir(run_dir))
+
+    def test_mpirun_stopped_rank0(self):
+        name, line = self.check("mpirun", 0, signal.SIGSTOP)
+        self.assertIn("timed out", line)
+        self.check_report_in_run_dir(name, 1)
+
+    def test_mpirun_stopped_rank1(self):
+        name, line = self.check("mpirun", 1, signal.SIGSTOP)
+        self.assertIn("timed out", line)
+        self.check_report_in_run_dir(name, 0)
+
+    def test_torchrun_stopped_rank0(self):
+        name, line = self.check("torchrun", 0, signal.SIGSTOP)
+        self.assertIn("timed out", line)
+        self.check_report_in_run_dir(name, 1)
+
+    def test_torchrun_stopped_rank1(self):
+        name, line = self.check("torchrun", 1, signal.SIGSTOP)
+        self.assertIn("timed out", line)
+        self.check_report_in_run_dir(name, 0)
+
+    def test_torchrun_killed_rank1(self):
+        self.check("torchrun", 1, signal.SIGKILL, killed=True)
+
+
+if __name__ == "__main__":
+    PARALLAX, MPIRUN = os.path.abspath(sys.argv[1]), sys.argv[2]
+    unittest.main(argv=sys.argv[:1] + sys.argv[3:], verbosity=2)
