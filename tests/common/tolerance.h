@@ -15,8 +15,6 @@
 #include <gtest/gtest.h>
 
 #include <sstream>
-#include <cstdio>
-#include <cstdlib>
 
 namespace parallax::testing {
 
@@ -58,10 +56,6 @@ inline ::testing::AssertionResult within(const at::Tensor& a, const at::Tensor& 
       at::where(at::isnan(diff) | at::isnan(lim), at::full({}, INFINITY, a64.options()), diff - lim)
           .flatten();
   const int64_t worst = excess.argmax().item<int64_t>();
-  if (std::getenv("TOL_DEBUG")) {
-    const at::Tensor ratio = diff / lim.clamp_min(1e-300);
-    std::fprintf(stderr, "TOL ratio max %.3g  (diff %.3g, bound-at-max %.3g, numel %ld)\n", ratio.max().item<double>(), diff.max().item<double>(), lim.flatten()[ratio.flatten().argmax()].item<double>(), (long)a.numel());
-  }
   if (excess[worst].item<double>() <= 0) return ::testing::AssertionSuccess();
   std::ostringstream os;
   os << "element " << worst << " of " << a.sizes() << ": " << a64.flatten()[worst].item<double>()
