@@ -7,18 +7,24 @@
 #include "kernels/bev_sample.h"
 
 #include "core/error.h"
+#include "tests/common/tolerance.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
 namespace parallax::kernels {
 namespace {
+
+namespace tol = parallax::testing;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -122,19 +128,83 @@ at::Tensor autograd_reference(const at::Tensor& features64, const at::Tensor& uv
   return at::cat({mean.view({b, c * z, q}), (count > 0).to(at::kDouble).view({b, z, q})}, 1);
 }
 
-// |a - b| <= rtol * |b| + atol elementwise, with the worst element in the failure message.
-::testing::AssertionResult close(const at::Tensor& a, const at::Tensor& b, double rtol,
-                                 double atol) {
-  if (a.sizes() != b.sizes()) {
-    return ::testing::AssertionFailure() << "sizes " << a.sizes() << " vs " << b.sizes();
+// Rounding bounds of bev_sample's ATen path (fp32, u = 2^-24) or of the float64 references
+// (u = 2^-53), from the arithmetic (tests/common/tolerance.h, tests/TOLERANCES.md):
+// - A tap position ix = ((g + 1) Wf - 1) / 2 with g = u_px * (2 / W) - 1 (grid_sample's
+//   align_corners=false) is computed with |g| <= 1.2 and |u_px * 2 / W| <= 2.2: g errs by
+//   5.6 u, g + 1 by 7.8 u, the product by 10 u Wf, the rest by 2.2 u Wf: under `coord` = 16 u
+//   max(Hf, Wf) feature pixels per axis. A bilinear sample moves by at most 2 max|f| per pixel
+//   per axis, so by 4 coord max|f|.
+// - Its weights (1 - a) and products, and the sum of 4 taps: 6 roundings of sum w |f| <= max|f|;
+//   the sum over N cameras and the division by the count: N + 2 more, of a mean bounded by max|f|.
+double coord_error(int64_t fh, int64_t fw, double u) {
+  return 16 * u * static_cast<double>(std::max(fh, fw));
+}
+
+double lifted_bound(const at::Tensor& features, int64_t n, double u) {
+  const double fmax = features.abs().max().item<double>();
+  return fmax * (4 * coord_error(features.size(2), features.size(3), u) +
+                 parallax::testing::gamma_k(n + 8, u));
+}
+
+// The gradient w.r.t. the features of sum(lifted * w), elementwise: each visible (sample, camera,
+// point) adds w_tap W / count to each of its taps' pixels (W: the upstream weight of the point's
+// channel). A tap weight errs by at most 2 coord (both axes) plus 2 roundings, and a pixel within
+// coord of a tap boundary may gain or lose a tap of weight <= 2 coord: so every pixel of the taps
+// at positions x +- coord, y +- coord gets 2 coord |W| / count + gamma(2) w |W| / count, and the
+// accumulation of its M contributions in any order (atomics on a GPU, index_add here) adds
+// gamma(M + 1) of their sum (the + 1: the division by the count).
+at::Tensor gradient_bound(const at::Tensor& features, const at::Tensor& uv,
+                          const at::Tensor& visible, const at::Tensor& w, int64_t z,
+                          int64_t image_h, int64_t image_w, double u) {
+  const int64_t b = uv.size(0), n = uv.size(1), p = uv.size(2), q = p / z;
+  const int64_t c = features.size(1), fh = features.size(2), fw = features.size(3);
+  const double coord = coord_error(fh, fw, u);
+  const at::Tensor uv64 = uv.to(at::kDouble).contiguous(),
+                   w64 = w.to(at::kDouble).abs().contiguous();
+  const auto pix = uv64.accessor<double, 4>();
+  const auto up = w64.accessor<double, 3>();
+  const at::Tensor vis_cpu = visible.contiguous();
+  const auto vis = vis_cpu.accessor<bool, 3>();
+  at::Tensor perturb = at::zeros({b * n, c, fh, fw}, at::kDouble), terms = at::zeros_like(perturb),
+             count_terms = at::zeros({b * n, fh, fw}, at::kDouble);
+  auto pert = perturb.accessor<double, 4>();
+  auto term = terms.accessor<double, 4>();
+  auto cnt = count_terms.accessor<double, 3>();
+  const double scale_x = static_cast<double>(image_w) / static_cast<double>(fw),
+               scale_y = static_cast<double>(image_h) / static_cast<double>(fh);
+  for (int64_t bi = 0; bi < b; ++bi) {
+    for (int64_t pi = 0; pi < p; ++pi) {
+      int64_t seen_by = 0;
+      for (int64_t cam = 0; cam < n; ++cam) seen_by += vis[bi][cam][pi] ? 1 : 0;
+      for (int64_t cam = 0; cam < n; ++cam) {
+        if (!vis[bi][cam][pi]) continue;
+        const double px = pix[bi][cam][pi][0], py = pix[bi][cam][pi][1];
+        std::set<std::pair<int64_t, int64_t>> hit;
+        for (double dx : {-coord, coord}) {
+          for (double dy : {-coord, coord}) {
+            for (const Tap& t :
+                 taps(px + dx * scale_x, py + dy * scale_y, fh, fw, image_h, image_w))
+              hit.insert({t.y, t.x});
+          }
+        }
+        std::map<std::pair<int64_t, int64_t>, double> exact;
+        for (const Tap& t : taps(px, py, fh, fw, image_h, image_w)) exact[{t.y, t.x}] = t.w;
+        for (const auto& yx : hit) {
+          const double tw = exact.count(yx) ? exact.at(yx) : 0.0;
+          cnt[bi * n + cam][yx.first][yx.second] += 1;
+          for (int64_t ci = 0; ci < c; ++ci) {
+            const double wp = up[bi][ci * z + pi / q][pi % q] / static_cast<double>(seen_by);
+            pert[bi * n + cam][ci][yx.first][yx.second] +=
+                wp * (2 * coord + parallax::testing::gamma_k(2, u) * tw);
+            term[bi * n + cam][ci][yx.first][yx.second] += wp * tw;
+          }
+        }
+      }
+    }
   }
-  const at::Tensor a64 = a.to(at::kDouble), b64 = b.to(at::kDouble);
-  const at::Tensor excess = (a64 - b64).abs() - (b64.abs() * rtol + atol);
-  const int64_t worst = excess.flatten().argmax().item<int64_t>();
-  if (excess.flatten()[worst].item<double>() <= 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure()
-         << "element " << worst << ": " << a64.flatten()[worst].item<double>() << " vs "
-         << b64.flatten()[worst].item<double>() << " (rtol " << rtol << ", atol " << atol << ")";
+  const at::Tensor m = count_terms.unsqueeze(1) + 1;
+  return perturb + terms * (m * u / (1 - m * u));
 }
 
 // The hand-checked case: B = 2 samples, N = 2 cameras, C = 3 channels, a 4 x 6 feature map
@@ -204,7 +274,8 @@ TEST(BevSampleTest, HandCheckedBilinearMeanSeenAndCount) {
     return s.lifted[0][c * kZ + z][q].item<double>();
   };
   auto seen = [&](int64_t z, int64_t q) { return s.lifted[0][kC * kZ + z][q].item<double>(); };
-  constexpr double kTol = 1e-5;  // float32 sampling of O(1) values
+  // fp32 against the exact taps (lifted_bound): 4 coord max|f| + gamma(N + 8) max|f|.
+  const double kTol = lifted_bound(in.features, kN, tol::kFp32Unit);
   for (int64_t c = 0; c < kC; ++c) {
     SCOPED_TRACE("channel " + std::to_string(c));
     // p0: camera 0 alone, weights (1 - 0.25, 0.25) in x and y.
@@ -239,9 +310,9 @@ TEST(BevSampleTest, HandCheckedBilinearMeanSeenAndCount) {
 
   // Both samples (sample 1 reads the other feature maps through swapped cameras) against the loops.
   const HandResult ref = hand_reference(in.features, in.uv, in.visible, kZ, kImgH, kImgW);
-  EXPECT_TRUE(close(s.lifted, ref.lifted, kTol, kTol));
+  EXPECT_TRUE(tol::within(s.lifted, ref.lifted, kTol));
   EXPECT_TRUE(at::equal(s.count.to(at::kDouble), ref.count));
-  EXPECT_FALSE(at::allclose(s.lifted[0], s.lifted[1]))
+  EXPECT_GT((s.lifted[0] - s.lifted[1]).abs().max().item<double>(), 2 * kTol)
       << "the samples must read their own feature maps";
 }
 
@@ -274,22 +345,26 @@ TEST(BevSampleTest, RandomInputsMatchHandLoopsAndFloat64AutogradGradient) {
   const BevSample s = bev_sample(f32, uv_leaf, visible, z, img_h, img_w, /*fused=*/false);
   EXPECT_FALSE(s.count.requires_grad());
   const HandResult hand = hand_reference(features, uv, visible, z, img_h, img_w);
-  EXPECT_TRUE(close(s.lifted, hand.lifted, 1e-5, 1e-5));
+  EXPECT_TRUE(tol::within(s.lifted, hand.lifted, lifted_bound(features, n, tol::kFp32Unit)));
   EXPECT_TRUE(at::equal(s.count.to(at::kDouble), hand.count));
 
   at::Tensor f64 = features.to(at::kDouble).requires_grad_(true);
   const at::Tensor ref = autograd_reference(f64, uv, visible, z, img_h, img_w);
-  ASSERT_TRUE(close(ref, hand.lifted, 1e-12, 1e-12)) << "the two references disagree";
+  // Both in float64: each within lifted_bound at u = 2^-53 of the exact taps.
+  ASSERT_TRUE(tol::within(ref, hand.lifted, 2 * lifted_bound(features, n, tol::kFp64Unit)))
+      << "the two references disagree";
 
   const at::Tensor w = at::randn({b, c * z + z, q}, at::kDouble);
   (s.lifted * w.to(at::kFloat)).sum().backward();
   (ref * w).sum().backward();
   ASSERT_TRUE(f32.grad().defined());
   EXPECT_FALSE(uv_leaf.grad().defined()) << "gradients flow to the features only";
-  // float32 accumulation of a handful of O(1) terms per element: 1e-5 relative, and 1e-5 of the
-  // largest gradient absolute for elements where terms cancel.
+  // fp32 against float64 (whose own error, gradient_bound at u = 2^-53, is counted too).
   const double scale = f64.grad().abs().max().item<double>();
-  EXPECT_TRUE(close(f32.grad(), f64.grad(), 1e-5, 1e-5 * scale));
+  const at::Tensor bound =
+      gradient_bound(features, uv, visible, w, z, img_h, img_w, tol::kFp32Unit) +
+      gradient_bound(features, uv, visible, w, z, img_h, img_w, tol::kFp64Unit);
+  EXPECT_TRUE(tol::within(f32.grad(), f64.grad(), bound));
   EXPECT_GT(scale, 0.1);
   EXPECT_EQ(f32.grad()[1 * n + 2].abs().max().item<float>(), 0.0f)
       << "a camera that sees nothing gets no gradient";
