@@ -296,6 +296,8 @@ class DdpTest : public ::testing::Test {
     }
   }
 
+  // The bounds assume fp32 arithmetic: no TF32 in cuBLAS or cuDNN on the NCCL runs.
+  parallax::testing::NoTf32 no_tf32_;
   comm::CommPtr world_;
   int rank_ = 0, n_ = 1;
 };
