@@ -233,7 +233,7 @@ TEST_F(LoaderTest, FromConfigSeparatesTrainingAndEvaluation) {
   const auto t = LoaderOptions::from_config(cfg, 5, 1, 2, true);
   EXPECT_TRUE(t.repeat && t.augment && t.shuffle && t.drop_last);
   EXPECT_EQ(t.batch_size, 3);
-  EXPECT_DOUBLE_EQ(t.aug.resize_max, 1.2);
+  EXPECT_EQ(t.aug.resize_max, 1.2);  // copied from the config: exact
   const auto e = LoaderOptions::from_config(cfg, 5, 1, 2, false);
   EXPECT_FALSE(e.repeat || e.augment || e.shuffle || e.drop_last);
   cfg.aug.resize = {1.2};

@@ -2,6 +2,7 @@
 #include "data/datagen.h"
 #include "data/render.h"
 #include "test_util.h"
+#include "tests/common/tolerance.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -34,6 +35,15 @@ std::vector<double> box_point(const BoxRow& b, double a, double bb, double c) {
   const double lx = a * b.l / 2, ly = bb * b.w / 2, lz = c * b.h / 2;
   return {b.x + std::cos(b.yaw) * lx - std::sin(b.yaw) * ly,
           b.y + std::sin(b.yaw) * lx + std::cos(b.yaw) * ly, b.z + lz};
+}
+
+// The stored box row is the generator's double box rounded to float (u of each value); the
+// cameras are rendered from their stored float values exactly (render.h). A point of the double
+// box is within box_rounding() of the float box: u (|x| + |y| + |z|) for the centre, u (l + w + h)
+// for the half sizes, and the yaw's u pi turning points up to (l + w) / 2 away: 4 u of the sum.
+double box_rounding(const BoxRow& b) {
+  return 4 * parallax::testing::kFp32Unit *
+         (std::abs(b.x) + std::abs(b.y) + std::abs(b.z) + b.l + b.w + b.h);
 }
 
 bool inside_box(const BoxRow& b, double px, double py, double pz, double tol) {
@@ -120,10 +130,15 @@ TEST_F(SceneGenTest, PixelsOfAnInstanceLieOnTheirBox) {
       const at::Tensor pe =
           at::matmul(pc, T.slice(0, 0, 3).slice(1, 0, 3).t()) + T.slice(0, 0, 3).select(1, 3);
       const at::Tensor ids = inst.index({idx.select(1, 0), idx.select(1, 1)});
+      // The hit point's depth is stored as a float (u d along the pixel's ray K^-1 [u, v, 1]); the
+      // double back-projection adds ~1e-15 relative.
+      const at::Tensor ray = at::matmul(pix, Kinv.t()).norm(2, 1);
       for (int64_t i = 0; i < idx.size(0); i += 7) {  // a sample of the pixels keeps this fast
         const auto& b = boxes.at(static_cast<size_t>(ids[i].item<int>()));
+        const double tol = box_rounding(b) + 2 * parallax::testing::kFp32Unit *
+                                                 d[i].item<double>() * ray[i].item<double>();
         ASSERT_TRUE(inside_box(b, pe[i][0].item<double>(), pe[i][1].item<double>(),
-                               pe[i][2].item<double>(), 2e-3))
+                               pe[i][2].item<double>(), tol))
             << "scene " << r.index << " camera " << cam << " pixel " << u[i].item<double>() << ","
             << v[i].item<double>();
         ++checked;
@@ -153,10 +168,12 @@ TEST_F(SceneGenTest, BevCellsUnderFootprintsCarryTheirClass) {
         for (int64_t j = 0; j < g.y_cells(); ++j) {
           const double y = g.y_min + (j + 0.5) * g.resolution;
           if (std::abs(y - b.y) > b.l + 1) continue;
-          if (inside_box(b, x, y, b.z, 0.0)) {
+          // Cells inside the generator's (double) box by more than the float box's rounding.
+          if (inside_box(b, x, y, b.z, -box_rounding(b))) {
             EXPECT_EQ(sem[i][j].item<int64_t>(), cls) << "cell " << i << "," << j;
           }
-          // Object cells may only appear within one cell diagonal of a box of their class.
+          // Object cells may only appear within one cell diagonal of a box of their class (a
+          // geometric margin: sqrt(2) / 2 = 0.7071 cells < 0.71, plus far more than the rounding).
           if (sem[i][j].item<int64_t>() == cls && inside_box(b, x, y, b.z, 0.71))
             explained[i][j] = true;
         }
@@ -177,13 +194,14 @@ TEST_F(SceneGenTest, ObjectsHaveClassPriorsNoOverlapsAndStayInRange) {
     for (size_t a = 0; a < boxes.size(); ++a) {
       const auto& b = boxes[a];
       ++per_class[b.cls];
-      EXPECT_NEAR(b.z, b.h / 2, 1e-5);
+      EXPECT_NEAR(b.z, b.h / 2, parallax::testing::gamma_k(2) * b.h);  // both rounded to float
       EXPECT_GE(b.x, -25);
       EXPECT_LT(b.x, 25);
       EXPECT_GE(b.y, -25);
       EXPECT_LT(b.y, 25);
-      EXPECT_GT(b.yaw, -M_PI - 1e-6);
-      EXPECT_LE(b.yaw, M_PI + 1e-6);
+      // A wrapped double yaw rounded to float: within u pi of [-pi, pi].
+      EXPECT_GT(b.yaw, -M_PI * (1 + parallax::testing::kFp32Unit));
+      EXPECT_LE(b.yaw, M_PI * (1 + parallax::testing::kFp32Unit));
       if (b.cls == kVehicle) {
         EXPECT_TRUE(b.l >= 3.6 && b.l <= 8.6 && b.h >= 1.3 && b.h <= 3.3) << b.l << " " << b.h;
       }
@@ -233,7 +251,10 @@ TEST_F(SceneGenTest, VisibilityIsTheFractionOfCornersAndCentreSeen) {
         const at::Tensor u = uvz.select(1, 0), v = uvz.select(1, 1), z = uvz.select(1, 2);
         seen = seen | ((z > 0.1) & (u >= 0) & (u < W) & (v >= 0) & (v < H));
       }
-      EXPECT_NEAR(b.vis, seen.to(at::kDouble).sum().item<double>() / 9.0, 1e-6) << "box " << k;
+      // A count of 9 points, stored as a float: within u of k / 9.
+      EXPECT_NEAR(b.vis, seen.to(at::kDouble).sum().item<double>() / 9.0,
+                  parallax::testing::kFp32Unit)
+          << "box " << k;
     }
   }
 }
@@ -259,9 +280,14 @@ TEST(SceneGenRigTest, CamerasFollowTheDocumentedFrames) {
   for (int64_t cam = 0; cam < o.cameras; ++cam) {
     const at::Tensor T = s.record.cam_to_ego[cam].to(at::kDouble);
     const at::Tensor R = T.slice(0, 0, 3).slice(1, 0, 3);
-    EXPECT_TRUE(at::allclose(at::matmul(R, R.t()), at::eye(3, at::kDouble), 0, 1e-5));
-    EXPECT_NEAR(at::det(R).item<double>(), 1.0, 1e-5);
-    // Optical axis (camera +z) horizontal-ish and pointing along the camera's nominal yaw.
+    // A double rotation rounded to float (entries within u |r|): R R^T within 2 u |R| |R|^T <= 6 u
+    // of I, det within sum |cofactor| u |r| = 3 u of 1 (the double arithmetic: 1e-15).
+    const double u = parallax::testing::kFp32Unit;
+    EXPECT_TRUE(at::allclose(at::matmul(R, R.t()), at::eye(3, at::kDouble), 0, 6 * u + 1e-14));
+    EXPECT_NEAR(at::det(R).item<double>(), 1.0, 3 * u + 1e-14);
+    // Not rounding tolerances from here: the per-scene jitter's ranges (yaw and pitch +-1 degree,
+    // roll +-0.5, position +-0.02 m, principal point +-1.5 px). Optical axis (camera +z)
+    // horizontal-ish and pointing along the camera's nominal yaw.
     const double yaw = 2 * M_PI * cam / o.cameras;
     const double fx = R[0][2].item<double>(), fy = R[1][2].item<double>(),
                  fz = R[2][2].item<double>();
@@ -274,7 +300,7 @@ TEST(SceneGenRigTest, CamerasFollowTheDocumentedFrames) {
     const at::Tensor K = s.record.intrinsics[cam];
     EXPECT_NEAR(K[0][2].item<float>(), o.width / 2.0, 2.0);
     EXPECT_NEAR(K[1][2].item<float>(), o.height / 2.0, 2.0);
-    EXPECT_FLOAT_EQ(K[2][2].item<float>(), 1.0f);
+    EXPECT_EQ(K[2][2].item<float>(), 1.0f);  // exact
   }
 }
 

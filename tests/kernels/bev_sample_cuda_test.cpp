@@ -77,24 +77,80 @@ Outcome run_both_passes(const Inputs& in, const at::Tensor& w, bool fused) {
 
 // |a - b| <= rtol * |b| + atol elementwise, with the worst element in the failure message.
 ::testing::AssertionResult close(const at::Tensor& a, const at::Tensor& b, double rtol,
-                                 double atol) {
+                                 const at::Tensor& atol) {
   if (a.sizes() != b.sizes())
     return ::testing::AssertionFailure() << "sizes " << a.sizes() << " vs " << b.sizes();
   const at::Tensor a64 = a.to(at::kDouble), b64 = b.to(at::kDouble);
   const at::Tensor excess =
       at::where(at::isnan(a64) | at::isnan(b64), at::full({}, 1.0, a64.options()),
-                (a64 - b64).abs() - (b64.abs() * rtol + atol));
+                (a64 - b64).abs() - (b64.abs() * rtol + atol.to(at::kDouble)));
   const int64_t worst = excess.flatten().argmax().item<int64_t>();
   if (excess.flatten()[worst].item<double>() <= 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure()
          << "element " << worst << " of " << a.sizes() << ": "
          << a64.flatten()[worst].item<double>() << " vs " << b64.flatten()[worst].item<double>()
-         << " (rtol " << rtol << ", atol " << atol << ")";
+         << " (rtol " << rtol << ", atol "
+         << atol.to(at::kDouble).expand_as(a64).flatten()[worst].item<double>() << ")";
+}
+
+::testing::AssertionResult close(const at::Tensor& a, const at::Tensor& b, double rtol,
+                                 double atol) {
+  return close(a, b, rtol, at::full({}, atol, at::kDouble).to(a.device()));
 }
 
 // One unit in the last place, relative: 2^-7 for bf16 (8 significant bits), 2^-10 for fp16.
 double ulp(at::ScalarType t) {
   return t == at::kBFloat16 ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
+}
+
+// Both paths compute a tap position as grid_sample does, ix = ((g + 1) * Wf - 1) / 2 with
+// g = u * (2 / W) - 1, in fp32, but may round differently (ATen's grid_sample is compiled with
+// FMA contraction; measured on an H100 with a 160 x 160 map: forward differences up to 3e-5 on
+// O(1) values). Fused or not, g differs by at most 3.4 u (|u * 2 / W| <= 2.2, |g| <= 1.2), so
+// ix by 1.7 u Wf, and (g + 1) * Wf - 1 (one rounding or two, of values <= 2.2 Wf) by 2.2 u Wf
+// more: positions differ by at most `coord` = 4 u max(Hf, Wf) feature pixels per axis, which
+// moves a sample by up to 2 coord max|f| per axis and a tap weight by up to 2 coord.
+double coord_difference(int64_t fh, int64_t fw) {
+  return static_cast<double>(std::max(fh, fw)) * std::ldexp(1.0, -22);
+}
+
+// Forward, fp32 values before the final rounding: each path is within gamma(N + 8) max|f| of the
+// exact mean at its positions (6 roundings per camera's 4 taps, the sum over N cameras, the
+// division; bev_sample_test.cpp), and the positions move a sample by 4 coord max|f|.
+double forward_difference(const at::Tensor& features, int64_t n) {
+  const double fmax = features.abs().max().item<double>(), u = std::ldexp(1.0, -24);
+  const double k = static_cast<double>(n) + 8;
+  return fmax *
+         (2 * k * u / (1 - k * u) + 4 * coord_difference(features.size(2), features.size(3)));
+}
+
+// Per feature pixel [B*N, 1, Hf, Wf]: how many visible (sample, camera, point)s may add to its
+// gradient, counting every pixel of the taps at positions within coord_difference() of the
+// exact one (up to 3 columns and 3 rows).
+at::Tensor contributions(const Inputs& in) {
+  const int64_t b = in.uv.size(0), n = in.uv.size(1), fh = in.features.size(2),
+                fw = in.features.size(3);
+  const double coord = coord_difference(fh, fw);
+  const at::Tensor uv = in.uv.to(at::kDouble);
+  const at::Tensor ix =
+      uv.select(-1, 0) * (static_cast<double>(fw) / static_cast<double>(in.image_w)) - 0.5;
+  const at::Tensor iy =
+      uv.select(-1, 1) * (static_cast<double>(fh) / static_cast<double>(in.image_h)) - 0.5;
+  const at::Tensor x_lo = (ix - coord).floor(), x_hi = (ix + coord).floor() + 1;
+  const at::Tensor y_lo = (iy - coord).floor(), y_hi = (iy + coord).floor() + 1;
+  const at::Tensor cam = at::arange(b * n, uv.options().dtype(at::kLong)).view({b, n, 1});
+  at::Tensor m = at::zeros({b * n * fh * fw}, uv.options());
+  for (int dy = 0; dy < 3; ++dy) {
+    for (int dx = 0; dx < 3; ++dx) {
+      const at::Tensor x = x_lo + dx, y = y_lo + dy;
+      const at::Tensor ok =
+          in.visible & (x <= x_hi) & (y <= y_hi) & (x >= 0) & (x < fw) & (y >= 0) & (y < fh);
+      const at::Tensor flat =
+          (cam * fh + y.clamp(0, fh - 1).to(at::kLong)) * fw + x.clamp(0, fw - 1).to(at::kLong);
+      m.index_add_(0, flat.masked_select(ok), at::ones({ok.sum().item<int64_t>()}, uv.options()));
+    }
+  }
+  return m.view({b * n, 1, fh, fw});
 }
 
 class BevSampleCudaTest : public ::testing::TestWithParam<std::tuple<at::ScalarType, Shape>> {};
@@ -135,34 +191,29 @@ TEST_P(BevSampleCudaTest, FusedMatchesAtenForwardAndBackward) {
   EXPECT_TRUE(at::equal(kernel.lifted.narrow(1, cz, shape.z), ref.lifted.narrow(1, cz, shape.z)))
       << "seen flags";
 
-  // Both paths compute a tap position as grid_sample does, ix = ((u * (2 / W) - 1 + 1) * Wf - 1) /
-  // 2 in fp32, but may round (g + 1) * Wf - 1 differently (ATen's grid_sample is compiled with FMA
-  // contraction; measured on an H100 with a 160 x 160 map: forward differences up to 3e-5 on O(1)
-  // values). So positions may differ by up to `coord` = max(Hf, Wf) * 2^-23 feature pixels per
-  // axis, which moves a sample by up to coord * 2 max|f| per axis and a tap weight by up to
-  // 2 coord.
-  const double coord = static_cast<double>(std::max(shape.fh, shape.fw)) * std::ldexp(1.0, -23);
-  const double fmax = in.features.abs().max().item<double>();
+  const double coord = coord_difference(shape.fh, shape.fw);
 
-  // Forward: both paths sample and average in fp32 and round once, so they differ by fp32
-  // rounding (fp32: 1e-5 relative plus 1e-5 absolute for O(1) values) or, in 16 bits, by at most
-  // one unit in the last place where the fp32 values straddle a rounding boundary (plus 1e-5
-  // absolute for fp32-level differences of values near zero); plus the tap positions' term.
+  // Forward: fp32 differences of forward_difference(); in 16 bits each path rounds its fp32 value
+  // once, so they may differ by that plus one unit in the last place where the values straddle a
+  // rounding boundary.
   const bool fp32 = dtype == at::kFloat;
-  const double rtol = fp32 ? 1e-5 : ulp(dtype);
+  const double rtol = fp32 ? 0.0 : ulp(dtype);
   EXPECT_TRUE(close(kernel.lifted.narrow(1, 0, cz), ref.lifted.narrow(1, 0, cz), rtol,
-                    1e-5 + 4 * coord * fmax));
+                    forward_difference(in.features, shape.n)));
 
-  // Backward: fp32 accumulation (atomics in both paths, different orders) rounded once. fp32:
-  // 1e-5 relative; 16 bits: two units in the last place. The absolute part (1e-5 of the largest
-  // gradient) covers elements where terms cancel, plus the tap weights' term for up to 4 terms of
-  // |w| <= max|w| per element. The full tensor is compared: an element the kernel does not write
-  // reads NaN (see run_both_passes()).
-  const double scale = ref.grad.abs().max().item<double>();
-  const double wmax = w.abs().max().item<double>();
-  ASSERT_GT(scale, 0.0);
-  EXPECT_TRUE(close(kernel.grad, ref.grad, fp32 ? 1e-5 : 2 * ulp(dtype),
-                    1e-5 * scale + 4 * 2 * coord * wmax));
+  // Backward: each path accumulates a pixel's M contributions w_tap W / count in fp32 (atomics, in
+  // any order) and rounds once: within gamma(M + 2) of their sum of magnitudes A (the ATen
+  // gradient for the upstream |W|; A computed in fp32 is within gamma(M + 2) of itself, so the
+  // bound takes 1.01 A), and the positions move each contribution's weight by up to 2 coord: at
+  // most 2 coord M max|W| per pixel. M counts the visible (sample, camera, point)s whose taps at
+  // positions within coord of theirs cover the pixel. 16 bits: one ulp more, as the forward.
+  const Outcome mag = run_both_passes(in, w.abs(), /*fused=*/false);
+  const at::Tensor a = mag.grad.to(at::kDouble).abs() * 1.01;
+  const at::Tensor m = contributions(in);
+  const double wmax = w.abs().max().item<double>(), unit = std::ldexp(1.0, -24);
+  const at::Tensor bound = 2 * ((m + 2) * unit / (1 - (m + 2) * unit) * a + 2 * coord * m * wmax);
+  ASSERT_GT(ref.grad.abs().max().item<double>(), 0.0);
+  EXPECT_TRUE(close(kernel.grad, ref.grad, fp32 ? 0.0 : 2 * ulp(dtype), bound));
   const at::Tensor blind = kernel.grad[1 * shape.n + shape.n - 1];  // the camera that sees nothing
   EXPECT_EQ(blind.abs().max().item<double>(), 0.0);
   EXPECT_EQ(ref.grad[1 * shape.n + shape.n - 1].abs().max().item<double>(), 0.0);
@@ -221,10 +272,18 @@ TEST(BevSampleCudaFallbackTest, UnsupportedInputsFallBackToAten) {
 // bev_sample with `uv` in place of the float32, aligned base.uv gives the ATen path's result on
 // base.uv (to float32 rounding), whichever path takes it.
 void expect_sampled_like_float32_uv(const Inputs& base, const at::Tensor& uv) {
-  const BevSample got = bev_sample(base.features, uv, base.visible, base.z, base.image_h, base.image_w);
-  const BevSample ref =
-      bev_sample(base.features, base.uv, base.visible, base.z, base.image_h, base.image_w, /*fused=*/false);
-  EXPECT_TRUE(at::allclose(got.lifted, ref.lifted, 1e-5, 1e-5));
+  const BevSample got =
+      bev_sample(base.features, uv, base.visible, base.z, base.image_h, base.image_w);
+  const BevSample ref = bev_sample(base.features, base.uv, base.visible, base.z, base.image_h,
+                                   base.image_w, /*fused=*/false);
+  // The same inputs through the kernels (uv converted to float32, which the kernels then take) or
+  // the ATen path: the main test's forward bound.
+  EXPECT_TRUE(close(got.lifted.narrow(1, 0, ref.lifted.size(1) - base.z),
+                    ref.lifted.narrow(1, 0, ref.lifted.size(1) - base.z), 0.0,
+                    forward_difference(base.features, base.uv.size(1))));
+  EXPECT_TRUE(at::equal(got.lifted.narrow(1, ref.lifted.size(1) - base.z, base.z),
+                        ref.lifted.narrow(1, ref.lifted.size(1) - base.z, base.z)))
+      << "seen flags";
   EXPECT_TRUE(at::equal(got.count, ref.count));
 }
 

@@ -7,11 +7,14 @@
 #include "kernels/bev_sample.h"
 
 #include "core/error.h"
+#include "tests/common/tolerance.h"
+#include "tests/kernels/bev_sample_bound.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -20,32 +23,15 @@
 namespace parallax::kernels {
 namespace {
 
+namespace tol = parallax::testing;
+using testing::coord_error;
+using testing::gradient_bound;
+using testing::lifted_bound;
+using testing::Tap;
+using testing::taps;
+
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-// The bilinear taps of image pixel (u, v) in an fh x fw feature map covering image_h x image_w
-// pixels: feature coordinate u * fw / image_w - 0.5 (centres at i + 0.5), taps outside the map
-// dropped (zero padding).
-struct Tap {
-  int64_t y, x;
-  double w;
-};
-
-std::vector<Tap> taps(double u, double v, int64_t fh, int64_t fw, int64_t image_h,
-                      int64_t image_w) {
-  const double x = u * static_cast<double>(fw) / static_cast<double>(image_w) - 0.5;
-  const double y = v * static_cast<double>(fh) / static_cast<double>(image_h) - 0.5;
-  const double x0 = std::floor(x), y0 = std::floor(y), ax = x - x0, ay = y - y0;
-  std::vector<Tap> out;
-  for (int dy = 0; dy < 2; ++dy) {
-    for (int dx = 0; dx < 2; ++dx) {
-      const int64_t xi = static_cast<int64_t>(x0) + dx, yi = static_cast<int64_t>(y0) + dy;
-      if (xi < 0 || xi >= fw || yi < 0 || yi >= fh) continue;
-      out.push_back({yi, xi, (dx == 1 ? ax : 1 - ax) * (dy == 1 ? ay : 1 - ay)});
-    }
-  }
-  return out;
-}
 
 struct HandResult {
   at::Tensor lifted;  // float64 [B, C*Z + Z, Q]
@@ -122,21 +108,6 @@ at::Tensor autograd_reference(const at::Tensor& features64, const at::Tensor& uv
   return at::cat({mean.view({b, c * z, q}), (count > 0).to(at::kDouble).view({b, z, q})}, 1);
 }
 
-// |a - b| <= rtol * |b| + atol elementwise, with the worst element in the failure message.
-::testing::AssertionResult close(const at::Tensor& a, const at::Tensor& b, double rtol,
-                                 double atol) {
-  if (a.sizes() != b.sizes()) {
-    return ::testing::AssertionFailure() << "sizes " << a.sizes() << " vs " << b.sizes();
-  }
-  const at::Tensor a64 = a.to(at::kDouble), b64 = b.to(at::kDouble);
-  const at::Tensor excess = (a64 - b64).abs() - (b64.abs() * rtol + atol);
-  const int64_t worst = excess.flatten().argmax().item<int64_t>();
-  if (excess.flatten()[worst].item<double>() <= 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure()
-         << "element " << worst << ": " << a64.flatten()[worst].item<double>() << " vs "
-         << b64.flatten()[worst].item<double>() << " (rtol " << rtol << ", atol " << atol << ")";
-}
-
 // The hand-checked case: B = 2 samples, N = 2 cameras, C = 3 channels, a 4 x 6 feature map
 // covering an 8 x 12 image (stride 2 both ways), Z = 2 heights of Q = 3 cells (P = 6, p = z*Q + q).
 constexpr int64_t kB = 2, kN = 2, kC = 3, kFh = 4, kFw = 6, kImgH = 8, kImgW = 12, kZ = 2, kQ = 3,
@@ -204,7 +175,8 @@ TEST(BevSampleTest, HandCheckedBilinearMeanSeenAndCount) {
     return s.lifted[0][c * kZ + z][q].item<double>();
   };
   auto seen = [&](int64_t z, int64_t q) { return s.lifted[0][kC * kZ + z][q].item<double>(); };
-  constexpr double kTol = 1e-5;  // float32 sampling of O(1) values
+  // fp32 against the exact taps (lifted_bound): 4 coord max|f| + gamma(N + 8) max|f|.
+  const double kTol = lifted_bound(in.features, kN, tol::kFp32Unit);
   for (int64_t c = 0; c < kC; ++c) {
     SCOPED_TRACE("channel " + std::to_string(c));
     // p0: camera 0 alone, weights (1 - 0.25, 0.25) in x and y.
@@ -239,9 +211,9 @@ TEST(BevSampleTest, HandCheckedBilinearMeanSeenAndCount) {
 
   // Both samples (sample 1 reads the other feature maps through swapped cameras) against the loops.
   const HandResult ref = hand_reference(in.features, in.uv, in.visible, kZ, kImgH, kImgW);
-  EXPECT_TRUE(close(s.lifted, ref.lifted, kTol, kTol));
+  EXPECT_TRUE(tol::within(s.lifted, ref.lifted, kTol));
   EXPECT_TRUE(at::equal(s.count.to(at::kDouble), ref.count));
-  EXPECT_FALSE(at::allclose(s.lifted[0], s.lifted[1]))
+  EXPECT_GT((s.lifted[0] - s.lifted[1]).abs().max().item<double>(), 2 * kTol)
       << "the samples must read their own feature maps";
 }
 
@@ -274,22 +246,26 @@ TEST(BevSampleTest, RandomInputsMatchHandLoopsAndFloat64AutogradGradient) {
   const BevSample s = bev_sample(f32, uv_leaf, visible, z, img_h, img_w, /*fused=*/false);
   EXPECT_FALSE(s.count.requires_grad());
   const HandResult hand = hand_reference(features, uv, visible, z, img_h, img_w);
-  EXPECT_TRUE(close(s.lifted, hand.lifted, 1e-5, 1e-5));
+  EXPECT_TRUE(tol::within(s.lifted, hand.lifted, lifted_bound(features, n, tol::kFp32Unit)));
   EXPECT_TRUE(at::equal(s.count.to(at::kDouble), hand.count));
 
   at::Tensor f64 = features.to(at::kDouble).requires_grad_(true);
   const at::Tensor ref = autograd_reference(f64, uv, visible, z, img_h, img_w);
-  ASSERT_TRUE(close(ref, hand.lifted, 1e-12, 1e-12)) << "the two references disagree";
+  // Both in float64: each within lifted_bound at u = 2^-53 of the exact taps.
+  ASSERT_TRUE(tol::within(ref, hand.lifted, 2 * lifted_bound(features, n, tol::kFp64Unit)))
+      << "the two references disagree";
 
   const at::Tensor w = at::randn({b, c * z + z, q}, at::kDouble);
   (s.lifted * w.to(at::kFloat)).sum().backward();
   (ref * w).sum().backward();
   ASSERT_TRUE(f32.grad().defined());
   EXPECT_FALSE(uv_leaf.grad().defined()) << "gradients flow to the features only";
-  // float32 accumulation of a handful of O(1) terms per element: 1e-5 relative, and 1e-5 of the
-  // largest gradient absolute for elements where terms cancel.
+  // fp32 against float64 (whose own error, gradient_bound at u = 2^-53, is counted too).
   const double scale = f64.grad().abs().max().item<double>();
-  EXPECT_TRUE(close(f32.grad(), f64.grad(), 1e-5, 1e-5 * scale));
+  const at::Tensor bound =
+      gradient_bound(features, uv, visible, w, z, img_h, img_w, tol::kFp32Unit) +
+      gradient_bound(features, uv, visible, w, z, img_h, img_w, tol::kFp64Unit);
+  EXPECT_TRUE(tol::within(f32.grad(), f64.grad(), bound));
   EXPECT_GT(scale, 0.1);
   EXPECT_EQ(f32.grad()[1 * n + 2].abs().max().item<float>(), 0.0f)
       << "a camera that sees nothing gets no gradient";

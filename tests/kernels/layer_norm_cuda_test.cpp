@@ -3,6 +3,7 @@
 // widths that leave lanes idle, forward outputs and all four gradients; determinism of the
 // weight gradients; fallback to ATen outside the supported range. Skips without a GPU.
 #include "kernels/layer_norm.h"
+#include "tests/common/tolerance.h"
 #include "tests/kernels/layer_norm_ref.h"
 
 #include <gtest/gtest.h>
@@ -13,6 +14,8 @@
 namespace parallax::kernels {
 namespace {
 
+namespace tol = parallax::testing;
+
 #define SKIP_WITHOUT_CUDA() \
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"
 
@@ -21,8 +24,9 @@ struct LnRun {
 };
 
 LnRun run_fused(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w, const at::Tensor& b,
-              const at::Tensor& dy, const at::Tensor& ds, bool fused = true) {
-  at::Tensor xg = x.clone().requires_grad_(true), rg = r.defined() ? r.clone().requires_grad_(true) : r;
+                const at::Tensor& dy, const at::Tensor& ds, bool fused = true) {
+  at::Tensor xg = x.clone().requires_grad_(true),
+             rg = r.defined() ? r.clone().requires_grad_(true) : r;
   at::Tensor wg = w.clone().requires_grad_(true), bg = b.clone().requires_grad_(true);
   auto [y, sum] = add_layer_norm(xg, rg, wg, bg, 1e-6, fused);
   at::Tensor loss = (y.to(at::kFloat) * dy.to(at::kFloat)).sum();
@@ -31,7 +35,8 @@ LnRun run_fused(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w, c
   return {y, sum, xg.grad(), rg.defined() ? rg.grad() : at::Tensor(), wg.grad(), bg.grad()};
 }
 
-class FusedLayerNormTest : public ::testing::TestWithParam<std::tuple<at::ScalarType, int64_t, bool>> {};
+class FusedLayerNormTest
+    : public ::testing::TestWithParam<std::tuple<at::ScalarType, int64_t, bool>> {};
 
 TEST_P(FusedLayerNormTest, MatchesFloat64Reference) {
   SKIP_WITHOUT_CUDA();
@@ -41,43 +46,49 @@ TEST_P(FusedLayerNormTest, MatchesFloat64Reference) {
   const int64_t rows = 1237;  // not a multiple of the rows per block
   const at::Tensor x = (at::randn({rows, cols}, opt) * 2 + 0.5).to(dtype);
   const at::Tensor r = with_residual ? at::randn({rows, cols}, opt).to(dtype) : at::Tensor();
-  const at::Tensor w = at::randn({cols}, opt) * 0.5 + 1, b = at::randn({cols}, opt) * 0.1;  // fp32 masters
+  const at::Tensor w = at::randn({cols}, opt) * 0.5 + 1,
+                   b = at::randn({cols}, opt) * 0.1;  // fp32 masters
   const at::Tensor dy = at::randn({rows, cols}, opt).to(dtype);
   const at::Tensor ds = with_residual ? at::randn({rows, cols}, opt).to(dtype) : at::Tensor();
   ASSERT_TRUE(fused_layer_norm_supported(x, r, w, b));
   const LnRun got = run_fused(x, r, w, b, dy, ds);
   const auto ref = testing::layer_norm_reference(x, r, w, b, 1e-6, dy, ds);
-  // Outputs are rounded to the dtype once; gradients accumulate in fp32 from dtype inputs.
-  const double out_tol = dtype == at::kFloat ? 1e-6 : dtype == at::kHalf ? 1e-3 : 8e-3;
-  const double grad_tol = dtype == at::kFloat ? 1e-5 : dtype == at::kHalf ? 2e-3 : 1e-2;
+  // Bounds from the arithmetic (testing::layer_norm_bound): statistics and accumulations in fp32,
+  // y and dx rounded once to the dtype (its unit roundoff), the weight gradients fp32.
+  const double out_unit = dtype == at::kFloat ? 0.0 : tol::unit_roundoff(dtype);
+  const at::Tensor s = with_residual ? (x + r) : x;
+  const auto bound = testing::layer_norm_bound(ref, s, w, b, 1e-6, dy, ds, out_unit);
   EXPECT_EQ(got.y.scalar_type(), dtype);
-  EXPECT_LT(testing::rel_err(got.y, ref.y), out_tol);
-  EXPECT_LT(testing::rel_err(got.dx, ref.dx), grad_tol);
+  EXPECT_TRUE(tol::within(got.y, ref.y, bound.y));
+  EXPECT_TRUE(tol::within(got.dx, ref.dx, bound.dx));
   EXPECT_EQ(got.dw.scalar_type(), at::kFloat);
-  EXPECT_LT(testing::rel_err(got.dw, ref.dweight), grad_tol);
-  EXPECT_LT(testing::rel_err(got.db, ref.dbias), grad_tol);
+  EXPECT_TRUE(tol::within(got.dw, ref.dweight, bound.dweight));
+  EXPECT_TRUE(tol::within(got.db, ref.dbias, bound.dbias));
   if (with_residual) {
     // The sum is exactly what `x + r` gives in the dtype.
     EXPECT_TRUE(at::equal(got.sum, x + r));
-    EXPECT_LT(testing::rel_err(got.dres, ref.dres), grad_tol);
+    EXPECT_TRUE(tol::within(got.dres, ref.dres, bound.dx));
     EXPECT_TRUE(at::equal(got.dres, got.dx));
   }
-  // The ATen path (fused=false) meets the same tolerances: the kernels are not looser than it.
+  // The ATen path (fused=false) meets the same bounds, plus its cast of the fp32 weight and bias
+  // to a 16-bit dtype: the kernels are not looser than it.
   const LnRun aten = run_fused(x, r, w, b, dy, ds, /*fused=*/false);
-  EXPECT_LT(testing::rel_err(aten.y, ref.y), out_tol);
+  const auto aten_bound = testing::layer_norm_bound(ref, s, w, b, 1e-6, dy, ds, out_unit, out_unit);
+  EXPECT_TRUE(tol::within(aten.y, ref.y, aten_bound.y));
 }
 
 INSTANTIATE_TEST_SUITE_P(DtypesWidthsResidual, FusedLayerNormTest,
                          ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16, at::kHalf),
-                                            ::testing::Values(int64_t{8}, int64_t{264}, int64_t{768},
-                                                              int64_t{1024}),
+                                            ::testing::Values(int64_t{8}, int64_t{264},
+                                                              int64_t{768}, int64_t{1024}),
                                             ::testing::Bool()));
 
 TEST(FusedLayerNormCudaTest, WeightGradientsAreDeterministic) {
   SKIP_WITHOUT_CUDA();
   at::manual_seed(3);
   const auto opt = at::TensorOptions().device(at::kCUDA);
-  const at::Tensor x = at::randn({25216, 768}, opt).to(at::kBFloat16), r = at::randn({25216, 768}, opt).to(at::kBFloat16);
+  const at::Tensor x = at::randn({25216, 768}, opt).to(at::kBFloat16),
+                   r = at::randn({25216, 768}, opt).to(at::kBFloat16);
   const at::Tensor w = at::randn({768}, opt), b = at::randn({768}, opt);
   const at::Tensor dy = at::randn({25216, 768}, opt).to(at::kBFloat16), ds = at::randn_like(dy);
   const LnRun a = run_fused(x, r, w, b, dy, ds), c = run_fused(x, r, w, b, dy, ds);
@@ -97,7 +108,8 @@ TEST(FusedLayerNormCudaTest, UnsupportedInputsFallBackToAten) {
   const at::Tensor strided = at::randn({8, 16}, opt).t();  // not contiguous
   EXPECT_FALSE(fused_layer_norm_supported(strided, {}, at::ones({8}, opt), at::zeros({8}, opt)));
   const at::Tensor y = add_layer_norm(wide, {}, w, b, 1e-6).first;
-  EXPECT_TRUE(at::allclose(y, at::layer_norm(wide, {1280}, w, b, 1e-6), 1e-5, 1e-5));
+  // The fallback is this very call (fp32 weights, no cast): the same kernel on the same inputs.
+  EXPECT_TRUE(at::equal(y, at::layer_norm(wide, {1280}, w, b, 1e-6)));
 }
 
 }  // namespace

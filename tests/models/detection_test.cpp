@@ -2,6 +2,7 @@
 #include "models/detection.h"
 #include "models/model.h"
 #include "models/perception_model.h"
+#include "tests/common/tolerance.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -11,6 +12,9 @@
 
 namespace parallax::models {
 namespace {
+
+namespace tol = parallax::testing;
+constexpr double u = tol::kFp32Unit;
 
 const BevGrid kGrid{-25, -25, 1.0, 50, 50};
 
@@ -23,14 +27,17 @@ at::Tensor random_boxes(int64_t b, int64_t n, int64_t k, int64_t classes) {
     const at::Tensor cells = at::randperm(16 * 16).narrow(0, 0, n);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t c = cells[i].item<int64_t>();
-      const double x = -25 + 3 * static_cast<double>(c / 16) + 1 + at::rand({}).item<double>() * 0.999;
-      const double y = -25 + 3 * static_cast<double>(c % 16) + 1 + at::rand({}).item<double>() * 0.999;
+      const double x =
+          -25 + 3 * static_cast<double>(c / 16) + 1 + at::rand({}).item<double>() * 0.999;
+      const double y =
+          -25 + 3 * static_cast<double>(c % 16) + 1 + at::rand({}).item<double>() * 0.999;
       const at::Tensor size = 0.5 + 4 * at::rand({3});
-      boxes[s][i] = at::tensor({x, y, 0.3 + at::rand({}).item<double>(), size[0].item<double>(),
-                                size[1].item<double>(), size[2].item<double>(),
-                                (at::rand({}).item<double>() * 2 - 1) * 3.1, static_cast<double>(at::randint(classes, {}).item<int64_t>()),
-                                0.2 + 0.8 * at::rand({}).item<double>()},
-                               at::kFloat);
+      boxes[s][i] = at::tensor(
+          {x, y, 0.3 + at::rand({}).item<double>(), size[0].item<double>(), size[1].item<double>(),
+           size[2].item<double>(), (at::rand({}).item<double>() * 2 - 1) * 3.1,
+           static_cast<double>(at::randint(classes, {}).item<int64_t>()),
+           0.2 + 0.8 * at::rand({}).item<double>()},
+          at::kFloat);
     }
   }
   return boxes;
@@ -55,7 +62,8 @@ TEST(DetectionTargetsTest, HeatmapPeaksAtBoxCentres) {
         EXPECT_EQ(t.heatmap[s][cls][ci][cj].item<float>(), 1.0f);
         EXPECT_EQ(t.index[s][i].item<int64_t>(), ci * 50 + cj);
         // A strict local maximum of its class channel.
-        const at::Tensor patch = t.heatmap[s][cls].narrow(0, ci - 1, 3).narrow(1, cj - 1, 3).reshape({-1});
+        const at::Tensor patch =
+            t.heatmap[s][cls].narrow(0, ci - 1, 3).narrow(1, cj - 1, 3).reshape({-1});
         EXPECT_EQ((patch == 1).sum().item<int64_t>(), 1);
       }
     }
@@ -72,14 +80,21 @@ TEST(DetectionTargetsTest, RegressionLossIsZeroAtTheEncodedTarget) {
   // A prediction map holding each target's code at its centre cell, noise elsewhere.
   at::Tensor reg = at::randn({3, kBoxCodeSize, 2500});
   const at::Tensor idx = t.index.unsqueeze(1).expand({3, kBoxCodeSize, 8});
-  const at::Tensor codes = at::where(t.mask.unsqueeze(-1), t.codes, reg.gather(2, idx).transpose(1, 2));
+  const at::Tensor codes =
+      at::where(t.mask.unsqueeze(-1), t.codes, reg.gather(2, idx).transpose(1, 2));
   reg.scatter_(2, idx, codes.transpose(1, 2));
   reg = reg.view({3, kBoxCodeSize, 50, 50});
-  EXPECT_LT(box_regression_loss(reg, t).item<double>(), 1e-7);
-  // Off by 0.3 in one code entry of one box: L1 = 0.3 / number of boxes.
+  // Exact by construction: the prediction holds the very code values (the boxes sit in distinct
+  // cells), so every |pred - code| is 0.
+  EXPECT_EQ(box_regression_loss(reg, t).item<double>(), 0.0);
+  // Off by 0.3 in one code entry of one box: L1 = 0.3 / number of boxes. The only nonzero term is
+  // fl(fl(c + 0.3) - c), within u (|c| + 0.3) + u 0.3 of 0.3; the sum of zeros adds nothing, the
+  // division by 15 one rounding.
   const int64_t cell = t.index[1][2].item<int64_t>();
+  const double c = reg[1][4][cell / 50][cell % 50].item<double>();
   reg[1][4][cell / 50][cell % 50] += 0.3;
-  EXPECT_NEAR(box_regression_loss(reg, t).item<double>(), 0.3 / 15, 1e-6);
+  EXPECT_NEAR(box_regression_loss(reg, t).item<double>(), 0.3 / 15,
+              tol::gamma_k(3) * (std::abs(c) + 0.6) / 15);
 }
 
 TEST(DetectionTargetsTest, PostprocessOfEncodedTargetsRecoversTheBoxes) {
@@ -113,12 +128,27 @@ TEST(DetectionTargetsTest, PostprocessOfEncodedTargetsRecoversTheBoxes) {
     want.select(-1, 8).fill_(1);  // decoded visibility is 1
     const at::Tensor g = got.index_select(0, got.select(-1, 0).argsort());
     const at::Tensor w = want.index_select(0, want.select(-1, 0).argsort());
+    // Yaw: encoded as fp32 sin and cos (each within 2 u, one ulp), decoded by atan2 (angle within
+    // 2 sqrt(2) u from those, plus one ulp of a result <= pi, 4 u); the test's difference of two
+    // angles <= pi rounds by 4 u, its sin, cos and atan2 near 0 add 2 sqrt(2) u: under 16 u.
     at::Tensor dyaw = g.select(-1, 6) - w.select(-1, 6);
     dyaw = at::atan2(dyaw.sin(), dyaw.cos());
-    EXPECT_LT(dyaw.abs().max().item<double>(), 1e-5);
+    EXPECT_LT(dyaw.abs().max().item<double>(), 16 * u);
     g.select(-1, 6).zero_();
     w.select(-1, 6).zero_();
-    EXPECT_TRUE(at::allclose(g, w, 1e-5, 1e-5)) << g << w;
+    // x, y: encoded (x - x_min) / res, the cell's offset (exact), decoded x_min + (i + offset) res:
+    // 5 roundings of |x - x_min| + |x|. z, class and visibility are copied: exact. Sizes: log then
+    // exp (each within 2 u, one ulp) and the log's error scaled by the size: (4 + 2 |log l|) u l.
+    const double x_min = model.spec().query_grid.x_min, y_min = model.spec().query_grid.y_min;
+    const at::Tensor w64 = w.to(at::kDouble);
+    at::Tensor bound = at::zeros_like(w64);
+    bound.select(-1, 0).copy_(tol::gamma_k(5) *
+                              ((w64.select(-1, 0) - x_min).abs() + w64.select(-1, 0).abs()));
+    bound.select(-1, 1).copy_(tol::gamma_k(5) *
+                              ((w64.select(-1, 1) - y_min).abs() + w64.select(-1, 1).abs()));
+    const at::Tensor size = w64.narrow(-1, 3, 3);
+    bound.narrow(-1, 3, 3).copy_((4 + 2 * size.log().abs()) * u * size * (1 + 1e-3));
+    EXPECT_TRUE(tol::within(g, w, bound)) << g << w;
   }
 }
 
@@ -129,7 +159,14 @@ TEST(FocalLossTest, MatchesTheCenterNetFormula) {
   target[0][1][2][3] = 1;
   target[1][2][0][0] = 1;
   const at::Tensor p = at::sigmoid(logits).to(at::kDouble), t = target.to(at::kDouble);
-  double expect = 0;
+  // The reference, in double, from the same fp32 probabilities p (sigmoid within 2 u of exact).
+  // Per term: positives (1 - p)^2 (-log p): the loss's log_sigmoid(x) is within 3 u of -log of
+  // the exact p, the reference's log(p) within 2 u (absolute: |dp| / p) of it, plus the square and
+  // the product: (1 - p)^2 (5 u |log p| + 2 u) + 4 u term. Negatives (1 - t)^4 p^2 (-log(1 - p)):
+  // 1 - t rounds by u / (1 - t) relative (4 x for the power), p^2 and the products 6 u, and
+  // log(1 - p) of the rounded p is off by 2 u p / (1 - p) (absolute). The sum of 72 non-negative
+  // terms adds gamma(72) of their sum, the division by 2 positives nothing.
+  double expect = 0, bound = 0;
   auto pa = p.accessor<double, 4>();
   auto ta = t.accessor<double, 4>();
   for (int a = 0; a < 2; ++a)
@@ -137,9 +174,19 @@ TEST(FocalLossTest, MatchesTheCenterNetFormula) {
       for (int c = 0; c < 6; ++c)
         for (int d = 0; d < 6; ++d) {
           const double pp = pa[a][b][c][d], tt = ta[a][b][c][d];
-          expect += tt == 1 ? -std::pow(1 - pp, 2) * std::log(pp) : -std::pow(1 - tt, 4) * pp * pp * std::log(1 - pp);
+          if (tt == 1) {
+            const double term = -std::pow(1 - pp, 2) * std::log(pp);
+            expect += term;
+            bound += std::pow(1 - pp, 2) * (5 * u * std::abs(std::log(pp)) + 2 * u) + 4 * u * term;
+          } else {
+            const double term = -std::pow(1 - tt, 4) * pp * pp * std::log(1 - pp);
+            expect += term;
+            bound += term * (4 * u / (1 - tt) + 12 * u) +
+                     std::pow(1 - tt, 4) * pp * pp * 2 * u * pp / (1 - pp);
+          }
         }
-  EXPECT_NEAR(heatmap_focal_loss(logits, target).item<double>(), expect / 2, 1e-4 * expect);
+  bound += tol::gamma_k(72) * expect;
+  EXPECT_NEAR(heatmap_focal_loss(logits, target).item<double>(), expect / 2, bound / 2);
   // A confident correct prediction beats an uninformed one.
   EXPECT_LT(heatmap_focal_loss(at::logit(target, 1e-3), target).item<double>(),
             heatmap_focal_loss(at::zeros_like(target), target).item<double>());
@@ -155,10 +202,12 @@ TEST(DecodeTest, KeepsOnlyLocalMaximaAboveThreshold) {
   Detections d = decode_detections(heat, reg, g, 5, 0.2);
   ASSERT_EQ(d.boxes.sizes(), at::IntArrayRef({1, 5, 9}));
   EXPECT_EQ((d.boxes[0].select(-1, 7) >= 0).sum().item<int64_t>(), 2);
-  EXPECT_NEAR(d.boxes[0][0][0].item<double>(), 6.0, 1e-6);  // x = 0 + (3 + 0) * 2
-  EXPECT_NEAR(d.boxes[0][0][3].item<double>(), 1.0, 1e-6);  // exp(0)
+  EXPECT_EQ(d.boxes[0][0][0].item<double>(), 6.0);  // x = 0 + (3 + 0) * 2: small integers, exact
+  EXPECT_EQ(d.boxes[0][0][3].item<double>(), 1.0);  // exp(0) = 1 exactly
   EXPECT_EQ(d.boxes[0][1][7].item<float>(), 1.0f);
-  EXPECT_NEAR(d.scores[0][0].item<double>(), 1 / (1 + std::exp(-3.0)), 1e-6);
+  // sigmoid in fp32: exp (one ulp, 2 u), the add and the division: within 4 u of the value.
+  EXPECT_NEAR(d.scores[0][0].item<double>(), 1 / (1 + std::exp(-3.0)),
+              4 * u / (1 + std::exp(-3.0)));
   d = decode_detections(heat, reg, g, 5, 0.3);
   EXPECT_EQ((d.boxes[0].select(-1, 7) >= 0).sum().item<int64_t>(), 1);
   EXPECT_EQ(d.scores[0][1].item<float>(), 0.0f);

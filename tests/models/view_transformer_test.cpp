@@ -1,9 +1,11 @@
 // The view transformer's sampling step must read image features exactly where the BEV reference
 // points project, and nowhere else.
+#include "models/view_transformer.h"
 #include "kernels/bev_sample.h"
 #include "models/camera_rig.h"
 #include "models/geometry.h"
-#include "models/view_transformer.h"
+#include "tests/common/tolerance.h"
+#include "tests/kernels/bev_sample_bound.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -13,6 +15,9 @@
 
 namespace parallax::models {
 namespace {
+
+namespace tol = parallax::testing;
+namespace bounds = parallax::kernels::testing;
 
 constexpr int64_t kH = 128, kW = 224, kStride = 8, kC = 5;
 
@@ -28,12 +33,14 @@ ViewTransformerOptions options() {
 
 TEST(ViewTransformerTest, ReferencePointsAreCellCentresAtEachHeight) {
   ViewTransformer vt(options());
+  // Exact: x_min + (i + 0.5) res with x_min = -25 and res = 1 are halves, and the heights are the
+  // configured doubles rounded to float once.
   const at::Tensor p = vt->reference_points(at::kCPU).view({4, 50, 50, 3});
-  EXPECT_FLOAT_EQ(p[0][0][0][0].item<float>(), -24.5f);
-  EXPECT_FLOAT_EQ(p[0][0][0][1].item<float>(), -24.5f);
-  EXPECT_FLOAT_EQ(p[2][49][3][0].item<float>(), 24.5f);
-  EXPECT_FLOAT_EQ(p[2][49][3][1].item<float>(), -21.5f);
-  EXPECT_FLOAT_EQ(p[2][49][3][2].item<float>(), 1.2f);
+  EXPECT_EQ(p[0][0][0][0].item<float>(), -24.5f);
+  EXPECT_EQ(p[0][0][0][1].item<float>(), -24.5f);
+  EXPECT_EQ(p[2][49][3][0].item<float>(), 24.5f);
+  EXPECT_EQ(p[2][49][3][1].item<float>(), -21.5f);
+  EXPECT_EQ(p[2][49][3][2].item<float>(), 1.2f);
 }
 
 TEST(ViewTransformerTest, OccupiedCellIsSampledFromTheRightCameraPixel) {
@@ -46,10 +53,18 @@ TEST(ViewTransformerTest, OccupiedCellIsSampledFromTheRightCameraPixel) {
   const int64_t ci = static_cast<int64_t>(std::floor(12 * std::cos(yaw) + 25));
   const int64_t cj = static_cast<int64_t>(std::floor(12 * std::sin(yaw) + 25));
   const int64_t zi = 1, cam = 1;
-  const at::Tensor point = at::tensor({-25 + ci + 0.5, -25 + cj + 0.5, 0.6}, at::kFloat).view({1, 3});
+  const at::Tensor point =
+      at::tensor({-25 + ci + 0.5, -25 + cj + 0.5, 0.6}, at::kFloat).view({1, 3});
   const Projection proj = project_points(point, k, e);
-  ASSERT_EQ(visibility_mask(proj, kH, kW)[0].select(1, 0).nonzero().numel(), 1) << "only camera 1 may see it";
-  const double u = proj.uv[0][cam][0][0].item<double>(), v = proj.uv[0][cam][0][1].item<double>();
+  ASSERT_EQ(visibility_mask(proj, kH, kW)[0].select(1, 0).nonzero().numel(), 1)
+      << "only camera 1 may see it";
+  // The pixel as the model projects it: the same call on all reference points, so the very same
+  // fp32 values (the point is reference point (zi, ci * 50 + cj)).
+  const at::Tensor ref_points = vt->reference_points(at::kCPU);
+  ASSERT_TRUE(at::equal(ref_points[zi * 2500 + ci * 50 + cj], point[0]));
+  const Projection all = project_points(ref_points, k, e);
+  const at::Tensor pix = all.uv[0][cam][zi * 2500 + ci * 50 + cj];
+  const double u = pix[0].item<double>(), v = pix[1].item<double>();
 
   // Feature maps are zero except a distinctive random vector at the feature pixel holding (u, v).
   const int64_t fh = kH / kStride, fw = kW / kStride;
@@ -66,7 +81,13 @@ TEST(ViewTransformerTest, OccupiedCellIsSampledFromTheRightCameraPixel) {
   const int64_t q = ci * 50 + cj;
   EXPECT_EQ(s.count[0][zi][q].item<float>(), 1.0f);
   const at::Tensor got = s.features[0].select(1, zi).select(1, q);
-  EXPECT_TRUE(at::allclose(got, signal * (wx * wy), 1e-5, 1e-6)) << got << signal * (wx * wy);
+  // The model's tap position is within coord_error() of the one the test computes from the same
+  // fp32 (u, v) in double (bev_sample_bound.h): the weight wx wy moves by at most 2 coord, and
+  // its products and the one-camera mean round 6 times.
+  const double coord = bounds::coord_error(fh, fw, tol::kFp32Unit);
+  const at::Tensor want = signal.to(at::kDouble) * (wx * wy);
+  EXPECT_TRUE(tol::within(got, want, signal.to(at::kDouble) * (2 * coord + tol::gamma_k(6))))
+      << got << want;
 
   // Cells outside camera 1's field of view (more than 36 degrees off its axis, seen from the
   // camera centre) receive nothing at any height; neither do cells far from the ray.
@@ -75,7 +96,7 @@ TEST(ViewTransformerTest, OccupiedCellIsSampledFromTheRightCameraPixel) {
   const at::Tensor rel = pts.select(-1, 0) - centre[0], rely = pts.select(-1, 1) - centre[1];
   at::Tensor off_axis = at::atan2(rely, rel) - yaw;
   off_axis = at::atan2(off_axis.sin(), off_axis.cos()).abs();  // [4, 2500]
-  const at::Tensor energy = s.features[0].abs().sum(0);       // [4, 2500]
+  const at::Tensor energy = s.features[0].abs().sum(0);        // [4, 2500]
   const at::Tensor unseen = off_axis > 36.0 * std::numbers::pi / 180.0;
   ASSERT_GT(unseen.sum().item<int64_t>(), 4 * 1500);
   EXPECT_EQ(energy.masked_select(unseen).abs().max().item<float>(), 0.0f);
@@ -85,7 +106,8 @@ TEST(ViewTransformerTest, OccupiedCellIsSampledFromTheRightCameraPixel) {
                                     point[0][0].item<double>() - centre[0].item<double>());
   at::Tensor off_point = at::atan2(rely, rel) - bearing;
   off_point = at::atan2(off_point.sin(), off_point.cos()).abs();
-  EXPECT_EQ(energy.masked_select(off_point > 6.0 * std::numbers::pi / 180.0).max().item<float>(), 0.0f);
+  EXPECT_EQ(energy.masked_select(off_point > 6.0 * std::numbers::pi / 180.0).max().item<float>(),
+            0.0f);
   EXPECT_GT(energy.gt(0).sum().item<int64_t>(), 0);
 }
 
@@ -95,11 +117,14 @@ TEST(ViewTransformerTest, MeanOverCamerasThatSeeAPoint) {
   const CameraRig rig = make_surround_rig({6, kH, kW});
   const at::Tensor k = rig.intrinsics.unsqueeze(0), e = rig.cam_to_ego.unsqueeze(0);
   const at::Tensor value = at::arange(1, 7, at::kFloat);  // camera c has value c + 1
-  const at::Tensor feats = value.view({6, 1, 1, 1}).expand({6, kC, kH / kStride, kW / kStride}).contiguous();
+  const at::Tensor feats =
+      value.view({6, 1, 1, 1}).expand({6, kC, kH / kStride, kW / kStride}).contiguous();
   const auto s = vt->sample(feats, k, e);
   const Projection proj = project_points(vt->reference_points(at::kCPU), k, e);
   const at::Tensor vis = visibility_mask(proj, kH, kW)[0].to(at::kFloat);  // [6, Z*Q]
-  // Where a point is well inside the images (bilinear weights sum to 1), the mean is exact.
+  // Where a point is well inside the images, its bilinear weights sum to 1 (each computed with 2
+  // roundings, their products with the constant 2 more, the 4-tap sum 3) and the mean over up to
+  // 6 cameras adds 6 roundings: within gamma(13) of the exact mean of the constants (<= 6).
   const at::Tensor u = proj.uv[0].select(-1, 0), v = proj.uv[0].select(-1, 1);
   const at::Tensor inner = (u > kStride) & (u < kW - kStride) & (v > kStride) & (v < kH - kStride);
   const at::Tensor inner_or_unseen = (inner | (vis == 0)).all(0);
@@ -107,8 +132,9 @@ TEST(ViewTransformerTest, MeanOverCamerasThatSeeAPoint) {
   const at::Tensor expect = (vis * value.view({6, 1})).sum(0) / count.clamp_min(1);
   const at::Tensor got = s.features[0][0].reshape({-1});
   const at::Tensor sel = inner_or_unseen & (count > 0);
-  ASSERT_GT((sel & (count > 1)).sum().item<int64_t>(), 10) << "the test needs points in camera overlaps";
-  EXPECT_TRUE(at::allclose(got.masked_select(sel), expect.masked_select(sel), 1e-5, 1e-5));
+  ASSERT_GT((sel & (count > 1)).sum().item<int64_t>(), 10)
+      << "the test needs points in camera overlaps";
+  EXPECT_TRUE(tol::within(got.masked_select(sel), expect.masked_select(sel), 6 * tol::gamma_k(13)));
   EXPECT_TRUE(at::equal(s.count[0].reshape({-1}), count));
 }
 
@@ -121,20 +147,24 @@ TEST(ViewTransformerTest, KernelReferencePathMatchesCompactedSample) {
   const int64_t b = 2, n = 6, z = 4, q = 2500;
   const CameraRig rig = jitter_rig(make_surround_rig({n, kH, kW}), b);  // the samples differ
   const at::Tensor features = at::randn({b * n, kC, kH / kStride, kW / kStride});
-  at::Tensor f_model = features.clone().requires_grad_(true), f_kernel = features.clone().requires_grad_(true);
+  at::Tensor f_model = features.clone().requires_grad_(true),
+             f_kernel = features.clone().requires_grad_(true);
 
   const auto s = vt->sample(f_model, rig.intrinsics, rig.cam_to_ego);
-  const Projection proj = project_points(vt->reference_points(at::kCPU), rig.intrinsics, rig.cam_to_ego);
+  const Projection proj =
+      project_points(vt->reference_points(at::kCPU), rig.intrinsics, rig.cam_to_ego);
   const at::Tensor visible = visibility_mask(proj, kH, kW);
-  const kernels::BevSample k = kernels::bev_sample(f_kernel, proj.uv, visible, z, kH, kW, /*fused=*/false);
+  const kernels::BevSample k =
+      kernels::bev_sample(f_kernel, proj.uv, visible, z, kH, kW, /*fused=*/false);
   ASSERT_EQ(k.lifted.sizes(), at::IntArrayRef({b, kC * z + z, q}));
   ASSERT_TRUE((s.count > 1).any().item<bool>() && (s.count == 0).any().item<bool>());
 
   // lifted[b, c*Z + z, q] is s.features[b, c, z, q]; lifted[b, C*Z + z, q] is s.count > 0.
   const at::Tensor mean = k.lifted.narrow(1, 0, kC * z).view({b, kC, z, q});
   const at::Tensor seen = k.lifted.narrow(1, kC * z, z).view({b, z, q});
-  // float32, different summation orders (scatter_add vs dense sums): 1e-5.
-  EXPECT_TRUE(at::allclose(mean, s.features, 1e-5, 1e-5)) << (mean - s.features).abs().max();
+  // Two fp32 evaluations of the same means (scatter_add vs dense sums), each within lifted_bound()
+  // of exact (bev_sample_bound.h).
+  EXPECT_TRUE(tol::within(mean, s.features, 2 * bounds::lifted_bound(features, n, tol::kFp32Unit)));
   EXPECT_TRUE(at::equal(k.count.view({b, z, q}), s.count));
   EXPECT_TRUE(at::equal(seen, (s.count > 0).to(at::kFloat)));
   EXPECT_GT(s.features.abs().max().item<float>(), 0.1f);
@@ -143,9 +173,13 @@ TEST(ViewTransformerTest, KernelReferencePathMatchesCompactedSample) {
   (s.features * w).sum().backward();
   (mean * w).sum().backward();
   const at::Tensor& g = f_model.grad();
-  const double scale = g.abs().max().item<double>();
-  ASSERT_GT(scale, 0.0);
-  EXPECT_TRUE(at::allclose(f_kernel.grad(), g, 1e-5, 1e-5 * scale)) << (f_kernel.grad() - g).abs().max();
+  ASSERT_GT(g.abs().max().item<double>(), 0.0);
+  // Two fp32 evaluations, each within gradient_bound() of exact (per pixel, from its
+  // contributions), with the upstream in lifted's layout (zero on the seen flags).
+  const at::Tensor w_lifted = at::cat({w.view({b, kC * z, q}), at::zeros({b, z, q})}, 1);
+  const at::Tensor bound =
+      2 * bounds::gradient_bound(features, proj.uv, visible, w_lifted, z, kH, kW, tol::kFp32Unit);
+  EXPECT_TRUE(tol::within(f_kernel.grad(), g, bound));
 }
 
 }  // namespace
