@@ -87,7 +87,8 @@ bool is_identifier(const std::string& s) {
 }
 
 bool is_index(const std::string& s) {
-  return !s.empty() && std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); });
+  return !s.empty() &&
+         std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); });
 }
 
 // "a.b[2].c" / "a.b.2.c" -> {"a", "b", "2", "c"}; throws on malformed keys.
@@ -103,13 +104,14 @@ std::vector<std::string> parse_key_path(const std::string& key, const std::strin
       part = part.substr(0, open);
     }
     if (!(is_identifier(part) || is_index(part))) {
-      throw_error<ConfigError>("command-line override '{}': malformed key '{}' (expected a.b.c or a.b[2])",
-                               expr, key);
+      throw_error<ConfigError>(
+          "command-line override '{}': malformed key '{}' (expected a.b.c or a.b[2])", expr, key);
     }
     out.push_back(part);
     for (const auto& i : indices) {
       if (!is_index(i)) {
-        throw_error<ConfigError>("command-line override '{}': list index '{}' is not a number", expr, i);
+        throw_error<ConfigError>("command-line override '{}': list index '{}' is not a number",
+                                 expr, i);
       }
       out.push_back(i);
     }
@@ -140,7 +142,8 @@ std::string describe(const YAML::Node& n) {
 
 std::string scalar_or_fail(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                            const char* expected) {
-  if (!n.IsScalar()) detail::fail_at(t, path, fmt::format("expects {}, got {}", expected, describe(n)));
+  if (!n.IsScalar())
+    detail::fail_at(t, path, fmt::format("expects {}, got {}", expected, describe(n)));
   return n.Scalar();
 }
 
@@ -152,7 +155,8 @@ Int parse_int(const YAML::Node& n, const std::string& path, const ConfigTree& t)
   const char* e = s.data() + s.size();
   if (b != e && *b == '+') ++b;
   auto [ptr, ec] = std::from_chars(b, e, v);
-  if (ec == std::errc::result_out_of_range) detail::fail_at(t, path, fmt::format("value '{}' is out of range", s));
+  if (ec == std::errc::result_out_of_range)
+    detail::fail_at(t, path, fmt::format("value '{}' is out of range", s));
   if (ec != std::errc() || ptr != e || b == e) {
     // Accept integral floats written in scientific notation ("1e6") since YAML users write them.
     char* end = nullptr;
@@ -169,7 +173,8 @@ Int parse_int(const YAML::Node& n, const std::string& path, const ConfigTree& t)
 double parse_double(const YAML::Node& n, const std::string& path, const ConfigTree& t) {
   std::string s = trim(scalar_or_fail(n, path, t, "a number"));
   std::string lower = s;
-  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
   if (lower == ".inf" || lower == "inf" || lower == "+.inf") return INFINITY;
   if (lower == "-.inf" || lower == "-inf") return -INFINITY;
   char* end = nullptr;
@@ -184,9 +189,11 @@ double parse_double(const YAML::Node& n, const std::string& path, const ConfigTr
 template <class T, class F>
 void read_list(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                std::vector<T>& out, const char* what, F&& one) {
-  if (!n.IsSequence()) detail::fail_at(t, path, fmt::format("expects a list of {}, got {}", what, describe(n)));
+  if (!n.IsSequence())
+    detail::fail_at(t, path, fmt::format("expects a list of {}, got {}", what, describe(n)));
   std::vector<T> v;
-  for (std::size_t i = 0; i < n.size(); ++i) v.push_back(one(n[i], path + "[" + std::to_string(i) + "]"));
+  for (std::size_t i = 0; i < n.size(); ++i)
+    v.push_back(one(n[i], path + "[" + std::to_string(i) + "]"));
   out = std::move(v);
 }
 
@@ -207,7 +214,9 @@ ConfigTree ConfigTree::from_string(const std::string& yaml, const std::string& n
   ConfigTree t;
   YAML::Node n = parse_yaml(yaml, name);
   if (n.IsNull()) n = YAML::Node(YAML::NodeType::Map);
-  if (!n.IsMap()) throw_error<ConfigError>("{}: the config must be a mapping of sections, got {}", name, describe(n));
+  if (!n.IsMap())
+    throw_error<ConfigError>("{}: the config must be a mapping of sections, got {}", name,
+                             describe(n));
   t.root_ = n;
   t.record_origins(n, "", name);
   return t;
@@ -224,7 +233,8 @@ ConfigTree ConfigTree::load_recursive(const std::string& path, std::vector<std::
   if (std::find(stack.begin(), stack.end(), canon) != stack.end()) {
     std::string chain;
     for (const auto& s : stack) chain += fs::path(s).filename().string() + " -> ";
-    throw_error<ConfigError>("{}: _base_ cycle: {}{}", path, chain, fs::path(path).filename().string());
+    throw_error<ConfigError>("{}: _base_ cycle: {}{}", path, chain,
+                             fs::path(path).filename().string());
   }
   if (!fs::is_regular_file(path, ec)) {
     missing_file(path, stack.empty() ? std::string() : stack.back());
@@ -238,7 +248,9 @@ ConfigTree ConfigTree::load_recursive(const std::string& path, std::vector<std::
     base_files.push_back(bases.Scalar());
   } else if (bases.IsSequence()) {
     for (const auto& b : bases) {
-      if (!b.IsScalar()) throw_error<ConfigError>("{}:{}: _base_ entries must be file names", path, b.Mark().line + 1);
+      if (!b.IsScalar())
+        throw_error<ConfigError>("{}:{}: _base_ entries must be file names", path,
+                                 b.Mark().line + 1);
       base_files.push_back(b.Scalar());
     }
   } else {
@@ -258,7 +270,8 @@ ConfigTree ConfigTree::load_recursive(const std::string& path, std::vector<std::
   return merged;
 }
 
-void ConfigTree::record_origins(const YAML::Node& node, const std::string& path, const std::string& file) {
+void ConfigTree::record_origins(const YAML::Node& node, const std::string& path,
+                                const std::string& file) {
   const auto mark = node.Mark();
   origins_[path] = mark.line >= 0 ? fmt::format("{}:{}", file, mark.line + 1) : file;
   if (node.IsMap()) {
@@ -296,9 +309,8 @@ void ConfigTree::apply_override(const std::string& expr_in) {
     const auto parts = parse_key_path(expr.substr(1), expr);
     YAML::Node cur = root_;
     for (std::size_t i = 0; i + 1 < parts.size(); ++i) {
-      const YAML::Node next = is_index(parts[i]) && cur.IsSequence()
-                                  ? cur[std::stoul(parts[i])]
-                                  : cur[parts[i]];
+      const YAML::Node next =
+          is_index(parts[i]) && cur.IsSequence() ? cur[std::stoul(parts[i])] : cur[parts[i]];
       if (!next.IsDefined()) return;  // nothing to delete
       cur.reset(next);
     }
@@ -336,8 +348,10 @@ void ConfigTree::apply_override(const std::string& expr_in) {
                                  idx, format_path(parts, i), cur.size());
       }
       if (last) {
-        if (idx == cur.size()) cur.push_back(value);  // a[n]=v appends, as in Hydra's +a=[...]
-        else cur[idx] = value;
+        if (idx == cur.size())
+          cur.push_back(value);  // a[n]=v appends, as in Hydra's +a=[...]
+        else
+          cur[idx] = value;
       } else {
         YAML::Node next = cur[idx];
         cur.reset(next);
@@ -362,7 +376,8 @@ void ConfigTree::apply_override(const std::string& expr_in) {
   // Record the override as the origin of the key and of everything under it.
   const std::string path = format_path(parts, parts.size());
   for (auto it = origins_.begin(); it != origins_.end();) {
-    if (it->first == path || starts_with(it->first, path + ".") || starts_with(it->first, path + "[")) {
+    if (it->first == path || starts_with(it->first, path + ".") ||
+        starts_with(it->first, path + "[")) {
       it = origins_.erase(it);
     } else {
       ++it;
@@ -375,7 +390,8 @@ std::string ConfigTree::origin(const std::string& path) const {
   if (auto it = origins_.find(path); it != origins_.end()) return it->second;
   // A key created by an override ("a.b=1" creates "a") takes the origin of what lies under it.
   if (!path.empty()) {
-    for (auto it = origins_.lower_bound(path); it != origins_.end() && starts_with(it->first, path); ++it) {
+    for (auto it = origins_.lower_bound(path); it != origins_.end() && starts_with(it->first, path);
+         ++it) {
       const char next = it->first.size() > path.size() ? it->first[path.size()] : '\0';
       if (next == '.' || next == '[') return it->second;
     }
@@ -426,23 +442,28 @@ void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& 
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, double& out) {
   out = parse_double(n, path, t);
 }
-void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, std::string& out) {
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
+                std::string& out) {
   if (n.IsNull()) {
     out.clear();
     return;
   }
   out = scalar_or_fail(n, path, t, "a string");
 }
-void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, std::vector<int>& out) {
-  read_list(n, path, t, out, "integers", [&](const YAML::Node& e, const std::string& p) { return parse_int<int>(e, p, t); });
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
+                std::vector<int>& out) {
+  read_list(n, path, t, out, "integers",
+            [&](const YAML::Node& e, const std::string& p) { return parse_int<int>(e, p, t); });
 }
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                 std::vector<int64_t>& out) {
-  read_list(n, path, t, out, "integers", [&](const YAML::Node& e, const std::string& p) { return parse_int<int64_t>(e, p, t); });
+  read_list(n, path, t, out, "integers",
+            [&](const YAML::Node& e, const std::string& p) { return parse_int<int64_t>(e, p, t); });
 }
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                 std::vector<double>& out) {
-  read_list(n, path, t, out, "numbers", [&](const YAML::Node& e, const std::string& p) { return parse_double(e, p, t); });
+  read_list(n, path, t, out, "numbers",
+            [&](const YAML::Node& e, const std::string& p) { return parse_double(e, p, t); });
 }
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                 std::vector<std::string>& out) {
@@ -458,14 +479,18 @@ void check_value(const Check& c, const std::string& path, const ConfigTree& t, d
   if (c.max && !(v <= *c.max)) fail_at(t, path, fmt::format("must be <= {}, got {}", *c.max, v));
 }
 
-void check_value(const Check& c, const std::string& path, const ConfigTree& t, const std::string& v) {
-  if (c.choices.empty() || std::find(c.choices.begin(), c.choices.end(), v) != c.choices.end()) return;
-  fail_at(t, path, fmt::format("must be one of {}, got '{}'{}", join(c.choices, "|"), v,
-                               did_you_mean(v, c.choices)));
+void check_value(const Check& c, const std::string& path, const ConfigTree& t,
+                 const std::string& v) {
+  if (c.choices.empty() || std::find(c.choices.begin(), c.choices.end(), v) != c.choices.end())
+    return;
+  fail_at(t, path,
+          fmt::format("must be one of {}, got '{}'{}", join(c.choices, "|"), v,
+                      did_you_mean(v, c.choices)));
 }
 
 void reject_unknown(const YAML::Node& node, const std::string& path, const ConfigTree& t,
-                    const std::vector<std::string>& known, const std::vector<std::string>& all_paths) {
+                    const std::vector<std::string>& known,
+                    const std::vector<std::string>& all_paths) {
   for (auto it = node.begin(); it != node.end(); ++it) {
     const std::string key = it->first.Scalar();
     if (std::find(known.begin(), known.end(), key) != known.end()) continue;
@@ -494,11 +519,21 @@ void reject_unknown(const YAML::Node& node, const std::string& path, const Confi
   }
 }
 
-std::string type_name(const bool&) { return "bool"; }
-std::string type_name(const int&) { return "int"; }
-std::string type_name(const int64_t&) { return "int"; }
-std::string type_name(const double&) { return "float"; }
-std::string type_name(const std::string&) { return "string"; }
+std::string type_name(const bool&) {
+  return "bool";
+}
+std::string type_name(const int&) {
+  return "int";
+}
+std::string type_name(const int64_t&) {
+  return "int";
+}
+std::string type_name(const double&) {
+  return "float";
+}
+std::string type_name(const std::string&) {
+  return "string";
+}
 
 }  // namespace detail
 

@@ -110,7 +110,8 @@ void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& 
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, int& out);
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, int64_t& out);
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, double& out);
-void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, std::string& out);
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
+                std::string& out);
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                 std::vector<int>& out);
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
@@ -121,11 +122,13 @@ void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& 
                 std::vector<std::string>& out);
 
 void check_value(const Check& c, const std::string& path, const ConfigTree& t, double v);
-void check_value(const Check& c, const std::string& path, const ConfigTree& t, const std::string& v);
+void check_value(const Check& c, const std::string& path, const ConfigTree& t,
+                 const std::string& v);
 template <class T>
 void check_value(const Check& c, const std::string& path, const ConfigTree& t,
                  const std::vector<T>& v) {
-  for (std::size_t i = 0; i < v.size(); ++i) check_value(c, path + "[" + std::to_string(i) + "]", t, v[i]);
+  for (std::size_t i = 0; i < v.size(); ++i)
+    check_value(c, path + "[" + std::to_string(i) + "]", t, v[i]);
 }
 inline void check_value(const Check&, const std::string&, const ConfigTree&, bool) {}
 inline void check_value(const Check& c, const std::string& p, const ConfigTree& t, int v) {
@@ -137,7 +140,8 @@ inline void check_value(const Check& c, const std::string& p, const ConfigTree& 
 
 // Unknown keys under `node` (a map at `path`) that are not in `known`: throws with did-you-mean.
 void reject_unknown(const YAML::Node& node, const std::string& path, const ConfigTree& t,
-                    const std::vector<std::string>& known, const std::vector<std::string>& all_paths);
+                    const std::vector<std::string>& known,
+                    const std::vector<std::string>& all_paths);
 
 std::string type_name(const bool&);
 std::string type_name(const int&);
@@ -150,7 +154,9 @@ std::string type_name(const std::vector<T>&) {
 }
 
 template <class T, class V>
-concept VisitableWith = requires(T& t, V& v) { t.visit(v); };
+concept VisitableWith = requires(T& t, V& v) {
+  t.visit(v);
+};
 
 }  // namespace detail
 

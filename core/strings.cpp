@@ -29,8 +29,9 @@ std::string closest_match(std::string_view word, const std::vector<std::string>&
   for (const auto& c : candidates) {
     std::size_t d = edit_distance(word, c);
     // A truncated or over-long key ("lr_sched" for "lr_schedule") is a plausible typo too.
-    const bool affix = word.size() >= 3 && c.size() >= 3 &&
-                       (c.find(word) == 0 || word.find(c) == 0 || c.rfind(word) != std::string::npos);
+    const bool affix =
+        word.size() >= 3 && c.size() >= 3 &&
+        (c.find(word) == 0 || word.find(c) == 0 || c.rfind(word) != std::string::npos);
     if (affix) d = std::min(d, limit);
     if (d < best_d) {
       best_d = d;
@@ -50,7 +51,8 @@ std::vector<std::string> split(std::string_view s, char sep) {
   std::size_t start = 0;
   while (true) {
     const std::size_t pos = s.find(sep, start);
-    out.emplace_back(s.substr(start, pos == std::string_view::npos ? s.size() - start : pos - start));
+    out.emplace_back(
+        s.substr(start, pos == std::string_view::npos ? s.size() - start : pos - start));
     if (pos == std::string_view::npos) break;
     start = pos + 1;
   }
@@ -83,13 +85,27 @@ std::string json_quote(std::string_view s) {
   out += '"';
   for (const char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           out += fmt::format("\\u{:04x}", static_cast<int>(c));

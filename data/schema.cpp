@@ -17,7 +17,6 @@ namespace fs = std::filesystem;
 namespace parallax::data {
 namespace {
 
-
 std::string json_string_list(const std::vector<std::string>& v) {
   std::string out = "[";
   for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + core::json_quote(v[i]);

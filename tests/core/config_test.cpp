@@ -138,7 +138,9 @@ TEST_F(ConfigTest, TildeOverrideRestoresTheDefault) {
 
 TEST_F(ConfigTest, ListIndexOutOfRangeNamesTheList) {
   const std::string msg = error_of([&] { load_config<RootCfg>("", {"model.sizes[5]=1"}); });
-  EXPECT_NE(msg.find("index 5 is out of range for list 'model.sizes' of 2 elements"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("index 5 is out of range for list 'model.sizes' of 2 elements"),
+            std::string::npos)
+      << msg;
 }
 
 TEST_F(ConfigTest, UnknownKeyNamesFileLineAndSuggests) {
@@ -193,7 +195,9 @@ TEST_F(ConfigTest, WrongTypesNameKeyAndValue) {
 
 TEST_F(ConfigTest, ConstraintsAreChecked) {
   std::string msg = error_of([&] { load_config<RootCfg>("", {"optim.name=adamm"}); });
-  EXPECT_NE(msg.find("must be one of adamw|sgd, got 'adamm' (did you mean 'adamw'?)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("must be one of adamw|sgd, got 'adamm' (did you mean 'adamw'?)"),
+            std::string::npos)
+      << msg;
   msg = error_of([&] { load_config<RootCfg>("", {"optim.lr=0"}); });
   EXPECT_NE(msg.find("key 'optim.lr' must be > 0"), std::string::npos) << msg;
   msg = error_of([&] { load_config<RootCfg>("", {"steps=-1"}); });
@@ -204,7 +208,8 @@ TEST_F(ConfigTest, ConstraintsAreChecked) {
 
 TEST_F(ConfigTest, MissingFileIsAClearErrorWithSuggestion) {
   write("configs/bev_tiny.yaml", "steps: 1\n");
-  std::string msg = error_of([&] { load_config<RootCfg>((dir_ / "configs/bev_tin.yaml").string(), {}); });
+  std::string msg =
+      error_of([&] { load_config<RootCfg>((dir_ / "configs/bev_tin.yaml").string(), {}); });
   EXPECT_NE(msg.find("config file '"), std::string::npos) << msg;
   EXPECT_NE(msg.find("not found"), std::string::npos) << msg;
   EXPECT_NE(msg.find("did you mean"), std::string::npos) << msg;
@@ -219,7 +224,9 @@ TEST_F(ConfigTest, MalformedYamlReportsLineAndColumn) {
   EXPECT_NE(msg.find("bad.yaml:"), std::string::npos) << msg;
   EXPECT_NE(msg.find("malformed YAML"), std::string::npos) << msg;
   // yaml-cpp reports the line where the flow sequence breaks (3 or 4 depending on version).
-  EXPECT_TRUE(msg.find("bad.yaml:3:") != std::string::npos || msg.find("bad.yaml:4:") != std::string::npos) << msg;
+  EXPECT_TRUE(msg.find("bad.yaml:3:") != std::string::npos ||
+              msg.find("bad.yaml:4:") != std::string::npos)
+      << msg;
 
   const auto g = write("bad2.yaml", "steps: 3\n  bad_indent: 1\n");
   const std::string msg2 = error_of([&] { load_config<RootCfg>(g, {}); });
@@ -245,10 +252,10 @@ TEST_F(ConfigTest, BaseComposition) {
                            "optim:\n  lr: 0.25\n"  // child restates only what changes
                            "model:\n  sizes: [3]\n");
   const auto cfg = load_config<RootCfg>(child, {});
-  EXPECT_EQ(cfg.optim.name, "sgd");          // from base
-  EXPECT_DOUBLE_EQ(cfg.optim.lr, 0.25);      // child wins
+  EXPECT_EQ(cfg.optim.name, "sgd");      // from base
+  EXPECT_DOUBLE_EQ(cfg.optim.lr, 0.25);  // child wins
   EXPECT_EQ(cfg.optim.betas, (std::vector<double>{0.1, 0.2}));
-  EXPECT_EQ(cfg.model.width, 8);             // nested maps merge
+  EXPECT_EQ(cfg.model.width, 8);                      // nested maps merge
   EXPECT_EQ(cfg.model.sizes, (std::vector<int>{3}));  // lists replace
   EXPECT_EQ(cfg.steps, 99);
   // Overrides win over both.
@@ -269,7 +276,8 @@ TEST_F(ConfigTest, BaseErrors) {
   const auto a = write("cyc_a.yaml", "_base_: cyc_b.yaml\n");
   write("cyc_b.yaml", "_base_: cyc_a.yaml\n");
   std::string msg = error_of([&] { load_config<RootCfg>(a, {}); });
-  EXPECT_NE(msg.find("_base_ cycle: cyc_a.yaml -> cyc_b.yaml -> cyc_a.yaml"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("_base_ cycle: cyc_a.yaml -> cyc_b.yaml -> cyc_a.yaml"), std::string::npos)
+      << msg;
   const auto m = write("missing_base.yaml", "_base_: gone.yaml\n");
   msg = error_of([&] { load_config<RootCfg>(m, {}); });
   EXPECT_NE(msg.find("missing_base.yaml: base config"), std::string::npos) << msg;
@@ -304,8 +312,9 @@ TEST_F(ConfigTest, KeyListingCoversEveryLeaf) {
   const auto keys = parallax::core::list_keys(cfg);
   std::vector<std::string> paths;
   for (const auto& k : keys) paths.push_back(k.path);
-  EXPECT_EQ(paths, (std::vector<std::string>{"run_name", "flag", "steps", "tags", "optim.name", "optim.lr",
-                                             "optim.betas", "model.width", "model.sizes"}));
+  EXPECT_EQ(paths,
+            (std::vector<std::string>{"run_name", "flag", "steps", "tags", "optim.name", "optim.lr",
+                                      "optim.betas", "model.width", "model.sizes"}));
 }
 
 }  // namespace

@@ -48,7 +48,8 @@ TEST(ErrorTest, ContextFramesAppearInWhat) {
 class LogTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    core::log::set_sink([this](core::log::Level, std::string_view line) { lines_.emplace_back(line); });
+    core::log::set_sink(
+        [this](core::log::Level, std::string_view line) { lines_.emplace_back(line); });
   }
   void TearDown() override {
     core::log::set_sink(nullptr);
