@@ -3,15 +3,19 @@
 #include "core/strings.h"
 
 #include <fmt/format.h>
+#include <yaml-cpp/eventhandler.h>
+#include <yaml-cpp/parser.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 namespace fs = std::filesystem;
 
@@ -23,10 +27,16 @@ constexpr const char* kDeleteKey = "_delete_";
 
 std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw_error<ConfigError>("cannot read config file '{}'", path);
+  if (!in) throw_error<ConfigError>("cannot read config file '{}'", clip(path, 200));
   std::ostringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// "config file 'x'" or "a.yaml: base config 'x'": how messages about a file of the chain start.
+std::string file_label(const std::string& path, const std::string& included_from) {
+  if (included_from.empty()) return fmt::format("config file '{}'", clip(path, 200));
+  return fmt::format("{}: base config '{}'", clip(included_from, 200), clip(path, 200));
 }
 
 [[noreturn]] void missing_file(const std::string& path, const std::string& included_from) {
@@ -41,22 +51,262 @@ std::string read_text_file(const std::string& path) {
       if (ext == ".yaml" || ext == ".yml") names.push_back(e.path().filename().string());
     }
     const std::string m = closest_match(p.filename().string(), names);
-    if (!m.empty()) hint = fmt::format(" (did you mean '{}'?)", (dir / m).string());
+    // The file itself never is its own suggestion (a dangling symlink is listed but not found).
+    if (!m.empty() && m != p.filename().string())
+      hint = fmt::format(" (did you mean '{}'?)", (dir / m).string());
   } else {
-    hint = fmt::format(" (directory '{}' does not exist)", dir.string());
+    hint = fmt::format(" (directory '{}' does not exist)", clip(dir.string(), 200));
   }
-  if (included_from.empty()) throw_error<ConfigError>("config file '{}' not found{}", path, hint);
-  throw_error<ConfigError>("{}: base config '{}' not found{}", included_from, path, hint);
+  throw_error<ConfigError>("{} not found{}", file_label(path, included_from), hint);
 }
 
-YAML::Node parse_yaml(const std::string& text, const std::string& name) {
+// Throws unless `path` is a regular file (through any symlinks) small enough to be a config,
+// saying what it is instead: missing, a directory, a symlink loop, a dangling symlink, a FIFO...
+void check_config_file(const std::string& path, const std::string& included_from) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  const std::string what = file_label(path, included_from);
+  if (ec && ec.value() == ELOOP) {
+    throw_error<ConfigError>(
+        "{} cannot be resolved: symlink loop (too many levels of symbolic links)", what);
+  }
+  if (st.type() == fs::file_type::not_found) {
+    std::error_code lec;
+    if (fs::is_symlink(fs::symlink_status(path, lec))) {
+      throw_error<ConfigError>("{} is a dangling symlink (to '{}', which does not exist)", what,
+                               clip(fs::read_symlink(path, lec).string(), 200));
+    }
+    missing_file(path, included_from);
+  }
+  if (ec) throw_error<ConfigError>("{} cannot be read: {}", what, ec.message());
+  if (st.type() == fs::file_type::directory) {
+    // Suggest a config inside it ("configs" -> "configs/bev_tiny.yaml").
+    std::vector<std::string> yamls;
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      const auto ext = e.path().extension().string();
+      if (ext == ".yaml" || ext == ".yml") yamls.push_back(e.path().string());
+    }
+    std::sort(yamls.begin(), yamls.end());
+    const std::string hint =
+        yamls.empty() ? std::string()
+                      : fmt::format(" (pass a YAML file, e.g. '{}')", clip(yamls.front(), 200));
+    throw_error<ConfigError>("{} is a directory, not a YAML file{}", what, hint);
+  }
+  if (st.type() != fs::file_type::regular) {
+    throw_error<ConfigError>("{} is not a regular file (a FIFO, socket or device)", what);
+  }
+  const auto bytes = fs::file_size(path, ec);
+  if (!ec && bytes > kMaxConfigFileBytes) {
+    throw_error<ConfigError>("{} is {}; a config file is at most {}", what,
+                             human_bytes(static_cast<double>(bytes)),
+                             human_bytes(static_cast<double>(kMaxConfigFileBytes)));
+  }
+}
+
+// The hostile-input scan of one YAML document (see config.h), run on the parser's event stream
+// before any node tree exists: a node tree cannot hold this check, because yaml-cpp turns an
+// alias into a shared node, so a recursive alias is a cycle that every recursive walk (Clone,
+// iteration, our own) follows forever, and a billion-laughs document is small as a tree and
+// explodes only when walked. Here an alias costs the size its anchor had when it closed, so the
+// expanded size is known without expanding anything.
+class YamlScan : public YAML::EventHandler {
+ public:
+  explicit YamlScan(std::string name) : name_(std::move(name)) {}
+
+  void OnDocumentStart(const YAML::Mark&) override {}
+  void OnDocumentEnd() override {}
+
+  void OnNull(const YAML::Mark& mark, YAML::anchor_t anchor) override {
+    add({1, 0}, mark, "");
+    close_anchor(anchor, {1, 0}, std::string("~"));
+    end_node(mark, std::string("~"));
+  }
+
+  void OnAlias(const YAML::Mark& mark, YAML::anchor_t anchor) override {
+    const auto done = anchors_.find(anchor);
+    if (done == anchors_.end()) {
+      // yaml-cpp resolves an alias only to an anchor it has seen, so an anchor without a size is
+      // still open: the alias sits inside the node it names.
+      const auto at = anchor_lines_.find(anchor);
+      const int line = at == anchor_lines_.end() ? mark.line + 1 : at->second;
+      throw_error<ConfigError>(
+          "{}:{}:{}: recursive alias '*{}': it refers to the node that contains it "
+          "(anchor '&{}' at line {}); a config cannot contain itself",
+          name_, mark.line + 1, mark.column + 1, anchor_name(anchor), anchor_name(anchor), line);
+    }
+    add(done->second.size, mark, fmt::format(" through alias '*{}'", anchor_name(anchor)));
+    end_node(mark, done->second.scalar);
+  }
+
+  void OnScalar(const YAML::Mark& mark, const std::string&, YAML::anchor_t anchor,
+                const std::string& value) override {
+    const Size size{1, value.size()};
+    add(size, mark, "");
+    close_anchor(anchor, size, value);
+    end_node(mark, value);
+  }
+
+  void OnSequenceStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t anchor,
+                       YAML::EmitterStyle::value) override {
+    open(mark, anchor, false);
+  }
+  void OnSequenceEnd() override { close(); }
+
+  void OnMapStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t anchor,
+                  YAML::EmitterStyle::value) override {
+    open(mark, anchor, true);
+  }
+  void OnMapEnd() override { close(); }
+
+  void OnAnchor(const YAML::Mark& mark, const std::string& name) override {
+    pending_anchor_ = name;
+    pending_anchor_line_ = mark.line + 1;
+  }
+
+ private:
+  struct Size {
+    std::size_t nodes = 0, bytes = 0;
+  };
+  struct Anchor {
+    Size size;
+    std::optional<std::string> scalar;  // the value when the anchored node is a scalar
+  };
+  struct Frame {
+    bool is_map = false;
+    YAML::anchor_t anchor = 0;
+    Size size;                        // this container's expanded size so far (itself included)
+    std::string path;                 // dotted path of this container ("" for the root)
+    std::size_t index = 0;            // sequences: next element
+    bool expect_key = true;           // maps: the next node is a key
+    std::string key;                  // maps: the key whose value comes next ("" for a complex key)
+    std::map<std::string, int> keys;  // maps: each key seen, with its line
+  };
+
+  std::string anchor_name(YAML::anchor_t a) const {
+    const auto it = anchor_names_.find(a);
+    return it == anchor_names_.end() ? std::to_string(a) : clip(it->second);
+  }
+
+  // Path of the node that starts now, in the frame on top (a key is named by its map's path).
+  std::string child_path() const {
+    if (frames_.empty()) return "";
+    const Frame& f = frames_.back();
+    if (!f.is_map) return f.path + "[" + std::to_string(f.index) + "]";
+    if (f.expect_key) return f.path;
+    return f.key.empty() ? f.path : detail::child_path(f.path, f.key);
+  }
+
+  // Adds `size` to the running total and to every open container; throws past a limit.
+  void add(const Size& size, const YAML::Mark& mark, const std::string& via) {
+    total_.nodes += size.nodes;
+    total_.bytes += size.bytes;
+    for (auto& f : frames_) {
+      f.size.nodes += size.nodes;
+      f.size.bytes += size.bytes;
+    }
+    if (total_.nodes > kMaxYamlNodes) {
+      throw_error<ConfigError>(
+          "{}:{}: too large: more than {} YAML nodes once aliases are expanded{} "
+          "(a config holds a few hundred; is this a data file, or an alias bomb?)",
+          name_, mark.line + 1, kMaxYamlNodes, via);
+    }
+    if (total_.bytes > kMaxYamlBytes) {
+      throw_error<ConfigError>("{}:{}: too large: more than {} of text once aliases are expanded{}",
+                               name_, mark.line + 1,
+                               human_bytes(static_cast<double>(kMaxYamlBytes)), via);
+    }
+  }
+
+  // yaml-cpp reports an anchor's name (OnAnchor) just before the event of the node it names.
+  void name_anchor(YAML::anchor_t anchor) {
+    if (anchor == 0 || pending_anchor_.empty()) return;
+    anchor_names_[anchor] = std::exchange(pending_anchor_, "");
+    anchor_lines_[anchor] = pending_anchor_line_;
+  }
+
+  // A scalar or null node with `anchor` is complete as soon as it starts.
+  void close_anchor(YAML::anchor_t anchor, const Size& size, std::optional<std::string> scalar) {
+    if (anchor == 0) return;
+    name_anchor(anchor);
+    anchors_[anchor] = Anchor{size, std::move(scalar)};
+  }
+
+  // A node has been read completely: a key of the map on top (checked for duplicates; `scalar` is
+  // its text, none for a complex key), a value, or a sequence element.
+  void end_node(const YAML::Mark& mark, const std::optional<std::string>& scalar) {
+    if (frames_.empty()) return;
+    Frame& f = frames_.back();
+    if (!f.is_map) {
+      ++f.index;
+      return;
+    }
+    if (!f.expect_key) {
+      f.expect_key = true;
+      return;
+    }
+    f.expect_key = false;
+    f.key = scalar.value_or("");
+    if (!scalar) return;
+    const int line = mark.line + 1;
+    const auto [it, fresh] = f.keys.emplace(*scalar, line);
+    if (!fresh) {
+      throw_error<ConfigError>(
+          "{}:{}: duplicate key '{}' (first set at line {}); a key may appear once per section",
+          name_, line, clip(detail::child_path(f.path, *scalar)), it->second);
+    }
+  }
+
+  void open(const YAML::Mark& mark, YAML::anchor_t anchor, bool is_map) {
+    name_anchor(anchor);
+    add({1, 0}, mark, "");  // counts the container in its parents, before it is on the stack
+    Frame f;
+    f.is_map = is_map;
+    f.anchor = anchor;
+    f.path = child_path();
+    f.size = {1, 0};
+    frames_.push_back(std::move(f));
+  }
+
+  void close() {
+    Frame f = std::move(frames_.back());
+    frames_.pop_back();
+    if (f.anchor != 0) anchors_[f.anchor] = Anchor{f.size, std::nullopt};
+    end_node(YAML::Mark(), std::nullopt);
+  }
+
+  std::string name_;
+  std::vector<Frame> frames_;
+  std::map<YAML::anchor_t, Anchor> anchors_;  // closed anchors
+  std::map<YAML::anchor_t, std::string> anchor_names_;
+  std::map<YAML::anchor_t, int> anchor_lines_;  // 1-based line of each anchor's '&name'
+  std::string pending_anchor_;
+  int pending_anchor_line_ = 0;
+  Size total_;
+};
+
+// The scan, then yaml-cpp's own load; a syntax error escapes as YAML::ParserException.
+YAML::Node scan_and_load(const std::string& text, const std::string& name) {
+  {
+    std::istringstream in(text);
+    YAML::Parser parser(in);
+    YamlScan scan(name);
+    parser.HandleNextDocument(scan);  // YAML::Load reads the first document only, as here
+  }
+  return YAML::Load(text);
+}
+
+}  // namespace
+
+YAML::Node load_yaml(const std::string& text, const std::string& name) {
   try {
-    return YAML::Load(text);
+    return scan_and_load(text, name);
   } catch (const YAML::ParserException& e) {
     throw_error<ConfigError>("{}:{}:{}: malformed YAML: {}", name, e.mark.line + 1,
                              e.mark.column + 1, e.msg);
   }
 }
+
+namespace {
 
 // Returns a fresh node: `over` merged onto `base` (neither input is modified or aliased).
 YAML::Node merge_nodes(const YAML::Node& base, const YAML::Node& over) {
@@ -87,7 +337,8 @@ bool is_identifier(const std::string& s) {
 }
 
 bool is_index(const std::string& s) {
-  return !s.empty() && std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); });
+  return !s.empty() &&
+         std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); });
 }
 
 // "a.b[2].c" / "a.b.2.c" -> {"a", "b", "2", "c"}; throws on malformed keys.
@@ -102,14 +353,20 @@ std::vector<std::string> parse_key_path(const std::string& key, const std::strin
       indices.insert(indices.begin(), part.substr(open + 1, part.size() - open - 2));
       part = part.substr(0, open);
     }
-    if (!(is_identifier(part) || is_index(part))) {
-      throw_error<ConfigError>("command-line override '{}': malformed key '{}' (expected a.b.c or a.b[2])",
-                               expr, key);
+    if (!(is_identifier(part) || (is_index(part) && part.size() <= 9))) {
+      throw_error<ConfigError>(
+          "command-line override '{}': malformed key '{}' (expected a.b.c or a.b[2])", clip(expr),
+          clip(key));
     }
     out.push_back(part);
     for (const auto& i : indices) {
       if (!is_index(i)) {
-        throw_error<ConfigError>("command-line override '{}': list index '{}' is not a number", expr, i);
+        throw_error<ConfigError>("command-line override '{}': list index '{}' is not a number",
+                                 clip(expr), clip(i));
+      }
+      if (i.size() > 9) {
+        throw_error<ConfigError>("command-line override '{}': list index '{}' is too large",
+                                 clip(expr), clip(i));
       }
       out.push_back(i);
     }
@@ -130,9 +387,48 @@ std::string format_path(const std::vector<std::string>& parts, std::size_t n) {
   return out;
 }
 
+// `~a.b` (parsed into `parts`) must name a key of the schema (`known`: its leaf paths) or a
+// section holding some; one list element cannot be restored on its own.
+void check_restorable(const std::vector<std::string>& parts, const std::vector<std::string>& known,
+                      const std::string& label) {
+  const std::string full = format_path(parts, parts.size());
+  const auto is_known = [&](const std::string& p) {
+    return std::any_of(known.begin(), known.end(), [&](const std::string& k) {
+      return k == p || (starts_with(k, p) && k.size() > p.size() && k[p.size()] == '.');
+    });
+  };
+  if (is_known(full)) return;
+  const auto first_index =
+      std::find_if(parts.begin(), parts.end(), [](const std::string& x) { return is_index(x); });
+  if (first_index != parts.end()) {
+    const std::string list =
+        format_path(parts, static_cast<std::size_t>(first_index - parts.begin()));
+    if (is_known(list)) {
+      throw_error<ConfigError>(
+          "{}: '~' restores a whole key to its default, not one element of list '{}'; "
+          "write '~{}'",
+          label, list, list);
+    }
+  }
+  // Did-you-mean among the keys and sections next to it, then in other sections.
+  const std::string parent = format_path(parts, parts.size() - 1);
+  std::vector<std::string> siblings;
+  for (const auto& k : known) {
+    if (!parent.empty() &&
+        !(starts_with(k, parent) && k.size() > parent.size() && k[parent.size()] == '.'))
+      continue;
+    const std::string rest = parent.empty() ? k : k.substr(parent.size() + 1);
+    const std::string name = rest.substr(0, rest.find('.'));
+    if (std::find(siblings.begin(), siblings.end(), name) == siblings.end())
+      siblings.push_back(name);
+  }
+  throw_error<ConfigError>("{}: unknown key '{}'{}", label, clip(full),
+                           detail::unknown_key_hint(parent, parts.back(), siblings, known));
+}
+
 std::string describe(const YAML::Node& n) {
   if (!n.IsDefined() || n.IsNull()) return "null";
-  if (n.IsScalar()) return fmt::format("'{}'", n.Scalar());
+  if (n.IsScalar()) return fmt::format("'{}'", clip(n.Scalar()));
   if (n.IsSequence()) return "a list";
   if (n.IsMap()) return "a mapping";
   return "?";
@@ -140,7 +436,8 @@ std::string describe(const YAML::Node& n) {
 
 std::string scalar_or_fail(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                            const char* expected) {
-  if (!n.IsScalar()) detail::fail_at(t, path, fmt::format("expects {}, got {}", expected, describe(n)));
+  if (!n.IsScalar())
+    detail::fail_at(t, path, fmt::format("expects {}, got {}", expected, describe(n)));
   return n.Scalar();
 }
 
@@ -152,7 +449,8 @@ Int parse_int(const YAML::Node& n, const std::string& path, const ConfigTree& t)
   const char* e = s.data() + s.size();
   if (b != e && *b == '+') ++b;
   auto [ptr, ec] = std::from_chars(b, e, v);
-  if (ec == std::errc::result_out_of_range) detail::fail_at(t, path, fmt::format("value '{}' is out of range", s));
+  if (ec == std::errc::result_out_of_range)
+    detail::fail_at(t, path, fmt::format("value '{}' is out of range", clip(s)));
   if (ec != std::errc() || ptr != e || b == e) {
     // Accept integral floats written in scientific notation ("1e6") since YAML users write them.
     char* end = nullptr;
@@ -161,7 +459,7 @@ Int parse_int(const YAML::Node& n, const std::string& path, const ConfigTree& t)
         std::fabs(d) < 9.0e15) {
       return static_cast<Int>(d);
     }
-    detail::fail_at(t, path, fmt::format("expects an integer, got '{}'", s));
+    detail::fail_at(t, path, fmt::format("expects an integer, got '{}'", clip(s)));
   }
   return v;
 }
@@ -169,14 +467,15 @@ Int parse_int(const YAML::Node& n, const std::string& path, const ConfigTree& t)
 double parse_double(const YAML::Node& n, const std::string& path, const ConfigTree& t) {
   std::string s = trim(scalar_or_fail(n, path, t, "a number"));
   std::string lower = s;
-  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
   if (lower == ".inf" || lower == "inf" || lower == "+.inf") return INFINITY;
   if (lower == "-.inf" || lower == "-inf") return -INFINITY;
   char* end = nullptr;
   const double d = std::strtod(s.c_str(), &end);
   if (s.empty() || !end || *end != '\0' || lower.find("nan") != std::string::npos ||
       lower.find("0x") != std::string::npos) {
-    detail::fail_at(t, path, fmt::format("expects a number, got '{}'", s));
+    detail::fail_at(t, path, fmt::format("expects a number, got '{}'", clip(s)));
   }
   return d;
 }
@@ -184,9 +483,11 @@ double parse_double(const YAML::Node& n, const std::string& path, const ConfigTr
 template <class T, class F>
 void read_list(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                std::vector<T>& out, const char* what, F&& one) {
-  if (!n.IsSequence()) detail::fail_at(t, path, fmt::format("expects a list of {}, got {}", what, describe(n)));
+  if (!n.IsSequence())
+    detail::fail_at(t, path, fmt::format("expects a list of {}, got {}", what, describe(n)));
   std::vector<T> v;
-  for (std::size_t i = 0; i < n.size(); ++i) v.push_back(one(n[i], path + "[" + std::to_string(i) + "]"));
+  for (std::size_t i = 0; i < n.size(); ++i)
+    v.push_back(one(n[i], path + "[" + std::to_string(i) + "]"));
   out = std::move(v);
 }
 
@@ -205,9 +506,15 @@ ConfigTree ConfigTree::from_node(const YAML::Node& node, const std::string& orig
 
 ConfigTree ConfigTree::from_string(const std::string& yaml, const std::string& name) {
   ConfigTree t;
-  YAML::Node n = parse_yaml(yaml, name);
-  if (n.IsNull()) n = YAML::Node(YAML::NodeType::Map);
-  if (!n.IsMap()) throw_error<ConfigError>("{}: the config must be a mapping of sections, got {}", name, describe(n));
+  YAML::Node n = load_yaml(yaml, name);
+  // An empty file is a mistake (a truncated copy, the wrong path), never a config: a file that
+  // wants every default says so with `{}`.
+  if (n.IsNull())
+    throw_error<ConfigError>("{}: the config is empty (no keys; write '{{}}' for all defaults)",
+                             name);
+  if (!n.IsMap())
+    throw_error<ConfigError>("{}: the config must be a mapping of sections, got {}", name,
+                             describe(n));
   t.root_ = n;
   t.record_origins(n, "", name);
   return t;
@@ -219,15 +526,15 @@ ConfigTree ConfigTree::from_file(const std::string& path) {
 }
 
 ConfigTree ConfigTree::load_recursive(const std::string& path, std::vector<std::string>& stack) {
+  check_config_file(path, stack.empty() ? std::string() : stack.back());
   std::error_code ec;
-  const std::string canon = fs::weakly_canonical(path, ec).string();
+  std::string canon = fs::weakly_canonical(path, ec).string();
+  if (ec) canon = fs::absolute(path, ec).lexically_normal().string();
   if (std::find(stack.begin(), stack.end(), canon) != stack.end()) {
     std::string chain;
     for (const auto& s : stack) chain += fs::path(s).filename().string() + " -> ";
-    throw_error<ConfigError>("{}: _base_ cycle: {}{}", path, chain, fs::path(path).filename().string());
-  }
-  if (!fs::is_regular_file(path, ec)) {
-    missing_file(path, stack.empty() ? std::string() : stack.back());
+    throw_error<ConfigError>("{}: _base_ cycle: {}{}", path, chain,
+                             fs::path(path).filename().string());
   }
   ConfigTree self = from_string(read_text_file(path), path);
   const YAML::Node bases = self.root_[kBaseKey];
@@ -238,7 +545,9 @@ ConfigTree ConfigTree::load_recursive(const std::string& path, std::vector<std::
     base_files.push_back(bases.Scalar());
   } else if (bases.IsSequence()) {
     for (const auto& b : bases) {
-      if (!b.IsScalar()) throw_error<ConfigError>("{}:{}: _base_ entries must be file names", path, b.Mark().line + 1);
+      if (!b.IsScalar())
+        throw_error<ConfigError>("{}:{}: _base_ entries must be file names", path,
+                                 b.Mark().line + 1);
       base_files.push_back(b.Scalar());
     }
   } else {
@@ -258,7 +567,8 @@ ConfigTree ConfigTree::load_recursive(const std::string& path, std::vector<std::
   return merged;
 }
 
-void ConfigTree::record_origins(const YAML::Node& node, const std::string& path, const std::string& file) {
+void ConfigTree::record_origins(const YAML::Node& node, const std::string& path,
+                                const std::string& file) {
   const auto mark = node.Mark();
   origins_[path] = mark.line >= 0 ? fmt::format("{}:{}", file, mark.line + 1) : file;
   if (node.IsMap()) {
@@ -285,20 +595,22 @@ void ConfigTree::merge(const ConfigTree& over) {
   }
 }
 
-void ConfigTree::apply_overrides(const std::vector<std::string>& exprs) {
-  for (const auto& e : exprs) apply_override(e);
+void ConfigTree::apply_overrides(const std::vector<std::string>& exprs,
+                                 const std::vector<std::string>& known_paths) {
+  for (const auto& e : exprs) apply_override(e, known_paths);
 }
 
-void ConfigTree::apply_override(const std::string& expr_in) {
+void ConfigTree::apply_override(const std::string& expr_in,
+                                const std::vector<std::string>& known_paths) {
   std::string expr = trim(expr_in);
-  const std::string label = fmt::format("command-line override '{}'", expr);
+  const std::string label = fmt::format("command-line override '{}'", clip(expr));
   if (starts_with(expr, "~")) {
     const auto parts = parse_key_path(expr.substr(1), expr);
+    if (!known_paths.empty()) check_restorable(parts, known_paths, label);
     YAML::Node cur = root_;
     for (std::size_t i = 0; i + 1 < parts.size(); ++i) {
-      const YAML::Node next = is_index(parts[i]) && cur.IsSequence()
-                                  ? cur[std::stoul(parts[i])]
-                                  : cur[parts[i]];
+      const YAML::Node next =
+          is_index(parts[i]) && cur.IsSequence() ? cur[std::stoul(parts[i])] : cur[parts[i]];
       if (!next.IsDefined()) return;  // nothing to delete
       cur.reset(next);
     }
@@ -319,9 +631,11 @@ void ConfigTree::apply_override(const std::string& expr_in) {
     value = YAML::Node(std::string());
   } else {
     try {
-      value = YAML::Load(value_text);
+      // The same hostile-input scan as a file's: a value may hold an alias bomb too.
+      value = scan_and_load(value_text, label);
     } catch (const YAML::ParserException& e) {
-      throw_error<ConfigError>("{}: value '{}' is not valid YAML: {}", label, value_text, e.msg);
+      throw_error<ConfigError>("{}: value '{}' is not valid YAML: {}", label, clip(value_text),
+                               e.msg);
     }
   }
   const auto parts = parse_key_path(key, expr);
@@ -333,19 +647,21 @@ void ConfigTree::apply_override(const std::string& expr_in) {
       const std::size_t idx = std::stoul(part);
       if (idx > cur.size() || (idx == cur.size() && !last)) {
         throw_error<ConfigError>("{}: index {} is out of range for list '{}' of {} elements", label,
-                                 idx, format_path(parts, i), cur.size());
+                                 idx, clip(format_path(parts, i)), cur.size());
       }
       if (last) {
-        if (idx == cur.size()) cur.push_back(value);  // a[n]=v appends, as in Hydra's +a=[...]
-        else cur[idx] = value;
+        if (idx == cur.size())
+          cur.push_back(value);  // a[n]=v appends, as in Hydra's +a=[...]
+        else
+          cur[idx] = value;
       } else {
         YAML::Node next = cur[idx];
         cur.reset(next);
       }
     } else {
       if (!cur.IsMap() && !cur.IsNull()) {
-        throw_error<ConfigError>("{}: '{}' is {}, not a section", label, format_path(parts, i),
-                                 describe(cur));
+        throw_error<ConfigError>("{}: '{}' is {}, not a section", label,
+                                 clip(format_path(parts, i)), describe(cur));
       }
       if (last) {
         cur[part] = value;
@@ -362,7 +678,8 @@ void ConfigTree::apply_override(const std::string& expr_in) {
   // Record the override as the origin of the key and of everything under it.
   const std::string path = format_path(parts, parts.size());
   for (auto it = origins_.begin(); it != origins_.end();) {
-    if (it->first == path || starts_with(it->first, path + ".") || starts_with(it->first, path + "[")) {
+    if (it->first == path || starts_with(it->first, path + ".") ||
+        starts_with(it->first, path + "[")) {
       it = origins_.erase(it);
     } else {
       ++it;
@@ -375,7 +692,8 @@ std::string ConfigTree::origin(const std::string& path) const {
   if (auto it = origins_.find(path); it != origins_.end()) return it->second;
   // A key created by an override ("a.b=1" creates "a") takes the origin of what lies under it.
   if (!path.empty()) {
-    for (auto it = origins_.lower_bound(path); it != origins_.end() && starts_with(it->first, path); ++it) {
+    for (auto it = origins_.lower_bound(path); it != origins_.end() && starts_with(it->first, path);
+         ++it) {
       const char next = it->first.size() > path.size() ? it->first[path.size()] : '\0';
       if (next == '.' || next == '[') return it->second;
     }
@@ -413,7 +731,7 @@ void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& 
   } else if (s == "false" || s == "no" || s == "off" || s == "0") {
     out = false;
   } else {
-    fail_at(t, path, fmt::format("expects a boolean (true/false), got '{}'", n.Scalar()));
+    fail_at(t, path, fmt::format("expects a boolean (true/false), got '{}'", clip(n.Scalar())));
   }
 }
 
@@ -426,23 +744,28 @@ void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& 
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, double& out) {
   out = parse_double(n, path, t);
 }
-void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, std::string& out) {
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
+                std::string& out) {
   if (n.IsNull()) {
     out.clear();
     return;
   }
   out = scalar_or_fail(n, path, t, "a string");
 }
-void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, std::vector<int>& out) {
-  read_list(n, path, t, out, "integers", [&](const YAML::Node& e, const std::string& p) { return parse_int<int>(e, p, t); });
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
+                std::vector<int>& out) {
+  read_list(n, path, t, out, "integers",
+            [&](const YAML::Node& e, const std::string& p) { return parse_int<int>(e, p, t); });
 }
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                 std::vector<int64_t>& out) {
-  read_list(n, path, t, out, "integers", [&](const YAML::Node& e, const std::string& p) { return parse_int<int64_t>(e, p, t); });
+  read_list(n, path, t, out, "integers",
+            [&](const YAML::Node& e, const std::string& p) { return parse_int<int64_t>(e, p, t); });
 }
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                 std::vector<double>& out) {
-  read_list(n, path, t, out, "numbers", [&](const YAML::Node& e, const std::string& p) { return parse_double(e, p, t); });
+  read_list(n, path, t, out, "numbers",
+            [&](const YAML::Node& e, const std::string& p) { return parse_double(e, p, t); });
 }
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                 std::vector<std::string>& out) {
@@ -458,47 +781,69 @@ void check_value(const Check& c, const std::string& path, const ConfigTree& t, d
   if (c.max && !(v <= *c.max)) fail_at(t, path, fmt::format("must be <= {}, got {}", *c.max, v));
 }
 
-void check_value(const Check& c, const std::string& path, const ConfigTree& t, const std::string& v) {
-  if (c.choices.empty() || std::find(c.choices.begin(), c.choices.end(), v) != c.choices.end()) return;
-  fail_at(t, path, fmt::format("must be one of {}, got '{}'{}", join(c.choices, "|"), v,
-                               did_you_mean(v, c.choices)));
+void check_value(const Check& c, const std::string& path, const ConfigTree& t,
+                 const std::string& v) {
+  if (c.one_component) {
+    const std::string why = path_component_problem(v);
+    if (!why.empty()) {
+      fail_at(t, path, fmt::format("must be one folder name, got '{}', which {}", clip(v), why));
+    }
+  }
+  if (c.choices.empty() || std::find(c.choices.begin(), c.choices.end(), v) != c.choices.end())
+    return;
+  fail_at(t, path,
+          fmt::format("must be one of {}, got '{}'{}", join(c.choices, "|"), clip(v),
+                      did_you_mean(v, c.choices)));
+}
+
+std::string unknown_key_hint(const std::string& path, const std::string& key,
+                             const std::vector<std::string>& siblings,
+                             const std::vector<std::string>& all_paths) {
+  const std::string sibling = closest_match(key, siblings);
+  if (!sibling.empty()) return fmt::format(" (did you mean '{}'?)", child_path(path, sibling));
+  // The key may exist in another section ("train.lr" for "optim.lr").
+  for (const auto& p : all_paths) {
+    const auto dot = p.rfind('.');
+    const std::string leaf = dot == std::string::npos ? p : p.substr(dot + 1);
+    if (leaf == key || edit_distance(leaf, key) <= 1)
+      return fmt::format(" (did you mean '{}'?)", p);
+  }
+  return "";
 }
 
 void reject_unknown(const YAML::Node& node, const std::string& path, const ConfigTree& t,
-                    const std::vector<std::string>& known, const std::vector<std::string>& all_paths) {
+                    const std::vector<std::string>& known,
+                    const std::vector<std::string>& all_paths) {
   for (auto it = node.begin(); it != node.end(); ++it) {
     const std::string key = it->first.Scalar();
     if (std::find(known.begin(), known.end(), key) != known.end()) continue;
     const std::string full = child_path(path, key);
-    std::string hint;
-    const std::string sibling = closest_match(key, known);
-    if (!sibling.empty()) {
-      hint = fmt::format(" (did you mean '{}'?)", child_path(path, sibling));
-    } else {
-      // The key may exist in another section ("train.lr" for "optim.lr").
-      std::vector<std::string> same_leaf;
-      for (const auto& p : all_paths) {
-        const auto dot = p.rfind('.');
-        const std::string leaf = dot == std::string::npos ? p : p.substr(dot + 1);
-        if (leaf == key || edit_distance(leaf, key) <= 1) same_leaf.push_back(p);
-      }
-      if (!same_leaf.empty()) hint = fmt::format(" (did you mean '{}'?)", same_leaf.front());
-    }
+    const std::string hint = unknown_key_hint(path, key, known, all_paths);
     const std::string origin = t.origin(full);
     const std::string where = origin.empty() || origin == "default" ? "config" : origin;
     if (path.empty()) {
-      throw ConfigError(fmt::format("{}: unknown section '{}'{}; sections are: {}", where, key,
-                                    hint, join(known, ", ")));
+      throw ConfigError(fmt::format("{}: unknown section '{}'{}; sections are: {}", where,
+                                    clip(key), hint, join(known, ", ")));
     }
-    throw ConfigError(fmt::format("{}: unknown key '{}'{}", where, full, hint));
+    throw ConfigError(fmt::format("{}: unknown key '{}'{}", where, clip(full), hint));
   }
 }
 
-std::string type_name(const bool&) { return "bool"; }
-std::string type_name(const int&) { return "int"; }
-std::string type_name(const int64_t&) { return "int"; }
-std::string type_name(const double&) { return "float"; }
-std::string type_name(const std::string&) { return "string"; }
+std::string type_name(const bool&) {
+  return "bool";
+}
+std::string type_name(const int&) {
+  return "int";
+}
+std::string type_name(const int64_t&) {
+  return "int";
+}
+std::string type_name(const double&) {
+  return "float";
+}
+std::string type_name(const std::string&) {
+  return "string";
+}
 
 }  // namespace detail
 

@@ -23,7 +23,14 @@
 // MMEngine convention). Overrides are Hydra-style `a.b=value` (value parsed as YAML, so `[1,2]`,
 // `true`, `3e-4` and `null` work), `a.b[1]=value` or `a.b.1=value` for one list element, and
 // `~a.b` to restore a key's default. Every error names the file and line, or the override, the
-// dotted key path and the offending value.
+// dotted key path and the offending value (long values cut to ~80 characters, core::clip).
+//
+// Hostile input: every YAML text (a file of the `_base_` chain, an override's value) is scanned
+// event by event before a node tree is built, and rejected with the file and line when it holds
+// a duplicate key (naming both lines), a recursive alias (`a: &x [*x]`, which would make every
+// walk of the tree recurse forever), or more than kMaxYamlNodes nodes or kMaxYamlBytes of scalar
+// text once aliases are expanded ("billion laughs"). A config file must be a regular file of at
+// most kMaxConfigFileBytes holding at least one key.
 #pragma once
 
 #include "core/error.h"
@@ -39,11 +46,18 @@
 
 namespace parallax::core {
 
+// Limits on one YAML text, generous for any real config (the largest in configs/ resolves to a
+// few hundred nodes and a few KiB): they stop alias bombs and stray data files, not configs.
+inline constexpr std::size_t kMaxYamlNodes = 100000;           // nodes after alias expansion
+inline constexpr std::size_t kMaxYamlBytes = 16u << 20;        // scalar bytes after alias expansion
+inline constexpr std::size_t kMaxConfigFileBytes = 16u << 20;  // size of one config file
+
 // Value constraints checked while reading a field.
 struct Check {
   std::vector<std::string> choices;  // for strings (and each element of string lists)
   std::optional<double> min, max;    // for numbers (and each element of number lists), inclusive
   bool exclusive_min = false;
+  bool one_component = false;  // for strings: one folder name (core::path_component_problem)
 
   static Check one_of(std::initializer_list<const char*> c) {
     Check k;
@@ -67,7 +81,18 @@ struct Check {
     k.max = hi;
     return k;
   }
+  // A string used as one folder name inside another folder (a run name): not empty, '.' or '..',
+  // no '/', no leading '~', no control characters.
+  static Check path_component() {
+    Check k;
+    k.one_component = true;
+    return k;
+  }
 };
+
+// Parses one YAML document after the hostile-input scan described above; `name` (a file name or
+// "command-line override '...'") starts every error message. Throws ConfigError.
+YAML::Node load_yaml(const std::string& text, const std::string& name);
 
 // A YAML tree plus where each key came from ("file:line", "override 'a=b'", "default").
 class ConfigTree {
@@ -75,18 +100,24 @@ class ConfigTree {
   ConfigTree();
 
   // Loads `path`, resolving `_base_` recursively. Throws ConfigError for a missing file (with
-  // did-you-mean among sibling files), malformed YAML (file:line:column) or a `_base_` cycle.
+  // did-you-mean among sibling files), a path that is a directory, a symlink loop or not a
+  // regular file, an empty file, malformed or hostile YAML (file:line:column; see above) or a
+  // `_base_` cycle.
   static ConfigTree from_file(const std::string& path);
-  // Parses YAML text; `name` stands in for a file name in messages.
+  // Parses YAML text; `name` stands in for a file name in messages. Empty text (or only
+  // comments) is a ConfigError.
   static ConfigTree from_string(const std::string& yaml, const std::string& name);
   // Wraps a tree built in memory (e.g. a struct's defaults); origins are `origin_label`.
   static ConfigTree from_node(const YAML::Node& node, const std::string& origin_label);
 
   // Merges `over` on top of this tree (see the file comment for the rules).
   void merge(const ConfigTree& over);
-  // Applies one `a.b=value`, `a.b[i]=value` or `~a.b` expression.
-  void apply_override(const std::string& expr);
-  void apply_overrides(const std::vector<std::string>& exprs);
+  // Applies one `a.b=value`, `a.b[i]=value` or `~a.b` expression. With `known_paths` (every leaf
+  // key path of the schema, as KeyLister::paths() lists them), `~a.b` must name one of them or a
+  // section holding some (else a ConfigError with did-you-mean); without, it is not checked.
+  void apply_override(const std::string& expr, const std::vector<std::string>& known_paths = {});
+  void apply_overrides(const std::vector<std::string>& exprs,
+                       const std::vector<std::string>& known_paths = {});
 
   const YAML::Node& root() const { return root_; }
   // Where `path` (dotted, list elements as `a.b[2]`) was set; falls back to the nearest
@@ -110,7 +141,8 @@ void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& 
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, int& out);
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, int64_t& out);
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, double& out);
-void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, std::string& out);
+void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
+                std::string& out);
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
                 std::vector<int>& out);
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t,
@@ -121,11 +153,13 @@ void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& 
                 std::vector<std::string>& out);
 
 void check_value(const Check& c, const std::string& path, const ConfigTree& t, double v);
-void check_value(const Check& c, const std::string& path, const ConfigTree& t, const std::string& v);
+void check_value(const Check& c, const std::string& path, const ConfigTree& t,
+                 const std::string& v);
 template <class T>
 void check_value(const Check& c, const std::string& path, const ConfigTree& t,
                  const std::vector<T>& v) {
-  for (std::size_t i = 0; i < v.size(); ++i) check_value(c, path + "[" + std::to_string(i) + "]", t, v[i]);
+  for (std::size_t i = 0; i < v.size(); ++i)
+    check_value(c, path + "[" + std::to_string(i) + "]", t, v[i]);
 }
 inline void check_value(const Check&, const std::string&, const ConfigTree&, bool) {}
 inline void check_value(const Check& c, const std::string& p, const ConfigTree& t, int v) {
@@ -135,9 +169,17 @@ inline void check_value(const Check& c, const std::string& p, const ConfigTree& 
   check_value(c, p, t, static_cast<double>(v));
 }
 
+// " (did you mean 'x'?)" for the unknown key `key` under `path`: the closest of `siblings` (the
+// known keys of that section), else a key of the same leaf name in another section of
+// `all_paths` ("train.lr" -> "optim.lr"); "" when none is plausible.
+std::string unknown_key_hint(const std::string& path, const std::string& key,
+                             const std::vector<std::string>& siblings,
+                             const std::vector<std::string>& all_paths);
+
 // Unknown keys under `node` (a map at `path`) that are not in `known`: throws with did-you-mean.
 void reject_unknown(const YAML::Node& node, const std::string& path, const ConfigTree& t,
-                    const std::vector<std::string>& known, const std::vector<std::string>& all_paths);
+                    const std::vector<std::string>& known,
+                    const std::vector<std::string>& all_paths);
 
 std::string type_name(const bool&);
 std::string type_name(const int&);
@@ -150,7 +192,9 @@ std::string type_name(const std::vector<T>&) {
 }
 
 template <class T, class V>
-concept VisitableWith = requires(T& t, V& v) { t.visit(v); };
+concept VisitableWith = requires(T& t, V& v) {
+  t.visit(v);
+};
 
 }  // namespace detail
 
@@ -278,7 +322,10 @@ T load_config(const std::string& file, const std::vector<std::string>& overrides
   T cfg;
   ConfigTree tree = ConfigTree::from_node(to_yaml(cfg), "default");
   if (!file.empty()) tree.merge(ConfigTree::from_file(file));
-  tree.apply_overrides(overrides);
+  KeyLister lister;
+  T defaults = cfg;
+  defaults.visit(lister);
+  tree.apply_overrides(overrides, lister.paths());
   bind(tree, cfg);
   return cfg;
 }

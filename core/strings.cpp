@@ -29,8 +29,9 @@ std::string closest_match(std::string_view word, const std::vector<std::string>&
   for (const auto& c : candidates) {
     std::size_t d = edit_distance(word, c);
     // A truncated or over-long key ("lr_sched" for "lr_schedule") is a plausible typo too.
-    const bool affix = word.size() >= 3 && c.size() >= 3 &&
-                       (c.find(word) == 0 || word.find(c) == 0 || c.rfind(word) != std::string::npos);
+    const bool affix =
+        word.size() >= 3 && c.size() >= 3 &&
+        (c.find(word) == 0 || word.find(c) == 0 || c.rfind(word) != std::string::npos);
     if (affix) d = std::min(d, limit);
     if (d < best_d) {
       best_d = d;
@@ -50,7 +51,8 @@ std::vector<std::string> split(std::string_view s, char sep) {
   std::size_t start = 0;
   while (true) {
     const std::size_t pos = s.find(sep, start);
-    out.emplace_back(s.substr(start, pos == std::string_view::npos ? s.size() - start : pos - start));
+    out.emplace_back(
+        s.substr(start, pos == std::string_view::npos ? s.size() - start : pos - start));
     if (pos == std::string_view::npos) break;
     start = pos + 1;
   }
@@ -83,13 +85,27 @@ std::string json_quote(std::string_view s) {
   out += '"';
   for (const char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           out += fmt::format("\\u{:04x}", static_cast<int>(c));
@@ -100,6 +116,70 @@ std::string json_quote(std::string_view s) {
   }
   out += '"';
   return out;
+}
+
+namespace {
+
+// Appends `s` with control characters (and DEL) escaped.
+void append_escaped(std::string& out, std::string_view s) {
+  for (const char c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    switch (c) {
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      default:
+        if (u < 0x20 || u == 0x7f) {
+          out += fmt::format("\\x{:02x}", u);
+        } else {
+          out += c;
+        }
+    }
+  }
+}
+
+bool is_utf8_continuation(char c) {
+  return (static_cast<unsigned char>(c) & 0xC0) == 0x80;
+}
+
+}  // namespace
+
+std::string clip(std::string_view s, std::size_t max_bytes) {
+  std::string out;
+  if (s.size() <= max_bytes) {
+    append_escaped(out, s);
+    return out;
+  }
+  // Keep half of the budget at each end, moving each cut to a UTF-8 character boundary.
+  std::size_t head = max_bytes / 2;
+  while (head > 0 && is_utf8_continuation(s[head])) --head;
+  std::size_t tail = s.size() - max_bytes / 2;
+  while (tail < s.size() && is_utf8_continuation(s[tail])) ++tail;
+  append_escaped(out, s.substr(0, head));
+  out += fmt::format("...({} bytes)...", s.size());
+  append_escaped(out, s.substr(tail));
+  return out;
+}
+
+std::string path_component_problem(std::string_view name) {
+  if (name.empty()) return "is empty";
+  if (name == ".") return "is '.', the parent folder itself";
+  if (name == "..") return "is '..', which leaves the parent folder";
+  if (name.find('/') != std::string_view::npos) return "contains '/'";
+  if (name.front() == '~') return "starts with '~'";
+  for (const char c : name) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) return "contains a control character";
+  }
+  if (name.size() > 255)
+    return fmt::format("is {} bytes long; a folder name has at most 255", name.size());
+  return "";
 }
 
 std::string human_bytes(double bytes) {

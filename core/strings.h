@@ -27,6 +27,18 @@ bool starts_with(std::string_view s, std::string_view prefix);
 // For the small JSON documents Parallax writes (metrics, metadata, flight records).
 std::string json_quote(std::string_view s);
 
+// `s` made fit for a one-line error message: control characters escaped (\n, \t, \x01) and, when
+// longer than `max_bytes`, the middle cut out and replaced by the total length, e.g.
+// "aaaa...(1048576 bytes)...zzzz" (the cut never splits a UTF-8 sequence). Every value, key or
+// expression a user gave that an error message echoes goes through this, so a 1 MB value cannot
+// flood the console.
+std::string clip(std::string_view s, std::size_t max_bytes = 80);
+
+// Why `name` cannot be used as one folder name inside another folder ("is empty", "is '..'",
+// "contains '/'", "starts with '~'", "contains a control character", "is 300 bytes long; ..."),
+// or "" when it can. For run names and similar user-given path components.
+std::string path_component_problem(std::string_view name);
+
 // 1536 -> "1.5 KiB"; for bandwidth and memory reports.
 std::string human_bytes(double bytes);
 // 3725.0 -> "1h02m05s"; for ETAs.

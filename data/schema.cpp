@@ -17,7 +17,6 @@ namespace fs = std::filesystem;
 namespace parallax::data {
 namespace {
 
-
 std::string json_string_list(const std::vector<std::string>& v) {
   std::string out = "[";
   for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + core::json_quote(v[i]);
@@ -94,10 +93,38 @@ const SplitInfo& DatasetInfo::split(const std::string& name) const {
   return it->second;
 }
 
+namespace {
+
+// Throws unless `dir` is a directory, saying what it is instead (missing, a file, a symlink loop).
+void check_dataset_folder(const std::string& dir) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(dir, ec);
+  const std::string shown = core::clip(dir, 200);
+  if (st.type() == fs::file_type::not_found)
+    throw_error<DataError>("dataset folder '{}' does not exist", shown);
+  if (ec) throw_error<DataError>("dataset folder '{}' cannot be read: {}", shown, ec.message());
+  if (st.type() == fs::file_type::directory) return;
+  std::string hint;
+  if (st.type() == fs::file_type::regular) {
+    // A shard or dataset.json given instead of the folder that holds them.
+    const fs::path parent = fs::path(dir).parent_path();
+    if (fs::is_regular_file(parent.empty() ? fs::path("dataset.json") : parent / "dataset.json",
+                            ec)) {
+      hint = fmt::format(" (did you mean its folder '{}'?)",
+                         core::clip(parent.empty() ? "." : parent.string(), 200));
+    }
+    throw_error<DataError>(
+        "'{}' is a file, not a dataset folder (a folder of HDF5 shards and dataset.json){}", shown,
+        hint);
+  }
+  throw_error<DataError>("'{}' is not a dataset folder (not a directory)", shown);
+}
+
+}  // namespace
+
 DatasetInfo read_dataset_info(const std::string& dir) {
   const std::string file = join_path(dir, "dataset.json");
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) throw_error<DataError>("dataset folder '{}' does not exist", dir);
+  check_dataset_folder(dir);
   std::ifstream in(file, std::ios::binary);
   if (!in)
     throw_error<DataError>("'{}' not found: not a Parallax dataset folder (run 'parallax datagen')",

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The README's demo command: installs what is missing, builds, generates the synthetic
+# The README's demo command: installs what is missing, builds the `parallax` binary (only it and
+# the libraries it links: the tests are scripts/test.sh's business), generates the synthetic
 # multi-camera dataset (once), and trains the tiny BEV model data-parallel on 2 CPU ranks under
 # mpirun (configs/bev_tiny.yaml). Extra arguments are config overrides, e.g. train.steps=100.
 # Prints where the run's config, metrics, plots and checkpoints are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-scripts/build.sh
+scripts/build.sh --target parallax
 BUILD=${PARALLAX_BUILD_DIR:-build}
 BIN="$BUILD/bin/parallax"
 CONFIG=${PARALLAX_DEMO_CONFIG:-configs/bev_tiny.yaml}

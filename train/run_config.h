@@ -20,9 +20,10 @@ struct ExperimentConfig {
 
   template <class V>
   void visit(V& v) {
-    v("name", name, "run name: outputs go to <output_dir>/<name>");
+    v("name", name, "run name, one folder name (no '/', not '.' or '..'): outputs go to <output_dir>/<name>",
+      core::Check::path_component());
     v("seed", seed, "global seed (model init, data order, augmentation)", core::Check::at_least(0));
-    v("output_dir", output_dir, "parent folder of run directories");
+    v("output_dir", output_dir, "parent folder of run directories (relative or absolute)");
   }
 };
 

@@ -27,6 +27,7 @@
 #include "train/evaluate.h"
 #include "train/metrics.h"
 #include "train/profiler.h"
+#include "train/run_dir.h"
 
 #include <ATen/ATen.h>
 #include <ATen/DeviceAccelerator.h>
@@ -38,6 +39,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 namespace fs = std::filesystem;
@@ -155,6 +157,8 @@ class Trainer {
   c10::Device device_{c10::kCPU};
   comm::CommPtr world_comm_;
   std::unique_ptr<comm::Topology> topo_;
+  // Locked for the trainer's lifetime; declared before everything that writes into it.
+  std::optional<RunDirectory> run_directory_;
   fs::path run_dir_;
   std::shared_ptr<models::Model> model_;
   std::unique_ptr<parallel::ddp::DistributedDataParallel> ddp_;
@@ -235,15 +239,14 @@ void Trainer::setup() {
                              "use parallel.tp=1 parallel.pp=1 (data parallel over all {} ranks)",
                              layout.to_string(), world_.size());
   }
+  // First collective on world_comm_: rank 0 checks, creates and locks the run directory for the
+  // whole run, and every rank learns the outcome (a second job on it fails here on every rank).
+  run_directory_.emplace(RunDirectory::open(cfg_.experiment, *world_comm_, device_));
+  run_dir_ = run_directory_->path();
   topo_ = std::make_unique<comm::Topology>(world_comm_, layout);
   rank0_ = world_.rank() == 0;
-
-  run_dir_ = fs::path(cfg_.experiment.output_dir) / cfg_.experiment.name;
   world_.set_report_dir(run_dir_.string());  // hang reports (flight recorder JSON) go with the run
   if (rank0_) {
-    std::error_code ec;
-    fs::create_directories(run_dir_, ec);
-    if (ec) throw_error<IoError>("cannot create run directory '{}': {}", run_dir_.string(), ec.message());
     write_text_file(run_dir_ / "config.yaml", resolved_yaml(cfg_));
     metrics_ = std::make_unique<MetricsWriter>((run_dir_ / "metrics.jsonl").string());
   } else {

@@ -1,8 +1,10 @@
 // Config system: typed reading, composition through _base_, overrides, and every error path.
 #include "core/config.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -89,13 +91,204 @@ class ConfigTest : public ::testing::Test {
   fs::path dir_;
 };
 
-TEST_F(ConfigTest, DefaultsWhenFileIsEmptyOrOmitted) {
-  const auto cfg = load_config<RootCfg>(write("empty.yaml", ""), {});
+TEST_F(ConfigTest, DefaultsWhenFileIsAnEmptyMappingOrOmitted) {
+  const auto cfg = load_config<RootCfg>(write("all_defaults.yaml", "{}\n"), {});
   EXPECT_EQ(cfg.steps, 10);
   EXPECT_EQ(cfg.optim.name, "adamw");
   EXPECT_EQ(cfg.model.sizes, (std::vector<int>{224, 224}));
   const auto cfg2 = load_config<RootCfg>("", {});
   EXPECT_EQ(cfg2.optim.lr, 1e-3);  // the default, copied: exact
+}
+
+TEST_F(ConfigTest, EmptyFileIsAnErrorNamingIt) {
+  for (const char* text : {"", "# only a comment\n", "\n\n"}) {
+    const auto f = write("empty.yaml", text);
+    EXPECT_EQ(error_of([&] { load_config<RootCfg>(f, {}); }),
+              f + ": the config is empty (no keys; write '{}' for all defaults)");
+  }
+  // Anywhere in the _base_ chain.
+  write("empty_base.yaml", "");
+  const auto child = write("child.yaml", "_base_: empty_base.yaml\nsteps: 2\n");
+  const std::string msg = error_of([&] { load_config<RootCfg>(child, {}); });
+  EXPECT_NE(msg.find("empty_base.yaml: the config is empty"), std::string::npos) << msg;
+}
+
+// The hostile inputs of issue 17: each must be a one-line ConfigError naming the file, in bounded
+// time and memory, never a crash.
+TEST_F(ConfigTest, RecursiveAliasIsAnErrorNotACrash) {
+  const auto a = write("self.yaml", "a: &x [*x]\n");
+  EXPECT_EQ(error_of([&] { load_config<RootCfg>(a, {}); }),
+            a + ":1:8: recursive alias '*x': it refers to the node that contains it (anchor '&x' "
+                "at line 1); "
+                "a config cannot contain itself");
+  const auto e = write("rec.yaml", "steps: 1\nexperiment: &e {name: rec, sub: *e}\n");
+  std::string msg = error_of([&] { load_config<RootCfg>(e, {}); });
+  EXPECT_NE(msg.find("rec.yaml:2:"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("recursive alias '*e'"), std::string::npos) << msg;
+  // Deeper: the alias sits two levels inside its anchor.
+  const auto d = write("deep.yaml", "optim: &o\n  name: sgd\n  sub:\n    inner: [1, *o]\n");
+  msg = error_of([&] { load_config<RootCfg>(d, {}); });
+  EXPECT_NE(msg.find("deep.yaml:4:"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("anchor '&o' at line 1"), std::string::npos) << msg;
+  // In an override's value.
+  msg = error_of([&] { load_config<RootCfg>("", {"tags=&t [a, *t]"}); });
+  EXPECT_NE(msg.find("command-line override 'tags=&t [a, *t]'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("recursive alias '*t'"), std::string::npos) << msg;
+}
+
+// "Billion laughs": level k holds ten aliases of level k-1, so level 9 expands to 10^9 scalars
+// while the file is 1 KiB. The expanded size is counted from the anchors' sizes, never built.
+std::string alias_bomb(int levels, const std::string& indent) {
+  std::string text = indent + "l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n";
+  for (int k = 1; k < levels; ++k) {
+    text += fmt::format("{}l{}: &l{} [", indent, k, k);
+    for (int i = 0; i < 10; ++i) text += fmt::format("{}*l{}", i ? ", " : "", k - 1);
+    text += "]\n";
+  }
+  return text;
+}
+
+TEST_F(ConfigTest, AliasBombIsCappedByItsExpandedSize) {
+  const auto f = write("laughs.yaml", "tags:\n" + alias_bomb(10, "  - "));
+  const auto start = std::chrono::steady_clock::now();
+  const std::string msg = error_of([&] { load_config<RootCfg>(f, {}); });
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+  // Level k expands to s_k = 1 + 10 s_(k-1) nodes (s_0 = 11: the list and its 10 scalars), each
+  // list entry adds its map and key, and `tags:` its key and list: 2 + 4 * 2 + (11 + 111 + 1111 +
+  // 11111) = 12354 nodes before the entry of l4 on line 6, whose map, key and list make 12357;
+  // each *l3 adds 11111, so the 8th (12357 + 8 * 11111 = 101245) is the first past 100000.
+  EXPECT_EQ(msg, f + ":6: too large: more than 100000 YAML nodes once aliases are expanded through "
+                     "alias '*l3' "
+                     "(a config holds a few hundred; is this a data file, or an alias bomb?)");
+  // A bomb of long strings trips the byte limit first.
+  const std::string s(1 << 20, 'x');
+  const auto g = write("long_laughs.yaml", "a: &a " + s +
+                                               "\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+                                               "c: [*b, *b]\n");
+  const std::string msg2 = error_of([&] { load_config<RootCfg>(g, {}); });
+  EXPECT_NE(
+      msg2.find(
+          "long_laughs.yaml:3: too large: more than 16.0 MiB of text once aliases are expanded"),
+      std::string::npos)
+      << msg2;
+  // Same for an override's value.
+  std::string flow = "{";
+  for (int k = 0; k < 8; ++k) {
+    flow += fmt::format("{}l{}: &l{} [", k ? ", " : "", k, k);
+    for (int i = 0; i < 10; ++i) {
+      if (i) flow += ", ";
+      flow += k ? fmt::format("*l{}", k - 1) : std::string("lol");
+    }
+    flow += "]";
+  }
+  flow += "}";
+  const std::string msg3 = error_of([&] { load_config<RootCfg>("", {"model=" + flow}); });
+  EXPECT_NE(msg3.find("too large: more than 100000 YAML nodes"), std::string::npos) << msg3;
+  EXPECT_NE(msg3.find("command-line override 'model={l0: &l0"), std::string::npos) << msg3;
+}
+
+TEST_F(ConfigTest, AliasesThatAreNotHostileStillWork) {
+  const auto f =
+      write("aliases.yaml",
+            "model:\n  width: &w 7\n  sizes: &s [3, 4]\nsteps: *w\noptim:\n  betas: [0.5, 0.6]\n"
+            "tags: &t [a, b]\n");
+  const auto cfg = load_config<RootCfg>(f, {"model.sizes[0]=9"});
+  EXPECT_EQ(cfg.steps, 7);
+  EXPECT_EQ(cfg.model.width, 7);
+  EXPECT_EQ(cfg.model.sizes, (std::vector<int>{9, 4}));
+  EXPECT_EQ(cfg.tags, (std::vector<std::string>{"a", "b"}));
+}
+
+TEST_F(ConfigTest, DuplicateKeyIsAnErrorNamingBothLines) {
+  const auto f = write("dup.yaml", "optim:\n  lr: 0.1\n  name: sgd\n  lr: 0.2\n");
+  EXPECT_EQ(
+      error_of([&] { load_config<RootCfg>(f, {}); }),
+      f + ":4: duplicate key 'optim.lr' (first set at line 2); a key may appear once per section");
+  // A repeated section, and a duplicate inside a list element.
+  const auto g = write("dup_section.yaml", "optim:\n  lr: 1\nsteps: 3\noptim:\n  name: sgd\n");
+  EXPECT_NE(error_of([&] {
+              load_config<RootCfg>(g, {});
+            }).find("dup_section.yaml:4: duplicate key 'optim' (first set at line 1)"),
+            std::string::npos);
+  const auto h = write("dup_list.yaml", "tags:\n  - {a: 1, a: 2}\n");
+  EXPECT_NE(error_of([&] { load_config<RootCfg>(h, {}); }).find("duplicate key 'tags[0].a'"),
+            std::string::npos);
+  // In every file of the _base_ chain.
+  write("dup_base.yaml", "steps: 1\nflag: true\nsteps: 2\n");
+  const auto child = write("dup_child.yaml", "_base_: dup_base.yaml\nflag: false\n");
+  EXPECT_NE(error_of([&] {
+              load_config<RootCfg>(child, {});
+            }).find("dup_base.yaml:3: duplicate key 'steps' (first set at line 1)"),
+            std::string::npos);
+  // In an override's value.
+  const std::string msg = error_of([&] { load_config<RootCfg>("", {"optim={lr: 1, lr: 2}"}); });
+  EXPECT_NE(msg.find("command-line override 'optim={lr: 1, lr: 2}':1: duplicate key 'lr'"),
+            std::string::npos)
+      << msg;
+  // The same key in different sections is no duplicate.
+  EXPECT_EQ(load_config<RootCfg>(write("ok.yaml", "optim:\n  name: sgd\nmodel:\n  width: 3\n"), {})
+                .model.width,
+            3);
+}
+
+TEST_F(ConfigTest, RestoringAnUnknownKeyIsAnError) {
+  EXPECT_EQ(
+      error_of([&] { load_config<RootCfg>("", {"~optim.lrr"}); }),
+      "command-line override '~optim.lrr': unknown key 'optim.lrr' (did you mean 'optim.lr'?)");
+  EXPECT_EQ(error_of([&] { load_config<RootCfg>("", {"~optimm"}); }),
+            "command-line override '~optimm': unknown key 'optimm' (did you mean 'optim'?)");
+  EXPECT_EQ(error_of([&] { load_config<RootCfg>("", {"~model.lr"}); }),
+            "command-line override '~model.lr': unknown key 'model.lr' (did you mean 'optim.lr'?)");
+  EXPECT_EQ(error_of([&] { load_config<RootCfg>("", {"~model.sizes[1]"}); }),
+            "command-line override '~model.sizes[1]': '~' restores a whole key to its default, not "
+            "one element of "
+            "list 'model.sizes'; write '~model.sizes'");
+  // Known keys and whole sections restore their defaults.
+  const auto f = write("ok.yaml", "optim:\n  lr: 0.5\n  name: sgd\nmodel:\n  sizes: [1]\n");
+  const auto cfg = load_config<RootCfg>(f, {"~optim", "~model.sizes"});
+  EXPECT_DOUBLE_EQ(cfg.optim.lr, 1e-3);
+  EXPECT_EQ(cfg.optim.name, "adamw");
+  EXPECT_EQ(cfg.model.sizes, (std::vector<int>{224, 224}));
+}
+
+TEST_F(ConfigTest, LongValuesAreCutInErrorMessages) {
+  const std::string big(1 << 20, 'v');
+  for (const std::string& expr :
+       {"optim.name=" + big, "steps=" + big, "optim.lr=" + big, "flag=" + big, big + "=1",
+        "optim." + big + "=1", "~optim." + big, "tags=[" + big + "", "steps=[" + big + "]"}) {
+    const std::string msg = error_of([&] { load_config<RootCfg>("", {expr}); });
+    EXPECT_LT(msg.size(), 600u) << msg.substr(0, 600);
+    EXPECT_NE(msg.find("(1048"), std::string::npos)
+        << msg.substr(0, 600);  // says how long the value was
+  }
+  const auto f = write("long.yaml", "optim:\n  name: " + big + "\n");
+  const std::string msg = error_of([&] { load_config<RootCfg>(f, {}); });
+  EXPECT_EQ(msg, f + ":2: key 'optim.name' must be one of adamw|sgd, got '" + std::string(40, 'v') +
+                     "...(1048576 bytes)..." + std::string(40, 'v') + "'");
+}
+
+TEST_F(ConfigTest, ConfigPathThatIsNotAFileSaysWhatItIs) {
+  const auto sub = dir_ / "configs";
+  write("configs/bev.yaml", "steps: 1\n");
+  EXPECT_EQ(error_of([&] { load_config<RootCfg>(sub.string(), {}); }),
+            "config file '" + sub.string() +
+                "' is a directory, not a YAML file (pass a YAML file, e.g. '" +
+                (sub / "bev.yaml").string() + "')");
+  const auto loop = dir_ / "loop.yaml";
+  fs::create_symlink(loop, loop);
+  EXPECT_EQ(error_of([&] { load_config<RootCfg>(loop.string(), {}); }),
+            "config file '" + loop.string() +
+                "' cannot be resolved: symlink loop (too many levels of symbolic links)");
+  const auto dangling = dir_ / "dangling.yaml";
+  fs::create_symlink(dir_ / "gone.yaml", dangling);
+  std::string msg = error_of([&] { load_config<RootCfg>(dangling.string(), {}); });
+  EXPECT_NE(msg.find("is a dangling symlink"), std::string::npos) << msg;
+  // As a base, the including file is named.
+  const auto child = write("child.yaml", "_base_: loop.yaml\n");
+  msg = error_of([&] { load_config<RootCfg>(child, {}); });
+  EXPECT_EQ(msg, child + ": base config '" + loop.string() +
+                     "' cannot be resolved: symlink loop (too many levels of "
+                     "symbolic links)");
 }
 
 TEST_F(ConfigTest, ReadsEveryFieldTypeFromAValidFile) {

@@ -34,6 +34,47 @@ TEST(StringsTest, HumanReadableSizesAndDurations) {
   EXPECT_EQ(core::trim("  x y \n"), "x y");
 }
 
+TEST(StringsTest, ClipKeepsShortValuesAndCutsTheMiddleOfLongOnes) {
+  EXPECT_EQ(core::clip("adamw"), "adamw");
+  EXPECT_EQ(core::clip(std::string(80, 'x')), std::string(80, 'x'));  // at the limit: whole
+  // One line whatever the value holds.
+  EXPECT_EQ(core::clip("a\nb\tc\x01"
+                       "d\x7f"),
+            "a\\nb\\tc\\x01d\\x7f");
+  const std::string big = "HEAD" + std::string(1 << 20, 'm') + "TAIL";
+  const std::string c = core::clip(big);
+  EXPECT_EQ(c, std::string("HEAD") + std::string(36, 'm') + "...(1048584 bytes)..." +
+                   std::string(36, 'm') + "TAIL");
+  EXPECT_LT(c.size(), 110u);
+  // A cut never splits a UTF-8 sequence: "é" is 2 bytes, so byte 40 (the cut) falls inside one.
+  std::string accents;
+  for (int i = 0; i < 100; ++i) accents += "\xc3\xa9";
+  const std::string a = core::clip("x" + accents, 80);
+  const auto mid = a.find("...(");
+  ASSERT_NE(mid, std::string::npos);
+  EXPECT_EQ(a.substr(0, mid),
+            "x" + accents.substr(0, 38));  // 39 bytes: the 40th would split a character
+  const auto tail = a.substr(a.find(")...") + 4);
+  EXPECT_EQ(tail, accents.substr(accents.size() - 40));
+}
+
+TEST(StringsTest, PathComponentProblemNamesEachUnsafeForm) {
+  EXPECT_EQ(core::path_component_problem("run-1_b.v2"), "");
+  EXPECT_EQ(core::path_component_problem("with space"), "");
+  EXPECT_EQ(core::path_component_problem(""), "is empty");
+  EXPECT_NE(core::path_component_problem(".").find("'.'"), std::string::npos);
+  EXPECT_NE(core::path_component_problem("..").find("'..'"), std::string::npos);
+  EXPECT_EQ(core::path_component_problem("../../escape"), "contains '/'");
+  EXPECT_EQ(core::path_component_problem("/abs"), "contains '/'");
+  EXPECT_EQ(core::path_component_problem("a/b"), "contains '/'");
+  EXPECT_EQ(core::path_component_problem("~"), "starts with '~'");
+  EXPECT_EQ(core::path_component_problem("~user"), "starts with '~'");
+  EXPECT_EQ(core::path_component_problem(std::string("a\0b", 3)), "contains a control character");
+  EXPECT_EQ(core::path_component_problem("a\nb"), "contains a control character");
+  EXPECT_NE(core::path_component_problem(std::string(256, 'n')).find("255"), std::string::npos);
+  EXPECT_EQ(core::path_component_problem(std::string(255, 'n')), "");
+}
+
 TEST(ErrorTest, ContextFramesAppearInWhat) {
   ConfigError e("key 'x' is bad");
   e.add_context("while loading a.yaml").add_context("rank 3");
@@ -48,7 +89,8 @@ TEST(ErrorTest, ContextFramesAppearInWhat) {
 class LogTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    core::log::set_sink([this](core::log::Level, std::string_view line) { lines_.emplace_back(line); });
+    core::log::set_sink(
+        [this](core::log::Level, std::string_view line) { lines_.emplace_back(line); });
   }
   void TearDown() override {
     core::log::set_sink(nullptr);

@@ -3,9 +3,11 @@
 printing with overrides, and a short training run's outputs. Usage: test_cli.py <parallax>."""
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import yaml
@@ -14,9 +16,17 @@ PARALLAX = None
 SRC = os.environ.get("PARALLAX_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def run(*args, cwd=None):
-    p = subprocess.run([PARALLAX, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+def run(*args, cwd=None, timeout=300):
+    p = subprocess.run([PARALLAX, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
     return p.returncode, p.stdout, p.stderr
+
+
+def alias_bomb(levels):
+    """'Billion laughs': level k lists ten aliases of level k-1 (10^levels scalars in 1 KiB)."""
+    lines = ["l0: &l0 [" + ", ".join(["lol"] * 10) + "]"]
+    for k in range(1, levels):
+        lines.append(f"l{k}: &l{k} [" + ", ".join([f"*l{k - 1}"] * 10) + "]")
+    return "\n".join(lines) + "\n"
 
 
 class CliTest(unittest.TestCase):
@@ -83,6 +93,116 @@ class CliTest(unittest.TestCase):
                 f.write("train:\n  steps: lots\n")
             rc, _, err = run("train", "--config", wrong)
             self.assert_one_error_line(rc, err, "wrong.yaml:2", "key 'train.steps' expects an integer, got 'lots'")
+
+    def test_hostile_yaml_is_one_error_line_in_bounded_time_and_memory(self):
+        """Issue 17 item 4: recursive aliases segfaulted (rc 139) and a 10-level alias bomb grew to
+        4.9 GB; each is now one error line naming the file, within seconds and a few hundred MB."""
+        cases = {
+            "self.yaml": ("a: &x [*x]\n", "self.yaml:1:8: recursive alias '*x': it refers to the node that "
+                                           "contains it (anchor '&x' at line 1); a config cannot contain itself"),
+            "rec.yaml": ("experiment: &e {name: rec, sub: *e}\n", "rec.yaml:1:33: recursive alias '*e'"),
+            "laughs.yaml": (alias_bomb(10), "laughs.yaml:5: too large: more than 100000 YAML nodes once aliases "
+                                            "are expanded through alias '*l3'"),
+        }
+        with tempfile.TemporaryDirectory() as d:
+            for name, (text, needle) in cases.items():
+                path = os.path.join(d, name)
+                with open(path, "w") as f:
+                    f.write(text)
+                start = time.monotonic()
+                rc, _, err = run("train", "--config", path, timeout=60)
+                self.assertLess(time.monotonic() - start, 30, name)
+                self.assertEqual(rc, 1, f"{name}: {err[-500:]!r}")  # a crash is -11, or 139 via a shell
+                self.assert_one_error_line(rc, err, needle)
+            # Peak RSS of the largest child so far: the bomb expanded grows past 4 GB.
+            max_rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+            self.assertLess(max_rss_mib, 1024)
+            # In an override's value too.
+            rc, _, err = run("train", "--config", os.path.join(SRC, "configs", "mlp_demo.yaml"),
+                             "model={" + alias_bomb(8).replace("\n", ", ").rstrip(", ") + "}", timeout=60)
+            self.assert_one_error_line(rc, err, "too large: more than 100000 YAML nodes")
+
+    def test_duplicate_key_empty_file_and_unknown_restore_are_errors(self):
+        cfg = os.path.join(SRC, "configs", "mlp_demo.yaml")
+        with tempfile.TemporaryDirectory() as d:
+            dup = os.path.join(d, "dup.yaml")
+            with open(dup, "w") as f:
+                f.write(f"_base_: {cfg}\noptim:\n  lr: 0.1\n  name: sgd\n  lr: 0.2\n")
+            rc, _, err = run("train", "--config", dup, "--print-config")
+            self.assert_one_error_line(rc, err, f"{dup}:5: duplicate key 'optim.lr' (first set at line 3)")
+            empty = os.path.join(d, "empty.yaml")
+            open(empty, "w").close()
+            rc, _, err = run("train", "--config", empty, "--print-config")
+            self.assert_one_error_line(rc, err, f"{empty}: the config is empty")
+        rc, _, err = run("train", "--config", cfg, "~optim.lrr", "--print-config")
+        self.assert_one_error_line(rc, err, "command-line override '~optim.lrr': unknown key 'optim.lrr' "
+                                            "(did you mean 'optim.lr'?)")
+
+    def test_a_megabyte_value_is_cut_in_the_error_line(self):
+        cfg = os.path.join(SRC, "configs", "mlp_demo.yaml")
+        with tempfile.TemporaryDirectory() as d:
+            big = os.path.join(d, "big.yaml")
+            with open(big, "w") as f:
+                f.write(f"_base_: {cfg}\noptim:\n  name: " + "x" * (1 << 20) + "\n")
+            rc, _, err = run("train", "--config", big, "--print-config")
+            self.assert_one_error_line(rc, err, f"{big}:3: key 'optim.name' must be one of adamw|sgd, got '"
+                                       + "x" * 40 + "...(1048576 bytes)..." + "x" * 40 + "'")
+            self.assertLess(len(err), 400)
+        # A command-line argument holds at most 128 KiB (Linux MAX_ARG_STRLEN).
+        rc, _, err = run("train", "--config", cfg, "optim.name=" + "y" * 100000, "--print-config")
+        self.assert_one_error_line(rc, err, "...(100011 bytes)...", "...(100000 bytes)...")
+        self.assertLess(len(err), 400)
+
+    def test_config_that_is_a_directory_or_a_symlink_loop_says_so(self):
+        with tempfile.TemporaryDirectory() as d:
+            rc, _, err = run("train", "--config", d)
+            self.assert_one_error_line(rc, err, f"config file '{d}' is a directory, not a YAML file")
+            loop = os.path.join(d, "loop.yaml")
+            os.symlink(loop, loop)
+            rc, _, err = run("train", "--config", loop)
+            self.assert_one_error_line(rc, err, f"config file '{loop}' cannot be resolved: symlink loop")
+            self.assertNotIn("did you mean", err)
+
+    def test_data_path_that_is_a_file_says_so(self):
+        with tempfile.TemporaryDirectory() as d:
+            f = os.path.join(d, "shard.h5")
+            open(f, "w").close()
+            rc, _, err = run("train", "--config", os.path.join(SRC, "configs", "bev_tiny.yaml"), f"data.path={f}",
+                             f"experiment.output_dir={d}")
+            self.assertEqual(rc, 1, err)
+            # The trainer logs its run directory before it opens the dataset: only the error is checked.
+            errors = [l for l in err.splitlines() if l.startswith("parallax: error:")]
+            self.assertEqual(errors, [f"parallax: error: '{f}' is a file, not a dataset folder (a folder of HDF5 "
+                                      "shards and dataset.json)"])
+            # A shard beside a dataset.json: its folder is suggested.
+            open(os.path.join(d, "dataset.json"), "w").close()
+            rc, _, err = run("train", "--config", os.path.join(SRC, "configs", "bev_tiny.yaml"), f"data.path={f}",
+                             f"experiment.output_dir={d}")
+            self.assertIn(f"(did you mean its folder '{d}'?)", err)
+
+    def test_unsafe_run_names_are_refused_before_anything_is_written(self):
+        """Issue 17 item 5: each of these wrote outside experiment.output_dir or into it directly."""
+        cfg = os.path.join(SRC, "configs", "mlp_demo.yaml")
+        bad = {"../../escape": "contains '/'", "/tmp/abs": "contains '/'", "a/b": "contains '/'",
+               "..": "is '..'", ".": "is '.'", "~": "is empty", "'~x'": "starts with '~'", "": "is empty",
+               "'a\tb'": "contains a control character", "'\x01'": "contains a control character"}
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "deep", "runs")
+            os.makedirs(out)
+            for name, why in bad.items():
+                rc, _, err = run("train", "--config", cfg, f"experiment.output_dir={out}", f"experiment.name={name}",
+                                 "train.steps=1")
+                self.assert_one_error_line(rc, err, "key 'experiment.name' must be one folder name, got '",
+                                           f"which {why}")
+                if name.isprintable():
+                    self.assertIn(f"command-line override 'experiment.name={name}'", err)
+            self.assertEqual(os.listdir(out), [])
+            self.assertEqual(sorted(os.listdir(d)), ["deep"])
+            # An absolute output_dir is fine.
+            rc, _, err = run("train", "--config", cfg, f"experiment.output_dir={out}", "experiment.name=ok",
+                             "model.size=tiny", "train.steps=1")
+            self.assertEqual(rc, 0, err)
+            self.assertTrue(os.path.isfile(os.path.join(out, "ok", "config.yaml")))
 
     def test_help_config_lists_keys(self):
         rc, out, _ = run("train", "--help-config")
