@@ -89,7 +89,7 @@ class ResumeIntegrityTest(tt.RunDirTest):
 
     # ---- item 6: each metrics row exactly once across kills --------------------------------------
 
-    STEPS = 40
+    STEPS = 60
 
     def kill_and_resume(self, name, extra, rng, kills):
         """Runs `name` with train.resume=auto, SIGKILLed `kills` times at random moments, until it
