@@ -1,6 +1,7 @@
 #include "checkpoint/checkpointer.h"
 
 #include "checkpoint/files.h"
+#include "checkpoint/finite.h"
 #include "checkpoint/h5.h"
 #include "checkpoint/tensor_io.h"
 #include "core/config.h"
@@ -265,6 +266,13 @@ struct Checkpointer::Impl {
     m.config_hash = opts.config_hash;
     m.created = files::utc_now_iso8601();
     m.extra = job.extra;
+    if (!opts.config_text.empty()) {
+      files::write_durable((tmp / kConfigFile).string(), opts.config_text);
+      m.config =
+          SideFile{kConfigFile, static_cast<int64_t>(opts.config_text.size()),
+                   tensor_io::crc32_update(0, opts.config_text.data(),
+                                           static_cast<int64_t>(opts.config_text.size()), false)};
+    }
     std::map<std::string, int> first_rank;
     std::sort(indexes.begin(), indexes.end(),
               [](const RankIndex& a, const RankIndex& b) { return a.rank < b.rank; });
@@ -375,6 +383,7 @@ struct Checkpointer::Impl {
     const std::string file = (tmp / rank_file_name(rank)).string();
     RankIndex mine;
     try {
+      check_finite(job);
       core::Stopwatch w;
       // A background writer checksums on its own thread only: training owns the other cores.
       mine = write_rank_file(file, rank, job.entries, opts.block_bytes, staging, st.bytes,
@@ -389,9 +398,23 @@ struct Checkpointer::Impl {
         }
       }
       if (rank == 0) {
+        // The result first: a rank whose writes fail once the directory is gone finds it.
+        if (multi) publish_result(job, std::string("error: ") + e.what());
         std::error_code ec;
         fs::remove_all(tmp, ec);
-        if (multi) publish_result(job, std::string("error: ") + e.what());
+      } else if (multi) {
+        // Rank 0 may have failed first (e.g. refused non-finite state) and removed the temporary
+        // directory under this rank's writes: report its error, the cause, rather than ours.
+        std::string result;
+        try {
+          if (store->check({key(job, "result")}))
+            result = to_string(store->get(key(job, "result")));
+        } catch (const std::exception&) {
+        }
+        if (core::starts_with(result, "error: ")) {
+          throw_error<CheckpointError>("rank {}: save of step {} was not committed: {}", rank,
+                                       job.step, result.substr(7));
+        }
       }
       throw;
     }
@@ -414,14 +437,33 @@ struct Checkpointer::Impl {
       if (multi) gather(job, indexes);
       st.path = commit(job, tmp, std::move(indexes));
     } catch (const std::exception& e) {
+      if (multi) publish_result(job, std::string("error: ") + e.what());
       std::error_code ec;
       fs::remove_all(tmp, ec);
-      if (multi) publish_result(job, std::string("error: ") + e.what());
       throw;
     }
     if (multi) publish_result(job, "ok " + st.path);
     st.total_s = total.elapsed_s();
     return st;
+  }
+
+  // Refuses the save when a tensor this rank writes holds NaN or infinity (see the header).
+  // Sync saves check the live tensors (GPU ones on their device), async saves their snapshot, on
+  // the writer thread and without ATen's intra-op threads.
+  void check_finite(const Job& job) const {
+    if (opts.allow_nonfinite) return;
+    std::vector<at::Tensor> tensors;
+    tensors.reserve(job.entries.size());
+    for (const OwnedEntry& e : job.entries) tensors.push_back(e.tensor);
+    const int64_t bad = first_nonfinite(tensors, /*parallel=*/!opts.async);
+    if (bad < 0) return;
+    const OwnedEntry& e = job.entries[static_cast<size_t>(bad)];
+    const NonFiniteCount c = count_nonfinite(e.tensor);
+    throw_error<CheckpointError>(
+        "rank {}: save of step {} refused: tensor '{}' holds {} NaN and {} infinite value(s) of "
+        "{}; a checkpoint never commits non-finite parameters or optimizer state, so the "
+        "previous checkpoints are kept (the run diverged: lower optim.lr or check the data)",
+        group.rank, job.step, e.name, c.nan, c.inf, e.tensor.numel());
   }
 
   void publish_result(const Job& job, const std::string& result) {

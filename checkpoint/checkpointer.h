@@ -4,13 +4,20 @@
 // Commit protocol (one save; the same machinery for synchronous and asynchronous saves):
 //   1. rank 0 removes leftovers of killed saves (`.tmp-*`), creates `.tmp-step_XXXXXXXX-<hex>/` and
 //      publishes its name in the World's TCPStore;
-//   2. every rank writes `rank_XXXXX.h5` there (tensor by tensor, in blocks of at most
-//      `block_bytes`), fsyncs it and publishes its shard index (names, boxes, crc32) in the store;
-//   3. rank 0 waits (up to `timeout_s`) for every index, writes metadata.json, fsyncs the
-//      directory, renames it to `step_XXXXXXXX/`, fsyncs the parent, atomically replaces `latest`
-//      (temp file + fsync + rename + directory fsync), prunes to `keep_last` and publishes "ok";
+//   2. every rank checks that the floating tensors it owns are finite (finite.h), then writes
+//      `rank_XXXXX.h5` there (tensor by tensor, in blocks of at most `block_bytes`), fsyncs it and
+//      publishes its shard index (names, boxes, crc32) in the store;
+//   3. rank 0 waits (up to `timeout_s`) for every index, writes config.yaml and metadata.json,
+//      fsyncs the directory, renames it to `step_XXXXXXXX/`, fsyncs the parent, atomically replaces
+//      `latest` (temp file + fsync + rename + directory fsync), prunes to `keep_last` and publishes
+//      "ok";
 //   4. the other ranks wait for that result. A rank that fails publishes its error instead; rank 0
 //      then aborts the save (removing the temporary directory) and every rank reports the error.
+// Non-finite state is such a failure: a rank whose owned tensors hold a NaN or an infinity refuses
+// the save (CheckpointError naming the step, the tensor and the rank), so no rank commits it, the
+// previous checkpoints stay as they were and nothing is pruned. Every committed checkpoint is
+// therefore finite, and `keep_last` never removes the newest finite one. Async saves check their
+// snapshot, in the background thread, before the commit.
 // A kill at any moment leaves `latest` pointing at a complete checkpoint: the previous one until
 // step 3's rename of `latest`, the new one after. No collective of any communicator is used: the
 // coordination is out of band (the store), so a background save never interleaves with training
@@ -26,7 +33,8 @@
 // Contracts: every rank of the group constructs its Checkpointers for one directory in the same
 // order and calls save() with the same steps in the same order (like a collective). One job per
 // checkpoints directory. Destroy Checkpointers before the World. Not thread-safe: call from the
-// training thread. Errors: CheckpointError (bad entries, inconsistent shards), IoError (filesystem:
+// training thread. Errors: CheckpointError (bad entries, inconsistent shards, non-finite tensors),
+// IoError (filesystem:
 // cannot create, write, rename; disk full), TimeoutError (a rank did not finish within timeout_s).
 #pragma once
 
@@ -49,6 +57,8 @@ struct CheckpointerOptions {
   std::string config_hash;  // core::stable_hash of the resolved config text
   parallel::comm::Layout layout;   // dp x tp x pp; the default (1, 1, 1) means dp = world
   int64_t block_bytes = 64 << 20;  // largest single transfer (device staging, HDF5 write)
+  std::string config_text;  // the resolved config, saved as config.yaml in each checkpoint ("": no)
+  bool allow_nonfinite = false;  // commit NaN / inf tensors (only to test readers of such files)
 };
 
 // Who takes part in saves: this rank, the world size and the out-of-band store that coordinates

@@ -1,6 +1,7 @@
 #include "checkpoint/format.h"
 
 #include "checkpoint/files.h"
+#include "checkpoint/tensor_io.h"
 #include "core/error.h"
 #include "core/strings.h"
 
@@ -19,6 +20,9 @@ namespace {
 // ---- JSON writing
 // --------------------------------------------------------------------------------
 
+// metadata.json opens with this, then 8 hex digits and `",` ending the line (format.h).
+constexpr std::string_view kChecksumLead = "{\n  \"checksum\": \"crc32:";
+constexpr std::string_view kChecksumTail = "\",";
 
 std::string json_ints(const std::vector<int64_t>& v) {
   return fmt::format("[{}]", fmt::join(v, ", "));
@@ -82,6 +86,39 @@ int64_t volume(const std::vector<int64_t>& v) {
   int64_t n = 1;
   for (int64_t x : v) n *= x;
   return n;
+}
+
+// The checksum line (format.h) must open the file and match every byte after it.
+void verify_checksum(const std::string& text, const std::string& where) {
+  const size_t eol = text.find('\n', kChecksumLead.size());
+  const size_t hex = kChecksumLead.size();
+  if (text.compare(0, hex, kChecksumLead) != 0 || eol == std::string::npos ||
+      eol != hex + 8 + kChecksumTail.size() ||
+      text.compare(hex + 8, kChecksumTail.size(), kChecksumTail) != 0) {
+    throw_error<CheckpointError>(
+        "'{}': the checksum line is missing or malformed (the file must open with "
+        "`{{` and `\"checksum\": \"crc32:XXXXXXXX\",`); metadata.json was edited or is corrupt",
+        where);
+  }
+  uint32_t recorded = 0;
+  for (size_t i = hex; i < hex + 8; ++i) {
+    const char c = text[i];
+    const int v = c >= '0' && c <= '9' ? c - '0' : (c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1);
+    if (v < 0) {
+      throw_error<CheckpointError>("'{}': the checksum '{}' is not 8 lower-case hex digits", where,
+                                   text.substr(hex, 8));
+    }
+    recorded = recorded << 4 | static_cast<uint32_t>(v);
+  }
+  const uint32_t actual = tensor_io::crc32_update(
+      0, text.data() + eol + 1, static_cast<int64_t>(text.size() - eol - 1), false);
+  if (actual != recorded) {
+    throw_error<CheckpointError>(
+        "'{}': checksum mismatch: the file records crc32 {:08x} but its content has {:08x}; "
+        "metadata.json was edited or is corrupt (its step, layout and tensor records cannot be "
+        "trusted)",
+        where, recorded, actual);
+  }
 }
 
 }  // namespace
@@ -151,7 +188,8 @@ at::ScalarType dtype_from_name(const std::string& name, const std::string& where
 }
 
 std::string Metadata::to_json() const {
-  std::string o = "{\n";
+  // Everything after the checksum line, which covers it.
+  std::string o;
   o += fmt::format("  \"format\": {},\n", core::json_quote(kFormatName));
   o += fmt::format("  \"format_version\": {},\n", format_version);
   o += fmt::format("  \"step\": {},\n", step);
@@ -165,6 +203,10 @@ std::string Metadata::to_json() const {
                      core::json_quote(files[i].name), files[i].rank, files[i].bytes);
   }
   o += files.empty() ? "],\n" : "\n  ],\n";
+  if (config) {
+    o += fmt::format("  \"config\": {{\"file\": {}, \"bytes\": {}, \"crc32\": {}}},\n",
+                     core::json_quote(config->name), config->bytes, config->crc32);
+  }
   o += "  \"extra\": {";
   size_t i = 0;
   for (const auto& [k, v] : extra)
@@ -186,7 +228,8 @@ std::string Metadata::to_json() const {
   }
   o += tensors.empty() ? "}\n" : "\n  }\n";
   o += "}\n";
-  return o;
+  const uint32_t crc = tensor_io::crc32_update(0, o.data(), static_cast<int64_t>(o.size()), false);
+  return fmt::format("{}{:08x}{}\n", kChecksumLead, crc, kChecksumTail) + o;
 }
 
 Metadata Metadata::from_json(const std::string& text, const std::string& where) {
@@ -215,6 +258,8 @@ Metadata Metadata::from_json(const std::string& text, const std::string& where) 
   }
   if (m.format_version < 1)
     r.fail("format_version", fmt::format("invalid version {}", m.format_version));
+  // From version 2 on the file carries its own checksum (version 1 files have none).
+  if (m.format_version >= 2 || root["checksum"].IsDefined()) verify_checksum(text, where);
   m.step = r.to_int(r.child(root, "", "step"), "step");
   if (root["created"].IsDefined()) m.created = r.to_string(root["created"], "created");
   m.config_hash = r.to_string(r.child(root, "", "config_hash"), "config_hash");
@@ -242,6 +287,18 @@ Metadata Metadata::from_json(const std::string& text, const std::string& where) 
     }
     file_names.insert(f.name);
     m.files.push_back(std::move(f));
+  }
+  if (const YAML::Node c = root["config"]; c.IsDefined() && !c.IsNull()) {
+    SideFile f;
+    f.name = r.to_string(r.child(c, "config", "file"), "config.file");
+    f.bytes = r.to_int(r.child(c, "config", "bytes"), "config.bytes");
+    const int64_t crc = r.to_int(r.child(c, "config", "crc32"), "config.crc32");
+    if (crc < 0 || crc > 0xffffffffLL) r.fail("config.crc32", "out of range");
+    f.crc32 = static_cast<uint32_t>(crc);
+    if (f.name.empty() || f.name.find('/') != std::string::npos || f.name[0] == '.')
+      r.fail("config.file", fmt::format("invalid file name '{}'", f.name));
+    if (f.bytes < 0) r.fail("config.bytes", "negative");
+    m.config = std::move(f);
   }
   if (const YAML::Node extra = root["extra"]; extra.IsDefined() && !extra.IsNull()) {
     if (!extra.IsMap()) r.fail("extra", "expected an object");

@@ -1,9 +1,10 @@
-// The on-disk format of a Parallax checkpoint (version 1), its metadata and its names.
+// The on-disk format of a Parallax checkpoint (version 2), its metadata and its names.
 //
 //   runs/<name>/checkpoints/
 //     latest                   one line, "step_00000100": the last committed checkpoint
 //     step_00000100/
 //       metadata.json          everything below, written last (see Metadata)
+//       config.yaml            the run's resolved config at save time (Metadata::config)
 //       rank_00000.h5 ...      one HDF5 file per rank holding only the shards that rank owns
 //     .tmp-step_00000200-<hex>/  a save in progress (or a killed one, removed by the next save)
 //
@@ -12,6 +13,11 @@
 // "dtype", "offsets" and "global_shape". A tensor is stored exactly: floats and integers as HDF5's
 // native types; bfloat16, float16 and float8 as unsigned integers of the same width holding the raw
 // bits; bool as uint8; the exact dtype is the "dtype" attribute and the metadata's "dtype".
+//
+// metadata.json protects itself: its second line is `  "checksum": "crc32:XXXXXXXX",`, the zlib
+// crc32 of every byte after that line. The reader refuses a file whose bytes do not match (an
+// edited step, a torn copy), naming the file. Version 1 files (no checksum, no config.yaml) are
+// still read.
 //
 // Thread-safety: everything here is a pure function or a value type.
 #pragma once
@@ -29,9 +35,10 @@
 
 namespace parallax::checkpoint {
 
-inline constexpr int kFormatVersion = 1;
+inline constexpr int kFormatVersion = 2;
 inline constexpr const char* kFormatName = "parallax-checkpoint";
 inline constexpr const char* kMetadataFile = "metadata.json";
+inline constexpr const char* kConfigFile = "config.yaml";
 inline constexpr const char* kLatestFile = "latest";
 inline constexpr const char* kTempPrefix = ".tmp-";
 
@@ -59,6 +66,13 @@ struct FileInfo {
   int64_t bytes = 0;  // file size on disk when committed (truncation check)
 };
 
+// A file of the checkpoint directory that is not a rank file, with its size and zlib crc32.
+struct SideFile {
+  std::string name;
+  int64_t bytes = 0;
+  uint32_t crc32 = 0;
+};
+
 // A small scalar kept in metadata.json's "extra" map (step counters, loss scale, ...).
 using ExtraValue = std::variant<int64_t, double, std::string>;
 
@@ -70,13 +84,15 @@ struct Metadata {
   std::string config_hash;  // core::stable_hash of the resolved config text
   std::string created;      // UTC, ISO 8601
   std::vector<FileInfo> files;
+  std::optional<SideFile> config;  // the resolved config the run was saved with (config.yaml)
   std::map<std::string, ExtraValue> extra;
   std::map<std::string, TensorInfo> tensors;
 
-  // metadata.json's text (see docs/checkpoints.md for the schema).
+  // metadata.json's text (see docs/checkpoints.md for the schema), checksum line included.
   std::string to_json() const;
   // Parses and validates metadata.json's text; `where` names the file in errors. Throws
-  // CheckpointError for malformed JSON, a missing key, a foreign format or a newer version.
+  // CheckpointError for malformed JSON, a missing key, a foreign format, a newer version, or a
+  // checksum that does not match the text (required from version 2 on).
   static Metadata from_json(const std::string& text, const std::string& where);
 
   bool has_extra(const std::string& key) const { return extra.count(key) != 0; }

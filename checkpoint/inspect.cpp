@@ -1,13 +1,17 @@
 #include "checkpoint/inspect.h"
 
 #include "checkpoint/reader.h"
+#include "core/error.h"
 #include "core/strings.h"
 #include "core/timer.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <map>
+#include <string>
+#include <vector>
 
 namespace parallax::checkpoint {
 
@@ -33,6 +37,9 @@ std::string inspect(const std::string& path, std::ostream& out, const InspectOpt
                      m.config_hash.empty() ? "(none)" : m.config_hash);
   out << fmt::format("  files: {} ({})\n", m.files.size(),
                      core::human_bytes(static_cast<double>(file_bytes)));
+  out << fmt::format("  config: {}\n",
+                     m.config ? fmt::format("{} ({} bytes)", m.config->name, m.config->bytes)
+                              : std::string("(not saved with the checkpoint)"));
   out << fmt::format("  tensors: {} ({})", m.tensors.size(),
                      core::human_bytes(static_cast<double>(tensor_bytes)));
   for (const auto& [g, v] : groups) {
@@ -66,12 +73,31 @@ std::string inspect(const std::string& path, std::ostream& out, const InspectOpt
   out.flush();
   if (options.verify) {
     core::Stopwatch sw;
-    const int64_t bytes = reader.verify_all();
+    std::vector<NonFiniteTensor> nonfinite;
+    const int64_t bytes = reader.verify_all(nullptr, &nonfinite);
     size_t shards = 0;
     for (const auto& [name, t] : m.tensors) shards += t.shards.size();
-    out << fmt::format("  verified: {} shards in {} files, {} checksummed in {:.2f} s: OK\n",
+    for (const auto& t : nonfinite) {
+      out << fmt::format("  non-finite: {}: {} NaN, {} inf (in {})\n", t.name, t.nan, t.inf,
+                         core::join(t.files, ", "));
+    }
+    out << fmt::format("  verified: {} shards in {} files, {} checksummed in {:.2f} s: {}\n",
                        shards, m.files.size(), core::human_bytes(static_cast<double>(bytes)),
-                       sw.elapsed_s());
+                       sw.elapsed_s(), nonfinite.empty() ? "OK" : "NOT OK");
+    out.flush();
+    if (!nonfinite.empty()) {
+      std::vector<std::string> names;
+      for (const auto& t : nonfinite) names.push_back(t.name);
+      const size_t shown = std::min<size_t>(names.size(), 5);
+      throw_error<CheckpointError>(
+          "checkpoint '{}' (step {}): {} tensor(s) hold NaN or infinite values: {}{}; do not "
+          "resume or export from it",
+          reader.dir(), m.step, names.size(),
+          core::join(std::vector<std::string>(names.begin(), names.begin() + shown), ", "),
+          names.size() > shown ? ", ..." : "");
+    }
+  } else {
+    out << "  not verified (--quick): checksums and finiteness unchecked\n";
   }
   return reader.dir();
 }

@@ -1,6 +1,7 @@
 #include "checkpoint/reader.h"
 
 #include "checkpoint/files.h"
+#include "checkpoint/finite.h"
 #include "checkpoint/h5.h"
 #include "checkpoint/tensor_io.h"
 #include "core/error.h"
@@ -159,9 +160,12 @@ struct CheckpointReader::Impl {
         dir, s.file, t.name, s.offsets, s.lengths, s.crc32, got);
   }
 
-  // Streams shard `s` in blocks and checks its crc32.
-  void verify_shard(const TensorInfo& t, const ShardInfo& s, bool extra) {
+  // Streams shard `s` in blocks and checks its crc32; with `nonfinite`, adds the shard's NaN and
+  // infinity counts to it.
+  void verify_shard(const TensorInfo& t, const ShardInfo& s, bool extra,
+                    NonFiniteCount* nonfinite = nullptr) {
     if (s.numel() == 0 || verified.count({s.file, t.name})) return;
+    const bool scan = nonfinite != nullptr && can_be_nonfinite(t.dtype);
     h5::Id d = dataset(t, s);
     const hid_t type = h5::storage_type(t.dtype, t.name);
     const int64_t esize = static_cast<int64_t>(c10::elementSize(t.dtype));
@@ -184,6 +188,12 @@ struct CheckpointReader::Impl {
             "checkpoint '{}': cannot read tensor '{}' from shard file '{}'", dir, t.name, s.file));
       }
       crc = tensor_io::crc32_update(crc, buf.data(), b.bytes, /*parallel=*/true);
+      if (scan && !all_finite(buf.data(), b.bytes / esize, t.dtype, /*parallel=*/true)) {
+        const NonFiniteCount c = count_nonfinite(
+            at::from_blob(buf.data(), {b.bytes / esize}, at::TensorOptions().dtype(t.dtype)));
+        nonfinite->nan += c.nan;
+        nonfinite->inf += c.inf;
+      }
     });
     stats.bytes_verified += s.numel() * esize;
     if (extra) stats.extra_bytes += s.numel() * esize;
@@ -321,6 +331,15 @@ CheckpointReader::CheckpointReader(const std::string& path, int64_t block_bytes)
   }
   I.meta = Metadata::from_json(text, mpath);
   for (const FileInfo& f : I.meta.files) I.file_info[f.name] = &f;
+  // A step directory holds the step it is named for (the commit names it from the same step).
+  fs::path d = fs::path(I.dir).lexically_normal();
+  if (d.filename().empty()) d = d.parent_path();
+  if (const auto named = parse_step_dir_name(d.filename().string());
+      named && *named != I.meta.step) {
+    throw_error<CheckpointError>(
+        "'{}': metadata.json records step {} but its directory is named for step {}", mpath,
+        I.meta.step, *named);
+  }
 }
 
 CheckpointReader::~CheckpointReader() = default;
@@ -390,17 +409,46 @@ at::Tensor CheckpointReader::read(const std::string& name, const ReadOptions& op
   return out;
 }
 
-int64_t CheckpointReader::verify_all(const std::function<bool(const TensorInfo&)>& filter) {
+std::optional<std::string> CheckpointReader::config_text() {
+  Impl& I = *impl_;
+  if (!I.meta.config) return std::nullopt;
+  const SideFile& c = *I.meta.config;
+  const std::string p = I.path_of(c.name);
+  if (files::file_size(p) < 0)
+    throw_error<CheckpointError>("checkpoint '{}': '{}' (the run's config) is missing", I.dir, p);
+  const std::string text = files::read_text(p);
+  const uint32_t crc =
+      tensor_io::crc32_update(0, text.data(), static_cast<int64_t>(text.size()), false);
+  if (static_cast<int64_t>(text.size()) != c.bytes || crc != c.crc32) {
+    throw_error<CheckpointError>(
+        "checkpoint '{}': '{}' does not match metadata.json ({} bytes, crc32 {:08x} on disk; {} "
+        "bytes, crc32 {:08x} recorded): it was edited or is corrupt",
+        I.dir, p, text.size(), crc, c.bytes, c.crc32);
+  }
+  return text;
+}
+
+int64_t CheckpointReader::verify_all(const std::function<bool(const TensorInfo&)>& filter,
+                                     std::vector<NonFiniteTensor>* nonfinite) {
   Impl& I = *impl_;
   for (const FileInfo& f : I.meta.files) I.check_file(f.name, "");
+  config_text();
   int64_t bytes = 0;
   for (const auto& [name, t] : I.meta.tensors) {
     if (filter && !filter(t)) continue;
+    NonFiniteTensor bad{name, 0, 0, {}};
     for (const ShardInfo& s : t.shards) {
       I.verified.erase({s.file, t.name});
-      I.verify_shard(t, s, /*extra=*/false);
+      NonFiniteCount c;
+      I.verify_shard(t, s, /*extra=*/false, nonfinite ? &c : nullptr);
+      if (c.any()) {
+        bad.nan += c.nan;
+        bad.inf += c.inf;
+        bad.files.push_back(s.file);
+      }
       bytes += s.numel() * static_cast<int64_t>(c10::elementSize(t.dtype));
     }
+    if (nonfinite && (bad.nan > 0 || bad.inf > 0)) nonfinite->push_back(std::move(bad));
   }
   return bytes;
 }

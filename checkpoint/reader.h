@@ -9,7 +9,8 @@
 // verification, the rest of shards it touched only in part: see ReadOptions::verify).
 //
 // Errors (CheckpointError, naming the checkpoint, the file and the tensor): no metadata.json, a
-// foreign or newer format version, a tensor missing, a dtype or shape that does not match the
+// metadata.json whose checksum does not match or whose step is not its directory's, a foreign or
+// newer format version, a tensor missing, a dtype or shape that does not match the
 // destination, a missing or truncated rank file, a dataset that is missing or of the wrong shape,
 // a checksum mismatch. load() checks everything it can without reading data (names, dtypes,
 // shapes, files present with their recorded sizes, datasets present with their recorded shapes)
@@ -26,6 +27,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,6 +48,14 @@ struct LoadTarget {
   std::string name;
   at::Tensor dest;
   std::vector<int64_t> offsets;
+};
+
+// A tensor of the checkpoint that holds NaN or infinite values (CheckpointReader::verify_all).
+struct NonFiniteTensor {
+  std::string name;
+  int64_t nan = 0;
+  int64_t inf = 0;
+  std::vector<std::string> files;  // the rank files of the shards that hold them
 };
 
 struct ReadStats {
@@ -79,9 +89,17 @@ class CheckpointReader {
   // The whole tensor as a new CPU tensor of its saved dtype.
   at::Tensor read(const std::string& name, const ReadOptions& options = {});
 
+  // The resolved config the checkpoint was saved with (its config.yaml), or nullopt for
+  // checkpoints saved without one. Throws CheckpointError when the file is missing or its size or
+  // crc32 differs from metadata.json's record.
+  std::optional<std::string> config_text();
+
   // Streams every shard (or those of tensors accepted by `filter`) and checks its crc32 and its
-  // file; throws CheckpointError at the first problem. Returns the bytes verified.
-  int64_t verify_all(const std::function<bool(const TensorInfo&)>& filter = nullptr);
+  // file, and config.yaml; throws CheckpointError at the first problem. Returns the bytes verified.
+  // With `nonfinite`, also counts the NaN and infinite values of floating tensors on the bytes
+  // read (no extra I/O) and appends one record per tensor that has any, in name order.
+  int64_t verify_all(const std::function<bool(const TensorInfo&)>& filter = nullptr,
+                     std::vector<NonFiniteTensor>* nonfinite = nullptr);
 
   const ReadStats& stats() const;
 

@@ -1,6 +1,7 @@
 #include "checkpoint/weights.h"
 
 #include "checkpoint/files.h"
+#include "checkpoint/finite.h"
 #include "checkpoint/h5.h"
 #include "checkpoint/tensor_io.h"
 #include "core/error.h"
@@ -158,7 +159,7 @@ WeightsReport load_weights(torch::nn::Module& module, const std::string& path,
 }
 
 int64_t export_weights(const std::string& checkpoint_path, const std::string& out_file,
-                       at::ScalarType dtype) {
+                       at::ScalarType dtype, bool allow_nonfinite) {
   PARALLAX_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, CheckpointError,
                  "export dtype must be float32 or bfloat16, got {}", dtype_name(dtype));
   CheckpointReader reader(checkpoint_path);
@@ -189,8 +190,21 @@ int64_t export_weights(const std::string& checkpoint_path, const std::string& ou
     tensor_io::Staging staging;
     for (const std::string& n : names) {
       at::Tensor t = reader.read(n);
-      if (at::isFloatingType(t.scalar_type()) && t.scalar_type() != dtype) t = t.to(dtype);
       const std::string flat = n.substr(std::string(kModelPrefix).size());
+      if (first_nonfinite({t}, /*parallel=*/true) >= 0) {
+        const NonFiniteCount c = count_nonfinite(t);
+        if (!allow_nonfinite) {
+          throw_error<CheckpointError>(
+              "checkpoint '{}' (step {}): tensor '{}' holds {} NaN and {} infinite value(s) of "
+              "{}; refusing to export non-finite weights (--force exports them anyway)",
+              reader.dir(), m.step, n, c.nan, c.inf, t.numel());
+        }
+        core::log::warn(
+            "export: tensor '{}' of checkpoint '{}' holds {} NaN and {} infinite "
+            "value(s); exported anyway (--force)",
+            n, reader.dir(), c.nan, c.inf);
+      }
+      if (at::isFloatingType(t.scalar_type()) && t.scalar_type() != dtype) t = t.to(dtype);
       tensor_io::write_dataset(file, flat, t, 64 << 20, staging,
                                fmt::format("writing tensor '{}' to weights file '{}'", flat, tmp));
     }

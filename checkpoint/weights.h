@@ -70,10 +70,11 @@ WeightsReport load_weights(CheckpointReader& reader, torch::nn::Module& module,
 
 // Writes the model tensors (prefix "model/") of the checkpoint at `checkpoint_path` to `out_file`
 // (see the file comment); `dtype` is at::kFloat or at::kBFloat16 for floating tensors. Verifies
-// checksums while reading. Returns the number of tensors written. Throws CheckpointError /
-// IoError.
+// checksums while reading. A tensor holding NaN or infinity is a CheckpointError naming it (and
+// `out_file` is not written) unless `allow_nonfinite`, which exports it with a warning. Returns
+// the number of tensors written. Throws CheckpointError / IoError.
 int64_t export_weights(const std::string& checkpoint_path, const std::string& out_file,
-                       at::ScalarType dtype);
+                       at::ScalarType dtype, bool allow_nonfinite = false);
 
 // True if `path` is an HDF5 file with the weights format attribute.
 bool is_weights_file(const std::string& path);

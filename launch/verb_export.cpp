@@ -21,6 +21,7 @@ int verb_export(const std::vector<std::string>& argv) {
       .option("dtype", "DTYPE", "dtype of floating tensors in weights.h5: fp32 | bf16", "fp32")
       .option("checkpoint", "DIR", "export this checkpoint instead of the run's latest")
       .option("out", "FILE", "output file (default: <run>/export/weights.h5)")
+      .flag("force", "export even when tensors hold NaN or infinite values (warns for each)")
       .epilog(
           "weights.h5 holds one dataset per parameter and buffer, named by its flat module path\n"
           "(e.g. 'backbone.blocks.0.attn.qkv.weight'), fp32 or bf16 (bf16 as uint16 bits, "
@@ -64,7 +65,8 @@ int verb_export(const std::vector<std::string>& argv) {
   const std::string out =
       args.has("out") ? args.get("out") : (fs::path(run) / "export" / "weights.h5").string();
   const int64_t n =
-      checkpoint::export_weights(source, out, dtype == "bf16" ? at::kBFloat16 : at::kFloat);
+      checkpoint::export_weights(source, out, dtype == "bf16" ? at::kBFloat16 : at::kFloat,
+                                 /*allow_nonfinite=*/args.flag_set("force"));
   std::printf("exported %lld tensors (%s) from %s to %s\n", static_cast<long long>(n),
               dtype.c_str(), checkpoint::resolve_checkpoint(source).c_str(), out.c_str());
   return 0;

@@ -33,16 +33,24 @@ PathKind kind_of(const std::string& path) {
 }  // namespace
 
 int verb_inspect(const std::vector<std::string>& argv) {
-  Args args(
-      "inspect",
-      "Describe and verify a dataset folder (dataset.json + HDF5 shards), one data shard (.h5) or a "
-      "checkpoint. Datasets: metadata, splits, scene counts, per-scene shapes and class histograms; "
-      "every scene is read and checked. Checkpoints: step, layout, tensors and sizes; every shard's "
-      "checksum is verified. The first bad item ends it with an error naming the file and the scene "
-      "or tensor.");
-  args.positional("path", "a dataset folder, a data shard (.h5), or a checkpoint (step directory, "
-                          "checkpoints directory or run directory)")
-      .flag("quick", "skip reading every scene / verifying checksums (metadata and shapes only)")
+  Args args("inspect",
+            "Describe and verify a dataset folder (dataset.json + HDF5 shards), one data shard "
+            "(.h5) or a "
+            "checkpoint. Datasets: metadata, splits, scene counts, per-scene shapes and class "
+            "histograms; "
+            "every scene is read and checked. Checkpoints: step, layout, tensors and sizes; "
+            "metadata.json's "
+            "own checksum and every shard's checksum are verified, and tensors holding NaN or "
+            "infinity are "
+            "listed and make the verdict NOT OK (non-zero exit). The first bad item ends it with "
+            "an error "
+            "naming the file and the scene or tensor.");
+  args.positional("path",
+                  "a dataset folder, a data shard (.h5), or a checkpoint (step directory, "
+                  "checkpoints directory or run directory)")
+      .flag("quick",
+            "skip reading every scene / verifying checksums and finiteness (metadata and shapes "
+            "only)")
       .option("scene-lines", "N", "per-scene shape lines to print for a shard", "10")
       .epilog(
           "examples:\n"

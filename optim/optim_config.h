@@ -3,7 +3,9 @@
 
 #include "core/config.h"
 
+#include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace parallax::optim {
@@ -34,6 +36,19 @@ struct OptimConfig {
   }
   void validate() const {
     if (betas.size() != 2) throw_error<ConfigError>("key 'optim.betas' needs 2 values, got {}", betas.size());
+    // The range checks let `inf` through (inf > 0): a non-finite hyper-parameter turns the first
+    // step's weights into NaN, so it is refused here, naming the key.
+    const std::pair<const char*, double> values[] = {{"optim.lr", lr},
+                                                     {"optim.weight_decay", weight_decay},
+                                                     {"optim.eps", eps},
+                                                     {"optim.momentum", momentum},
+                                                     {"optim.grad_clip", grad_clip},
+                                                     {"optim.betas[0]", betas[0]},
+                                                     {"optim.betas[1]", betas[1]}};
+    for (const auto& [key, v] : values) {
+      if (!std::isfinite(v))
+        throw_error<ConfigError>("key '{}' must be a finite number, got {}", key, v);
+    }
   }
 };
 

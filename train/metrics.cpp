@@ -5,11 +5,46 @@
 
 #include <fmt/format.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <random>
+#include <sstream>
+
+namespace fs = std::filesystem;
 
 namespace parallax::train {
+namespace {
+
+constexpr const char* kSummaryPrefix = "{\"kind\": \"summary\"";
+
+// The step of a row as MetricsWriter::write formats it ({"kind": ..., "step": N, ...}), or nullopt
+// for a line that is not one.
+std::optional<int64_t> row_step(const std::string& line) {
+  if (!core::starts_with(line, "{\"kind\": \"") || line.back() != '}') return std::nullopt;
+  const size_t pos = line.find("\", \"step\": ");
+  if (pos == std::string::npos) return std::nullopt;
+  const char* begin = line.c_str() + pos + 11;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(begin, &end, 10);
+  if (end == begin || errno != 0 || (*end != ',' && *end != '}')) return std::nullopt;
+  return static_cast<int64_t>(v);
+}
+
+void fsync_or_throw(int fd, const std::string& path) {
+  if (::fsync(fd) != 0)
+    throw_error<IoError>("cannot sync '{}' to disk: {}", path, std::strerror(errno));
+}
+
+}  // namespace
 
 MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {
   file_ = std::fopen(path.c_str(), "a");
@@ -31,6 +66,88 @@ void MetricsWriter::write(const std::string& kind, int64_t step, const std::map<
   if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0) {
     throw_error<IoError>("cannot write metrics to '{}': {}", path_, std::strerror(errno));
   }
+}
+
+void MetricsWriter::sync() {
+  if (!file_) return;
+  if (std::fflush(file_) != 0)
+    throw_error<IoError>("cannot write metrics to '{}': {}", path_, std::strerror(errno));
+  fsync_or_throw(fileno(file_), path_);
+}
+
+MetricsTrim trim_metrics(const std::string& path, int64_t last_step) {
+  MetricsTrim out;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return out;
+  std::string text;
+  {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw_error<IoError>("cannot read metrics file '{}': {}", path, std::strerror(errno));
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  }
+  std::string kept;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    const size_t eol = text.find('\n', begin);
+    if (eol == std::string::npos) {  // torn: the writer was killed inside this line
+      ++out.broken;
+      break;
+    }
+    const std::string line = text.substr(begin, eol - begin);
+    begin = eol + 1;
+    if (line.empty()) continue;
+    const auto step = row_step(line);
+    if (!step) {
+      ++out.broken;
+    } else if (*step > last_step || core::starts_with(line, kSummaryPrefix)) {
+      ++out.dropped;
+    } else {
+      ++out.kept;
+      kept += line;
+      kept += '\n';
+    }
+  }
+  if (out.dropped == 0 && out.broken == 0) return out;
+  const std::string tmp = path + ".tmp-" + std::to_string(std::random_device{}());
+  try {
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) throw_error<IoError>("cannot create '{}': {}", tmp, std::strerror(errno));
+    size_t done = 0;
+    while (done < kept.size()) {
+      const ssize_t n = ::write(fd, kept.data() + done, kept.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const int e = errno;
+        ::close(fd);
+        throw_error<IoError>("cannot write '{}': {}", tmp, std::strerror(e));
+      }
+      done += static_cast<size_t>(n);
+    }
+    try {
+      fsync_or_throw(fd, tmp);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    if (::close(fd) != 0) throw_error<IoError>("cannot close '{}': {}", tmp, std::strerror(errno));
+    if (std::rename(tmp.c_str(), path.c_str()) != 0)
+      throw_error<IoError>("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno));
+  } catch (...) {
+    fs::remove(tmp, ec);
+    throw;
+  }
+  const fs::path dir = fs::path(path).parent_path();
+  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    const int rc = ::fsync(dfd);
+    const int e = errno;
+    ::close(dfd);
+    if (rc != 0)
+      throw_error<IoError>("cannot sync '{}' to disk: {}", dir.string(), std::strerror(e));
+  }
+  return out;
 }
 
 }  // namespace parallax::train

@@ -1,6 +1,13 @@
 // Metrics sink: one JSON object per line in runs/<name>/metrics.jsonl, flushed per record so a
 // crashed run keeps everything logged before the crash. Rank 0 writes; other ranks hold a
 // disabled writer. Not thread-safe.
+//
+// Each row exactly once across kills and resumes, by construction:
+//   - the trainer sync()s the file (fsync) after the rows of step S and before checkpoint S can
+//     commit, so a committed checkpoint S implies rows <= S on disk;
+//   - a run that starts at step S (resumed from checkpoint S, or S = 0 for a fresh start) first
+//     trims the file to the rows of steps <= S (trim_metrics), then appends: the rows of steps
+//     after S that a killed run logged beyond its last checkpoint are logged again, once.
 #pragma once
 
 #include <cstdint>
@@ -21,11 +28,25 @@ class MetricsWriter {
 
   // Writes {"kind": kind, "step": step, <values...>}; non-finite values are written as null.
   void write(const std::string& kind, int64_t step, const std::map<std::string, double>& values);
+  // Makes every row written so far durable (fflush, fsync). Throws IoError. No-op when disabled.
+  void sync();
   bool enabled() const { return file_ != nullptr; }
 
  private:
   std::FILE* file_ = nullptr;
   std::string path_;
 };
+
+struct MetricsTrim {
+  int64_t kept = 0;     // rows kept (step <= last_step)
+  int64_t dropped = 0;  // rows of later steps, and "summary" rows (a resumed run writes its own)
+  int64_t broken = 0;   // a torn last line (a kill mid-write) or a line that is not a row
+};
+
+// Rewrites the metrics file `path` keeping, in order, the rows whose step is <= `last_step` and
+// whose kind is not "summary"; atomic (temporary file, fsync, rename, directory fsync), so a kill
+// leaves the old or the new file. Leaves the file untouched when nothing is to be dropped, and
+// does nothing when it does not exist. Throws IoError naming the file.
+MetricsTrim trim_metrics(const std::string& path, int64_t last_step);
 
 }  // namespace parallax::train

@@ -1,6 +1,8 @@
 #include "train/trainer.h"
 
 #include "checkpoint/checkpointer.h"
+#include "checkpoint/config_record.h"
+#include "checkpoint/finite.h"
 #include "checkpoint/format.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/training_state.h"
@@ -39,8 +41,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
 namespace fs = std::filesystem;
 
@@ -51,19 +56,6 @@ namespace comm = parallel::comm;
 namespace ck = checkpoint;
 
 constexpr double kPeakBf16Flops = 989e12;  // H100/H200 dense bf16, for MFU
-
-void write_text_file(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) throw_error<IoError>("cannot write '{}' (disk full or no permission?)", tmp.string());
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) throw_error<IoError>("cannot rename '{}' to '{}': {}", tmp.string(), path.string(), ec.message());
-}
 
 // "NaN", "inf" or "-inf" (the platform prints "-nan" for some NaNs).
 std::string nonfinite_name(double v) { return std::isnan(v) ? "NaN" : (v > 0 ? "inf" : "-inf"); }
@@ -125,9 +117,23 @@ class Trainer {
 
  private:
   void setup();
+  // Resume: warns (rank 0) about each key of `config_text` that differs from the config the
+  // checkpoint was saved with, and keeps the list for with_config_hint.
+  void compare_config(const std::string& config_text);
+  // Runs a load from the checkpoint; a CheckpointError (a tensor of another shape, a missing
+  // state) is rethrown naming the changed config keys under `prefixes` (or all changed keys).
+  void with_config_hint(const std::vector<std::string>& prefixes,
+                        const std::function<void()>& load) const;
+  // A checkpoint committed before non-finite saves were refused may hold NaN: refuse to train on.
+  void check_resumed_state_finite() const;
+  // Rank 0: creates the run directory, records `config_text` as config.yaml (the replaced one goes
+  // to config_history/), trims metrics.jsonl to the rows of steps <= start_step_ and opens it.
+  // Other ranks get a disabled metrics writer.
+  void open_run_directory(const std::string& config_text);
   // Evaluates on the validation split (dataset runs of BEV models) and logs "eval" metrics.
   void run_eval(int64_t step);
-  // Saves model, optimizer, RNG, loss scaler and data position as checkpoint `step`.
+  // Saves model, optimizer, RNG, loss scaler and data position as checkpoint `step`, after making
+  // the metrics rows logged so far durable. Call it after step `step`'s rows and evaluation.
   void save_checkpoint(int64_t step);
   // One optimizer step of grad_accum micro-steps; returns the loss terms of this rank (device
   // tensors, averaged over micro-steps). `log_step`: the gradient norm is needed for the metrics
@@ -171,6 +177,7 @@ class Trainer {
   std::unique_ptr<BatchSource> source_;
   std::unique_ptr<ck::Checkpointer> checkpointer_;
   std::unique_ptr<ck::CheckpointReader> resume_;  // open only during setup
+  std::vector<ck::ConfigChange> config_changes_;  // vs the resumed checkpoint's config
   int64_t start_step_ = 0;
   bool synthetic_ = true;
   core::SceneSpec scene_;
@@ -212,6 +219,60 @@ void Trainer::check_graph_capturable() const {
                  "before it runs; set parallel.debug_collectives=false (or train.cuda_graph=false to debug)");
 }
 
+void Trainer::compare_config(const std::string& config_text) {
+  const std::string where = resume_->dir();
+  const std::optional<std::string> saved = resume_->config_text();
+  if (!saved) {
+    // Saved before checkpoints kept their config: only the hash can tell.
+    if (rank0_ && resume_->metadata().config_hash != core::stable_hash(config_text)) {
+      core::log::warn(
+          "resuming from {} (step {}): its config hash differs from this run's, and it was saved "
+          "without its config, so the changed keys are unknown",
+          where, start_step_);
+    }
+    return;
+  }
+  // train.resume is how a resume is asked for: it differs by nature.
+  config_changes_ =
+      ck::diff_configs(*saved, config_text, {"train.resume"},
+                       fmt::format("'{}/{}'", where, ck::kConfigFile), "this run's config");
+  if (rank0_ && !config_changes_.empty()) {
+    core::log::warn(
+        "resuming from step {} with a config that differs from the checkpoint's ({}/{}): {}",
+        start_step_, where, ck::kConfigFile, ck::describe_changes(config_changes_));
+  }
+}
+
+void Trainer::with_config_hint(const std::vector<std::string>& prefixes,
+                               const std::function<void()>& load) const {
+  try {
+    load();
+  } catch (const CheckpointError& e) {
+    if (config_changes_.empty()) throw;
+    auto suspects = ck::changes_under(config_changes_, prefixes);
+    if (suspects.empty()) suspects = config_changes_;
+    throw_error<CheckpointError>("{}; config keys changed since the checkpoint was saved: {}",
+                                 e.what(), ck::describe_changes(suspects));
+  }
+}
+
+void Trainer::check_resumed_state_finite() const {
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  for (const auto& item : model_->named_parameters())
+    state.emplace_back("model/" + item.key(), item.value());
+  for (const auto& [k, t] : optimizer_->state()) state.emplace_back("optim/" + k, t);
+  std::vector<at::Tensor> tensors;
+  for (const auto& [k, t] : state) tensors.push_back(t.detach());
+  const int64_t bad = ck::first_nonfinite(tensors, /*parallel=*/true);
+  if (bad < 0) return;
+  const auto count = ck::count_nonfinite(tensors[static_cast<std::size_t>(bad)]);
+  throw_error<CheckpointError>(
+      "checkpoint '{}' (step {}): tensor '{}' holds {} NaN and {} infinite value(s); "
+      "resume from an earlier checkpoint (train.resume=<its path>)",
+      resume_->dir(), start_step_, state[static_cast<std::size_t>(bad)].first, count.nan,
+      count.inf);
+}
+
 void Trainer::setup() {
   device_ = pick_device(cfg_.train, world_);
   // Ranks sharing a node share its cores: without this, every rank would start one intra-op
@@ -246,16 +307,6 @@ void Trainer::setup() {
   topo_ = std::make_unique<comm::Topology>(world_comm_, layout);
   rank0_ = world_.rank() == 0;
   world_.set_report_dir(run_dir_.string());  // hang reports (flight recorder JSON) go with the run
-  if (rank0_) {
-    write_text_file(run_dir_ / "config.yaml", resolved_yaml(cfg_));
-    metrics_ = std::make_unique<MetricsWriter>((run_dir_ / "metrics.jsonl").string());
-  } else {
-    metrics_ = std::make_unique<MetricsWriter>();
-  }
-  core::log::info("run directory: {} | {} rank(s), layout {}, backend {}, device {}, {} CPU thread(s) per rank",
-                  run_dir_.string(), world_.size(), layout.to_string(), world_comm_->backend(), device_.str(),
-                  threads);
-
   // Resume: the checkpoint's metadata says where training and the data stream continue.
   const fs::path ckpt_dir = run_dir_ / "checkpoints";
   if (auto path = ck::resume_checkpoint(cfg_.train.resume, ckpt_dir.string())) {
@@ -266,6 +317,13 @@ void Trainer::setup() {
   } else if (cfg_.train.resume == "auto") {
     core::log::info("train.resume=auto: no checkpoint in {}, starting fresh", ckpt_dir.string());
   }
+  const std::string config_text = resolved_yaml(cfg_);
+  if (resume_) compare_config(config_text);
+  core::log::info(
+      "run directory: {} | {} rank(s), layout {}, backend {}, device {}, {} CPU thread(s) per rank",
+      run_dir_.string(), world_.size(), layout.to_string(), world_comm_->backend(), device_.str(),
+      threads);
+
   // Where the data stream continues; the sources remap it when dp changed (batch_source.h).
   std::pair<int64_t, int64_t> data_pos{0, 0};
   int data_pos_dp = 0;
@@ -301,7 +359,7 @@ void Trainer::setup() {
   double load_s = 0;  // checkpoint read time: the weights here, the optimizer state below
   if (resume_) {
     core::Stopwatch load_clock;
-    ck::load_weights(*resume_, *model_);
+    with_config_hint({"model.", "lora.", "qat."}, [&] { ck::load_weights(*resume_, *model_); });
     load_s += load_clock.elapsed_s();
   } else if (!cfg_.train.load_from.empty()) {
     ck::WeightsOptions w;
@@ -374,7 +432,9 @@ void Trainer::setup() {
 
   if (resume_) {
     core::Stopwatch load_clock;
-    ck::load_optimizer(*resume_, *optimizer_);
+    with_config_hint({"optim.", "model.", "lora.", "qat."},
+                     [&] { ck::load_optimizer(*resume_, *optimizer_); });
+    check_resumed_state_finite();
     ck::load_loss_scaler(resume_->metadata(), *scaler_);
     // Last: everything above may have drawn random numbers.
     if (!ck::load_rng(*resume_, world_.rank())) {
@@ -394,10 +454,34 @@ void Trainer::setup() {
     o.keep_last = cfg_.checkpoint.keep_last;
     o.async = cfg_.checkpoint.async;
     o.timeout_s = cfg_.parallel.checkpoint_timeout_s;
-    o.config_hash = core::stable_hash(resolved_yaml(cfg_));
+    o.config_hash = core::stable_hash(config_text);
+    o.config_text = config_text;
     o.layout = layout;
     checkpointer_ = std::make_unique<ck::Checkpointer>(ckpt_dir.string(), o);
   }
+  // Last, once the run is known to start: a resume that fails to load changes nothing on disk.
+  open_run_directory(config_text);
+}
+
+void Trainer::open_run_directory(const std::string& config_text) {
+  if (!rank0_) {
+    metrics_ = std::make_unique<MetricsWriter>();
+    return;
+  }
+  // The directory exists: RunDirectory::open created and locked it.
+  const std::string archived = ck::record_config(run_dir_.string(), config_text, start_step_);
+  if (!archived.empty())
+    core::log::info("config.yaml: the previous config is kept as {}", archived);
+  // Rows of steps after start_step_ were logged by a run killed after its last checkpoint: this
+  // run logs them again (metrics.h).
+  const std::string metrics_path = (run_dir_ / "metrics.jsonl").string();
+  const MetricsTrim trim = trim_metrics(metrics_path, start_step_);
+  if (trim.dropped + trim.broken > 0) {
+    core::log::info(
+        "{}: kept {} row(s) up to step {}, dropped {} later or summary row(s) and {} torn line(s)",
+        metrics_path, trim.kept, start_step_, trim.dropped, trim.broken);
+  }
+  metrics_ = std::make_unique<MetricsWriter>(metrics_path);
 }
 
 std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, bool log_step) {
@@ -549,6 +633,9 @@ std::map<std::string, at::Tensor> Trainer::compute_step(const std::function<core
 
 void Trainer::save_checkpoint(int64_t step) {
   if (!checkpointer_) return;
+  // Rows of steps <= `step` reach the disk before this checkpoint can commit (and, async, before
+  // the background commit starts): a run resumed from it finds every one of them (metrics.h).
+  metrics_->sync();
   ck::SaveState state;
   const std::vector<int> replicas = topo_->dp()->world_ranks();
   ck::add_module(state, *model_, replicas);
@@ -592,7 +679,9 @@ TrainSummary Trainer::fit() {
   core::Stopwatch run_clock, interval_clock;
   int64_t interval_steps = 0;
   double first_step_s = 0;
-  TrainSummary summary{run_dir_.string(), 0, 0, 0};
+  // A resume at or past train.steps trains nothing: its summary row names the checkpoint's step and
+  // no loss (null), rather than step 0.
+  TrainSummary summary{run_dir_.string(), start_step_, NAN, 0};
   const comm::CommPtr& dp = topo_->dp();
   const c10::Device reduce_device = dp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
 
@@ -611,7 +700,10 @@ TrainSummary Trainer::fit() {
     ++interval_steps;
     if (checkpointer_) checkpointer_->poll();  // surfaces a failed background save
     if (step == start_step_ + 1) first_step_s = run_clock.elapsed_s();
-    if (cfg_.checkpoint.every > 0 && step % cfg_.checkpoint.every == 0 && step != total) save_checkpoint(step);
+    // A checkpoint of step S is saved after S's metrics rows (save_checkpoint makes them durable
+    // first), so that resuming from S never loses nor repeats a row (metrics.h).
+    const bool save_now =
+        cfg_.checkpoint.every > 0 && step % cfg_.checkpoint.every == 0 && step != total;
     // On the CPU a finite-loss check is free; on GPUs it would sync every step, so it happens at
     // log steps (the error then names the interval).
     if (!log_now && device_.is_cpu()) {
@@ -629,6 +721,7 @@ TrainSummary Trainer::fit() {
         interval_steps = 0;
         data_ms_ = comm_ms_ = backward_ms_ = 0;
       }
+      if (save_now) save_checkpoint(step);
       continue;
     }
 
@@ -673,10 +766,11 @@ TrainSummary Trainer::fit() {
     interval_steps = 0;
     if (cfg_.train.eval_every > 0 && step % cfg_.train.eval_every == 0 && step != total) run_eval(step);
     interval_clock.reset();
+    if (save_now) save_checkpoint(step);  // its blocking time counts in the next interval
   }
   if (total > start_step_) {
-    save_checkpoint(total);
     run_eval(total);
+    save_checkpoint(total);
   }
   if (graph_) replay_or_abort([&] { graph_->drain(); });
   if (checkpointer_) checkpointer_->wait();

@@ -22,7 +22,7 @@ namespace parallax::train {
 struct TrainSummary {
   std::string run_dir;
   int64_t steps = 0;
-  double final_loss = 0;       // mean over the data-parallel group at the last step
+  double final_loss = 0;  // mean over the data-parallel group at the last step (NaN: none trained)
   double samples_per_s = 0;    // global throughput over the run (after the first step)
 };
 

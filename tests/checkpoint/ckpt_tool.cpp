@@ -6,9 +6,11 @@
 //   save-once DIR SEED STEP    one save of STEP
 //   verify DIR SEED            `latest` must load, verify and equal the state of its step; prints
 //                              "OK step N"; exit 1 with the error otherwise
-//   make-model RUN_DIR SEED    a small module (nested names, buffers, an int64 buffer) saved as
-//                              RUN_DIR/checkpoints/step_00000003, plus a TP-like sharded model
-//                              tensor; RUN_DIR/reference/<name>.bin holds each tensor's raw bytes
+//   make-model RUN_DIR SEED [nan]  a small module (nested names, buffers, an int64 buffer) saved
+//                              as RUN_DIR/checkpoints/step_00000003, plus a TP-like sharded model
+//                              tensor; RUN_DIR/reference/<name>.bin holds each tensor's raw bytes.
+//                              With `nan`: head.weight holds a NaN and head.bias an infinity,
+//                              committed as an older Parallax could (allow_nonfinite)
 // Runs alone or under mpirun (the state is spread over the ranks).
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/reader.h"
@@ -26,6 +28,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 
 using namespace parallax;
 using namespace parallax::checkpoint;
@@ -124,7 +127,7 @@ struct Model : torch::nn::Module {
   torch::nn::Linear head{nullptr};
 };
 
-int make_model(const std::string& run_dir, uint64_t seed) {
+int make_model(const std::string& run_dir, uint64_t seed, bool nonfinite) {
   auto& w = parallel::comm::World::current();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   Model model;
@@ -134,6 +137,10 @@ int make_model(const std::string& run_dir, uint64_t seed) {
     model.block->norm->running_mean.copy_(at::randn({24}, gen));
     model.block->norm->running_var.copy_(at::rand({24}, gen) + 0.5);
     model.block->norm->num_batches_tracked.fill_(123);
+    if (nonfinite) {
+      model.head->weight[0][0] = std::numeric_limits<float>::quiet_NaN();
+      model.head->bias[1] = std::numeric_limits<float>::infinity();
+    }
   }
   const at::Tensor tp = at::randn({10, 6}, gen);  // a tensor-parallel weight, split along dim 0
   SaveState s;
@@ -141,7 +148,9 @@ int make_model(const std::string& run_dir, uint64_t seed) {
   const auto [o, l] = chunk(10, w.size(), w.rank());
   s.add_shard("model/tp_proj.weight", tp.narrow(0, o, l), {10, 6}, {o, 0});
   s.set_extra("seed", static_cast<int64_t>(seed));
-  Checkpointer ck((fs::path(run_dir) / "checkpoints").string(), CheckpointerOptions{});
+  CheckpointerOptions opts;
+  opts.allow_nonfinite = nonfinite;
+  Checkpointer ck((fs::path(run_dir) / "checkpoints").string(), opts);
   ck.save(3, s);
   if (w.rank() == 0) {
     fs::create_directories(fs::path(run_dir) / "reference");
@@ -162,7 +171,7 @@ int usage() {
   std::fprintf(
       stderr,
       "usage: ckpt_tool kill-loop DIR SEED KIB | save-once DIR SEED STEP | verify DIR SEED | "
-      "make-model RUN_DIR SEED\n");
+      "make-model RUN_DIR SEED [nan]\n");
   return 2;
 }
 
@@ -183,7 +192,8 @@ int main(int argc, char** argv) {
     }
     if (cmd == "save-once" && argc == 5)
       return kill_loop(dir, seed, 4, std::stoll(argv[4]), std::stoll(argv[4]));
-    if (cmd == "make-model") return make_model(dir, seed);
+    if (cmd == "make-model")
+      return make_model(dir, seed, argc == 5 && std::string(argv[4]) == "nan");
     return usage();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ckpt_tool: error: %s\n", e.what());

@@ -1,7 +1,9 @@
 // GPU tensors (skipped where no CUDA device exists): a synchronous save streams them through one
 // bounded staging buffer (host memory stays bounded), an async save snapshots them, loads go back
-// into GPU tensors (whole and boxes), and the CUDA generator state resumes exactly.
+// into GPU tensors (whole and boxes), the CUDA generator state resumes exactly, and non-finite GPU
+// state is found on the device and refused.
 #include "checkpoint/checkpointer.h"
+#include "checkpoint/finite.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/training_state.h"
 #include "test_util.h"
@@ -12,7 +14,9 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 
 using namespace parallax;
@@ -111,4 +115,40 @@ TEST(CheckpointCudaTest, CudaGeneratorStateResumesExactly) {
   ASSERT_TRUE(load_rng(r, 0));
   EXPECT_TRUE(bitwise_equal(at::rand({1000}, at::TensorOptions().device(at::kCUDA)), a));
   EXPECT_TRUE(bitwise_equal(at::rand({1000}), b));
+}
+
+// GPU tensors are checked on their device (one isfinite().all() each, chunked above 64 Mi elements,
+// one copy of the flags): a NaN in a large GPU tensor, in a strided one or in a float8 one is
+// found, and a mix of CPU and GPU tensors reports the first culprit in order; a sync save refuses
+// it.
+TEST(CheckpointCudaTest, NonFiniteGpuStateIsFoundOnTheDeviceAndRefused) {
+  if (!has_cuda()) GTEST_SKIP() << "no CUDA device";
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(ckpt_test::fresh_seed());
+  at::Tensor big = random_tensor(at::kFloat, {(int64_t{64} << 20) + 4097}, gen).to(at::kCUDA);
+  at::Tensor strided = random_tensor(at::kBFloat16, {300, 200}, gen).to(at::kCUDA).t();
+  at::Tensor fp8 =
+      random_tensor(at::kFloat, {999}, gen).clamp(-100, 100).to(at::kCUDA).to(at::kFloat8_e4m3fn);
+  const at::Tensor cpu = random_tensor(at::kFloat, {77}, gen);
+  EXPECT_EQ(first_nonfinite({cpu, big, strided, fp8}, true), -1);
+  big[(int64_t{64} << 20) + 11] = std::numeric_limits<float>::infinity();  // in the second chunk
+  strided[5][7] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(first_nonfinite({cpu, strided, big}, true), 1);
+  EXPECT_EQ(first_nonfinite({cpu, big, strided}, true), 1);
+  EXPECT_EQ(count_nonfinite(big).inf, 1);
+  at::Tensor fp8_bits = fp8.view(at::kByte);
+  fp8_bits[500] = 0x7f;  // float8_e4m3fn's NaN
+  EXPECT_EQ(first_nonfinite({cpu, fp8}, false), 1);
+  ScratchDir tmp("cuda_nan");
+  SaveState s;
+  s.add_replicated("model/cpu", cpu);
+  s.add_replicated("model/strided", strided);
+  Checkpointer ck((tmp / "checkpoints").string(), CheckpointerOptions{}, CommitGroup{});
+  try {
+    ck.save(3, s);
+    ADD_FAILURE() << "a NaN GPU tensor was committed";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("'model/strided' holds 1 NaN"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(tmp / "checkpoints" / "step_00000003"));
 }

@@ -142,9 +142,10 @@ TEST(CheckpointErrorTest, WrongFormatVersionAndMissingMetadata) {
   Fixture fx;
   const std::string mpath = (fs::path(fx.ckpt) / "metadata.json").string();
   std::string text = files::read_text(mpath);
-  const auto pos = text.find("\"format_version\": 1");
+  const std::string current = fmt::format("\"format_version\": {}", kFormatVersion);
+  const auto pos = text.find(current);
   ASSERT_NE(pos, std::string::npos);
-  text.replace(pos, 19, "\"format_version\": 9");
+  text.replace(pos, current.size(), "\"format_version\": 9");
   files::write_durable(mpath, text);
   const std::string m = expect_error<CheckpointError>([&] { CheckpointReader r(fx.ckpt); });
   EXPECT_TRUE(contains(m, "version 9") && contains(m, "metadata.json")) << m;

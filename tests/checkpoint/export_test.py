@@ -2,7 +2,8 @@
 """`parallax export --format weights`: the weights.h5 it writes, read back with h5py, equals the saved
 parameters exactly (fp32) or their bf16 rounding (bf16); the checkpoint it came from, assembled
 from its shards by an independent h5py reader following metadata.json, agrees; `--format onnx`
-is rejected with a clear error.
+is rejected with a clear error; a checkpoint holding NaN or inf (as an older Parallax could commit
+it) fails `inspect` naming the tensors, and `export` refuses it unless --force (which warns).
 
 usage: export_test.py PARALLAX CKPT_TOOL MPIRUN
 """
@@ -103,6 +104,26 @@ def main():
               f"--format onnx is rejected clearly: {out.stderr.strip()}")
         out = run([parallax, "export", "--run", os.path.join(tmp, "runs", "nope"), "--format", "weights"])
         check(out.returncode != 0 and "nope" in out.stderr, f"a missing run is an error: {out.stderr.strip()}")
+
+        bad_dir = os.path.join(tmp, "runs", "diverged")
+        out = run([tool, "make-model", bad_dir, str(seed), "nan"])
+        if out.returncode != 0:
+            raise SystemExit(f"make-model nan failed: {out.stdout}{out.stderr}")
+        out = run([parallax, "inspect", bad_dir])
+        check(out.returncode != 0 and "parallax: error:" in out.stderr and "head.weight" in out.stderr
+              and "head.bias" in out.stderr, f"inspect fails naming the non-finite tensors: {out.stderr.strip()}")
+        check("non-finite: model/head.weight: 1 NaN, 0 inf" in out.stdout and "NOT OK" in out.stdout,
+              f"inspect lists them with a NOT OK verdict: {out.stdout[-400:]}")
+        bad_out = os.path.join(bad_dir, "export", "weights.h5")
+        out = run([parallax, "export", "--run", bad_dir, "--format", "weights"])
+        check(out.returncode != 0 and "--force" in out.stderr and "model/head." in out.stderr
+              and not os.path.exists(bad_out), f"export refuses non-finite weights: {out.stderr.strip()}")
+        out = run([parallax, "export", "--run", bad_dir, "--format", "weights", "--force"])
+        check(out.returncode == 0 and "WARN" in out.stderr and "head.weight" in out.stderr,
+              f"export --force exports them with a warning: {out.stderr.strip()}")
+        with h5py.File(bad_out, "r") as f:
+            check(np.isnan(f["head.weight"][0, 0]) and np.isinf(f["head.bias"][1]),
+                  "--force exports the values as they are")
     print(f"{len(passes)} passed, {len(failures)} failed")
     sys.exit(1 if failures else 0)
 

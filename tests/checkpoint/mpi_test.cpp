@@ -1,6 +1,6 @@
 // The real multi-process protocol under mpirun (1 and 2 ranks): bitwise round trips of replicated,
-// sharded and per-rank entries, async saves, and a failure on one rank failing the save on all
-// ranks with the previous checkpoint intact.
+// sharded and per-rank entries, async saves, and a failure on one rank (a full disk, non-finite
+// state) failing the save on all ranks with the previous checkpoint intact.
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/reader.h"
 #include "core/error.h"
@@ -14,6 +14,7 @@
 
 #include <csignal>
 #include <filesystem>
+#include <limits>
 
 using namespace parallax;
 using namespace parallax::checkpoint;
@@ -186,5 +187,66 @@ TEST(CheckpointMpiTest, FailureOnOneRankFailsTheSaveEverywhere) {
   ck.save(3, make_state(g, seed, env.rank(), env.size()));
   EXPECT_EQ(CheckpointReader(root + "/checkpoints").metadata().step, 3);
   env.barrier();
+  if (env.rank() == 0) fs::remove_all(root);
+}
+
+TEST(CheckpointMpiTest, NonFiniteStateOnAnyRankIsRefusedByEveryRank) {
+  MpiEnv& env = MpiEnv::get();
+  const uint64_t seed = env.shared_seed();
+  const std::string root = shared_scratch(env, "nonfinite");
+  const auto g = make_globals(seed);
+  std::vector<int> bad_ranks{env.size() - 1};
+  if (env.size() > 1) bad_ranks.push_back(0);
+  for (const bool async : {false, true}) {
+    const std::string dir = root + (async ? "/async" : "/sync");
+    CheckpointerOptions o;
+    o.keep_last = 1;
+    o.async = async;
+    Checkpointer ck(dir, o);
+    ck.save(1, make_state(g, seed, env.rank(), env.size()));
+    ck.wait();
+    int64_t step = 2;
+    for (const int bad : bad_ranks) {
+      // One NaN in the ZeRO-like shard only `bad` holds (no other rank writes or checks it).
+      SaveState s = make_state(g, seed, env.rank(), env.size());
+      if (env.rank() == bad) {
+        for (auto& e : s.entries()) {
+          if (e.name == "optim/flat.exp_avg") {
+            e.tensor = e.tensor.clone();
+            e.tensor[e.tensor.numel() / 2] = std::numeric_limits<float>::quiet_NaN();
+          }
+        }
+      }
+      std::string message;
+      try {
+        ck.save(step, s);
+        ck.wait();
+        ADD_FAILURE() << "rank " << env.rank() << ": the save of step " << step << " committed";
+      } catch (const Error& e) {
+        message = e.what();
+      }
+      // Every rank refuses, with the cause: the step, the tensor and the rank that found it.
+      for (const std::string& part :
+           {fmt::format("save of step {} refused", step), std::string("'optim/flat.exp_avg'"),
+            fmt::format("rank {}: save", bad), std::string("1 NaN")}) {
+        EXPECT_NE(message.find(part), std::string::npos)
+            << "rank " << env.rank() << " (async " << async << "): '" << part
+            << "' not in: " << message;
+      }
+      env.barrier();
+      CheckpointReader r(dir);
+      EXPECT_EQ(r.metadata().step, 1);
+      EXPECT_FALSE(fs::exists(fmt::format("{}/{}", dir, step_dir_name(step))));
+      for (const auto& e : fs::directory_iterator(dir))
+        EXPECT_EQ(e.path().filename().string().rfind(".tmp-", 0), std::string::npos) << e.path();
+      env.barrier();  // every rank has looked before the next save
+      ++step;
+    }
+    // Finite state commits again (and only then prunes step 1).
+    ck.save(step, make_state(g, seed, env.rank(), env.size()));
+    ck.wait();
+    EXPECT_EQ(CheckpointReader(dir).metadata().step, step);
+    env.barrier();
+  }
   if (env.rank() == 0) fs::remove_all(root);
 }

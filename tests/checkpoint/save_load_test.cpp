@@ -80,7 +80,7 @@ TEST(CheckpointRoundTripTest, SingleRankEveryDtypeBitwiseAndMetadata) {
   const at::Tensor base = random_tensor(at::kFloat, {6, 9}, gen);
   saved["model/transposed"] = base.t();
   s.add_replicated("model/transposed", base.t());
-  // Special float values survive bitwise.
+  // Special float values survive bitwise (non-finite ones only where explicitly allowed, below).
   saved["model/special"] = at::tensor({0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-45f});
   s.add_replicated("model/special", saved["model/special"]);
   s.add_rank_local("rng/cpu", at::arange(10, at::kByte));
@@ -91,6 +91,7 @@ TEST(CheckpointRoundTripTest, SingleRankEveryDtypeBitwiseAndMetadata) {
   CheckpointerOptions o;
   o.config_hash = "feedfacecafebeef";
   o.block_bytes = 4096;  // force several blocks per tensor
+  o.allow_nonfinite = true;
   {
     Checkpointer ck((tmp / "checkpoints").string(), o, single());
     ck.save(42, s);
@@ -106,7 +107,7 @@ TEST(CheckpointRoundTripTest, SingleRankEveryDtypeBitwiseAndMetadata) {
   const YAML::Node j =
       YAML::LoadFile((tmp / "checkpoints" / "step_00000042" / "metadata.json").string());
   EXPECT_EQ(j["format"].as<std::string>(), "parallax-checkpoint");
-  EXPECT_EQ(j["format_version"].as<int>(), 1);
+  EXPECT_EQ(j["format_version"].as<int>(), kFormatVersion);
   EXPECT_EQ(j["step"].as<int>(), 42);
   EXPECT_EQ(j["config_hash"].as<std::string>(), "feedfacecafebeef");
   EXPECT_EQ(j["layout"]["world"].as<int>(), 1);

@@ -1,8 +1,10 @@
 // optim: optimizers against LibTorch's reference implementations, master weights, parameter
 // groups, LR schedules, global-norm clipping, the fp16 loss scaler and autocast.
 
+#include "core/config.h"
 #include "core/error.h"
 #include "optim/grad_utils.h"
+#include "optim/optim_config.h"
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
 #include "optim/precision.h"
@@ -404,4 +406,27 @@ TEST(PrecisionTest, AutocastGuardCastsMatmulsAndRestores) {
   cfg.mode = "fp32";
   optim::AutocastGuard none(optim::make_precision_policy(cfg, c10::kCPU));
   EXPECT_EQ(at::mm(a, b).scalar_type(), at::kFloat);
+}
+
+// The range checks of the config reader let `inf` through (inf > 0); a non-finite learning rate
+// or decay turns the first step's weights into NaN, so validation refuses it naming the key.
+TEST(OptimConfigTest, NonFiniteHyperParametersAreConfigErrorsNamingTheKey) {
+  for (const char* key : {"lr", "weight_decay", "eps", "grad_clip"}) {
+    for (const char* value : {"inf", ".inf", "+.inf"}) {
+      optim::OptimConfig cfg;
+      core::ConfigTree tree = core::ConfigTree::from_node(core::to_yaml(cfg), "default");
+      tree.apply_override(fmt::format("{}={}", key, value));
+      try {
+        core::bind(tree, cfg);
+        ADD_FAILURE() << key << "=" << value << " accepted";
+      } catch (const ConfigError& e) {
+        EXPECT_NE(std::string(e.what()).find(fmt::format("'optim.{}'", key)), std::string::npos)
+            << e.what();
+      }
+    }
+  }
+  optim::OptimConfig finite;
+  core::ConfigTree tree = core::ConfigTree::from_node(core::to_yaml(finite), "default");
+  tree.apply_override("lr=1e30");  // finite, however absurd: a run's divergence, not a config error
+  EXPECT_NO_THROW(core::bind(tree, finite));
 }
