@@ -6,7 +6,6 @@
 #include "checkpoint/reader.h"
 #include "checkpoint/weights.h"
 #include "core/error.h"
-#include "core/log.h"
 #include "core/rng.h"
 #include "data/datagen.h"
 #include "data/dataset.h"

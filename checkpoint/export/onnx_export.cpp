@@ -58,7 +58,7 @@ std::string json_string(const std::string& s) {
 std::string json_strings(const std::vector<std::string>& v) {
   std::vector<std::string> q;
   for (const auto& s : v) q.push_back(json_string(s));
-  return "[" + core::join(q, ", ") + "]";
+  return fmt::format("[{}]", core::join(q, ", "));
 }
 
 std::string strip_prefix(const std::string& s, const std::string& prefix) {

@@ -4,7 +4,6 @@
 #include "core/error.h"
 
 #include <onnx/checker.h>
-#include <onnx/common/version.h>
 #include <onnx/defs/schema.h>
 #include <onnx/shape_inference/implementation.h>
 

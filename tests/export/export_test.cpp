@@ -21,6 +21,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <set>
 
@@ -364,8 +365,9 @@ TEST(OnnxExportTest, AFailingGateNamesTheOutputAndFrameAndLeavesNoModel) {
   EXPECT_TRUE(contains(m, "parity gate failed") && contains(m, "output 'y' frame 3") &&
               contains(m, "max_abs 1 >"))
       << m;
-  // The candidate is kept for inspection, the report published, model.onnx not written.
-  EXPECT_EQ(entries(tmp.path), (std::set<std::string>{"model.onnx.rejected", "parity.json"}));
+  // The candidate is kept for inspection, the report and its frames published, no model.onnx.
+  EXPECT_EQ(entries(tmp.path),
+            (std::set<std::string>{"model.onnx.rejected", "parity.h5", "parity.json"}));
   EXPECT_TRUE(fs::exists(tmp.path / "model.onnx.rejected" / "model.onnx"));
   std::ifstream in(tmp.path / "parity.json");
   std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
