@@ -21,6 +21,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <optional>
 
 namespace fs = std::filesystem;
@@ -174,7 +175,15 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
   // The cheap checks first: a checkpoint to export, ONNX Runtime for the gate, a folder to write.
   const std::string source =
       args.has("checkpoint") ? args.get("checkpoint") : (fs::path(run) / "checkpoints").string();
-  checkpoint::CheckpointReader reader(source);
+  std::unique_ptr<checkpoint::CheckpointReader> opened;
+  try {
+    opened = std::make_unique<checkpoint::CheckpointReader>(source);
+  } catch (CheckpointError& e) {
+    if (!args.has("checkpoint"))
+      e.add_context(fmt::format("run '{}' has no checkpoint to export", run));
+    throw;
+  }
+  checkpoint::CheckpointReader& reader = *opened;
   if (s.cfg.parity_frames > 0) checkpoint::exporter::check_parity_runtime(o);
   const std::string out =
       args.has("out") ? args.get("out") : (fs::path(run) / "export" / "model.onnx").string();
