@@ -135,16 +135,34 @@ find_library(ONNX_LIBRARY NAMES onnx HINTS ${ONNX_ROOT} ${ONNX_ROOT}/usr
              PATH_SUFFIXES lib lib/x86_64-linux-gnu)
 find_library(ONNX_PROTO_LIBRARY NAMES onnx_proto HINTS ${ONNX_ROOT} ${ONNX_ROOT}/usr
              PATH_SUFFIXES lib lib/x86_64-linux-gnu)
+# libonnx links libprotobuf; an unpacked .deb prefix holds both (scripts/gpu_build.sh).
+if(ONNX_ROOT AND NOT Protobuf_ROOT)
+  set(Protobuf_ROOT "${ONNX_ROOT}")
+endif()
 find_package(Protobuf QUIET)
 if(ONNX_INCLUDE_DIR AND ONNX_LIBRARY AND ONNX_PROTO_LIBRARY AND Protobuf_FOUND)
   set(PARALLAX_WITH_ONNX ON)
   add_library(parallax_onnx INTERFACE)
   target_include_directories(parallax_onnx SYSTEM INTERFACE ${ONNX_INCLUDE_DIR})
-  target_link_libraries(parallax_onnx INTERFACE ${ONNX_LIBRARY} ${ONNX_PROTO_LIBRARY}
-                                                protobuf::libprotobuf)
+  # The library file, not protobuf::libprotobuf: LibTorch's CMake config defines a target of that
+  # name for its own bundled protobuf, and FindProtobuf then keeps it.
+  target_link_libraries(parallax_onnx INTERFACE ${ONNX_LIBRARY} ${ONNX_PROTO_LIBRARY} ${Protobuf_LIBRARIES})
+  # LibTorch's include folder (an -isystem path, so searched before /usr/include) ships an older
+  # protobuf's headers, and libonnx's generated code must see the protobuf it was built with. Links
+  # to the two header trees in one folder given as -I (searched before every -isystem path) put
+  # them first for the targets that use libonnx (checkpoint/export) and no other.
+  set(_onnx_shim ${PROJECT_BINARY_DIR}/onnx-include)
+  file(MAKE_DIRECTORY ${_onnx_shim})
+  file(CREATE_LINK ${ONNX_INCLUDE_DIR}/onnx ${_onnx_shim}/onnx SYMBOLIC)
+  file(CREATE_LINK ${Protobuf_INCLUDE_DIR}/google ${_onnx_shim}/google SYMBOLIC)
+  target_include_directories(parallax_onnx BEFORE INTERFACE ${_onnx_shim})
   # Debian's libonnx is built with the ONNX_NAMESPACE=onnx and ONNX_ML=1 defaults.
   target_compile_definitions(parallax_onnx INTERFACE ONNX_NAMESPACE=onnx ONNX_ML=1)
-  message(STATUS "Parallax: ONNX at ${ONNX_LIBRARY}")
+  message(STATUS "Parallax: ONNX at ${ONNX_LIBRARY} (protobuf ${Protobuf_VERSION})")
+else()
+  message(STATUS "Parallax: libonnx + protobuf not found: ONNX export (parallax export --format onnx) is not "
+                 "built. Install libonnx-dev libprotobuf-dev, or pass -DONNX_ROOT=<prefix> (an unpacked .deb; "
+                 "scripts/gpu_build.sh does this from .debs/)")
 endif()
 
 message(STATUS "Parallax: NCCL=${PARALLAX_WITH_NCCL} ONNX=${PARALLAX_WITH_ONNX}")

@@ -15,7 +15,7 @@ namespace parallax::launch {
 const std::vector<Verb>& verbs() {
   static const std::vector<Verb> kVerbs = {
       {"train", "train a model from a config file (also under mpirun / srun / torchrun)", verb_train},
-      {"export", "export a run's checkpoint (weights.h5; ONNX later)", verb_export},
+      {"export", "export a run's checkpoint: ONNX with a parity gate, or weights.h5", verb_export},
       {"datagen", "generate a synthetic multi-camera dataset (HDF5 shards + dataset.json)", verb_datagen},
       {"inspect", "describe and verify a dataset folder or an HDF5 data shard", verb_inspect},
   };

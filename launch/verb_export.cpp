@@ -1,64 +1,81 @@
-// `parallax export`: consolidated weights (weights.h5) from a run's checkpoint. ONNX export is a
-// later issue and is rejected with a clear error.
+// `parallax export`: a run's checkpoint as an ONNX model gated against ONNX Runtime (model.onnx,
+// parity.json; docs/export.md) or as consolidated weights (weights.h5; docs/checkpoints.md). The
+// `export` section of the run's config.yaml supplies the defaults; options given here override it.
+#include "checkpoint/checkpoint_config.h"
 #include "checkpoint/format.h"
+#include "checkpoint/reader.h"
 #include "checkpoint/weights.h"
 #include "core/error.h"
+#include "core/rng.h"
+#include "data/datagen.h"
+#include "data/dataset.h"
 #include "launch/args.h"
 #include "launch/verbs.h"
+#include "models/model.h"
+#include "models/perception_model.h"
+#include "train/run_config.h"
+
+#ifdef PARALLAX_WITH_ONNX
+#include "checkpoint/export/onnx_export.h"
+#endif
 
 #include <cstdio>
 #include <filesystem>
+#include <memory>
+#include <optional>
 
 namespace fs = std::filesystem;
 
 namespace parallax::launch {
 
-int verb_export(const std::vector<std::string>& argv) {
-  Args args("export", "Export a trained model from a run's checkpoint.");
-  args.option("run", "DIR", "run directory (runs/<name>); its checkpoints/latest is exported")
-      .option("format", "FORMAT", "weights (consolidated HDF5) | onnx (not available yet)",
-              "weights")
-      .option("dtype", "DTYPE", "dtype of floating tensors in weights.h5: fp32 | bf16", "fp32")
-      .option("checkpoint", "DIR", "export this checkpoint instead of the run's latest")
-      .option("out", "FILE", "output file (default: <run>/export/weights.h5)")
-      .flag("force", "export even when tensors hold NaN or infinite values (warns for each)")
-      .epilog(
-          "weights.h5 holds one dataset per parameter and buffer, named by its flat module path\n"
-          "(e.g. 'backbone.blocks.0.attn.qkv.weight'), fp32 or bf16 (bf16 as uint16 bits, "
-          "attribute\n"
-          "dtype=bfloat16); see docs/checkpoints.md.\n\n"
-          "examples:\n"
-          "  parallax export --run runs/bev_tiny --format weights\n"
-          "  parallax export --run runs/bev_tiny --format weights --dtype bf16\n"
-          "  parallax export --run runs/bev_tiny --checkpoint "
-          "runs/bev_tiny/checkpoints/step_00001000");
-  args.parse(argv);
-  if (args.help_requested()) {
-    std::fputs(args.help_text().c_str(), stdout);
-    return 0;
+namespace {
+
+// The export settings: the run config's `export` section, then the command line.
+struct Settings {
+  checkpoint::ExportConfig cfg;
+  std::string origin(const Args& args, const char* option) const {
+    return args.has(option) ? fmt::format("--{}", option) : fmt::format("export.{}", option);
   }
-  const std::string format = args.get("format");
-  if (format == "onnx") {
-    throw_error<UsageError>(
-        "export: --format onnx is not available yet (ONNX export is a later issue); use "
-        "--format weights");
-  }
-  if (format != "weights") {
-    throw_error<UsageError>(
-        "export: unknown --format '{}'; expected weights (or onnx, not available yet)", format);
-  }
-  const std::string dtype = args.get("dtype");
+};
+
+Settings resolve_settings(const Args& args, const std::optional<train::RunConfig>& run_cfg) {
+  Settings s;
+  if (run_cfg) s.cfg = run_cfg->export_;
+  if (args.has("format")) s.cfg.format = args.get("format");
+  if (args.has("dtype")) s.cfg.dtype = args.get("dtype");
+  if (args.has("opset")) s.cfg.opset = static_cast<int>(args.get_int("opset"));
+  if (args.has("parity-frames"))
+    s.cfg.parity_frames = static_cast<int>(args.get_int("parity-frames"));
+  if (args.has("batch")) s.cfg.batch = args.get("batch") == "dynamic" ? 0 : args.get_int("batch");
+  if (args.has("external-data")) s.cfg.external_data = args.get("external-data");
+  PARALLAX_CHECK(s.cfg.format == "weights" || s.cfg.format == "onnx", UsageError,
+                 "export: unknown format '{}' ({}); expected onnx or weights", s.cfg.format,
+                 s.origin(args, "format"));
+  PARALLAX_CHECK(s.cfg.parity_frames >= 0 && s.cfg.batch >= 0, UsageError,
+                 "export: --parity-frames {} and --batch {} must not be negative",
+                 s.cfg.parity_frames, s.cfg.batch);
+  return s;
+}
+
+// runs/<name>/config.yaml, when the run has one (the resolved config the trainer wrote).
+std::optional<train::RunConfig> load_run_config(const std::string& run) {
+  if (run.empty()) return std::nullopt;
+  const fs::path file = fs::path(run) / "config.yaml";
+  std::error_code ec;
+  if (!fs::is_regular_file(file, ec)) return std::nullopt;
+  return train::load_run_config(file.string(), {});
+}
+
+// ---- weights.h5 --------------------------------------------------------------------------------
+
+int export_weights(const Args& args, const Settings& s, const std::string& run) {
+  const std::string dtype = s.cfg.dtype;
   if (dtype != "fp32" && dtype != "bf16") {
-    throw_error<UsageError>("export: unknown --dtype '{}'; expected fp32 or bf16", dtype);
+    throw_error<UsageError>("export: --format weights takes --dtype fp32 or bf16, got '{}' ({})",
+                            dtype, s.origin(args, "dtype"));
   }
-  if (!args.has("run") && !(args.has("checkpoint") && args.has("out"))) {
+  if (run.empty() && !(args.has("checkpoint") && args.has("out"))) {
     throw_error<UsageError>("export: --run DIR is required (or both --checkpoint and --out)");
-  }
-  const std::string run = args.has("run") ? args.get("run") : "";
-  if (!run.empty()) {
-    std::error_code ec;
-    PARALLAX_CHECK(fs::is_directory(run, ec), UsageError,
-                   "export: run directory '{}' does not exist", run);
   }
   const std::string source =
       args.has("checkpoint") ? args.get("checkpoint") : (fs::path(run) / "checkpoints").string();
@@ -70,6 +87,217 @@ int verb_export(const std::vector<std::string>& argv) {
   std::printf("exported %lld tensors (%s) from %s to %s\n", static_cast<long long>(n),
               dtype.c_str(), checkpoint::resolve_checkpoint(source).c_str(), out.c_str());
   return 0;
+}
+
+// ---- model.onnx --------------------------------------------------------------------------------
+
+#ifdef PARALLAX_WITH_ONNX
+
+// The scene the trainer built the model for (train/trainer.cpp, Trainer::setup): the dataset's
+// dataset.json for a bev model trained on a dataset, else the size's benchmark scene.
+core::SceneSpec run_scene(const train::RunConfig& cfg) {
+  const bool synthetic = cfg.data.synthetic || cfg.train.benchmark || cfg.model.name != "bev";
+  if (!synthetic) return data::read_dataset_info(cfg.data.path).scene_spec(cfg.data.max_boxes);
+  if (cfg.model.name == "bev") return models::benchmark_scene(cfg.model.size);
+  return {};
+}
+
+// The parity frames, batch 1 each, and where they came from: the val split of the run's dataset
+// (its first scenes, repeated when it has fewer than `count`), else synthetic scenes rendered by
+// the data generator for the model's scene (bev), else the model's own example inputs.
+std::vector<core::TensorDict> parity_frames(models::Model& model, const train::RunConfig& cfg,
+                                            const core::SceneSpec& scene, int64_t count,
+                                            std::string& source) {
+  std::vector<core::TensorDict> frames;
+  if (count == 0) return frames;
+  const bool dataset = !(cfg.data.synthetic || cfg.train.benchmark) && cfg.model.name == "bev";
+  if (dataset && data::read_dataset_info(cfg.data.path).splits.count(cfg.data.val_split)) {
+    auto ds = data::Dataset::open(cfg.data.path, cfg.data.val_split);
+    PARALLAX_CHECK(ds->size() > 0, DataError, "export: the val split '{}' of '{}' has no scenes",
+                   cfg.data.val_split, cfg.data.path);
+    for (int64_t i = 0; i < count; ++i) {
+      const data::SceneRecord r = ds->read(i % ds->size());
+      frames.push_back({{"images", r.images.unsqueeze(0)},
+                        {"intrinsics", r.intrinsics.unsqueeze(0)},
+                        {"cam_to_ego", r.cam_to_ego.unsqueeze(0)}});
+    }
+    source = fmt::format("val split '{}' of dataset '{}' (scenes 0..{})", cfg.data.val_split,
+                         cfg.data.path, std::min<int64_t>(count, ds->size()) - 1);
+    return frames;
+  }
+  const uint64_t seed = static_cast<uint64_t>(cfg.experiment.seed);
+  if (cfg.model.name == "bev") {
+    data::GeneratorOptions g;
+    g.cameras = static_cast<int>(scene.num_cameras);
+    g.height = static_cast<int>(scene.image_height);
+    g.width = static_cast<int>(scene.image_width);
+    g.bev = {scene.x_min, scene.x_max, scene.y_min, scene.y_max, scene.bev_resolution};
+    const uint64_t split = data::split_seed(seed, "export-parity");
+    for (int64_t i = 0; i < count; ++i) {
+      const data::SceneRecord r = data::generate_scene(g, split, i).record;
+      frames.push_back({{"images", r.images.unsqueeze(0)},
+                        {"intrinsics", r.intrinsics.unsqueeze(0)},
+                        {"cam_to_ego", r.cam_to_ego.unsqueeze(0)}});
+    }
+    source =
+        fmt::format("synthetic scenes 0..{} of the data generator (seed {}, split 'export-parity')",
+                    count - 1, seed);
+    return frames;
+  }
+  core::seed_all(seed);
+  for (int64_t i = 0; i < count; ++i) frames.push_back(model.example_batch(1));
+  source = fmt::format("example inputs of model '{}' (seed {})", cfg.model.name, seed);
+  return frames;
+}
+
+int export_onnx(const Args& args, const Settings& s, const std::string& run,
+                const std::optional<train::RunConfig>& cfg) {
+  PARALLAX_CHECK(!run.empty(), UsageError,
+                 "export: --format onnx needs --run DIR (its config.yaml defines the model)");
+  PARALLAX_CHECK(
+      cfg.has_value(), UsageError,
+      "export: --format onnx needs the run's config.yaml to build the model, and '{}' has none",
+      run);
+  checkpoint::exporter::OnnxExportOptions o;
+  o.opset = s.cfg.opset;
+  PARALLAX_CHECK(s.cfg.dtype == "fp32" || s.cfg.dtype == "fp16", UsageError,
+                 "export: --format onnx takes --dtype fp32 or fp16, got '{}' ({})", s.cfg.dtype,
+                 s.origin(args, "dtype"));
+  o.dtype = s.cfg.dtype == "fp16" ? at::kHalf : at::kFloat;
+  o.batch = s.cfg.batch;
+  o.external_data = s.cfg.external_data;
+  o.parity_timeout_s = s.cfg.parity_timeout_s;
+  o.allow_non_finite = args.flag_set("force");
+  try {
+    checkpoint::exporter::validate(o);
+  } catch (UsageError& e) {
+    e.add_context(fmt::format("opset from {}", s.origin(args, "opset")));
+    throw;
+  }
+  // The cheap checks first: a checkpoint to export, ONNX Runtime for the gate, a folder to write.
+  const std::string source =
+      args.has("checkpoint") ? args.get("checkpoint") : (fs::path(run) / "checkpoints").string();
+  std::unique_ptr<checkpoint::CheckpointReader> opened;
+  try {
+    opened = std::make_unique<checkpoint::CheckpointReader>(source);
+  } catch (CheckpointError& e) {
+    if (!args.has("checkpoint"))
+      e.add_context(fmt::format("run '{}' has no checkpoint to export", run));
+    throw;
+  }
+  checkpoint::CheckpointReader& reader = *opened;
+  if (s.cfg.parity_frames > 0) checkpoint::exporter::check_parity_runtime(o);
+  const std::string out =
+      args.has("out") ? args.get("out") : (fs::path(run) / "export" / "model.onnx").string();
+  checkpoint::exporter::prepare_output_dir(out);
+
+  const core::SceneSpec scene = run_scene(*cfg);
+  auto model = models::build_model(cfg->model, scene);
+  checkpoint::load_weights(reader, *model);
+  // A fixed batch takes the frames in whole batches.
+  const int64_t b = s.cfg.batch;
+  const int64_t count = b > 0 ? (s.cfg.parity_frames + b - 1) / b * b : s.cfg.parity_frames;
+  const std::vector<core::TensorDict> frames =
+      parity_frames(*model, *cfg, scene, count, o.frames_source);
+
+  const auto& m = reader.metadata();
+  o.metadata = {{"parallax.model", fmt::format("{} size={} backbone={}", cfg->model.name,
+                                               cfg->model.size, cfg->model.backbone)},
+                {"parallax.checkpoint", reader.dir()},
+                {"parallax.step", std::to_string(m.step)},
+                {"parallax.config_hash", m.config_hash}};
+  const auto r = checkpoint::exporter::export_onnx(*model, frames, out, o);
+  std::printf(
+      "exported %s (opset %d, %s, batch %s, %lld initializers, %.1f MB%s) from %s in %.2f s\n",
+      r.model_file.c_str(), o.opset, s.cfg.dtype.c_str(),
+      b > 0 ? std::to_string(b).c_str() : "dynamic", static_cast<long long>(r.initializers),
+      static_cast<double>(r.model_bytes + r.data_bytes) / 1e6,
+      r.data_file.empty() ? "" : fmt::format(", weights in {}", r.data_file).c_str(),
+      reader.dir().c_str(), r.graph_s);
+  if (!frames.empty()) {
+    std::printf(
+        "parity on %zu frames (%s): %s\nreport: %s (LibTorch %.2f s, ONNX Runtime tool %.2f s)\n",
+        frames.size(), o.frames_source.c_str(), r.parity_summary.c_str(), r.parity_json.c_str(),
+        r.reference_s, r.parity_s);
+  } else {
+    std::printf("parity gate skipped (--parity-frames 0)\n");
+  }
+  return 0;
+}
+
+#else
+
+int export_onnx(const Args&, const Settings&, const std::string&,
+                const std::optional<train::RunConfig>&) {
+  throw_error<UsageError>(
+      "export: this build has no ONNX support: libonnx + protobuf were not found when it was "
+      "configured (install "
+      "libonnx-dev libprotobuf-dev, or pass -DONNX_ROOT=<prefix>; scripts/gpu_build.sh unpacks "
+      "them from .debs/); "
+      "--format weights works");
+}
+
+#endif
+
+}  // namespace
+
+int verb_export(const std::vector<std::string>& argv) {
+  Args args("export", "Export a trained model from a run's checkpoint.");
+  args.option("run", "DIR", "run directory (runs/<name>); its checkpoints/latest is exported")
+      .option(
+          "format", "FORMAT",
+          "onnx (model.onnx + parity gate) | weights (weights.h5) (default: export.format, onnx)")
+      .option("dtype", "DTYPE",
+              "onnx: fp32 | fp16; weights: fp32 | bf16 (default: export.dtype, fp32)")
+      .option("checkpoint", "DIR", "export this checkpoint instead of the run's latest")
+      .option("out", "FILE",
+              "output file (default: <run>/export/model.onnx or <run>/export/weights.h5)")
+      .option("opset", "N", "onnx: ONNX opset; 17 is the one written (default: export.opset, 17)")
+      .option("parity-frames", "N",
+              "onnx: frames compared against ONNX Runtime; 0 skips the gate (default: "
+              "export.parity_frames, 8)")
+      .option("batch", "B|dynamic",
+              "onnx: fixed batch size, or a dynamic batch axis (default: export.batch, dynamic)")
+      .option("external-data", "auto|always",
+              "onnx: weights in <out>.data: above 2 GB, or always (default: export.external_data, "
+              "auto)")
+      .flag("force", "export even when tensors hold NaN or infinite values (warns for each)")
+      .epilog(
+          "Defaults come from the `export` section of the run's config.yaml; options override "
+          "them.\n\n"
+          "onnx: writes model.onnx (opset 17, no custom ops; inputs images uint8 [B, N, H, W, 3],\n"
+          "intrinsics, cam_to_ego for bev), runs the checkpoint in LibTorch and in ONNX Runtime\n"
+          "(tools/onnx_parity.py, PARALLAX_PYTHON) on the val split or synthetic scenes, and "
+          "writes\n"
+          "parity.h5 and parity.json; exits non-zero naming the output and frame when the gate "
+          "fails.\n"
+          "See docs/export.md.\n\n"
+          "weights: weights.h5 holds one dataset per parameter and buffer, named by its flat "
+          "module path\n"
+          "(e.g. 'backbone.blocks.0.attn.qkv.weight'), fp32 or bf16 (bf16 as uint16 bits, "
+          "attribute\n"
+          "dtype=bfloat16); see docs/checkpoints.md.\n\n"
+          "examples:\n"
+          "  parallax export --run runs/bev_tiny\n"
+          "  parallax export --run runs/bev_tiny --format onnx --dtype fp16 --batch 1\n"
+          "  parallax export --run runs/bev_tiny --format weights --dtype bf16\n"
+          "  parallax export --run runs/bev_tiny --format weights --checkpoint "
+          "runs/bev_tiny/checkpoints/step_00001000");
+  args.parse(argv);
+  if (args.help_requested()) {
+    std::fputs(args.help_text().c_str(), stdout);
+    return 0;
+  }
+  const std::string run = args.has("run") ? args.get("run") : "";
+  if (!run.empty()) {
+    std::error_code ec;
+    PARALLAX_CHECK(fs::is_directory(run, ec), UsageError,
+                   "export: run directory '{}' does not exist", run);
+  }
+  const std::optional<train::RunConfig> cfg = load_run_config(run);
+  const Settings s = resolve_settings(args, cfg);
+  if (s.cfg.format == "weights") return export_weights(args, s, run);
+  return export_onnx(args, s, run, cfg);
 }
 
 }  // namespace parallax::launch

@@ -35,6 +35,8 @@ class ImageEncoderImpl : public torch::nn::Module {
  public:
   explicit ImageEncoderImpl(const ImageEncoderOptions& o);
   at::Tensor forward(const at::Tensor& images);
+  // forward() of normalised images [B, 3, H, W] in e.dtype() as ONNX nodes (models/onnx/bev_onnx.cpp).
+  onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& images);
 
   int64_t stride() const { return stride_of(opts_); }
   int64_t feat_h() const { return opts_.image_h / stride(); }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "models/checkpointable.h"
+#include "models/onnx/emitter.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
@@ -51,6 +52,9 @@ int64_t count_parameters(const torch::nn::Module& m);
 class Block : public CheckpointableBlock {
  public:
   virtual Cost cost() const = 0;
+  // forward_impl() as ONNX nodes, inside the block's scope (models/onnx/emitter.h). The default
+  // throws parallax::Error naming the block: it has no emitter.
+  virtual onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& x);
 };
 
 // Role of a linear layer inside a transformer block, in Megatron's vocabulary: a tensor-parallel
@@ -101,6 +105,7 @@ class ConvNormActImpl : public torch::nn::Module {
  public:
   explicit ConvNormActImpl(const ConvNormActOptions& o);
   at::Tensor forward(const at::Tensor& x);
+  onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& x);  // models/onnx/layers_onnx.cpp
   Cost cost() const { return analytic_cost(opts_); }
   static Cost analytic_cost(const ConvNormActOptions& o);
 
@@ -116,6 +121,7 @@ class ResidualConvBlock : public Block {
  public:
   ResidualConvBlock(int64_t channels, int64_t h, int64_t w);
   at::Tensor forward_impl(const at::Tensor& x) override;
+  onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& x) override;
   Cost cost() const override { return analytic_cost(channels_, h_, w_); }
   static Cost analytic_cost(int64_t channels, int64_t h, int64_t w);
 

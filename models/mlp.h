@@ -19,6 +19,8 @@ class MlpModel : public Model {
   int64_t batch_size(const core::TensorDict& batch) const override;
   core::TensorDict example_batch(int64_t n) const override;
   std::vector<ModuleCost> cost_breakdown() const override;
+  // Input "x" float32 [B, in], output "y_hat" float32 [B, out].
+  void emit_onnx(onnx::Emitter& e) override;
 
  private:
   int64_t in_, hidden_, out_, depth_;

@@ -56,6 +56,11 @@ class Model : public torch::nn::Module {
   // forward_flops_per_sample()); empty if the model does not break its cost down.
   virtual std::vector<ModuleCost> cost_breakdown() const { return {}; }
 
+  // Writes the forward as ONNX nodes (models/onnx/emitter.h): the graph inputs (the batch keys
+  // forward() reads), every layer in forward order, and one graph output per key of forward()'s
+  // result. The default throws parallax::Error: the model has no ONNX emitter.
+  virtual void emit_onnx(onnx::Emitter& e);
+
   // Why a training step of this model cannot be captured into a CUDA graph (train.cuda_graph):
   // a forward or loss that reads device values on the host, or whose shapes depend on the data.
   // Empty: capturable.

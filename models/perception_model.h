@@ -56,6 +56,8 @@ class BevHeadsImpl : public torch::nn::Module {
  public:
   BevHeadsImpl(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes, int64_t nx, int64_t ny);
   core::TensorDict forward(const at::Tensor& bev);  // "seg", "heatmap", "box_reg" on the query grid
+  // forward() as ONNX nodes: {seg, heatmap, box_reg}.
+  std::vector<onnx::Value> emit_onnx(onnx::Emitter& e, const onnx::Value& bev);
   Cost cost() const { return analytic_cost(channels_, head_channels_, seg_classes_, box_classes_, nx_, ny_); }
   static Cost analytic_cost(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes,
                             int64_t nx, int64_t ny);
@@ -83,6 +85,9 @@ class PerceptionModel : public Model {
   // consistent with them (a road band with lane markings, box footprints on top).
   core::TensorDict example_batch(int64_t n) const override;
   std::vector<ModuleCost> cost_breakdown() const override { return analytic_cost(spec_); }
+  // Inputs "images" uint8 [B, N, H, W, 3], "intrinsics" float32 [B, N, 3, 3], "cam_to_ego" float32
+  // [B, N, 4, 4]; outputs "bev_logits", "heatmap", "box_reg" (float32, shapes as forward()).
+  void emit_onnx(onnx::Emitter& e) override;
   std::string graph_capture_blocker() const override {
     return "the view transformer samples as many points per camera as the batch's cameras see (one host read of "
            "the counts per forward), so the step's shapes depend on the data";

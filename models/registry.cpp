@@ -24,8 +24,19 @@ MlpShape mlp_shape(const std::string& size) {
   throw_error<ConfigError>("key 'model.size': model 'mlp' has sizes tiny|small, got '{}'", size);
 }
 
-void check_vit_cls(const ModelConfig& cfg) {
-  PARALLAX_CHECK(cfg.size == "b16", ConfigError, "key 'model.size': model 'vit_cls' has size b16, got '{}'", cfg.size);
+// b16: ViT-B/16 at 224 x 224, as timm's vit_base_patch16_224. tiny: the same image and patch size
+// with 2 narrow blocks (CPU tests, e.g. the ONNX export's parity test).
+VitSpec vit_cls_spec(const ModelConfig& cfg) {
+  PARALLAX_CHECK(cfg.size == "b16" || cfg.size == "tiny", ConfigError,
+                 "key 'model.size': model 'vit_cls' has sizes tiny|b16, got '{}'", cfg.size);
+  VitSpec spec;
+  if (cfg.size == "tiny") {
+    spec.dim = 96;
+    spec.depth = 2;
+    spec.heads = 3;
+    spec.mlp_hidden = 384;
+  }
+  return spec;
 }
 
 }  // namespace
@@ -73,8 +84,7 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
     return std::make_shared<MlpModel>(s.in, s.hidden, s.out, s.depth);
   }
   if (cfg.name == "vit_cls") {
-    check_vit_cls(cfg);
-    VitSpec spec;  // ViT-B/16 at 224 x 224, as timm's vit_base_patch16_224
+    VitSpec spec = vit_cls_spec(cfg);
     spec.dropout = cfg.dropout;
     spec.fp32_residual = cfg.fp32_residual;
     spec.fused_kernels = cfg.fused_kernels;
@@ -103,8 +113,7 @@ std::vector<ModuleCost> analytic_cost(const ModelConfig& cfg, const core::SceneS
     return {{"mlp", params, flops + 2.0 * width * s.out}};
   }
   if (cfg.name == "vit_cls") {
-    check_vit_cls(cfg);
-    VitSpec spec;
+    const VitSpec spec = vit_cls_spec(cfg);
     const Cost vit = VisionTransformerImpl::analytic_cost({spec, 224, 224, true, dense_linear});
     const Cost head = linear_cost(spec.dim, cfg.num_classes, true, 1);
     return {{"vit", vit.params, vit.flops}, {"head", head.params, head.flops}};

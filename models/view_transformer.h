@@ -50,6 +50,11 @@ class ViewTransformerImpl : public torch::nn::Module {
   Sampled sample(const at::Tensor& features, const at::Tensor& intrinsics, const at::Tensor& cam_to_ego) const;
   // BEV features [B, channels, nx, ny].
   at::Tensor forward(const at::Tensor& features, const at::Tensor& intrinsics, const at::Tensor& cam_to_ego);
+  // forward() as ONNX nodes for `cameras` cameras: every reference point sampled in every camera
+  // (GridSample), weighted by visibility and averaged, as kernels::bev_sample's reference does
+  // (models/onnx/bev_onnx.cpp). features in e.dtype(); intrinsics and cam_to_ego float32.
+  onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& features, const onnx::Value& intrinsics,
+                        const onnx::Value& cam_to_ego, int64_t cameras);
 
   // Reference points, float32 [Z * Q, 3] in the ego frame (height-major), on `device`.
   at::Tensor reference_points(const c10::Device& device) const;

@@ -48,6 +48,7 @@ class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const TransformerBlockOptions& o);
   at::Tensor forward(const at::Tensor& x);
+  onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& x);  // models/onnx/vit_onnx.cpp
 
  private:
   int64_t head_dim_;
@@ -61,6 +62,7 @@ class MlpBlockImpl : public torch::nn::Module {
  public:
   explicit MlpBlockImpl(const TransformerBlockOptions& o);
   at::Tensor forward(const at::Tensor& x);
+  onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& x);
 
  private:
   double dropout_;
@@ -73,6 +75,7 @@ class TransformerBlock : public Block {
  public:
   explicit TransformerBlock(const TransformerBlockOptions& o);
   at::Tensor forward_impl(const at::Tensor& x) override;
+  onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& x) override;
   Cost cost() const override { return analytic_cost(opts_); }
   static Cost analytic_cost(const TransformerBlockOptions& o);
 
@@ -97,6 +100,8 @@ class VisionTransformerImpl : public torch::nn::Module {
  public:
   explicit VisionTransformerImpl(const VisionTransformerOptions& o);
   at::Tensor forward(const at::Tensor& images);
+  // forward() of normalised images [B, 3, H, W] in e.dtype() as ONNX nodes: tokens [B, T, D].
+  onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& images);
 
   int64_t grid_h() const { return opts_.image_h / opts_.spec.patch; }
   int64_t grid_w() const { return opts_.image_w / opts_.spec.patch; }
@@ -129,6 +134,8 @@ class VitClassifier : public Model {
   int64_t batch_size(const core::TensorDict& batch) const override { return batch.at("images").size(0); }
   core::TensorDict example_batch(int64_t n) const override;
   std::vector<ModuleCost> cost_breakdown() const override;
+  // Input "images" uint8 [B, 3, S, S], output "logits" float32 [B, num_classes].
+  void emit_onnx(onnx::Emitter& e) override;
 
   Cost cost() const { return analytic_cost(spec_, image_size_, num_classes_); }
   static Cost analytic_cost(const VitSpec& spec, int64_t image_size, int64_t num_classes);

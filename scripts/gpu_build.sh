@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds and tests Parallax on a GPU node (CUDA LibTorch, NCCL from the torch wheel). Used on the
 # project's H100/H200 machines (Ubuntu 24.04, CUDA 13, torch 2.11+cu130 in /opt/torch/.venv), which
-# have no network: libonnx comes from Debian .deb files in .debs/ unpacked into .deps/onnx.
+# have no network: libonnx and protobuf come from Debian .deb files in .debs/ (scripts/fetch_onnx_debs.sh
+# downloads them on a Debian 12 machine) unpacked into .deps/onnx; without them the build has no ONNX
+# export (`parallax export --format onnx` says so) and tests/export is not built.
 #   scripts/gpu_build.sh            # configure + build into build-gpu, then ctest
 #   scripts/gpu_build.sh -L cuda    # extra arguments go to ctest
 set -euo pipefail
@@ -17,6 +19,9 @@ if ls .debs/libonnx*.deb >/dev/null 2>&1; then
   mkdir -p .deps/onnx
   for f in .debs/*.deb; do dpkg -x "$f" .deps/onnx; done
   EXTRA+=(-DONNX_ROOT="$PWD/.deps/onnx/usr")
+  echo "[gpu_build] libonnx + protobuf from .debs/ (ONNX export enabled)"
+else
+  echo "[gpu_build] no .debs/libonnx*.deb: building without ONNX export (scripts/fetch_onnx_debs.sh fetches them)"
 fi
 start=$(date +%s)
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_HOST_COMPILER="$CXX" "${EXTRA[@]}"

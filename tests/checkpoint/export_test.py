@@ -99,9 +99,10 @@ def main():
                 check(dtype == "bfloat16" and d.dtype == np.uint16, f"{name}: bf16 stored as uint16 bits")
                 check(np.array_equal(d[()].reshape(-1), bf16_bits(ref)), f"{name}: equals torch's bf16 rounding")
 
+        # This run has a checkpoint but no config.yaml (ckpt_tool wrote it), so no model to build.
         out = run([parallax, "export", "--run", run_dir, "--format", "onnx"])
-        check(out.returncode != 0 and "onnx" in out.stderr and "parallax: error:" in out.stderr,
-              f"--format onnx is rejected clearly: {out.stderr.strip()}")
+        check(out.returncode != 0 and "config.yaml" in out.stderr and "parallax: error:" in out.stderr,
+              f"--format onnx without the run's config is rejected clearly: {out.stderr.strip()}")
         out = run([parallax, "export", "--run", os.path.join(tmp, "runs", "nope"), "--format", "weights"])
         check(out.returncode != 0 and "nope" in out.stderr, f"a missing run is an error: {out.stderr.strip()}")
 

@@ -27,6 +27,29 @@ TEST(RegistryTest, MlpStandInKeepsWorkingAndMatchesItsAnalyticCost) {
   }
 }
 
+TEST(RegistryTest, VitClsTinyMatchesItsAnalyticCostAndKeepsTheB16Interface) {
+  // vit_cls tiny (the CPU size the ONNX export tests use): 224 x 224, patch 16, 2 blocks of dim 96.
+  at::manual_seed(51);
+  ModelConfig cfg;
+  cfg.name = "vit_cls";
+  cfg.size = "tiny";
+  cfg.num_classes = 10;
+  auto model = build_model(cfg, core::SceneSpec{});
+  const auto costs = analytic_cost(cfg, core::SceneSpec{});
+  int64_t params = 0;
+  for (const auto& c : costs) params += c.params;
+  EXPECT_EQ(params, model->parameter_count());
+  // patch embedding + 197 position embeddings + class token + 2 blocks + final norm + head
+  EXPECT_EQ(params,
+            (3 * 16 * 16 * 96 + 96) + 197 * 96 + 96 +
+                2 * (4 * 96 + 96 * 288 + 288 + 96 * 96 + 96 + 96 * 384 + 384 + 384 * 96 + 96) +
+                2 * 96 + (96 * 10 + 10));
+  const auto batch = model->example_batch(2);
+  EXPECT_EQ(model->forward(batch).at("logits").sizes(), at::IntArrayRef({2, 10}));
+  cfg.size = "small";
+  EXPECT_THROW(build_model(cfg, core::SceneSpec{}), ConfigError);
+}
+
 TEST(RegistryTest, UnknownNamesAndSizesThrowConfigError) {
   ModelConfig cfg;
   cfg.name = "resnet";

@@ -1,0 +1,39 @@
+// ONNX emitters of models/model.h's and models/layers.h's classes: the defaults (no emitter) and
+// the conv blocks.
+#include "core/error.h"
+#include "models/layers.h"
+#include "models/model.h"
+#include "models/onnx/ops.h"
+
+namespace parallax::models {
+
+void Model::emit_onnx(onnx::Emitter& e) {
+  (void)e;
+  throw_error<Error>("ONNX export: model '{}' has no ONNX emitter", name());
+}
+
+onnx::Value Block::emit_onnx(onnx::Emitter& e, const onnx::Value& x) {
+  (void)x;
+  e.no_emitter("", *this);
+}
+
+onnx::Value ConvNormActImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& x) {
+  onnx::Value y = onnx::conv2d(e, x, "conv", *conv_);
+  y = onnx::group_norm(e, y, "norm", *norm_, opts_.out_h, opts_.out_w);
+  return opts_.act ? e.relu(y) : y;
+}
+
+onnx::Value ResidualConvBlock::emit_onnx(onnx::Emitter& e, const onnx::Value& x) {
+  onnx::Value y;
+  {
+    auto s = e.scope("conv1");
+    y = conv1_->emit_onnx(e, x);
+  }
+  {
+    auto s = e.scope("conv2");
+    y = conv2_->emit_onnx(e, y);
+  }
+  return e.relu(e.add(y, x));
+}
+
+}  // namespace parallax::models

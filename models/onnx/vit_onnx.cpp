@@ -1,0 +1,91 @@
+// ONNX emitters of the ViT (models/vit.h): attention as MatMul + Softmax (opset 17 has no
+// Attention op), LayerNorm as LayerNormalization, the fused residual add + LayerNorm
+// (kernels/layer_norm.h) as its reference Add then LayerNormalization, the patch embedding as the
+// Conv it is (kernel = stride = patch; LibTorch computes the same sums as one GEMM).
+#include "models/onnx/ops.h"
+#include "models/vit.h"
+
+#include <cmath>
+
+namespace parallax::models {
+
+onnx::Value AttentionImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& x) {
+  const onnx::Value qkv = onnx::linear_module(e, "qkv", *qkv_.ptr(), x);  // [B, T, 3 * H * hd]
+  // Heads from the weight's width, as forward() derives them from the activation's.
+  const int64_t heads = e.tensor("qkv.weight").size(0) / (3 * head_dim_);
+  // [B, T, 3, H, hd] -> [3, B, H, T, hd] -> q, k, v [B, H, T, hd] (forward()'s SplitQkv views).
+  const onnx::Value parts =
+      e.transpose(e.reshape(qkv, {0, 0, 3, heads, head_dim_}), {2, 0, 3, 1, 4});
+  std::vector<onnx::Value> qkv_parts;
+  for (int64_t i = 0; i < 3; ++i) {
+    qkv_parts.push_back(e.op("Gather", {parts, e.constant(at::scalar_tensor(i, at::kLong))},
+                             {{"axis", int64_t{0}}}));
+  }
+  // softmax(q k^T / sqrt(hd)) v: SDPA's default scale. The softmax runs in float32 (as autocast
+  // runs it; the fused kernels accumulate it in float32).
+  onnx::Value scores = e.matmul(qkv_parts[0], e.transpose(qkv_parts[1], {0, 1, 3, 2}));
+  scores = e.mul(scores, e.scalar(1.0 / std::sqrt(static_cast<double>(head_dim_)), e.dtype()));
+  if (e.dtype() != at::kFloat) scores = e.cast(scores, at::kFloat);
+  onnx::Value attn = e.op("Softmax", {scores}, {{"axis", int64_t{-1}}});
+  if (e.dtype() != at::kFloat) attn = e.cast(attn, e.dtype());
+  onnx::Value o = e.matmul(attn, qkv_parts[2]);                            // [B, H, T, hd]
+  o = e.reshape(e.transpose(o, {0, 2, 1, 3}), {0, 0, heads * head_dim_});  // [B, T, H * hd]
+  return onnx::linear_module(e, "proj", *proj_.ptr(), o);  // dropout: identity in eval
+}
+
+onnx::Value MlpBlockImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& x) {
+  const onnx::Value h = onnx::gelu(e, onnx::linear_module(e, "fc1", *fc1_.ptr(), x));
+  return onnx::linear_module(e, "fc2", *fc2_.ptr(), h);
+}
+
+onnx::Value TransformerBlock::emit_onnx(onnx::Emitter& e, const onnx::Value& x) {
+  onnx::Value a;
+  {
+    const onnx::Value h = onnx::layer_norm(e, x, "norm1", *norm1_);
+    auto s = e.scope("attn");
+    a = attn_->emit_onnx(e, h);
+  }
+  // kernels::add_layer_norm's reference: y = x + a, h = LayerNorm(y).
+  const onnx::Value y = e.add(x, a);
+  const onnx::Value h = onnx::layer_norm(e, y, "norm2", *norm2_);
+  auto s = e.scope("mlp");
+  return e.add(y, mlp_->emit_onnx(e, h));
+}
+
+onnx::Value VisionTransformerImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& images) {
+  const int64_t d = opts_.spec.dim, t = grid_h() * grid_w();
+  onnx::Value x = onnx::conv2d(e, images, "patch_embed", *patch_embed_);  // [B, D, gh, gw]
+  x = e.transpose(e.reshape(x, {0, d, t}), {0, 2, 1});                    // [B, T, D]
+  if (opts_.class_token) {
+    // The class token expanded to [B, 1, D] (B from the tokens' shape) and put first.
+    const onnx::Value b = e.slice(e.op("Shape", {x}), 0, 0, 1);
+    const onnx::Value cls =
+        e.op("Expand", {e.weight("cls_token"), e.concat({b, e.ints({1, d})}, 0)});
+    x = e.concat({cls, x}, 1);
+  }
+  x = e.add(x, e.weight("pos_embed"));
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    auto s = e.scope("block" + std::to_string(i));
+    x = blocks_[i]->emit_onnx(e, x);
+  }
+  return onnx::layer_norm(e, x, "norm", *norm_);
+}
+
+void VitClassifier::emit_onnx(onnx::Emitter& e) {
+  const int64_t s = image_size_;
+  const onnx::Value images = e.input("images", at::kByte, {onnx::kBatch, 3, s, s});
+  onnx::Value tokens;
+  {
+    auto sc = e.scope("vit");
+    tokens = vit_->emit_onnx(e, onnx::normalize_images(e, images, 1, 4));
+  }
+  const onnx::Value cls =
+      e.op("Gather", {tokens, e.constant(at::scalar_tensor(0, at::kLong))}, {{"axis", int64_t{1}}});
+  onnx::Value logits = onnx::gemm(e, cls, "head", true);
+  if (e.dtype() != at::kFloat) logits = e.cast(logits, at::kFloat);
+  e.metadata("parallax.inputs",
+             "images: uint8 [B, 3, H, W] RGB, normalised inside the graph (ImageNet mean/std)");
+  e.output("logits", logits, at::kFloat, {onnx::kBatch, num_classes_});
+}
+
+}  // namespace parallax::models
