@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <map>
+#include <string>
 
 namespace parallax::optim {
 
@@ -48,6 +50,65 @@ at::Tensor clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm,
   return norm;
 }
 
+namespace {
+
+// A group's communicators as a rank-independent key (pointers differ between processes).
+std::string groups_key(const std::vector<Communicator*>& comms) {
+  std::string key;
+  for (const Communicator* c : comms) {
+    if (!c || c->size() == 1) continue;
+    key += c->name();
+    key += '|';
+  }
+  return key;
+}
+
+std::vector<Communicator*> active(const std::vector<Communicator*>& comms) {
+  std::vector<Communicator*> out;
+  for (Communicator* c : comms)
+    if (c && c->size() > 1) out.push_back(c);
+  return out;
+}
+
+}  // namespace
+
+at::Tensor clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm) {
+  at::NoGradGuard no_grad;
+  // Sum of squares per distinct set of shard communicators, each all-reduced once over that set.
+  std::map<std::string, std::pair<std::vector<Communicator*>, std::vector<at::Tensor>>> by_key;
+  std::vector<at::Tensor> all;
+  for (const auto& g : groups) {
+    auto& slot = by_key[groups_key(g.sharded_over)];
+    slot.first = active(g.sharded_over);
+    for (const auto& t : g.grads) {
+      if (t.defined() && t.numel() > 0) {
+        slot.second.push_back(t);
+        all.push_back(t);
+      }
+    }
+  }
+  at::Tensor total;
+  for (auto& [key, entry] : by_key) {  // sorted by key: the same order on every rank
+    at::Tensor norm = clip_grad_norm(entry.second, 0.0, entry.first);
+    at::Tensor sq = norm.pow(2);
+    if (total.defined() && total.device() != sq.device()) sq = sq.to(total.device());
+    total = total.defined() ? total + sq : sq;
+  }
+  if (!total.defined()) total = at::zeros({}, at::kFloat);
+  at::Tensor norm = total.sqrt();
+  if (max_norm > 0 && !all.empty()) {
+    at::Tensor coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+    coef = at::where(at::isfinite(coef), coef, at::ones_like(coef));
+    std::map<std::string, std::vector<at::Tensor>> by_device;  // one foreach call per device
+    for (auto& t : all) by_device[t.device().str()].push_back(t);
+    for (auto& [dev, list] : by_device) {
+      const at::Device d = list.front().device();
+      at::_foreach_mul_(list, coef.device() == d ? coef : coef.to(d));
+    }
+  }
+  return norm;
+}
+
 LossScaler::LossScaler(bool enabled, double init_scale, int64_t growth_interval, double min_scale)
     : enabled_(enabled), scale_(enabled ? init_scale : 1.0), growth_interval_(growth_interval),
       min_scale_(min_scale) {}
@@ -76,6 +137,19 @@ bool LossScaler::unscale_and_check(const std::vector<at::Tensor>& grads,
     found = tmp.to(dev);
   }
   return found.item<float>() > 0;
+}
+
+bool LossScaler::unscale_and_check(const std::vector<GradGroup>& groups) {
+  if (!enabled_) return false;
+  std::vector<at::Tensor> grads;
+  std::map<std::string, Communicator*> comms;  // every shard communicator once, in name order
+  for (const auto& g : groups) {
+    grads.insert(grads.end(), g.grads.begin(), g.grads.end());
+    for (Communicator* c : active(g.sharded_over)) comms.emplace(c->name(), c);
+  }
+  std::vector<Communicator*> list;
+  for (auto& [name, c] : comms) list.push_back(c);
+  return unscale_and_check(grads, list);
 }
 
 void LossScaler::update(bool found_inf) {

@@ -14,6 +14,23 @@
 
 namespace parallax::optim {
 
+// Gradients as a parallel engine holds them (parallel/engine.h): `grads` are this rank's tensors;
+// the members of each communicator in `sharded_over` hold disjoint pieces of the same logical
+// gradients (ZeRO over dp, TP shards over tp, PP stages over pp), so their squares are summed over
+// those groups; the members of each communicator in `replicated_over` hold identical copies (DDP
+// after its all-reduce), which are counted once. Every element of the model's gradient is then
+// counted exactly once in the global norm, in any layout.
+struct GradGroup {
+  std::vector<at::Tensor> grads;
+  std::vector<parallel::comm::Communicator*> sharded_over;
+  std::vector<parallel::comm::Communicator*> replicated_over;
+};
+
+// The global L2 norm over every group (each group's sum of squares all-reduced over its
+// sharded_over communicators, in a rank-independent order), then clipping as below. Collective
+// over the sharded_over groups.
+at::Tensor clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm);
+
 // Global L2 norm of `grads` (fp32 accumulation) summed over the shards held by the members of
 // each communicator in `shard_groups`; then scales every gradient by min(1, max_norm / (norm +
 // 1e-6)) in place when max_norm > 0. Returns the norm as a 0-d fp32 tensor on the grads' device
@@ -42,6 +59,9 @@ class LossScaler {
   // The one host synchronisation of an fp16 step (the skip decision).
   bool unscale_and_check(const std::vector<at::Tensor>& grads,
                          const std::vector<parallel::comm::Communicator*>& shard_groups = {});
+  // The same over an engine's gradient groups: the skip decision is agreed over every
+  // sharded_over communicator of any group (replicated copies agree by construction).
+  bool unscale_and_check(const std::vector<GradGroup>& groups);
   // Updates the scale after a step: `found_inf` from unscale_and_check.
   void update(bool found_inf);
 

@@ -36,6 +36,21 @@ struct DdpConfig {
   }
 };
 
+struct ZeroConfig {
+  int stage = 0;
+  bool prefetch = true;
+
+  template <class V>
+  void visit(V& v) {
+    v("stage", stage,
+      "ZeRO stage over the data-parallel group: 0 (DDP: everything replicated), 1 (optimizer state and fp32 "
+      "masters sharded), 2 (1 + gradients reduce-scattered into shards), 3 (2 + parameters sharded; not "
+      "available yet)",
+      core::Check::between(0, 3));
+    v("prefetch", prefetch, "ZeRO-3: gather the next unit's parameters while the current one computes");
+  }
+};
+
 struct ParallelConfig {
   int dp = 0;  // 0: world / (tp * pp)
   int tp = 1;
@@ -51,6 +66,7 @@ struct ParallelConfig {
   bool nccl_blocking = true;
   int gpus_per_node = 0;  // 0: detect
   DdpConfig ddp;
+  ZeroConfig zero;
 
   template <class V>
   void visit(V& v) {
@@ -74,6 +90,7 @@ struct ParallelConfig {
       "creation); false: every call on non-blocking communicators");
     v("gpus_per_node", gpus_per_node, "GPUs per node for layout checks (0: detect)", core::Check::at_least(0));
     v("ddp", ddp);
+    v("zero", zero);
   }
 };
 

@@ -23,7 +23,7 @@
 #include "parallel/comm/factory.h"
 #include "parallel/comm/topology.h"
 #include "parallel/comm/world.h"
-#include "parallel/ddp/ddp.h"
+#include "parallel/build_engine.h"
 #include "train/batch_source.h"
 #include "train/cuda_graph.h"
 #include "train/evaluate.h"
@@ -152,8 +152,8 @@ class Trainer {
   // graph_step's inputs: the source's next grad_accum batches copied into graph_inputs_ (which the
   // first call allocates); a DataError names a key whose shape differs from the captured one.
   void stage_graph_inputs(int64_t step);
-  // Every parameter gradient that is defined, in registration order.
-  std::vector<at::Tensor> gradients() const;
+  // Resume: the engine's optimizer state pieces, read from resume_.
+  void load_optimizer_state();
   // train.cuda_graph: refuses what a captured step cannot do, naming the key (the model's own
   // blockers are checked once it is built).
   void check_graph_capturable() const;
@@ -167,11 +167,13 @@ class Trainer {
   std::optional<RunDirectory> run_directory_;
   fs::path run_dir_;
   std::shared_ptr<models::Model> model_;
-  std::unique_ptr<parallel::ddp::DistributedDataParallel> ddp_;
+  parallel::Plan plan_;
+  // The parallel engine (parallel/engine.h): owns the optimizer, the micro-batch loop and the
+  // layout of parameters, gradients and optimizer state across ranks.
+  std::unique_ptr<parallel::Engine> engine_;
   // Mean over the data-parallel group, installed on the model around each training step (empty
   // with one data-parallel rank); see models::Model::set_replica_mean.
   models::ReplicaMean replica_mean_;
-  std::unique_ptr<optim::Optimizer> optimizer_;
   optim::PrecisionPolicy precision_;
   std::unique_ptr<optim::LossScaler> scaler_;
   std::unique_ptr<BatchSource> source_;
@@ -260,7 +262,7 @@ void Trainer::check_resumed_state_finite() const {
   std::vector<std::pair<std::string, at::Tensor>> state;
   for (const auto& item : model_->named_parameters())
     state.emplace_back("model/" + item.key(), item.value());
-  for (const auto& [k, t] : optimizer_->state()) state.emplace_back("optim/" + k, t);
+  for (const auto& [k, t] : engine_->optimizer().state()) state.emplace_back("optim/" + k, t);
   std::vector<at::Tensor> tensors;
   for (const auto& [k, t] : state) tensors.push_back(t.detach());
   const int64_t bad = ck::first_nonfinite(tensors, /*parallel=*/true);
@@ -294,12 +296,8 @@ void Trainer::setup() {
                  "key 'parallel.backend': backend '{}' works on {} tensors but the model runs on {}",
                  world_comm_->backend(), c10::DeviceTypeName(world_comm_->device_type()), device_.str());
   const int gpus = p.gpus_per_node > 0 ? p.gpus_per_node : (device_.is_cuda() ? world_.cuda_device_count() : 0);
-  const comm::Layout layout = comm::resolve_layout(world_.size(), p.dp, p.tp, p.pp, gpus);
-  if (layout.tp > 1 || layout.pp > 1) {
-    throw_error<LayoutError>("layout {}: tensor and pipeline parallelism are not available in this version; "
-                             "use parallel.tp=1 parallel.pp=1 (data parallel over all {} ranks)",
-                             layout.to_string(), world_.size());
-  }
+  plan_ = parallel::Plan::from(p, cfg_.train.activation_checkpointing, cfg_.train.cuda_graph, world_.size(), gpus);
+  const comm::Layout layout = plan_.layout;
   // First collective on world_comm_: rank 0 checks, creates and locks the run directory for the
   // whole run, and every rank learns the outcome (a second job on it fails here on every rank).
   run_directory_.emplace(RunDirectory::open(cfg_.experiment, *world_comm_, device_));
@@ -393,17 +391,27 @@ void Trainer::setup() {
                     wrapped, idx);
   }
 
+  // Plan step 4 (parallel/plan.h): DDP or ZeRO over the data-parallel group, last, on the
+  // parameters in their final form (steps 1 and 3, TP and PP, are not available yet; step 2,
+  // activation checkpointing, is above).
+  parallel::ddp::DdpOptions o;
+  o.mode = parallel::ddp::parse_bucket_mode(p.ddp.bucket_mode);
+  o.reduce_dtype = parallel::ddp::parse_reduce_dtype(p.ddp.reduce_dtype);
+  o.bucket_mb = p.ddp.bucket_mb;
+  o.first_bucket_mb = p.ddp.first_bucket_mb;
+  o.find_unused = p.ddp.find_unused;
+  o.broadcast_buffers = p.ddp.broadcast_buffers;
+  o.algo = comm::parse_allreduce_algo(p.allreduce);
+  o.timing = !cfg_.train.cuda_graph;
+  optim::NamedParams named;
+  for (const auto& item : model_->named_parameters()) named.emplace_back(item.key(), item.value());
+  const optim::OptimConfig optim_cfg = cfg_.optim;
+  engine_ = parallel::build_engine(
+      plan_, model_, optim::make_param_groups(named, cfg_.optim.weight_decay),
+      [optim_cfg](std::vector<optim::ParamGroup> groups) { return optim::build_optimizer(optim_cfg, std::move(groups)); },
+      topo_->dp(), o);
+  core::log::info("parallel plan: {}; engine: {}", plan_.describe(), engine_->describe());
   if (layout.dp > 1) {
-    parallel::ddp::DdpOptions o;
-    o.mode = parallel::ddp::parse_bucket_mode(p.ddp.bucket_mode);
-    o.reduce_dtype = parallel::ddp::parse_reduce_dtype(p.ddp.reduce_dtype);
-    o.bucket_mb = p.ddp.bucket_mb;
-    o.first_bucket_mb = p.ddp.first_bucket_mb;
-    o.find_unused = p.ddp.find_unused;
-    o.broadcast_buffers = p.ddp.broadcast_buffers;
-    o.algo = comm::parse_allreduce_algo(p.allreduce);
-    o.timing = !cfg_.train.cuda_graph;
-    ddp_ = std::make_unique<parallel::ddp::DistributedDataParallel>(model_, topo_->dp(), o);
     // Loss normalisers over the replicas (Model::set_replica_mean). Asynchronous on GPUs: the
     // compute stream waits for the small all-reduce, the host does not.
     const comm::CommPtr dp = topo_->dp();
@@ -416,12 +424,9 @@ void Trainer::setup() {
     };
   }
 
-  optim::NamedParams named;
-  for (const auto& item : model_->named_parameters()) named.emplace_back(item.key(), item.value());
-  optimizer_ = optim::build_optimizer(cfg_.optim, optim::make_param_groups(named, cfg_.optim.weight_decay));
   precision_ = optim::make_precision_policy(cfg_.precision, device_.type());
   scaler_ = std::make_unique<optim::LossScaler>(optim::make_loss_scaler(cfg_.precision));
-  if (graph_) optimizer_->set_capturable(device_);
+  if (graph_) engine_->optimizer().set_capturable(device_);
 
   if (synthetic_) {
     // Each data-parallel rank holds its slice of every global batch.
@@ -433,7 +438,7 @@ void Trainer::setup() {
   if (resume_) {
     core::Stopwatch load_clock;
     with_config_hint({"optim.", "model.", "lora.", "qat."},
-                     [&] { ck::load_optimizer(*resume_, *optimizer_); });
+                     [&] { load_optimizer_state(); });
     check_resumed_state_finite();
     ck::load_loss_scaler(resume_->metadata(), *scaler_);
     // Last: everything above may have drawn random numbers.
@@ -500,16 +505,18 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, b
   // bucket) and become the bucket views again, as PyTorch's reducer does with
   // gradient_as_bucket_view: half the bytes of a zero fill plus an accumulate. With grouped
   // buckets the new gradients are reduced where autograd wrote them.
-  optimizer_->zero_grad(/*set_to_none=*/true);
+  engine_->zero_grad();
   return terms;
 }
 
-std::vector<at::Tensor> Trainer::gradients() const {
-  std::vector<at::Tensor> grads;
-  for (const auto& p : model_->parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
-  return grads;
+void Trainer::load_optimizer_state() {
+  // Each rank reads exactly the boxes it holds (a ZeRO rank: the flat ranges of its pieces), from
+  // whatever shards of whatever layout overlap them.
+  std::vector<ck::LoadTarget> targets;
+  for (auto& piece : engine_->optimizer_state())
+    targets.push_back(ck::LoadTarget{ck::kOptimPrefix + piece.name, piece.tensor, piece.offsets});
+  resume_->load(targets);
+  engine_->optimizer_state_loaded();
 }
 
 void Trainer::stage_graph_inputs(int64_t step) {
@@ -543,20 +550,20 @@ void Trainer::stage_graph_inputs(int64_t step) {
 std::map<std::string, at::Tensor> Trainer::graph_step(int64_t step, double lr, bool log_step) {
   stage_graph_inputs(step);
   // Buffers are broadcast once per step, before the graph (a blocking broadcast cannot be captured).
-  if (ddp_) ddp_->before_forward();
-  optimizer_->set_lr(lr);
+  engine_->broadcast_buffers();
+  engine_->optimizer().set_lr(lr);
   const auto inputs = [this](int micro) { return graph_inputs_[static_cast<std::size_t>(micro)]; };
   if (step - start_step_ <= cfg_.train.cuda_graph_warmup) {
     // Warm-up: the same step eagerly, on the side stream and with the device learning rate.
     auto terms = compute_step(inputs, lr, log_step);
-    optimizer_->zero_grad(/*set_to_none=*/true);
-    optimizer_->count_step();
+    engine_->zero_grad();
+    engine_->optimizer().count_step();
     return terms;
   }
   if (!graph_->captured()) {
     // The gradients are allocated by the captured backward (from the graph's memory pool) and stay
     // the graph's: replays overwrite them, nothing sets them to None.
-    optimizer_->zero_grad(/*set_to_none=*/true);
+    engine_->zero_grad();
     core::Stopwatch capture_clock;
     try {
       graph_->capture([&] { graph_terms_ = compute_step(inputs, lr, /*log_step=*/false); });
@@ -568,10 +575,10 @@ std::map<std::string, at::Tensor> Trainer::graph_step(int64_t step, double lr, b
     core::log::info("CUDA graph: step {} captured in {:.2f} s", step, capture_clock.elapsed_s());
   }
   replay_or_abort([&] { graph_->replay(step); });
-  optimizer_->count_step();
+  engine_->optimizer().count_step();
   if (log_step && cfg_.optim.grad_clip <= 0) {
     // Without clipping the norm is only a metric: computed eagerly from the replay's gradients.
-    grad_norm_ = optim::clip_grad_norm(gradients(), 0.0);
+    grad_norm_ = optim::clip_grad_norm(engine_->grads(), 0.0);
   }
   return graph_terms_;
 }
@@ -587,36 +594,34 @@ std::map<std::string, at::Tensor> Trainer::compute_step(const std::function<core
     ~ReplicaMeanScope() { model.set_replica_mean({}); }
   } replica_mean_scope(*model_, replica_mean_);
   std::map<std::string, at::Tensor> terms;
-  for (int micro = 0; micro < accum; ++micro) {
-    const core::TensorDict batch = batch_of(micro);
-    const bool last = micro == accum - 1;
-    if (ddp_) {
-      ddp_->set_require_sync(last);
-      if (!graph_) ddp_->before_forward();  // graph_step broadcasts buffers before the graph
-    }
-    models::LossOutput loss;
-    {
-      optim::AutocastGuard autocast(precision_);
-      const auto pred = model_->forward(batch);
-      loss = model_->loss(batch, pred);
-    }
-    at::Tensor scaled = scaler_->scale_loss(loss.total / static_cast<double>(accum));
-    if (ddp_) ddp_->before_backward();
-    scaled.backward();
-    if (ddp_) ddp_->finalize_backward();
-    terms["loss"] = terms.count("loss") ? terms["loss"] + loss.total.detach() / accum : loss.total.detach() / accum;
-    for (const auto& [k, v] : loss.terms) {
-      const std::string key = "loss_" + k;
-      terms[key] = terms.count(key) ? terms[key] + v.detach().to(at::kFloat) / accum : v.detach().to(at::kFloat) / accum;
-    }
-  }
-  if (ddp_) {
-    comm_ms_ += ddp_->last_exposed_comm_ms();
-    backward_ms_ += ddp_->last_backward_ms();
-  }
+  // The engine owns the micro-batch loop (no-sync accumulation, reductions); this returns micro-step
+  // i's loss to backpropagate. graph_step broadcasts buffers once before the graph.
+  engine_->forward_backward(
+      accum,
+      [&](int micro) {
+        const core::TensorDict batch = batch_of(micro);
+        models::LossOutput loss;
+        {
+          optim::AutocastGuard autocast(precision_);
+          const auto pred = model_->forward(batch);
+          loss = model_->loss(batch, pred);
+        }
+        terms["loss"] =
+            terms.count("loss") ? terms["loss"] + loss.total.detach() / accum : loss.total.detach() / accum;
+        for (const auto& [k, v] : loss.terms) {
+          const std::string key = "loss_" + k;
+          terms[key] = terms.count(key) ? terms[key] + v.detach().to(at::kFloat) / accum
+                                        : v.detach().to(at::kFloat) / accum;
+        }
+        return scaler_->scale_loss(loss.total / static_cast<double>(accum));
+      },
+      /*sync_buffers=*/!graph_);
+  comm_ms_ += engine_->last_exposed_comm_ms();
+  backward_ms_ += engine_->last_backward_ms();
 
-  std::vector<at::Tensor> grads = gradients();
-  // Gradients are replicated across DP ranks after DDP's all-reduce: no shard groups to reduce over.
+  // Each gradient group says which communicators it is sharded over: the inf check and the norm
+  // count every element once (DDP: replicated; ZeRO: sharded over dp).
+  const std::vector<optim::GradGroup> grads = engine_->grads();
   found_inf_ = scaler_->unscale_and_check(grads);
   // Without clipping the norm is only a metric: computing it every step took ~1.9 ms of host time
   // per profiled ViT-B step (a multi-tensor norm over ~150 gradients and a stack), at the end of
@@ -626,7 +631,7 @@ std::map<std::string, at::Tensor> Trainer::compute_step(const std::function<core
   } else {
     grad_norm_ = at::Tensor();
   }
-  if (!found_inf_) optimizer_->step(lr);
+  if (!found_inf_) engine_->step(lr);
   scaler_->update(found_inf_);
   return terms;
 }
@@ -637,9 +642,11 @@ void Trainer::save_checkpoint(int64_t step) {
   // the background commit starts): a run resumed from it finds every one of them (metrics.h).
   metrics_->sync();
   ck::SaveState state;
-  const std::vector<int> replicas = topo_->dp()->world_ranks();
-  ck::add_module(state, *model_, replicas);
-  ck::add_optimizer(state, *optimizer_, replicas);
+  ck::add_module(state, *model_, engine_->model_replicas());
+  // The optimizer state per parameter under its global name and shape, as the engine holds it
+  // (whole and replicated under DDP; flat ranges of each parameter under ZeRO).
+  for (auto& piece : engine_->optimizer_state())
+    state.add_shard(ck::kOptimPrefix + piece.name, piece.tensor, piece.global_shape, piece.offsets, piece.replicas);
   ck::add_rng(state);
   ck::add_loss_scaler(state, *scaler_);
   const auto pos = source_->position();
@@ -753,7 +760,7 @@ TrainSummary Trainer::fit() {
     m["data_ms"] = data_ms_ / interval_steps;
     // Not measured inside a CUDA graph (DDP's timing events cannot be captured).
     m["comm_exposed_ms"] = graph_ ? NAN : comm_ms_ / interval_steps;
-    if (ddp_) m["backward_ms"] = graph_ ? NAN : backward_ms_ / interval_steps;
+    if (engine_->timed()) m["backward_ms"] = graph_ ? NAN : backward_ms_ / interval_steps;
     m["img_per_s"] = global_batch * 1000.0 / step_ms;
     m["mem_gb"] = peak_memory_gb(device_);
     m["mfu"] = device_.is_cuda() ? flops_per_step / (step_ms / 1000.0) / (kPeakBf16Flops * world_.size()) : NAN;

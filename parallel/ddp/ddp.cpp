@@ -47,12 +47,19 @@ std::optional<at::ScalarType> parse_reduce_dtype(const std::string& name) {
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& sizes_bytes,
                                                  const std::vector<at::ScalarType>& dtypes,
                                                  int64_t first_cap_bytes, int64_t cap_bytes) {
+  return assign_buckets(sizes_bytes, dtypes, std::vector<int>(sizes_bytes.size(), 0), first_cap_bytes, cap_bytes);
+}
+
+std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& sizes_bytes,
+                                                 const std::vector<at::ScalarType>& dtypes,
+                                                 const std::vector<int>& keys, int64_t first_cap_bytes,
+                                                 int64_t cap_bytes) {
   std::vector<std::vector<int64_t>> out;
-  // One open bucket per dtype; a bucket closes when it reaches its cap.
-  std::map<at::ScalarType, std::pair<std::vector<int64_t>, int64_t>> open;
+  // One open bucket per (dtype, key); a bucket closes when it reaches its cap.
+  std::map<std::pair<at::ScalarType, int>, std::pair<std::vector<int64_t>, int64_t>> open;
   auto cap_for_next = [&]() { return out.empty() ? first_cap_bytes : cap_bytes; };
   for (int64_t i = static_cast<int64_t>(sizes_bytes.size()) - 1; i >= 0; --i) {
-    auto& [members, bytes] = open[dtypes[i]];
+    auto& [members, bytes] = open[{dtypes[i], keys[static_cast<std::size_t>(i)]}];
     members.push_back(i);
     bytes += sizes_bytes[i];
     if (bytes >= cap_for_next()) {
@@ -73,6 +80,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   PARALLAX_CHECK(module_ != nullptr, Error, "DDP: module is null");
   PARALLAX_CHECK(group_ != nullptr, Error, "DDP: data-parallel communicator is null");
   at::NoGradGuard no_grad;
+  const bool scatter = options_.reduction == Reduction::kReduceScatter;
+  PARALLAX_CHECK(!scatter || (options_.mode != BucketMode::kGrouped && !options_.reduce_dtype &&
+                              options_.algo == comm::AllReduceAlgo::kNative),
+                 ConfigError,
+                 "gradient buckets: reduce-scatter needs flat buckets, the native algorithm and no reduce_dtype");
+  if (scatter) options_.mode = BucketMode::kFlat;
   if (options_.mode == BucketMode::kAuto) {
     // The CPU backends run a grouped all-reduce through a flat copy and back: flat costs less there.
     const bool grouped_native = group_->device_type() != c10::DeviceType::CPU;
@@ -103,12 +116,16 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   std::vector<int64_t> sizes;
   std::vector<at::ScalarType> dtypes;
-  for (const auto& p : params_) {
-    sizes.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
-    dtypes.push_back(p.scalar_type());
+  std::vector<int> keys;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    sizes.push_back(params_[i].numel() * static_cast<int64_t>(params_[i].element_size()));
+    dtypes.push_back(params_[i].scalar_type());
+    keys.push_back(options_.bucket_key ? options_.bucket_key(names_[i]) : 0);
   }
   const auto to_bytes = [](double mb) { return static_cast<int64_t>(mb * 1024.0 * 1024.0); };
-  const auto assignment = assign_buckets(sizes, dtypes, to_bytes(options_.first_bucket_mb), to_bytes(options_.bucket_mb));
+  const auto assignment =
+      assign_buckets(sizes, dtypes, keys, to_bytes(options_.first_bucket_mb), to_bytes(options_.bucket_mb));
+  const int64_t parts = scatter ? group_->size() : 1;
 
   param_bucket_.assign(params_.size(), -1);
   param_slot_.assign(params_.size(), -1);
@@ -123,12 +140,15 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
       numel += params_[i].numel();
     }
     info.numel = numel;
+    info.padded_numel = (numel + parts - 1) / parts * parts;
     info.dtype = params_[members.front()].scalar_type();
     b.params = members;
     const bool flat = mode() == BucketMode::kFlat;
     if (flat) {
-      b.buffer = at::zeros({numel}, params_[members.front()].options());
+      // The padding (reduce-scatter) stays zero: no parameter's view covers it.
+      b.buffer = at::zeros({info.padded_numel}, params_[members.front()].options());
       b.incoming.resize(members.size());
+      if (scatter) b.shard = at::zeros({info.padded_numel / parts}, b.buffer.options());
     }
     for (std::size_t k = 0; k < members.size(); ++k) {
       const int64_t i = members[k];
@@ -183,9 +203,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   int64_t total = 0;
   for (const auto& info : bucket_info_) total += info.bytes();
   core::log::info(
-      "DDP: {} parameters in {} {} buckets ({} total, caps {}/{} MiB, algorithm {}, reduced in {}), group '{}' of {} "
+      "{}: {} parameters in {} {} buckets ({} total, caps {}/{} MiB, algorithm {}, reduced in {}), group '{}' of {} "
       "ranks",
-      params_.size(), buckets_.size(), to_string(mode()), core::human_bytes(static_cast<double>(total)),
+      scatter ? "gradient buckets (reduce-scatter)" : "DDP", params_.size(), buckets_.size(), to_string(mode()),
+      core::human_bytes(static_cast<double>(total)),
       options_.first_bucket_mb, options_.bucket_mb, comm::to_string(options_.algo),
       options_.reduce_dtype ? reduce_dtype_name(options_.reduce_dtype) : "the gradients' dtype", group_->name(),
       group_->size());
@@ -235,13 +256,11 @@ void DistributedDataParallel::before_forward() {
 void DistributedDataParallel::before_backward() {
   std::lock_guard<std::mutex> lock(mu_);
   in_backward_ = true;
-  hook_error_.clear();
   if (!require_sync_) return;
   std::fill(ready_.begin(), ready_.end(), 0);
   for (auto& b : buckets_) {
     b.pending = static_cast<int64_t>(b.params.size());
     b.work.reset();
-    b.launched = false;
     // Left over only if a previous backward failed before launching the bucket.
     for (auto& g : b.incoming) g = at::Tensor();
   }
@@ -301,15 +320,17 @@ void DistributedDataParallel::launch_ready_buckets() {
       }
       tensors.push_back(b.buffer);
     }
-    b.work = issue(tensors);
-    b.launched = true;
+    b.work = issue(b, tensors);
     ++next_bucket_;
   }
 }
 
-comm::WorkPtr DistributedDataParallel::issue(std::vector<at::Tensor>& tensors) {
+comm::WorkPtr DistributedDataParallel::issue(Bucket& b, std::vector<at::Tensor>& tensors) {
   if (mode() == BucketMode::kGrouped) return group_->all_reduce_coalesced_async(tensors, comm::ReduceOp::kAvg);
   at::Tensor& flat = tensors.front();
+  if (options_.reduction == Reduction::kReduceScatter) {
+    return group_->reduce_scatter_async(flat, b.shard, comm::ReduceOp::kAvg);
+  }
   if (compressed(flat.scalar_type())) {
     return group_->all_reduce_compressed_async(flat, comm::ReduceOp::kAvg, *options_.reduce_dtype, options_.algo);
   }

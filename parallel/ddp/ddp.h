@@ -9,9 +9,9 @@
 // - Two bucket layouts (DdpOptions::mode). Grouped (the default where it applies: NCCL, the
 //   native all-reduce in the gradients' dtype): a bucket is a list of parameters; its gradients, as
 //   autograd produced them, are all-reduced in place with one grouped call (ncclGroupStart/End
-//   around one all-reduce per gradient on NCCL): no flat buffer and no copy in (W1 on 2 x H200:
-//   peak 8.65 against 8.97 GB flat, 37.94 against 38.00 ms per step; docs/training.md). Flat
-//   (CPU backends, the ring, reduce_dtype, or asked for) as described next.
+//   around one all-reduce per gradient on NCCL): no flat buffer and no copy in (measurements in
+//   docs/PERFORMANCE.md). Flat (CPU backends, the ring, reduce_dtype, or asked for) as described
+//   next.
 // - Flat: each parameter's `.grad()` is a view into its bucket's flat buffer, so gradients are reduced
 //   in place with no copy out (gradient_as_bucket_view). Gradients may be cleared either way:
 //   `Optimizer::zero_grad(true)` (what the trainer does: the first gradient of the next backward is
@@ -44,6 +44,12 @@
 //   accumulated once per backward. A parameter marked ready twice in one backward is an error
 //   naming it.
 //
+// - Reduce-scatter (DdpOptions::reduction, ZeRO's gradient buckets, parallel/zero): flat buckets
+//   keyed by dtype and by DdpOptions::bucket_key (the optimizer's parameter group: weight decay
+//   differs per group), each padded to a multiple of the group size; instead of an all-reduce each
+//   bucket is reduce-scattered (average) into its shard (bucket_shard()): rank r receives elements
+//   [r * S, (r + 1) * S) of the padded bucket, S = padded numel / group size.
+//
 // Usage per step:  ddp.before_forward(); loss = ...; ddp.before_backward(); loss.backward();
 //                  ddp.finalize_backward(); optimizer.step(lr);
 // Thread-safety: one training thread; hooks run on autograd's thread while that thread is blocked
@@ -55,6 +61,7 @@
 
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -70,8 +77,16 @@ enum class BucketMode { kAuto, kFlat, kGrouped };
 const char* to_string(BucketMode mode);
 BucketMode parse_bucket_mode(const std::string& name);  // "auto" | "flat" | "grouped"
 
+enum class Reduction { kAllReduce, kReduceScatter };
+
 struct DdpOptions {
   BucketMode mode = BucketMode::kAuto;  // kGrouped needs algo kNative and no reduce_dtype
+  // kReduceScatter: flat buckets padded to a multiple of the group size, each reduce-scattered into
+  // its shard (needs mode flat or auto, algo native, no reduce_dtype).
+  Reduction reduction = Reduction::kAllReduce;
+  // Parameters with different keys never share a bucket (e.g. the optimizer's parameter group);
+  // empty: one key for all.
+  std::function<int(const std::string& param_name)> bucket_key;
   double bucket_mb = 25.0;
   double first_bucket_mb = 1.0;
   bool find_unused = false;
@@ -92,6 +107,7 @@ struct BucketInfo {
   std::vector<std::string> param_names;  // in the bucket's order
   std::vector<int64_t> offsets;          // element offset of each parameter in the flat buffer (flat mode)
   int64_t numel = 0;
+  int64_t padded_numel = 0;  // numel rounded up to a multiple of the group size (reduce-scatter)
   at::ScalarType dtype = at::kFloat;
   int64_t bytes() const { return numel * static_cast<int64_t>(c10::elementSize(dtype)); }
 };
@@ -101,6 +117,11 @@ struct BucketInfo {
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& sizes_bytes,
                                                  const std::vector<at::ScalarType>& dtypes,
                                                  int64_t first_cap_bytes, int64_t cap_bytes);
+// The same with a key per parameter: a bucket holds one (dtype, key).
+std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& sizes_bytes,
+                                                 const std::vector<at::ScalarType>& dtypes,
+                                                 const std::vector<int>& keys, int64_t first_cap_bytes,
+                                                 int64_t cap_bytes);
 
 class DistributedDataParallel {
  public:
@@ -135,20 +156,24 @@ class DistributedDataParallel {
   double last_backward_ms() const { return backward_ms_; }
   // Every parameter's gradient (bucket views in flat mode), in registration order.
   std::vector<at::Tensor> gradients() const;
+  // Flat mode: bucket i's flat gradient buffer (padded_numel elements); reduce-scatter: its shard
+  // (padded_numel / size elements), which holds the average after a synced finalize_backward().
+  const at::Tensor& bucket_buffer(std::size_t i) const { return buckets_.at(i).buffer; }
+  const at::Tensor& bucket_shard(std::size_t i) const { return buckets_.at(i).shard; }
 
  private:
   struct Bucket {
     at::Tensor buffer;                 // flat mode: the flat buffer
+    at::Tensor shard;                  // reduce-scatter: this rank's shard of the reduced buffer
     std::vector<int64_t> params;       // indices into params_
     std::vector<at::Tensor> views;     // flat mode: per parameter, shaped like it
     std::vector<at::Tensor> incoming;  // flat mode: per parameter, a new gradient to copy in at launch
     int64_t pending = 0;
     comm::WorkPtr work;
-    bool launched = false;
   };
 
   void mark_ready(int64_t param_index);
-  comm::WorkPtr issue(std::vector<at::Tensor>& tensors);  // the all-reduce of one bucket
+  comm::WorkPtr issue(Bucket& b, std::vector<at::Tensor>& tensors);  // the reduction of one bucket
   bool compressed(at::ScalarType grad_dtype) const;  // reduced through a reduce_dtype copy
   void launch_ready_buckets();  // launches buckets in order while the next one is complete
   void broadcast_coalesced(std::vector<at::Tensor> tensors);
@@ -172,7 +197,6 @@ class DistributedDataParallel {
   void ensure_timers();
   void collect_timers(bool block);
   std::mutex mu_;
-  std::string hook_error_;  // first error raised inside a hook (rethrown by finalize_backward)
 };
 
 // RAII no-sync scope for gradient accumulation micro-steps.

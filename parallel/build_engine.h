@@ -1,0 +1,19 @@
+// The engine a validated plan asks for (parallel/plan.h): ZeRO stage 0 (DDP, or the plain step
+// with one data-parallel rank) or ZeRO-1/2, over the data-parallel group.
+#pragma once
+
+#include "parallel/ddp/ddp.h"
+#include "parallel/engine.h"
+#include "parallel/plan.h"
+
+namespace parallax::parallel {
+
+// `groups`: the optimizer's parameter groups over `module`'s trainable parameters (names as in
+// named_parameters()); `make` builds the optimizer over the groups the engine hands it (the
+// parameters, or this rank's pieces of them). `ddp`: bucket caps, modes and unused-parameter
+// handling, shared by DDP and ZeRO's gradient buckets.
+std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn::Module> module,
+                                     std::vector<optim::ParamGroup> groups, const OptimizerFactory& make,
+                                     comm::CommPtr dp, const ddp::DdpOptions& ddp);
+
+}  // namespace parallax::parallel

@@ -1,0 +1,78 @@
+#include "parallel/ddp/ddp_engine.h"
+
+#include <fmt/format.h>
+
+#include <map>
+
+namespace parallax::parallel::ddp {
+
+DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, std::vector<optim::ParamGroup> groups,
+                     const OptimizerFactory& make, comm::CommPtr dp, DdpOptions options)
+    : module_(std::move(module)), dp_(std::move(dp)), timing_(options.timing) {
+  // DDP first: its broadcast from rank 0 must precede the optimizer, whose fp32 masters of
+  // low-precision parameters copy the values they see.
+  if (dp_->size() > 1) ddp_ = std::make_unique<DistributedDataParallel>(module_, dp_, options);
+  optimizer_ = make(std::move(groups));
+}
+
+std::string DdpEngine::describe() const {
+  if (!ddp_) return "single process (no data-parallel communication)";
+  return fmt::format("DDP over group '{}' of {} ranks: {} {} buckets", dp_->name(), dp_->size(),
+                     ddp_->buckets().size(), to_string(ddp_->mode()));
+}
+
+void DdpEngine::broadcast_buffers() {
+  if (ddp_) ddp_->before_forward();
+}
+
+void DdpEngine::forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro, bool sync_buffers) {
+  for (int i = 0; i < micro_steps; ++i) {
+    if (ddp_) {
+      // Gradients are reduced in the last micro-step only; the others accumulate locally.
+      ddp_->set_require_sync(i == micro_steps - 1);
+      if (sync_buffers) ddp_->before_forward();
+    }
+    at::Tensor loss = micro(i);
+    if (ddp_) ddp_->before_backward();
+    loss.backward();
+    if (ddp_) ddp_->finalize_backward();
+  }
+}
+
+std::vector<optim::GradGroup> DdpEngine::grads() {
+  optim::GradGroup g;
+  for (const auto& p : module_->parameters()) {
+    if (p.grad().defined()) g.grads.push_back(p.grad());
+  }
+  // After DDP's all-reduce every member holds the same averaged gradients: counted once.
+  if (dp_->size() > 1) g.replicated_over.push_back(dp_.get());
+  return {std::move(g)};
+}
+
+void DdpEngine::step(double lr) { optimizer_->step(lr); }
+
+void DdpEngine::zero_grad() { optimizer_->zero_grad(/*set_to_none=*/true); }
+
+std::vector<StatePiece> DdpEngine::optimizer_state() {
+  held_ = optimizer_->state();
+  std::vector<StatePiece> out;
+  const std::vector<int> replicas = dp_->world_ranks();
+  for (auto& [key, t] : held_) {
+    StatePiece piece;
+    piece.name = key;
+    piece.tensor = t.detach();
+    piece.global_shape = t.sizes().vec();
+    piece.offsets.assign(static_cast<std::size_t>(t.dim()), 0);
+    piece.replicas = replicas;
+    out.push_back(std::move(piece));
+  }
+  return out;
+}
+
+void DdpEngine::optimizer_state_loaded() {
+  std::map<std::string, at::Tensor> live(held_.begin(), held_.end());
+  optimizer_->load_state(live);  // the tensors are the live ones: sets the step count
+  held_.clear();
+}
+
+}  // namespace parallax::parallel::ddp

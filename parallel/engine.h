@@ -1,0 +1,109 @@
+// The seam between the trainer and every parallelism: one engine object owns how a step's
+// forwards and backwards run over the micro-batches, which gradients the optimizer steps on, and
+// how the parameters and optimizer state are laid out across ranks (ARCHITECTURE §5).
+//
+// The trainer (train/) builds the model, applies the validated plan (parallel/plan.h) in its
+// fixed order, and hands the model's parameter groups and an optimizer factory to
+// build_engine(). From then on it only talks to the Engine:
+//
+//   engine.forward_backward(K, micro)   K micro-batches; micro(i) runs forward + loss of micro-batch
+//                                       i and returns the (scaled) loss to backpropagate. The engine
+//                                       owns no-sync accumulation (DDP), gradient reduction
+//                                       (all-reduce or reduce-scatter), and later the pipeline
+//                                       schedule.
+//   engine.grads()                      the gradients the optimizer steps on, each group with the
+//                                       communicators it is sharded over and replicated over, so
+//                                       clipping and the inf check count every element once.
+//   engine.step(lr)                     the optimizer update, then whatever makes the parameters
+//                                       whole again (ZeRO: all-gather the updated shards).
+//   engine.optimizer_state()            the optimizer state as boxes of per-parameter tensors under
+//                                       their global names and shapes (a ZeRO rank holds a flat
+//                                       range of a parameter, which is a few boxes), so any layout
+//                                       loads any other (checkpoint/ reads each box from whatever
+//                                       shards overlap it).
+//
+// parallel/ sees no model or checkpoint type: the model is a torch::nn::Module, checkpoint pieces
+// are plain StatePiece values the trainer converts.
+//
+// Thread-safety: one training thread. Errors: CommError/TimeoutError from the communicators,
+// parallax::Error for misuse (a parameter without a gradient, named).
+#pragma once
+
+#include "optim/grad_utils.h"
+#include "optim/optimizer.h"
+#include "optim/param_groups.h"
+#include "parallel/comm/communicator.h"
+
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace parallax::parallel {
+
+// One box of a tensor of the training state: this rank holds [offsets, offsets + tensor.sizes())
+// of the global tensor `name` (of shape `global_shape`), and the world ranks in `replicas` (this
+// one included; empty: this rank alone) hold identical copies of that box. `tensor` is a view
+// into live state: saving reads it, loading writes into it.
+struct StatePiece {
+  std::string name;
+  at::Tensor tensor;
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> offsets;
+  std::vector<int> replicas;
+};
+
+// The boxes that element range [begin, end) of a C-ordered tensor of `shape` covers, in order:
+// at most 2 * ndim - 1 boxes, each contiguous in the flattened tensor (a run of partial rows, full
+// blocks, partial rows). Returned as (offsets, lengths) pairs. A 0-d tensor is one box of no
+// dimensions when the range is [0, 1).
+struct Box {
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> lengths;
+  int64_t numel() const;
+};
+std::vector<Box> flat_range_boxes(const std::vector<int64_t>& shape, int64_t begin, int64_t end);
+
+using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  // One line for the log: the engine, its group and its buckets or shards.
+  virtual std::string describe() const = 0;
+  // Re-broadcasts buffers from the group's rank 0 when the engine keeps them in sync that way
+  // (parallel.ddp.broadcast_buffers); forward_backward does it before each forward when asked.
+  virtual void broadcast_buffers() {}
+  // One optimizer step's forwards and backwards over `micro_steps` micro-batches. `sync_buffers`:
+  // broadcast buffers before each forward (false under CUDA graph capture: the trainer broadcasts
+  // once before the graph).
+  virtual void forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
+                                bool sync_buffers) = 0;
+  // The gradients the optimizer steps on (after forward_backward), with their layout.
+  virtual std::vector<optim::GradGroup> grads() = 0;
+  // The optimizer update with learning rate `lr`, then the parameters are made whole again.
+  virtual void step(double lr) = 0;
+  // Drops the gradients (PyTorch's zero_grad(set_to_none=True)).
+  virtual void zero_grad() = 0;
+  virtual optim::Optimizer& optimizer() = 0;
+
+  // The world ranks that hold identical copies of every model parameter and buffer (the dp group
+  // for DDP and ZeRO-1/2).
+  virtual std::vector<int> model_replicas() const = 0;
+  // The optimizer state as pieces named "<param name>.<state>" and "step" (no prefix), views into
+  // the live state: save them, or load into them and then call optimizer_state_loaded().
+  virtual std::vector<StatePiece> optimizer_state() = 0;
+  // After the pieces of the last optimizer_state() call were filled from a checkpoint.
+  virtual void optimizer_state_loaded() = 0;
+
+  // Backward and exposed-communication time of the last step (ms; 0 when not measured).
+  virtual double last_backward_ms() const { return 0; }
+  virtual double last_exposed_comm_ms() const { return 0; }
+  // Whether the engine measures those (the metrics show NaN otherwise).
+  virtual bool timed() const { return false; }
+};
+
+}  // namespace parallax::parallel

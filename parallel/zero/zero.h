@@ -1,0 +1,82 @@
+// ZeRO stages 1 and 2 over the data-parallel group (parallel.zero.stage), on the same gradient
+// buckets as DDP (parallel/ddp/ddp.h in reduce-scatter mode).
+//
+// Layout. Trainable parameters are bucketed in reverse registration order, one bucket per (dtype,
+// optimizer parameter group), each padded to a multiple of the dp size N. Each bucket owns a flat
+// parameter buffer and the parameters become views into it. Rank r owns elements [r S, (r + 1) S)
+// of every bucket (S = padded size / N): the optimizer is built over the pieces of parameters that
+// fall in that range (1-D views into the flat parameter buffer), so its state (Adam moments, and
+// fp32 masters of bf16/fp16 parameters) is 1/N of the model's on each rank.
+//
+// A step. Backward fills the flat gradient buffers (DDP's hooks, launched in bucket order as
+// buckets complete, overlapped with backward); each bucket is reduce-scattered (average) into its
+// shard. Stage 1 reduces once, in the last micro-step (the others accumulate locally); stage 2
+// reduces in every micro-step and accumulates the shards. The optimizer updates this rank's
+// pieces in place; then every bucket's flat parameter buffer is all-gathered in place, so every
+// rank holds the whole updated model before the next forward.
+//
+// Checkpoints. The optimizer state is saved per parameter, under "<param name>.<state>" with the
+// parameter's global shape; a rank's piece is a flat range of it, saved as the few boxes that
+// range covers (flat_range_boxes). Nothing depends on the bucket layout, so a checkpoint loads
+// under any dp size, ZeRO stage or bucket size.
+//
+// Limits of this version: the flat gradient buffers are persistent in both stages (stage 2 saves
+// communication volume per micro-step, not yet gradient memory); no ZeRO-3; no CUDA graph capture;
+// no backward/exposed-communication timers.
+#pragma once
+
+#include "parallel/ddp/ddp.h"
+#include "parallel/engine.h"
+
+namespace parallax::parallel::zero {
+
+class ZeroEngine : public Engine {
+ public:
+  // `stage` 1 or 2. Broadcasts parameters and buffers from dp rank 0, builds the buckets and the
+  // flat parameter buffers, then the optimizer over this rank's pieces with `make`.
+  ZeroEngine(std::shared_ptr<torch::nn::Module> module, std::vector<optim::ParamGroup> groups,
+             const OptimizerFactory& make, comm::CommPtr dp, ddp::DdpOptions options, int stage);
+  ~ZeroEngine() override;
+
+  std::string describe() const override;
+  void broadcast_buffers() override { ddp_->before_forward(); }
+  void forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro, bool sync_buffers) override;
+  std::vector<optim::GradGroup> grads() override;
+  void step(double lr) override;
+  void zero_grad() override;
+  optim::Optimizer& optimizer() override { return *optimizer_; }
+  std::vector<int> model_replicas() const override { return dp_->world_ranks(); }
+  std::vector<StatePiece> optimizer_state() override;
+  void optimizer_state_loaded() override;
+
+  // Bytes this rank holds, for the memory table (docs/PERFORMANCE.md): parameters (whole),
+  // gradients (flat buffers and shards), optimizer state (moments and masters of its pieces).
+  struct Memory {
+    int64_t params = 0, grads = 0, optimizer = 0;
+  };
+  Memory memory();
+
+ private:
+  // A parameter's part in this rank's shard: elements [begin, end) of the flattened parameter.
+  struct Piece {
+    std::string name;
+    std::vector<int64_t> shape;  // the parameter's
+    int64_t begin = 0, end = 0;
+    int64_t param_index = 0;       // into params_
+    at::Tensor param, grad;        // 1-D views: flat parameter buffer, shard accumulator
+    std::vector<int> holders;      // world ranks holding a piece of this parameter (in order)
+  };
+
+  std::shared_ptr<torch::nn::Module> module_;
+  comm::CommPtr dp_;
+  int stage_;
+  std::unique_ptr<ddp::DistributedDataParallel> ddp_;  // the gradient buckets (reduce-scatter)
+  std::vector<at::Tensor> flat_params_;                // per bucket, padded
+  std::vector<at::Tensor> grad_acc_;                   // per bucket, this rank's shard of the gradient
+  std::vector<at::Tensor> params_;                     // trainable parameters, registration order
+  std::vector<Piece> pieces_;
+  std::unique_ptr<optim::Optimizer> optimizer_;
+  std::vector<std::pair<std::string, at::Tensor>> held_;  // the last optimizer_state()
+};
+
+}  // namespace parallax::parallel::zero

@@ -1,0 +1,318 @@
+// The engine seam and ZeRO-1/2 (parallel/engine.h, parallel/zero/zero.h) against DDP's engine
+// (stage 0) on the same data and initial weights, under mpirun with 2 and 4 ranks (MPI on CPU
+// tensors; PARALLAX_TEST_BACKEND=nccl runs it on GPUs). fp32, TF32 off.
+//
+// Tolerances (tests/TOLERANCES.md):
+//  - gradients: ZeRO's shard of the averaged gradient against DDP's averaged gradient at the same
+//    parameters. Both average the same local gradients (stage 2 with K micro-steps: K local
+//    gradients per rank), summing n (or n K) terms in a different order: each is within
+//    gamma(n K - 1) S of the exact average, S = sum over the terms of |term| / n, so they differ by at
+//    most 2 gamma(n K) S. With n = 2 and K = 1 the two sums are the same single addition: equal.
+//  - one optimizer step from a fresh state: AdamW is elementwise, so the update of an element only
+//    depends on that element's inputs; applying it to a piece rather than the whole tensor can
+//    change only how the compiler contracted its ~10 roundings (FMA or not, vector body or scalar
+//    tail): within 16 u (|p| + lr) per element. Elements whose gradient is within the gradient
+//    bound of 0 are left out (the first Adam step is lr * sign(g) there).
+//  - across ranks, parameters are bitwise identical after every step (one all-gather).
+#include "optim/grad_utils.h"
+#include "optim/optimizer.h"
+#include "parallel/build_engine.h"
+#include "parallel/comm/factory.h"
+#include "parallel/comm/world.h"
+#include "parallel/zero/zero.h"
+#include "tests/common/no_tf32.h"
+#include "tests/common/tolerance.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
+
+#include <random>
+
+using namespace parallax;
+namespace comm = parallax::parallel::comm;
+namespace par = parallax::parallel;
+namespace tol = parallax::testing;
+
+namespace {
+
+std::string test_backend() {
+  const char* b = std::getenv("PARALLAX_TEST_BACKEND");
+  return b && *b ? b : "mpi";
+}
+
+c10::Device test_device() {
+  return test_backend() == "nccl" ? *comm::World::current().device() : c10::Device(c10::kCPU);
+}
+
+// Odd sizes, so buckets and shards cut through parameters; a 1-D bias group and a 2-D decay group.
+struct Net : torch::nn::Module {
+  Net() {
+    fc1 = register_module("fc1", torch::nn::Linear(13, 37));
+    fc2 = register_module("fc2", torch::nn::Linear(37, 29));
+    fc3 = register_module("fc3", torch::nn::Linear(29, 5));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc3(at::gelu(fc2(at::gelu(fc1(x))))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+
+std::shared_ptr<Net> make_net(uint64_t seed) {
+  at::manual_seed(seed);
+  auto net = std::make_shared<Net>();
+  net->to(test_device());
+  return net;
+}
+
+std::pair<at::Tensor, at::Tensor> global_batch(int step, int64_t rows) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(2000 + step);
+  at::Tensor x = at::randn({rows, 13}, gen);
+  at::Tensor y = at::sin(x.narrow(1, 0, 5) * 2.0) + 0.1 * at::randn({rows, 5}, gen);
+  return {x.to(test_device()), y.to(test_device())};
+}
+
+std::vector<optim::ParamGroup> groups_of(torch::nn::Module& m) {
+  optim::NamedParams named;
+  for (const auto& it : m.named_parameters()) named.emplace_back(it.key(), it.value());
+  return optim::make_param_groups(named, 0.05);
+}
+
+par::OptimizerFactory adamw() {
+  return [](std::vector<optim::ParamGroup> g) {
+    return std::make_unique<optim::AdamW>(std::move(g), 0.9, 0.999, 1e-8, true);
+  };
+}
+
+at::Tensor flat_params(torch::nn::Module& m) {
+  std::vector<at::Tensor> parts;
+  for (const auto& p : m.parameters()) parts.push_back(p.detach().reshape({-1}));
+  return at::cat(parts);
+}
+
+class ZeroTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    comm::CommOptions o;
+    o.timeout_s = 60;
+    world_ = comm::make_world_communicator(test_backend(), o);
+    rank_ = world_->rank();
+    n_ = world_->size();
+  }
+  par::ddp::DdpOptions bucket_options() const {
+    par::ddp::DdpOptions o;
+    o.mode = par::ddp::BucketMode::kFlat;
+    o.first_bucket_mb = 0.002;  // several buckets, some cutting parameters across shards
+    o.bucket_mb = 0.004;
+    return o;
+  }
+  par::Plan plan(int stage) const {
+    par::Plan p;
+    p.layout.dp = n_;
+    p.zero_stage = stage;
+    return p;
+  }
+  parallax::testing::NoTf32 no_tf32_;
+  comm::CommPtr world_;
+  int rank_ = 0, n_ = 1;
+};
+
+}  // namespace
+
+INSTANTIATE_TEST_SUITE_P(Stages, ZeroTest, ::testing::Values(1, 2),
+                         [](const auto& info) { return "stage" + std::to_string(info.param); });
+
+TEST(FlatRangeBoxesTest, BoxesTileTheRangeInOrderAndAreContiguous) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int ndim = 1 + static_cast<int>(rng() % 4);
+    std::vector<int64_t> shape;
+    int64_t total = 1;
+    for (int d = 0; d < ndim; ++d) {
+      shape.push_back(1 + static_cast<int64_t>(rng() % 6));
+      total *= shape.back();
+    }
+    const int64_t b = static_cast<int64_t>(rng() % (total + 1));
+    const int64_t e = b + static_cast<int64_t>(rng() % (total - b + 1));
+    const auto boxes = par::flat_range_boxes(shape, b, e);
+    EXPECT_LE(boxes.size(), static_cast<std::size_t>(2 * ndim - 1));
+    // Index every element by its flat position: the boxes, in order, enumerate b, b + 1, ..., e - 1.
+    at::Tensor idx = at::arange(total, at::kLong).view(shape);
+    int64_t next = b;
+    for (const auto& box : boxes) {
+      at::Tensor v = idx;
+      for (int d = 0; d < ndim; ++d) v = v.narrow(d, box.offsets[d], box.lengths[d]);
+      const at::Tensor flat = v.reshape({-1});
+      ASSERT_TRUE(at::equal(flat, at::arange(next, next + flat.numel(), at::kLong)))
+          << "shape " << at::IntArrayRef(shape) << " range [" << b << ", " << e << ")";
+      next += flat.numel();
+    }
+    EXPECT_EQ(next, e);
+  }
+  EXPECT_EQ(par::flat_range_boxes({}, 0, 1).size(), 1u);  // a 0-d tensor
+}
+
+TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
+  const int stage = GetParam();
+  for (const int accum : {1, 3}) {
+    auto net0 = make_net(11), netz = make_net(11 + rank_);  // ZeRO must broadcast rank 0's weights
+    auto ddp = par::build_engine(plan(0), net0, groups_of(*net0), adamw(), world_, bucket_options());
+    auto zero = par::build_engine(plan(stage), netz, groups_of(*netz), adamw(), world_, bucket_options());
+    ASSERT_TRUE(at::equal(flat_params(*net0), flat_params(*netz))) << "parameters not broadcast from rank 0";
+    const double lr = 1e-2;
+    for (int step = 0; step < 4; ++step) {
+      const int64_t rows = 6;
+      auto [x, y] = global_batch(step, rows * n_ * accum);
+      auto micro = [&](Net& net, int i) {
+        const int64_t first = (rank_ * accum + i) * rows;
+        return (net.forward(x.narrow(0, first, rows)) - y.narrow(0, first, rows)).pow(2).mean() / accum;
+      };
+      // The same parameters for both (stage 0 re-synchronised to ZeRO's), fresh optimizer state
+      // only at step 0.
+      {
+        at::NoGradGuard ng;
+        const auto a = net0->parameters(), b = netz->parameters();
+        for (std::size_t k = 0; k < a.size(); ++k) a[k].copy_(b[k]);
+      }
+      ddp->forward_backward(accum, [&](int i) { return micro(*net0, i); }, true);
+      zero->forward_backward(accum, [&](int i) { return micro(*netz, i); }, true);
+      // S: the sum of |local gradient terms| over ranks and micro-steps, / n (a plain net, per micro-step).
+      std::vector<at::Tensor> abs_sum;
+      for (int i = 0; i < accum; ++i) {
+        auto probe = make_net(1);
+        {
+          at::NoGradGuard ng;
+          const auto pp = probe->parameters(), src = netz->parameters();
+          for (std::size_t k = 0; k < pp.size(); ++k) pp[k].copy_(src[k]);
+        }
+        micro(*probe, i).backward();
+        const auto pp = probe->parameters();
+        for (std::size_t k = 0; k < pp.size(); ++k) {
+          at::Tensor a = pp[k].grad().abs().to(at::kDouble);
+          if (abs_sum.size() <= k) abs_sum.push_back(a); else abs_sum[k] += a;
+        }
+      }
+      // Each ZeRO piece against the same range of DDP's gradient.
+      const auto zg = zero->grads();
+      ASSERT_EQ(zg.size(), 1u);
+      ASSERT_EQ(zg[0].sharded_over.size(), 1u);
+      std::map<std::string, at::Tensor> ddp_grad, bound;
+      const auto named0 = net0->named_parameters();
+      for (std::size_t k = 0; k < named0.size(); ++k) {
+        at::Tensor s = abs_sum[k].to(world_->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : test_device());
+        world_->all_reduce(s, comm::ReduceOp::kSum);
+        const double terms = static_cast<double>(n_ * accum);
+        bound[named0[k].key()] = (terms == 2 && accum == 1 ? 0.0 : 2 * tol::gamma_k(terms)) * s.cpu() / n_;
+        ddp_grad[named0[k].key()] = named0[k].value().grad().detach().cpu().to(at::kDouble).reshape({-1});
+      }
+      // Pieces: the optimizer's groups hold them, named by their parameter.
+      const auto& groups = zero->optimizer().groups();
+      std::map<std::string, int> seen;
+      int64_t covered = 0;
+      for (const auto& g : groups) {
+        for (std::size_t i = 0; i < g.params.size(); ++i) {
+          const at::Tensor piece = g.params[i];
+          ASSERT_TRUE(piece.grad().defined()) << g.names[i];
+          // Where the piece sits in its parameter: the parameter is a view of the same flat buffer.
+          const at::Tensor param = netz->named_parameters()[g.names[i]];
+          const int64_t begin =
+              (static_cast<const char*>(piece.data_ptr()) - static_cast<const char*>(param.data_ptr())) /
+              static_cast<int64_t>(piece.element_size());
+          ASSERT_GE(begin, 0);
+          ASSERT_LE(begin + piece.numel(), param.numel());
+          const at::Tensor want = ddp_grad[g.names[i]].narrow(0, begin, piece.numel());
+          const at::Tensor b = bound[g.names[i]].reshape({-1}).narrow(0, begin, piece.numel());
+          EXPECT_TRUE(tol::within(piece.grad().detach().cpu().to(at::kDouble), want, b))
+              << "stage " << stage << " accum " << accum << " step " << step << " " << g.names[i];
+          covered += piece.numel();
+          ++seen[g.names[i]];
+        }
+      }
+      // Every element of every parameter lives in exactly one rank's pieces.
+      at::Tensor total = at::full({1}, static_cast<double>(covered), at::kDouble);
+      if (world_->device_type() != c10::kCPU) total = total.to(test_device());
+      world_->all_reduce(total, comm::ReduceOp::kSum);
+      EXPECT_EQ(total.cpu().item<double>(), static_cast<double>(flat_params(*netz).numel()));
+
+      // The inf check and the norm see every element once: ZeRO's global norm equals DDP's.
+      const double n0 = optim::clip_grad_norm(ddp->grads(), 0.0).item<double>();
+      const double nz = optim::clip_grad_norm(zero->grads(), 0.0).item<double>();
+      EXPECT_NEAR(nz, n0, 1e-5 * n0) << "step " << step;
+
+      if (step == 0) {
+        // One step from a fresh state, elementwise: ZeRO's pieces against DDP's whole tensors.
+        const at::Tensor before = flat_params(*netz).to(at::kDouble).cpu();
+        ddp->step(lr);
+        zero->step(lr);
+        const at::Tensor a = flat_params(*net0).to(at::kDouble).cpu(), b = flat_params(*netz).to(at::kDouble).cpu();
+        std::vector<at::Tensor> gs, bs;
+        for (const auto& it : net0->named_parameters()) {
+          gs.push_back(ddp_grad[it.key()]);
+          bs.push_back(bound[it.key()].reshape({-1}));
+        }
+        const at::Tensor g = at::cat(gs), gb = at::cat(bs);
+        const at::Tensor ok = g.abs() > 2 * gb;  // well-conditioned first Adam steps
+        const at::Tensor tolerance = 16 * tol::kFp32Unit * (before.abs() + lr);
+        EXPECT_TRUE(((a - b).abs() <= tolerance).logical_or(ok.logical_not()).all().item<bool>())
+            << "stage " << stage << ": max diff " << ((a - b).abs() * ok).max().item<double>();
+        EXPECT_GT(ok.sum().item<int64_t>(), g.numel() / 2);
+        EXPECT_FALSE(at::equal(before, b)) << "the step did not move the parameters";
+      } else {
+        zero->step(lr);
+      }
+      ddp->zero_grad();
+      zero->zero_grad();
+      // Every rank holds bitwise the same parameters after the all-gather.
+      at::Tensor mine = flat_params(*netz), root = mine.clone();
+      world_->broadcast(root, 0);
+      EXPECT_TRUE(at::equal(mine, root)) << "rank " << rank_ << " diverged at step " << step;
+    }
+  }
+}
+
+TEST_P(ZeroTest, OptimizerStatePiecesTileEveryParameterOnce) {
+  auto net = make_net(3);
+  auto zero = par::build_engine(plan(GetParam()), net, groups_of(*net), adamw(), world_, bucket_options());
+  zero->forward_backward(1, [&](int) { return net->forward(global_batch(0, 4).first).pow(2).mean(); }, true);
+  zero->step(1e-3);
+  std::map<std::string, at::Tensor> count;
+  for (const auto& it : net->named_parameters()) count[it.key() + ".exp_avg"] = at::zeros(it.value().sizes(), at::kDouble);
+  int scalars = 0;
+  for (const auto& piece : zero->optimizer_state()) {
+    if (piece.name == "step") continue;
+    if (piece.global_shape.empty()) {
+      ++scalars;
+      continue;
+    }
+    ASSERT_EQ(piece.replicas.size(), 1u) << piece.name;  // a flat range: this rank alone
+    const auto it = count.find(piece.name);
+    if (it == count.end()) continue;  // exp_avg_sq: the same boxes
+    at::Tensor v = it->second;
+    for (std::size_t d = 0; d < piece.offsets.size(); ++d)
+      v = v.narrow(static_cast<int64_t>(d), piece.offsets[d], piece.tensor.size(static_cast<int64_t>(d)));
+    v.add_(1);
+  }
+  EXPECT_GT(scalars, 0);  // Adam's per-parameter step, written by the ranks holding a piece
+  for (auto& [name, c] : count) {
+    at::Tensor t = world_->device_type() == c10::kCPU ? c : c.to(test_device());
+    world_->all_reduce(t, comm::ReduceOp::kSum);
+    EXPECT_TRUE(at::equal(t.cpu(), at::ones_like(c))) << name << " is not covered exactly once";
+  }
+}
+
+TEST(ZeroPlanTest, RefusesWhatItCannotDoNamingTheKey) {
+  par::ParallelConfig p;
+  p.zero.stage = 3;
+  try {
+    par::Plan::from(p, "none", false, 2, 0);
+    ADD_FAILURE() << "stage 3 accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.zero.stage"), std::string::npos) << e.what();
+  }
+  p.zero.stage = 1;
+  try {
+    par::Plan::from(p, "none", true, 2, 0);
+    ADD_FAILURE() << "ZeRO with CUDA graphs accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("train.cuda_graph"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(par::Plan::from(p, "full", false, 2, 0).describe(), "dp=2 x tp=1 x pp=1, ZeRO-1, activation checkpointing full");
+}
