@@ -302,21 +302,26 @@ struct Checkpointer::Impl {
                 [](const ShardInfo& a, const ShardInfo& b) { return a.offsets < b.offsets; });
       int64_t covered = 0;
       for (const auto& s : t.shards) covered += s.numel();
+      // Disjointness, for any number of pieces: sorted by offsets, two pieces can only intersect
+      // if the later one starts (in dimension 0) before the earlier one ends, so each piece is
+      // compared with the following ones until one starts past its end (a sweep along dim 0).
       bool overlap = false;
-      if (t.shards.size() <= 256) {
-        for (size_t a = 0; a < t.shards.size() && !overlap; ++a) {
-          for (size_t b = a + 1; b < t.shards.size() && !overlap; ++b) {
-            bool inter = true;
-            for (size_t d = 0; d < t.shape.size(); ++d) {
-              const auto& A = t.shards[a];
-              const auto& B = t.shards[b];
-              if (A.offsets[d] + A.lengths[d] <= B.offsets[d] ||
-                  B.offsets[d] + B.lengths[d] <= A.offsets[d]) {
-                inter = false;
-              }
-            }
-            overlap = inter && t.shards[a].numel() > 0 && t.shards[b].numel() > 0;
+      auto nonempty = [](const ShardInfo& s) { return s.numel() > 0; };
+      if (t.shape.empty()) {
+        overlap = std::count_if(t.shards.begin(), t.shards.end(), nonempty) > 1;
+      }
+      for (size_t a = 0; a < t.shards.size() && !overlap && !t.shape.empty(); ++a) {
+        const auto& A = t.shards[a];
+        if (!nonempty(A)) continue;
+        for (size_t b = a + 1; b < t.shards.size() && !overlap; ++b) {
+          const auto& B = t.shards[b];
+          if (B.offsets[0] >= A.offsets[0] + A.lengths[0]) break;
+          if (!nonempty(B)) continue;
+          bool inter = true;
+          for (size_t d = 0; d < t.shape.size() && inter; ++d) {
+            inter = !(A.offsets[d] + A.lengths[d] <= B.offsets[d] || B.offsets[d] + B.lengths[d] <= A.offsets[d]);
           }
+          overlap = inter;
         }
       }
       if (overlap || covered != t.numel()) {

@@ -36,13 +36,6 @@ Args& Args::positional(const std::string& name, const std::string& help, bool re
   return *this;
 }
 
-Args& Args::passthrough(const std::string& metavar, const std::string& help) {
-  accepts_passthrough_ = true;
-  passthrough_metavar_ = metavar;
-  passthrough_help_ = help;
-  return *this;
-}
-
 Args& Args::epilog(const std::string& text) {
   epilog_ = text;
   return *this;
@@ -62,11 +55,7 @@ void Args::parse(const std::vector<std::string>& argv) {
       help_ = true;
       continue;
     }
-    if (a == "--") {
-      if (!accepts_passthrough_) throw_error<UsageError>("{}: unexpected '--'", verb_);
-      passthrough_.assign(argv.begin() + static_cast<long>(i) + 1, argv.end());
-      break;
-    }
+    if (a == "--") throw_error<UsageError>("{}: unexpected '--'", verb_);
     if (core::starts_with(a, "--")) {
       std::string name = a.substr(2), value;
       bool inline_value = false;
@@ -150,11 +139,9 @@ std::string Args::help_text() const {
   if (has_positional_) usage += positional_required_ ? fmt::format(" <{}>", positional_name_)
                                                      : fmt::format(" [<{}>]", positional_name_);
   if (accepts_overrides_) usage += " [key=value ...]";
-  if (accepts_passthrough_) usage += fmt::format(" -- {}", passthrough_metavar_);
   std::string out = usage + "\n\n" + summary_ + "\n\n";
   if (has_positional_) out += fmt::format("  <{}>\n      {}\n", positional_name_, positional_help_);
   if (accepts_overrides_) out += fmt::format("  key=value\n      {}\n", overrides_help_);
-  if (accepts_passthrough_) out += fmt::format("  -- {}\n      {}\n", passthrough_metavar_, passthrough_help_);
   for (const auto& s : specs_) {
     out += s.is_flag ? fmt::format("  --{}\n", s.name) : fmt::format("  --{} {}\n", s.name, s.metavar);
     out += fmt::format("      {}{}\n", s.help,

@@ -23,8 +23,6 @@ class Args {
   Args& overrides(const std::string& help);
   // Accept one positional argument (e.g. a checkpoint path).
   Args& positional(const std::string& name, const std::string& help, bool required = true);
-  // Accept `-- cmd ...` (the launcher's worker command).
-  Args& passthrough(const std::string& metavar, const std::string& help);
   // Free text appended to --help (examples).
   Args& epilog(const std::string& text);
 
@@ -42,7 +40,6 @@ class Args {
   bool flag_set(const std::string& name) const { return has(name); }
   const std::vector<std::string>& override_args() const { return overrides_; }
   std::string positional_value() const { return positional_value_; }
-  const std::vector<std::string>& passthrough_args() const { return passthrough_; }
 
  private:
   struct Spec {
@@ -54,11 +51,10 @@ class Args {
   std::string verb_, summary_, epilog_;
   std::vector<Spec> specs_;
   std::map<std::string, std::string> values_;
-  bool accepts_overrides_ = false, accepts_passthrough_ = false, help_ = false;
-  std::string overrides_help_, positional_name_, positional_help_, passthrough_metavar_,
-      passthrough_help_;
+  bool accepts_overrides_ = false, help_ = false;
+  std::string overrides_help_, positional_name_, positional_help_;
   bool has_positional_ = false, positional_required_ = false;
-  std::vector<std::string> overrides_, passthrough_;
+  std::vector<std::string> overrides_;
   std::string positional_value_;
 };
 

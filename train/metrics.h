@@ -49,4 +49,9 @@ struct MetricsTrim {
 // does nothing when it does not exist. Throws IoError naming the file.
 MetricsTrim trim_metrics(const std::string& path, int64_t last_step);
 
+// Peak dense FLOP/s of one H100/H200 (SXM), the MFU denominator, for the precision the matmuls run
+// in (precision.mode): bf16 and fp16 on the tensor cores, 989e12; fp32 on the CUDA cores, 67e12
+// (Parallax leaves cuBLAS's TF32 off, LibTorch's default, so fp32 matmuls are true fp32).
+double peak_flops_per_gpu(const std::string& precision_mode);
+
 }  // namespace parallax::train

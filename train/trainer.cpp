@@ -55,7 +55,6 @@ namespace {
 namespace comm = parallel::comm;
 namespace ck = checkpoint;
 
-constexpr double kPeakBf16Flops = 989e12;  // H100/H200 dense bf16, for MFU
 
 // "NaN", "inf" or "-inf" (the platform prints "-nan" for some NaNs).
 std::string nonfinite_name(double v) { return std::isnan(v) ? "NaN" : (v > 0 ? "inf" : "-inf"); }
@@ -109,9 +108,10 @@ void run_plot_tool(const fs::path& run_dir) {
   }
 }
 
-class Trainer {
+class TrainerImpl {
  public:
-  explicit Trainer(RunConfig& cfg) : cfg_(cfg), world_(comm::World::current()) {}
+  TrainerImpl(RunConfig& cfg, TrainerHooks hooks)
+      : cfg_(cfg), hooks_(std::move(hooks)), world_(comm::World::current()) {}
 
   TrainSummary fit();
 
@@ -159,6 +159,7 @@ class Trainer {
   void check_graph_capturable() const;
 
   RunConfig& cfg_;
+  TrainerHooks hooks_;
   comm::World& world_;
   c10::Device device_{c10::kCPU};
   comm::CommPtr world_comm_;
@@ -167,6 +168,7 @@ class Trainer {
   std::optional<RunDirectory> run_directory_;
   fs::path run_dir_;
   std::shared_ptr<models::Model> model_;
+  std::shared_ptr<models::Model> frozen_;  // TrainerHooks::frozen_model (eval, no gradients)
   parallel::Plan plan_;
   // The parallel engine (parallel/engine.h): owns the optimizer, the micro-batch loop and the
   // layout of parameters, gradients and optimizer state across ranks.
@@ -196,7 +198,7 @@ class Trainer {
   std::map<std::string, at::Tensor> graph_terms_;
 };
 
-void Trainer::replay_or_abort(const std::function<void()>& launch) {
+void TrainerImpl::replay_or_abort(const std::function<void()>& launch) {
   try {
     launch();
   } catch (const TimeoutError& e) {
@@ -205,7 +207,7 @@ void Trainer::replay_or_abort(const std::function<void()>& launch) {
   }
 }
 
-void Trainer::check_graph_capturable() const {
+void TrainerImpl::check_graph_capturable() const {
   const auto& p = cfg_.parallel;
   PARALLAX_CHECK(device_.is_cuda(), ConfigError,
                  "key 'train.cuda_graph': CUDA graphs need a GPU, but rank {} trains on {} (train.device={})",
@@ -221,7 +223,7 @@ void Trainer::check_graph_capturable() const {
                  "before it runs; set parallel.debug_collectives=false (or train.cuda_graph=false to debug)");
 }
 
-void Trainer::compare_config(const std::string& config_text) {
+void TrainerImpl::compare_config(const std::string& config_text) {
   const std::string where = resume_->dir();
   const std::optional<std::string> saved = resume_->config_text();
   if (!saved) {
@@ -245,7 +247,7 @@ void Trainer::compare_config(const std::string& config_text) {
   }
 }
 
-void Trainer::with_config_hint(const std::vector<std::string>& prefixes,
+void TrainerImpl::with_config_hint(const std::vector<std::string>& prefixes,
                                const std::function<void()>& load) const {
   try {
     load();
@@ -258,7 +260,7 @@ void Trainer::with_config_hint(const std::vector<std::string>& prefixes,
   }
 }
 
-void Trainer::check_resumed_state_finite() const {
+void TrainerImpl::check_resumed_state_finite() const {
   std::vector<std::pair<std::string, at::Tensor>> state;
   for (const auto& item : model_->named_parameters())
     state.emplace_back("model/" + item.key(), item.value());
@@ -275,7 +277,7 @@ void Trainer::check_resumed_state_finite() const {
       count.inf);
 }
 
-void Trainer::setup() {
+void TrainerImpl::setup() {
   device_ = pick_device(cfg_.train, world_);
   // Ranks sharing a node share its cores: without this, every rank would start one intra-op
   // thread per core and they would all fight over them.
@@ -355,15 +357,30 @@ void Trainer::setup() {
   model_->to(device_);
   model_->train();
   double load_s = 0;  // checkpoint read time: the weights here, the optimizer state below
-  if (resume_) {
-    core::Stopwatch load_clock;
-    with_config_hint({"model.", "lora.", "qat."}, [&] { ck::load_weights(*resume_, *model_); });
-    load_s += load_clock.elapsed_s();
-  } else if (!cfg_.train.load_from.empty()) {
+  // Pretrained weights go into the model as built; the transform (e.g. LoRA adapters, QAT
+  // observers) comes after them, and a resumed checkpoint, saved from the transformed model, is
+  // loaded after the transform.
+  if (!resume_ && !cfg_.train.load_from.empty()) {
     ck::WeightsOptions w;
     w.strict = cfg_.train.strict_load;
     const auto report = ck::load_weights(*model_, cfg_.train.load_from, w);
     core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
+  }
+  if (hooks_.transform_model) {
+    hooks_.transform_model(*model_);
+    model_->to(device_);  // parameters the transform added
+  }
+  if (resume_) {
+    core::Stopwatch load_clock;
+    with_config_hint({"model.", "lora.", "qat."}, [&] { ck::load_weights(*resume_, *model_); });
+    load_s += load_clock.elapsed_s();
+  }
+  if (hooks_.frozen_model) {
+    frozen_ = hooks_.frozen_model(cfg_, scene_, device_);
+    PARALLAX_CHECK(frozen_ != nullptr, Error, "TrainerHooks::frozen_model returned no model");
+    frozen_->to(device_);
+    frozen_->eval();
+    for (auto& p : frozen_->parameters()) p.set_requires_grad(false);
   }
   core::log::info("model {}/{}: {:.3f} M parameters, {:.3f} GFLOP forward per sample", cfg_.model.name,
                   cfg_.model.size, model_->parameter_count() / 1e6, model_->forward_flops_per_sample() / 1e9);
@@ -441,6 +458,7 @@ void Trainer::setup() {
                      [&] { load_optimizer_state(); });
     check_resumed_state_finite();
     ck::load_loss_scaler(resume_->metadata(), *scaler_);
+    if (hooks_.load_extra) hooks_.load_extra(*resume_);
     // Last: everything above may have drawn random numbers.
     if (!ck::load_rng(*resume_, world_.rank())) {
       core::log::warn("checkpoint has no RNG state for rank {} (saved with {} ranks): RNG reseeded",
@@ -468,7 +486,7 @@ void Trainer::setup() {
   open_run_directory(config_text);
 }
 
-void Trainer::open_run_directory(const std::string& config_text) {
+void TrainerImpl::open_run_directory(const std::string& config_text) {
   if (!rank0_) {
     metrics_ = std::make_unique<MetricsWriter>();
     return;
@@ -489,7 +507,7 @@ void Trainer::open_run_directory(const std::string& config_text) {
   metrics_ = std::make_unique<MetricsWriter>(metrics_path);
 }
 
-std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, bool log_step) {
+std::map<std::string, at::Tensor> TrainerImpl::train_step(int64_t step, double lr, bool log_step) {
   if (graph_) return graph_step(step, lr, log_step);
   auto terms = compute_step(
       [&](int) {
@@ -509,7 +527,7 @@ std::map<std::string, at::Tensor> Trainer::train_step(int64_t step, double lr, b
   return terms;
 }
 
-void Trainer::load_optimizer_state() {
+void TrainerImpl::load_optimizer_state() {
   // Each rank reads exactly the boxes it holds (a ZeRO rank: the flat ranges of its pieces), from
   // whatever shards of whatever layout overlap them.
   std::vector<ck::LoadTarget> targets;
@@ -519,7 +537,7 @@ void Trainer::load_optimizer_state() {
   engine_->optimizer_state_loaded();
 }
 
-void Trainer::stage_graph_inputs(int64_t step) {
+void TrainerImpl::stage_graph_inputs(int64_t step) {
   // This step's batches go into the captured input buffers (stream-ordered after the last replay
   // that read them); the first step allocates them.
   for (int micro = 0; micro < cfg_.train.grad_accum; ++micro) {
@@ -547,7 +565,7 @@ void Trainer::stage_graph_inputs(int64_t step) {
   }
 }
 
-std::map<std::string, at::Tensor> Trainer::graph_step(int64_t step, double lr, bool log_step) {
+std::map<std::string, at::Tensor> TrainerImpl::graph_step(int64_t step, double lr, bool log_step) {
   stage_graph_inputs(step);
   // Buffers are broadcast once per step, before the graph (a blocking broadcast cannot be captured).
   engine_->broadcast_buffers();
@@ -583,7 +601,7 @@ std::map<std::string, at::Tensor> Trainer::graph_step(int64_t step, double lr, b
   return graph_terms_;
 }
 
-std::map<std::string, at::Tensor> Trainer::compute_step(const std::function<core::TensorDict(int)>& batch_of,
+std::map<std::string, at::Tensor> TrainerImpl::compute_step(const std::function<core::TensorDict(int)>& batch_of,
                                                         double lr, bool log_step) {
   const int accum = cfg_.train.grad_accum;
   // Loss normalisers over the whole data-parallel batch during the step only: evaluation runs a
@@ -605,6 +623,14 @@ std::map<std::string, at::Tensor> Trainer::compute_step(const std::function<core
           optim::AutocastGuard autocast(precision_);
           const auto pred = model_->forward(batch);
           loss = model_->loss(batch, pred);
+          if (hooks_.extra_loss) {
+            // Extra terms (distillation against the frozen model, regularisers): added to the
+            // total, logged as loss_<name>.
+            for (auto& [name, term] : hooks_.extra_loss(batch, pred, frozen_.get())) {
+              loss.total = loss.total + term;
+              loss.terms[name] = term.detach();
+            }
+          }
         }
         terms["loss"] =
             terms.count("loss") ? terms["loss"] + loss.total.detach() / accum : loss.total.detach() / accum;
@@ -636,7 +662,7 @@ std::map<std::string, at::Tensor> Trainer::compute_step(const std::function<core
   return terms;
 }
 
-void Trainer::save_checkpoint(int64_t step) {
+void TrainerImpl::save_checkpoint(int64_t step) {
   if (!checkpointer_) return;
   // Rows of steps <= `step` reach the disk before this checkpoint can commit (and, async, before
   // the background commit starts): a run resumed from it finds every one of them (metrics.h).
@@ -649,6 +675,7 @@ void Trainer::save_checkpoint(int64_t step) {
     state.add_shard(ck::kOptimPrefix + piece.name, piece.tensor, piece.global_shape, piece.offsets, piece.replicas);
   ck::add_rng(state);
   ck::add_loss_scaler(state, *scaler_);
+  if (hooks_.save_extra) hooks_.save_extra(state);
   const auto pos = source_->position();
   state.set_extra("data.epoch", pos.first);
   state.set_extra("data.position", pos.second);
@@ -660,14 +687,14 @@ void Trainer::save_checkpoint(int64_t step) {
   }
 }
 
-void Trainer::run_eval(int64_t step) {
+void TrainerImpl::run_eval(int64_t step) {
   if (synthetic_ || cfg_.model.name != "bev") return;
   auto m = evaluate(*model_, cfg_.data, scene_, static_cast<uint64_t>(cfg_.experiment.seed), *topo_->dp(), device_,
                     precision_);
   metrics_->write("eval", step, m);
 }
 
-TrainSummary Trainer::fit() {
+TrainSummary TrainerImpl::fit() {
   setup();
   int64_t total = cfg_.train.steps;
   if (cfg_.train.epochs > 0) {
@@ -763,7 +790,7 @@ TrainSummary Trainer::fit() {
     if (engine_->timed()) m["backward_ms"] = graph_ ? NAN : backward_ms_ / interval_steps;
     m["img_per_s"] = global_batch * 1000.0 / step_ms;
     m["mem_gb"] = peak_memory_gb(device_);
-    m["mfu"] = device_.is_cuda() ? flops_per_step / (step_ms / 1000.0) / (kPeakBf16Flops * world_.size()) : NAN;
+    m["mfu"] = device_.is_cuda() ? flops_per_step / (step_ms / 1000.0) / (peak_flops_per_gpu(cfg_.precision.mode) * world_.size()) : NAN;
     metrics_->write("train", step, m);
     progress.update(step, fmt::format("loss {:.4f} | lr {:.2e} | {:.0f} ms/step | {:.1f} samples/s", loss, lr,
                                       step_ms, m["img_per_s"]));
@@ -797,6 +824,17 @@ TrainSummary Trainer::fit() {
 }
 
 }  // namespace
+
+struct Trainer::Impl {
+  Impl(RunConfig& cfg, TrainerHooks hooks) : trainer(cfg, std::move(hooks)) {}
+  TrainerImpl trainer;
+};
+
+Trainer::Trainer(RunConfig& cfg, TrainerHooks hooks) : impl_(std::make_unique<Impl>(cfg, std::move(hooks))) {}
+
+Trainer::~Trainer() = default;
+
+TrainSummary Trainer::fit() { return impl_->trainer.fit(); }
 
 TrainSummary run_training(RunConfig& cfg) {
   Trainer trainer(cfg);

@@ -1,5 +1,10 @@
 // The training loop: config in; trained model, metrics, plots and the resolved config out.
 //
+// Trainer is the loop, with the extension points (TrainerHooks) that the QAT, LoRA and
+// distillation trainers build on: a model transform before the parallel engine wraps the model,
+// extra loss terms, a second frozen model, and extra checkpoint entries. run_training() is the
+// plain trainer (no hooks).
+//
 // run_training() is collective: every rank of the World calls it with the same config. It builds
 // the communicators and the DP x TP x PP topology, the model (on CPU or the rank's GPU), the DDP
 // engine when dp > 1, the optimizer, LR schedule, precision policy and loss scaler, and the
@@ -12,10 +17,24 @@
 // communicators; DataError from the loader.
 #pragma once
 
+#include "core/scene.h"
+#include "core/tensor_dict.h"
 #include "train/run_config.h"
 
+#include <c10/core/Device.h>
+
 #include <functional>
+#include <map>
+#include <memory>
 #include <string>
+
+namespace parallax::models {
+class Model;
+}
+namespace parallax::checkpoint {
+class SaveState;
+class CheckpointReader;
+}  // namespace parallax::checkpoint
 
 namespace parallax::train {
 
@@ -26,7 +45,53 @@ struct TrainSummary {
   double samples_per_s = 0;    // global throughput over the run (after the first step)
 };
 
-// Runs on the process's World (parallel::comm::World::current()).
+// What a specialised trainer adds to the loop. Every member is optional; each is called on every
+// rank, the same way on each (collective code paths stay aligned).
+struct TrainerHooks {
+  // Changes the model after it is built and its pretrained weights (train.load_from) are loaded,
+  // and before a resumed checkpoint is loaded (it was saved from the transformed model), before
+  // activation checkpointing and before the parallel engine sees the parameters: e.g. LoRA adds
+  // adapters and freezes the base (requires_grad false: the engine leaves frozen parameters out
+  // of its buckets and the optimizer), QAT inserts fake-quantisers. Parameters it adds may be on
+  // the CPU: the trainer moves the model to its device afterwards.
+  std::function<void(models::Model& model)> transform_model;
+  // A second model, frozen (eval mode, requires_grad false, never wrapped by the engine, not
+  // checkpointed): e.g. a distillation teacher loaded from its own checkpoint. Built once, after the
+  // trained model; moved to the training device.
+  std::function<std::shared_ptr<models::Model>(const RunConfig& cfg, const core::SceneSpec& scene,
+                                               c10::Device device)>
+      frozen_model;
+  // Extra loss terms of a micro-batch, given the batch, the trained model's predictions and the
+  // frozen model (null without one): each is added to the model's loss total (so it backpropagates)
+  // and logged as loss_<name>. Runs under the step's autocast; run the frozen model under
+  // at::NoGradGuard.
+  std::function<std::map<std::string, at::Tensor>(const core::TensorDict& batch, const core::TensorDict& pred,
+                                                  models::Model* frozen)>
+      extra_loss;
+  // Extra checkpoint entries (e.g. adapter-only weights, calibration statistics): added to every
+  // save, and read back on resume (after the model and optimizer state).
+  std::function<void(checkpoint::SaveState& state)> save_extra;
+  std::function<void(checkpoint::CheckpointReader& reader)> load_extra;
+};
+
+// The training loop with hooks. Collective: every rank constructs one with the same config and
+// calls fit(). Runs on the process's World (parallel::comm::World::current()).
+class Trainer {
+ public:
+  explicit Trainer(RunConfig& cfg, TrainerHooks hooks = {});
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // Sets up (communicators, plan, model, engine, data, resume) and trains `train.steps` steps.
+  TrainSummary fit();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The plain trainer: Trainer(cfg).fit().
 TrainSummary run_training(RunConfig& cfg);
 
 }  // namespace parallax::train

@@ -57,8 +57,8 @@ struct CommOptions {
   // Pipelining granularity of the ring algorithm; 0: the backend's default (4 MiB on the CPU
   // backends; 1 GiB on NCCL, where one send/recv group per step measured fastest on NVLink).
   int64_t ring_chunk_bytes = 0;
-  // NCCL: collectives on communicators in NCCL's blocking mode (~30 us per small collective
-  // instead of ~100 us with non-blocking enqueue; docs/comm.md). Creation and split go through a
+  // NCCL: collectives on communicators in NCCL's blocking mode (cheaper per small collective than
+  // non-blocking enqueue; figures in docs/PERFORMANCE.md). Creation and split go through a
   // non-blocking control communicator, so init_timeout_s holds; every collective connection is
   // made during creation (NCCL_RUNTIME_CONNECT=0 unless the user set it), so no collective waits
   // for a peer on the host; point-to-point traffic (whose connections NCCL always makes on first

@@ -3,6 +3,8 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "models/model.h"
+#include "models/perception_model.h"
 #include "optim/grad_utils.h"
 #include "optim/optim_config.h"
 #include "optim/optimizer.h"
@@ -305,6 +307,32 @@ TEST(ParamGroupsTest, NoDecayForBiasesNormsAndEmbeddings) {
   EXPECT_EQ(groups[0].weight_decay, 0.05);  // copied, exact
   EXPECT_EQ(groups[1].names, (std::vector<std::string>{"fc.bias", "norm.weight", "pos_embed"}));
   EXPECT_EQ(groups[1].weight_decay, 0.0);
+}
+
+// The BEV model's learned queries (models/view_transformer.cpp registers "query_embed", a 4-D
+// embedding) are an embedding like pos_embed: no weight decay (the list used to name "bev_queries",
+// which matches no parameter of the zoo).
+TEST(ParamGroupsTest, BevQueryEmbeddingGetsNoDecay) {
+  auto model = models::build_model(
+      [] {
+        models::ModelConfig c;
+        c.name = "bev";
+        c.size = "tiny";
+        return c;
+      }(),
+      models::benchmark_scene("tiny"));
+  optim::NamedParams named;
+  for (const auto& it : model->named_parameters()) named.emplace_back(it.key(), it.value());
+  const auto groups = optim::make_param_groups(named, 0.05);
+  bool found = false;
+  for (const auto& g : groups) {
+    for (const auto& n : g.names) {
+      if (n.find("query_embed") == std::string::npos) continue;
+      found = true;
+      EXPECT_EQ(g.weight_decay, 0.0) << n << " is decayed";
+    }
+  }
+  EXPECT_TRUE(found) << "the bev model has no query_embed parameter any more";
 }
 
 TEST(ScheduleTest, WarmupThenCosineLinearConstant) {
