@@ -3,6 +3,7 @@
 #include "core/error.h"
 
 #include <functional>
+#include <set>
 
 namespace parallax::parallel {
 
@@ -67,6 +68,17 @@ std::vector<Box> flat_range_boxes(const std::vector<int64_t>& shape, int64_t beg
   std::vector<int64_t> prefix;
   cover(0, prefix, begin, end);
   return out;
+}
+
+int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
+  std::set<const void*> seen;
+  int64_t bytes = 0;
+  for (const auto& t : tensors) {
+    if (!t.defined()) continue;
+    const auto& st = t.storage();
+    if (seen.insert(st.data()).second) bytes += static_cast<int64_t>(st.nbytes());
+  }
+  return bytes;
 }
 
 }  // namespace parallax::parallel

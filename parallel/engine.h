@@ -66,6 +66,17 @@ struct Box {
 };
 std::vector<Box> flat_range_boxes(const std::vector<int64_t>& shape, int64_t begin, int64_t end);
 
+// Bytes of the distinct storages of `tensors` (views of one buffer count once, whole).
+int64_t storage_bytes(const std::vector<at::Tensor>& tensors);
+
+// Bytes one rank holds for training state (docs/PERFORMANCE.md's memory table): parameters,
+// gradients (after a backward: flat buckets, shards, accumulators; each storage counted once) and
+// optimizer state (moments, fp32 masters; per-parameter step counters left out).
+struct EngineMemory {
+  int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t total() const { return params + grads + optimizer; }
+};
+
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
 
 class Engine {
@@ -98,6 +109,9 @@ class Engine {
   virtual std::vector<StatePiece> optimizer_state() = 0;
   // After the pieces of the last optimizer_state() call were filled from a checkpoint.
   virtual void optimizer_state_loaded() = 0;
+
+  // What this rank holds (call after a step: gradients exist only after a backward).
+  virtual EngineMemory memory() = 0;
 
   // Backward and exposed-communication time of the last step (ms; 0 when not measured).
   virtual double last_backward_ms() const { return 0; }

@@ -75,4 +75,19 @@ void DdpEngine::optimizer_state_loaded() {
   held_.clear();
 }
 
+EngineMemory DdpEngine::memory() {
+  EngineMemory m;
+  std::vector<at::Tensor> params, grads, state;
+  for (const auto& p : module_->parameters()) {
+    params.push_back(p);
+    grads.push_back(p.grad());
+  }
+  for (const auto& [key, t] : optimizer_->state())
+    if (key != "step" && t.dim() > 0) state.push_back(t);
+  m.params = storage_bytes(params);
+  m.grads = storage_bytes(grads);
+  m.optimizer = storage_bytes(state);
+  return m;
+}
+
 }  // namespace parallax::parallel::ddp

@@ -26,6 +26,7 @@ class DdpEngine : public Engine {
   std::vector<int> model_replicas() const override { return dp_->world_ranks(); }
   std::vector<StatePiece> optimizer_state() override;
   void optimizer_state_loaded() override;
+  EngineMemory memory() override;
   double last_backward_ms() const override { return ddp_ ? ddp_->last_backward_ms() : 0; }
   double last_exposed_comm_ms() const override { return ddp_ ? ddp_->last_exposed_comm_ms() : 0; }
   bool timed() const override { return ddp_ != nullptr && timing_; }

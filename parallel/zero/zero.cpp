@@ -41,7 +41,9 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, std::vector<op
     const at::Tensor& first = params_.at(static_cast<std::size_t>(index.at(info.param_names.front())));
     at::Tensor flat = at::zeros({info.padded_numel}, first.options().requires_grad(false));
     const int64_t shard = info.padded_numel / n, lo = r * shard, hi = lo + shard;
-    at::Tensor acc = at::zeros({shard}, flat.options());
+    // Stage 1 reduces once per step: the reduce-scatter's shard is the gradient. Stage 2 reduces
+    // every micro-step: the shards are summed into an accumulator.
+    at::Tensor acc = stage_ == 1 ? ddp_->bucket_shard(bi) : at::zeros({shard}, flat.options());
     for (std::size_t k = 0; k < info.param_names.size(); ++k) {
       const int64_t pi = index.at(info.param_names[k]);
       at::Tensor& p = params_[static_cast<std::size_t>(pi)];
@@ -113,7 +115,7 @@ void ZeroEngine::forward_backward(int micro_steps, const std::function<at::Tenso
     ddp_->finalize_backward();
     if (!sync) continue;
     at::NoGradGuard no_grad;
-    for (std::size_t bi = 0; bi < grad_acc_.size(); ++bi) {
+    for (std::size_t bi = 0; bi < grad_acc_.size() && stage_ == 2; ++bi) {
       if (first) {
         grad_acc_[bi].copy_(ddp_->bucket_shard(bi));
       } else {
@@ -206,15 +208,20 @@ void ZeroEngine::optimizer_state_loaded() {
   held_.clear();
 }
 
-ZeroEngine::Memory ZeroEngine::memory() {
-  Memory m;
-  for (const auto& p : module_->parameters()) m.params += p.numel() * static_cast<int64_t>(p.element_size());
+EngineMemory ZeroEngine::memory() {
+  EngineMemory m;
+  std::vector<at::Tensor> params, grads, state;
+  for (const auto& p : module_->parameters()) params.push_back(p);
   for (std::size_t bi = 0; bi < grad_acc_.size(); ++bi) {
-    m.grads += ddp_->bucket_buffer(bi).nbytes() + ddp_->bucket_shard(bi).nbytes() + grad_acc_[bi].nbytes();
+    grads.push_back(ddp_->bucket_buffer(bi));
+    grads.push_back(ddp_->bucket_shard(bi));
+    grads.push_back(grad_acc_[bi]);
   }
-  for (const auto& [key, t] : optimizer_->state()) {
-    if (key != "step" && t.dim() > 0) m.optimizer += static_cast<int64_t>(t.nbytes());
-  }
+  for (const auto& [key, t] : optimizer_->state())
+    if (key != "step" && t.dim() > 0) state.push_back(t);
+  m.params = storage_bytes(params);
+  m.grads = storage_bytes(grads);
+  m.optimizer = storage_bytes(state);
   return m;
 }
 

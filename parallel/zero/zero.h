@@ -49,12 +49,9 @@ class ZeroEngine : public Engine {
   std::vector<StatePiece> optimizer_state() override;
   void optimizer_state_loaded() override;
 
-  // Bytes this rank holds, for the memory table (docs/PERFORMANCE.md): parameters (whole),
-  // gradients (flat buffers and shards), optimizer state (moments and masters of its pieces).
-  struct Memory {
-    int64_t params = 0, grads = 0, optimizer = 0;
-  };
-  Memory memory();
+  // Parameters (whole: the flat buffers), gradients (flat buffers, the reduce-scatter shards and,
+  // stage 2, the shard accumulators), optimizer state (moments and masters of this rank's pieces).
+  EngineMemory memory() override;
 
  private:
   // A parameter's part in this rank's shard: elements [begin, end) of the flattened parameter.

@@ -298,6 +298,40 @@ TEST_P(ZeroTest, OptimizerStatePiecesTileEveryParameterOnce) {
   }
 }
 
+// Bytes per rank, exactly (fp32, AdamW: 4 B parameters, 4 B gradients, 8 B moments per element):
+// DDP holds 16 Psi; ZeRO-1 holds the padded parameters and flat gradients (4 P each), the
+// reduce-scatter shard (4 P / N) and the moments of its own elements only; ZeRO-2 adds the shard
+// accumulator (4 P / N). Summed over the ranks, the moments are those of Psi elements: 8 Psi / N each
+// on average (Megatron's distributed optimizer: 8 + 8 / N bytes per parameter for fp32 state beside
+// full fp32 parameters and gradients; ours adds the P / N shards).
+TEST_P(ZeroTest, MemoryPerRankFollowsTheFormula) {
+  auto net0 = make_net(3), netz = make_net(3);
+  auto ddp = par::build_engine(plan(0), net0, groups_of(*net0), adamw(), world_, bucket_options());
+  auto zero = par::build_engine(plan(GetParam()), netz, groups_of(*netz), adamw(), world_, bucket_options());
+  for (auto [net, eng] : {std::pair{net0.get(), ddp.get()}, std::pair{netz.get(), zero.get()}}) {
+    eng->forward_backward(1, [&](int) { return net->forward(global_batch(0, 4).first).pow(2).mean(); }, true);
+    eng->step(1e-3);
+  }
+  const int64_t psi = flat_params(*net0).numel();
+  const par::EngineMemory d = ddp->memory(), z = zero->memory();
+  EXPECT_EQ(d.params, 4 * psi);
+  EXPECT_EQ(d.grads, 4 * psi);
+  EXPECT_EQ(d.optimizer, 8 * psi);
+  // P: the padded bucket elements (the flat parameter buffers).
+  const int64_t padded = z.params / 4;
+  EXPECT_GE(padded, psi);
+  EXPECT_LT(padded, psi + 64 * n_);  // at most n - 1 padding elements per bucket
+  EXPECT_EQ(z.grads, 4 * padded + (GetParam() == 2 ? 8 : 4) * padded / n_);
+  int64_t mine = 0;
+  for (const auto& g : zero->optimizer().groups())
+    for (const auto& p : g.params) mine += p.numel();
+  EXPECT_EQ(z.optimizer, 8 * mine);
+  at::Tensor total = at::full({1}, static_cast<double>(mine), at::kDouble);
+  if (world_->device_type() != c10::kCPU) total = total.to(test_device());
+  world_->all_reduce(total, comm::ReduceOp::kSum);
+  EXPECT_EQ(total.cpu().item<double>(), static_cast<double>(psi));
+}
+
 TEST(ZeroPlanTest, RefusesWhatItCannotDoNamingTheKey) {
   par::ParallelConfig p;
   p.zero.stage = 3;
