@@ -27,6 +27,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
+#include <limits>
 #include <random>
 
 using namespace parallax;
@@ -330,6 +331,68 @@ TEST_P(ZeroTest, MemoryPerRankFollowsTheFormula) {
   if (world_->device_type() != c10::kCPU) total = total.to(test_device());
   world_->all_reduce(total, comm::ReduceOp::kSum);
   EXPECT_EQ(total.cpu().item<double>(), static_cast<double>(psi));
+}
+
+// Frozen parameters (requires_grad false, e.g. a LoRA base) stay out of the buckets and the
+// optimizer; a parameter no rank used (find_unused) gets no gradient, so AdamW leaves it (and its
+// weight decay) alone, as under DDP; one used on some ranks only is averaged with zeros.
+TEST_P(ZeroTest, FrozenAndUnusedParametersBehaveAsUnderDdp) {
+  for (const bool used_somewhere : {false, true}) {
+    auto net0 = make_net(5), netz = make_net(5);
+    for (auto* n : {net0.get(), netz.get()}) n->fc1->weight.set_requires_grad(false);
+    auto opts = bucket_options();
+    opts.find_unused = true;
+    auto ddp = par::build_engine(plan(0), net0, groups_of(*net0), adamw(), world_, opts);
+    auto zero = par::build_engine(plan(GetParam()), netz, groups_of(*netz), adamw(), world_, opts);
+    const at::Tensor fc1_before = netz->fc1->weight.detach().clone(), fc3_before = netz->fc3->weight.detach().clone();
+    // fc3 is skipped by every rank (or, used_somewhere, by every rank but 0).
+    auto loss = [&](Net& net) {
+      const at::Tensor x = global_batch(rank_, 4).first;
+      const bool skip = !used_somewhere || rank_ != 0;
+      at::Tensor h = at::gelu(net.fc2(at::gelu(net.fc1(x))));
+      return skip ? h.pow(2).mean() : (h.pow(2).mean() + net.fc3(h).pow(2).mean());
+    };
+    ddp->forward_backward(1, [&](int) { return loss(*net0); }, true);
+    zero->forward_backward(1, [&](int) { return loss(*netz); }, true);
+    for (const auto& g : zero->optimizer().groups()) {
+      for (const auto& name : g.names) EXPECT_NE(name, "fc1.weight") << "a frozen parameter reached the optimizer";
+    }
+    bool fc3_has_grad = false;
+    for (const auto& g : zero->optimizer().groups())
+      for (std::size_t i = 0; i < g.params.size(); ++i)
+        if (g.names[i] == "fc3.weight") fc3_has_grad = g.params[i].grad().defined();
+    // Some rank may hold no piece of fc3.weight; where it does, the gradient exists iff any rank used it.
+    EXPECT_EQ(net0->fc3->weight.grad().defined(), used_somewhere);
+    if (fc3_has_grad) EXPECT_TRUE(used_somewhere);
+    ddp->step(1e-2);
+    zero->step(1e-2);
+    EXPECT_TRUE(at::equal(netz->fc1->weight, fc1_before)) << "frozen parameter moved";
+    EXPECT_EQ(at::equal(netz->fc3->weight, fc3_before), !used_somewhere) << "used somewhere: " << used_somewhere;
+    EXPECT_TRUE(at::equal(net0->fc3->weight, fc3_before) == !used_somewhere);
+  }
+}
+
+// fp16 loss scaling: an inf in one rank's local gradient reaches some rank's shard; every rank
+// must still skip the step (the inf check is agreed over the shard group).
+TEST_P(ZeroTest, InfOnOneRankSkipsTheStepOnEveryRank) {
+  auto net = make_net(9);
+  auto zero = par::build_engine(plan(GetParam()), net, groups_of(*net), adamw(), world_, bucket_options());
+  optim::LossScaler scaler(true, 1024.0);
+  const at::Tensor before = flat_params(*net).clone();
+  zero->forward_backward(
+      1,
+      [&](int) {
+        at::Tensor l = net->forward(global_batch(0, 4).first).pow(2).mean();
+        // Rank n - 1 overflows: its loss scaled by inf.
+        return scaler.scale_loss(rank_ == n_ - 1 ? l * std::numeric_limits<float>::infinity() : l);
+      },
+      true);
+  const bool found = scaler.unscale_and_check(zero->grads());
+  EXPECT_TRUE(found) << "rank " << rank_ << " would step";
+  if (!found) zero->step(1e-2);
+  scaler.update(found);
+  EXPECT_TRUE(at::equal(flat_params(*net), before));
+  EXPECT_EQ(scaler.scale(), 512.0);
 }
 
 TEST(ZeroPlanTest, RefusesWhatItCannotDoNamingTheKey) {
