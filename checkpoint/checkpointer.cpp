@@ -319,7 +319,8 @@ struct Checkpointer::Impl {
           if (!nonempty(B)) continue;
           bool inter = true;
           for (size_t d = 0; d < t.shape.size() && inter; ++d) {
-            inter = !(A.offsets[d] + A.lengths[d] <= B.offsets[d] || B.offsets[d] + B.lengths[d] <= A.offsets[d]);
+            inter = !(A.offsets[d] + A.lengths[d] <= B.offsets[d] ||
+                      B.offsets[d] + B.lengths[d] <= A.offsets[d]);
           }
           overlap = inter;
         }
@@ -635,7 +636,8 @@ void Checkpointer::save(int64_t step, const SaveState& state) {
     try {
       SaveStats st = I.run(job);
       st.blocking_s = blocked;
-      st.total_s += blocked;  // run() times the write; total_s counts from save(), snapshot included
+      st.total_s +=
+          blocked;  // run() times the write; total_s counts from save(), snapshot included
       I.pending = st;
     } catch (...) {
       I.error = std::current_exception();

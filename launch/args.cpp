@@ -9,7 +9,8 @@
 
 namespace parallax::launch {
 
-Args::Args(std::string verb, std::string summary) : verb_(std::move(verb)), summary_(std::move(summary)) {}
+Args::Args(std::string verb, std::string summary)
+    : verb_(std::move(verb)), summary_(std::move(summary)) {}
 
 Args& Args::option(const std::string& name, const std::string& metavar, const std::string& help,
                    const std::string& default_value) {
@@ -70,8 +71,9 @@ void Args::parse(const std::vector<std::string>& argv) {
         for (const auto& sp : specs_) names.push_back(sp.name);
         names.push_back("help");
         const std::string m = core::closest_match(name, names);
-        throw_error<UsageError>("{}: unknown option '--{}'{}; see 'parallax {} --help'", verb_, name,
-                                m.empty() ? "" : fmt::format(" (did you mean '--{}'?)", m), verb_);
+        throw_error<UsageError>("{}: unknown option '--{}'{}; see 'parallax {} --help'", verb_,
+                                name, m.empty() ? "" : fmt::format(" (did you mean '--{}'?)", m),
+                                verb_);
       }
       if (s->is_flag) {
         if (inline_value) throw_error<UsageError>("{}: option '--{}' takes no value", verb_, name);
@@ -100,11 +102,14 @@ void Args::parse(const std::vector<std::string>& argv) {
   }
   if (help_) return;
   if (has_positional_ && positional_required_ && positional_value_.empty()) {
-    throw_error<UsageError>("{}: missing <{}>; see 'parallax {} --help'", verb_, positional_name_, verb_);
+    throw_error<UsageError>("{}: missing <{}>; see 'parallax {} --help'", verb_, positional_name_,
+                            verb_);
   }
 }
 
-bool Args::has(const std::string& name) const { return values_.count(name) > 0; }
+bool Args::has(const std::string& name) const {
+  return values_.count(name) > 0;
+}
 
 std::string Args::get(const std::string& name) const {
   auto it = values_.find(name);
@@ -117,7 +122,8 @@ double Args::get_double(const std::string& name) const {
   const std::string v = get(name);
   char* end = nullptr;
   const double d = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != '\0') throw_error<UsageError>("{}: --{} expects a number, got '{}'", verb_, name, v);
+  if (v.empty() || *end != '\0')
+    throw_error<UsageError>("{}: --{} expects a number, got '{}'", verb_, name, v);
   return d;
 }
 
@@ -125,27 +131,34 @@ int64_t Args::get_int(const std::string& name) const {
   const std::string v = get(name);
   char* end = nullptr;
   const long long d = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0') throw_error<UsageError>("{}: --{} expects an integer, got '{}'", verb_, name, v);
+  if (v.empty() || *end != '\0')
+    throw_error<UsageError>("{}: --{} expects an integer, got '{}'", verb_, name, v);
   return d;
 }
 
 std::string Args::help_text() const {
   std::string usage = fmt::format("usage: parallax {}", verb_);
   for (const auto& s : specs_) {
-    if (s.default_value.empty() && !s.is_flag) usage += fmt::format(" [--{} {}]", s.name, s.metavar);
-    else if (s.is_flag) usage += fmt::format(" [--{}]", s.name);
-    else usage += fmt::format(" [--{} {}]", s.name, s.metavar);
+    if (s.default_value.empty() && !s.is_flag)
+      usage += fmt::format(" [--{} {}]", s.name, s.metavar);
+    else if (s.is_flag)
+      usage += fmt::format(" [--{}]", s.name);
+    else
+      usage += fmt::format(" [--{} {}]", s.name, s.metavar);
   }
-  if (has_positional_) usage += positional_required_ ? fmt::format(" <{}>", positional_name_)
-                                                     : fmt::format(" [<{}>]", positional_name_);
+  if (has_positional_)
+    usage += positional_required_ ? fmt::format(" <{}>", positional_name_)
+                                  : fmt::format(" [<{}>]", positional_name_);
   if (accepts_overrides_) usage += " [key=value ...]";
   std::string out = usage + "\n\n" + summary_ + "\n\n";
   if (has_positional_) out += fmt::format("  <{}>\n      {}\n", positional_name_, positional_help_);
   if (accepts_overrides_) out += fmt::format("  key=value\n      {}\n", overrides_help_);
   for (const auto& s : specs_) {
-    out += s.is_flag ? fmt::format("  --{}\n", s.name) : fmt::format("  --{} {}\n", s.name, s.metavar);
-    out += fmt::format("      {}{}\n", s.help,
-                       s.default_value.empty() ? "" : fmt::format(" (default: {})", s.default_value));
+    out +=
+        s.is_flag ? fmt::format("  --{}\n", s.name) : fmt::format("  --{} {}\n", s.name, s.metavar);
+    out +=
+        fmt::format("      {}{}\n", s.help,
+                    s.default_value.empty() ? "" : fmt::format(" (default: {})", s.default_value));
   }
   out += "  -h, --help\n      show this help\n";
   if (!epilog_.empty()) out += "\n" + epilog_ + "\n";

@@ -93,7 +93,8 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
                 at::autocast::get_autocast_dtype(dt)};
       put_rng(replay);
       at::autocast::set_autocast_enabled(dt, ctx->saved_data["autocast"].toBool());
-      at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
+      at::autocast::set_autocast_dtype(
+          dt, static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
       at::AutoGradMode grad_on(true);
       out = block->forward_impl(x);
     }

@@ -32,7 +32,8 @@ at::Tensor clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm,
   for (Communicator* c : shard_groups) {
     if (!c || c->size() == 1) continue;
     if (sq.device().type() != c->device_type()) {
-      at::Tensor tmp = sq.to(c->device_type() == c10::DeviceType::CPU ? at::Device(at::kCPU) : sq.device());
+      at::Tensor tmp =
+          sq.to(c->device_type() == c10::DeviceType::CPU ? at::Device(at::kCPU) : sq.device());
       c->all_reduce(tmp, ReduceOp::kSum);
       sq = tmp.to(sq.device());
     } else {
@@ -110,10 +111,14 @@ at::Tensor clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm)
 }
 
 LossScaler::LossScaler(bool enabled, double init_scale, int64_t growth_interval, double min_scale)
-    : enabled_(enabled), scale_(enabled ? init_scale : 1.0), growth_interval_(growth_interval),
+    : enabled_(enabled),
+      scale_(enabled ? init_scale : 1.0),
+      growth_interval_(growth_interval),
       min_scale_(min_scale) {}
 
-at::Tensor LossScaler::scale_loss(const at::Tensor& loss) const { return enabled_ ? loss * scale_ : loss; }
+at::Tensor LossScaler::scale_loss(const at::Tensor& loss) const {
+  return enabled_ ? loss * scale_ : loss;
+}
 
 bool LossScaler::unscale_and_check(const std::vector<at::Tensor>& grads,
                                    const std::vector<Communicator*>& shard_groups) {
@@ -125,11 +130,13 @@ bool LossScaler::unscale_and_check(const std::vector<at::Tensor>& grads,
   }
   const at::Device dev = defined.empty() ? at::Device(at::kCPU) : defined.front().device();
   at::Tensor found = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(dev));
-  const at::Tensor inv = at::full({1}, 1.0 / scale_, at::TensorOptions().dtype(at::kFloat).device(dev));
+  const at::Tensor inv =
+      at::full({1}, 1.0 / scale_, at::TensorOptions().dtype(at::kFloat).device(dev));
   // The kernel needs one device and dtype per call: group the grads by dtype.
   std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
   for (auto& g : defined) by_dtype[g.scalar_type()].push_back(g);
-  for (auto& [dt, list] : by_dtype) at::_amp_foreach_non_finite_check_and_unscale_(list, found, inv);
+  for (auto& [dt, list] : by_dtype)
+    at::_amp_foreach_non_finite_check_and_unscale_(list, found, inv);
   for (Communicator* c : shard_groups) {
     if (!c || c->size() == 1) continue;
     at::Tensor tmp = found.device().type() == c->device_type() ? found : found.cpu();

@@ -13,7 +13,8 @@ namespace parallax::parallel {
 // parameters, or this rank's pieces of them). `ddp`: bucket caps, modes and unused-parameter
 // handling, shared by DDP and ZeRO's gradient buckets.
 std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn::Module> module,
-                                     std::vector<optim::ParamGroup> groups, const OptimizerFactory& make,
-                                     comm::CommPtr dp, const ddp::DdpOptions& ddp);
+                                     std::vector<optim::ParamGroup> groups,
+                                     const OptimizerFactory& make, comm::CommPtr dp,
+                                     const ddp::DdpOptions& ddp);
 
 }  // namespace parallax::parallel

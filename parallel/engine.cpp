@@ -32,7 +32,8 @@ std::vector<Box> flat_range_boxes(const std::vector<int64_t>& shape, int64_t beg
       [&](int64_t d, std::vector<int64_t>& prefix, int64_t lo, int64_t hi) {
         if (lo >= hi) return;
         const int64_t step = inner[d];
-        auto emit = [&](int64_t first, int64_t count) {  // rows [first, first + count) of dim d, whole
+        auto emit = [&](int64_t first,
+                        int64_t count) {  // rows [first, first + count) of dim d, whole
           Box b;
           b.offsets = prefix;
           b.lengths.assign(prefix.size(), 1);

@@ -6,9 +6,10 @@
 // fixed order, and hands the model's parameter groups and an optimizer factory to
 // build_engine(). From then on it only talks to the Engine:
 //
-//   engine.forward_backward(K, micro)   K micro-batches; micro(i) runs forward + loss of micro-batch
-//                                       i and returns the (scaled) loss to backpropagate. The engine
-//                                       owns no-sync accumulation (DDP), gradient reduction
+//   engine.forward_backward(K, micro)   K micro-batches; micro(i) runs forward + loss of
+//   micro-batch
+//                                       i and returns the (scaled) loss to backpropagate. The
+//                                       engine owns no-sync accumulation (DDP), gradient reduction
 //                                       (all-reduce or reduce-scatter), and later the pipeline
 //                                       schedule.
 //   engine.grads()                      the gradients the optimizer steps on, each group with the
@@ -77,7 +78,8 @@ struct EngineMemory {
   int64_t total() const { return params + grads + optimizer; }
 };
 
-using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
+using OptimizerFactory =
+    std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
 
 class Engine {
  public:

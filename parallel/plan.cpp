@@ -6,8 +6,8 @@
 
 namespace parallax::parallel {
 
-Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpointing, bool cuda_graph, int world,
-                int gpus_per_node) {
+Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpointing,
+                bool cuda_graph, int world, int gpus_per_node) {
   Plan plan;
   plan.layout = comm::resolve_layout(world, p.dp, p.tp, p.pp, gpus_per_node);
   plan.zero_stage = p.zero.stage;
@@ -15,25 +15,32 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
   plan.cuda_graph = cuda_graph;
   if (plan.layout.tp > 1 || plan.layout.pp > 1) {
     throw_error<LayoutError>(
-        "layout {}: tensor and pipeline parallelism are not available in this version; use parallel.tp=1 "
+        "layout {}: tensor and pipeline parallelism are not available in this version; use "
+        "parallel.tp=1 "
         "parallel.pp=1 (data parallel over all {} ranks)",
         plan.layout.to_string(), world);
   }
   PARALLAX_CHECK(plan.zero_stage >= 0 && plan.zero_stage <= 3, ConfigError,
-                 "key 'parallel.zero.stage': {} is not a ZeRO stage (0, 1, 2 or 3)", plan.zero_stage);
+                 "key 'parallel.zero.stage': {} is not a ZeRO stage (0, 1, 2 or 3)",
+                 plan.zero_stage);
   PARALLAX_CHECK(plan.zero_stage != 3, ConfigError,
-                 "key 'parallel.zero.stage': ZeRO-3 (sharded parameters) is not available in this version; use "
+                 "key 'parallel.zero.stage': ZeRO-3 (sharded parameters) is not available in this "
+                 "version; use "
                  "parallel.zero.stage=2 (optimizer state and gradients sharded)");
   if (plan.zero_stage > 0) {
-    PARALLAX_CHECK(!cuda_graph, ConfigError,
-                   "keys 'parallel.zero.stage' and 'train.cuda_graph': a ZeRO-{} step cannot be captured into a "
-                   "CUDA graph in this version; set train.cuda_graph=false or parallel.zero.stage=0",
-                   plan.zero_stage);
+    PARALLAX_CHECK(
+        !cuda_graph, ConfigError,
+        "keys 'parallel.zero.stage' and 'train.cuda_graph': a ZeRO-{} step cannot be captured into "
+        "a "
+        "CUDA graph in this version; set train.cuda_graph=false or parallel.zero.stage=0",
+        plan.zero_stage);
     PARALLAX_CHECK(p.ddp.reduce_dtype == "grad", ConfigError,
-                   "keys 'parallel.zero.stage' and 'parallel.ddp.reduce_dtype': ZeRO reduce-scatters gradients in "
+                   "keys 'parallel.zero.stage' and 'parallel.ddp.reduce_dtype': ZeRO "
+                   "reduce-scatters gradients in "
                    "their own dtype; set parallel.ddp.reduce_dtype=grad");
     PARALLAX_CHECK(p.allreduce == "native", ConfigError,
-                   "keys 'parallel.zero.stage' and 'parallel.allreduce': ZeRO uses the backend's reduce-scatter and "
+                   "keys 'parallel.zero.stage' and 'parallel.allreduce': ZeRO uses the backend's "
+                   "reduce-scatter and "
                    "all-gather; set parallel.allreduce=native");
   }
   return plan;

@@ -55,12 +55,15 @@ MetricsWriter::~MetricsWriter() {
   if (file_) std::fclose(file_);
 }
 
-void MetricsWriter::write(const std::string& kind, int64_t step, const std::map<std::string, double>& values) {
+void MetricsWriter::write(const std::string& kind, int64_t step,
+                          const std::map<std::string, double>& values) {
   if (!file_) return;
   std::string line = fmt::format("{{\"kind\": {}, \"step\": {}", core::json_quote(kind), step);
   for (const auto& [k, v] : values) {
-    if (std::isfinite(v)) line += fmt::format(", {}: {}", core::json_quote(k), v);
-    else line += fmt::format(", {}: null", core::json_quote(k));
+    if (std::isfinite(v))
+      line += fmt::format(", {}: {}", core::json_quote(k), v);
+    else
+      line += fmt::format(", {}: null", core::json_quote(k));
   }
   line += "}\n";
   if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0) {

@@ -20,10 +20,10 @@
 #include "optim/optimizer.h"
 #include "optim/precision.h"
 #include "optim/schedule.h"
+#include "parallel/build_engine.h"
 #include "parallel/comm/factory.h"
 #include "parallel/comm/topology.h"
 #include "parallel/comm/world.h"
-#include "parallel/build_engine.h"
 #include "train/batch_source.h"
 #include "train/cuda_graph.h"
 #include "train/evaluate.h"
@@ -55,17 +55,19 @@ namespace {
 namespace comm = parallel::comm;
 namespace ck = checkpoint;
 
-
 // "NaN", "inf" or "-inf" (the platform prints "-nan" for some NaNs).
-std::string nonfinite_name(double v) { return std::isnan(v) ? "NaN" : (v > 0 ? "inf" : "-inf"); }
+std::string nonfinite_name(double v) {
+  return std::isnan(v) ? "NaN" : (v > 0 ? "inf" : "-inf");
+}
 
 c10::Device pick_device(const TrainConfig& cfg, const comm::World& world) {
   const auto gpu = world.device();
   if (cfg.device == "cpu") return c10::Device(c10::kCPU);
   if (cfg.device == "cuda") {
-    PARALLAX_CHECK(gpu.has_value(), ConfigError,
-                   "key 'train.device' is 'cuda' but rank {} sees no CUDA device (LibTorch CUDA: {})",
-                   world.rank(), at::hasCUDA() ? "yes" : "no");
+    PARALLAX_CHECK(
+        gpu.has_value(), ConfigError,
+        "key 'train.device' is 'cuda' but rank {} sees no CUDA device (LibTorch CUDA: {})",
+        world.rank(), at::hasCUDA() ? "yes" : "no");
     return *gpu;
   }
   return gpu.has_value() ? *gpu : c10::Device(c10::kCPU);
@@ -91,8 +93,8 @@ void run_plot_tool(const fs::path& run_dir) {
     return;
   }
   const char* py = std::getenv("PARALLAX_PYTHON");
-  const std::string cmd = fmt::format("'{}' '{}' '{}' 2>&1", py && *py ? py : PARALLAX_PYTHON_EXE, tool.string(),
-                                      run_dir.string());
+  const std::string cmd = fmt::format("'{}' '{}' '{}' 2>&1", py && *py ? py : PARALLAX_PYTHON_EXE,
+                                      tool.string(), run_dir.string());
   std::string output;
   int rc = -1;
   if (std::FILE* pipe = popen(cmd.c_str(), "r")) {
@@ -101,7 +103,8 @@ void run_plot_tool(const fs::path& run_dir) {
     rc = pclose(pipe);
   }
   if (rc != 0) {
-    const std::string last = core::trim(output.substr(output.rfind('\n', output.size() >= 2 ? output.size() - 2 : 0) + 1));
+    const std::string last = core::trim(
+        output.substr(output.rfind('\n', output.size() >= 2 ? output.size() - 2 : 0) + 1));
     core::log::warn("plots skipped: '{}' failed: {}", cmd, last.empty() ? "no output" : last);
   } else {
     core::log::info("plots: {}", (run_dir / "plots").string());
@@ -141,10 +144,11 @@ class TrainerImpl {
   std::map<std::string, at::Tensor> train_step(int64_t step, double lr, bool log_step);
   // train_step with train.cuda_graph: warm-up steps eager, then one capture and a replay per step.
   std::map<std::string, at::Tensor> graph_step(int64_t step, double lr, bool log_step);
-  // Forward, backward (DDP), unscale, clip and optimizer step on the micro-batches batch_of(0..accum-1).
-  // Leaves the gradients in place. No host synchronisation on GPUs unless fp16 loss scaling is on.
-  std::map<std::string, at::Tensor> compute_step(const std::function<core::TensorDict(int)>& batch_of, double lr,
-                                                 bool log_step);
+  // Forward, backward (DDP), unscale, clip and optimizer step on the micro-batches
+  // batch_of(0..accum-1). Leaves the gradients in place. No host synchronisation on GPUs unless
+  // fp16 loss scaling is on.
+  std::map<std::string, at::Tensor> compute_step(
+      const std::function<core::TensorDict(int)>& batch_of, double lr, bool log_step);
   // Runs a graph launch or drain. A replay that never finished (a peer stopped inside a captured
   // collective) leaves this process's streams and communicators stuck, so no graceful shutdown is
   // possible: the error is printed and the job is torn down (World::abort, MPI_Abort under mpirun).
@@ -209,18 +213,24 @@ void TrainerImpl::replay_or_abort(const std::function<void()>& launch) {
 
 void TrainerImpl::check_graph_capturable() const {
   const auto& p = cfg_.parallel;
-  PARALLAX_CHECK(device_.is_cuda(), ConfigError,
-                 "key 'train.cuda_graph': CUDA graphs need a GPU, but rank {} trains on {} (train.device={})",
-                 world_.rank(), device_.str(), cfg_.train.device);
-  PARALLAX_CHECK(cfg_.precision.mode != "fp16", ConfigError,
-                 "key 'train.cuda_graph': precision.mode=fp16's dynamic loss scaler decides on the host whether a "
-                 "step is skipped, which a captured step cannot do; use precision.mode=bf16 or fp32");
+  PARALLAX_CHECK(
+      device_.is_cuda(), ConfigError,
+      "key 'train.cuda_graph': CUDA graphs need a GPU, but rank {} trains on {} (train.device={})",
+      world_.rank(), device_.str(), cfg_.train.device);
+  PARALLAX_CHECK(
+      cfg_.precision.mode != "fp16", ConfigError,
+      "key 'train.cuda_graph': precision.mode=fp16's dynamic loss scaler decides on the host "
+      "whether a "
+      "step is skipped, which a captured step cannot do; use precision.mode=bf16 or fp32");
   PARALLAX_CHECK(!p.ddp.find_unused, ConfigError,
-                 "key 'train.cuda_graph': parallel.ddp.find_unused reads which parameters got gradients on the host "
+                 "key 'train.cuda_graph': parallel.ddp.find_unused reads which parameters got "
+                 "gradients on the host "
                  "every step; set parallel.ddp.find_unused=false");
-  PARALLAX_CHECK(!p.debug_collectives, ConfigError,
-                 "key 'train.cuda_graph': parallel.debug_collectives cross-checks every collective on the host "
-                 "before it runs; set parallel.debug_collectives=false (or train.cuda_graph=false to debug)");
+  PARALLAX_CHECK(
+      !p.debug_collectives, ConfigError,
+      "key 'train.cuda_graph': parallel.debug_collectives cross-checks every collective on the "
+      "host "
+      "before it runs; set parallel.debug_collectives=false (or train.cuda_graph=false to debug)");
 }
 
 void TrainerImpl::compare_config(const std::string& config_text) {
@@ -248,7 +258,7 @@ void TrainerImpl::compare_config(const std::string& config_text) {
 }
 
 void TrainerImpl::with_config_hint(const std::vector<std::string>& prefixes,
-                               const std::function<void()>& load) const {
+                                   const std::function<void()>& load) const {
   try {
     load();
   } catch (const CheckpointError& e) {
@@ -282,23 +292,27 @@ void TrainerImpl::setup() {
   // Ranks sharing a node share its cores: without this, every rank would start one intra-op
   // thread per core and they would all fight over them.
   const int local_ranks = std::max(1, world_.launch().local_world_size);
-  const int threads = cfg_.train.threads > 0
-                          ? cfg_.train.threads
-                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_ranks);
+  const int threads =
+      cfg_.train.threads > 0
+          ? cfg_.train.threads
+          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_ranks);
   at::set_num_threads(threads);
   const auto& p = cfg_.parallel;
-  comm::CommOptions opts = comm::make_comm_options(p.timeout_s, p.init_timeout_s, p.checkpoint_timeout_s,
-                                                   p.debug_collectives, p.flight_recorder_size, p.allreduce,
-                                                   static_cast<int64_t>(p.ring_chunk_mb * (1 << 20)));
+  comm::CommOptions opts = comm::make_comm_options(
+      p.timeout_s, p.init_timeout_s, p.checkpoint_timeout_s, p.debug_collectives,
+      p.flight_recorder_size, p.allreduce, static_cast<int64_t>(p.ring_chunk_mb * (1 << 20)));
   opts.nccl_blocking = p.nccl_blocking;
   std::string backend = p.backend;
   if (backend == "auto" && device_.is_cpu()) backend = world_.has_mpi() ? "mpi" : "gloo";
   world_comm_ = comm::make_world_communicator(world_, backend, opts);
-  PARALLAX_CHECK(device_.is_cpu() == (world_comm_->device_type() == c10::kCPU), ConfigError,
-                 "key 'parallel.backend': backend '{}' works on {} tensors but the model runs on {}",
-                 world_comm_->backend(), c10::DeviceTypeName(world_comm_->device_type()), device_.str());
-  const int gpus = p.gpus_per_node > 0 ? p.gpus_per_node : (device_.is_cuda() ? world_.cuda_device_count() : 0);
-  plan_ = parallel::Plan::from(p, cfg_.train.activation_checkpointing, cfg_.train.cuda_graph, world_.size(), gpus);
+  PARALLAX_CHECK(
+      device_.is_cpu() == (world_comm_->device_type() == c10::kCPU), ConfigError,
+      "key 'parallel.backend': backend '{}' works on {} tensors but the model runs on {}",
+      world_comm_->backend(), c10::DeviceTypeName(world_comm_->device_type()), device_.str());
+  const int gpus =
+      p.gpus_per_node > 0 ? p.gpus_per_node : (device_.is_cuda() ? world_.cuda_device_count() : 0);
+  plan_ = parallel::Plan::from(p, cfg_.train.activation_checkpointing, cfg_.train.cuda_graph,
+                               world_.size(), gpus);
   const comm::Layout layout = plan_.layout;
   // First collective on world_comm_: rank 0 checks, creates and locks the run directory for the
   // whole run, and every rank learns the outcome (a second job on it fails here on every rank).
@@ -328,7 +342,8 @@ void TrainerImpl::setup() {
   std::pair<int64_t, int64_t> data_pos{0, 0};
   int data_pos_dp = 0;
   if (resume_ && resume_->metadata().has_extra("data.epoch")) {
-    data_pos = {resume_->metadata().extra_int("data.epoch"), resume_->metadata().extra_int("data.position")};
+    data_pos = {resume_->metadata().extra_int("data.epoch"),
+                resume_->metadata().extra_int("data.position")};
     data_pos_dp = resume_->metadata().layout.dp;
   }
 
@@ -336,7 +351,8 @@ void TrainerImpl::setup() {
   const uint64_t seed = static_cast<uint64_t>(cfg_.experiment.seed);
   synthetic_ = cfg_.data.synthetic || cfg_.train.benchmark || cfg_.model.name != "bev";
   if (!synthetic_) {
-    source_ = make_dataset_source(cfg_.data, seed, topo_->coord().dp, layout.dp, data_pos, data_pos_dp);
+    source_ =
+        make_dataset_source(cfg_.data, seed, topo_->coord().dp, layout.dp, data_pos, data_pos_dp);
     scene_ = *source_->scene();
   } else if (cfg_.model.name == "bev") {
     // Synthetic batches use the size's benchmark scene (tiny: the default 6 x 128x224 scene;
@@ -382,30 +398,34 @@ void TrainerImpl::setup() {
     frozen_->eval();
     for (auto& p : frozen_->parameters()) p.set_requires_grad(false);
   }
-  core::log::info("model {}/{}: {:.3f} M parameters, {:.3f} GFLOP forward per sample", cfg_.model.name,
-                  cfg_.model.size, model_->parameter_count() / 1e6, model_->forward_flops_per_sample() / 1e9);
+  core::log::info("model {}/{}: {:.3f} M parameters, {:.3f} GFLOP forward per sample",
+                  cfg_.model.name, cfg_.model.size, model_->parameter_count() / 1e6,
+                  model_->forward_flops_per_sample() / 1e9);
   if (graph_) {
     const std::string blocker = model_->graph_capture_blocker();
-    PARALLAX_CHECK(blocker.empty(), ConfigError,
-                   "key 'train.cuda_graph': model '{}' cannot be captured: {}; set train.cuda_graph=false",
-                   cfg_.model.name, blocker);
-    core::log::info("CUDA graph: {} eager warm-up step(s), then the whole step is captured and replayed",
-                    cfg_.train.cuda_graph_warmup);
+    PARALLAX_CHECK(
+        blocker.empty(), ConfigError,
+        "key 'train.cuda_graph': model '{}' cannot be captured: {}; set train.cuda_graph=false",
+        cfg_.model.name, blocker);
+    core::log::info(
+        "CUDA graph: {} eager warm-up step(s), then the whole step is captured and replayed",
+        cfg_.train.cuda_graph_warmup);
   }
 
   if (cfg_.train.activation_checkpointing != "none") {
     int idx = 0, wrapped = 0;
     for (auto& block : model_->checkpointable_blocks()) {
       auto cb = std::dynamic_pointer_cast<models::CheckpointableBlock>(block);
-      const bool on = cfg_.train.activation_checkpointing == "full" || idx % 2 == 0;  // selective: every other
+      const bool on =
+          cfg_.train.activation_checkpointing == "full" || idx % 2 == 0;  // selective: every other
       if (cb && on) {
         cb->set_checkpointing(true);
         ++wrapped;
       }
       ++idx;
     }
-    core::log::info("activation checkpointing ({}): {} of {} blocks", cfg_.train.activation_checkpointing,
-                    wrapped, idx);
+    core::log::info("activation checkpointing ({}): {} of {} blocks",
+                    cfg_.train.activation_checkpointing, wrapped, idx);
   }
 
   // Plan step 4 (parallel/plan.h): DDP or ZeRO over the data-parallel group, last, on the
@@ -425,7 +445,9 @@ void TrainerImpl::setup() {
   const optim::OptimConfig optim_cfg = cfg_.optim;
   engine_ = parallel::build_engine(
       plan_, model_, optim::make_param_groups(named, cfg_.optim.weight_decay),
-      [optim_cfg](std::vector<optim::ParamGroup> groups) { return optim::build_optimizer(optim_cfg, std::move(groups)); },
+      [optim_cfg](std::vector<optim::ParamGroup> groups) {
+        return optim::build_optimizer(optim_cfg, std::move(groups));
+      },
       topo_->dp(), o);
   core::log::info("parallel plan: {}; engine: {}", plan_.describe(), engine_->describe());
   if (layout.dp > 1) {
@@ -434,7 +456,8 @@ void TrainerImpl::setup() {
     const comm::CommPtr dp = topo_->dp();
     const c10::Device at_device = dp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
     replica_mean_ = [dp, at_device](const at::Tensor& t) {
-      at::Tensor x = t.detach().to(at_device, at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+      at::Tensor x =
+          t.detach().to(at_device, at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
       const comm::WorkPtr w = dp->all_reduce_async(x, comm::ReduceOp::kAvg);
       w->wait_stream();
       return x.device() == t.device() ? x : x.to(t.device());
@@ -454,8 +477,7 @@ void TrainerImpl::setup() {
 
   if (resume_) {
     core::Stopwatch load_clock;
-    with_config_hint({"optim.", "model.", "lora.", "qat."},
-                     [&] { load_optimizer_state(); });
+    with_config_hint({"optim.", "model.", "lora.", "qat."}, [&] { load_optimizer_state(); });
     check_resumed_state_finite();
     ck::load_loss_scaler(resume_->metadata(), *scaler_);
     if (hooks_.load_extra) hooks_.load_extra(*resume_);
@@ -468,8 +490,8 @@ void TrainerImpl::setup() {
     int64_t bytes = 0;
     for (const auto& [name, info] : resume_->metadata().tensors) bytes += info.nbytes();
     load_s += load_clock.elapsed_s();
-    core::log::info("checkpoint loaded: {:.2f} GB in {:.2f} s on rank {} ({:.2f} GB/s)", bytes / 1e9, load_s,
-                    world_.rank(), bytes / 1e9 / load_s);
+    core::log::info("checkpoint loaded: {:.2f} GB in {:.2f} s on rank {} ({:.2f} GB/s)",
+                    bytes / 1e9, load_s, world_.rank(), bytes / 1e9 / load_s);
     resume_.reset();
   }
   if (!cfg_.train.benchmark) {
@@ -554,9 +576,14 @@ void TrainerImpl::stage_graph_inputs(int64_t step) {
         PARALLAX_CHECK(it != batch.end() && it->second.defined() == dst.defined() &&
                            (!dst.defined() || it->second.sizes() == dst.sizes()),
                        DataError,
-                       "train.cuda_graph: step {} micro-batch {}: batch key '{}' has shape {} but the captured step "
-                       "was built for {}; a CUDA graph replays fixed shapes (every batch must be full and alike)",
-                       step, micro, k, it == batch.end() || !it->second.defined() ? "none" : fmt::format("{}", it->second.sizes()),
+                       "train.cuda_graph: step {} micro-batch {}: batch key '{}' has shape {} but "
+                       "the captured step "
+                       "was built for {}; a CUDA graph replays fixed shapes (every batch must be "
+                       "full and alike)",
+                       step, micro, k,
+                       it == batch.end() || !it->second.defined()
+                           ? "none"
+                           : fmt::format("{}", it->second.sizes()),
                        dst.defined() ? fmt::format("{}", dst.sizes()) : "none");
         if (dst.defined()) dst.copy_(it->second, /*non_blocking=*/true);
       }
@@ -567,7 +594,8 @@ void TrainerImpl::stage_graph_inputs(int64_t step) {
 
 std::map<std::string, at::Tensor> TrainerImpl::graph_step(int64_t step, double lr, bool log_step) {
   stage_graph_inputs(step);
-  // Buffers are broadcast once per step, before the graph (a blocking broadcast cannot be captured).
+  // Buffers are broadcast once per step, before the graph (a blocking broadcast cannot be
+  // captured).
   engine_->broadcast_buffers();
   engine_->optimizer().set_lr(lr);
   const auto inputs = [this](int micro) { return graph_inputs_[static_cast<std::size_t>(micro)]; };
@@ -586,9 +614,10 @@ std::map<std::string, at::Tensor> TrainerImpl::graph_step(int64_t step, double l
     try {
       graph_->capture([&] { graph_terms_ = compute_step(inputs, lr, /*log_step=*/false); });
     } catch (const std::exception& e) {
-      throw_error<Error>("train.cuda_graph: capturing step {} on rank {} failed: {} (something in the step "
-                         "synchronises with the host or changes shape; set train.cuda_graph=false)",
-                         step, world_.rank(), e.what());
+      throw_error<Error>(
+          "train.cuda_graph: capturing step {} on rank {} failed: {} (something in the step "
+          "synchronises with the host or changes shape; set train.cuda_graph=false)",
+          step, world_.rank(), e.what());
     }
     core::log::info("CUDA graph: step {} captured in {:.2f} s", step, capture_clock.elapsed_s());
   }
@@ -601,19 +630,21 @@ std::map<std::string, at::Tensor> TrainerImpl::graph_step(int64_t step, double l
   return graph_terms_;
 }
 
-std::map<std::string, at::Tensor> TrainerImpl::compute_step(const std::function<core::TensorDict(int)>& batch_of,
-                                                        double lr, bool log_step) {
+std::map<std::string, at::Tensor> TrainerImpl::compute_step(
+    const std::function<core::TensorDict(int)>& batch_of, double lr, bool log_step) {
   const int accum = cfg_.train.grad_accum;
   // Loss normalisers over the whole data-parallel batch during the step only: evaluation runs a
   // different number of batches per rank and must not issue collectives.
   struct ReplicaMeanScope {
     models::Model& model;
-    ReplicaMeanScope(models::Model& m, const models::ReplicaMean& mean) : model(m) { model.set_replica_mean(mean); }
+    ReplicaMeanScope(models::Model& m, const models::ReplicaMean& mean) : model(m) {
+      model.set_replica_mean(mean);
+    }
     ~ReplicaMeanScope() { model.set_replica_mean({}); }
   } replica_mean_scope(*model_, replica_mean_);
   std::map<std::string, at::Tensor> terms;
-  // The engine owns the micro-batch loop (no-sync accumulation, reductions); this returns micro-step
-  // i's loss to backpropagate. graph_step broadcasts buffers once before the graph.
+  // The engine owns the micro-batch loop (no-sync accumulation, reductions); this returns
+  // micro-step i's loss to backpropagate. graph_step broadcasts buffers once before the graph.
   engine_->forward_backward(
       accum,
       [&](int micro) {
@@ -632,8 +663,8 @@ std::map<std::string, at::Tensor> TrainerImpl::compute_step(const std::function<
             }
           }
         }
-        terms["loss"] =
-            terms.count("loss") ? terms["loss"] + loss.total.detach() / accum : loss.total.detach() / accum;
+        terms["loss"] = terms.count("loss") ? terms["loss"] + loss.total.detach() / accum
+                                            : loss.total.detach() / accum;
         for (const auto& [k, v] : loss.terms) {
           const std::string key = "loss_" + k;
           terms[key] = terms.count(key) ? terms[key] + v.detach().to(at::kFloat) / accum
@@ -672,7 +703,8 @@ void TrainerImpl::save_checkpoint(int64_t step) {
   // The optimizer state per parameter under its global name and shape, as the engine holds it
   // (whole and replicated under DDP; flat ranges of each parameter under ZeRO).
   for (auto& piece : engine_->optimizer_state())
-    state.add_shard(ck::kOptimPrefix + piece.name, piece.tensor, piece.global_shape, piece.offsets, piece.replicas);
+    state.add_shard(ck::kOptimPrefix + piece.name, piece.tensor, piece.global_shape, piece.offsets,
+                    piece.replicas);
   ck::add_rng(state);
   ck::add_loss_scaler(state, *scaler_);
   if (hooks_.save_extra) hooks_.save_extra(state);
@@ -689,8 +721,8 @@ void TrainerImpl::save_checkpoint(int64_t step) {
 
 void TrainerImpl::run_eval(int64_t step) {
   if (synthetic_ || cfg_.model.name != "bev") return;
-  auto m = evaluate(*model_, cfg_.data, scene_, static_cast<uint64_t>(cfg_.experiment.seed), *topo_->dp(), device_,
-                    precision_);
+  auto m = evaluate(*model_, cfg_.data, scene_, static_cast<uint64_t>(cfg_.experiment.seed),
+                    *topo_->dp(), device_, precision_);
   metrics_->write("eval", step, m);
 }
 
@@ -698,15 +730,19 @@ TrainSummary TrainerImpl::fit() {
   setup();
   int64_t total = cfg_.train.steps;
   if (cfg_.train.epochs > 0) {
-    PARALLAX_CHECK(source_->batches_per_epoch() > 0, ConfigError,
-                   "key 'train.epochs' needs a dataset (synthetic batches have no epochs); use train.steps");
+    PARALLAX_CHECK(
+        source_->batches_per_epoch() > 0, ConfigError,
+        "key 'train.epochs' needs a dataset (synthetic batches have no epochs); use train.steps");
     total = cfg_.train.epochs * source_->batches_per_epoch() / cfg_.train.grad_accum;
   }
-  const int64_t global_batch = static_cast<int64_t>(cfg_.data.batch_size) * cfg_.train.grad_accum * topo_->layout().dp;
-  const double flops_per_step = 3.0 * model_->forward_flops_per_sample() * static_cast<double>(global_batch);
-  core::log::info("training {} steps: global batch {} ({} per rank x {} micro-steps x dp {}), precision {}",
-                  total, global_batch, cfg_.data.batch_size, cfg_.train.grad_accum, topo_->layout().dp,
-                  cfg_.precision.mode);
+  const int64_t global_batch =
+      static_cast<int64_t>(cfg_.data.batch_size) * cfg_.train.grad_accum * topo_->layout().dp;
+  const double flops_per_step =
+      3.0 * model_->forward_flops_per_sample() * static_cast<double>(global_batch);
+  core::log::info(
+      "training {} steps: global batch {} ({} per rank x {} micro-steps x dp {}), precision {}",
+      total, global_batch, cfg_.data.batch_size, cfg_.train.grad_accum, topo_->layout().dp,
+      cfg_.precision.mode);
 
   core::Progress progress("step", total, 5.0);
   if (start_step_ > 0) progress.update(start_step_);
@@ -717,14 +753,16 @@ TrainSummary TrainerImpl::fit() {
   // no loss (null), rather than step 0.
   TrainSummary summary{run_dir_.string(), start_step_, NAN, 0};
   const comm::CommPtr& dp = topo_->dp();
-  const c10::Device reduce_device = dp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
+  const c10::Device reduce_device =
+      dp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
 
   if (start_step_ >= total) {
     core::log::info("checkpoint step {} >= train.steps {}: nothing to train", start_step_, total);
   }
-  StepProfiler profiler(cfg_.train.profile_steps > 0 ? std::max(cfg_.train.profile_start, start_step_ + 1) : 0,
-                        cfg_.train.profile_steps, device_.is_cuda(),
-                        (run_dir_ / "profile" / fmt::format("trace_rank{}.json", world_.rank())).string());
+  StepProfiler profiler(
+      cfg_.train.profile_steps > 0 ? std::max(cfg_.train.profile_start, start_step_ + 1) : 0,
+      cfg_.train.profile_steps, device_.is_cuda(),
+      (run_dir_ / "profile" / fmt::format("trace_rank{}.json", world_.rank())).string());
   for (int64_t step = start_step_ + 1; step <= total; ++step) {
     const double lr = optim::lr_at(cfg_.schedule, cfg_.optim.lr, step, total);
     const bool log_now = step % cfg_.train.log_every == 0 || step == total;
@@ -743,9 +781,10 @@ TrainSummary TrainerImpl::fit() {
     if (!log_now && device_.is_cpu()) {
       const double v = terms["loss"].item<double>();
       if (!std::isfinite(v)) {
-        throw_error<NumericsError>("loss is {} at step {} on rank {} (metrics so far are in {}); lower optim.lr "
-                                   "or check the data",
-                                   nonfinite_name(v), step, world_.rank(), (run_dir_ / "metrics.jsonl").string());
+        throw_error<NumericsError>(
+            "loss is {} at step {} on rank {} (metrics so far are in {}); lower optim.lr "
+            "or check the data",
+            nonfinite_name(v), step, world_.rank(), (run_dir_ / "metrics.jsonl").string());
       }
     }
     if (!log_now) {
@@ -771,14 +810,16 @@ TrainSummary TrainerImpl::fit() {
     packed = packed.cpu();
     const double loss = packed[0].item<double>();  // "loss" sorts first
     if (!std::isfinite(loss)) {
-      throw_error<NumericsError>("loss is {} at step {} (data-parallel mean; last finite log is in {}); lower "
-                                 "optim.lr or use precision.mode=bf16",
-                                 nonfinite_name(loss), step, (run_dir_ / "metrics.jsonl").string());
+      throw_error<NumericsError>(
+          "loss is {} at step {} (data-parallel mean; last finite log is in {}); lower "
+          "optim.lr or use precision.mode=bf16",
+          nonfinite_name(loss), step, (run_dir_ / "metrics.jsonl").string());
     }
     const double interval_s = interval_clock.elapsed_s();
     const double step_ms = 1000.0 * interval_s / interval_steps;
     std::map<std::string, double> m;
-    for (std::size_t i = 0; i < keys.size(); ++i) m[keys[i]] = packed[static_cast<int64_t>(i)].item<double>();
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      m[keys[i]] = packed[static_cast<int64_t>(i)].item<double>();
     m["lr"] = lr;
     m["grad_norm"] = grad_norm_.defined() ? grad_norm_.item<double>() : NAN;
     m["loss_scale"] = scaler_->scale();
@@ -790,15 +831,18 @@ TrainSummary TrainerImpl::fit() {
     if (engine_->timed()) m["backward_ms"] = graph_ ? NAN : backward_ms_ / interval_steps;
     m["img_per_s"] = global_batch * 1000.0 / step_ms;
     m["mem_gb"] = peak_memory_gb(device_);
-    m["mfu"] = device_.is_cuda() ? flops_per_step / (step_ms / 1000.0) / (peak_flops_per_gpu(cfg_.precision.mode) * world_.size()) : NAN;
+    m["mfu"] = device_.is_cuda() ? flops_per_step / (step_ms / 1000.0) /
+                                       (peak_flops_per_gpu(cfg_.precision.mode) * world_.size())
+                                 : NAN;
     metrics_->write("train", step, m);
-    progress.update(step, fmt::format("loss {:.4f} | lr {:.2e} | {:.0f} ms/step | {:.1f} samples/s", loss, lr,
-                                      step_ms, m["img_per_s"]));
+    progress.update(step, fmt::format("loss {:.4f} | lr {:.2e} | {:.0f} ms/step | {:.1f} samples/s",
+                                      loss, lr, step_ms, m["img_per_s"]));
     summary.steps = step;
     summary.final_loss = loss;
     data_ms_ = comm_ms_ = backward_ms_ = 0;
     interval_steps = 0;
-    if (cfg_.train.eval_every > 0 && step % cfg_.train.eval_every == 0 && step != total) run_eval(step);
+    if (cfg_.train.eval_every > 0 && step % cfg_.train.eval_every == 0 && step != total)
+      run_eval(step);
     interval_clock.reset();
     if (save_now) save_checkpoint(step);  // its blocking time counts in the next interval
   }
@@ -810,11 +854,14 @@ TrainSummary TrainerImpl::fit() {
   if (checkpointer_) checkpointer_->wait();
   const double run_s = run_clock.elapsed_s();
   const int64_t ran = total - start_step_;
-  if (ran > 1) summary.samples_per_s = (ran - 1) * global_batch / std::max(1e-9, run_s - first_step_s);
-  progress.finish(fmt::format("final loss {:.4f}, {:.1f} samples/s", summary.final_loss, summary.samples_per_s));
+  if (ran > 1)
+    summary.samples_per_s = (ran - 1) * global_batch / std::max(1e-9, run_s - first_step_s);
+  progress.finish(fmt::format("final loss {:.4f}, {:.1f} samples/s", summary.final_loss,
+                              summary.samples_per_s));
   // The last record: tells followers (tools/tb_sidecar.py) the run is complete.
-  metrics_->write("summary", summary.steps,
-                  {{"loss", summary.final_loss}, {"samples_per_s", summary.samples_per_s}, {"wall_s", run_s}});
+  metrics_->write(
+      "summary", summary.steps,
+      {{"loss", summary.final_loss}, {"samples_per_s", summary.samples_per_s}, {"wall_s", run_s}});
   world_comm_->barrier();
   if (rank0_) {
     core::log::info("metrics: {}", (run_dir_ / "metrics.jsonl").string());
@@ -830,11 +877,14 @@ struct Trainer::Impl {
   TrainerImpl trainer;
 };
 
-Trainer::Trainer(RunConfig& cfg, TrainerHooks hooks) : impl_(std::make_unique<Impl>(cfg, std::move(hooks))) {}
+Trainer::Trainer(RunConfig& cfg, TrainerHooks hooks)
+    : impl_(std::make_unique<Impl>(cfg, std::move(hooks))) {}
 
 Trainer::~Trainer() = default;
 
-TrainSummary Trainer::fit() { return impl_->trainer.fit(); }
+TrainSummary Trainer::fit() {
+  return impl_->trainer.fit();
+}
 
 TrainSummary run_training(RunConfig& cfg) {
   Trainer trainer(cfg);

@@ -42,7 +42,7 @@ struct TrainSummary {
   std::string run_dir;
   int64_t steps = 0;
   double final_loss = 0;  // mean over the data-parallel group at the last step (NaN: none trained)
-  double samples_per_s = 0;    // global throughput over the run (after the first step)
+  double samples_per_s = 0;  // global throughput over the run (after the first step)
 };
 
 // What a specialised trainer adds to the loop. Every member is optional; each is called on every
@@ -56,8 +56,8 @@ struct TrainerHooks {
   // the CPU: the trainer moves the model to its device afterwards.
   std::function<void(models::Model& model)> transform_model;
   // A second model, frozen (eval mode, requires_grad false, never wrapped by the engine, not
-  // checkpointed): e.g. a distillation teacher loaded from its own checkpoint. Built once, after the
-  // trained model; moved to the training device.
+  // checkpointed): e.g. a distillation teacher loaded from its own checkpoint. Built once, after
+  // the trained model; moved to the training device.
   std::function<std::shared_ptr<models::Model>(const RunConfig& cfg, const core::SceneSpec& scene,
                                                c10::Device device)>
       frozen_model;
@@ -65,8 +65,8 @@ struct TrainerHooks {
   // frozen model (null without one): each is added to the model's loss total (so it backpropagates)
   // and logged as loss_<name>. Runs under the step's autocast; run the frozen model under
   // at::NoGradGuard.
-  std::function<std::map<std::string, at::Tensor>(const core::TensorDict& batch, const core::TensorDict& pred,
-                                                  models::Model* frozen)>
+  std::function<std::map<std::string, at::Tensor>(
+      const core::TensorDict& batch, const core::TensorDict& pred, models::Model* frozen)>
       extra_loss;
   // Extra checkpoint entries (e.g. adapter-only weights, calibration statistics): added to every
   // save, and read back on resume (after the model and optimizer state).

@@ -51,26 +51,35 @@ int main(int argc, char** argv) {
     o.mode = parallel::ddp::BucketMode::kFlat;
     auto engine = parallel::build_engine(
         plan, model, optim::make_param_groups(named, 0.05),
-        [](std::vector<optim::ParamGroup> g) { return std::make_unique<optim::AdamW>(std::move(g), 0.9, 0.999, 1e-8, true); },
+        [](std::vector<optim::ParamGroup> g) {
+          return std::make_unique<optim::AdamW>(std::move(g), 0.9, 0.999, 1e-8, true);
+        },
         comm, o);
     at::manual_seed(2);
     core::TensorDict batch = model->example_batch(1);
     for (auto& [k, v] : batch) v = v.to(device);
-    engine->forward_backward(1, [&](int) {
-      const auto pred = model->forward(batch);
-      return model->loss(batch, pred).total;
-    }, true);
+    engine->forward_backward(
+        1,
+        [&](int) {
+          const auto pred = model->forward(batch);
+          return model->loss(batch, pred).total;
+        },
+        true);
     engine->step(1e-4);
     const parallel::EngineMemory m = engine->memory();
     const double psi = static_cast<double>(model->parameter_count());
     const int n = comm->size();
     if (world.rank() == 0) {
-      std::printf("%s\n", fmt::format(
-          "{{\"model\": \"{}/{}\", \"ranks\": {}, \"stage\": {}, \"params_gb\": {:.4f}, \"grads_gb\": {:.4f}, "
-          "\"optimizer_gb\": {:.4f}, \"total_gb\": {:.4f}, \"bytes_per_param\": {:.3f}, \"formula_bytes_per_param\": "
-          "{:.3f}}}",
-          model_name, size, n, stage, m.params / 1e9, m.grads / 1e9, m.optimizer / 1e9, m.total() / 1e9,
-          m.total() / psi, stage == 0 ? 16.0 : (stage == 1 ? 8.0 + 12.0 / n : 8.0 + 16.0 / n)).c_str());
+      std::printf("%s\n",
+                  fmt::format("{{\"model\": \"{}/{}\", \"ranks\": {}, \"stage\": {}, "
+                              "\"params_gb\": {:.4f}, \"grads_gb\": {:.4f}, "
+                              "\"optimizer_gb\": {:.4f}, \"total_gb\": {:.4f}, "
+                              "\"bytes_per_param\": {:.3f}, \"formula_bytes_per_param\": "
+                              "{:.3f}}}",
+                              model_name, size, n, stage, m.params / 1e9, m.grads / 1e9,
+                              m.optimizer / 1e9, m.total() / 1e9, m.total() / psi,
+                              stage == 0 ? 16.0 : (stage == 1 ? 8.0 + 12.0 / n : 8.0 + 16.0 / n))
+                      .c_str());
       std::fflush(stdout);
     }
   }

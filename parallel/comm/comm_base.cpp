@@ -83,7 +83,8 @@ std::string dtype_name(c10::ScalarType t) {
 std::string detail_of(const OpDesc& d) {
   switch (d.kind) {
     case OpKind::kAllReduce:
-      if (d.tensors > 1) return fmt::format("{}, {}, {} tensors", to_string(d.reduce), to_string(d.algo), d.tensors);
+      if (d.tensors > 1)
+        return fmt::format("{}, {}, {} tensors", to_string(d.reduce), to_string(d.algo), d.tensors);
       return fmt::format("{}, {}", to_string(d.reduce), to_string(d.algo));
     case OpKind::kReduceScatter:
       return to_string(d.reduce);
@@ -219,7 +220,9 @@ void CommBase::complete(const Ticket& t) {
   recorder_.set_state(t.record_id, OpState::kCompleted);
 }
 
-void CommBase::captured(const Ticket& t) { recorder_.set_state(t.record_id, OpState::kCaptured); }
+void CommBase::captured(const Ticket& t) {
+  recorder_.set_state(t.record_id, OpState::kCaptured);
+}
 
 namespace {
 
@@ -313,10 +316,12 @@ std::string CommBase::dump_flight(const std::string& reason) {
   const size_t first = entries.size() > 16 ? entries.size() - 16 : 0;
   const core::log::Level level = path.empty() ? core::log::Level::kError : core::log::Level::kDebug;
   if (core::log::enabled(level)) {
-    core::log::write(level, fmt::format("flight recorder of group '{}' on world rank {} (last {} of {} ops{}):", name_,
-                                        ctx_->rank, entries.size() - first, recorder_.total_recorded(),
-                                        path.empty() ? "" : ", all groups in " + path));
-    for (size_t i = first; i < entries.size(); ++i) core::log::write(level, "  " + to_json(entries[i]));
+    core::log::write(
+        level, fmt::format("flight recorder of group '{}' on world rank {} (last {} of {} ops{}):",
+                           name_, ctx_->rank, entries.size() - first, recorder_.total_recorded(),
+                           path.empty() ? "" : ", all groups in " + path));
+    for (size_t i = first; i < entries.size(); ++i)
+      core::log::write(level, "  " + to_json(entries[i]));
   }
   return path;
 }
@@ -337,8 +342,8 @@ std::string op_label(const Ticket& t, const std::vector<int>& world_ranks) {
 
 }  // namespace
 
-  // Which members never arrived: each rank publishes its last issued sequence number per group to
-  // the store, independently of the stuck op.
+// Which members never arrived: each rank publishes its last issued sequence number per group to
+// the store, independently of the stuck op.
 std::string CommBase::peer_report(const Ticket& t) {
   std::string arrival;
   if (!ctx_->board) {
@@ -347,7 +352,8 @@ std::string CommBase::peer_report(const Ticket& t) {
     try {
       // Each step has its own deadline: the store may live in the rank that stopped.
       ctx_->board->flush(std::chrono::milliseconds(1000));
-      std::this_thread::sleep_for(SeqBoard::kFlushInterval * 5);  // let the peers' last updates land
+      std::this_thread::sleep_for(SeqBoard::kFlushInterval *
+                                  5);  // let the peers' last updates land
       auto states = ctx_->board->read(uid_, world_ranks_, kReportStoreDeadline);
       const int me = ctx_->rank;
       if (is_p2p(t.desc.kind)) {
@@ -383,21 +389,25 @@ std::string CommBase::peer_report(const Ticket& t) {
                                 fmt::join(missing_ranks, ", "), fmt::join(missing, "; "));
         } else {
           arrival = fmt::format(
-              "Every member issued #{}: the op failed or is stuck inside the {} backend (a peer died "
+              "Every member issued #{}: the op failed or is stuck inside the {} backend (a peer "
+              "died "
               "or the network failed)",
               t.seq, backend());
         }
         if (!ahead.empty()) arrival += fmt::format(" ({})", fmt::join(ahead, "; "));
       }
       // Which peers stopped responding at all (their board writer's heartbeat stalled).
-      const auto silent = ctx_->board->unresponsive(world_ranks_, kSilenceWindow, kReportStoreDeadline);
+      const auto silent =
+          ctx_->board->unresponsive(world_ranks_, kSilenceWindow, kReportStoreDeadline);
       if (!silent.empty()) {
-        arrival += fmt::format(". Not responding (no heartbeat for {:.1f} s: stopped, killed or wedged): world rank{} {}",
-                               kSilenceWindow.count() / 1000.0, silent.size() > 1 ? "s" : "",
-                               fmt::join(silent, ", "));
+        arrival += fmt::format(
+            ". Not responding (no heartbeat for {:.1f} s: stopped, killed or wedged): world rank{} "
+            "{}",
+            kSilenceWindow.count() / 1000.0, silent.size() > 1 ? "s" : "", fmt::join(silent, ", "));
       }
     } catch (const c10::Error& e) {
-      arrival = fmt::format("Peer state unknown (store unreachable: {})", first_line(e.what_without_backtrace()));
+      arrival = fmt::format("Peer state unknown (store unreachable: {})",
+                            first_line(e.what_without_backtrace()));
     } catch (const std::exception& e) {
       arrival = fmt::format("Peer state unknown (store unreachable: {})", first_line(e.what()));
     }
@@ -555,38 +565,43 @@ void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::D
                  t.device().str());
 }
 
-void check_chunk_shapes(const CommBase& c, const char* op, const at::Tensor& whole, const char* whole_name,
-                        const at::Tensor& chunk, const char* chunk_name) {
+void check_chunk_shapes(const CommBase& c, const char* op, const at::Tensor& whole,
+                        const char* whole_name, const at::Tensor& chunk, const char* chunk_name) {
   const int n = c.size();
   const int64_t m = whole.numel(), want = chunk_numel(m, n, c.rank());
   PARALLAX_CHECK(chunk.scalar_type() == whole.scalar_type(), CommError,
-                 "{} on group '{}' (rank {}): {} is {} but {} is {}", op, c.name(), c.rank(), whole_name,
-                 c10::toString(whole.scalar_type()), chunk_name, c10::toString(chunk.scalar_type()));
+                 "{} on group '{}' (rank {}): {} is {} but {} is {}", op, c.name(), c.rank(),
+                 whole_name, c10::toString(whole.scalar_type()), chunk_name,
+                 c10::toString(chunk.scalar_type()));
   PARALLAX_CHECK(chunk.numel() == want, CommError,
-                 "{} on group '{}' (rank {}): {} has {} elements but chunk {} of the {}-element {} over {} ranks "
+                 "{} on group '{}' (rank {}): {} has {} elements but chunk {} of the {}-element {} "
+                 "over {} ranks "
                  "has {}",
-                 op, c.name(), c.rank(), chunk_name, chunk.numel(), c.rank(), m, whole_name, n, want);
+                 op, c.name(), c.rank(), chunk_name, chunk.numel(), c.rank(), m, whole_name, n,
+                 want);
 }
 
 int64_t check_all_gather_list_shapes(const CommBase& c, const at::Tensor& input,
                                      const std::vector<at::Tensor>& outputs) {
   const int n = c.size();
   PARALLAX_CHECK(static_cast<int>(outputs.size()) == n, CommError,
-                 "all_gather on group '{}' (rank {}): {} output tensors for {} ranks", c.name(), c.rank(),
-                 outputs.size(), n);
+                 "all_gather on group '{}' (rank {}): {} output tensors for {} ranks", c.name(),
+                 c.rank(), outputs.size(), n);
   int64_t total = 0;
   for (int r = 0; r < n; ++r) {
     const auto& o = outputs[static_cast<size_t>(r)];
     PARALLAX_CHECK(o.defined() && o.scalar_type() == input.scalar_type(), CommError,
-                   "all_gather on group '{}' (rank {}): output {} is {} but the input is {}", c.name(), c.rank(),
-                   r, o.defined() ? c10::toString(o.scalar_type()) : "undefined",
+                   "all_gather on group '{}' (rank {}): output {} is {} but the input is {}",
+                   c.name(), c.rank(), r,
+                   o.defined() ? c10::toString(o.scalar_type()) : "undefined",
                    c10::toString(input.scalar_type()));
     total += o.numel();
   }
   const auto& mine = outputs[static_cast<size_t>(c.rank())];
-  PARALLAX_CHECK(mine.numel() == input.numel(), CommError,
-                 "all_gather on group '{}' (rank {}): output {} has {} elements but the input has {}", c.name(),
-                 c.rank(), c.rank(), mine.numel(), input.numel());
+  PARALLAX_CHECK(
+      mine.numel() == input.numel(), CommError,
+      "all_gather on group '{}' (rank {}): output {} has {} elements but the input has {}",
+      c.name(), c.rank(), c.rank(), mine.numel(), input.numel());
   return total;
 }
 

@@ -191,14 +191,16 @@ void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::D
 void check_peer(const CommBase& c, const char* op, int peer);
 void check_tag(const CommBase& c, const char* op, int tag);
 // `chunk` has `whole`'s dtype and this rank's share of its elements (chunk_numel).
-void check_chunk_shapes(const CommBase& c, const char* op, const at::Tensor& whole, const char* whole_name,
-                        const at::Tensor& chunk, const char* chunk_name);
+void check_chunk_shapes(const CommBase& c, const char* op, const at::Tensor& whole,
+                        const char* whole_name, const at::Tensor& chunk, const char* chunk_name);
 // reduce_scatter: `output` is this rank's chunk of `input`.
-inline void check_reduce_scatter_shapes(const CommBase& c, const at::Tensor& input, const at::Tensor& output) {
+inline void check_reduce_scatter_shapes(const CommBase& c, const at::Tensor& input,
+                                        const at::Tensor& output) {
   check_chunk_shapes(c, "reduce_scatter", input, "input", output, "output");
 }
 // all_gather into one flat tensor: `input` is this rank's chunk of `output`.
-inline void check_all_gather_shapes(const CommBase& c, const at::Tensor& input, const at::Tensor& output) {
+inline void check_all_gather_shapes(const CommBase& c, const at::Tensor& input,
+                                    const at::Tensor& output) {
   check_chunk_shapes(c, "all_gather", output, "output", input, "input");
 }
 // all_gather into a list: one output per rank, each of the input's dtype, this rank's shaped like

@@ -43,15 +43,15 @@ uint64_t FlightRecorder::total_recorded() const {
   return next_;
 }
 
-
 std::string to_json(const FlightEntry& e) {
   return fmt::format(
       "{{\"seq\": {}, \"p2p_seq\": {}, \"op\": {}, \"group\": {}, \"detail\": {}, "
       "\"dtype\": {}, \"shape\": [{}], \"bytes\": {}, \"peers\": [{}], \"site\": {}, "
       "\"state\": \"{}\", \"issued_at\": {:.6f}, \"finished_at\": {:.6f}}}",
-      e.seq, e.p2p_seq, core::json_quote(e.op), core::json_quote(e.group), core::json_quote(e.detail),
-      core::json_quote(e.dtype), fmt::join(e.shape, ", "), e.bytes, fmt::join(e.peers, ", "),
-      core::json_quote(e.site), to_string(e.state), e.issued_at, e.finished_at);
+      e.seq, e.p2p_seq, core::json_quote(e.op), core::json_quote(e.group),
+      core::json_quote(e.detail), core::json_quote(e.dtype), fmt::join(e.shape, ", "), e.bytes,
+      fmt::join(e.peers, ", "), core::json_quote(e.site), to_string(e.state), e.issued_at,
+      e.finished_at);
 }
 
 std::string to_json(const std::vector<FlightEntry>& entries) {

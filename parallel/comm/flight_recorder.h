@@ -50,6 +50,7 @@ std::string flight_dump_path(int rank, const std::string& report_dir = "");
 // Writes `json` to flight_dump_path(rank, report_dir) atomically (temp file + rename). Returns the
 // path, or "" if it could not be written (the failure is logged; a dump must never mask the
 // original error).
-std::string write_flight_dump(int rank, const std::string& json, const std::string& report_dir = "");
+std::string write_flight_dump(int rank, const std::string& json,
+                              const std::string& report_dir = "");
 
 }  // namespace parallax::parallel::comm

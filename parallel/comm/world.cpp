@@ -214,8 +214,9 @@ SeqBoard::~SeqBoard() {
   if (exited) {
     thread_.join();
   } else {
-    core::log::debug("seq board: the writer did not stop within {} ms (store unreachable); left behind",
-                     kStopWait.count());
+    core::log::debug(
+        "seq board: the writer did not stop within {} ms (store unreachable); left behind",
+        kStopWait.count());
     thread_.detach();
   }
 }
@@ -279,15 +280,17 @@ std::vector<std::optional<std::string>> SeqBoard::read_keys(const std::vector<st
   }).detach();
   std::unique_lock<std::mutex> lock(result->mu);
   if (!result->cv.wait_for(lock, timeout, [&] { return result->done; })) {
-    throw_error<TimeoutError>("the store did not answer within {:.1f} s (its host, world rank 0 or the launcher, "
-                              "is stopped, dead or unreachable)",
-                              timeout.count() / 1000.0);
+    throw_error<TimeoutError>(
+        "the store did not answer within {:.1f} s (its host, world rank 0 or the launcher, "
+        "is stopped, dead or unreachable)",
+        timeout.count() / 1000.0);
   }
   if (result->error) std::rethrow_exception(result->error);
   return result->values;
 }
 
-std::map<int, SeqBoard::PeerState> SeqBoard::read(const std::string& uid, const std::vector<int>& world_ranks,
+std::map<int, SeqBoard::PeerState> SeqBoard::read(const std::string& uid,
+                                                  const std::vector<int>& world_ranks,
                                                   std::chrono::milliseconds timeout) {
   std::vector<std::string> keys;
   for (int r : world_ranks) keys.push_back(key(uid, r));
@@ -307,7 +310,8 @@ std::map<int, SeqBoard::PeerState> SeqBoard::read(const std::string& uid, const 
   return out;
 }
 
-std::vector<int> SeqBoard::unresponsive(const std::vector<int>& world_ranks, std::chrono::milliseconds window,
+std::vector<int> SeqBoard::unresponsive(const std::vector<int>& world_ranks,
+                                        std::chrono::milliseconds window,
                                         std::chrono::milliseconds timeout) {
   std::vector<int> peers;
   std::vector<std::string> keys;
@@ -336,8 +340,7 @@ void SeqBoard::run(const std::shared_ptr<Shared>& s) {
     s->flush_requested = false;
     if (!s->broken && !s->stop && std::chrono::steady_clock::now() >= next_beat) {
       next_beat = std::chrono::steady_clock::now() + kHeartbeat;
-      s->pending[fmt::format("pxc/alive/{}", s->world_rank)] =
-          Shared::Update{++s->beats, nullptr};
+      s->pending[fmt::format("pxc/alive/{}", s->world_rank)] = Shared::Update{++s->beats, nullptr};
     }
     if (s->pending.empty() || s->broken) {
       if (s->stop) break;
@@ -367,8 +370,9 @@ void SeqBoard::run(const std::shared_ptr<Shared>& s) {
     if (!ok && !s->broken) {
       s->broken = true;
       s->pending.clear();
-      core::log::debug("hang-report store unreachable, sequence numbers are no longer published: {}",
-                       err.substr(0, std::min<std::size_t>(err.find('\n'), 200)));
+      core::log::debug(
+          "hang-report store unreachable, sequence numbers are no longer published: {}",
+          err.substr(0, std::min<std::size_t>(err.find('\n'), 200)));
     }
     s->cv.notify_all();
     if (s->stop && s->pending.empty()) break;
@@ -623,7 +627,8 @@ World::World(WorldOptions options) : ctx_(std::make_shared<detail::WorldContext>
   // c10d logs each failed store call as a warning with a C++ stack trace (e.g. when the store's
   // host exits first at teardown). Parallax reports store failures itself, in one line, so c10's
   // threshold is raised to errors unless the user chose one (TORCH_CPP_LOG_LEVEL).
-  if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr) FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 2);
+  if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr)
+    FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 2);
 #endif
   auto& c = *ctx_;
   c.launch = detect_launch();
@@ -775,7 +780,9 @@ bool World::comm_failed() const {
   return ctx_->failed.load();
 }
 
-void World::set_report_dir(const std::string& dir) { ctx_->set_report_dir(dir); }
+void World::set_report_dir(const std::string& dir) {
+  ctx_->set_report_dir(dir);
+}
 
 void World::abort(int code) {
   std::fflush(nullptr);

@@ -10,8 +10,8 @@
 #include <condition_variable>
 #include <functional>
 #include <map>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,7 +62,8 @@ class SeqBoard {
   // The ranks of `world_ranks` (other than this one) whose heartbeat did not advance over `window`
   // (at least 4 heartbeats), or that never published one. Bounded by window + 2 x `timeout`; throws
   // as read() does.
-  std::vector<int> unresponsive(const std::vector<int>& world_ranks, std::chrono::milliseconds window,
+  std::vector<int> unresponsive(const std::vector<int>& world_ranks,
+                                std::chrono::milliseconds window,
                                 std::chrono::milliseconds timeout);
 
  private:

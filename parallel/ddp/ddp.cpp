@@ -27,7 +27,8 @@ BucketMode parse_bucket_mode(const std::string& name) {
   if (name == "auto") return BucketMode::kAuto;
   if (name == "flat") return BucketMode::kFlat;
   if (name == "grouped") return BucketMode::kGrouped;
-  throw_error<ConfigError>("parallel.ddp.bucket_mode: unknown mode '{}' (use auto|flat|grouped)", name);
+  throw_error<ConfigError>("parallel.ddp.bucket_mode: unknown mode '{}' (use auto|flat|grouped)",
+                           name);
 }
 
 namespace {
@@ -41,19 +42,21 @@ std::optional<at::ScalarType> parse_reduce_dtype(const std::string& name) {
   if (name == "grad") return std::nullopt;
   if (name == "bf16") return at::kBFloat16;
   if (name == "fp16") return at::kHalf;
-  throw_error<ConfigError>("parallel.ddp.reduce_dtype: unknown dtype '{}' (use grad|bf16|fp16)", name);
+  throw_error<ConfigError>("parallel.ddp.reduce_dtype: unknown dtype '{}' (use grad|bf16|fp16)",
+                           name);
 }
 
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& sizes_bytes,
                                                  const std::vector<at::ScalarType>& dtypes,
                                                  int64_t first_cap_bytes, int64_t cap_bytes) {
-  return assign_buckets(sizes_bytes, dtypes, std::vector<int>(sizes_bytes.size(), 0), first_cap_bytes, cap_bytes);
+  return assign_buckets(sizes_bytes, dtypes, std::vector<int>(sizes_bytes.size(), 0),
+                        first_cap_bytes, cap_bytes);
 }
 
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& sizes_bytes,
                                                  const std::vector<at::ScalarType>& dtypes,
-                                                 const std::vector<int>& keys, int64_t first_cap_bytes,
-                                                 int64_t cap_bytes) {
+                                                 const std::vector<int>& keys,
+                                                 int64_t first_cap_bytes, int64_t cap_bytes) {
   std::vector<std::vector<int64_t>> out;
   // One open bucket per (dtype, key); a bucket closes when it reaches its cap.
   std::map<std::pair<at::ScalarType, int>, std::pair<std::vector<int64_t>, int64_t>> open;
@@ -84,22 +87,28 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   PARALLAX_CHECK(!scatter || (options_.mode != BucketMode::kGrouped && !options_.reduce_dtype &&
                               options_.algo == comm::AllReduceAlgo::kNative),
                  ConfigError,
-                 "gradient buckets: reduce-scatter needs flat buckets, the native algorithm and no reduce_dtype");
+                 "gradient buckets: reduce-scatter needs flat buckets, the native algorithm and no "
+                 "reduce_dtype");
   if (scatter) options_.mode = BucketMode::kFlat;
   if (options_.mode == BucketMode::kAuto) {
-    // The CPU backends run a grouped all-reduce through a flat copy and back: flat costs less there.
+    // The CPU backends run a grouped all-reduce through a flat copy and back: flat costs less
+    // there.
     const bool grouped_native = group_->device_type() != c10::DeviceType::CPU;
     const bool native = options_.algo == comm::AllReduceAlgo::kNative;
-    options_.mode = grouped_native && native && !options_.reduce_dtype ? BucketMode::kGrouped : BucketMode::kFlat;
+    options_.mode = grouped_native && native && !options_.reduce_dtype ? BucketMode::kGrouped
+                                                                       : BucketMode::kFlat;
   }
-  PARALLAX_CHECK(mode() == BucketMode::kFlat || options_.algo == comm::AllReduceAlgo::kNative, ConfigError,
-                 "DDP: parallel.ddp.bucket_mode=grouped needs parallel.allreduce=native (the ring reduces one "
-                 "flat buffer); use bucket_mode=flat");
+  PARALLAX_CHECK(
+      mode() == BucketMode::kFlat || options_.algo == comm::AllReduceAlgo::kNative, ConfigError,
+      "DDP: parallel.ddp.bucket_mode=grouped needs parallel.allreduce=native (the ring reduces one "
+      "flat buffer); use bucket_mode=flat");
   PARALLAX_CHECK(mode() == BucketMode::kFlat || !options_.reduce_dtype, ConfigError,
-                 "DDP: parallel.ddp.reduce_dtype={} needs parallel.ddp.bucket_mode=flat (the reduced copy is one "
+                 "DDP: parallel.ddp.reduce_dtype={} needs parallel.ddp.bucket_mode=flat (the "
+                 "reduced copy is one "
                  "flat buffer per bucket; grouped buckets exist to avoid that copy)",
                  reduce_dtype_name(options_.reduce_dtype));
-  PARALLAX_CHECK(!options_.reduce_dtype || *options_.reduce_dtype == at::kBFloat16 || *options_.reduce_dtype == at::kHalf,
+  PARALLAX_CHECK(!options_.reduce_dtype || *options_.reduce_dtype == at::kBFloat16 ||
+                     *options_.reduce_dtype == at::kHalf,
                  ConfigError, "DDP: parallel.ddp.reduce_dtype must be bf16 or fp16, got {}",
                  reduce_dtype_name(options_.reduce_dtype));
 
@@ -123,8 +132,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     keys.push_back(options_.bucket_key ? options_.bucket_key(names_[i]) : 0);
   }
   const auto to_bytes = [](double mb) { return static_cast<int64_t>(mb * 1024.0 * 1024.0); };
-  const auto assignment =
-      assign_buckets(sizes, dtypes, keys, to_bytes(options_.first_bucket_mb), to_bytes(options_.bucket_mb));
+  const auto assignment = assign_buckets(sizes, dtypes, keys, to_bytes(options_.first_bucket_mb),
+                                         to_bytes(options_.bucket_mb));
   const int64_t parts = scatter ? group_->size() : 1;
 
   param_bucket_.assign(params_.size(), -1);
@@ -155,7 +164,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
       param_bucket_[i] = static_cast<int64_t>(buckets_.size());
       param_slot_[i] = static_cast<int64_t>(k);
       if (!flat) continue;
-      at::Tensor view = b.buffer.narrow(0, info.offsets[k], params_[i].numel()).view(params_[i].sizes());
+      at::Tensor view =
+          b.buffer.narrow(0, info.offsets[k], params_[i].numel()).view(params_[i].sizes());
       // Keep an existing gradient's value; the gradient becomes the bucket view from now on.
       if (params_[i].grad().defined()) view.copy_(params_[i].grad());
       params_[i].mutable_grad() = view;
@@ -169,7 +179,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+        [this, i](const torch::autograd::variable_list& outputs,
+                  const torch::autograd::variable_list&) {
           std::lock_guard<std::mutex> lock(mu_);
           const bool sync = in_backward_ && require_sync_;
           if (mode() == BucketMode::kGrouped) {
@@ -203,13 +214,14 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   int64_t total = 0;
   for (const auto& info : bucket_info_) total += info.bytes();
   core::log::info(
-      "{}: {} parameters in {} {} buckets ({} total, caps {}/{} MiB, algorithm {}, reduced in {}), group '{}' of {} "
+      "{}: {} parameters in {} {} buckets ({} total, caps {}/{} MiB, algorithm {}, reduced in {}), "
+      "group '{}' of {} "
       "ranks",
-      scatter ? "gradient buckets (reduce-scatter)" : "DDP", params_.size(), buckets_.size(), to_string(mode()),
-      core::human_bytes(static_cast<double>(total)),
-      options_.first_bucket_mb, options_.bucket_mb, comm::to_string(options_.algo),
-      options_.reduce_dtype ? reduce_dtype_name(options_.reduce_dtype) : "the gradients' dtype", group_->name(),
-      group_->size());
+      scatter ? "gradient buckets (reduce-scatter)" : "DDP", params_.size(), buckets_.size(),
+      to_string(mode()), core::human_bytes(static_cast<double>(total)), options_.first_bucket_mb,
+      options_.bucket_mb, comm::to_string(options_.algo),
+      options_.reduce_dtype ? reduce_dtype_name(options_.reduce_dtype) : "the gradients' dtype",
+      group_->name(), group_->size());
 }
 
 DistributedDataParallel::~DistributedDataParallel() {
@@ -230,7 +242,8 @@ void DistributedDataParallel::broadcast_coalesced(std::vector<at::Tensor> tensor
   // One flat broadcast per (dtype, device); the key is a string because c10::Device has no order.
   std::map<std::string, std::vector<at::Tensor>> groups;
   for (auto& t : tensors) {
-    if (t.defined() && t.numel() > 0) groups[fmt::format("{}/{}", c10::toString(t.scalar_type()), t.device().str())].push_back(t);
+    if (t.defined() && t.numel() > 0)
+      groups[fmt::format("{}/{}", c10::toString(t.scalar_type()), t.device().str())].push_back(t);
   }
   for (auto& [key, list] : groups) {
     std::vector<at::Tensor> flat_parts;
@@ -288,7 +301,8 @@ void DistributedDataParallel::collect_timers(bool block) {
 void DistributedDataParallel::mark_ready(int64_t i) {
   if (ready_[i]) {
     throw_error<Error>(
-        "DDP: parameter '{}' received its gradient twice in one backward (it is used by two autograd "
+        "DDP: parameter '{}' received its gradient twice in one backward (it is used by two "
+        "autograd "
         "passes, e.g. shared between an activation-checkpointed block and the rest of the model); "
         "this is not supported",
         names_[i]);
@@ -326,13 +340,15 @@ void DistributedDataParallel::launch_ready_buckets() {
 }
 
 comm::WorkPtr DistributedDataParallel::issue(Bucket& b, std::vector<at::Tensor>& tensors) {
-  if (mode() == BucketMode::kGrouped) return group_->all_reduce_coalesced_async(tensors, comm::ReduceOp::kAvg);
+  if (mode() == BucketMode::kGrouped)
+    return group_->all_reduce_coalesced_async(tensors, comm::ReduceOp::kAvg);
   at::Tensor& flat = tensors.front();
   if (options_.reduction == Reduction::kReduceScatter) {
     return group_->reduce_scatter_async(flat, b.shard, comm::ReduceOp::kAvg);
   }
   if (compressed(flat.scalar_type())) {
-    return group_->all_reduce_compressed_async(flat, comm::ReduceOp::kAvg, *options_.reduce_dtype, options_.algo);
+    return group_->all_reduce_compressed_async(flat, comm::ReduceOp::kAvg, *options_.reduce_dtype,
+                                               options_.algo);
   }
   return group_->all_reduce_async(flat, comm::ReduceOp::kAvg, options_.algo);
 }
@@ -358,7 +374,8 @@ void DistributedDataParallel::finalize_backward() {
   at::Tensor used_anywhere;
   if (options_.find_unused) {
     at::Tensor used = at::zeros({static_cast<int64_t>(params_.size())}, at::kFloat);
-    for (std::size_t i = 0; i < params_.size(); ++i) used[static_cast<int64_t>(i)] = ready_[i] ? 1.0f : 0.0f;
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      used[static_cast<int64_t>(i)] = ready_[i] ? 1.0f : 0.0f;
     used_anywhere = used;
   }
   if (!missing.empty()) {
@@ -366,7 +383,8 @@ void DistributedDataParallel::finalize_backward() {
       const std::size_t shown = std::min<std::size_t>(missing.size(), 5);
       std::vector<std::string> head(missing.begin(), missing.begin() + static_cast<long>(shown));
       throw_error<Error>(
-          "DDP (rank {} of group '{}'): {} parameter(s) got no gradient in this step: {}{}; if parts "
+          "DDP (rank {} of group '{}'): {} parameter(s) got no gradient in this step: {}{}; if "
+          "parts "
           "of the model are legitimately unused, set parallel.ddp.find_unused=true",
           group_->rank(), group_->name(), missing.size(), core::join(head, ", "),
           missing.size() > shown ? fmt::format(" and {} more", missing.size() - shown) : "");
@@ -403,7 +421,9 @@ void DistributedDataParallel::finalize_backward() {
     b.work.reset();
   }
   if (used_anywhere.defined()) {
-    at::Tensor bitmap = group_->device_type() == c10::kCPU ? used_anywhere : used_anywhere.to(params_.front().device());
+    at::Tensor bitmap = group_->device_type() == c10::kCPU
+                            ? used_anywhere
+                            : used_anywhere.to(params_.front().device());
     group_->all_reduce(bitmap, comm::ReduceOp::kMax);
     bitmap = bitmap.cpu();
     const float* u = bitmap.data_ptr<float>();

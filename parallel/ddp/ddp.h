@@ -12,7 +12,8 @@
 //   around one all-reduce per gradient on NCCL): no flat buffer and no copy in (measurements in
 //   docs/PERFORMANCE.md). Flat (CPU backends, the ring, reduce_dtype, or asked for) as described
 //   next.
-// - Flat: each parameter's `.grad()` is a view into its bucket's flat buffer, so gradients are reduced
+// - Flat: each parameter's `.grad()` is a view into its bucket's flat buffer, so gradients are
+// reduced
 //   in place with no copy out (gradient_as_bucket_view). Gradients may be cleared either way:
 //   `Optimizer::zero_grad(true)` (what the trainer does: the first gradient of the next backward is
 //   copied into the bucket, which restores the view; one read and one write) or `zero_grad(false)`
@@ -33,8 +34,8 @@
 //   communication_data_type, Megatron-Core's reduction of bf16 gradients. The averaged gradients
 //   then carry that dtype's rounding (bf16: 8 significant bits).
 // - Gradient accumulation: inside a NoSyncGuard (or set_require_sync(false)) hooks do nothing and
-//   gradients accumulate locally (in the bucket views when flat); the first backward with sync on reduces the
-//   accumulated sums. No collective is issued during no-sync micro-steps.
+//   gradients accumulate locally (in the bucket views when flat); the first backward with sync on
+//   reduces the accumulated sums. No collective is issued during no-sync micro-steps.
 // - Unused parameters: by default, a parameter that got no gradient in a synced backward is an
 //   error naming it (every rank raises it, before any rank blocks). With find_unused, such
 //   parameters count as ready with a zero gradient at finalize_backward(), and one small
@@ -105,7 +106,7 @@ std::optional<at::ScalarType> parse_reduce_dtype(const std::string& name);
 
 struct BucketInfo {
   std::vector<std::string> param_names;  // in the bucket's order
-  std::vector<int64_t> offsets;          // element offset of each parameter in the flat buffer (flat mode)
+  std::vector<int64_t> offsets;  // element offset of each parameter in the flat buffer (flat mode)
   int64_t numel = 0;
   int64_t padded_numel = 0;  // numel rounded up to a multiple of the group size (reduce-scatter)
   at::ScalarType dtype = at::kFloat;
@@ -120,8 +121,8 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& siz
 // The same with a key per parameter: a bucket holds one (dtype, key).
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& sizes_bytes,
                                                  const std::vector<at::ScalarType>& dtypes,
-                                                 const std::vector<int>& keys, int64_t first_cap_bytes,
-                                                 int64_t cap_bytes);
+                                                 const std::vector<int>& keys,
+                                                 int64_t first_cap_bytes, int64_t cap_bytes);
 
 class DistributedDataParallel {
  public:
@@ -163,11 +164,12 @@ class DistributedDataParallel {
 
  private:
   struct Bucket {
-    at::Tensor buffer;                 // flat mode: the flat buffer
-    at::Tensor shard;                  // reduce-scatter: this rank's shard of the reduced buffer
-    std::vector<int64_t> params;       // indices into params_
-    std::vector<at::Tensor> views;     // flat mode: per parameter, shaped like it
-    std::vector<at::Tensor> incoming;  // flat mode: per parameter, a new gradient to copy in at launch
+    at::Tensor buffer;              // flat mode: the flat buffer
+    at::Tensor shard;               // reduce-scatter: this rank's shard of the reduced buffer
+    std::vector<int64_t> params;    // indices into params_
+    std::vector<at::Tensor> views;  // flat mode: per parameter, shaped like it
+    std::vector<at::Tensor>
+        incoming;  // flat mode: per parameter, a new gradient to copy in at launch
     int64_t pending = 0;
     comm::WorkPtr work;
   };

@@ -6,8 +6,9 @@
 
 namespace parallax::parallel::ddp {
 
-DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, std::vector<optim::ParamGroup> groups,
-                     const OptimizerFactory& make, comm::CommPtr dp, DdpOptions options)
+DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module,
+                     std::vector<optim::ParamGroup> groups, const OptimizerFactory& make,
+                     comm::CommPtr dp, DdpOptions options)
     : module_(std::move(module)), dp_(std::move(dp)), timing_(options.timing) {
   // DDP first: its broadcast from rank 0 must precede the optimizer, whose fp32 masters of
   // low-precision parameters copy the values they see.
@@ -25,7 +26,8 @@ void DdpEngine::broadcast_buffers() {
   if (ddp_) ddp_->before_forward();
 }
 
-void DdpEngine::forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro, bool sync_buffers) {
+void DdpEngine::forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
+                                 bool sync_buffers) {
   for (int i = 0; i < micro_steps; ++i) {
     if (ddp_) {
       // Gradients are reduced in the last micro-step only; the others accumulate locally.
@@ -49,9 +51,13 @@ std::vector<optim::GradGroup> DdpEngine::grads() {
   return {std::move(g)};
 }
 
-void DdpEngine::step(double lr) { optimizer_->step(lr); }
+void DdpEngine::step(double lr) {
+  optimizer_->step(lr);
+}
 
-void DdpEngine::zero_grad() { optimizer_->zero_grad(/*set_to_none=*/true); }
+void DdpEngine::zero_grad() {
+  optimizer_->zero_grad(/*set_to_none=*/true);
+}
 
 std::vector<StatePiece> DdpEngine::optimizer_state() {
   held_ = optimizer_->state();

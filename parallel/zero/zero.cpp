@@ -11,8 +11,9 @@
 
 namespace parallax::parallel::zero {
 
-ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, std::vector<optim::ParamGroup> groups,
-                       const OptimizerFactory& make, comm::CommPtr dp, ddp::DdpOptions options, int stage)
+ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
+                       std::vector<optim::ParamGroup> groups, const OptimizerFactory& make,
+                       comm::CommPtr dp, ddp::DdpOptions options, int stage)
     : module_(std::move(module)), dp_(std::move(dp)), stage_(stage) {
   PARALLAX_CHECK(stage_ == 1 || stage_ == 2, ConfigError, "ZeRO: stage {} is not 1 or 2", stage_);
   // Buckets never mix optimizer groups (their weight decay differs).
@@ -24,7 +25,8 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, std::vector<op
     const auto it = group_of->find(name);
     return it == group_of->end() ? -1 : it->second;
   };
-  ddp_ = std::make_unique<ddp::DistributedDataParallel>(module_, dp_, options);  // broadcasts from rank 0
+  ddp_ = std::make_unique<ddp::DistributedDataParallel>(module_, dp_,
+                                                        options);  // broadcasts from rank 0
 
   std::map<std::string, int64_t> index;
   for (const auto& item : module_->named_parameters()) {
@@ -38,7 +40,8 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, std::vector<op
   std::map<std::string, std::size_t> piece_of;
   for (std::size_t bi = 0; bi < ddp_->buckets().size(); ++bi) {
     const ddp::BucketInfo& info = ddp_->buckets()[bi];
-    const at::Tensor& first = params_.at(static_cast<std::size_t>(index.at(info.param_names.front())));
+    const at::Tensor& first =
+        params_.at(static_cast<std::size_t>(index.at(info.param_names.front())));
     at::Tensor flat = at::zeros({info.padded_numel}, first.options().requires_grad(false));
     const int64_t shard = info.padded_numel / n, lo = r * shard, hi = lo + shard;
     // Stage 1 reduces once per step: the reduce-scatter's shard is the gradient. Stage 2 reduces
@@ -97,11 +100,13 @@ std::string ZeroEngine::describe() const {
   for (const auto& info : ddp_->buckets()) total += info.numel;
   for (const auto& p : pieces_) mine += p.end - p.begin;
   return fmt::format(
-      "ZeRO-{} over group '{}' of {} ranks: {} buckets; this rank updates {} of {} parameter elements ({} pieces)",
+      "ZeRO-{} over group '{}' of {} ranks: {} buckets; this rank updates {} of {} parameter "
+      "elements ({} pieces)",
       stage_, dp_->name(), dp_->size(), ddp_->buckets().size(), mine, total, pieces_.size());
 }
 
-void ZeroEngine::forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro, bool sync_buffers) {
+void ZeroEngine::forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
+                                  bool sync_buffers) {
   bool first = true;
   for (int i = 0; i < micro_steps; ++i) {
     // Stage 1 reduces once (the last micro-step; the others accumulate locally), stage 2 every
@@ -176,7 +181,8 @@ std::vector<StatePiece> ZeroEngine::optimizer_state() {
   std::vector<StatePiece> out;
   for (auto& [key, t] : held_) {
     if (key == "step") {  // the optimizer's step count: the same on every rank
-      out.push_back(StatePiece{key, t, t.sizes().vec(), std::vector<int64_t>(static_cast<std::size_t>(t.dim()), 0),
+      out.push_back(StatePiece{key, t, t.sizes().vec(),
+                               std::vector<int64_t>(static_cast<std::size_t>(t.dim()), 0),
                                dp_->world_ranks()});
       continue;
     }
@@ -190,12 +196,14 @@ std::vector<StatePiece> ZeroEngine::optimizer_state() {
       out.push_back(StatePiece{key, t, {}, {}, p.holders});
       continue;
     }
-    PARALLAX_CHECK(t.numel() == p.end - p.begin, Error, "ZeRO: optimizer state '{}' has {} elements, its piece {}",
-                   key, t.numel(), p.end - p.begin);
+    PARALLAX_CHECK(t.numel() == p.end - p.begin, Error,
+                   "ZeRO: optimizer state '{}' has {} elements, its piece {}", key, t.numel(),
+                   p.end - p.begin);
     at::Tensor flat = t.detach().reshape({-1});
     int64_t off = 0;
     for (const Box& box : flat_range_boxes(p.shape, p.begin, p.end)) {
-      out.push_back(StatePiece{key, flat.narrow(0, off, box.numel()).view(box.lengths), p.shape, box.offsets, {me}});
+      out.push_back(StatePiece{
+          key, flat.narrow(0, off, box.numel()).view(box.lengths), p.shape, box.offsets, {me}});
       off += box.numel();
     }
   }

@@ -40,7 +40,8 @@ class ZeroEngine : public Engine {
 
   std::string describe() const override;
   void broadcast_buffers() override { ddp_->before_forward(); }
-  void forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro, bool sync_buffers) override;
+  void forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
+                        bool sync_buffers) override;
   std::vector<optim::GradGroup> grads() override;
   void step(double lr) override;
   void zero_grad() override;
@@ -59,9 +60,9 @@ class ZeroEngine : public Engine {
     std::string name;
     std::vector<int64_t> shape;  // the parameter's
     int64_t begin = 0, end = 0;
-    int64_t param_index = 0;       // into params_
-    at::Tensor param, grad;        // 1-D views: flat parameter buffer, shard accumulator
-    std::vector<int> holders;      // world ranks holding a piece of this parameter (in order)
+    int64_t param_index = 0;   // into params_
+    at::Tensor param, grad;    // 1-D views: flat parameter buffer, shard accumulator
+    std::vector<int> holders;  // world ranks holding a piece of this parameter (in order)
   };
 
   std::shared_ptr<torch::nn::Module> module_;
@@ -69,8 +70,8 @@ class ZeroEngine : public Engine {
   int stage_;
   std::unique_ptr<ddp::DistributedDataParallel> ddp_;  // the gradient buckets (reduce-scatter)
   std::vector<at::Tensor> flat_params_;                // per bucket, padded
-  std::vector<at::Tensor> grad_acc_;                   // per bucket, this rank's shard of the gradient
-  std::vector<at::Tensor> params_;                     // trainable parameters, registration order
+  std::vector<at::Tensor> grad_acc_;  // per bucket, this rank's shard of the gradient
+  std::vector<at::Tensor> params_;    // trainable parameters, registration order
   std::vector<Piece> pieces_;
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::vector<std::pair<std::string, at::Tensor>> held_;  // the last optimizer_state()

@@ -6,20 +6,20 @@
 //  - gradients: ZeRO's shard of the averaged gradient against DDP's averaged gradient at the same
 //    parameters. Both average the same local gradients (stage 2 with K micro-steps: K local
 //    gradients per rank), summing n (or n K) terms in a different order: each is within
-//    gamma(n K - 1) S of the exact average, S = sum over the terms of |term| / n, so they differ by at
-//    most 2 gamma(n K) S. With n = 2 and K = 1 the two sums are the same single addition: equal.
+//    gamma(n K - 1) S of the exact average, S = sum over the terms of |term| / n, so they differ by
+//    at most 2 gamma(n K) S. With n = 2 and K = 1 the two sums are the same single addition: equal.
 //  - one optimizer step from a fresh state: AdamW is elementwise, so the update of an element only
 //    depends on that element's inputs; applying it to a piece rather than the whole tensor can
 //    change only how the compiler contracted its ~10 roundings (FMA or not, vector body or scalar
 //    tail): within 16 u (|p| + lr) per element. Elements whose gradient is within the gradient
 //    bound of 0 are left out (the first Adam step is lr * sign(g) there).
 //  - across ranks, parameters are bitwise identical after every step (one all-gather).
+#include "parallel/zero/zero.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
 #include "parallel/build_engine.h"
 #include "parallel/comm/factory.h"
 #include "parallel/comm/world.h"
-#include "parallel/zero/zero.h"
 #include "tests/common/no_tf32.h"
 #include "tests/common/tolerance.h"
 
@@ -135,7 +135,8 @@ TEST(FlatRangeBoxesTest, BoxesTileTheRangeInOrderAndAreContiguous) {
     const int64_t e = b + static_cast<int64_t>(rng() % (total - b + 1));
     const auto boxes = par::flat_range_boxes(shape, b, e);
     EXPECT_LE(boxes.size(), static_cast<std::size_t>(2 * ndim - 1));
-    // Index every element by its flat position: the boxes, in order, enumerate b, b + 1, ..., e - 1.
+    // Index every element by its flat position: the boxes, in order, enumerate b, b + 1, ..., e
+    // - 1.
     at::Tensor idx = at::arange(total, at::kLong).view(shape);
     int64_t next = b;
     for (const auto& box : boxes) {
@@ -155,16 +156,20 @@ TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
   const int stage = GetParam();
   for (const int accum : {1, 3}) {
     auto net0 = make_net(11), netz = make_net(11 + rank_);  // ZeRO must broadcast rank 0's weights
-    auto ddp = par::build_engine(plan(0), net0, groups_of(*net0), adamw(), world_, bucket_options());
-    auto zero = par::build_engine(plan(stage), netz, groups_of(*netz), adamw(), world_, bucket_options());
-    ASSERT_TRUE(at::equal(flat_params(*net0), flat_params(*netz))) << "parameters not broadcast from rank 0";
+    auto ddp =
+        par::build_engine(plan(0), net0, groups_of(*net0), adamw(), world_, bucket_options());
+    auto zero =
+        par::build_engine(plan(stage), netz, groups_of(*netz), adamw(), world_, bucket_options());
+    ASSERT_TRUE(at::equal(flat_params(*net0), flat_params(*netz)))
+        << "parameters not broadcast from rank 0";
     const double lr = 1e-2;
     for (int step = 0; step < 4; ++step) {
       const int64_t rows = 6;
       auto [x, y] = global_batch(step, rows * n_ * accum);
       auto micro = [&](Net& net, int i) {
         const int64_t first = (rank_ * accum + i) * rows;
-        return (net.forward(x.narrow(0, first, rows)) - y.narrow(0, first, rows)).pow(2).mean() / accum;
+        return (net.forward(x.narrow(0, first, rows)) - y.narrow(0, first, rows)).pow(2).mean() /
+               accum;
       };
       // The same parameters for both (stage 0 re-synchronised to ZeRO's), fresh optimizer state
       // only at step 0.
@@ -173,9 +178,12 @@ TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
         const auto a = net0->parameters(), b = netz->parameters();
         for (std::size_t k = 0; k < a.size(); ++k) a[k].copy_(b[k]);
       }
-      ddp->forward_backward(accum, [&](int i) { return micro(*net0, i); }, true);
-      zero->forward_backward(accum, [&](int i) { return micro(*netz, i); }, true);
-      // S: the sum of |local gradient terms| over ranks and micro-steps, / n (a plain net, per micro-step).
+      ddp->forward_backward(
+          accum, [&](int i) { return micro(*net0, i); }, true);
+      zero->forward_backward(
+          accum, [&](int i) { return micro(*netz, i); }, true);
+      // S: the sum of |local gradient terms| over ranks and micro-steps, / n (a plain net, per
+      // micro-step).
       std::vector<at::Tensor> abs_sum;
       for (int i = 0; i < accum; ++i) {
         auto probe = make_net(1);
@@ -188,7 +196,10 @@ TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
         const auto pp = probe->parameters();
         for (std::size_t k = 0; k < pp.size(); ++k) {
           at::Tensor a = pp[k].grad().abs().to(at::kDouble);
-          if (abs_sum.size() <= k) abs_sum.push_back(a); else abs_sum[k] += a;
+          if (abs_sum.size() <= k)
+            abs_sum.push_back(a);
+          else
+            abs_sum[k] += a;
         }
       }
       // Each ZeRO piece against the same range of DDP's gradient.
@@ -198,11 +209,14 @@ TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
       std::map<std::string, at::Tensor> ddp_grad, bound;
       const auto named0 = net0->named_parameters();
       for (std::size_t k = 0; k < named0.size(); ++k) {
-        at::Tensor s = abs_sum[k].to(world_->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : test_device());
+        at::Tensor s = abs_sum[k].to(world_->device_type() == c10::kCPU ? c10::Device(c10::kCPU)
+                                                                        : test_device());
         world_->all_reduce(s, comm::ReduceOp::kSum);
         const double terms = static_cast<double>(n_ * accum);
-        bound[named0[k].key()] = (terms == 2 && accum == 1 ? 0.0 : 2 * tol::gamma_k(terms)) * s.cpu() / n_;
-        ddp_grad[named0[k].key()] = named0[k].value().grad().detach().cpu().to(at::kDouble).reshape({-1});
+        bound[named0[k].key()] =
+            (terms == 2 && accum == 1 ? 0.0 : 2 * tol::gamma_k(terms)) * s.cpu() / n_;
+        ddp_grad[named0[k].key()] =
+            named0[k].value().grad().detach().cpu().to(at::kDouble).reshape({-1});
       }
       // Pieces: the optimizer's groups hold them, named by their parameter.
       const auto& groups = zero->optimizer().groups();
@@ -214,9 +228,9 @@ TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
           ASSERT_TRUE(piece.grad().defined()) << g.names[i];
           // Where the piece sits in its parameter: the parameter is a view of the same flat buffer.
           const at::Tensor param = netz->named_parameters()[g.names[i]];
-          const int64_t begin =
-              (static_cast<const char*>(piece.data_ptr()) - static_cast<const char*>(param.data_ptr())) /
-              static_cast<int64_t>(piece.element_size());
+          const int64_t begin = (static_cast<const char*>(piece.data_ptr()) -
+                                 static_cast<const char*>(param.data_ptr())) /
+                                static_cast<int64_t>(piece.element_size());
           ASSERT_GE(begin, 0);
           ASSERT_LE(begin + piece.numel(), param.numel());
           const at::Tensor want = ddp_grad[g.names[i]].narrow(0, begin, piece.numel());
@@ -243,7 +257,8 @@ TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
         const at::Tensor before = flat_params(*netz).to(at::kDouble).cpu();
         ddp->step(lr);
         zero->step(lr);
-        const at::Tensor a = flat_params(*net0).to(at::kDouble).cpu(), b = flat_params(*netz).to(at::kDouble).cpu();
+        const at::Tensor a = flat_params(*net0).to(at::kDouble).cpu(),
+                         b = flat_params(*netz).to(at::kDouble).cpu();
         std::vector<at::Tensor> gs, bs;
         for (const auto& it : net0->named_parameters()) {
           gs.push_back(ddp_grad[it.key()]);
@@ -271,11 +286,14 @@ TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
 
 TEST_P(ZeroTest, OptimizerStatePiecesTileEveryParameterOnce) {
   auto net = make_net(3);
-  auto zero = par::build_engine(plan(GetParam()), net, groups_of(*net), adamw(), world_, bucket_options());
-  zero->forward_backward(1, [&](int) { return net->forward(global_batch(0, 4).first).pow(2).mean(); }, true);
+  auto zero =
+      par::build_engine(plan(GetParam()), net, groups_of(*net), adamw(), world_, bucket_options());
+  zero->forward_backward(
+      1, [&](int) { return net->forward(global_batch(0, 4).first).pow(2).mean(); }, true);
   zero->step(1e-3);
   std::map<std::string, at::Tensor> count;
-  for (const auto& it : net->named_parameters()) count[it.key() + ".exp_avg"] = at::zeros(it.value().sizes(), at::kDouble);
+  for (const auto& it : net->named_parameters())
+    count[it.key() + ".exp_avg"] = at::zeros(it.value().sizes(), at::kDouble);
   int scalars = 0;
   for (const auto& piece : zero->optimizer_state()) {
     if (piece.name == "step") continue;
@@ -288,7 +306,8 @@ TEST_P(ZeroTest, OptimizerStatePiecesTileEveryParameterOnce) {
     if (it == count.end()) continue;  // exp_avg_sq: the same boxes
     at::Tensor v = it->second;
     for (std::size_t d = 0; d < piece.offsets.size(); ++d)
-      v = v.narrow(static_cast<int64_t>(d), piece.offsets[d], piece.tensor.size(static_cast<int64_t>(d)));
+      v = v.narrow(static_cast<int64_t>(d), piece.offsets[d],
+                   piece.tensor.size(static_cast<int64_t>(d)));
     v.add_(1);
   }
   EXPECT_GT(scalars, 0);  // Adam's per-parameter step, written by the ranks holding a piece
@@ -302,15 +321,17 @@ TEST_P(ZeroTest, OptimizerStatePiecesTileEveryParameterOnce) {
 // Bytes per rank, exactly (fp32, AdamW: 4 B parameters, 4 B gradients, 8 B moments per element):
 // DDP holds 16 Psi; ZeRO-1 holds the padded parameters and flat gradients (4 P each), the
 // reduce-scatter shard (4 P / N) and the moments of its own elements only; ZeRO-2 adds the shard
-// accumulator (4 P / N). Summed over the ranks, the moments are those of Psi elements: 8 Psi / N each
-// on average (Megatron's distributed optimizer: 8 + 8 / N bytes per parameter for fp32 state beside
-// full fp32 parameters and gradients; ours adds the P / N shards).
+// accumulator (4 P / N). Summed over the ranks, the moments are those of Psi elements: 8 Psi / N
+// each on average (Megatron's distributed optimizer: 8 + 8 / N bytes per parameter for fp32 state
+// beside full fp32 parameters and gradients; ours adds the P / N shards).
 TEST_P(ZeroTest, MemoryPerRankFollowsTheFormula) {
   auto net0 = make_net(3), netz = make_net(3);
   auto ddp = par::build_engine(plan(0), net0, groups_of(*net0), adamw(), world_, bucket_options());
-  auto zero = par::build_engine(plan(GetParam()), netz, groups_of(*netz), adamw(), world_, bucket_options());
+  auto zero = par::build_engine(plan(GetParam()), netz, groups_of(*netz), adamw(), world_,
+                                bucket_options());
   for (auto [net, eng] : {std::pair{net0.get(), ddp.get()}, std::pair{netz.get(), zero.get()}}) {
-    eng->forward_backward(1, [&](int) { return net->forward(global_batch(0, 4).first).pow(2).mean(); }, true);
+    eng->forward_backward(
+        1, [&](int) { return net->forward(global_batch(0, 4).first).pow(2).mean(); }, true);
     eng->step(1e-3);
   }
   const int64_t psi = flat_params(*net0).numel();
@@ -344,7 +365,8 @@ TEST_P(ZeroTest, FrozenAndUnusedParametersBehaveAsUnderDdp) {
     opts.find_unused = true;
     auto ddp = par::build_engine(plan(0), net0, groups_of(*net0), adamw(), world_, opts);
     auto zero = par::build_engine(plan(GetParam()), netz, groups_of(*netz), adamw(), world_, opts);
-    const at::Tensor fc1_before = netz->fc1->weight.detach().clone(), fc3_before = netz->fc3->weight.detach().clone();
+    const at::Tensor fc1_before = netz->fc1->weight.detach().clone(),
+                     fc3_before = netz->fc3->weight.detach().clone();
     // fc3 is skipped by every rank (or, used_somewhere, by every rank but 0).
     auto loss = [&](Net& net) {
       const at::Tensor x = global_batch(rank_, 4).first;
@@ -352,22 +374,27 @@ TEST_P(ZeroTest, FrozenAndUnusedParametersBehaveAsUnderDdp) {
       at::Tensor h = at::gelu(net.fc2(at::gelu(net.fc1(x))));
       return skip ? h.pow(2).mean() : (h.pow(2).mean() + net.fc3(h).pow(2).mean());
     };
-    ddp->forward_backward(1, [&](int) { return loss(*net0); }, true);
-    zero->forward_backward(1, [&](int) { return loss(*netz); }, true);
+    ddp->forward_backward(
+        1, [&](int) { return loss(*net0); }, true);
+    zero->forward_backward(
+        1, [&](int) { return loss(*netz); }, true);
     for (const auto& g : zero->optimizer().groups()) {
-      for (const auto& name : g.names) EXPECT_NE(name, "fc1.weight") << "a frozen parameter reached the optimizer";
+      for (const auto& name : g.names)
+        EXPECT_NE(name, "fc1.weight") << "a frozen parameter reached the optimizer";
     }
     bool fc3_has_grad = false;
     for (const auto& g : zero->optimizer().groups())
       for (std::size_t i = 0; i < g.params.size(); ++i)
         if (g.names[i] == "fc3.weight") fc3_has_grad = g.params[i].grad().defined();
-    // Some rank may hold no piece of fc3.weight; where it does, the gradient exists iff any rank used it.
+    // Some rank may hold no piece of fc3.weight; where it does, the gradient exists iff any rank
+    // used it.
     EXPECT_EQ(net0->fc3->weight.grad().defined(), used_somewhere);
     if (fc3_has_grad) EXPECT_TRUE(used_somewhere);
     ddp->step(1e-2);
     zero->step(1e-2);
     EXPECT_TRUE(at::equal(netz->fc1->weight, fc1_before)) << "frozen parameter moved";
-    EXPECT_EQ(at::equal(netz->fc3->weight, fc3_before), !used_somewhere) << "used somewhere: " << used_somewhere;
+    EXPECT_EQ(at::equal(netz->fc3->weight, fc3_before), !used_somewhere)
+        << "used somewhere: " << used_somewhere;
     EXPECT_TRUE(at::equal(net0->fc3->weight, fc3_before) == !used_somewhere);
   }
 }
@@ -376,7 +403,8 @@ TEST_P(ZeroTest, FrozenAndUnusedParametersBehaveAsUnderDdp) {
 // must still skip the step (the inf check is agreed over the shard group).
 TEST_P(ZeroTest, InfOnOneRankSkipsTheStepOnEveryRank) {
   auto net = make_net(9);
-  auto zero = par::build_engine(plan(GetParam()), net, groups_of(*net), adamw(), world_, bucket_options());
+  auto zero =
+      par::build_engine(plan(GetParam()), net, groups_of(*net), adamw(), world_, bucket_options());
   optim::LossScaler scaler(true, 1024.0);
   const at::Tensor before = flat_params(*net).clone();
   zero->forward_backward(
@@ -411,5 +439,6 @@ TEST(ZeroPlanTest, RefusesWhatItCannotDoNamingTheKey) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("train.cuda_graph"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(par::Plan::from(p, "full", false, 2, 0).describe(), "dp=2 x tp=1 x pp=1, ZeRO-1, activation checkpointing full");
+  EXPECT_EQ(par::Plan::from(p, "full", false, 2, 0).describe(),
+            "dp=2 x tp=1 x pp=1, ZeRO-1, activation checkpointing full");
 }

@@ -18,12 +18,19 @@ using namespace parallax;
 
 namespace {
 
-std::string source_dir() { return PARALLAX_SOURCE_DIR; }
+std::string source_dir() {
+  return PARALLAX_SOURCE_DIR;
+}
 
-train::RunConfig config(const fs::path& out, const std::string& name, const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> o = {"experiment.output_dir=" + out.string(), "experiment.name=" + name,
-                                "model.size=tiny", "train.steps=6", "train.log_every=1",
-                                "checkpoint.every=3", "train.device=cpu"};
+train::RunConfig config(const fs::path& out, const std::string& name,
+                        const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> o = {"experiment.output_dir=" + out.string(),
+                                "experiment.name=" + name,
+                                "model.size=tiny",
+                                "train.steps=6",
+                                "train.log_every=1",
+                                "checkpoint.every=3",
+                                "train.device=cpu"};
   o.insert(o.end(), extra.begin(), extra.end());
   return train::load_run_config(source_dir() + "/configs/mlp_demo.yaml", o);
 }
@@ -77,7 +84,8 @@ TEST_F(TrainerHooksTest, TransformFrozenModelExtraLossAndExtraCheckpointEntries)
       teacher = models::build_model(cfg.model, scene);
       return teacher;
     };
-    h.extra_loss = [&](const core::TensorDict& batch, const core::TensorDict& pred, models::Model* frozen) {
+    h.extra_loss = [&](const core::TensorDict& batch, const core::TensorDict& pred,
+                       models::Model* frozen) {
       ++extra_calls;
       EXPECT_EQ(frozen, teacher.get());
       at::Tensor target;
@@ -85,11 +93,16 @@ TEST_F(TrainerHooksTest, TransformFrozenModelExtraLossAndExtraCheckpointEntries)
         at::NoGradGuard ng;
         target = frozen->forward(batch).at("y_hat");
       }
-      return std::map<std::string, at::Tensor>{{"distill", 0.5 * (pred.at("y_hat") - target).pow(2).mean()}};
+      return std::map<std::string, at::Tensor>{
+          {"distill", 0.5 * (pred.at("y_hat") - target).pow(2).mean()}};
     };
-    h.save_extra = [](checkpoint::SaveState& s) { s.add_replicated("extra/marker", at::arange(5, at::kFloat)); };
+    h.save_extra = [](checkpoint::SaveState& s) {
+      s.add_replicated("extra/marker", at::arange(5, at::kFloat));
+    };
     if (resume_check) {
-      h.load_extra = [loaded](checkpoint::CheckpointReader& r) { *loaded = r.read("extra/marker"); };
+      h.load_extra = [loaded](checkpoint::CheckpointReader& r) {
+        *loaded = r.read("extra/marker");
+      };
     }
     return h;
   };
@@ -102,9 +115,11 @@ TEST_F(TrainerHooksTest, TransformFrozenModelExtraLossAndExtraCheckpointEntries)
     ASSERT_FALSE(frozen_before.empty()) << "the mlp has no layer '0.'";
     for (auto& it : trained->named_parameters()) {
       if (frozen_before.count(it.key())) {
-        EXPECT_TRUE(at::equal(it.value(), frozen_before[it.key()])) << it.key() << " moved while frozen";
+        EXPECT_TRUE(at::equal(it.value(), frozen_before[it.key()]))
+            << it.key() << " moved while frozen";
       } else {
-        EXPECT_FALSE(at::equal(it.value(), trained_before[it.key()])) << it.key() << " never trained";
+        EXPECT_FALSE(at::equal(it.value(), trained_before[it.key()]))
+            << it.key() << " never trained";
       }
     }
     for (const auto& p : teacher->parameters()) EXPECT_FALSE(p.requires_grad());
