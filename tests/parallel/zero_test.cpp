@@ -1,6 +1,6 @@
 // The engine seam and ZeRO-1/2 (parallel/engine.h, parallel/zero/zero.h) against DDP's engine
 // (stage 0) on the same data and initial weights, under mpirun with 2 and 4 ranks (MPI on CPU
-// tensors; PARALLAX_TEST_BACKEND=nccl runs it on GPUs). fp32, TF32 off.
+// tensors; PARALLAX_TEST_BACKEND=gloo on gloo, =nccl on GPUs). fp32, TF32 off.
 //
 // Tolerances (tests/TOLERANCES.md):
 //  - gradients: ZeRO's shard of the averaged gradient against DDP's averaged gradient at the same
