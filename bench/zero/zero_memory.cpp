@@ -4,7 +4,7 @@
 // one JSON line per stage from rank 0, with the formula's prediction beside the count:
 //   stage 0 (DDP)   16 Psi                       (4 params + 4 grads + 8 AdamW moments, fp32)
 //   stage 1         4 P + 4 P + 4 P / N + 8 Psi_r (P: padded bucket elements; Psi_r: this rank's)
-//   stage 2         stage 1 + 4 P / N            (the shard accumulator)
+//   stage 2         4 P + 4 P / N + 8 Psi_r      (transient gradient buckets: only the shard stays)
 // Usage: mpirun -np N zero_memory [--model vit_cls] [--size b16] [--backend mpi|gloo|nccl]
 #include "core/log.h"
 #include "models/model.h"
@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
                               "{:.3f}}}",
                               model_name, size, n, stage, m.params / 1e9, m.grads / 1e9,
                               m.optimizer / 1e9, m.total() / 1e9, m.total() / psi,
-                              stage == 0 ? 16.0 : (stage == 1 ? 8.0 + 12.0 / n : 8.0 + 16.0 / n))
+                              stage == 0 ? 16.0 : (stage == 1 ? 8.0 + 12.0 / n : 4.0 + 12.0 / n))
                       .c_str());
       std::fflush(stdout);
     }

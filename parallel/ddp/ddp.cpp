@@ -90,6 +90,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
                  "gradient buckets: reduce-scatter needs flat buckets, the native algorithm and no "
                  "reduce_dtype");
   if (scatter) options_.mode = BucketMode::kFlat;
+  PARALLAX_CHECK(!options_.transient || scatter, ConfigError,
+                 "gradient buckets: transient buffers need the reduce-scatter reduction");
   if (options_.mode == BucketMode::kAuto) {
     // The CPU backends run a grouped all-reduce through a flat copy and back: flat costs less
     // there.
@@ -155,15 +157,16 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     const bool flat = mode() == BucketMode::kFlat;
     if (flat) {
       // The padding (reduce-scatter) stays zero: no parameter's view covers it.
-      b.buffer = at::zeros({info.padded_numel}, params_[members.front()].options());
+      const auto opts = params_[members.front()].options().requires_grad(false);
+      if (!options_.transient) b.buffer = at::zeros({info.padded_numel}, opts);
       b.incoming.resize(members.size());
-      if (scatter) b.shard = at::zeros({info.padded_numel / parts}, b.buffer.options());
+      if (scatter) b.shard = at::zeros({info.padded_numel / parts}, opts);
     }
     for (std::size_t k = 0; k < members.size(); ++k) {
       const int64_t i = members[k];
       param_bucket_[i] = static_cast<int64_t>(buckets_.size());
       param_slot_[i] = static_cast<int64_t>(k);
-      if (!flat) continue;
+      if (!flat || options_.transient) continue;
       at::Tensor view =
           b.buffer.narrow(0, info.offsets[k], params_[i].numel()).view(params_[i].sizes());
       // Keep an existing gradient's value; the gradient becomes the bucket view from now on.
@@ -189,6 +192,26 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
             return outputs;
           }
           Bucket& b = buckets_[param_bucket_[i]];
+          if (options_.transient) {
+            // Into the bucket's buffer (allocated by its first gradient), and the parameter's own
+            // gradient is dropped: no rank keeps a full gradient past its bucket's reduce-scatter.
+            PARALLAX_CHECK(sync, Error,
+                           "gradient buckets: a backward without gradient sync on transient buckets "
+                           "(ZeRO-2 reduces every micro-step)");
+            at::Tensor& grad = params_[i].mutable_grad();
+            if (grad.defined()) {
+              at::NoGradGuard ng;
+              if (!b.buffer.defined()) {
+                b.buffer = at::zeros({bucket_info_[param_bucket_[i]].padded_numel}, grad.options());
+              }
+              b.buffer.narrow(0, bucket_info_[param_bucket_[i]].offsets[param_slot_[i]], grad.numel())
+                  .view_as(grad)
+                  .copy_(grad);
+              grad = at::Tensor();
+            }
+            mark_ready(static_cast<int64_t>(i));
+            return outputs;
+          }
           at::Tensor& view = b.views[param_slot_[i]];
           at::Tensor& grad = params_[i].mutable_grad();
           // AccumulateGrad stole or replaced the gradient (it was None). In a synced backward the
@@ -332,9 +355,14 @@ void DistributedDataParallel::launch_ready_buckets() {
         at::NoGradGuard ng;
         at::_foreach_copy_(dst, src);
       }
+      if (options_.transient && !b.buffer.defined()) {  // no gradient arrived (all unused)
+        b.buffer = at::zeros({bucket_info_[next_bucket_].padded_numel}, b.shard.options());
+      }
       tensors.push_back(b.buffer);
     }
     b.work = issue(b, tensors);
+    // Transient: the collective keeps its input alive until it completes; nothing else does.
+    if (options_.transient) b.buffer = at::Tensor();
     ++next_bucket_;
   }
 }
@@ -394,7 +422,9 @@ void DistributedDataParallel::finalize_backward() {
       if (ready_[i]) continue;
       // An unused parameter contributes zero; its gradient may still hold a stale value.
       at::Tensor& grad = params_[i].mutable_grad();
-      if (mode() == BucketMode::kFlat) {
+      if (options_.transient) {
+        // Its slot of the (zero-initialised) bucket buffer stays zero.
+      } else if (mode() == BucketMode::kFlat) {
         buckets_[param_bucket_[i]].views[param_slot_[i]].zero_();
         grad = buckets_[param_bucket_[i]].views[param_slot_[i]];
       } else if (grad.defined()) {
@@ -427,8 +457,12 @@ void DistributedDataParallel::finalize_backward() {
     group_->all_reduce(bitmap, comm::ReduceOp::kMax);
     bitmap = bitmap.cpu();
     const float* u = bitmap.data_ptr<float>();
+    used_anywhere_.assign(params_.size(), 1);
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (u[i] == 0.0f) params_[i].mutable_grad() = at::Tensor();
+      if (u[i] == 0.0f) {
+        params_[i].mutable_grad() = at::Tensor();
+        used_anywhere_[i] = 0;
+      }
     }
   }
   if (!options_.timing) return;

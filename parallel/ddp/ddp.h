@@ -88,6 +88,12 @@ struct DdpOptions {
   // Parameters with different keys never share a bucket (e.g. the optimizer's parameter group);
   // empty: one key for all.
   std::function<int(const std::string& param_name)> bucket_key;
+  // Reduce-scatter only (ZeRO-2): no persistent flat gradient buffers. A bucket's buffer is
+  // allocated when its first gradient of a backward arrives; each gradient is copied in and the
+  // parameter's own gradient dropped at once; after the reduce-scatter the buffer is released (its
+  // memory returns when the collective completes), so between steps a rank holds only its shards.
+  // Every backward must be synced (no no-sync accumulation: accumulate the shards instead).
+  bool transient = false;
   double bucket_mb = 25.0;
   double first_bucket_mb = 1.0;
   bool find_unused = false;
@@ -160,6 +166,9 @@ class DistributedDataParallel {
   // Flat mode: bucket i's flat gradient buffer (padded_numel elements); reduce-scatter: its shard
   // (padded_numel / size elements), which holds the average after a synced finalize_backward().
   const at::Tensor& bucket_buffer(std::size_t i) const { return buckets_.at(i).buffer; }
+  // After finalize_backward() with find_unused: whether any rank produced a gradient for trainable
+  // parameter `i` (registration order, frozen ones left out); always true without find_unused.
+  bool used_anywhere(std::size_t i) const { return used_anywhere_.empty() || used_anywhere_.at(i) != 0; }
   const at::Tensor& bucket_shard(std::size_t i) const { return buckets_.at(i).shard; }
 
  private:
@@ -187,6 +196,7 @@ class DistributedDataParallel {
   std::vector<at::Tensor> params_;
   std::vector<int64_t> param_bucket_, param_slot_;
   std::vector<char> ready_;
+  std::vector<char> used_anywhere_;  // find_unused: the last synced backward's usage bitmap
   std::vector<Bucket> buckets_;
   std::vector<BucketInfo> bucket_info_;
   std::vector<std::shared_ptr<void>> accumulators_;  // keeps AccumulateGrad nodes (and hooks) alive

@@ -21,6 +21,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
   for (std::size_t g = 0; g < groups.size(); ++g)
     for (const auto& n : groups[g].names) (*group_of)[n] = static_cast<int>(g);
   options.reduction = ddp::Reduction::kReduceScatter;
+  options.transient = stage_ == 2;  // ZeRO-2 keeps no full gradient between reduce-scatters
   options.bucket_key = [group_of](const std::string& name) {
     const auto it = group_of->find(name);
     return it == group_of->end() ? -1 : it->second;
@@ -44,9 +45,9 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
         params_.at(static_cast<std::size_t>(index.at(info.param_names.front())));
     at::Tensor flat = at::zeros({info.padded_numel}, first.options().requires_grad(false));
     const int64_t shard = info.padded_numel / n, lo = r * shard, hi = lo + shard;
-    // Stage 1 reduces once per step: the reduce-scatter's shard is the gradient. Stage 2 reduces
-    // every micro-step: the shards are summed into an accumulator.
-    at::Tensor acc = stage_ == 1 ? ddp_->bucket_shard(bi) : at::zeros({shard}, flat.options());
+    // The reduce-scatter's shard is the gradient: stage 1 reduces once per step; stage 2 reduces
+    // every micro-step and, with several, sums the shards into an accumulator (allocated then).
+    at::Tensor acc = ddp_->bucket_shard(bi);
     for (std::size_t k = 0; k < info.param_names.size(); ++k) {
       const int64_t pi = index.at(info.param_names[k]);
       at::Tensor& p = params_[static_cast<std::size_t>(pi)];
@@ -66,6 +67,8 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
       piece.param_index = pi;
       piece.param = flat.narrow(0, b, e - b);
       piece.grad = acc.narrow(0, b - lo, e - b);
+      piece.bucket = bi;
+      piece.shard_offset = b - lo;
       for (int64_t q = off / shard; q <= (off + numel - 1) / shard; ++q)
         piece.holders.push_back(dp_->world_ranks().at(static_cast<std::size_t>(q)));
       piece_of[piece.name] = pieces_.size();
@@ -73,6 +76,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
     }
     flat_params_.push_back(flat);
     grad_acc_.push_back(acc);
+    shard_acc_.emplace_back();
   }
   (void)me;
   // The optimizer over this rank's pieces, group by group (same names, same weight decay).
@@ -119,22 +123,33 @@ void ZeroEngine::forward_backward(int micro_steps, const std::function<at::Tenso
     loss.backward();
     ddp_->finalize_backward();
     if (!sync) continue;
-    at::NoGradGuard no_grad;
-    for (std::size_t bi = 0; bi < grad_acc_.size() && stage_ == 2; ++bi) {
-      if (first) {
-        grad_acc_[bi].copy_(ddp_->bucket_shard(bi));
-      } else {
-        grad_acc_[bi].add_(ddp_->bucket_shard(bi));
+    if (stage_ == 2 && micro_steps > 1) {
+      // The shard of each micro-step (its buckets were transient) is summed into the accumulator.
+      at::NoGradGuard no_grad;
+      for (std::size_t bi = 0; bi < grad_acc_.size(); ++bi) {
+        at::Tensor& acc = shard_acc_.at(bi);
+        if (!acc.defined()) acc = at::zeros_like(ddp_->bucket_shard(bi));
+        if (first) {
+          acc.copy_(ddp_->bucket_shard(bi));
+        } else {
+          acc.add_(ddp_->bucket_shard(bi));
+        }
       }
-      // The next micro-step's gradients start from zero in the flat buffer.
-      if (i < micro_steps - 1) ddp_->bucket_buffer(bi).zero_();
     }
     first = false;
   }
-  // A piece has a gradient iff its parameter has one (find_unused: none when no rank used it).
+  // Where the pieces' gradients live: the reduce-scatter shards, or the accumulators.
+  const bool acc = stage_ == 2 && micro_steps > 1;
+  if (acc != accumulating_pieces_) {
+    for (auto& p : pieces_) {
+      const at::Tensor& src = acc ? shard_acc_.at(p.bucket) : ddp_->bucket_shard(p.bucket);
+      p.grad = src.narrow(0, p.shard_offset, p.end - p.begin);
+    }
+    accumulating_pieces_ = acc;
+  }
+  // A piece has a gradient unless no rank used its parameter (find_unused).
   for (auto& p : pieces_) {
-    p.param.mutable_grad() =
-        params_[static_cast<std::size_t>(p.param_index)].grad().defined() ? p.grad : at::Tensor();
+    p.param.mutable_grad() = ddp_->used_anywhere(static_cast<std::size_t>(p.param_index)) ? p.grad : at::Tensor();
   }
 }
 
@@ -221,9 +236,9 @@ EngineMemory ZeroEngine::memory() {
   std::vector<at::Tensor> params, grads, state;
   for (const auto& p : module_->parameters()) params.push_back(p);
   for (std::size_t bi = 0; bi < grad_acc_.size(); ++bi) {
-    grads.push_back(ddp_->bucket_buffer(bi));
+    grads.push_back(ddp_->bucket_buffer(bi));  // undefined between steps in stage 2 (transient)
     grads.push_back(ddp_->bucket_shard(bi));
-    grads.push_back(grad_acc_[bi]);
+    grads.push_back(shard_acc_[bi]);  // stage 2 with accumulation only
   }
   for (const auto& [key, t] : optimizer_->state())
     if (key != "step" && t.dim() > 0) state.push_back(t);

@@ -20,9 +20,15 @@
 // range covers (flat_range_boxes). Nothing depends on the bucket layout, so a checkpoint loads
 // under any dp size, ZeRO stage or bucket size.
 //
-// Limits of this version: the flat gradient buffers are persistent in both stages (stage 2 saves
-// communication volume per micro-step, not yet gradient memory); no ZeRO-3; no CUDA graph capture;
-// no backward/exposed-communication timers.
+// Gradient memory. Stage 1 keeps persistent flat gradient buffers (the parameters' gradients are
+// views into them, accumulating locally over micro-steps). Stage 2's buckets are transient: each
+// gradient is copied into its bucket's buffer as autograd produces it and dropped, and the buffer
+// is released once its reduce-scatter is issued (freed when the collective completes), so between
+// steps a rank holds only its shards.
+//
+// Limits of this version: no ZeRO-3; no CUDA graph capture; no backward/exposed-communication
+// timers; on CPU backends a transient bucket's memory returns when finalize waits for the
+// collective (end of backward), on GPUs when the communication stream has used it.
 #pragma once
 
 #include "parallel/ddp/ddp.h"
@@ -63,6 +69,8 @@ class ZeroEngine : public Engine {
     int64_t param_index = 0;   // into params_
     at::Tensor param, grad;    // 1-D views: flat parameter buffer, shard accumulator
     std::vector<int> holders;  // world ranks holding a piece of this parameter (in order)
+    std::size_t bucket = 0;    // its bucket, and its offset in this rank's shard of it
+    int64_t shard_offset = 0;
   };
 
   std::shared_ptr<torch::nn::Module> module_;
@@ -70,7 +78,9 @@ class ZeroEngine : public Engine {
   int stage_;
   std::unique_ptr<ddp::DistributedDataParallel> ddp_;  // the gradient buckets (reduce-scatter)
   std::vector<at::Tensor> flat_params_;                // per bucket, padded
-  std::vector<at::Tensor> grad_acc_;  // per bucket, this rank's shard of the gradient
+  std::vector<at::Tensor> grad_acc_;   // per bucket, the reduce-scatter's shard
+  std::vector<at::Tensor> shard_acc_;  // stage 2 with several micro-steps: the shards' sum
+  bool accumulating_pieces_ = false;  // the pieces' gradients point into shard_acc_
   std::vector<at::Tensor> params_;    // trainable parameters, registration order
   std::vector<Piece> pieces_;
   std::unique_ptr<optim::Optimizer> optimizer_;
