@@ -50,12 +50,35 @@ ImageEncoderImpl::ImageEncoderImpl(const ImageEncoderOptions& o) : opts_(o) {
 }
 
 at::Tensor ImageEncoderImpl::forward(const at::Tensor& images) {
-  if (vit_) {
-    at::Tensor tokens = vit_neck_->forward(vit_->forward(images));  // [BN, T, C]
-    // [BN, h, w, C] viewed as NCHW: channels-last strides, no copy.
-    return tokens.view({tokens.size(0), vit_->grid_h(), vit_->grid_w(), tokens.size(2)}).permute({0, 3, 1, 2});
-  }
+  if (vit_) return vit_neck(vit_->forward(images));
   return conv_neck_->forward(conv_->forward(images));
+}
+
+at::Tensor ImageEncoderImpl::vit_neck(const at::Tensor& tokens) {
+  const at::Tensor t = vit_neck_->forward(tokens);  // [BN, T, C]
+  // [BN, h, w, C] viewed as NCHW: channels-last strides, no copy.
+  return t.view({t.size(0), vit_->grid_h(), vit_->grid_w(), t.size(2)}).permute({0, 3, 1, 2});
+}
+
+at::Tensor ImageEncoderImpl::forward_unit(int64_t index, const at::Tensor& x) {
+  PARALLAX_CHECK(index >= 0 && index < num_units(), Error, "image encoder: unit {} of {}", index,
+                 num_units());
+  if (!vit_) return forward(x);
+  if (index == 0) return vit_->embed(x);
+  if (index <= static_cast<int64_t>(blocks_.size())) return blocks_[index - 1]->forward(x);
+  return vit_neck(vit_->final_norm(x));
+}
+
+std::vector<UnitPaths> ImageEncoderImpl::unit_paths(const std::string& path) const {
+  if (!vit_) return {{path, {path}}};
+  const std::string vit = path + ".vit";
+  std::vector<UnitPaths> specs{{vit + ".embed", {vit + ".patch_embed", vit + ".pos_embed"}}};
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    const std::string block = vit + ".block" + std::to_string(i);
+    specs.push_back({block, {block}});
+  }
+  specs.push_back({path + ".neck", {vit + ".norm", path + ".neck"}});
+  return specs;
 }
 
 Cost ImageEncoderImpl::analytic_cost(const ImageEncoderOptions& o) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "models/layers.h"
+#include "models/model.h"
 #include "models/vit.h"
 
 #include <torch/nn/modules/container/modulelist.h>
@@ -35,6 +36,20 @@ class ImageEncoderImpl : public torch::nn::Module {
  public:
   explicit ImageEncoderImpl(const ImageEncoderOptions& o);
   at::Tensor forward(const at::Tensor& images);
+
+  // The encoder as model units (models/model.h), for a model that runs it unit by unit:
+  // forward_unit(0, images), then forward_unit(i, previous output) for i < num_units(), equals
+  // forward(images). ViT: the embedding (images -> tokens), each transformer block, then the final
+  // LayerNorm with the neck (tokens -> feature map); conv: one unit, the whole backbone and neck.
+  int64_t num_units() const { return vit_ ? static_cast<int64_t>(blocks_.size()) + 2 : 1; }
+  at::Tensor forward_unit(int64_t index, const at::Tensor& x);
+  // Unit names and the module paths each owns, for this module registered at `path` ("encoder"):
+  // ViT "<path>.vit.embed", "<path>.vit.block<i>", "<path>.neck"; conv "<path>".
+  std::vector<UnitPaths> unit_paths(const std::string& path) const;
+  // The dtype forward_unit(0, ...) takes images in: its own parameters' dtype.
+  at::ScalarType param_dtype() const {
+    return vit_ ? vit_->param_dtype() : conv_neck_->weight.scalar_type();
+  }
   // forward() of normalised images [B, 3, H, W] in e.dtype() as ONNX nodes (models/onnx/bev_onnx.cpp).
   onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& images);
 
@@ -49,6 +64,8 @@ class ImageEncoderImpl : public torch::nn::Module {
   static int64_t stride_of(const ImageEncoderOptions& o);
 
  private:
+  at::Tensor vit_neck(const at::Tensor& tokens);
+
   ImageEncoderOptions opts_;
   VisionTransformer vit_{nullptr};
   DenseLinear vit_neck_{nullptr};

@@ -20,7 +20,26 @@ MlpModel::MlpModel(int64_t in_features, int64_t hidden, int64_t out_features, in
 }
 
 core::TensorDict MlpModel::forward(const core::TensorDict& batch) {
-  return {{"y_hat", net_->forward(batch.at("x"))}};
+  // net_ is [Linear, GELU] x depth, Linear: unit k runs modules 2k and 2k + 1 (see units()).
+  at::Tensor x = batch.at("x");
+  const auto modules = net_->begin();
+  const int64_t n = static_cast<int64_t>(net_->size());
+  for (int64_t i = 0; i < n; i += 2) {
+    x = run_unit1(static_cast<int>(i / 2), [&] {
+      at::Tensor y = modules[i].forward(x);
+      return i + 1 < n ? modules[i + 1].forward(y) : y;
+    });
+  }
+  return {{"y_hat", x}};
+}
+
+std::vector<Unit> MlpModel::units() const {
+  std::vector<UnitPaths> specs;
+  for (int64_t i = 0; i <= depth_; ++i) {
+    const std::string path = "net." + std::to_string(2 * i);
+    specs.push_back({path, {path}});
+  }
+  return resolve_units(*this, specs);
 }
 
 LossOutput MlpModel::loss(const core::TensorDict& batch, const core::TensorDict& pred) {

@@ -19,6 +19,8 @@ class MlpModel : public Model {
   int64_t batch_size(const core::TensorDict& batch) const override;
   core::TensorDict example_batch(int64_t n) const override;
   std::vector<ModuleCost> cost_breakdown() const override;
+  // One unit per linear layer with the GELU after it: "net.0", "net.2", ..., "net.<2 depth>".
+  std::vector<Unit> units() const override;
   // Input "x" float32 [B, in], output "y_hat" float32 [B, out].
   void emit_onnx(onnx::Emitter& e) override;
 

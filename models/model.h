@@ -3,7 +3,9 @@
 // A model maps a batch (named tensors from the data layer) to predictions and computes its own
 // loss terms, so the trainer stays model-agnostic. Models never call collectives themselves;
 // tensor-parallel layers borrowed from parallel/tensor do, and a loss may use the replica mean the
-// trainer installs (set_replica_mean).
+// trainer installs (set_replica_mean). A model also exposes its ordered units (Unit, UnitHooks):
+// the grain at which the parallel engines gather and free parameters (ZeRO-3), cut pipeline stages,
+// checkpoint activations and quantise (docs/models.md, "Units").
 #pragma once
 
 #include "core/scene.h"
@@ -12,8 +14,10 @@
 #include "models/model_config.h"
 #include "models/replica_mean.h"
 
+#include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +31,47 @@ struct ModuleCost {
   int64_t params = 0;
   double flops = 0;
 };
+
+// One unit: a contiguous piece of the forward that owns a disjoint set of parameters.
+struct Unit {
+  std::string name;  // e.g. "encoder.vit.embed", "encoder.vit.block3", "heads"
+  // Full names as in Model::named_parameters(), in registration order.
+  std::vector<std::string> param_names;
+};
+
+// Called by the model around each unit's forward, in unit order (ZeRO-3 gathers a unit's
+// parameters in before_unit and frees them in after_unit; a pipeline engine cuts between units).
+//
+// Contract the models keep (tests/models/units_test.cpp checks it for every model): between
+// before_unit(i) and after_unit(i) the forward reads the parameters of unit i and of no other
+// unit; outside every such window it reads no parameter at all (loss() included). A unit's
+// backward reads only its own parameters, so an engine that gathers them again when the gradient
+// of the unit's outputs arrives (a hook on `outputs`) has everything the backward needs, including
+// the recomputation of an activation-checkpointed block, which runs inside its unit's backward.
+// A forward that throws inside a unit does not call after_unit for it.
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  virtual void before_unit(int index) = 0;
+  // `outputs`: the tensors the unit returned (the activations that flow to the next unit), so an
+  // engine can attach autograd hooks to them (re-gather before the unit's backward).
+  virtual void after_unit(int index, const std::vector<at::Tensor>& outputs) = 0;
+};
+
+// A unit named by module paths: it owns every parameter whose full name is one of `paths` or
+// lies under one of them (path + "."). Paths rather than a list of names, so parameters added
+// inside a module later (LoRA adapters, QAT scales) join their module's unit.
+struct UnitPaths {
+  std::string name;
+  std::vector<std::string> paths;
+};
+
+// The units `specs` describe, with the parameter names of `module.named_parameters()` in
+// registration order. Throws parallax::Error naming the parameter or unit when a parameter lies in
+// no unit or in two, or a unit owns no parameter: a unit list that does not cover the model exactly
+// would make ZeRO-3 skip or double-count parameters silently.
+std::vector<Unit> resolve_units(const torch::nn::Module& module,
+                                const std::vector<UnitPaths>& specs);
 
 struct LossOutput {
   at::Tensor total;              // scalar, what backward() runs on
@@ -68,6 +113,14 @@ class Model : public torch::nn::Module {
 
   int64_t parameter_count() const;
 
+  // The ordered units; every parameter of named_parameters() is in exactly one unit. The default
+  // (for models that do not override) is a single unit "model" holding every parameter; such a
+  // model's forward must run as run_unit(0, ...) for installed hooks to be called.
+  virtual std::vector<Unit> units() const;
+  // Installs hooks (nullptr: none, the default). Not owned: `hooks` must outlive its installation.
+  void set_unit_hooks(UnitHooks* hooks) { unit_hooks_ = hooks; }
+  UnitHooks* unit_hooks() const { return unit_hooks_; }
+
   // Loss normalisers that count things in the batch (positive heatmap cells, target boxes,
   // labelled cells per class) must count the whole data-parallel batch, or DDP's average of the
   // replicas' gradients is not the gradient of one process on that batch (MMDetection3D does the
@@ -77,8 +130,27 @@ class Model : public torch::nn::Module {
   void set_replica_mean(ReplicaMean mean) { replica_mean_ = std::move(mean); }
   const ReplicaMean& replica_mean() const { return replica_mean_; }
 
+ protected:
+  // Runs `fn` as unit `index`: calls before_unit(index), fn(), after_unit(index, outputs);
+  // without hooks it is just fn(). The models' forwards call each unit through it, in unit order.
+  std::vector<at::Tensor> run_unit(int index, const std::function<std::vector<at::Tensor>()>& fn);
+
+  // run_unit for a unit with one output tensor. Without hooks (the 1-GPU benchmark path) it is a
+  // plain branch to fn(): no std::function and no vector are built.
+  template <class Fn>
+  at::Tensor run_unit1(int index, Fn&& fn) {
+    if (unit_hooks_ == nullptr) return fn();
+    at::Tensor out;
+    run_unit(index, [&] {
+      out = fn();
+      return std::vector<at::Tensor>{out};
+    });
+    return out;
+  }
+
  private:
   ReplicaMean replica_mean_;
+  UnitHooks* unit_hooks_ = nullptr;
 };
 
 // Makes `name` (auto | cudnn | flash | fa3 | efficient | math) the first fused attention kernel that

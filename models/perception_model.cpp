@@ -175,19 +175,43 @@ void PerceptionModel::check_batch(const core::TensorDict& batch) const {
 core::TensorDict PerceptionModel::forward(const core::TensorDict& batch) {
   check_batch(batch);
   const at::Tensor& im = batch.at("images");
-  const int64_t b = im.size(0), n = im.size(1);
-  // [B, N, H, W, 3] is NCHW in channels-last layout once the camera dim is folded: no copy.
-  at::Tensor x = im.reshape({b * n, im.size(2), im.size(3), 3}).permute({0, 3, 1, 2});
-  x = normalize_images(x, view_->parameters().front().scalar_type());
-  at::Tensor bev = view_->forward(encoder_->forward(x), batch.at("intrinsics"), batch.at("cam_to_ego"));
-  for (const auto& blk : bev_blocks_) bev = blk->forward(bev);
-  core::TensorDict out = heads_->forward(bev);
-  at::Tensor seg = out.at("seg");
-  const BevGrid lg = spec_.label_grid();
-  if (seg.size(2) != lg.nx || seg.size(3) != lg.ny) {
-    seg = at::upsample_bilinear2d(seg, {lg.nx, lg.ny}, /*align_corners=*/false);
+  // The units of units(), in order: the image encoder's, the view transformer, each BEV encoder
+  // block, the heads.
+  int unit = 0;
+  at::Tensor x = run_unit1(unit++, [&] {
+    const int64_t b = im.size(0), n = im.size(1);
+    // [B, N, H, W, 3] is NCHW in channels-last layout once the camera dim is folded: no copy.
+    const at::Tensor images = im.reshape({b * n, im.size(2), im.size(3), 3}).permute({0, 3, 1, 2});
+    return encoder_->forward_unit(0, normalize_images(images, encoder_->param_dtype()));
+  });
+  for (int64_t i = 1; i < encoder_->num_units(); ++i)
+    x = run_unit1(unit++, [&] { return encoder_->forward_unit(i, x); });
+  x = run_unit1(unit++,
+                [&] { return view_->forward(x, batch.at("intrinsics"), batch.at("cam_to_ego")); });
+  for (const auto& blk : bev_blocks_) x = run_unit1(unit++, [&] { return blk->forward(x); });
+  // Three outputs, so through run_unit itself; the lambda captures two pointers, which
+  // std::function stores inline (no allocation for the hook machinery without hooks).
+  const std::vector<at::Tensor> out = run_unit(unit, [this, &x] {
+    core::TensorDict heads = heads_->forward(x);
+    at::Tensor seg = heads.at("seg");
+    const BevGrid lg = spec_.label_grid();
+    if (seg.size(2) != lg.nx || seg.size(3) != lg.ny) {
+      seg = at::upsample_bilinear2d(seg, {lg.nx, lg.ny}, /*align_corners=*/false);
+    }
+    return std::vector<at::Tensor>{seg, heads.at("heatmap"), heads.at("box_reg")};
+  });
+  return {{"bev_logits", out[0]}, {"heatmap", out[1]}, {"box_reg", out[2]}};
+}
+
+std::vector<Unit> PerceptionModel::units() const {
+  std::vector<UnitPaths> specs = encoder_->unit_paths("encoder");
+  specs.push_back({"view", {"view"}});
+  for (std::size_t i = 0; i < bev_blocks_.size(); ++i) {
+    const std::string path = "bev_block" + std::to_string(i);
+    specs.push_back({path, {path}});
   }
-  return {{"bev_logits", seg}, {"heatmap", out.at("heatmap")}, {"box_reg", out.at("box_reg")}};
+  specs.push_back({"heads", {"heads"}});
+  return resolve_units(*this, specs);
 }
 
 LossOutput PerceptionModel::loss(const core::TensorDict& batch, const core::TensorDict& pred) {

@@ -78,6 +78,10 @@ class PerceptionModel : public Model {
   double forward_flops_per_sample() const override;
   // Every residual/transformer block: image backbone blocks, then BEV encoder blocks.
   std::vector<std::shared_ptr<torch::nn::Module>> checkpointable_blocks() override;
+  // The image encoder's units (ViT: "encoder.vit.embed", "encoder.vit.block<i>", "encoder.neck";
+  // conv: "encoder"), "view", "bev_block<i>", "heads" (the three heads and the resampling of the
+  // segmentation logits to the label grid).
+  std::vector<Unit> units() const override;
   core::TensorDict postprocess(const core::TensorDict& pred) override;
   int64_t batch_size(const core::TensorDict& batch) const override { return batch.at("images").size(0); }
   // Random noise images on a jittered surround rig (models/camera_rig.h), 2-8 random boxes per

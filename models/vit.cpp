@@ -168,6 +168,12 @@ VisionTransformerImpl::VisionTransformerImpl(const VisionTransformerOptions& o) 
 }
 
 at::Tensor VisionTransformerImpl::forward(const at::Tensor& images) {
+  at::Tensor x = embed(images);
+  for (const auto& blk : blocks_) x = blk->forward(x);
+  return final_norm(x);
+}
+
+at::Tensor VisionTransformerImpl::embed(const at::Tensor& images) {
   // The stride-p, kernel-p patch convolution as one GEMM: the non-overlapping patches become rows
   // ([B, gh, gw, C, p, p] -> [B*T, C*p*p], one copy) times the conv weight viewed [D, C*p*p].
   // Same sums as the convolution, without cuDNN's NCHW/NHWC conversions and implicit-GEMM
@@ -186,8 +192,10 @@ at::Tensor VisionTransformerImpl::forward(const at::Tensor& images) {
   const at::ScalarType dt = opts_.spec.fp32_residual ? at::kFloat : stream_dtype(x);
   x = x.to(dt);
   if (opts_.class_token) x = at::cat({cls_token_.to(dt).expand({x.size(0), -1, -1}), x}, 1);
-  x = x + pos_embed_.to(dt);
-  for (const auto& blk : blocks_) x = blk->forward(x);
+  return x + pos_embed_.to(dt);
+}
+
+at::Tensor VisionTransformerImpl::final_norm(const at::Tensor& x) {
   return layer_norm_in_dtype(norm_, x, opts_.spec.fused_kernels);
 }
 
@@ -215,8 +223,24 @@ core::TensorDict VitClassifier::forward(const core::TensorDict& batch) {
   PARALLAX_CHECK(images.dim() == 4 && images.size(1) == 3 && images.size(2) == image_size_ && images.size(3) == image_size_,
                  Error, "vit_cls: batch 'images' must be [B, 3, {}, {}], got {}", image_size_, image_size_,
                  fmt::format("{}", images.sizes()));
-  at::Tensor tokens = vit_->forward(normalize_images(images, head_->weight.scalar_type()));
-  return {{"logits", head_->forward(tokens.select(1, 0))}};
+  // The units of units(), in order: the embedding, each block, the final norm with the head.
+  at::Tensor x =
+      run_unit1(0, [&] { return vit_->embed(normalize_images(images, vit_->param_dtype())); });
+  int unit = 1;
+  for (const auto& blk : vit_->blocks()) x = run_unit1(unit++, [&] { return blk->forward(x); });
+  return {{"logits",
+           run_unit1(unit, [&] { return head_->forward(vit_->final_norm(x).select(1, 0)); })}};
+}
+
+std::vector<Unit> VitClassifier::units() const {
+  std::vector<UnitPaths> specs{
+      {"vit.embed", {"vit.patch_embed", "vit.cls_token", "vit.pos_embed"}}};
+  for (std::size_t i = 0; i < vit_->blocks().size(); ++i) {
+    const std::string path = "vit.block" + std::to_string(i);
+    specs.push_back({path, {path}});
+  }
+  specs.push_back({"head", {"vit.norm", "head"}});
+  return resolve_units(*this, specs);
 }
 
 LossOutput VitClassifier::loss(const core::TensorDict& batch, const core::TensorDict& pred) {

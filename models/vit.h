@@ -99,7 +99,15 @@ struct VisionTransformerOptions {
 class VisionTransformerImpl : public torch::nn::Module {
  public:
   explicit VisionTransformerImpl(const VisionTransformerOptions& o);
+  // final_norm(blocks(embed(images))).
   at::Tensor forward(const at::Tensor& images);
+  // The pieces of forward(), so a model can run them as separate units (models/model.h): the
+  // patch embedding with [class token] and position embedding (reads patch_embed, cls_token,
+  // pos_embed), then each of blocks(), then the final LayerNorm (reads norm).
+  at::Tensor embed(const at::Tensor& images);
+  at::Tensor final_norm(const at::Tensor& x);
+  // The dtype of the patch embedding's weight: what embed() takes images in.
+  at::ScalarType param_dtype() const { return patch_embed_->weight.scalar_type(); }
   // forward() of normalised images [B, 3, H, W] in e.dtype() as ONNX nodes: tokens [B, T, D].
   onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& images);
 
@@ -130,6 +138,9 @@ class VitClassifier : public Model {
   LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) override;
   double forward_flops_per_sample() const override { return cost().flops; }
   std::vector<std::shared_ptr<torch::nn::Module>> checkpointable_blocks() override;
+  // "vit.embed" (patch embedding, class token, position embedding), "vit.block<i>" per block,
+  // "head" (the ViT's final LayerNorm and the linear head).
+  std::vector<Unit> units() const override;
   core::TensorDict postprocess(const core::TensorDict& pred) override;
   int64_t batch_size(const core::TensorDict& batch) const override { return batch.at("images").size(0); }
   core::TensorDict example_batch(int64_t n) const override;

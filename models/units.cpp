@@ -1,0 +1,65 @@
+#include "core/error.h"
+#include "models/model.h"
+
+#include <algorithm>
+
+namespace parallax::models {
+
+namespace {
+
+// `name` is `path` or lies under it ("a.b" covers "a.b" and "a.b.c", not "a.bc").
+bool under(const std::string& name, const std::string& path) {
+  return name.size() >= path.size() && name.compare(0, path.size(), path) == 0 &&
+         (name.size() == path.size() || name[path.size()] == '.');
+}
+
+}  // namespace
+
+std::vector<Unit> resolve_units(const torch::nn::Module& module,
+                                const std::vector<UnitPaths>& specs) {
+  std::vector<Unit> units;
+  units.reserve(specs.size());
+  for (const auto& s : specs) {
+    PARALLAX_CHECK(
+        std::none_of(units.begin(), units.end(), [&](const Unit& u) { return u.name == s.name; }),
+        Error, "model units: two units are named '{}'", s.name);
+    units.push_back({s.name, {}});
+  }
+  for (const auto& item : module.named_parameters()) {
+    const std::string& name = item.key();
+    int owner = -1;
+    for (std::size_t u = 0; u < specs.size(); ++u) {
+      if (std::none_of(specs[u].paths.begin(), specs[u].paths.end(),
+                       [&](const std::string& p) { return under(name, p); })) {
+        continue;
+      }
+      PARALLAX_CHECK(owner < 0, Error, "model units: parameter '{}' is in two units, '{}' and '{}'",
+                     name, specs[owner].name, specs[u].name);
+      owner = static_cast<int>(u);
+    }
+    PARALLAX_CHECK(owner >= 0, Error, "model units: parameter '{}' is in no unit", name);
+    units[owner].param_names.push_back(name);
+  }
+  for (const auto& u : units) {
+    PARALLAX_CHECK(!u.param_names.empty(), Error, "model units: unit '{}' owns no parameter",
+                   u.name);
+  }
+  return units;
+}
+
+std::vector<Unit> Model::units() const {
+  std::vector<Unit> all{{"model", {}}};
+  for (const auto& item : named_parameters()) all[0].param_names.push_back(item.key());
+  return all;
+}
+
+std::vector<at::Tensor> Model::run_unit(int index,
+                                        const std::function<std::vector<at::Tensor>()>& fn) {
+  if (unit_hooks_ == nullptr) return fn();
+  unit_hooks_->before_unit(index);
+  std::vector<at::Tensor> outputs = fn();
+  unit_hooks_->after_unit(index, outputs);
+  return outputs;
+}
+
+}  // namespace parallax::models

@@ -1,0 +1,440 @@
+// Model units (models/model.h): every model of the zoo lists units that cover its parameters
+// exactly, calls the hooks once per unit in order, and keeps the ZeRO-3 contract: inside unit i's
+// window the forward reads only unit i's parameters, outside every window (loss() included) it
+// reads none, and a unit's backward needs only its own parameters once its outputs' gradient has
+// arrived (with activation checkpointing too). Without hooks the forward is the one the
+// submodules compose, bit for bit.
+#include "core/error.h"
+#include "models/backbone.h"
+#include "models/model.h"
+#include "models/perception_model.h"
+#include "models/vit.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
+#include <limits>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace parallax::models {
+namespace {
+
+struct Case {
+  std::string name, size, backbone;
+  double dropout;
+};
+
+std::string label(const Case& c) {
+  return c.name + "_" + c.size + (c.name == "bev" ? "_" + c.backbone : "");
+}
+
+// Dropout > 0 where the model has dropout, so the comparisons below also cover the RNG stream.
+const std::vector<Case> kTiny = {{"mlp", "tiny", "vit", 0.0},
+                                 {"vit_cls", "tiny", "vit", 0.1},
+                                 {"bev", "tiny", "vit", 0.1},
+                                 {"bev", "tiny", "conv", 0.0}};
+
+std::shared_ptr<Model> build(const Case& c) {
+  ModelConfig cfg;
+  cfg.name = c.name;
+  cfg.size = c.size;
+  cfg.backbone = c.backbone;
+  cfg.dropout = c.dropout;
+  return build_model(cfg, core::SceneSpec{});
+}
+
+void set_checkpointing(Model& model, bool on) {
+  for (const auto& b : model.checkpointable_blocks()) {
+    auto block = std::dynamic_pointer_cast<CheckpointableBlock>(b);
+    ASSERT_TRUE(block);
+    block->set_checkpointing(on);
+  }
+}
+
+// Records "b<i>" / "a<i>" and the outputs of every after_unit.
+class RecordingHooks : public UnitHooks {
+ public:
+  void before_unit(int index) override { events.push_back(fmt::format("b{}", index)); }
+  void after_unit(int index, const std::vector<at::Tensor>& outputs) override {
+    events.push_back(fmt::format("a{}", index));
+    last_outputs = outputs;
+  }
+  std::vector<std::string> events;
+  std::vector<at::Tensor> last_outputs;
+};
+
+std::vector<std::string> expected_events(std::size_t units) {
+  std::vector<std::string> e;
+  for (std::size_t i = 0; i < units; ++i) {
+    e.push_back(fmt::format("b{}", i));
+    e.push_back(fmt::format("a{}", i));
+  }
+  return e;
+}
+
+// ZeRO-3 in miniature, with NaN for "not gathered": every parameter is NaN except those of the
+// unit inside its window (before_unit .. after_unit). In backward, a hook on a unit's outputs
+// brings the unit's parameters back when their gradient arrives (ZeRO-3's re-gather before the
+// unit's backward); earlier units stay NaN until theirs arrives. Any read of a parameter outside
+// these rules puts a NaN into the outputs, the loss or the gradients.
+class NanOutsideWindow : public UnitHooks {
+ public:
+  explicit NanOutsideWindow(Model& model) : units_(model.units()) {
+    const auto named = model.named_parameters();
+    torch::NoGradGuard no_grad;
+    for (const Unit& u : units_) {
+      std::vector<Param> params;
+      for (const auto& name : u.param_names) {
+        const at::Tensor& p = named[name];
+        params.push_back({p, p.data(), at::full_like(p, std::numeric_limits<double>::quiet_NaN())});
+      }
+      params_.push_back(std::move(params));
+    }
+    restored_.assign(units_.size(), false);
+    show(-1);
+  }
+  ~NanOutsideWindow() override { restore_all(); }
+
+  void before_unit(int index) override {
+    EXPECT_EQ(index, next_) << "units out of order";
+    next_ = index + 1;
+    show(index);
+  }
+  void after_unit(int index, const std::vector<at::Tensor>& outputs) override {
+    show(-1);
+    for (const at::Tensor& out : outputs) {
+      if (out.requires_grad())
+        out.register_hook([this, index](const at::Tensor&) { restore(index); });
+    }
+  }
+
+  void restore_all() {
+    for (std::size_t u = 0; u < units_.size(); ++u) restore(static_cast<int>(u));
+  }
+  const std::vector<bool>& restored() const { return restored_; }
+
+ private:
+  struct Param {
+    at::Tensor param, real, nan;
+  };
+  // Unit `index`'s parameters real, every other NaN (index -1: all NaN).
+  void show(int index) {
+    torch::NoGradGuard no_grad;
+    for (std::size_t u = 0; u < params_.size(); ++u) {
+      for (Param& p : params_[u]) p.param.set_data(static_cast<int>(u) == index ? p.real : p.nan);
+    }
+  }
+  void restore(int index) {
+    torch::NoGradGuard no_grad;
+    for (Param& p : params_[index]) p.param.set_data(p.real);
+    restored_[index] = true;
+  }
+
+  std::vector<Unit> units_;
+  std::vector<std::vector<Param>> params_;
+  std::vector<bool> restored_;
+  int next_ = 0;
+};
+
+bool same_dicts(const core::TensorDict& a, const core::TensorDict& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [k, v] : a) {
+    if (!b.count(k) || !at::equal(v, b.at(k))) return false;
+  }
+  return true;
+}
+
+TEST(UnitsTest, EveryParameterIsInExactlyOneNonEmptyUniquelyNamedUnit) {
+  std::vector<Case> cases = kTiny;
+  cases.push_back({"mlp", "small", "vit", 0.0});
+  cases.push_back({"bev", "small", "vit", 0.0});
+  cases.push_back({"bev", "small", "conv", 0.0});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(label(c));
+    auto model = build(c);
+    const std::vector<Unit> units = model->units();
+    ASSERT_GT(units.size(), 1u);
+    std::set<std::string> names;
+    std::map<std::string, int> owners;
+    for (const Unit& u : units) {
+      EXPECT_TRUE(names.insert(u.name).second) << "two units named " << u.name;
+      EXPECT_FALSE(u.param_names.empty()) << "empty unit " << u.name;
+      for (const auto& p : u.param_names) ++owners[p];
+    }
+    const auto named = model->named_parameters();
+    EXPECT_EQ(owners.size(), named.size());
+    std::map<std::string, std::size_t> position;
+    for (const auto& item : named) {
+      EXPECT_EQ(owners[item.key()], 1) << item.key();
+      position[item.key()] = position.size();
+    }
+    // Each unit lists its names in registration order.
+    for (const Unit& u : units) {
+      for (std::size_t k = 1; k < u.param_names.size(); ++k) {
+        EXPECT_LT(position.at(u.param_names[k - 1]), position.at(u.param_names[k])) << u.name;
+      }
+    }
+  }
+}
+
+TEST(UnitsTest, UnitNamesFollowTheModulePaths) {
+  auto names = [](const Case& c) {
+    std::vector<std::string> out;
+    for (const Unit& u : build(c)->units()) out.push_back(u.name);
+    return out;
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(names(kTiny[0]), (V{"net.0", "net.2", "net.4"}));
+  EXPECT_EQ(names(kTiny[1]), (V{"vit.embed", "vit.block0", "vit.block1", "head"}));
+  EXPECT_EQ(names(kTiny[2]), (V{"encoder.vit.embed", "encoder.vit.block0", "encoder.vit.block1",
+                                "encoder.neck", "view", "bev_block0", "bev_block1", "heads"}));
+  EXPECT_EQ(names(kTiny[3]), (V{"encoder", "view", "bev_block0", "bev_block1", "heads"}));
+  // The small position parameters sit with the layers that read them.
+  const auto vit = build(kTiny[1])->units();
+  EXPECT_EQ(vit.front().param_names, (V{"vit.cls_token", "vit.pos_embed", "vit.patch_embed.weight",
+                                        "vit.patch_embed.bias"}));
+  EXPECT_EQ(vit.back().param_names,
+            (V{"vit.norm.weight", "vit.norm.bias", "head.weight", "head.bias"}));
+  const auto bev = build(kTiny[2])->units();
+  EXPECT_EQ(bev[3].param_names, (V{"encoder.vit.norm.weight", "encoder.vit.norm.bias",
+                                   "encoder.neck.weight", "encoder.neck.bias"}));
+  EXPECT_EQ(bev[4].param_names.front(), "view.query_embed");
+}
+
+TEST(UnitsTest, HooksAreCalledOncePerUnitInOrderAndPaired) {
+  for (const Case& c : kTiny) {
+    SCOPED_TRACE(label(c));
+    at::manual_seed(41);
+    auto model = build(c);
+    const core::TensorDict batch = model->example_batch(2);
+    const std::size_t n = model->units().size();
+    RecordingHooks hooks;
+    model->set_unit_hooks(&hooks);
+    EXPECT_EQ(model->unit_hooks(), &hooks);
+    core::TensorDict pred = model->forward(batch);
+    EXPECT_EQ(hooks.events, expected_events(n));
+    // The last unit returns the predictions themselves.
+    for (const auto& [key, t] : pred) {
+      bool found = false;
+      for (const auto& o : hooks.last_outputs) found = found || o.is_same(t);
+      EXPECT_TRUE(found) << key << " is not an output of the last unit";
+    }
+    // A second forward (eval mode, no grad) calls them again, the same way.
+    hooks.events.clear();
+    model->eval();
+    {
+      at::NoGradGuard no_grad;
+      (void)model->forward(batch);
+    }
+    EXPECT_EQ(hooks.events, expected_events(n));
+    hooks.events.clear();
+    model->set_unit_hooks(nullptr);
+    (void)model->forward(batch);
+    EXPECT_TRUE(hooks.events.empty());
+  }
+}
+
+// Outputs, loss and gradients of a training step; `hooks` installed around the forward and the
+// backward (nullptr: none). Reseeds, so dropout draws the same masks in every call.
+struct Step {
+  core::TensorDict pred;
+  at::Tensor loss;
+  std::map<std::string, at::Tensor> grads;
+};
+
+Step train_step(Model& model, const core::TensorDict& batch, UnitHooks* hooks) {
+  model.zero_grad();
+  model.train();
+  model.set_unit_hooks(hooks);
+  at::manual_seed(7);
+  Step s;
+  s.pred = model.forward(batch);
+  s.loss = model.loss(batch, s.pred).total;
+  s.loss.backward();
+  model.set_unit_hooks(nullptr);
+  for (const auto& item : model.named_parameters()) {
+    s.grads[item.key()] =
+        item.value().grad().defined() ? item.value().grad().clone() : at::Tensor();
+  }
+  return s;
+}
+
+TEST(UnitsTest, EachUnitReadsOnlyItsOwnParametersInsideItsWindow) {
+  for (const Case& c : kTiny) {
+    for (const bool ckpt : {false, true}) {
+      SCOPED_TRACE(label(c) + (ckpt ? " checkpointed" : ""));
+      at::manual_seed(43);
+      auto model = build(c);
+      if (ckpt && model->checkpointable_blocks().empty()) continue;
+      set_checkpointing(*model, ckpt);
+      const core::TensorDict batch = model->example_batch(2);
+      const Step plain = train_step(*model, batch, nullptr);
+      ASSERT_TRUE(at::isfinite(plain.loss).item<bool>());
+
+      NanOutsideWindow nan(*model);
+      const Step guarded = train_step(*model, batch, &nan);
+      // Same ops on the same values in the same order: bitwise.
+      EXPECT_TRUE(same_dicts(guarded.pred, plain.pred))
+          << "a unit read another unit's parameters in its window";
+      EXPECT_TRUE(at::equal(guarded.loss, plain.loss))
+          << "the loss differs (a NaN from the forward, or loss() read a parameter)";
+      for (std::size_t u = 0; u < nan.restored().size(); ++u)
+        EXPECT_TRUE(nan.restored()[u]) << "unit " << u;
+      for (const auto& [name, g] : plain.grads) {
+        ASSERT_TRUE(g.defined()) << name << " has no gradient";
+        EXPECT_TRUE(at::equal(guarded.grads.at(name), g))
+            << name << ": a backward read a parameter not gathered";
+      }
+    }
+  }
+}
+
+// The forward before units existed, composed from the submodules' own forward().
+core::TensorDict composed_forward(const Case& c, Model& model, const core::TensorDict& batch) {
+  auto children = model.named_children();
+  if (c.name == "mlp") {
+    return {{"y_hat", std::dynamic_pointer_cast<torch::nn::SequentialImpl>(children["net"])
+                          ->forward(batch.at("x"))}};
+  }
+  if (c.name == "vit_cls") {
+    auto vit = std::dynamic_pointer_cast<VisionTransformerImpl>(children["vit"]);
+    auto head = std::dynamic_pointer_cast<DenseLinearImpl>(children["head"]);
+    return {{"logits",
+             head->forward(
+                 vit->forward(normalize_images(batch.at("images"), at::kFloat)).select(1, 0))}};
+  }
+  auto& bev = dynamic_cast<PerceptionModel&>(model);
+  const at::Tensor& im = batch.at("images");
+  at::Tensor x =
+      im.reshape({im.size(0) * im.size(1), im.size(2), im.size(3), 3}).permute({0, 3, 1, 2});
+  x = bev.encoder()->forward(normalize_images(x, at::kFloat));
+  x = bev.view_transformer()->forward(x, batch.at("intrinsics"), batch.at("cam_to_ego"));
+  for (int64_t i = 0; i < bev.spec().encoder_blocks; ++i) {
+    x = std::dynamic_pointer_cast<ResidualConvBlock>(children["bev_block" + std::to_string(i)])
+            ->forward(x);
+  }
+  core::TensorDict h = std::dynamic_pointer_cast<BevHeadsImpl>(children["heads"])->forward(x);
+  const BevGrid lg = bev.spec().label_grid();
+  at::Tensor seg = h.at("seg");
+  if (seg.size(2) != lg.nx || seg.size(3) != lg.ny)
+    seg = at::upsample_bilinear2d(seg, {lg.nx, lg.ny}, false);
+  return {{"bev_logits", seg}, {"heatmap", h.at("heatmap")}, {"box_reg", h.at("box_reg")}};
+}
+
+TEST(UnitsTest, ForwardWithoutHooksIsTheComposedForwardBitForBit) {
+  for (const Case& c : kTiny) {
+    SCOPED_TRACE(label(c));
+    at::manual_seed(47);
+    auto model = build(c);
+    const core::TensorDict batch = model->example_batch(2);
+    model->train();
+    at::manual_seed(9);
+    const core::TensorDict units = model->forward(batch);
+    at::manual_seed(9);
+    const core::TensorDict composed = composed_forward(c, *model, batch);
+    EXPECT_TRUE(same_dicts(units, composed));
+    // Hooks that do nothing change nothing.
+    RecordingHooks hooks;
+    model->set_unit_hooks(&hooks);
+    at::manual_seed(9);
+    EXPECT_TRUE(same_dicts(model->forward(batch), units));
+    model->set_unit_hooks(nullptr);
+  }
+}
+
+TEST(UnitsTest, CheckpointedBlocksWithHooksGiveTheGradientsWithout) {
+  at::manual_seed(53);
+  auto model = build(kTiny[2]);  // bev tiny, ViT backbone: transformer and conv blocks
+  set_checkpointing(*model, true);
+  const core::TensorDict batch = model->example_batch(2);
+  const Step plain = train_step(*model, batch, nullptr);
+  RecordingHooks hooks;
+  const Step hooked = train_step(*model, batch, &hooks);
+  // The recomputation in backward does not call the hooks again.
+  EXPECT_EQ(hooks.events, expected_events(model->units().size()));
+  EXPECT_TRUE(at::equal(hooked.loss, plain.loss));
+  for (const auto& [name, g] : plain.grads)
+    EXPECT_TRUE(at::equal(hooked.grads.at(name), g)) << name;
+}
+
+// ---- resolve_units and the default ------------------------------------------------------------
+
+struct TwoLayers : torch::nn::Module {
+  TwoLayers() {
+    a = register_module("a", torch::nn::Linear(4, 4));
+    ab = register_module("ab", torch::nn::Linear(4, 4));
+    scale = register_parameter("scale", at::ones({1}));
+  }
+  torch::nn::Linear a{nullptr}, ab{nullptr};
+  at::Tensor scale;
+};
+
+TEST(UnitsTest, ResolveUnitsMatchesWholePathSegmentsAndRejectsBadCovers) {
+  TwoLayers m;
+  const auto units = resolve_units(m, {{"first", {"a", "scale"}}, {"second", {"ab"}}});
+  ASSERT_EQ(units.size(), 2u);
+  // "a" does not swallow "ab.*".
+  EXPECT_EQ(units[0].param_names, (std::vector<std::string>{"scale", "a.weight", "a.bias"}));
+  EXPECT_EQ(units[1].param_names, (std::vector<std::string>{"ab.weight", "ab.bias"}));
+  auto message = [&](const std::vector<UnitPaths>& specs) {
+    try {
+      (void)resolve_units(m, specs);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message({{"first", {"a"}}, {"second", {"ab"}}}).find("'scale' is in no unit"),
+            std::string::npos);
+  EXPECT_NE(message({{"first", {"a", "scale"}}, {"second", {"ab", "a.bias"}}})
+                .find("'a.bias' is in two units"),
+            std::string::npos);
+  EXPECT_NE(message({{"first", {"a", "ab", "scale"}}, {"second", {"b"}}})
+                .find("'second' owns no parameter"),
+            std::string::npos);
+  EXPECT_NE(message({{"x", {"a", "scale"}}, {"x", {"ab"}}}).find("two units are named 'x'"),
+            std::string::npos);
+}
+
+// A model that does not override units(): one unit "model", run around its whole forward.
+class OneUnitModel : public Model {
+ public:
+  OneUnitModel() { w_ = register_parameter("w", at::randn({3, 3})); }
+  core::TensorDict forward(const core::TensorDict& batch) override {
+    return {
+        {"y", run_unit(0, [&] { return std::vector<at::Tensor>{batch.at("x").matmul(w_)}; })[0]}};
+  }
+  LossOutput loss(const core::TensorDict&, const core::TensorDict& pred) override {
+    return {pred.at("y").sum(), {}};
+  }
+  double forward_flops_per_sample() const override { return 18; }
+  int64_t batch_size(const core::TensorDict& batch) const override { return batch.at("x").size(0); }
+  core::TensorDict example_batch(int64_t n) const override { return {{"x", at::randn({n, 3})}}; }
+
+ private:
+  at::Tensor w_;
+};
+
+TEST(UnitsTest, DefaultIsOneUnitHoldingEveryParameter) {
+  OneUnitModel model;
+  const auto units = model.units();
+  ASSERT_EQ(units.size(), 1u);
+  EXPECT_EQ(units[0].name, "model");
+  EXPECT_EQ(units[0].param_names, std::vector<std::string>{"w"});
+  EXPECT_EQ(model.unit_hooks(), nullptr);
+  RecordingHooks hooks;
+  model.set_unit_hooks(&hooks);
+  const core::TensorDict pred = model.forward(model.example_batch(2));
+  EXPECT_EQ(hooks.events, expected_events(1));
+  ASSERT_EQ(hooks.last_outputs.size(), 1u);
+  EXPECT_TRUE(hooks.last_outputs[0].is_same(pred.at("y")));
+}
+
+}  // namespace
+}  // namespace parallax::models
