@@ -9,6 +9,7 @@
 #pragma once
 
 #include "core/scene.h"
+#include "core/unit_hooks.h"
 #include "core/tensor_dict.h"
 #include "models/layers.h"
 #include "models/model_config.h"
@@ -39,24 +40,9 @@ struct Unit {
   std::vector<std::string> param_names;
 };
 
-// Called by the model around each unit's forward, in unit order (ZeRO-3 gathers a unit's
-// parameters in before_unit and frees them in after_unit; a pipeline engine cuts between units).
-//
-// Contract the models keep (tests/models/units_test.cpp checks it for every model): between
-// before_unit(i) and after_unit(i) the forward reads the parameters of unit i and of no other
-// unit; outside every such window it reads no parameter at all (loss() included). A unit's
-// backward reads only its own parameters, so an engine that gathers them again when the gradient
-// of the unit's outputs arrives (a hook on `outputs`) has everything the backward needs, including
-// the recomputation of an activation-checkpointed block, which runs inside its unit's backward.
-// A forward that throws inside a unit does not call after_unit for it.
-class UnitHooks {
- public:
-  virtual ~UnitHooks() = default;
-  virtual void before_unit(int index) = 0;
-  // `outputs`: the tensors the unit returned (the activations that flow to the next unit), so an
-  // engine can attach autograd hooks to them (re-gather before the unit's backward).
-  virtual void after_unit(int index, const std::vector<at::Tensor>& outputs) = 0;
-};
+// The hooks a model calls around each unit's forward (core/unit_hooks.h: they live in core so
+// that the parallel engines, which may not include models/, implement them).
+using UnitHooks = core::UnitHooks;
 
 // A unit named by module paths: it owns every parameter whose full name is one of `paths` or
 // lies under one of them (path + "."). Paths rather than a list of names, so parameters added
