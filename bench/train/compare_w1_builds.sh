@@ -14,6 +14,7 @@ shift $(( $# >= 3 ? 3 : $# ))
 OUTDIR=${OUTDIR:-/tmp/parallax_w1_compare}
 run() {  # build dir, run name
   local bin=$1/bin/parallax name=$2
+  shift 2
   rm -rf "${OUTDIR:?}/$name"
   "$bin" train --config configs/bench/w1_vit_b16.yaml "experiment.output_dir=$OUTDIR" "experiment.name=$name" "$@" \
     > "$OUTDIR.log_$name" 2>&1 || { tail -5 "$OUTDIR.log_$name"; exit 1; }
