@@ -37,8 +37,9 @@ namespace {
 struct ShardRecord {
   std::string name;
   at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> shape, offsets, lengths;
+  std::vector<int64_t> shape, offsets, lengths;  // a box's offsets and lengths
   uint32_t crc32 = 0;
+  std::optional<FlatRange> flat;  // or a flat range (offsets, lengths empty)
 };
 
 struct RankIndex {
@@ -48,12 +49,20 @@ struct RankIndex {
   std::vector<ShardRecord> shards;
 
   // A line format (the name last, so it may hold spaces): cheap to parse for thousands of shards.
+  //   shard <crc32> <dtype> <ndim> <shape...> <offsets...> <lengths...> <name>   a box
+  //   flat <crc32> <dtype> <ndim> <shape...> <begin> <end> <name>               a flat range
   std::string serialize() const {
-    std::string out = fmt::format("parallax-shard-index 1\nfile {} {} {}\n", file, rank, bytes);
+    std::string out = fmt::format("parallax-shard-index 2\nfile {} {} {}\n", file, rank, bytes);
     for (const auto& s : shards) {
-      out += fmt::format("shard {} {} {}", s.crc32, dtype_name(s.dtype), s.shape.size());
-      for (const auto* v : {&s.shape, &s.offsets, &s.lengths}) {
-        for (const int64_t x : *v) out += fmt::format(" {}", x);
+      out += fmt::format("{} {} {} {}", s.flat ? "flat" : "shard", s.crc32, dtype_name(s.dtype),
+                         s.shape.size());
+      for (const int64_t x : s.shape) out += fmt::format(" {}", x);
+      if (s.flat) {
+        out += fmt::format(" {} {}", s.flat->begin, s.flat->end);
+      } else {
+        for (const auto* v : {&s.offsets, &s.lengths}) {
+          for (const int64_t x : *v) out += fmt::format(" {}", x);
+        }
       }
       out += " " + s.name + "\n";
     }
@@ -67,7 +76,7 @@ struct RankIndex {
     std::istringstream in(text);
     std::string line;
     RankIndex idx;
-    if (!std::getline(in, line) || line != "parallax-shard-index 1")
+    if (!std::getline(in, line) || line != "parallax-shard-index 2")
       bad("bad header '" + line + "'");
     if (!std::getline(in, line)) bad("no file line");
     {
@@ -83,11 +92,20 @@ struct RankIndex {
       ShardRecord s;
       size_t nd = 0;
       ls >> tag >> s.crc32 >> dtype >> nd;
-      if (tag != "shard" || ls.fail() || nd > 64) bad("bad shard line '" + line + "'");
+      if ((tag != "shard" && tag != "flat") || ls.fail() || nd > 64)
+        bad("bad shard line '" + line + "'");
       s.dtype = dtype_from_name(dtype, fmt::format("shard index of rank {}", from_rank));
-      for (auto* v : {&s.shape, &s.offsets, &s.lengths}) {
-        v->resize(nd);
-        for (auto& x : *v) ls >> x;
+      s.shape.resize(nd);
+      for (auto& x : s.shape) ls >> x;
+      if (tag == "flat") {
+        FlatRange f;
+        ls >> f.begin >> f.end;
+        s.flat = f;
+      } else {
+        for (auto* v : {&s.offsets, &s.lengths}) {
+          v->resize(nd);
+          for (auto& x : *v) ls >> x;
+        }
       }
       if (ls.fail()) bad("bad shard line '" + line + "'");
       ls.get();  // the space before the name
@@ -125,12 +143,20 @@ RankIndex write_rank_file(const std::string& path, int rank, const std::vector<O
       if (src.dim() > 0) {
         h5::Id dset(H5Dopen2(file, e.name.c_str(), H5P_DEFAULT));
         if (!dset.valid()) h5::fail<IoError>(ctx);
-        h5::write_int64s_attr(dset, "offsets", e.offsets);
+        if (e.flat) {
+          h5::write_int64s_attr(dset, "flat", {e.flat->begin, e.flat->end});
+        } else {
+          h5::write_int64s_attr(dset, "offsets", e.offsets);
+        }
         h5::write_int64s_attr(dset, "global_shape", e.global_shape);
       }
       data_bytes += static_cast<int64_t>(src.nbytes());
-      idx.shards.push_back(ShardRecord{e.name, src.scalar_type(), e.global_shape, e.offsets,
-                                       src.sizes().vec(), crc});
+      ShardRecord rec{e.name, src.scalar_type(), e.global_shape, {}, {}, crc, e.flat};
+      if (!e.flat) {
+        rec.offsets = e.offsets;
+        rec.lengths = src.sizes().vec();
+      }
+      idx.shards.push_back(std::move(rec));
     }
     // Close explicitly: buffered metadata is written here, and a full disk can surface here.
     if (H5Fclose(file.release()) < 0) {
@@ -294,48 +320,25 @@ struct Checkpointer::Impl {
               job.step, s.name, dtype_name(t.dtype), t.shape, first_rank[s.name],
               dtype_name(s.dtype), s.shape, idx.rank);
         }
-        t.shards.push_back(ShardInfo{idx.file, s.offsets, s.lengths, s.crc32});
+        t.shards.push_back(ShardInfo{idx.file, s.offsets, s.lengths, s.crc32, s.flat});
       }
     }
+    m.format_version = m.version_needed();
     for (auto& [name, t] : m.tensors) {
-      std::sort(t.shards.begin(), t.shards.end(),
-                [](const ShardInfo& a, const ShardInfo& b) { return a.offsets < b.offsets; });
-      int64_t covered = 0;
-      for (const auto& s : t.shards) covered += s.numel();
-      // Disjointness, for any number of pieces: sorted by offsets, two pieces can only intersect
-      // if the later one starts (in dimension 0) before the earlier one ends, so each piece is
-      // compared with the following ones until one starts past its end (a sweep along dim 0).
-      bool overlap = false;
-      auto nonempty = [](const ShardInfo& s) { return s.numel() > 0; };
-      if (t.shape.empty()) {
-        overlap = std::count_if(t.shards.begin(), t.shards.end(), nonempty) > 1;
-      }
-      for (size_t a = 0; a < t.shards.size() && !overlap && !t.shape.empty(); ++a) {
-        const auto& A = t.shards[a];
-        if (!nonempty(A)) continue;
-        for (size_t b = a + 1; b < t.shards.size() && !overlap; ++b) {
-          const auto& B = t.shards[b];
-          if (B.offsets[0] >= A.offsets[0] + A.lengths[0]) break;
-          if (!nonempty(B)) continue;
-          bool inter = true;
-          for (size_t d = 0; d < t.shape.size() && inter; ++d) {
-            inter = !(A.offsets[d] + A.lengths[d] <= B.offsets[d] ||
-                      B.offsets[d] + B.lengths[d] <= A.offsets[d]);
-          }
-          overlap = inter;
-        }
-      }
-      if (overlap || covered != t.numel()) {
-        std::vector<std::string> where;
-        for (const auto& s : t.shards)
-          where.push_back(fmt::format("{} at {} x {}", s.file, s.offsets, s.lengths));
+      // In the order of their first elements (C order), whatever ranks wrote them.
+      auto first = [&t](const ShardInfo& s) {
+        if (s.flat) return s.flat->begin;
+        int64_t lin = 0;
+        for (size_t d = 0; d < t.shape.size(); ++d) lin = lin * t.shape[d] + s.offsets[d];
+        return lin;
+      };
+      std::stable_sort(t.shards.begin(), t.shards.end(),
+                       [&](const ShardInfo& a, const ShardInfo& b) { return first(a) < first(b); });
+      if (const std::string problem = tiling_problem(t); !problem.empty()) {
         throw_error<CheckpointError>(
-            "save of step {}: the pieces of tensor '{}' (shape {}) {} ({}); the ranks holding it "
-            "disagree about "
-            "its replicas or boxes",
-            job.step, name, t.shape,
-            overlap ? "overlap" : fmt::format("cover {} of {} elements", covered, t.numel()),
-            core::join(where, "; "));
+            "save of step {}: the pieces of tensor '{}' (shape {}) {}; the ranks holding it "
+            "disagree about its replicas, boxes or flat ranges",
+            job.step, name, t.shape, problem);
       }
     }
     files::write_durable((tmp / kMetadataFile).string(), m.to_json());

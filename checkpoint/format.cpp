@@ -4,10 +4,12 @@
 #include "checkpoint/tensor_io.h"
 #include "core/error.h"
 #include "core/strings.h"
+#include "parallel/engine.h"
 
 #include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <set>
@@ -124,13 +126,101 @@ void verify_checksum(const std::string& text, const std::string& where) {
 }  // namespace
 
 int64_t ShardInfo::numel() const {
-  return volume(lengths);
+  return flat ? flat->numel() : volume(lengths);
+}
+
+std::vector<int64_t> ShardInfo::stored_dims() const {
+  return flat ? std::vector<int64_t>{flat->numel()} : lengths;
+}
+
+std::string ShardInfo::describe() const {
+  if (flat) return fmt::format("flat [{}, {})", flat->begin, flat->end);
+  return fmt::format("box {} + {}", json_ints(offsets), json_ints(lengths));
+}
+
+int Metadata::version_needed() const {
+  for (const auto& [name, t] : tensors) {
+    for (const ShardInfo& s : t.shards) {
+      if (s.is_flat()) return kFlatFormatVersion;
+    }
+  }
+  return kBoxFormatVersion;
 }
 int64_t TensorInfo::numel() const {
   return volume(shape);
 }
 int64_t TensorInfo::nbytes() const {
   return numel() * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+std::string tiling_problem(const TensorInfo& t) {
+  int64_t covered = 0;
+  std::vector<size_t> pieces;  // the shards that hold elements
+  for (size_t i = 0; i < t.shards.size(); ++i) {
+    covered += t.shards[i].numel();
+    if (t.shards[i].numel() > 0) pieces.push_back(i);
+  }
+  auto name = [&](size_t i) {
+    return fmt::format("{} {}", t.shards[i].file, t.shards[i].describe());
+  };
+  auto overlap = [&](size_t a, size_t b) {
+    return fmt::format("overlap: {} and {}", name(std::min(a, b)), name(std::max(a, b)));
+  };
+  const bool all_flat =
+      std::all_of(pieces.begin(), pieces.end(), [&](size_t i) { return t.shards[i].is_flat(); });
+  if (t.shape.empty()) {
+    if (pieces.size() > 1) return overlap(pieces[0], pieces[1]);
+  } else if (all_flat && !pieces.empty()) {
+    // 1-D intervals: sorted by start, each must start at or after the furthest end so far.
+    std::sort(pieces.begin(), pieces.end(), [&](size_t a, size_t b) {
+      return t.shards[a].flat->begin < t.shards[b].flat->begin;
+    });
+    for (size_t k = 1, reach = pieces[0]; k < pieces.size(); ++k) {
+      if (t.shards[pieces[k]].flat->begin < t.shards[reach].flat->end)
+        return overlap(reach, pieces[k]);
+      if (t.shards[pieces[k]].flat->end > t.shards[reach].flat->end) reach = pieces[k];
+    }
+  } else {
+    // Boxes (flat ranges as theirs), sorted by offsets: a box can only meet the boxes after it
+    // that start (in dimension 0) before it ends there.
+    struct Part {
+      parallel::Box box;
+      size_t shard;
+    };
+    std::vector<Part> parts;
+    for (const size_t i : pieces) {
+      const ShardInfo& s = t.shards[i];
+      if (!s.flat) {
+        parts.push_back(Part{parallel::Box{s.offsets, s.lengths}, i});
+        continue;
+      }
+      for (parallel::Box& b : parallel::flat_range_boxes(t.shape, s.flat->begin, s.flat->end))
+        parts.push_back(Part{std::move(b), i});
+    }
+    std::sort(parts.begin(), parts.end(),
+              [](const Part& a, const Part& b) { return a.box.offsets < b.box.offsets; });
+    for (size_t a = 0; a < parts.size(); ++a) {
+      const parallel::Box& A = parts[a].box;
+      for (size_t b = a + 1; b < parts.size(); ++b) {
+        const parallel::Box& B = parts[b].box;
+        if (B.offsets[0] >= A.offsets[0] + A.lengths[0]) break;
+        bool meet = true;
+        for (size_t d = 1; d < t.shape.size() && meet; ++d) {
+          meet = A.offsets[d] < B.offsets[d] + B.lengths[d] &&
+                 B.offsets[d] < A.offsets[d] + A.lengths[d];
+        }
+        // Two boxes of one flat range never meet; a flat range is one piece.
+        if (meet && parts[a].shard != parts[b].shard)
+          return overlap(parts[a].shard, parts[b].shard);
+      }
+    }
+  }
+  if (covered == t.numel()) return "";
+  std::vector<std::string> all;
+  constexpr size_t kShown = 16;
+  for (size_t i = 0; i < t.shards.size() && i < kShown; ++i) all.push_back(name(i));
+  if (t.shards.size() > kShown) all.push_back(fmt::format("... {} more", t.shards.size() - kShown));
+  return fmt::format("cover {} of {} elements ({})", covered, t.numel(), core::join(all, "; "));
 }
 
 std::string dtype_name(at::ScalarType dtype) {
@@ -219,10 +309,12 @@ std::string Metadata::to_json() const {
                      core::json_quote(name), core::json_quote(dtype_name(t.dtype)), json_ints(t.shape));
     for (size_t s = 0; s < t.shards.size(); ++s) {
       const ShardInfo& sh = t.shards[s];
-      o +=
-          fmt::format("{}\n      {{\"file\": {}, \"offsets\": {}, \"lengths\": {}, \"crc32\": {}}}",
-                      s ? "," : "", core::json_quote(sh.file), json_ints(sh.offsets),
-                      json_ints(sh.lengths), sh.crc32);
+      const std::string where =
+          sh.flat ? fmt::format("\"flat\": [{}, {}]", sh.flat->begin, sh.flat->end)
+                  : fmt::format("\"offsets\": {}, \"lengths\": {}", json_ints(sh.offsets),
+                                json_ints(sh.lengths));
+      o += fmt::format("{}\n      {{\"file\": {}, {}, \"crc32\": {}}}", s ? "," : "",
+                       core::json_quote(sh.file), where, sh.crc32);
     }
     o += t.shards.empty() ? "]}" : "\n    ]}";
   }
@@ -344,13 +436,32 @@ Metadata Metadata::from_json(const std::string& text, const std::string& where) 
       const std::string sk = fmt::format("{}.shards[{}]", k, i);
       ShardInfo s;
       s.file = r.to_string(r.child(shards[i], sk, "file"), sk + ".file");
-      s.offsets = r.to_ints(r.child(shards[i], sk, "offsets"), sk + ".offsets");
-      s.lengths = r.to_ints(r.child(shards[i], sk, "lengths"), sk + ".lengths");
       const int64_t crc = r.to_int(r.child(shards[i], sk, "crc32"), sk + ".crc32");
       if (crc < 0 || crc > 0xffffffffLL) r.fail(sk + ".crc32", "out of range");
       s.crc32 = static_cast<uint32_t>(crc);
       if (!file_names.count(s.file))
         r.fail(sk + ".file", fmt::format("'{}' is not listed in \"files\"", s.file));
+      if (const YAML::Node f = shards[i]["flat"]; f.IsDefined()) {
+        // A flat range [begin, end) of the C-order flattening (format version 3).
+        if (m.format_version < kFlatFormatVersion) {
+          r.fail(sk + ".flat", fmt::format("flat shards need format version {}, the file has {}",
+                                           kFlatFormatVersion, m.format_version));
+        }
+        if (shards[i]["offsets"].IsDefined() || shards[i]["lengths"].IsDefined())
+          r.fail(sk, "a shard has either \"flat\" or \"offsets\" and \"lengths\", not both");
+        const std::vector<int64_t> be = r.to_ints(f, sk + ".flat");
+        if (be.size() != 2 || be[0] < 0 || be[1] < be[0] || be[1] > t.numel()) {
+          r.fail(sk + ".flat",
+                 fmt::format("{} is not a range [begin, end) inside the tensor's {} elements",
+                             json_ints(be), t.numel()));
+        }
+        s.flat = FlatRange{be[0], be[1]};
+        covered += s.numel();
+        t.shards.push_back(std::move(s));
+        continue;
+      }
+      s.offsets = r.to_ints(r.child(shards[i], sk, "offsets"), sk + ".offsets");
+      s.lengths = r.to_ints(r.child(shards[i], sk, "lengths"), sk + ".lengths");
       if (s.offsets.size() != t.shape.size() || s.lengths.size() != t.shape.size()) {
         r.fail(sk, fmt::format("offsets/lengths have {}/{} entries for a {}-d tensor",
                                s.offsets.size(), s.lengths.size(), t.shape.size()));

@@ -1,4 +1,4 @@
-// The on-disk format of a Parallax checkpoint (version 2), its metadata and its names.
+// The on-disk format of a Parallax checkpoint (versions 2 and 3), its metadata and its names.
 //
 //   runs/<name>/checkpoints/
 //     latest                   one line, "step_00000100": the last committed checkpoint
@@ -9,15 +9,22 @@
 //     .tmp-step_00000200-<hex>/  a save in progress (or a killed one, removed by the next save)
 //
 // In a rank file each shard is a dataset whose HDF5 path is the tensor name ("model/fc.weight" is
-// dataset "fc.weight" in group "model"), with the shard's box as data (C order) and attributes
-// "dtype", "offsets" and "global_shape". A tensor is stored exactly: floats and integers as HDF5's
+// dataset "fc.weight" in group "model"), so a rank file holds at most one shard of a tensor. A
+// shard is either a box (offsets and lengths per dimension: the dataset has the box's shape and
+// holds it in C order; attributes "dtype", "offsets", "global_shape") or a flat range [begin, end)
+// of the tensor's C-order flattening (a ZeRO rank's piece of a parameter: the dataset is 1-D with
+// end - begin elements; attributes "dtype", "flat" = [begin, end], "global_shape"). A flat range
+// covers up to 2 ndim - 1 boxes (parallel::flat_range_boxes); readers read it through them.
+// A tensor is stored exactly: floats and integers as HDF5's
 // native types; bfloat16, float16 and float8 as unsigned integers of the same width holding the raw
 // bits; bool as uint8; the exact dtype is the "dtype" attribute and the metadata's "dtype".
 //
 // metadata.json protects itself: its second line is `  "checksum": "crc32:XXXXXXXX",`, the zlib
 // crc32 of every byte after that line. The reader refuses a file whose bytes do not match (an
 // edited step, a torn copy), naming the file. Version 1 files (no checksum, no config.yaml) are
-// still read.
+// still read. Version 3 adds flat shards; a checkpoint is written with the lowest version that
+// describes it (2 without flat shards), so builds that predate flat shards still read the
+// checkpoints they can, and refuse the others as "newer" rather than misreading them.
 //
 // Thread-safety: everything here is a pure function or a value type.
 #pragma once
@@ -35,20 +42,38 @@
 
 namespace parallax::checkpoint {
 
-inline constexpr int kFormatVersion = 2;
+inline constexpr int kFormatVersion = 3;      // the newest version this build reads and writes
+inline constexpr int kBoxFormatVersion = 2;   // written when every shard is a box
+inline constexpr int kFlatFormatVersion = 3;  // the first version with flat shards
 inline constexpr const char* kFormatName = "parallax-checkpoint";
 inline constexpr const char* kMetadataFile = "metadata.json";
 inline constexpr const char* kConfigFile = "config.yaml";
 inline constexpr const char* kLatestFile = "latest";
 inline constexpr const char* kTempPrefix = ".tmp-";
 
-// One rectangular piece of a tensor, stored in one rank file.
+// Elements [begin, end) of a tensor's C-order flattening.
+struct FlatRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t numel() const { return end - begin; }
+  bool operator==(const FlatRange& o) const { return begin == o.begin && end == o.end; }
+};
+
+// One piece of a tensor, stored in one rank file: a box (`offsets`, `lengths`, one entry per
+// dimension; a 0-d tensor's box has none) or, when `flat` is set, a flat range of the tensor
+// (`offsets` and `lengths` empty; the dataset is 1-D with flat->numel() elements).
 struct ShardInfo {
-  std::string file;              // rank file name inside the checkpoint directory
-  std::vector<int64_t> offsets;  // per dimension, where the piece starts in the global tensor
-  std::vector<int64_t> lengths;  // per dimension, its extent
-  uint32_t crc32 = 0;            // zlib crc32 of the piece's bytes in C order
+  std::string file;               // rank file name inside the checkpoint directory
+  std::vector<int64_t> offsets;   // box: per dimension, where the piece starts in the global tensor
+  std::vector<int64_t> lengths;   // box: per dimension, its extent
+  uint32_t crc32 = 0;             // zlib crc32 of the dataset's bytes as stored (C order)
+  std::optional<FlatRange> flat;  // flat range: the elements it holds, in order
   int64_t numel() const;
+  bool is_flat() const { return flat.has_value(); }
+  // The shape of the shard's dataset: `lengths` for a box, {numel} for a flat range.
+  std::vector<int64_t> stored_dims() const;
+  // "box [0, 5] + [6, 5]" or "flat [100, 250)", for messages.
+  std::string describe() const;
 };
 
 struct TensorInfo {
@@ -90,9 +115,14 @@ struct Metadata {
 
   // metadata.json's text (see docs/checkpoints.md for the schema), checksum line included.
   std::string to_json() const;
+  // The lowest format version that describes these tensors: kFlatFormatVersion when a shard is
+  // flat, else kBoxFormatVersion. The checkpointer writes that version.
+  int version_needed() const;
   // Parses and validates metadata.json's text; `where` names the file in errors. Throws
-  // CheckpointError for malformed JSON, a missing key, a foreign format, a newer version, or a
-  // checksum that does not match the text (required from version 2 on).
+  // CheckpointError for malformed JSON, a missing key, a foreign format, a newer version, a
+  // checksum that does not match the text (required from version 2 on), a shard that is neither a
+  // box nor a flat range inside the tensor (flat ranges from version 3 on), or shards whose sizes
+  // do not add up to the tensor's.
   static Metadata from_json(const std::string& text, const std::string& where);
 
   bool has_extra(const std::string& key) const { return extra.count(key) != 0; }
@@ -103,6 +133,14 @@ struct Metadata {
   std::string extra_string(const std::string& key) const;
   const TensorInfo* find(const std::string& name) const;
 };
+
+// Why the shards of `t` do not tile it exactly, or "" when they do: every element in exactly one
+// shard. Each shard must already lie inside the tensor. Boxes and flat ranges mix (a flat range is
+// checked as its boxes, parallel::flat_range_boxes); when every shard is flat the ranges are
+// checked as 1-D intervals. O(n log n) in the number of shards plus, for boxes, the pairs whose
+// dimension-0 extents overlap (a sweep along dimension 0); no limit on the number of shards. The
+// text names the two overlapping shards (file and range), or the coverage and the shards.
+std::string tiling_problem(const TensorInfo& t);
 
 // "float32", "bfloat16", ... and back (CheckpointError for an unknown name).
 std::string dtype_name(at::ScalarType dtype);

@@ -56,16 +56,29 @@ std::string inspect(const std::string& path, std::ostream& out, const InspectOpt
   if (options.list_tensors) {
     size_t width = 4;
     for (const auto& [name, t] : m.tensors) width = std::max(width, name.size());
-    out << fmt::format("  {:<{}}  {:<9} {:<20} {:>6} {:>10}\n", "name", width, "dtype", "shape",
+    // The shards column says "4 flat" when the pieces are flat ranges of the tensor (ZeRO).
+    out << fmt::format("  {:<{}}  {:<9} {:<20} {:>8} {:>10}\n", "name", width, "dtype", "shape",
                        "shards", "size");
     for (const auto& [name, t] : m.tensors) {
-      out << fmt::format("  {:<{}}  {:<9} {:<20} {:>6} {:>10}\n", name, width, dtype_name(t.dtype),
-                         fmt::format("{}", t.shape), t.shards.size(),
+      const auto flat = std::count_if(t.shards.begin(), t.shards.end(),
+                                      [](const ShardInfo& s) { return s.is_flat(); });
+      const std::string shards =
+          flat == 0 ? fmt::format("{}", t.shards.size())
+                    : (static_cast<size_t>(flat) == t.shards.size()
+                           ? fmt::format("{} flat", flat)
+                           : fmt::format("{}+{} flat", t.shards.size() - flat, flat));
+      out << fmt::format("  {:<{}}  {:<9} {:<20} {:>8} {:>10}\n", name, width, dtype_name(t.dtype),
+                         fmt::format("{}", t.shape), shards,
                          core::human_bytes(static_cast<double>(t.nbytes())));
       if (options.list_shards) {
         for (const auto& s : t.shards) {
-          out << fmt::format("      {} offsets {} lengths {} crc32 {:08x}\n", s.file, s.offsets,
-                             s.lengths, s.crc32);
+          if (s.flat) {
+            out << fmt::format("      {} flat [{}, {}) ({} elements) crc32 {:08x}\n", s.file,
+                               s.flat->begin, s.flat->end, s.numel(), s.crc32);
+          } else {
+            out << fmt::format("      {} offsets {} lengths {} crc32 {:08x}\n", s.file, s.offsets,
+                               s.lengths, s.crc32);
+          }
         }
       }
     }

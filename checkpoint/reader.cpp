@@ -6,12 +6,16 @@
 #include "checkpoint/tensor_io.h"
 #include "core/error.h"
 #include "core/strings.h"
+#include "parallel/engine.h"
 
 #include <ATen/ATen.h>
 #include <fmt/ranges.h>
+#include <zlib.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 
 namespace fs = std::filesystem;
@@ -21,12 +25,10 @@ namespace {
 
 constexpr size_t kMaxOpenFiles = 64;
 
-struct Box {
-  std::vector<int64_t> offsets, lengths;
-};
+using parallel::Box;
 
-// Intersection of a shard with a requested box; false when empty.
-bool intersect(const ShardInfo& s, const Box& r, Box& out) {
+// Intersection of two boxes; false when empty.
+bool intersect(const Box& s, const Box& r, Box& out) {
   const size_t nd = r.offsets.size();
   out.offsets.resize(nd);
   out.lengths.resize(nd);
@@ -40,11 +42,11 @@ bool intersect(const ShardInfo& s, const Box& r, Box& out) {
   return true;
 }
 
-// Byte offset of the shard inside the C-order image of box `r` when the shard (which lies inside
-// `r`) occupies one contiguous run of it; -1 otherwise.
-int64_t contiguous_offset(const ShardInfo& s, const Box& r, int64_t esize) {
+// Byte offset of box `s` inside the C-order image of box `r` when `s` (which lies inside `r`)
+// occupies one contiguous run of it; -1 otherwise.
+int64_t contiguous_offset(const Box& s, const Box& r, int64_t esize) {
   const size_t nd = r.lengths.size();
-  size_t k = 0;  // last dimension where the shard is narrower than the box
+  size_t k = 0;  // last dimension where `s` is narrower than the box
   bool any = false;
   for (size_t d = 0; d < nd; ++d) {
     if (s.lengths[d] != r.lengths[d]) {
@@ -62,6 +64,42 @@ int64_t contiguous_offset(const ShardInfo& s, const Box& r, int64_t esize) {
   return lin * esize;
 }
 
+// A box of a tensor that one shard's dataset holds contiguously, in C order, from element `at`:
+// a box shard is one part (its dataset has the box's shape, `at` 0); a flat shard is the boxes of
+// its range in order (parallel::flat_range_boxes), each a run of its 1-D dataset.
+struct Part {
+  Box box;
+  int64_t at = 0;
+};
+
+std::vector<Part> parts_of(const TensorInfo& t, const ShardInfo& s) {
+  if (!s.flat) return {Part{Box{s.offsets, s.lengths}, 0}};
+  std::vector<Part> out;
+  int64_t at = 0;
+  for (Box& b : parallel::flat_range_boxes(t.shape, s.flat->begin, s.flat->end)) {
+    const int64_t n = b.numel();
+    out.push_back(Part{std::move(b), at});
+    at += n;
+  }
+  return out;
+}
+
+// Whether shard `s` of `t` may hold elements of box `r` (volume > 0): boxes by intersection, flat
+// ranges by the span of `r` in the flattening (cheap, before decomposing the range into boxes).
+bool may_overlap(const TensorInfo& t, const ShardInfo& s, const Box& r) {
+  if (s.numel() == 0) return false;
+  if (!s.flat) {
+    Box in;
+    return intersect(Box{s.offsets, s.lengths}, r, in);
+  }
+  int64_t first = 0, last = 0;
+  for (size_t d = 0; d < t.shape.size(); ++d) {
+    first = first * t.shape[d] + r.offsets[d];
+    last = last * t.shape[d] + r.offsets[d] + r.lengths[d] - 1;
+  }
+  return s.flat->begin <= last && first < s.flat->end;
+}
+
 int64_t volume(const std::vector<int64_t>& v) {
   int64_t n = 1;
   for (int64_t x : v) n *= x;
@@ -77,7 +115,14 @@ struct CheckpointReader::Impl {
   std::map<std::string, const FileInfo*> file_info;
   std::map<std::string, h5::Id> open_files;
   std::set<std::pair<std::string, std::string>> verified;  // (file, tensor)
-  std::set<std::string> checked_files;                     // present with the recorded size
+  // A flat shard touched by the load in progress: the checksums of its parts read whole.
+  struct FlatCheck {
+    const TensorInfo* t = nullptr;
+    const ShardInfo* s = nullptr;
+    std::vector<std::optional<uint32_t>> crcs;
+  };
+  std::map<std::pair<std::string, std::string>, FlatCheck> flat_checks;  // (file, tensor)
+  std::set<std::string> checked_files;  // present with the recorded size
   ReadStats stats;
 
   std::string path_of(const std::string& file) const { return (fs::path(dir) / file).string(); }
@@ -140,9 +185,9 @@ struct CheckpointReader::Impl {
     const std::string ctx =
         fmt::format("checkpoint '{}': shard file '{}', tensor '{}'", dir, s.file, t.name);
     const std::vector<int64_t> dims = h5::dataset_dims(d, ctx);
-    if (dims != s.lengths) {
-      throw_error<CheckpointError>("{}: the dataset has shape {} but metadata.json records {}", ctx,
-                                   dims, s.lengths);
+    if (dims != s.stored_dims()) {
+      throw_error<CheckpointError>("{}: the dataset has shape {} but metadata.json records {} ({})",
+                                   ctx, dims, s.stored_dims(), s.describe());
     }
     h5::Id type(H5Dget_type(d));
     if (!type.valid() || H5Tget_size(type) != c10::elementSize(t.dtype)) {
@@ -154,10 +199,9 @@ struct CheckpointReader::Impl {
 
   void fail_checksum(const TensorInfo& t, const ShardInfo& s, uint32_t got) const {
     throw_error<CheckpointError>(
-        "checkpoint '{}': checksum mismatch in shard file '{}' for tensor '{}' (box at {} of {}): "
-        "crc32 {:08x} "
+        "checkpoint '{}': checksum mismatch in shard file '{}' for tensor '{}' ({}): crc32 {:08x} "
         "recorded, {:08x} read; the file is corrupt",
-        dir, s.file, t.name, s.offsets, s.lengths, s.crc32, got);
+        dir, s.file, t.name, s.describe(), s.crc32, got);
   }
 
   // Streams shard `s` in blocks and checks its crc32; with `nonfinite`, adds the shard's NaN and
@@ -172,9 +216,10 @@ struct CheckpointReader::Impl {
     const int64_t budget = std::min<int64_t>(block_bytes, s.numel() * esize);
     std::vector<uint8_t> buf(static_cast<size_t>(budget));
     uint32_t crc = 0;
-    h5::for_each_block(s.lengths, esize, budget, [&](const h5::Block& b) {
+    const std::vector<int64_t> dims = s.stored_dims();
+    h5::for_each_block(dims, esize, budget, [&](const h5::Block& b) {
       herr_t rc;
-      if (s.lengths.empty()) {
+      if (dims.empty()) {
         rc = H5Dread(d, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data());
       } else {
         h5::Id fspace(H5Dget_space(d));
@@ -201,16 +246,25 @@ struct CheckpointReader::Impl {
     verified.insert({s.file, t.name});
   }
 
-  // Reads box `r` of `t` into `host` (contiguous CPU, t.dtype, shape r.lengths).
+  // Reads box `r` of `t` into `host` (contiguous CPU, t.dtype, shape r.lengths). With
+  // verification, a box shard read whole is checked on the bytes read, one read in part is
+  // streamed whole (verify_shard); the parts of a flat shard read whole are checksummed as read
+  // and the shard is checked once the load has read all it will (finish_flat_checks).
   void read_box(const TensorInfo& t, const Box& r, const at::Tensor& host, const ReadOptions& opt) {
     const int64_t esize = static_cast<int64_t>(c10::elementSize(t.dtype));
     const hid_t type = h5::storage_type(t.dtype, t.name);
     auto* base = static_cast<uint8_t*>(host.data_ptr());
     int64_t covered = 0;
     for (const ShardInfo& s : t.shards) {
-      Box in;
-      if (s.numel() == 0 || !intersect(s, r, in)) continue;
+      if (!may_overlap(t, s, r)) continue;
       h5::Id d = dataset(t, s);
+      if (s.flat) {
+        covered += read_flat(d, type, t, s, r, base, esize, opt);
+        continue;
+      }
+      Box in;
+      const Box sb{s.offsets, s.lengths};
+      intersect(sb, r, in);
       herr_t rc;
       if (r.lengths.empty()) {
         rc = H5Dread(d, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, base);
@@ -230,14 +284,11 @@ struct CheckpointReader::Impl {
                                    nullptr);
         if (rc >= 0) rc = H5Dread(d, type, mspace, fspace, H5P_DEFAULT, base);
       }
-      if (rc < 0) {
-        h5::fail<CheckpointError>(fmt::format(
-            "checkpoint '{}': cannot read tensor '{}' from shard file '{}'", dir, t.name, s.file));
-      }
+      if (rc < 0) fail_read(t, s);
       covered += volume(in.lengths);
       if (!opt.verify || verified.count({s.file, t.name})) continue;
       const bool whole = in.lengths == s.lengths;
-      const int64_t off = whole ? contiguous_offset(s, r, esize) : -1;
+      const int64_t off = whole ? contiguous_offset(sb, r, esize) : -1;
       if (off >= 0) {
         const int64_t n = s.numel() * esize;
         const uint32_t crc = tensor_io::crc32_update(0, base + off, n, /*parallel=*/true);
@@ -254,6 +305,111 @@ struct CheckpointReader::Impl {
           dir, t.name, covered, volume(r.lengths), r.offsets, r.lengths);
     }
     stats.bytes_read += volume(r.lengths) * esize;
+  }
+
+  [[noreturn]] void fail_read(const TensorInfo& t, const ShardInfo& s) const {
+    h5::fail<CheckpointError>(fmt::format(
+        "checkpoint '{}': cannot read tensor '{}' from shard file '{}'", dir, t.name, s.file));
+  }
+
+  // The parts of flat shard `s` (dataset `d`) that overlap box `r`, into `base` (the C-order image
+  // of `r`); returns the elements read. Only the overlap is read: in the 1-D dataset, the
+  // overlap of a part and `r` is `count` runs of `block` contiguous elements at a fixed stride,
+  // once per index of the dimensions before those (one hyperslab read per index; a single read for
+  // whole tensors, flat ranges of any layout, and splits along one dimension).
+  int64_t read_flat(hid_t d, hid_t type, const TensorInfo& t, const ShardInfo& s, const Box& r,
+                    uint8_t* base, int64_t esize, const ReadOptions& opt) {
+    const std::vector<Part> parts = parts_of(t, s);
+    const size_t n = t.shape.size();
+    int64_t covered = 0;
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const Part& p = parts[k];
+      Box in;
+      if (!intersect(p.box, r, in)) continue;
+      std::vector<int64_t> stride(n, 1);  // the part's C-order strides, in elements
+      for (size_t q = n; q-- > 1;) stride[q - 1] = stride[q] * p.box.lengths[q];
+      // Dimensions [m, n) of the overlap are one contiguous run of the part: every dimension
+      // after m is whole in the part.
+      size_t m = 0;
+      int64_t block = 1;
+      if (n > 0) {
+        m = n - 1;
+        block = in.lengths[m];
+        while (m > 0 && in.lengths[m] == p.box.lengths[m]) {
+          --m;
+          block *= in.lengths[m];
+        }
+      }
+      const size_t j = m > 0 ? m - 1 : 0;  // the strided dimension (none when m == 0)
+      const hsize_t count = m > 0 ? static_cast<hsize_t>(in.lengths[j]) : 1;
+      const hsize_t step = count > 1 ? static_cast<hsize_t>(stride[j]) : 1;
+      const hsize_t run = static_cast<hsize_t>(block);
+      std::vector<int64_t> idx(j, 0);  // the index into the overlap's dimensions before j
+      for (;;) {
+        int64_t start = p.at;
+        for (size_t q = 0; q < n; ++q)
+          start += (in.offsets[q] - p.box.offsets[q] + (q < j ? idx[q] : 0)) * stride[q];
+        h5::Id fspace(H5Dget_space(d));
+        const hsize_t fstart = static_cast<hsize_t>(start);
+        herr_t rc = H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &fstart, &step, &count, &run);
+        h5::Id mspace = h5::make_space(h5::to_hsize(r.lengths));
+        if (rc >= 0 && n > 0) {
+          std::vector<hsize_t> mstart(n), mcount(n);
+          for (size_t q = 0; q < n; ++q) {
+            mstart[q] = static_cast<hsize_t>(in.offsets[q] - r.offsets[q] + (q < j ? idx[q] : 0));
+            mcount[q] = static_cast<hsize_t>(q < j ? 1 : in.lengths[q]);
+          }
+          rc = H5Sselect_hyperslab(mspace, H5S_SELECT_SET, mstart.data(), nullptr, mcount.data(),
+                                   nullptr);
+        }
+        if (rc >= 0) rc = H5Dread(d, type, mspace, fspace, H5P_DEFAULT, base);
+        if (rc < 0) fail_read(t, s);
+        size_t q = j;  // next index of the dimensions before j, last fastest
+        while (q > 0 && ++idx[q - 1] == in.lengths[q - 1]) idx[--q] = 0;
+        if (q == 0) break;
+      }
+      covered += volume(in.lengths);
+      if (!opt.verify || verified.count({s.file, t.name})) continue;
+      FlatCheck& c = flat_checks[{s.file, t.name}];
+      if (c.crcs.empty()) {
+        c.t = &t;
+        c.s = &s;
+        c.crcs.resize(parts.size());
+      }
+      const int64_t off =
+          in.lengths == p.box.lengths ? contiguous_offset(p.box, r, esize) : int64_t{-1};
+      if (off >= 0) {
+        const int64_t bytes = p.box.numel() * esize;
+        c.crcs[k] = tensor_io::crc32_update(0, base + off, bytes, /*parallel=*/true);
+        stats.bytes_verified += bytes;
+      }
+    }
+    return covered;
+  }
+
+  // Checks the flat shards a load read from: by their parts' checksums when every part was read
+  // whole (crc32_combine, no extra I/O), else by streaming the shard (verify_shard).
+  void finish_flat_checks() {
+    std::map<std::pair<std::string, std::string>, FlatCheck> checks;
+    checks.swap(flat_checks);
+    for (const auto& [key, c] : checks) {
+      if (verified.count(key)) continue;
+      const bool all = std::all_of(c.crcs.begin(), c.crcs.end(),
+                                   [](const std::optional<uint32_t>& x) { return x.has_value(); });
+      if (!all) {
+        verify_shard(*c.t, *c.s, /*extra=*/true);
+        continue;
+      }
+      const int64_t esize = static_cast<int64_t>(c10::elementSize(c.t->dtype));
+      const std::vector<Part> parts = parts_of(*c.t, *c.s);
+      uint32_t crc = *c.crcs[0];
+      for (size_t k = 1; k < parts.size(); ++k) {
+        crc = static_cast<uint32_t>(
+            crc32_combine(crc, *c.crcs[k], static_cast<z_off_t>(parts[k].box.numel() * esize)));
+      }
+      if (crc != c.s->crc32) fail_checksum(*c.t, *c.s, crc);
+      verified.insert(key);
+    }
   }
 
   const TensorInfo& info(const std::string& name) const {
@@ -316,6 +472,24 @@ struct CheckpointReader::Impl {
     tg.dest.copy_(host);
   }
 };
+
+std::vector<LoadTarget> flat_load_targets(const std::string& name, const at::Tensor& flat,
+                                          const std::vector<int64_t>& shape, int64_t begin) {
+  PARALLAX_CHECK(flat.defined() && flat.dim() == 1, CheckpointError,
+                 "tensor '{}': a flat range loads into a 1-D tensor, got {}", name,
+                 flat.defined() ? fmt::format("shape {}", flat.sizes().vec()) : "none");
+  const int64_t total = volume(shape);
+  PARALLAX_CHECK(begin >= 0 && begin + flat.numel() <= total, CheckpointError,
+                 "tensor '{}': flat range [{}, {}) lies outside its {} elements (shape {})", name,
+                 begin, begin + flat.numel(), total, shape);
+  std::vector<LoadTarget> out;
+  int64_t at = 0;
+  for (const Box& b : parallel::flat_range_boxes(shape, begin, begin + flat.numel())) {
+    out.push_back(LoadTarget{name, flat.narrow(0, at, b.numel()).view(b.lengths), b.offsets});
+    at += b.numel();
+  }
+  return out;
+}
 
 CheckpointReader::CheckpointReader(const std::string& path, int64_t block_bytes)
     : impl_(std::make_unique<Impl>()) {
@@ -390,11 +564,12 @@ void CheckpointReader::load(const std::vector<LoadTarget>& targets, const ReadOp
     r.offsets = tg.offsets.empty() ? std::vector<int64_t>(r.lengths.size(), 0) : tg.offsets;
     if (volume(r.lengths) == 0) continue;
     for (const ShardInfo& s : t.shards) {
-      Box in;
-      if (s.numel() > 0 && intersect(s, r, in)) I.dataset(t, s);
+      if (may_overlap(t, s, r)) I.dataset(t, s);
     }
   }
+  I.flat_checks.clear();
   for (const auto& tg : targets) I.read_into(tg, options);
+  I.finish_flat_checks();
 }
 
 void CheckpointReader::read(const std::string& name, const at::Tensor& dest,

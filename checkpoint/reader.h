@@ -3,10 +3,13 @@
 // A rank asks for the boxes it needs under its own layout (name, offsets, lengths = the
 // destination's sizes); the reader intersects each box with the saved shards and reads only the
 // overlapping parts, with HDF5 hyperslab selections, straight into the destination when it is a
-// contiguous CPU tensor of the saved dtype (else through one host buffer of the box's size). So a
-// DP 4 checkpoint loads on DP 2 or 1, a flat ZeRO shard of 4 reloads as 2 shards of 2, a TP split
-// along dim 1 reloads as any other split, and no rank reads more than its boxes (plus, with
-// verification, the rest of shards it touched only in part: see ReadOptions::verify).
+// contiguous CPU tensor of the saved dtype (else through one host buffer of the box's size). Saved
+// flat ranges (format.h) are read as the boxes they cover: each box is a contiguous run of the
+// shard's 1-D dataset, and its overlap with the asked box a strided selection of it. So a DP 4
+// checkpoint loads on DP 2 or 1, a ZeRO rank's flat ranges of 4 reload as the ranges of 2 (or as
+// whole tensors, or TP splits), a TP split along dim 1 reloads as any other split, and no rank
+// reads more than its boxes (plus, with verification, the rest of shards it touched only in part:
+// see ReadOptions::verify).
 //
 // Errors (CheckpointError, naming the checkpoint, the file and the tensor): no metadata.json, a
 // metadata.json whose checksum does not match or whose step is not its directory's, a foreign or
@@ -34,8 +37,10 @@
 namespace parallax::checkpoint {
 
 struct ReadOptions {
-  // Check each shard's crc32. A shard read whole is checked on the bytes just read (no extra I/O);
-  // a shard read only in part is streamed whole once, in bounded blocks, to check it.
+  // Check each shard's crc32. A shard read whole is checked on the bytes just read (no extra I/O;
+  // a flat shard counts as read whole when one load() reads each of its boxes whole, through any
+  // number of targets); a shard read only in part is streamed whole once, in bounded blocks, to
+  // check it.
   bool verify = true;
   // Convert to the destination's dtype (weights loading); otherwise dtypes must match exactly.
   bool allow_cast = false;
@@ -49,6 +54,14 @@ struct LoadTarget {
   at::Tensor dest;
   std::vector<int64_t> offsets;
 };
+
+// The targets that fill `flat` (1-D) with elements [begin, begin + flat.numel()) of the C-order
+// flattening of tensor `name` of `shape`: one box per part of the range (parallel::
+// flat_range_boxes), each `dest` a view of the matching run of `flat`. A ZeRO rank loads its flat
+// piece of a parameter's state with them, whatever layout saved it. Throws CheckpointError when
+// `flat` is not 1-D or the range lies outside the tensor.
+std::vector<LoadTarget> flat_load_targets(const std::string& name, const at::Tensor& flat,
+                                          const std::vector<int64_t>& shape, int64_t begin);
 
 // A tensor of the checkpoint that holds NaN or infinite values (CheckpointReader::verify_all).
 struct NonFiniteTensor {

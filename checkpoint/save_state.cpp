@@ -37,6 +37,20 @@ void SaveState::add_shard(const std::string& name, const at::Tensor& tensor,
   entries_.push_back(std::move(e));
 }
 
+void SaveState::add_flat_shard(const std::string& name, const at::Tensor& tensor,
+                               std::vector<int64_t> global_shape, int64_t begin,
+                               std::vector<int> replicas) {
+  TensorEntry e;
+  e.name = name;
+  e.tensor = tensor;
+  e.global_shape = std::move(global_shape);
+  const int64_t n = tensor.defined() ? tensor.numel() : 0;
+  e.flat = FlatRange{begin, begin + n};
+  e.replicas = std::move(replicas);
+  e.kind = TensorEntry::Kind::kExplicit;
+  entries_.push_back(std::move(e));
+}
+
 void SaveState::add_rank_local(const std::string& name, const at::Tensor& tensor) {
   TensorEntry e;
   e.name = name;
@@ -86,6 +100,42 @@ std::vector<int> balance_owners(const std::vector<int64_t>& bytes,
   return owner;
 }
 
+namespace {
+
+// A flat entry: a 1-D tensor whose range lies inside the global tensor.
+void validate_flat(const TensorEntry& e, const std::string& name, int rank) {
+  int64_t total = 1;
+  for (const int64_t d : e.global_shape) {
+    if (d < 0) {
+      throw_error<CheckpointError>("checkpoint entry '{}' on rank {}: global shape {} is negative",
+                                   name, rank, e.global_shape);
+    }
+    total *= d;
+  }
+  if (e.tensor.dim() != 1) {
+    throw_error<CheckpointError>(
+        "checkpoint entry '{}' on rank {}: a flat range is a 1-D tensor, got shape {}", name, rank,
+        e.tensor.sizes().vec());
+  }
+  if (!e.offsets.empty()) {
+    throw_error<CheckpointError>("checkpoint entry '{}' on rank {}: a flat range has no offsets",
+                                 name, rank);
+  }
+  if (e.flat->numel() != e.tensor.numel()) {
+    throw_error<CheckpointError>(
+        "checkpoint entry '{}' on rank {}: flat range [{}, {}) has {} elements, its tensor {}",
+        name, rank, e.flat->begin, e.flat->end, e.flat->numel(), e.tensor.numel());
+  }
+  if (e.flat->begin < 0 || e.flat->end > total) {
+    throw_error<CheckpointError>(
+        "checkpoint entry '{}' on rank {}: flat range [{}, {}) lies outside the {} elements of "
+        "the global shape {}",
+        name, rank, e.flat->begin, e.flat->end, total, e.global_shape);
+  }
+}
+
+}  // namespace
+
 std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world) {
   std::set<std::string> seen;
   // Entries grouped by replica set; sets of one member are owned directly.
@@ -105,12 +155,14 @@ std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world
     }
     h5::storage_type(e.tensor.scalar_type(), name);  // throws for dtypes the format cannot store
     const auto sizes = e.tensor.sizes();
-    if (e.global_shape.size() != sizes.size() || e.offsets.size() != sizes.size()) {
+    if (e.flat) {
+      validate_flat(e, name, rank);
+    } else if (e.global_shape.size() != sizes.size() || e.offsets.size() != sizes.size()) {
       throw_error<CheckpointError>(
           "checkpoint entry '{}' on rank {}: a {}-d tensor with a {}-d global shape and {} offsets",
           name, rank, sizes.size(), e.global_shape.size(), e.offsets.size());
     }
-    for (size_t d = 0; d < sizes.size(); ++d) {
+    for (size_t d = 0; d < sizes.size() && !e.flat; ++d) {
       if (e.offsets[d] < 0 || e.offsets[d] + sizes[d] > e.global_shape[d]) {
         throw_error<CheckpointError>(
             "checkpoint entry '{}' on rank {}: box at offsets {} with shape {} lies outside the "
@@ -157,7 +209,7 @@ std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world
     for (size_t j = 0; j < idx.size(); ++j) {
       if (owner[j] != me) continue;
       const TensorEntry& e = state.entries()[idx[j]];
-      owned.push_back(OwnedEntry{final_names[idx[j]], e.tensor, e.global_shape, e.offsets});
+      owned.push_back(OwnedEntry{final_names[idx[j]], e.tensor, e.global_shape, e.offsets, e.flat});
     }
   }
   std::sort(owned.begin(), owned.end(),

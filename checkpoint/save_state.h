@@ -2,10 +2,12 @@
 //
 // A tensor entry is (name, local tensor, global shape, offsets, replicas): this rank holds the box
 // [offsets, offsets + tensor.sizes()) of the global tensor `name`, and `replicas` (world ranks,
-// this rank included) hold identical copies of that same box. Examples:
+// this rank included) hold identical copies of that same box. A flat entry holds elements
+// [begin, begin + tensor.numel()) of the C-order flattening of the global tensor instead, as a
+// 1-D tensor. A rank adds at most one entry per name. Examples:
 //   - DDP parameter, replicated on every dp rank:   add_replicated("model/w", w, dp_ranks)
-//   - ZeRO flat optimizer shard of rank i of dp:     add_shard("optim/flat.exp_avg", s, {N},
-//   {off_i})
+//   - ZeRO rank's piece of a parameter's moment:      add_flat_shard("optim/fc.weight.exp_avg", m,
+//                                                                   {37, 13}, begin)
 //   - Megatron TP column split, replicated over dp:  add_shard("model/fc.weight", w_i, {O, I},
 //                                                              {i * O / tp, 0}, dp_ranks_of_my_tp)
 //   - PP: each stage adds only the layers it owns (disjoint names), replicated over its dp group.
@@ -31,6 +33,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,7 +43,8 @@ struct TensorEntry {
   std::string name;
   at::Tensor tensor;                  // this rank's box (any device, any stored dtype)
   std::vector<int64_t> global_shape;  // shape of the whole tensor
-  std::vector<int64_t> offsets;       // where the box starts in it
+  std::vector<int64_t> offsets;       // where the box starts in it (empty for a flat entry)
+  std::optional<FlatRange> flat;      // set: `tensor` is 1-D and holds this range of the tensor
   std::vector<int> replicas;  // world ranks holding an identical box; empty = resolved at save
   enum class Kind { kReplicatedAll, kExplicit, kRankLocal } kind = Kind::kExplicit;
 };
@@ -54,6 +58,11 @@ class SaveState {
   void add_shard(const std::string& name, const at::Tensor& tensor,
                  std::vector<int64_t> global_shape, std::vector<int64_t> offsets,
                  std::vector<int> replicas = {});
+  // Elements [begin, begin + tensor.numel()) of the C-order flattening of a tensor of
+  // `global_shape`; `tensor` is 1-D. `replicas` empty: only this rank holds this range.
+  void add_flat_shard(const std::string& name, const at::Tensor& tensor,
+                      std::vector<int64_t> global_shape, int64_t begin,
+                      std::vector<int> replicas = {});
   // State of this rank alone, stored as rank_local_name(rank, name).
   void add_rank_local(const std::string& name, const at::Tensor& tensor);
 
@@ -79,12 +88,14 @@ struct OwnedEntry {
   std::string name;  // final name (rank-local names prefixed)
   at::Tensor tensor;
   std::vector<int64_t> global_shape;
-  std::vector<int64_t> offsets;
+  std::vector<int64_t> offsets;   // a box's (empty when flat)
+  std::optional<FlatRange> flat;  // a flat range's
 };
 
 // Resolves names and replica sets for world rank `rank` of `world`, validates every entry (name,
-// box inside the global shape, storable dtype, this rank among the replicas, no duplicate name) and
-// keeps the entries this rank owns, sorted by name. Throws CheckpointError naming the entry.
+// box or flat range inside the global shape, a flat entry's tensor 1-D, storable dtype, this rank
+// among the replicas, no duplicate name) and keeps the entries this rank owns, sorted by name.
+// Throws CheckpointError naming the entry.
 std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world);
 
 // The size-balanced assignment used for one replica set of `members` ranks: entry i (of

@@ -51,12 +51,16 @@ int verb_inspect(const std::vector<std::string>& argv) {
       .flag("quick",
             "skip reading every scene / verifying checksums and finiteness (metadata and shapes "
             "only)")
+      .flag("shards",
+            "checkpoints: also list every shard of every tensor (its rank file, its box or flat "
+            "range, its crc32)")
       .option("scene-lines", "N", "per-scene shape lines to print for a shard", "10")
       .epilog(
           "examples:\n"
           "  parallax inspect datasets/synth\n"
           "  parallax inspect datasets/synth/val_00000.h5 --scene-lines 100\n"
-          "  parallax inspect runs/bev_tiny            # its latest checkpoint");
+          "  parallax inspect runs/bev_tiny            # its latest checkpoint\n"
+          "  parallax inspect runs/bev_tiny --shards   # and where each piece of each tensor is");
   args.parse(argv);
   if (args.help_requested()) {
     std::fputs(args.help_text().c_str(), stdout);
@@ -75,9 +79,13 @@ int verb_inspect(const std::vector<std::string>& argv) {
     case PathKind::kDataShard:
       data::inspect_shard(path, stdout, opts);
       return 0;
-    case PathKind::kCheckpoint:
-      checkpoint::inspect(path, std::cout, opts.verify);
+    case PathKind::kCheckpoint: {
+      checkpoint::InspectOptions copts;
+      copts.verify = opts.verify;
+      copts.list_shards = args.flag_set("shards");
+      checkpoint::inspect(path, std::cout, copts);
       return 0;
+    }
     case PathKind::kUnknown:
       break;
   }

@@ -17,11 +17,11 @@
 //                                       clipping and the inf check count every element once.
 //   engine.step(lr)                     the optimizer update, then whatever makes the parameters
 //                                       whole again (ZeRO: all-gather the updated shards).
-//   engine.optimizer_state()            the optimizer state as boxes of per-parameter tensors under
-//                                       their global names and shapes (a ZeRO rank holds a flat
-//                                       range of a parameter, which is a few boxes), so any layout
-//                                       loads any other (checkpoint/ reads each box from whatever
-//                                       shards overlap it).
+//   engine.optimizer_state()            the optimizer state as pieces of per-parameter tensors
+//                                       under their global names and shapes: boxes (DDP: whole
+//                                       tensors) or flat ranges (a ZeRO rank's part of a
+//                                       parameter), so any layout loads any other (checkpoint/
+//                                       reads each piece from whatever saved shards overlap it).
 //
 // parallel/ sees no model or checkpoint type: the model is a torch::nn::Module, checkpoint pieces
 // are plain StatePiece values the trainer converts.
@@ -44,16 +44,20 @@
 
 namespace parallax::parallel {
 
-// One box of a tensor of the training state: this rank holds [offsets, offsets + tensor.sizes())
-// of the global tensor `name` (of shape `global_shape`), and the world ranks in `replicas` (this
-// one included; empty: this rank alone) hold identical copies of that box. `tensor` is a view
-// into live state: saving reads it, loading writes into it.
+// One piece of a tensor of the training state, of the global tensor `name` (of shape
+// `global_shape`): a box, [offsets, offsets + tensor.sizes()) (flat_begin < 0), or a flat range,
+// elements [flat_begin, flat_begin + tensor.numel()) of the tensor's C-order flattening with
+// `tensor` 1-D and `offsets` empty (flat_begin >= 0). The world ranks in `replicas` (this one
+// included; empty: this rank alone) hold identical copies of that piece. `tensor` is a view into
+// live state: saving reads it, loading writes into it (a flat range through its boxes,
+// flat_range_boxes, each a contiguous run of `tensor`).
 struct StatePiece {
   std::string name;
   at::Tensor tensor;
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offsets;
   std::vector<int> replicas;
+  int64_t flat_begin = -1;
 };
 
 // The boxes that element range [begin, end) of a C-ordered tensor of `shape` covers, in order:
@@ -107,7 +111,8 @@ class Engine {
   // for DDP and ZeRO-1/2).
   virtual std::vector<int> model_replicas() const = 0;
   // The optimizer state as pieces named "<param name>.<state>" and "step" (no prefix), views into
-  // the live state: save them, or load into them and then call optimizer_state_loaded().
+  // the live state: save them, or load into them and then call optimizer_state_loaded(). At most
+  // one piece per name on each rank.
   virtual std::vector<StatePiece> optimizer_state() = 0;
   // After the pieces of the last optimizer_state() call were filled from a checkpoint.
   virtual void optimizer_state_loaded() = 0;

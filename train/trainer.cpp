@@ -550,11 +550,18 @@ std::map<std::string, at::Tensor> TrainerImpl::train_step(int64_t step, double l
 }
 
 void TrainerImpl::load_optimizer_state() {
-  // Each rank reads exactly the boxes it holds (a ZeRO rank: the flat ranges of its pieces), from
-  // whatever shards of whatever layout overlap them.
+  // Each rank reads exactly the pieces it holds (a ZeRO rank: one flat range of each state tensor,
+  // read as the boxes it covers), from whatever shards of whatever layout overlap them.
   std::vector<ck::LoadTarget> targets;
-  for (auto& piece : engine_->optimizer_state())
-    targets.push_back(ck::LoadTarget{ck::kOptimPrefix + piece.name, piece.tensor, piece.offsets});
+  for (auto& piece : engine_->optimizer_state()) {
+    const std::string name = ck::kOptimPrefix + piece.name;
+    if (piece.flat_begin < 0) {
+      targets.push_back(ck::LoadTarget{name, piece.tensor, piece.offsets});
+      continue;
+    }
+    for (auto& t : ck::flat_load_targets(name, piece.tensor, piece.global_shape, piece.flat_begin))
+      targets.push_back(std::move(t));
+  }
   resume_->load(targets);
   engine_->optimizer_state_loaded();
 }
@@ -701,10 +708,16 @@ void TrainerImpl::save_checkpoint(int64_t step) {
   ck::SaveState state;
   ck::add_module(state, *model_, engine_->model_replicas());
   // The optimizer state per parameter under its global name and shape, as the engine holds it
-  // (whole and replicated under DDP; flat ranges of each parameter under ZeRO).
-  for (auto& piece : engine_->optimizer_state())
-    state.add_shard(ck::kOptimPrefix + piece.name, piece.tensor, piece.global_shape, piece.offsets,
-                    piece.replicas);
+  // (whole and replicated under DDP; one flat range of each parameter's state under ZeRO).
+  for (auto& piece : engine_->optimizer_state()) {
+    const std::string name = ck::kOptimPrefix + piece.name;
+    if (piece.flat_begin >= 0) {
+      state.add_flat_shard(name, piece.tensor, piece.global_shape, piece.flat_begin,
+                           piece.replicas);
+    } else {
+      state.add_shard(name, piece.tensor, piece.global_shape, piece.offsets, piece.replicas);
+    }
+  }
   ck::add_rng(state);
   ck::add_loss_scaler(state, *scaler_);
   if (hooks_.save_extra) hooks_.save_extra(state);

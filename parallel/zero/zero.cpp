@@ -211,16 +211,10 @@ std::vector<StatePiece> ZeroEngine::optimizer_state() {
       out.push_back(StatePiece{key, t, {}, {}, p.holders});
       continue;
     }
-    PARALLAX_CHECK(t.numel() == p.end - p.begin, Error,
-                   "ZeRO: optimizer state '{}' has {} elements, its piece {}", key, t.numel(),
-                   p.end - p.begin);
-    at::Tensor flat = t.detach().reshape({-1});
-    int64_t off = 0;
-    for (const Box& box : flat_range_boxes(p.shape, p.begin, p.end)) {
-      out.push_back(StatePiece{
-          key, flat.narrow(0, off, box.numel()).view(box.lengths), p.shape, box.offsets, {me}});
-      off += box.numel();
-    }
+    PARALLAX_CHECK(t.numel() == p.end - p.begin, Error, "ZeRO: optimizer state '{}' has {} elements, its piece {}",
+                   key, t.numel(), p.end - p.begin);
+    // One flat piece, a view of the live state (view, not reshape: a load must write into it).
+    out.push_back(StatePiece{key, t.detach().view({-1}), p.shape, {}, {me}, p.begin});
   }
   return out;
 }

@@ -16,9 +16,10 @@
 // rank holds the whole updated model before the next forward.
 //
 // Checkpoints. The optimizer state is saved per parameter, under "<param name>.<state>" with the
-// parameter's global shape; a rank's piece is a flat range of it, saved as the few boxes that
-// range covers (flat_range_boxes). Nothing depends on the bucket layout, so a checkpoint loads
-// under any dp size, ZeRO stage or bucket size.
+// parameter's global shape; a rank's piece of each state tensor is one flat range of it
+// (StatePiece::flat_begin), which the checkpoint stores as such and reads back from any layout.
+// Nothing depends on the bucket layout, so a checkpoint loads under any dp size, ZeRO stage or
+// bucket size.
 //
 // Gradient memory. Stage 1 keeps persistent flat gradient buffers (the parameters' gradients are
 // views into them, accumulating locally over micro-steps). Stage 2's buckets are transient: each

@@ -37,13 +37,13 @@ Metadata sample_metadata(std::mt19937_64& rng) {
   t.dtype = at::kBFloat16;
   t.shape = {8, 6};
   for (int r = 0; r < 2; ++r) {
-    t.shards.push_back({rank_file_name(r), {0, 3 * r}, {8, 3}, static_cast<uint32_t>(rng())});
+    t.shards.push_back({rank_file_name(r), {0, 3 * r}, {8, 3}, static_cast<uint32_t>(rng()), {}});
   }
   m.tensors.emplace(t.name, t);
   TensorInfo s;
   s.name = "optim/step";
   s.dtype = at::kDouble;
-  s.shards.push_back({rank_file_name(3), {}, {}, static_cast<uint32_t>(rng())});
+  s.shards.push_back({rank_file_name(3), {}, {}, static_cast<uint32_t>(rng()), {}});
   m.tensors.emplace(s.name, s);
   return m;
 }

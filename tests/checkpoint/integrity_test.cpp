@@ -247,7 +247,7 @@ TEST(CheckpointMetadataTest, VersionOneMetadataWithoutChecksumStillReads) {
   TensorInfo t;
   t.name = "model/w";
   t.shape = {4};
-  t.shards.push_back({rank_file_name(0), {0}, {4}, static_cast<uint32_t>(rng())});
+  t.shards.push_back({rank_file_name(0), {0}, {4}, static_cast<uint32_t>(rng()), {}});
   m.tensors.emplace(t.name, t);
   std::string text = m.to_json();
   text.erase(2, text.find('\n', 2) - 1);  // what version 1 wrote: no checksum line

@@ -1,12 +1,15 @@
 // Helpers shared by the checkpoint tests: fresh random tensors of any dtype, bitwise comparison,
-// and scratch directories.
+// scratch directories, and ranks simulated by threads.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <exception>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace parallax::ckpt_test {
@@ -63,6 +66,26 @@ class ScratchDir {
  private:
   std::filesystem::path path_;
 };
+
+// Runs fn(rank) on `world` threads (ranks of one checkpoint group sharing a c10d HashStore),
+// rethrowing the first failure once all have finished.
+inline void run_ranks(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
 
 inline uint64_t fresh_seed() {
   return std::random_device{}() * 0x9E3779B97F4A7C15ULL + std::random_device{}();

@@ -29,6 +29,7 @@
 
 #include <limits>
 #include <random>
+#include <set>
 
 using namespace parallax;
 namespace comm = parallax::parallel::comm;
@@ -295,6 +296,7 @@ TEST_P(ZeroTest, OptimizerStatePiecesTileEveryParameterOnce) {
   for (const auto& it : net->named_parameters())
     count[it.key() + ".exp_avg"] = at::zeros(it.value().sizes(), at::kDouble);
   int scalars = 0;
+  std::set<std::string> seen;
   for (const auto& piece : zero->optimizer_state()) {
     if (piece.name == "step") continue;
     if (piece.global_shape.empty()) {
@@ -302,13 +304,14 @@ TEST_P(ZeroTest, OptimizerStatePiecesTileEveryParameterOnce) {
       continue;
     }
     ASSERT_EQ(piece.replicas.size(), 1u) << piece.name;  // a flat range: this rank alone
+    // One flat piece per state tensor: 1-D, a range of the parameter's flattening, no box.
+    ASSERT_GE(piece.flat_begin, 0) << piece.name;
+    ASSERT_EQ(piece.tensor.dim(), 1) << piece.name;
+    EXPECT_TRUE(piece.offsets.empty()) << piece.name;
+    ASSERT_TRUE(seen.insert(piece.name).second) << piece.name << " twice on rank " << rank_;
     const auto it = count.find(piece.name);
-    if (it == count.end()) continue;  // exp_avg_sq: the same boxes
-    at::Tensor v = it->second;
-    for (std::size_t d = 0; d < piece.offsets.size(); ++d)
-      v = v.narrow(static_cast<int64_t>(d), piece.offsets[d],
-                   piece.tensor.size(static_cast<int64_t>(d)));
-    v.add_(1);
+    if (it == count.end()) continue;  // exp_avg_sq: the same ranges
+    it->second.view({-1}).narrow(0, piece.flat_begin, piece.tensor.numel()).add_(1);
   }
   EXPECT_GT(scalars, 0);  // Adam's per-parameter step, written by the ranks holding a piece
   for (auto& [name, c] : count) {
