@@ -212,7 +212,8 @@ TEST(UnitsTest, HooksAreCalledOncePerUnitInOrderAndPaired) {
     SCOPED_TRACE(label(c));
     at::manual_seed(41);
     auto model = build(c);
-    const core::TensorDict batch = model->example_batch(2);
+    const core::TensorDict batch =
+        model->example_batch(1);  // one sample: fast, and every check is elementwise
     const std::size_t n = model->units().size();
     RecordingHooks hooks;
     model->set_unit_hooks(&hooks);
@@ -273,7 +274,8 @@ TEST(UnitsTest, EachUnitReadsOnlyItsOwnParametersInsideItsWindow) {
       auto model = build(c);
       if (ckpt && model->checkpointable_blocks().empty()) continue;
       set_checkpointing(*model, ckpt);
-      const core::TensorDict batch = model->example_batch(2);
+      const core::TensorDict batch =
+          model->example_batch(1);  // one sample: fast, and every check is elementwise
       const Step plain = train_step(*model, batch, nullptr);
       ASSERT_TRUE(at::isfinite(plain.loss).item<bool>());
 
@@ -332,7 +334,8 @@ TEST(UnitsTest, ForwardWithoutHooksIsTheComposedForwardBitForBit) {
     SCOPED_TRACE(label(c));
     at::manual_seed(47);
     auto model = build(c);
-    const core::TensorDict batch = model->example_batch(2);
+    const core::TensorDict batch =
+        model->example_batch(1);  // one sample: fast, and every check is elementwise
     model->train();
     at::manual_seed(9);
     const core::TensorDict units = model->forward(batch);
@@ -352,7 +355,8 @@ TEST(UnitsTest, CheckpointedBlocksWithHooksGiveTheGradientsWithout) {
   at::manual_seed(53);
   auto model = build(kTiny[2]);  // bev tiny, ViT backbone: transformer and conv blocks
   set_checkpointing(*model, true);
-  const core::TensorDict batch = model->example_batch(2);
+  const core::TensorDict batch =
+      model->example_batch(1);  // one sample: fast, and every check is elementwise
   const Step plain = train_step(*model, batch, nullptr);
   RecordingHooks hooks;
   const Step hooked = train_step(*model, batch, &hooks);
