@@ -14,9 +14,13 @@ namespace parallax::launch {
 
 const std::vector<Verb>& verbs() {
   static const std::vector<Verb> kVerbs = {
-      {"train", "train a model from a config file (also under mpirun / srun / torchrun)", verb_train},
+      {"train", "train a model from a config file (also under mpirun / srun / torchrun)",
+       verb_train},
+      {"eval", "evaluate a checkpoint on a dataset split (also under mpirun / srun / torchrun)",
+       verb_eval},
       {"export", "export a run's checkpoint: ONNX with a parity gate, or weights.h5", verb_export},
-      {"datagen", "generate a synthetic multi-camera dataset (HDF5 shards + dataset.json)", verb_datagen},
+      {"datagen", "generate a synthetic multi-camera dataset (HDF5 shards + dataset.json)",
+       verb_datagen},
       {"inspect", "describe and verify a dataset folder or an HDF5 data shard", verb_inspect},
   };
   return kVerbs;
@@ -29,8 +33,9 @@ std::string top_help() {
       "usage: parallax <verb> [options]\n\n"
       "Parallax: distributed training of multi-camera BEV perception models in C++.\n\nverbs:\n";
   for (const auto& v : verbs()) out += fmt::format("  {:<10} {}\n", v.name, v.summary);
-  out += "\nRun 'parallax <verb> --help' for the options of a verb.\n"
-         "Environment: PARALLAX_LOG_LEVEL=trace|debug|info|warn|error, PARALLAX_LOG_ALL_RANKS=1.\n";
+  out +=
+      "\nRun 'parallax <verb> --help' for the options of a verb.\n"
+      "Environment: PARALLAX_LOG_LEVEL=trace|debug|info|warn|error, PARALLAX_LOG_ALL_RANKS=1.\n";
   return out;
 }
 
@@ -54,8 +59,8 @@ int dispatch(int argc, char** argv) {
     if (verb == v.name) return v.run(args);
     names.push_back(v.name);
   }
-  throw_error<UsageError>("unknown verb '{}'{}; verbs are: {}", verb, core::did_you_mean(verb, names),
-                          core::join(names, ", "));
+  throw_error<UsageError>("unknown verb '{}'{}; verbs are: {}", verb,
+                          core::did_you_mean(verb, names), core::join(names, ", "));
 }
 
 }  // namespace

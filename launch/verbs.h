@@ -15,6 +15,7 @@ struct Verb {
 
 int verb_train(const std::vector<std::string>& args);
 int verb_export(const std::vector<std::string>& args);
+int verb_eval(const std::vector<std::string>& args);
 int verb_datagen(const std::vector<std::string>& args);
 int verb_inspect(const std::vector<std::string>& args);
 

@@ -1,8 +1,11 @@
 // Evaluation on the validation split, distributed over the data-parallel group: each rank runs
 // its disjoint share of the scenes, BEV IoU counts are summed and detections gathered across
 // ranks, and every rank returns the same nuScenes-style metrics (docs/data.md):
-//   val_loss, miou, iou_<bev class>, map, map_0.5m, map_1m, map_2m, map_4m, ap_2m_<box class>.
+//   val_loss, miou, iou_<bev class>, map, map_0.5m, map_1m, map_2m, map_4m, ap_<box class> (over
+//   the thresholds), ap_2m_<box class>, ate, ase, aoe (true-positive errors at 2 m, means over
+//   classes), ate_/ase_/aoe_<box class>, nds.
 // Collective: every rank of `dp` must call it. The model is put in eval mode and back.
+// The split is `cfg.val_split`.
 #pragma once
 
 #include "core/scene.h"
@@ -16,8 +19,17 @@
 
 namespace parallax::train {
 
-std::map<std::string, double> evaluate(models::Model& model, const data::DataConfig& cfg, const core::SceneSpec& scene,
-                                       uint64_t seed, parallel::comm::Communicator& dp, const c10::Device& device,
-                                       const optim::PrecisionPolicy& precision);
+// Every rank's detections and ground truth, gathered (identical on every rank), float64:
+//   pred [P, 11]: scene_index, class, x, y, z, l, w, h, yaw, score, row (within its scene);
+//   gt   [G, 9]:  scene_index, class, x, y, z, l, w, h, yaw (visible boxes of a class only).
+struct EvalDetections {
+  at::Tensor pred, gt;
+};
+
+std::map<std::string, double> evaluate(models::Model& model, const data::DataConfig& cfg,
+                                       const core::SceneSpec& scene, uint64_t seed,
+                                       parallel::comm::Communicator& dp, const c10::Device& device,
+                                       const optim::PrecisionPolicy& precision,
+                                       EvalDetections* detections = nullptr);
 
 }  // namespace parallax::train

@@ -184,5 +184,50 @@ TEST(DetectionApTest, PackAndMergeEqualOneAccumulator) {
   EXPECT_LT(r1.map, 0.999);
 }
 
+// Two true positives of one class in one sample (recall 0.5 after the first, 1 after the second):
+//   first (score 0.9): 1 m off, half the length (IoU 6 / 12 = 0.5), yaw 0.5 rad off;
+//   second (score 0.8): exact.
+// Running means: ATE [1, 0.5], ASE = AOE [0.5, 0.25]. The confidence at recall x is 0.9 for
+// x <= 0.5 and 0.9 - 0.2 (x - 0.5) above, so the interpolated running ATE is 1 at x = 0.11..0.49
+// (39 points) and 1.5 - x at x = 0.50..1.00 (51 points, mean 0.75): ATE = (39 + 51 * 0.75) / 90
+// = 77.25 / 90; ASE and AOE are half of it. Rounding: ~4 per point (interp: one slope, product,
+// sum) on values <= 1.5, 90 sums, one division: within 2^-44, well inside 1e-12.
+TEST(DetectionTpErrorsTest, HandComputedTwoTruePositives) {
+  const at::Tensor pred = at::tensor({0., 0., 1.,  0., 0., 2., 2., 1.5, 0.5, 0.9, 0.,  //
+                                      0., 0., 10., 0., 0., 4., 2., 1.5, 0.,  0.8, 1.},
+                                     at::kDouble)
+                              .reshape({2, 11});
+  const at::Tensor gt = at::tensor({0., 0., 0., 0., 0., 4., 2., 1.5, 0.,  //
+                                    0., 0., 10., 0., 0., 4., 2., 1.5, 0.},
+                                   at::kDouble)
+                            .reshape({2, 9});
+  const TpErrors e = detection_tp_errors(pred, gt, 2, 2.0);
+  EXPECT_NEAR(e.ate[0], 77.25 / 90, 1e-12);
+  EXPECT_NEAR(e.ase[0], 77.25 / 180, 1e-12);
+  EXPECT_NEAR(e.aoe[0], 77.25 / 180, 1e-12);
+  // Class 1 has neither ground truth nor predictions: error 1 (the devkit's convention), and the
+  // means average both classes.
+  EXPECT_EQ(e.ate[1], 1.0);
+  EXPECT_NEAR(e.mate, (77.25 / 90 + 1) / 2, 1e-12);
+  // Beyond the threshold the first prediction is a false positive: only the exact one matches,
+  // at recall 0.5 after two predictions; its running mean is 0 at every point up to 0.5.
+  const at::Tensor far = pred.clone();
+  far[0][2] = 3.0;
+  const TpErrors f = detection_tp_errors(far, gt, 1, 2.0);
+  EXPECT_EQ(f.ate[0], 0.0);
+}
+
+TEST(DetectionTpErrorsTest, YawDifferenceWrapsAroundTwoPi) {
+  // yaw 3.0 vs -3.0: 6 rad apart one way, 2 pi - 6 = 0.2832 the other.
+  const at::Tensor pred =
+      at::tensor({0., 0., 0., 0., 0., 4., 2., 1.5, 3.0, 0.9, 0.}, at::kDouble).reshape({1, 11});
+  const at::Tensor gt =
+      at::tensor({0., 0., 0., 0., 0., 4., 2., 1.5, -3.0}, at::kDouble).reshape({1, 9});
+  const TpErrors e = detection_tp_errors(pred, gt, 1, 2.0);
+  EXPECT_NEAR(e.aoe[0], 2 * M_PI - 6.0, 1e-12);
+  EXPECT_EQ(e.ate[0], 0.0);
+  EXPECT_EQ(e.ase[0], 0.0);
+}
+
 }  // namespace
 }  // namespace parallax::data

@@ -1,0 +1,232 @@
+// `parallax eval`: a checkpoint's metrics on a dataset split (train/evaluate.h, docs/data.md), on
+// any number of ranks (alone, or under mpirun / srun / torchrun; the data-parallel group is the
+// world), and optionally its detections and the ground truth in the nuScenes detection submission
+// format, for external scorers (tools/nuscenes_score.py).
+#include "checkpoint/format.h"
+#include "checkpoint/weights.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "core/strings.h"
+#include "data/schema.h"
+#include "launch/args.h"
+#include "launch/verbs.h"
+#include "models/model.h"
+#include "optim/precision.h"
+#include "parallel/comm/factory.h"
+#include "parallel/comm/world.h"
+#include "train/evaluate.h"
+#include "train/run_config.h"
+
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+namespace fs = std::filesystem;
+
+namespace parallax::launch {
+namespace {
+
+namespace comm = parallel::comm;
+
+// A JSON number; NaN and infinities (e.g. the IoU of a class that never occurs) become null.
+std::string json_number(double v) {
+  return std::isfinite(v) ? fmt::format("{}", v) : "null";
+}
+
+// Writes `text` to `file` through a temporary file and a rename. Throws IoError naming the file.
+void write_file(const fs::path& file, const std::string& text) {
+  if (file.has_parent_path()) {
+    std::error_code ec;
+    fs::create_directories(file.parent_path(), ec);
+  }
+  const fs::path tmp = file.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.close();
+    PARALLAX_CHECK(out.good(), IoError, "eval: cannot write '{}'", tmp.string());
+  }
+  std::error_code ec;
+  fs::rename(tmp, file, ec);
+  PARALLAX_CHECK(!ec, IoError, "eval: cannot rename '{}' to '{}': {}", tmp.string(), file.string(),
+                 ec.message());
+}
+
+// `rows` (train::EvalDetections) as the nuScenes detection submission JSON: every scene of the
+// split is a sample (token = its scene index), listed even without boxes. Ground truth carries
+// detection_score -1, as the devkit's ground-truth boxes do.
+std::string submission_json(const at::Tensor& rows, bool predictions, int64_t scenes,
+                            const std::vector<std::string>& classes, const std::string& meta) {
+  const at::Tensor r = rows.to(at::kDouble).contiguous();
+  const int64_t cols = r.size(1);
+  const double* p = r.data_ptr<double>();
+  std::vector<std::vector<std::string>> by_sample(static_cast<size_t>(scenes));
+  for (int64_t i = 0; i < r.size(0); ++i) {
+    const double* q = p + i * cols;
+    const int64_t sample = std::lround(q[0]);
+    PARALLAX_CHECK(sample >= 0 && sample < scenes, Error,
+                   "eval: scene index {} outside the split's {} scenes", sample, scenes);
+    const double yaw = q[8];
+    by_sample[static_cast<size_t>(sample)].push_back(fmt::format(
+        "{{\"sample_token\": \"{}\", \"translation\": [{}, {}, {}], \"size\": [{}, {}, {}], "
+        "\"rotation\": [{}, 0.0, 0.0, {}], \"velocity\": [0.0, 0.0], \"detection_name\": {}, "
+        "\"detection_score\": {}, \"attribute_name\": \"\"}}",
+        sample, q[2], q[3], q[4], q[6], q[5], q[7], std::cos(yaw / 2), std::sin(yaw / 2),
+        core::json_quote(classes.at(static_cast<size_t>(std::lround(q[1])))),
+        predictions ? q[9] : -1.0));
+  }
+  std::string out = fmt::format("{{\"meta\": {},\n\"results\": {{", meta);
+  for (int64_t s = 0; s < scenes; ++s) {
+    out += fmt::format("{}\n\"{}\": [{}]", s ? "," : "", s,
+                       core::join(by_sample[static_cast<size_t>(s)], ",\n  "));
+  }
+  return out + "}}\n";
+}
+
+fs::path with_suffix(const fs::path& file, const std::string& suffix) {
+  return file.parent_path() / (file.stem().string() + suffix + file.extension().string());
+}
+
+}  // namespace
+
+int verb_eval(const std::vector<std::string>& argv) {
+  Args args("eval",
+            "Evaluate a checkpoint on a dataset split: BEV IoU per class, nuScenes-style detection "
+            "mAP, the true-positive errors ATE, ASE, AOE and an NDS-style score (docs/data.md). "
+            "Works alone or under mpirun, srun or torchrun, on any number of ranks.");
+  args.option("config", "FILE", "YAML config of the run (its model and data sections)")
+      .option("checkpoint", "PATH",
+              "a checkpoint directory, a run's checkpoints/ (its latest), a run directory, or an "
+              "exported weights.h5")
+      .option("split", "NAME", "dataset split to evaluate (default: data.val_split, val)")
+      .option("dump-predictions", "FILE",
+              "write the detections as nuScenes submission JSON to FILE and the ground truth to "
+              "FILE with _gt before the extension")
+      .option("out", "FILE",
+              "metrics JSON (default: beside --dump-predictions as <stem>_metrics.json, else "
+              "eval_<split>.json in the working directory)")
+      .overrides("config overrides, Hydra style: data.batch_size=4 train.device=cpu")
+      .epilog(
+          "examples:\n"
+          "  parallax eval --config configs/bev_tiny.yaml --checkpoint runs/bev_tiny/checkpoints\n"
+          "  mpirun -np 2 parallax eval --config runs/bev_tiny/config.yaml --checkpoint "
+          "runs/bev_tiny \\\n"
+          "      --dump-predictions preds.json   # also preds_gt.json and preds_metrics.json\n"
+          "  python3 tools/nuscenes_score.py preds.json preds_gt.json");
+  args.parse(argv);
+  if (args.help_requested()) {
+    std::fputs(args.help_text().c_str(), stdout);
+    return 0;
+  }
+  PARALLAX_CHECK(args.has("config"), UsageError,
+                 "eval: --config FILE is required; see 'parallax eval --help'");
+  PARALLAX_CHECK(args.has("checkpoint"), UsageError,
+                 "eval: --checkpoint PATH is required; see 'parallax eval --help'");
+  train::RunConfig cfg = train::load_run_config(args.get("config"), args.override_args());
+  PARALLAX_CHECK(cfg.model.name == "bev" && !cfg.data.synthetic, UsageError,
+                 "eval: needs a bev model trained on a dataset (config '{}' has model.name={}, "
+                 "data.synthetic={})",
+                 args.get("config"), cfg.model.name, cfg.data.synthetic);
+  const std::string split = args.has("split") ? args.get("split") : cfg.data.val_split;
+  const data::DatasetInfo info = data::read_dataset_info(cfg.data.path);
+  if (!info.splits.count(split)) {
+    std::vector<std::string> names;
+    for (const auto& [name, _] : info.splits) names.push_back(name);
+    throw_error<UsageError>("eval: split '{}' is not in dataset '{}' (data.path); its splits: {}",
+                            split, cfg.data.path, core::join(names, ", "));
+  }
+  cfg.data.val_split = split;
+  const std::string ckpt = args.get("checkpoint");
+  std::error_code ec;
+  PARALLAX_CHECK(fs::exists(ckpt, ec), CheckpointError,
+                 "eval: checkpoint '{}' does not exist (--checkpoint)", ckpt);
+  const std::string source =
+      checkpoint::is_weights_file(ckpt) ? ckpt : checkpoint::resolve_checkpoint(ckpt);
+
+  // The world, the device and the communicator, as the trainer picks them (train/trainer.cpp).
+  comm::WorldOptions wopts;
+  wopts.init_timeout_s = cfg.parallel.init_timeout_s;
+  comm::World world(wopts);
+  c10::Device device(c10::kCPU);
+  if (cfg.train.device != "cpu" && world.device()) device = *world.device();
+  PARALLAX_CHECK(cfg.train.device != "cuda" || device.is_cuda(), ConfigError,
+                 "key 'train.device' is 'cuda' but rank {} sees no CUDA device", world.rank());
+  const int local_ranks = std::max(1, world.launch().local_world_size);
+  at::set_num_threads(
+      cfg.train.threads > 0
+          ? cfg.train.threads
+          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_ranks));
+  const auto& p = cfg.parallel;
+  comm::CommOptions opts = comm::make_comm_options(
+      p.timeout_s, p.init_timeout_s, p.checkpoint_timeout_s, p.debug_collectives,
+      p.flight_recorder_size, p.allreduce, static_cast<int64_t>(p.ring_chunk_mb * (1 << 20)));
+  opts.nccl_blocking = p.nccl_blocking;
+  std::string backend = p.backend;
+  if (backend == "auto" && device.is_cpu()) backend = world.has_mpi() ? "mpi" : "gloo";
+  comm::CommPtr dp = comm::make_world_communicator(world, backend, opts);
+
+  const core::SceneSpec scene = info.scene_spec(cfg.data.max_boxes);
+  core::seed_all(static_cast<uint64_t>(cfg.experiment.seed));
+  auto model = models::build_model(cfg.model, scene);
+  const auto report = checkpoint::load_weights(*model, source);
+  model->to(device);
+  const auto precision = optim::make_precision_policy(cfg.precision, device.type());
+  train::EvalDetections det;
+  const auto metrics =
+      train::evaluate(*model, cfg.data, scene, static_cast<uint64_t>(cfg.experiment.seed), *dp,
+                      device, precision, &det);
+  const int rank = world.rank();
+  dp->barrier();
+  if (rank != 0) return 0;
+
+  std::printf("eval of %s on split '%s' of %s (%d rank(s), %s)\n", source.c_str(), split.c_str(),
+              cfg.data.path.c_str(), world.size(), report.summary().c_str());
+  std::string json = fmt::format(
+      "{{\"checkpoint\": {}, \"split\": {}, \"dataset\": {}, \"ranks\": {}, \"metrics\": {{",
+      core::json_quote(source), core::json_quote(split), core::json_quote(cfg.data.path),
+      world.size());
+  bool first = true;
+  for (const auto& [name, value] : metrics) {
+    if (name == "eval_s") continue;  // timing, not a metric
+    std::printf("%-20s %.6f\n", name.c_str(), value);
+    json +=
+        fmt::format("{}\n  {}: {}", first ? "" : ",", core::json_quote(name), json_number(value));
+    first = false;
+  }
+  json += "}}\n";
+  fs::path out;
+  if (args.has("out")) {
+    out = args.get("out");
+  } else if (args.has("dump-predictions")) {
+    out = with_suffix(args.get("dump-predictions"), "_metrics");
+  } else {
+    out = fmt::format("eval_{}.json", split);
+  }
+  write_file(out, json);
+  std::printf("metrics: %s\n", out.string().c_str());
+  if (args.has("dump-predictions")) {
+    const fs::path pred_file = args.get("dump-predictions");
+    const fs::path gt_file = with_suffix(pred_file, "_gt");
+    const int64_t scenes = info.splits.at(split).scenes;
+    std::vector<std::string> quoted;
+    for (const auto& c : scene.box_classes) quoted.push_back(core::json_quote(c));
+    const std::string meta = fmt::format(
+        "{{\"use_camera\": true, \"use_lidar\": false, \"use_radar\": false, \"use_map\": false, "
+        "\"use_external\": false, \"parallax_checkpoint\": {}, \"parallax_split\": {}, "
+        "\"classes\": [{}]}}",
+        core::json_quote(source), core::json_quote(split), core::join(quoted, ", "));
+    write_file(pred_file, submission_json(det.pred, true, scenes, scene.box_classes, meta));
+    write_file(gt_file, submission_json(det.gt, false, scenes, scene.box_classes, meta));
+    std::printf("predictions: %s\nground truth: %s\n", pred_file.string().c_str(),
+                gt_file.string().c_str());
+  }
+  return 0;
+}
+
+}  // namespace parallax::launch
