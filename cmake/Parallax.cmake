@@ -50,7 +50,10 @@ function(parallax_add_library name)
   parallax_use_pch(${name})
 endfunction()
 
+# OMP_NUM_THREADS=1: ctest runs tests side by side (-j) on few cores; one intra-op thread per test
+# process avoids oversubscription (the numeric bounds hold for any thread count).
 set(PARALLAX_TEST_ENV
+    "OMP_NUM_THREADS=1"
     "OMPI_ALLOW_RUN_AS_ROOT=1"
     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
     "OMPI_MCA_rmaps_base_oversubscribe=1"
