@@ -85,7 +85,10 @@ class EvalTest(unittest.TestCase):
             if k == "val_loss":
                 self.assertLessEqual(abs(m1[k] - m2[k]), (3 * 2.0 ** -24 + 1e-15) * abs(m1[k]), k)
             else:
-                self.assertEqual(m1[k], m2[k], k)
+                # Bitwise on this CPU; 1e-12 absolute leaves room for the last bit of a double
+                # mean (seen on the GPU image: 1 ulp of 2.7e-3 with another numpy/libm), far below
+                # any change a wrong match or a lost detection makes (>= 1e-3 of an AP here).
+                self.assertLessEqual(abs(m1[k] - m2[k]), 1e-12, k)
         with open(pred1) as f1, open(pred2) as f2:
             self.assertEqual(json.load(f1)["results"], json.load(f2)["results"])
 
@@ -102,10 +105,12 @@ class EvalTest(unittest.TestCase):
         # keep those below 1e-14 absolute; 1e-12 is a generous bound.
         gt1 = pred1[:-5] + "_gt.json"
         s = nuscenes_score.score(pred1, gt1)
-        self.assertEqual(s["map"], m1["map"])
-        self.assertEqual(s["map_at"][2.0], m1["map_2m"])
+        # Equal on this CPU; 1e-12 as above for another Python/numpy (the same sums in the same order,
+        # but Python's float formatting and libm may differ in the last bit).
+        self.assertLessEqual(abs(s["map"] - m1["map"]), 1e-12)
+        self.assertLessEqual(abs(s["map_at"][2.0] - m1["map_2m"]), 1e-12)
         for c, ap in s["ap"].items():
-            self.assertEqual(ap, m1[f"ap_{c}"], c)
+            self.assertLessEqual(abs(ap - m1[f"ap_{c}"]), 1e-12, c)
             for e in ("ate", "ase", "aoe"):
                 self.assertLessEqual(abs(s["tp"][c][e] - m1[f"{e}_{c}"]), 1e-12, (c, e))
         for e in ("ate", "ase", "aoe", "nds"):
