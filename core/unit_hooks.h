@@ -6,9 +6,18 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 namespace parallax::core {
+
+// One unit: a contiguous piece of the forward that owns a disjoint set of parameters (models/
+// model.h: Model::units(); parallel engines receive the list as plain data).
+struct Unit {
+  std::string name;  // e.g. "encoder.vit.embed", "encoder.vit.block3", "heads"
+  // Full names as in Model::named_parameters(), in registration order.
+  std::vector<std::string> param_names;
+};
 
 // Called by the model around each unit's forward, in unit order (ZeRO-3 gathers a unit's
 // parameters in before_unit and frees them in after_unit; a pipeline engine cuts between units).

@@ -33,12 +33,9 @@ struct ModuleCost {
   double flops = 0;
 };
 
-// One unit: a contiguous piece of the forward that owns a disjoint set of parameters.
-struct Unit {
-  std::string name;  // e.g. "encoder.vit.embed", "encoder.vit.block3", "heads"
-  // Full names as in Model::named_parameters(), in registration order.
-  std::vector<std::string> param_names;
-};
+// One unit: a contiguous piece of the forward that owns a disjoint set of parameters (defined in
+// core/unit_hooks.h, so that the parallel engines take unit lists without including models/).
+using Unit = core::Unit;
 
 // The hooks a model calls around each unit's forward (core/unit_hooks.h: they live in core so
 // that the parallel engines, which may not include models/, implement them).

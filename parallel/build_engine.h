@@ -1,5 +1,5 @@
 // The engine a validated plan asks for (parallel/plan.h): ZeRO stage 0 (DDP, or the plain step
-// with one data-parallel rank) or ZeRO-1/2, over the data-parallel group.
+// with one data-parallel rank) or ZeRO-1/2/3, over the data-parallel group.
 #pragma once
 
 #include "parallel/ddp/ddp.h"
@@ -11,10 +11,13 @@ namespace parallax::parallel {
 // `groups`: the optimizer's parameter groups over `module`'s trainable parameters (names as in
 // named_parameters()); `make` builds the optimizer over the groups the engine hands it (the
 // parameters, or this rank's pieces of them). `ddp`: bucket caps, modes and unused-parameter
-// handling, shared by DDP and ZeRO's gradient buckets.
+// handling, shared by DDP and ZeRO's gradient buckets. `units`: the model's ordered units
+// (Model::units()), which ZeRO-3 gathers and frees one by one (install the engine's unit_hooks()
+// in the model); the other engines ignore them.
 std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn::Module> module,
                                      std::vector<optim::ParamGroup> groups,
                                      const OptimizerFactory& make, comm::CommPtr dp,
-                                     const ddp::DdpOptions& ddp);
+                                     const ddp::DdpOptions& ddp,
+                                     std::vector<core::Unit> units = {});
 
 }  // namespace parallax::parallel

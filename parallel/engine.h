@@ -30,6 +30,7 @@
 // parallax::Error for misuse (a parameter without a gradient, named).
 #pragma once
 
+#include "core/unit_hooks.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
@@ -117,6 +118,19 @@ class Engine {
   // After the pieces of the last optimizer_state() call were filled from a checkpoint.
   virtual void optimizer_state_loaded() = 0;
 
+  // The hooks the model must call around each of its units (Model::set_unit_hooks), for an engine
+  // that works unit by unit (ZeRO-3 gathers and frees there); nullptr: none needed. Owned by the
+  // engine: uninstall them before the engine goes.
+  virtual core::UnitHooks* unit_hooks() { return nullptr; }
+  // The model's parameters and buffers as pieces named by their module path (no prefix), views
+  // of live state, when the engine shards them (ZeRO-3); empty: the module's own tensors are whole
+  // and replicated over model_replicas(), save them as they are.
+  virtual std::vector<StatePiece> model_state() { return {}; }
+  // Collective over the engine's groups: makes every parameter of the module whole until
+  // release_full_params() (evaluation, export, reading weights in tests). No-op where they are.
+  virtual void gather_full_params() {}
+  virtual void release_full_params() {}
+
   // What this rank holds (call after a step: gradients exist only after a backward).
   virtual EngineMemory memory() = 0;
 
@@ -125,6 +139,20 @@ class Engine {
   virtual double last_exposed_comm_ms() const { return 0; }
   // Whether the engine measures those (the metrics show NaN otherwise).
   virtual bool timed() const { return false; }
+};
+
+// RAII: the module's parameters whole for the scope's lifetime (Engine::gather_full_params).
+// Every rank of the engine's groups must open it at the same point.
+class FullParams {
+ public:
+  explicit FullParams(Engine& engine) : engine_(engine) { engine_.gather_full_params(); }
+  // Releasing is local (no collective); a failure there is logged by the engine, never thrown.
+  ~FullParams() { engine_.release_full_params(); }
+  FullParams(const FullParams&) = delete;
+  FullParams& operator=(const FullParams&) = delete;
+
+ private:
+  Engine& engine_;
 };
 
 }  // namespace parallax::parallel

@@ -44,8 +44,8 @@ struct ZeroConfig {
   void visit(V& v) {
     v("stage", stage,
       "ZeRO stage over the data-parallel group: 0 (DDP: everything replicated), 1 (optimizer state and fp32 "
-      "masters sharded), 2 (1 + gradients reduce-scattered into shards), 3 (2 + parameters sharded; not "
-      "available yet)",
+      "masters sharded), 2 (1 + gradients reduce-scattered into shards), 3 (2 + parameters sharded, "
+      "gathered unit by unit around each forward and backward)",
       core::Check::between(0, 3));
     v("prefetch", prefetch, "ZeRO-3: gather the next unit's parameters while the current one computes");
   }

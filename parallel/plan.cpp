@@ -23,10 +23,7 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
   PARALLAX_CHECK(plan.zero_stage >= 0 && plan.zero_stage <= 3, ConfigError,
                  "key 'parallel.zero.stage': {} is not a ZeRO stage (0, 1, 2 or 3)",
                  plan.zero_stage);
-  PARALLAX_CHECK(plan.zero_stage != 3, ConfigError,
-                 "key 'parallel.zero.stage': ZeRO-3 (sharded parameters) is not available in this "
-                 "version; use "
-                 "parallel.zero.stage=2 (optimizer state and gradients sharded)");
+  plan.zero_prefetch = p.zero.prefetch;
   if (plan.zero_stage > 0) {
     PARALLAX_CHECK(
         !cuda_graph, ConfigError,

@@ -115,6 +115,10 @@ class TrainerImpl {
  public:
   TrainerImpl(RunConfig& cfg, TrainerHooks hooks)
       : cfg_(cfg), hooks_(std::move(hooks)), world_(comm::World::current()) {}
+  // The engine owns the unit hooks installed in the model, and goes first.
+  ~TrainerImpl() {
+    if (model_) model_->set_unit_hooks(nullptr);
+  }
 
   TrainSummary fit();
 
@@ -272,8 +276,13 @@ void TrainerImpl::with_config_hint(const std::vector<std::string>& prefixes,
 
 void TrainerImpl::check_resumed_state_finite() const {
   std::vector<std::pair<std::string, at::Tensor>> state;
-  for (const auto& item : model_->named_parameters())
-    state.emplace_back("model/" + item.key(), item.value());
+  // The engine's pieces where it shards the parameters (ZeRO-3), else the module's own tensors.
+  const auto pieces = engine_->model_state();
+  for (const auto& piece : pieces) state.emplace_back("model/" + piece.name, piece.tensor);
+  if (pieces.empty()) {
+    for (const auto& item : model_->named_parameters())
+      state.emplace_back("model/" + item.key(), item.value());
+  }
   for (const auto& [k, t] : engine_->optimizer().state()) state.emplace_back("optim/" + k, t);
   std::vector<at::Tensor> tensors;
   for (const auto& [k, t] : state) tensors.push_back(t.detach());
@@ -448,7 +457,9 @@ void TrainerImpl::setup() {
       [optim_cfg](std::vector<optim::ParamGroup> groups) {
         return optim::build_optimizer(optim_cfg, std::move(groups));
       },
-      topo_->dp(), o);
+      topo_->dp(), o, model_->units());
+  // ZeRO-3 gathers and frees parameters around each unit of the model's forward.
+  model_->set_unit_hooks(engine_->unit_hooks());
   core::log::info("parallel plan: {}; engine: {}", plan_.describe(), engine_->describe());
   if (layout.dp > 1) {
     // Loss normalisers over the replicas (Model::set_replica_mean). Asynchronous on GPUs: the
@@ -706,7 +717,18 @@ void TrainerImpl::save_checkpoint(int64_t step) {
   // the background commit starts): a run resumed from it finds every one of them (metrics.h).
   metrics_->sync();
   ck::SaveState state;
-  ck::add_module(state, *model_, engine_->model_replicas());
+  // The model: whole and replicated, or (ZeRO-3) each rank's flat range of every parameter.
+  const auto model_pieces = engine_->model_state();
+  if (model_pieces.empty()) ck::add_module(state, *model_, engine_->model_replicas());
+  for (const auto& piece : model_pieces) {
+    const std::string name = ck::kModelPrefix + piece.name;
+    if (piece.flat_begin >= 0) {
+      state.add_flat_shard(name, piece.tensor, piece.global_shape, piece.flat_begin,
+                           piece.replicas);
+    } else {
+      state.add_shard(name, piece.tensor, piece.global_shape, piece.offsets, piece.replicas);
+    }
+  }
   // The optimizer state per parameter under its global name and shape, as the engine holds it
   // (whole and replicated under DDP; one flat range of each parameter's state under ZeRO).
   for (auto& piece : engine_->optimizer_state()) {
@@ -734,6 +756,9 @@ void TrainerImpl::save_checkpoint(int64_t step) {
 
 void TrainerImpl::run_eval(int64_t step) {
   if (synthetic_ || cfg_.model.name != "bev") return;
+  // Evaluation runs a different number of batches per rank: no collective may happen inside it,
+  // so ZeRO-3's parameters are gathered whole for its duration.
+  parallel::FullParams whole(*engine_);
   auto m = evaluate(*model_, cfg_.data, scene_, static_cast<uint64_t>(cfg_.experiment.seed),
                     *topo_->dp(), device_, precision_);
   metrics_->write("eval", step, m);

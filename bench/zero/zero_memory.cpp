@@ -1,10 +1,12 @@
-// Bytes per rank of parameters, gradients and optimizer state under ZeRO stages 0, 1 and 2
+// Bytes per rank of parameters, gradients and optimizer state under ZeRO stages 0, 1, 2 and 3
 // (parallel/engine.h, EngineMemory), for a model of the zoo, on CPU ranks (mpirun) or one GPU per
 // rank (--backend nccl). One optimizer step per stage (the gradients exist after a backward), then
 // one JSON line per stage from rank 0, with the formula's prediction beside the count:
 //   stage 0 (DDP)   16 Psi                       (4 params + 4 grads + 8 AdamW moments, fp32)
 //   stage 1         4 P + 4 P + 4 P / N + 8 Psi_r (P: padded bucket elements; Psi_r: this rank's)
 //   stage 2         4 P + 4 P / N + 8 Psi_r      (transient gradient buckets: only the shard stays)
+//   stage 3         4 P / N + 4 P / N + 8 Psi_r  (parameters sharded too, every unit freed)
+// With one rank every stage holds 16 Psi (the flat gradient buckets are the shards).
 // Usage: mpirun -np N zero_memory [--model vit_cls] [--size b16] [--backend mpi|gloo|nccl]
 #include "core/log.h"
 #include "models/model.h"
@@ -38,12 +40,13 @@ int main(int argc, char** argv) {
   mc.name = model_name;
   mc.size = size;
   const core::SceneSpec scene = models::benchmark_scene("tiny");
-  for (int stage : {0, 1, 2}) {
+  for (int stage : {0, 1, 2, 3}) {
     at::manual_seed(1);
     auto model = models::build_model(mc, scene);
     model->to(device);
     optim::NamedParams named;
     for (const auto& it : model->named_parameters()) named.emplace_back(it.key(), it.value());
+    const double psi = static_cast<double>(model->parameter_count());  // before ZeRO-3 shards it
     parallel::Plan plan;
     plan.layout.dp = comm->size();
     plan.zero_stage = stage;
@@ -54,7 +57,8 @@ int main(int argc, char** argv) {
         [](std::vector<optim::ParamGroup> g) {
           return std::make_unique<optim::AdamW>(std::move(g), 0.9, 0.999, 1e-8, true);
         },
-        comm, o);
+        comm, o, model->units());
+    model->set_unit_hooks(engine->unit_hooks());
     at::manual_seed(2);
     core::TensorDict batch = model->example_batch(1);
     for (auto& [k, v] : batch) v = v.to(device);
@@ -67,8 +71,12 @@ int main(int argc, char** argv) {
         true);
     engine->step(1e-4);
     const parallel::EngineMemory m = engine->memory();
-    const double psi = static_cast<double>(model->parameter_count());
+    model->set_unit_hooks(nullptr);
     const int n = comm->size();
+    const double formula = stage == 0 || n == 1 ? 16.0
+                           : stage == 1         ? 8.0 + 12.0 / n
+                           : stage == 2         ? 4.0 + 12.0 / n
+                                                : 16.0 / n;
     if (world.rank() == 0) {
       std::printf("%s\n",
                   fmt::format("{{\"model\": \"{}/{}\", \"ranks\": {}, \"stage\": {}, "
@@ -77,8 +85,7 @@ int main(int argc, char** argv) {
                               "\"bytes_per_param\": {:.3f}, \"formula_bytes_per_param\": "
                               "{:.3f}}}",
                               model_name, size, n, stage, m.params / 1e9, m.grads / 1e9,
-                              m.optimizer / 1e9, m.total() / 1e9, m.total() / psi,
-                              stage == 0 ? 16.0 : (stage == 1 ? 8.0 + 12.0 / n : 4.0 + 12.0 / n))
+                              m.optimizer / 1e9, m.total() / 1e9, m.total() / psi, formula)
                       .c_str());
       std::fflush(stdout);
     }

@@ -160,7 +160,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
       const auto opts = params_[members.front()].options().requires_grad(false);
       if (!options_.transient) b.buffer = at::zeros({info.padded_numel}, opts);
       b.incoming.resize(members.size());
-      if (scatter) b.shard = at::zeros({info.padded_numel / parts}, opts);
+      // One rank: the reduce-scatter is the identity, so the shard is the bucket itself (no
+      // collective, no copy; ZeRO at world 1 costs what DDP does).
+      if (scatter) {
+        b.shard = parts == 1 && !options_.transient ? b.buffer
+                                                    : at::zeros({info.padded_numel / parts}, opts);
+      }
     }
     for (std::size_t k = 0; k < members.size(); ++k) {
       const int64_t i = members[k];
@@ -363,6 +368,7 @@ void DistributedDataParallel::launch_ready_buckets() {
     b.work = issue(b, tensors);
     // Transient: the collective keeps its input alive until it completes; nothing else does.
     if (options_.transient) b.buffer = at::Tensor();
+    if (options_.on_launch) options_.on_launch(next_bucket_);
     ++next_bucket_;
   }
 }
@@ -372,6 +378,7 @@ comm::WorkPtr DistributedDataParallel::issue(Bucket& b, std::vector<at::Tensor>&
     return group_->all_reduce_coalesced_async(tensors, comm::ReduceOp::kAvg);
   at::Tensor& flat = tensors.front();
   if (options_.reduction == Reduction::kReduceScatter) {
+    if (b.shard.is_same(flat)) return nullptr;  // one rank: already reduced (see the constructor)
     return group_->reduce_scatter_async(flat, b.shard, comm::ReduceOp::kAvg);
   }
   if (compressed(flat.scalar_type())) {

@@ -94,6 +94,11 @@ struct DdpOptions {
   // memory returns when the collective completes), so between steps a rank holds only its shards.
   // Every backward must be synced (no no-sync accumulation: accumulate the shards instead).
   bool transient = false;
+  // Called right after bucket i's reduction is issued (every gradient of it has arrived), on the
+  // thread that marked its last gradient ready (autograd's, or the caller of finalize_backward),
+  // under the reducer's lock: it must not call back into the reducer. ZeRO-3 frees the bucket's
+  // gathered parameters there.
+  std::function<void(std::size_t bucket)> on_launch;
   double bucket_mb = 25.0;
   double first_bucket_mb = 1.0;
   bool find_unused = false;

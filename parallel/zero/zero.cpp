@@ -13,19 +13,55 @@ namespace parallax::parallel::zero {
 
 ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
                        std::vector<optim::ParamGroup> groups, const OptimizerFactory& make,
-                       comm::CommPtr dp, ddp::DdpOptions options, int stage)
+                       comm::CommPtr dp, ddp::DdpOptions options, int stage,
+                       std::vector<core::Unit> units, bool prefetch, bool always_gather)
     : module_(std::move(module)), dp_(std::move(dp)), stage_(stage) {
-  PARALLAX_CHECK(stage_ == 1 || stage_ == 2, ConfigError, "ZeRO: stage {} is not 1 or 2", stage_);
+  PARALLAX_CHECK(stage_ >= 1 && stage_ <= 3, ConfigError, "ZeRO: stage {} is not 1, 2 or 3",
+                 stage_);
   // Buckets never mix optimizer groups (their weight decay differs).
   auto group_of = std::make_shared<std::map<std::string, int>>();
   for (std::size_t g = 0; g < groups.size(); ++g)
     for (const auto& n : groups[g].names) (*group_of)[n] = static_cast<int>(g);
+  // Stage 3: the unit of every parameter; buckets never mix units either.
+  auto unit_of = std::make_shared<std::map<std::string, int>>();
+  if (stage_ == 3) {
+    PARALLAX_CHECK(!units.empty(), Error, "ZeRO-3: the model exposes no units");
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      for (const auto& n : units[u].param_names) {
+        PARALLAX_CHECK(unit_of->emplace(n, static_cast<int>(u)).second, Error,
+                       "ZeRO-3: parameter '{}' is in two units ('{}' and '{}')", n,
+                       units[static_cast<std::size_t>(unit_of->at(n))].name, units[u].name);
+      }
+    }
+    for (const auto& item : module_->named_parameters()) {
+      PARALLAX_CHECK(unit_of->count(item.key()) != 0, Error,
+                     "ZeRO-3: parameter '{}' is in no unit of the model (Model::units() must "
+                     "cover every parameter)",
+                     item.key());
+    }
+    shards_ = std::make_unique<ParamShards>(dp_, units, prefetch, always_gather);
+  }
   options.reduction = ddp::Reduction::kReduceScatter;
-  options.transient = stage_ == 2;  // ZeRO-2 keeps no full gradient between reduce-scatters
-  options.bucket_key = [group_of](const std::string& name) {
+  // ZeRO-2/3 keep no full gradient between reduce-scatters (over one rank the shard is the whole
+  // gradient anyway: plain flat buckets, which the reducer reduces in place, for free).
+  reduce_each_micro_ = stage_ >= 2 && dp_->size() > 1;
+  options.transient = reduce_each_micro_;
+  const int n_groups = static_cast<int>(groups.size()) + 1;
+  const int n_units = static_cast<int>(units.size());
+  options.bucket_key = [group_of, unit_of, n_groups, n_units](const std::string& name) {
     const auto it = group_of->find(name);
-    return it == group_of->end() ? -1 : it->second;
+    const int g = it == group_of->end() ? -1 : it->second;
+    const auto u = unit_of->find(name);
+    if (u == unit_of->end()) return g;
+    // Keys ascend in reverse unit order: buckets come out (and are launched) last unit first, the
+    // order of the backward.
+    return (n_units - 1 - u->second) * n_groups + g + 1;
   };
+  if (stage_ == 3) {
+    // One bucket per (unit, dtype, group): no cap splits a unit's flat parameter.
+    options.bucket_mb = options.first_bucket_mb = 1e9;
+    options.on_launch = [this](std::size_t bucket) { shards_->bucket_launched(bucket); };
+  }
   ddp_ = std::make_unique<ddp::DistributedDataParallel>(module_, dp_,
                                                         options);  // broadcasts from rank 0
 
@@ -45,6 +81,8 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
         params_.at(static_cast<std::size_t>(index.at(info.param_names.front())));
     at::Tensor flat = at::zeros({info.padded_numel}, first.options().requires_grad(false));
     const int64_t shard = info.padded_numel / n, lo = r * shard, hi = lo + shard;
+    std::vector<at::Tensor> members;
+    const std::size_t first_piece = pieces_.size();
     // The reduce-scatter's shard is the gradient: stage 1 reduces once per step; stage 2 reduces
     // every micro-step and, with several, sums the shards into an accumulator (allocated then).
     at::Tensor acc = ddp_->bucket_shard(bi);
@@ -57,6 +95,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
       // The parameter becomes a view into the bucket's flat buffer (same autograd identity, so
       // the gradient hooks stay attached): the all-gather after each step updates it in place.
       p.set_data(view.view(p.sizes()));
+      members.push_back(p);
       const int64_t b = std::max(off, lo), e = std::min(off + numel, hi);
       if (numel == 0 || b >= e) continue;
       Piece piece;
@@ -74,11 +113,54 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
       piece_of[piece.name] = pieces_.size();
       pieces_.push_back(std::move(piece));
     }
+    if (shards_) {
+      // Stage 3: the bucket is one unit's flat parameter; the pieces live in its shard.
+      const std::size_t f = shards_->flats().size();
+      shards_->add(unit_of->at(info.param_names.front()), static_cast<int>(bi), info.param_names,
+                   members, info.offsets, flat);
+      const at::Tensor& mine = shards_->shard(f);
+      for (std::size_t k = first_piece; k < pieces_.size(); ++k) {
+        Piece& piece = pieces_[k];
+        piece.param = mine.narrow(0, piece.shard_offset, piece.end - piece.begin);
+      }
+    }
     flat_params_.push_back(flat);
     grad_acc_.push_back(acc);
     shard_acc_.emplace_back();
   }
   (void)me;
+  if (shards_) {
+    // Frozen parameters are sharded too (a LoRA base is most of the model): per unit and dtype,
+    // gathered with the unit, never reduced.
+    std::map<std::pair<int, at::ScalarType>, std::vector<std::pair<std::string, at::Tensor>>> frozen;
+    for (const auto& item : module_->named_parameters()) {
+      if (item.value().requires_grad()) continue;
+      frozen[{unit_of->at(item.key()), item.value().scalar_type()}].emplace_back(item.key(),
+                                                                                item.value());
+    }
+    for (auto& [key, list] : frozen) {
+      int64_t numel = 0;
+      std::vector<std::string> names;
+      std::vector<at::Tensor> params;
+      std::vector<int64_t> offsets;
+      for (auto& [name, p] : list) {
+        names.push_back(name);
+        params.push_back(p);
+        offsets.push_back(numel);
+        numel += p.numel();
+      }
+      at::Tensor flat =
+          at::zeros({(numel + n - 1) / n * n}, list.front().second.options().requires_grad(false));
+      for (std::size_t k = 0; k < params.size(); ++k) {
+        at::Tensor view = flat.narrow(0, offsets[k], params[k].numel());
+        view.copy_(params[k].detach().reshape({-1}));
+        params[k].set_data(view.view(params[k].sizes()));
+      }
+      shards_->add(key.first, -1, names, params, offsets, flat);
+    }
+    shards_->finish_setup();  // everything freed: only the shards stay
+    flat_params_.clear();
+  }
   // The optimizer over this rank's pieces, group by group (same names, same weight decay).
   std::vector<optim::ParamGroup> sharded;
   for (const auto& g : groups) {
@@ -105,25 +187,30 @@ std::string ZeroEngine::describe() const {
   for (const auto& p : pieces_) mine += p.end - p.begin;
   return fmt::format(
       "ZeRO-{} over group '{}' of {} ranks: {} buckets; this rank updates {} of {} parameter "
-      "elements ({} pieces)",
-      stage_, dp_->name(), dp_->size(), ddp_->buckets().size(), mine, total, pieces_.size());
+      "elements ({} pieces){}",
+      stage_, dp_->name(), dp_->size(), ddp_->buckets().size(), mine, total, pieces_.size(),
+      shards_ ? fmt::format("; {} flat parameters over the model's units, sharded",
+                            shards_->flats().size())
+              : "");
 }
 
 void ZeroEngine::forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
                                   bool sync_buffers) {
   bool first = true;
+  if (shards_) shards_->begin_step();
   for (int i = 0; i < micro_steps; ++i) {
-    // Stage 1 reduces once (the last micro-step; the others accumulate locally), stage 2 every
-    // micro-step (the shards accumulate).
-    const bool sync = stage_ == 2 || i == micro_steps - 1;
+    // Stage 1 reduces once (the last micro-step; the others accumulate locally), stages 2 and 3
+    // every micro-step (the shards accumulate).
+    const bool sync = reduce_each_micro_ || i == micro_steps - 1;
     ddp_->set_require_sync(sync);
     if (sync_buffers) ddp_->before_forward();
     at::Tensor loss = micro(i);
     ddp_->before_backward();
     loss.backward();
     ddp_->finalize_backward();
+    if (shards_) shards_->end_backward();
     if (!sync) continue;
-    if (stage_ == 2 && micro_steps > 1) {
+    if (reduce_each_micro_ && micro_steps > 1) {
       // The shard of each micro-step (its buckets were transient) is summed into the accumulator.
       at::NoGradGuard no_grad;
       for (std::size_t bi = 0; bi < grad_acc_.size(); ++bi) {
@@ -139,7 +226,7 @@ void ZeroEngine::forward_backward(int micro_steps, const std::function<at::Tenso
     first = false;
   }
   // Where the pieces' gradients live: the reduce-scatter shards, or the accumulators.
-  const bool acc = stage_ == 2 && micro_steps > 1;
+  const bool acc = reduce_each_micro_ && micro_steps > 1;
   if (acc != accumulating_pieces_) {
     for (auto& p : pieces_) {
       const at::Tensor& src = acc ? shard_acc_.at(p.bucket) : ddp_->bucket_shard(p.bucket);
@@ -165,6 +252,7 @@ std::vector<optim::GradGroup> ZeroEngine::grads() {
 
 void ZeroEngine::step(double lr) {
   optimizer_->step(lr);
+  if (shards_) return;  // stage 3: the shards were updated in place; the next forward gathers them
   // Every rank's updated shard into every rank's flat parameter buffers (in place).
   const int64_t r = dp_->rank();
   std::vector<comm::WorkPtr> works;
@@ -225,10 +313,56 @@ void ZeroEngine::optimizer_state_loaded() {
   held_.clear();
 }
 
+std::vector<StatePiece> ZeroEngine::model_state() {
+  std::vector<StatePiece> out;
+  if (!shards_ || !shards_->sharded()) return out;
+  const int me = dp_->world_ranks().at(static_cast<std::size_t>(dp_->rank()));
+  const auto& flats = shards_->flats();
+  for (std::size_t fi = 0; fi < flats.size(); ++fi) {
+    const auto& f = flats[fi];
+    const int64_t lo = shards_->shard_begin(fi), hi = lo + f.shard.numel();
+    for (std::size_t k = 0; k < f.params.size(); ++k) {
+      const int64_t off = f.offsets[k], numel = f.views[k].numel();
+      const int64_t b = std::max(off, lo), e = std::min(off + numel, hi);
+      if (numel == 0 || b >= e) continue;
+      out.push_back(StatePiece{f.names[k], f.shard.narrow(0, b - lo, e - b), f.views[k].sizes().vec(),
+                               {}, {me}, b - off});
+    }
+  }
+  for (const auto& item : module_->named_buffers()) {
+    const at::Tensor& t = item.value();
+    if (!t.defined()) continue;
+    out.push_back(StatePiece{item.key(), t.detach(), t.sizes().vec(),
+                             std::vector<int64_t>(static_cast<std::size_t>(t.dim()), 0),
+                             dp_->world_ranks()});
+  }
+  return out;
+}
+
+void ZeroEngine::gather_full_params() {
+  if (shards_) shards_->gather_all();
+}
+
+void ZeroEngine::release_full_params() {
+  if (!shards_) return;
+  try {
+    shards_->release_all();
+  } catch (const std::exception& e) {
+    core::log::warn("ZeRO-3: releasing the gathered parameters failed: {}", e.what());
+  }
+}
+
 EngineMemory ZeroEngine::memory() {
   EngineMemory m;
   std::vector<at::Tensor> params, grads, state;
-  for (const auto& p : module_->parameters()) params.push_back(p);
+  if (shards_) {
+    for (const auto& f : shards_->flats()) {
+      params.push_back(f.shard);
+      params.push_back(f.full);  // 0 bytes while freed
+    }
+  } else {
+    for (const auto& p : module_->parameters()) params.push_back(p);
+  }
   for (std::size_t bi = 0; bi < grad_acc_.size(); ++bi) {
     grads.push_back(ddp_->bucket_buffer(bi));  // undefined between steps in stage 2 (transient)
     grads.push_back(ddp_->bucket_shard(bi));

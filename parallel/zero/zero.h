@@ -1,48 +1,61 @@
-// ZeRO stages 1 and 2 over the data-parallel group (parallel.zero.stage), on the same gradient
+// ZeRO stages 1, 2 and 3 over the data-parallel group (parallel.zero.stage), on the same gradient
 // buckets as DDP (parallel/ddp/ddp.h in reduce-scatter mode).
 //
 // Layout. Trainable parameters are bucketed in reverse registration order, one bucket per (dtype,
-// optimizer parameter group), each padded to a multiple of the dp size N. Each bucket owns a flat
-// parameter buffer and the parameters become views into it. Rank r owns elements [r S, (r + 1) S)
-// of every bucket (S = padded size / N): the optimizer is built over the pieces of parameters that
-// fall in that range (1-D views into the flat parameter buffer), so its state (Adam moments, and
-// fp32 masters of bf16/fp16 parameters) is 1/N of the model's on each rank.
+// optimizer parameter group) (stage 3: per (unit, dtype, group), in reverse unit order, so each
+// unit's gradients are reduce-scattered as soon as its backward is done), each padded to a multiple
+// of the dp size N. Each bucket owns a flat parameter buffer and the parameters become views into
+// it. Rank r owns elements [r S, (r + 1) S) of every bucket (S = padded size / N): the optimizer is
+// built over the pieces of parameters that fall in that range (1-D views into the flat parameter
+// buffer, stage 3: into this rank's persistent shard of it), so its state (Adam moments, and fp32
+// masters of bf16/fp16 parameters) is 1/N of the model's on each rank.
 //
 // A step. Backward fills the flat gradient buffers (DDP's hooks, launched in bucket order as
 // buckets complete, overlapped with backward); each bucket is reduce-scattered (average) into its
-// shard. Stage 1 reduces once, in the last micro-step (the others accumulate locally); stage 2
-// reduces in every micro-step and accumulates the shards. The optimizer updates this rank's
-// pieces in place; then every bucket's flat parameter buffer is all-gathered in place, so every
-// rank holds the whole updated model before the next forward.
+// shard. Stage 1 reduces once, in the last micro-step (the others accumulate locally); stages 2 and
+// 3 reduce in every micro-step and accumulate the shards. The optimizer updates this rank's pieces
+// in place; then (stages 1 and 2) every bucket's flat parameter buffer is all-gathered in place,
+// so every rank holds the whole updated model before the next forward. Stage 3 keeps only the
+// shards: each unit's parameters are gathered around its forward and its backward and freed after
+// (parallel/zero/param_shards.h), through the hooks the model calls (unit_hooks()).
 //
 // Checkpoints. The optimizer state is saved per parameter, under "<param name>.<state>" with the
 // parameter's global shape; a rank's piece of each state tensor is one flat range of it
 // (StatePiece::flat_begin), which the checkpoint stores as such and reads back from any layout.
-// Nothing depends on the bucket layout, so a checkpoint loads under any dp size, ZeRO stage or
-// bucket size.
+// Stage 3 saves the parameters the same way (model_state()). Nothing depends on the bucket layout,
+// so a checkpoint loads under any dp size, ZeRO stage or bucket size.
 //
 // Gradient memory. Stage 1 keeps persistent flat gradient buffers (the parameters' gradients are
-// views into them, accumulating locally over micro-steps). Stage 2's buckets are transient: each
-// gradient is copied into its bucket's buffer as autograd produces it and dropped, and the buffer
-// is released once its reduce-scatter is issued (freed when the collective completes), so between
-// steps a rank holds only its shards.
+// views into them, accumulating locally over micro-steps). Stages 2 and 3's buckets are transient:
+// each gradient is copied into its bucket's buffer as autograd produces it and dropped, and the
+// buffer is released once its reduce-scatter is issued (freed when the collective completes), so
+// between steps a rank holds only its shards.
 //
-// Limits of this version: no ZeRO-3; no CUDA graph capture; no backward/exposed-communication
-// timers; on CPU backends a transient bucket's memory returns when finalize waits for the
-// collective (end of backward), on GPUs when the communication stream has used it.
+// Limits of this version: no CUDA graph capture (parallel/plan.cpp refuses it); no
+// backward/exposed-communication timers; on CPU backends a transient bucket's memory returns when
+// finalize waits for the collective (end of backward), on GPUs when the communication stream has
+// used it. Stage 3 builds the whole model on every rank before sharding it (no deferred
+// initialisation), and a resumed run reads the whole model before sharding it.
 #pragma once
 
 #include "parallel/ddp/ddp.h"
 #include "parallel/engine.h"
+#include "parallel/zero/param_shards.h"
 
 namespace parallax::parallel::zero {
 
 class ZeroEngine : public Engine {
  public:
-  // `stage` 1 or 2. Broadcasts parameters and buffers from dp rank 0, builds the buckets and the
-  // flat parameter buffers, then the optimizer over this rank's pieces with `make`.
+  // `stage` 1, 2 or 3. Broadcasts parameters and buffers from dp rank 0, builds the buckets and
+  // the flat parameter buffers, then the optimizer over this rank's pieces with `make`. Stage 3
+  // needs the model's `units` (every parameter in exactly one; Error naming the one that is not)
+  // and shards the parameters at once: install unit_hooks() in the model before its next forward.
+  // `prefetch` (stage 3): gather the next unit while the current one computes. `always_gather`
+  // (stage 3): gather and free even with one rank, where the shard is the whole parameter (tests
+  // of that path on one GPU; otherwise one rank skips it).
   ZeroEngine(std::shared_ptr<torch::nn::Module> module, std::vector<optim::ParamGroup> groups,
-             const OptimizerFactory& make, comm::CommPtr dp, ddp::DdpOptions options, int stage);
+             const OptimizerFactory& make, comm::CommPtr dp, ddp::DdpOptions options, int stage,
+             std::vector<core::Unit> units = {}, bool prefetch = true, bool always_gather = false);
   ~ZeroEngine() override;
 
   std::string describe() const override;
@@ -56,9 +69,16 @@ class ZeroEngine : public Engine {
   std::vector<int> model_replicas() const override { return dp_->world_ranks(); }
   std::vector<StatePiece> optimizer_state() override;
   void optimizer_state_loaded() override;
+  core::UnitHooks* unit_hooks() override { return shards_.get(); }
+  // Stage 3 over N > 1 ranks: each parameter's flat range in this rank's shard, and the buffers
+  // (whole, replicated over dp); otherwise empty (the module's tensors are whole).
+  std::vector<StatePiece> model_state() override;
+  void gather_full_params() override;
+  void release_full_params() override;
 
-  // Parameters (whole: the flat buffers), gradients (flat buffers, the reduce-scatter shards and,
-  // stage 2, the shard accumulators), optimizer state (moments and masters of this rank's pieces).
+  // Parameters (whole: the flat buffers; stage 3: the shards and whatever is gathered now),
+  // gradients (flat buffers, the reduce-scatter shards and, stages 2 and 3, the shard accumulators),
+  // optimizer state (moments and masters of this rank's pieces).
   EngineMemory memory() override;
 
  private:
@@ -77,6 +97,10 @@ class ZeroEngine : public Engine {
   std::shared_ptr<torch::nn::Module> module_;
   comm::CommPtr dp_;
   int stage_;
+  // Stages 2 and 3 over several ranks: every micro-step is reduce-scattered (transient buckets) and
+  // the shards accumulate. With one rank there is nothing to scatter: the gradients accumulate in
+  // the flat buckets, which are the shards, as in stage 1.
+  bool reduce_each_micro_ = false;
   std::unique_ptr<ddp::DistributedDataParallel> ddp_;  // the gradient buckets (reduce-scatter)
   std::vector<at::Tensor> flat_params_;                // per bucket, padded
   std::vector<at::Tensor> grad_acc_;   // per bucket, the reduce-scatter's shard
@@ -86,6 +110,7 @@ class ZeroEngine : public Engine {
   std::vector<Piece> pieces_;
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::vector<std::pair<std::string, at::Tensor>> held_;  // the last optimizer_state()
+  std::unique_ptr<ParamShards> shards_;                    // stage 3
 };
 
 }  // namespace parallax::parallel::zero

@@ -17,6 +17,11 @@
 - the dp 3 leg's step-15 checkpoint (flat ranges cutting rows) passes `parallax inspect`, exports,
   and resumes on one rank.
 
+ZeRO-3 (test_zero3_checkpoints_reshard_both_ways): each rank saves its flat range of every
+parameter ("model/..." tensors as flat shards) beside its optimizer pieces; dp 2 stage 3 resumes
+bitwise under dp 2 stage 3; dp 4 stage 3 resumes under dp 1 stage 0, and dp 2 stage 1 under
+dp 4 stage 3 (rtol 1e-5, the margin above); the export holds exactly the checkpoint's model tensors.
+
 Usage: test_zero_checkpoint.py <parallax binary> <mpirun>
 """
 import json
@@ -140,6 +145,42 @@ class ZeroCheckpointTest(tt.RunDirTest):
         self.assertRegex(p.stdout, r"rank_0000\d\.h5 flat \[\d+, \d+\) \(\d+ elements\) crc32 [0-9a-f]{8}")
         self.assertEqual(sorted(tt.weights(os.path.join(d, "np3"))), sorted(wref))
         self.resume("np3to1", 1, "parallel.zero.stage=0", source="np3", steps=16)
+
+
+    def test_zero3_checkpoints_reshard_both_ways(self):
+        d = self.d
+        self.train("z3", 2, "parallel.zero.stage=3", "checkpoint.every=5", "train.steps=10")
+        self.train("ref3", 2, "parallel.zero.stage=3", "train.steps=15")
+        step10 = os.path.join(d, "z3", "checkpoints", "step_00000010")
+        shards = metadata(step10)["tensors"]["model/net.2.weight"]["shards"]
+        self.assertEqual(len(shards), 2, shards)
+        self.assertTrue(all("flat" in s for s in shards), shards)
+        ref = losses(os.path.join(d, "ref3"))
+
+        # The same layout: bitwise.
+        self.assertEqual(self.resume("same3", 2, "parallel.zero.stage=3", source="z3"), ref)
+        wref, wsame = tt.weights(os.path.join(d, "ref3")), tt.weights(os.path.join(d, "same3"))
+        self.assertEqual(sorted(wsame), sorted(wref))
+        for k in wref:
+            self.assertTrue(np.array_equal(wsame[k], wref[k]), f"{k} differs from the uninterrupted run")
+
+        # dp 4 stage 3 -> dp 1 stage 0, and dp 2 stage 1 -> dp 4 stage 3 (the margin of the test above).
+        self.train("z3np4", 4, "parallel.zero.stage=3", "checkpoint.every=5", "train.steps=10")
+        self.train("z1", 2, "parallel.zero.stage=1", "checkpoint.every=5", "train.steps=10")
+        legs = {"np4s3->np1s0": (self.resume("np1s0", 1, "parallel.zero.stage=0", source="z3np4"), "z3np4"),
+                "np2s1->np4s3": (self.resume("np4s3", 4, "parallel.zero.stage=3", source="z1"), "z1")}
+        for name, (rows, source) in legs.items():
+            saved = losses(os.path.join(d, source))
+            for s in range(1, 11):
+                self.assertEqual(rows[s], saved[s], f"{name}: step {s} is the saved run's")
+            for s in range(11, 16):
+                np.testing.assert_allclose(rows[s], ref[s], rtol=1e-5, err_msg=f"{name}: loss at step {s}")
+
+        # Export of the ZeRO-3 checkpoint: exactly its model tensors.
+        wz = tt.weights(os.path.join(d, "z3"))
+        self.assertEqual(sorted(wz), sorted(wref))
+        for k in wz:
+            self.assertTrue(np.array_equal(wz[k], assemble(step10, "model/" + k)), k)
 
 
 if __name__ == "__main__":
