@@ -15,7 +15,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
                        std::vector<optim::ParamGroup> groups, const OptimizerFactory& make,
                        comm::CommPtr dp, ddp::DdpOptions options, int stage,
                        std::vector<core::Unit> units, bool prefetch, bool always_gather)
-    : module_(std::move(module)), dp_(std::move(dp)), stage_(stage) {
+    : module_(std::move(module)), dp_(std::move(dp)), stage_(stage), timing_(options.timing) {
   PARALLAX_CHECK(stage_ >= 1 && stage_ <= 3, ConfigError, "ZeRO: stage {} is not 1, 2 or 3",
                  stage_);
   // Buckets never mix optimizer groups (their weight decay differs).

@@ -31,8 +31,7 @@
 // buffer is released once its reduce-scatter is issued (freed when the collective completes), so
 // between steps a rank holds only its shards.
 //
-// Limits of this version: no CUDA graph capture (parallel/plan.cpp refuses it); no
-// backward/exposed-communication timers; on CPU backends a transient bucket's memory returns when
+// Limits of this version: no CUDA graph capture (parallel/plan.cpp refuses it); on CPU backends a transient bucket's memory returns when
 // finalize waits for the collective (end of backward), on GPUs when the communication stream has
 // used it. Stage 3 builds the whole model on every rank before sharding it (no deferred
 // initialisation), and a resumed run reads the whole model before sharding it.
@@ -81,6 +80,12 @@ class ZeroEngine : public Engine {
   // optimizer state (moments and masters of this rank's pieces).
   EngineMemory memory() override;
 
+  // The gradient buckets' timers (parallel/ddp/ddp.h): the last synced backward and the
+  // reduce-scatter time it did not hide.
+  double last_backward_ms() const override { return ddp_->last_backward_ms(); }
+  double last_exposed_comm_ms() const override { return ddp_->last_exposed_comm_ms(); }
+  bool timed() const override { return timing_; }
+
  private:
   // A parameter's part in this rank's shard: elements [begin, end) of the flattened parameter.
   struct Piece {
@@ -97,6 +102,7 @@ class ZeroEngine : public Engine {
   std::shared_ptr<torch::nn::Module> module_;
   comm::CommPtr dp_;
   int stage_;
+  bool timing_ = true;
   // Stages 2 and 3 over several ranks: every micro-step is reduce-scattered (transient buckets) and
   // the shards accumulate. With one rank there is nothing to scatter: the gradients accumulate in
   // the flat buckets, which are the shards, as in stage 1.
