@@ -162,6 +162,8 @@ class TrainerImpl {
   void stage_graph_inputs(int64_t step);
   // Resume: the engine's optimizer state pieces, read from resume_.
   void load_optimizer_state();
+  // Resume under ZeRO-3 over several ranks: the engine's shards of the model, read from resume_.
+  void load_model_pieces();
   // train.cuda_graph: refuses what a captured step cannot do, naming the key (the model's own
   // blockers are checked once it is built).
   void check_graph_capturable() const;
@@ -395,7 +397,10 @@ void TrainerImpl::setup() {
     hooks_.transform_model(*model_);
     model_->to(device_);  // parameters the transform added
   }
-  if (resume_) {
+  // ZeRO-3 over several ranks reads each rank's shard of the model after the engine has sharded
+  // it (below), so no rank reads the whole model from the checkpoint.
+  const bool sharded_model = plan_.zero_stage == 3 && layout.dp > 1;
+  if (resume_ && !sharded_model) {
     core::Stopwatch load_clock;
     with_config_hint({"model.", "lora.", "qat."}, [&] { ck::load_weights(*resume_, *model_); });
     load_s += load_clock.elapsed_s();
@@ -488,6 +493,8 @@ void TrainerImpl::setup() {
 
   if (resume_) {
     core::Stopwatch load_clock;
+    if (sharded_model)
+      with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
     with_config_hint({"optim.", "model.", "lora.", "qat."}, [&] { load_optimizer_state(); });
     check_resumed_state_finite();
     ck::load_loss_scaler(resume_->metadata(), *scaler_);
@@ -558,6 +565,22 @@ std::map<std::string, at::Tensor> TrainerImpl::train_step(int64_t step, double l
   // buckets the new gradients are reduced where autograd wrote them.
   engine_->zero_grad();
   return terms;
+}
+
+void TrainerImpl::load_model_pieces() {
+  // This rank's flat range of every parameter (and the buffers, whole), from whatever shards of
+  // whatever layout overlap them.
+  std::vector<ck::LoadTarget> targets;
+  for (auto& piece : engine_->model_state()) {
+    const std::string name = ck::kModelPrefix + piece.name;
+    if (piece.flat_begin < 0) {
+      targets.push_back(ck::LoadTarget{name, piece.tensor, piece.offsets});
+      continue;
+    }
+    for (auto& t : ck::flat_load_targets(name, piece.tensor, piece.global_shape, piece.flat_begin))
+      targets.push_back(std::move(t));
+  }
+  resume_->load(targets);
 }
 
 void TrainerImpl::load_optimizer_state() {
