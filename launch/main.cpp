@@ -2,6 +2,7 @@
 // become `parallax: error: ...` and a non-zero exit code.
 #include "core/error.h"
 #include "core/strings.h"
+#include "launch/exit_codes.h"
 #include "launch/verbs.h"
 
 #include <c10/util/Exception.h>
@@ -22,6 +23,8 @@ const std::vector<Verb>& verbs() {
       {"datagen", "generate a synthetic multi-camera dataset (HDF5 shards + dataset.json)",
        verb_datagen},
       {"inspect", "describe and verify a dataset folder or an HDF5 data shard", verb_inspect},
+      {"launch", "run N workers per node with restarts and graceful preemption (torchrun style)",
+       verb_launch},
   };
   return kVerbs;
 }
@@ -71,7 +74,17 @@ int main(int argc, char** argv) {
     return parallax::launch::dispatch(argc, argv);
   } catch (const parallax::UsageError& e) {
     std::fprintf(stderr, "parallax: error: %s\n", e.what());
-    return 2;
+    return parallax::launch::kExitUsage;
+  } catch (const parallax::ConfigError& e) {
+    // Deterministic: the same command fails the same way, so `parallax launch` does not restart.
+    std::fprintf(stderr, "parallax: error: %s\n", e.what());
+    return parallax::launch::kExitDeterministic;
+  } catch (const parallax::LayoutError& e) {
+    std::fprintf(stderr, "parallax: error: %s\n", e.what());
+    return parallax::launch::kExitDeterministic;
+  } catch (const parallax::DataError& e) {
+    std::fprintf(stderr, "parallax: error: %s\n", e.what());
+    return parallax::launch::kExitDeterministic;
   } catch (const parallax::Error& e) {
     std::fprintf(stderr, "parallax: error: %s\n", e.what());
     return 1;
