@@ -172,8 +172,7 @@ class Agent {
   }
   // Waits until counter `key` reaches `target`; false on `deadline`, or when `stop()` is true.
   template <class Stop>
-  bool wait_counter(const std::string& key, int64_t target, Clock::time_point deadline,
-                    Stop stop) {
+  bool wait_counter(const std::string& key, int64_t target, Clock::time_point deadline, Stop stop) {
     while (counter(key, 0) < target) {
       if (Clock::now() > deadline || stop()) return false;
       sleep_s(std::min(o_.monitor_interval_s, 0.05));
@@ -225,9 +224,10 @@ void Agent::open_store() {
   try {
     store_ = c10::make_intrusive<c10d::TCPStore>(o_.master_addr, so);
   } catch (const std::exception& e) {
-    throw_error<CommError>("launch: node {}: cannot {} the launcher store at {}:{} within {:.0f} s: {}",
-                           o_.node_rank, so.isServer ? "host" : "reach", o_.master_addr,
-                           o_.master_port, o_.rdzv_timeout_s, core::clip(e.what(), 300));
+    throw_error<CommError>(
+        "launch: node {}: cannot {} the launcher store at {}:{} within {:.0f} s: {}", o_.node_rank,
+        so.isServer ? "host" : "reach", o_.master_addr, o_.master_port, o_.rdzv_timeout_s,
+        core::clip(e.what(), 300));
   }
   port_ = store_->getPort();
 }
@@ -251,9 +251,8 @@ std::optional<Failure> Agent::read_failure(int attempt) {
 std::pair<Failure, bool> Agent::record_failure(int attempt, const Failure& f) {
   const std::string key = fmt::format("launch/failed/{}", attempt);
   const std::string mine = fmt::format("{}|{}|{}", kind_name(f.kind), o_.node_rank, f.text);
-  const std::string now = bytes_str(store_call("recording a failure", [&] {
-    return store_->compareSet(key, {}, str_bytes(mine));
-  }));
+  const std::string now = bytes_str(store_call(
+      "recording a failure", [&] { return store_->compareSet(key, {}, str_bytes(mine)); }));
   if (now == mine) return {f, true};
   return {*read_failure(attempt), false};
 }
@@ -269,11 +268,22 @@ void Agent::spawn(int attempt) {
   for (char** e = environ; *e; ++e) {
     const std::string kv = *e;
     const std::string k = kv.substr(0, kv.find('='));
-    static const char* kDropped[] = {
-        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-        "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PMIX_RANK", "PMI_RANK",
-        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-        "TORCHELASTIC_RUN_ID"};
+    static const char* kDropped[] = {"RANK",
+                                     "WORLD_SIZE",
+                                     "LOCAL_RANK",
+                                     "LOCAL_WORLD_SIZE",
+                                     "GROUP_RANK",
+                                     "GROUP_WORLD_SIZE",
+                                     "ROLE_RANK",
+                                     "ROLE_WORLD_SIZE",
+                                     "MASTER_ADDR",
+                                     "MASTER_PORT",
+                                     "PMIX_RANK",
+                                     "PMI_RANK",
+                                     "TORCHELASTIC_RESTART_COUNT",
+                                     "TORCHELASTIC_MAX_RESTARTS",
+                                     "TORCHELASTIC_USE_AGENT_STORE",
+                                     "TORCHELASTIC_RUN_ID"};
     bool drop = core::starts_with(k, "OMPI_COMM_WORLD_");
     for (const char* d : kDropped) drop = drop || k == d;
     if (!drop) base.push_back(kv);
@@ -312,8 +322,9 @@ void Agent::spawn(int attempt) {
 
     {  // A header per attempt, so a log that spans restarts reads in order.
       std::ofstream log(w.log, std::ios::app);
-      log << fmt::format("==== parallax launch: attempt {}, rank {} (node {}, local rank {}) ====\n",
-                         attempt, w.rank, o_.node_rank, local);
+      log << fmt::format(
+          "==== parallax launch: attempt {}, rank {} (node {}, local rank {}) ====\n", attempt,
+          w.rank, o_.node_rank, local);
     }
     if (local == 0) {
       tee_file_ = w.log;
@@ -339,8 +350,8 @@ void Agent::spawn(int attempt) {
     posix_spawnattr_setpgroup(&attr, 0);
     posix_spawnattr_setsigmask(&attr, &none);
     posix_spawnattr_setsigdefault(&attr, &defaults);
-    posix_spawnattr_setflags(&attr,
-                             POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    posix_spawnattr_setflags(
+        &attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
     pid_t pid = -1;
     const int rc = posix_spawn(&pid, o_.exe.c_str(), &fa, &attr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&fa);
@@ -467,9 +478,10 @@ std::optional<Failure> Agent::monitor(int attempt) {
     if (g_signals.load() > forwarded_) {
       const int sig = g_first_signal.load();
       const char* name = sigabbrev_np(sig);
-      say(fmt::format("SIG{} received: forwarding SIGTERM to the workers (checkpoint, then exit {}); "
-                      "send it again to kill them",
-                      name ? name : "?", kExitPreempted));
+      say(fmt::format(
+          "SIG{} received: forwarding SIGTERM to the workers (checkpoint, then exit {}); "
+          "send it again to kill them",
+          name ? name : "?", kExitPreempted));
       Failure f{Kind::kPreempt, o_.node_rank,
                 fmt::format("node {} launcher received SIG{}", o_.node_rank, name ? name : "?")};
       record_failure(attempt, f);
@@ -488,10 +500,12 @@ std::optional<Failure> Agent::monitor(int attempt) {
         record_failure(attempt, f);
         return preempt_wait(f, /*forward=*/false);
       }
-      f.kind = code == kExitDeterministic || code == kExitUsage ? Kind::kDeterministic : Kind::kFail;
+      f.kind =
+          code == kExitDeterministic || code == kExitUsage ? Kind::kDeterministic : Kind::kFail;
       f.text = fmt::format("node {} rank {} (local rank {}, pid {}) {}", o_.node_rank, w.rank,
                            w.local_rank, w.pid, describe_status(w.status));
-      std::fprintf(stderr, "parallax: launch: worker failed: %s (attempt %d); last lines of %s:\n%s",
+      std::fprintf(stderr,
+                   "parallax: launch: worker failed: %s (attempt %d); last lines of %s:\n%s",
                    f.text.c_str(), attempt, w.log.c_str(), tail_lines(w.log, 10).c_str());
       std::fflush(stderr);
       auto [recorded, mine] = record_failure(attempt, f);
@@ -545,15 +559,14 @@ int Agent::run() {
   SignalScope signals;
   open_store();
   say(fmt::format("{} worker(s) of {} (nodes {}), store {}:{}{}, logs in {}", o_.nproc_per_node,
-                  world_, o_.nnodes, o_.master_addr, port_, o_.node_rank == 0 ? " (hosted here)" : "",
-                  o_.log_dir));
+                  world_, o_.nnodes, o_.master_addr, port_,
+                  o_.node_rank == 0 ? " (hosted here)" : "", o_.log_dir));
   for (int attempt = 0;; ++attempt) {
     // Every node joins each attempt before any spawns it (also: all finished the last teardown).
     const std::string join = fmt::format("launch/join/{}", attempt);
     counter(join, 1);
-    const bool joined =
-        wait_counter(join, o_.nnodes, Clock::now() + ms(o_.rdzv_timeout_s),
-                     [] { return g_signals.load() > 0; });
+    const bool joined = wait_counter(join, o_.nnodes, Clock::now() + ms(o_.rdzv_timeout_s),
+                                     [] { return g_signals.load() > 0; });
     if (g_signals.load() > 0) {
       say("signal received before the workers started: exiting");
       leave();
@@ -594,9 +607,10 @@ int Agent::run() {
     if (outcome->node == o_.node_rank) counter("launch/restarts", 1);
     const bool counted = wait_counter("launch/restarts", attempt + 1,
                                       Clock::now() + ms(o_.rdzv_timeout_s), [] { return false; });
-    PARALLAX_CHECK(counted, TimeoutError,
-                   "launch: node {}: node {} did not count the restart of attempt {} within {:.0f} s",
-                   o_.node_rank, outcome->node, attempt, o_.rdzv_timeout_s);
+    PARALLAX_CHECK(
+        counted, TimeoutError,
+        "launch: node {}: node {} did not count the restart of attempt {} within {:.0f} s",
+        o_.node_rank, outcome->node, attempt, o_.rdzv_timeout_s);
     if (attempt + 1 > o_.max_restarts) {
       std::fprintf(stderr,
                    "parallax: error: launch: restart budget exhausted: %s after %d restart(s) "

@@ -31,10 +31,7 @@ std::string self_exe() {
 // Throws ConfigError as the workers would (then nothing is started: exit 3, no restart).
 fs::path train_run_dir(const std::vector<std::string>& cmd) {
   Args a("train", "");
-  a.option("config", "FILE", "")
-      .flag("print-config", "")
-      .flag("help-config", "")
-      .overrides("");
+  a.option("config", "FILE", "").flag("print-config", "").flag("help-config", "").overrides("");
   std::vector<std::string> rest(cmd.begin() + 1, cmd.end());
   a.parse(rest);
   PARALLAX_CHECK(a.has("config"), UsageError,
@@ -53,8 +50,7 @@ int verb_launch(const std::vector<std::string>& argv) {
             "SIGTERM/SIGINT for a checkpoint and a clean stop. The workers run this binary.");
   args.option("nproc-per-node", "N", "workers on this node (one GPU each on GPU nodes)", "1")
       .option("nnodes", "M", "nodes in the job", "1")
-      .option("node-rank", "R", "this node's rank, 0..M-1 (node 0 hosts the rendezvous store)",
-              "0")
+      .option("node-rank", "R", "this node's rank, 0..M-1 (node 0 hosts the rendezvous store)", "0")
       .option("master", "HOST:PORT", "address of node 0's store (node 0 listens on PORT)")
       .flag("standalone", "one node, the store on 127.0.0.1 at a free port")
       .option("max-restarts", "K", "restarts of the whole job (all nodes) before giving up", "0")
@@ -75,7 +71,8 @@ int verb_launch(const std::vector<std::string>& argv) {
           "(config, layout or data error: not restarted), 4 restart budget exhausted,\n"
           "143 preempted (the workers saved a checkpoint and stopped).\n"
           "examples:\n"
-          "  parallax launch --nproc-per-node 2 --standalone -- train --config configs/bev_tiny.yaml\n"
+          "  parallax launch --nproc-per-node 2 --standalone -- train --config "
+          "configs/bev_tiny.yaml\n"
           "  parallax launch --nproc-per-node 8 --nnodes 2 --node-rank 0 --master node0:29500 \\\n"
           "      --max-restarts 3 -- train --config configs/bev_tiny.yaml");
   // Everything after `--` is the worker command.

@@ -7,6 +7,8 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <time.h>
+#include <unistd.h>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -14,8 +16,6 @@
 #include <exception>
 #include <optional>
 #include <thread>
-#include <time.h>
-#include <unistd.h>
 
 namespace parallax::train {
 namespace {

@@ -109,6 +109,8 @@ class LaunchTest(unittest.TestCase):
         assert p.returncode == 0, err[-4000:]
         cls.ref = {r["step"]: r["loss"] for r in rows(os.path.join(cls.d, "ref"))}
         cls.ref_ckpt, cls.ref_weights = latest_weights(os.path.join(cls.d, "ref"))
+        assert sorted(cls.ref) == list(range(1, STEPS + 1)), sorted(cls.ref)[-5:]
+        assert any(k.startswith("optim") for k in cls.ref_weights) and len(cls.ref_weights) > 6, sorted(cls.ref_weights)
 
     @classmethod
     def tearDownClass(cls):
@@ -122,7 +124,7 @@ class LaunchTest(unittest.TestCase):
                 "parallel.timeout_s=20", "train.threads=1", *extra]
 
     @classmethod
-    def launch_cls(cls, name, launcher_args, *extra, tag=None):
+    def launch_cls(cls, name, launcher_args, *extra):
         cmd = [PARALLAX, "launch", *launcher_args, "--", "parallax", *cls.train_args(name, *extra)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "MASTER_"))}
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -177,7 +179,8 @@ class LaunchTest(unittest.TestCase):
         self.assertIn("restarting all 1 node(s): restart 1 of 2", err)
         self.assertIn("resuming from", err)  # rank 0's output on the console
         self.check_exactly_once_and_equal("kill")
-        log = open(os.path.join(self.d, "kill", "logs", "rank_1.log")).read()
+        with open(os.path.join(self.d, "kill", "logs", "rank_1.log")) as f:
+            log = f.read()
         self.assertIn("attempt 0, rank 1", log)
         self.assertIn("attempt 1, rank 1", log)
 
@@ -198,7 +201,8 @@ class LaunchTest(unittest.TestCase):
         self.assertEqual(rc, EXIT_DETERMINISTIC, err[-4000:])
         self.assertIn("a deterministic failure", err)
         self.assertNotIn("restarting", err)
-        log = open(os.path.join(self.d, "layout", "logs", "rank_0.log")).read()
+        with open(os.path.join(self.d, "layout", "logs", "rank_0.log")) as f:
+            log = f.read()
         self.assertNotIn("attempt 1", log)
         # A config error the launcher sees itself: nothing is started.
         p = self.launch("badkey", ["--nproc-per-node", "2", "--standalone"], "train.no_such_key=1")
