@@ -90,10 +90,16 @@ def latest_weights(run_dir):
         with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
             ckpt = os.path.join(run_dir, "checkpoints", f.read().strip())
     out = {}
+
+    def take(name, obj):  # returns None: visititems stops at the first non-None return
+        if isinstance(obj, h5py.Dataset):
+            assert name not in out, f"{name} saved twice"
+            out[name] = obj[()]
+
     for name in sorted(os.listdir(ckpt)):
         if name.endswith(".h5"):
             with h5py.File(os.path.join(ckpt, name), "r") as f:
-                f.visititems(lambda n, o: out.setdefault(n, o[()]) if isinstance(o, h5py.Dataset) else None)
+                f.visititems(take)
     return ckpt, out
 
 
