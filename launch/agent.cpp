@@ -8,9 +8,10 @@
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -331,36 +332,42 @@ void Agent::spawn(int attempt) {
       std::error_code sec;
       tee_offset_ = static_cast<std::streamoff>(fs::file_size(w.log, sec));
     }
-    posix_spawn_file_actions_t fa;
-    posix_spawnattr_t attr;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawnattr_init(&attr);
-    posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, w.log.c_str(),
-                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
-    posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
-    posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-    // Own process group: a Ctrl-C on the terminal reaches the launcher only, which forwards it
-    // once (the worker would read a second copy as "exit now").
-    sigset_t none, defaults;
-    sigemptyset(&none);
-    sigemptyset(&defaults);
-    sigaddset(&defaults, SIGTERM);
-    sigaddset(&defaults, SIGINT);
-    sigaddset(&defaults, SIGPIPE);
-    posix_spawnattr_setpgroup(&attr, 0);
-    posix_spawnattr_setsigmask(&attr, &none);
-    posix_spawnattr_setsigdefault(&attr, &defaults);
-    posix_spawnattr_setflags(
-        &attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-    pid_t pid = -1;
-    const int rc = posix_spawn(&pid, o_.exe.c_str(), &fa, &attr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&fa);
-    posix_spawnattr_destroy(&attr);
-    if (rc != 0) {
-      workers_.push_back(w);  // the ones started so far are torn down by the caller
-      throw_error<Error>("launch: node {}: cannot start rank {} ('{}'): {}", o_.node_rank, w.rank,
-                         o_.exe, std::strerror(rc));
+    // fork + execve rather than posix_spawn for PR_SET_PDEATHSIG: a launcher that is killed
+    // (SIGKILL, the OOM killer) takes its workers with it instead of leaving them holding GPUs.
+    // Between fork and exec only async-signal-safe calls (the store's threads exist).
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      // Own process group: a Ctrl-C on the terminal reaches the launcher only, which forwards it
+      // once (the worker would read a second copy as "exit now").
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(127);  // the launcher died before prctl
+      const int log = ::open(w.log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      const int nul = ::open("/dev/null", O_RDONLY);
+      if (log < 0 || nul < 0) ::_exit(126);
+      ::dup2(log, STDOUT_FILENO);
+      ::dup2(log, STDERR_FILENO);
+      ::dup2(nul, STDIN_FILENO);
+      ::close_range(3, ~0U, 0);  // the store's sockets and anything else of the launcher
+      struct sigaction dfl {};
+      dfl.sa_handler = SIG_DFL;
+      sigemptyset(&dfl.sa_mask);
+      ::sigaction(SIGTERM, &dfl, nullptr);
+      ::sigaction(SIGINT, &dfl, nullptr);
+      ::sigaction(SIGPIPE, &dfl, nullptr);
+      sigset_t none;
+      sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      ::execve(o_.exe.c_str(), argv.data(), envp.data());
+      ::_exit(127);
     }
+    if (pid < 0) {
+      const int err = errno;
+      throw_error<Error>("launch: node {}: cannot start rank {} ('{}'): {}", o_.node_rank, w.rank,
+                         o_.exe, std::strerror(err));
+    }
+    ::setpgid(pid, pid);  // also from the parent, so that kill(-pid) works at once
     w.pid = pid;
     w.running = true;
     workers_.push_back(w);
@@ -500,8 +507,10 @@ std::optional<Failure> Agent::monitor(int attempt) {
         record_failure(attempt, f);
         return preempt_wait(f, /*forward=*/false);
       }
-      f.kind =
-          code == kExitDeterministic || code == kExitUsage ? Kind::kDeterministic : Kind::kFail;
+      // 126/127: the binary could not be started (the same next time).
+      f.kind = code == kExitDeterministic || code == kExitUsage || code == 126 || code == 127
+                   ? Kind::kDeterministic
+                   : Kind::kFail;
       f.text = fmt::format("node {} rank {} (local rank {}, pid {}) {}", o_.node_rank, w.rank,
                            w.local_rank, w.pid, describe_status(w.status));
       std::fprintf(stderr,

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include <csignal>
 #include <cstdio>
 #include <exception>
 
@@ -70,6 +71,10 @@ int dispatch(int argc, char** argv) {
 }  // namespace parallax::launch
 
 int main(int argc, char** argv) {
+  // As in Python (and so in torchrun's workers): a peer's socket closing is an error that the
+  // communicator reports, not a silent death by SIGPIPE. This matters once SIGTERM no longer
+  // kills a worker at once (graceful preemption, train/preemption.h).
+  std::signal(SIGPIPE, SIG_IGN);
   try {
     return parallax::launch::dispatch(argc, argv);
   } catch (const parallax::UsageError& e) {

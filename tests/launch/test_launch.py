@@ -6,7 +6,9 @@ Every run trains the mlp stand-in (tiny) on 2 workers; a reference run of the sa
 failures gives the losses and final weights that a restarted or preempted-and-resumed run must
 match exactly (same arithmetic by construction: same world, same backend, bitwise resume).
 
-Usage: test_launch.py <parallax binary>
+Usage: test_launch.py <parallax binary> [<mpirun>]
+PARALLAX_LAUNCH_TEST_DEVICE=cuda runs the same tests on GPUs (nccl; 2 GPUs; node r of the two-node
+test sees GPU r only, as two hosts would).
 """
 import json
 import os
@@ -20,13 +22,16 @@ import unittest
 
 import h5py
 
-PARALLAX = None
+PARALLAX = MPIRUN = None
 SRC = os.environ.get("PARALLAX_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 MLP = os.path.join(SRC, "configs", "mlp_demo.yaml")
 STEPS = 1500       # long enough to kill mid-run on a loaded 2-core machine, short enough to finish
 CKPT_EVERY = 50
 
 EXIT_DETERMINISTIC, EXIT_EXHAUSTED, EXIT_PREEMPTED = 3, 4, 143
+DEVICE = os.environ.get("PARALLAX_LAUNCH_TEST_DEVICE", "cpu")
+DEVICE_ARGS = (["train.device=cuda", "parallel.backend=nccl"] if DEVICE == "cuda"
+               else ["parallel.backend=gloo", "train.threads=1"])
 
 
 def children(pid):
@@ -126,18 +131,20 @@ class LaunchTest(unittest.TestCase):
     def train_args(cls, name, *extra):
         return ["train", "--config", MLP, f"experiment.output_dir={cls.d}", f"experiment.name={name}",
                 "model.size=tiny", f"train.steps={STEPS}", "train.log_every=1", "schedule.warmup_steps=2",
-                f"checkpoint.every={CKPT_EVERY}", "checkpoint.keep_last=2", "parallel.backend=gloo",
-                "parallel.timeout_s=20", "train.threads=1", *extra]
+                f"checkpoint.every={CKPT_EVERY}", "checkpoint.keep_last=2", "parallel.timeout_s=20", *DEVICE_ARGS,
+                *extra]
 
     @classmethod
-    def launch_cls(cls, name, launcher_args, *extra):
+    def launch_cls(cls, name, launcher_args, *extra, gpus=None):
         cmd = [PARALLAX, "launch", *launcher_args, "--", "parallax", *cls.train_args(name, *extra)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "MASTER_"))}
+        if gpus is not None and DEVICE == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 cwd=cls.d, start_new_session=True)
 
-    def launch(self, name, launcher_args, *extra):
-        return self.launch_cls(name, launcher_args, *extra)
+    def launch(self, name, launcher_args, *extra, gpus=None):
+        return self.launch_cls(name, launcher_args, *extra, gpus=gpus)
 
     def wait_rows(self, proc, name, min_step, timeout=120):
         run_dir = os.path.join(self.d, name)
@@ -234,12 +241,41 @@ class LaunchTest(unittest.TestCase):
         self.assertEqual(rc, 0, err[-4000:])
         self.check_exactly_once_and_equal("pre")
 
+    @unittest.skipIf(DEVICE == "cuda", "the CPU reference run is gloo")
+    def test_sigterm_to_one_rank_under_mpirun_stops_every_rank_after_the_same_step(self):
+        """No launcher: only rank 1 gets SIGTERM; the per-step vote stops both after one step, both
+        save (one collective checkpoint), exit 143, and the resumed run continues bitwise."""
+        if not MPIRUN:
+            self.skipTest("no mpirun given")
+        cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "2", PARALLAX,
+               *self.train_args("mpi", "train.resume=auto")]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_RANK"))}
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=self.d,
+                             start_new_session=True)
+        self.wait_rows(p, "mpi", 30)
+        ranks = {int(env_of(pid)["OMPI_COMM_WORLD_RANK"]): pid for pid in children(p.pid)
+                 if "OMPI_COMM_WORLD_RANK" in env_of(pid) and os.path.basename(os.readlink(f"/proc/{pid}/exe")) == "parallax"}
+        self.assertEqual(sorted(ranks), [0, 1])
+        os.kill(ranks[1], signal.SIGTERM)
+        rc, err = self.finish(p, timeout=120)
+        self.assertEqual(rc, EXIT_PREEMPTED, err[-4000:])
+        run_dir = os.path.join(self.d, "mpi")
+        ckpt, _ = latest_weights(run_dir)
+        last = rows(run_dir)[-1]["step"]
+        self.assertLess(last, STEPS)
+        self.assertTrue(ckpt.endswith(f"step_{last:08d}"), (ckpt, last))
+        self.assertIn("SIGTERM received: stopping after the current step", err)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=self.d)
+        rc, err = self.finish(p)
+        self.assertEqual(rc, 0, err[-4000:])
+        self.check_exactly_once_and_equal("mpi")
+
     def test_two_nodes_on_one_machine_restart_together(self):
         port = free_port()
         common = ["--nproc-per-node", "1", "--nnodes", "2", "--master", f"127.0.0.1:{port}", "--max-restarts", "1",
                   "--grace-period", "5"]
-        n0 = self.launch("nodes", [*common, "--node-rank", "0"])
-        n1 = self.launch("nodes", [*common, "--node-rank", "1"])
+        n0 = self.launch("nodes", [*common, "--node-rank", "0"], gpus="0")
+        n1 = self.launch("nodes", [*common, "--node-rank", "1"], gpus="1")
         try:
             self.wait_rows(n0, "nodes", CKPT_EVERY + 10)
             pids = worker_pids(n1.pid)
@@ -260,4 +296,6 @@ class LaunchTest(unittest.TestCase):
 
 if __name__ == "__main__":
     PARALLAX = os.path.abspath(sys.argv.pop(1))
+    if len(sys.argv) > 1 and not sys.argv[1].startswith("-"):
+        MPIRUN = sys.argv.pop(1)
     unittest.main(verbosity=2)
