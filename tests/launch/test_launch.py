@@ -56,6 +56,15 @@ def env_of(pid):
     return dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
 
 
+def alive(pid):
+    """True while `pid` runs (a zombie awaiting its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def worker_pids(launcher_pid):
     """world rank -> pid of the launcher's workers."""
     out = {}
@@ -240,6 +249,21 @@ class LaunchTest(unittest.TestCase):
         rc, err = self.finish(p)
         self.assertEqual(rc, 0, err[-4000:])
         self.check_exactly_once_and_equal("pre")
+
+    def test_a_killed_launcher_takes_its_workers_with_it(self):
+        p = self.launch("orphans", ["--nproc-per-node", "2", "--standalone"])
+        self.wait_rows(p, "orphans", 5)
+        pids = worker_pids(p.pid)
+        self.assertEqual(sorted(pids), [0, 1])
+        os.kill(p.pid, signal.SIGKILL)
+        p.communicate()
+        deadline = time.time() + 10
+        while time.time() < deadline and any(map(alive, pids.values())):
+            time.sleep(0.05)
+        left = [q for q in pids.values() if alive(q)]
+        for q in left:
+            os.kill(q, signal.SIGKILL)
+        self.assertEqual(left, [], "workers outlived their launcher")
 
     @unittest.skipIf(DEVICE == "cuda", "the CPU reference run is gloo")
     def test_sigterm_to_one_rank_under_mpirun_stops_every_rank_after_the_same_step(self):
