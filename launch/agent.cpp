@@ -187,10 +187,11 @@ class Agent {
 
   // ---- workers -------------------------------------------------------------------------------
   void spawn(int attempt);
-  void reap(bool block);  // collects exited workers
+  void reap();  // collects exited workers (never blocks)
   bool any_running() const;
   void signal_all(int sig);
   void teardown(double grace_s);
+  void kill_all();  // SIGKILL, then reaps for at most 30 s
   void tee_console();
   // Returns the attempt's outcome: nullopt when every node's workers succeeded.
   std::optional<Failure> monitor(int attempt);
@@ -374,11 +375,11 @@ void Agent::spawn(int attempt) {
   }
 }
 
-void Agent::reap(bool block) {
+void Agent::reap() {
   for (auto& w : workers_) {
     if (!w.running) continue;
     int status = 0;
-    const pid_t r = ::waitpid(w.pid, &status, block ? 0 : WNOHANG);
+    const pid_t r = ::waitpid(w.pid, &status, WNOHANG);
     if (r == w.pid) {
       w.running = false;
       w.status = status;
@@ -397,23 +398,32 @@ void Agent::signal_all(int sig) {
     if (w.running) ::kill(-w.pid, sig);  // the worker's process group (it and its children)
 }
 
+void Agent::kill_all() {
+  signal_all(SIGKILL);
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  while (any_running() && Clock::now() < deadline) {
+    reap();
+    sleep_s(0.02);
+  }
+  for (const auto& w : workers_) {
+    if (w.running)
+      say(fmt::format("rank {} (pid {}) did not die within 30 s of SIGKILL (uninterruptible I/O?)",
+                      w.rank, w.pid));
+  }
+}
+
 void Agent::teardown(double grace_s) {
   if (!any_running()) return;
   signal_all(SIGTERM);
   const auto deadline = Clock::now() + ms(grace_s);
   while (any_running() && Clock::now() < deadline) {
-    reap(false);
+    reap();
     tee_console();
     sleep_s(0.02);
   }
   if (any_running()) {
     say(fmt::format("workers still running {:.0f} s after SIGTERM: SIGKILL", grace_s));
-    signal_all(SIGKILL);
-    const auto kill_deadline = Clock::now() + std::chrono::seconds(30);
-    while (any_running() && Clock::now() < kill_deadline) {
-      reap(false);
-      sleep_s(0.02);
-    }
+    kill_all();
   }
   tee_console();
 }
@@ -440,7 +450,7 @@ Failure Agent::preempt_wait(Failure f, bool forward) {
   forwarded_ = forward ? std::max(1, g_signals.load()) : g_signals.load();
   const auto deadline = Clock::now() + ms(o_.preempt_timeout_s);
   while (any_running()) {
-    reap(false);
+    reap();
     tee_console();
     const int sigs = g_signals.load();
     if (sigs > forwarded_ && forwarded_ == 0) {
@@ -449,15 +459,13 @@ Failure Agent::preempt_wait(Failure f, bool forward) {
       forwarded_ = sigs;
     } else if (sigs > forwarded_) {
       say("second signal: killing the workers without waiting for their checkpoint");
-      signal_all(SIGKILL);
-      reap(true);
+      kill_all();
       break;
     }
     if (Clock::now() > deadline) {
       say(fmt::format("workers did not stop within {:.0f} s of the preemption signal: SIGKILL",
                       o_.preempt_timeout_s));
-      signal_all(SIGKILL);
-      reap(true);
+      kill_all();
       break;
     }
     sleep_s(std::min(o_.monitor_interval_s, 0.05));
@@ -479,7 +487,7 @@ std::optional<Failure> Agent::monitor(int attempt) {
   bool counted_done = false;
   Clock::time_point done_deadline{};
   while (true) {
-    reap(false);
+    reap();
     tee_console();
     // 1. The launcher itself was signalled: preemption of every node.
     if (g_signals.load() > forwarded_) {
