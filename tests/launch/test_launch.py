@@ -250,6 +250,23 @@ class LaunchTest(unittest.TestCase):
         self.assertEqual(rc, 0, err[-4000:])
         self.check_exactly_once_and_equal("pre")
 
+    def test_sigint_to_a_lone_train_process_checkpoints_and_exits_143(self):
+        """Ctrl-C without any launcher: one process, the vote without peers."""
+        cmd = [PARALLAX, *self.train_args("alone", "parallel.backend=auto")]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "MASTER_"))}
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=self.d,
+                             start_new_session=True)
+        self.wait_rows(p, "alone", 20)
+        os.kill(p.pid, signal.SIGINT)
+        rc, err = self.finish(p, timeout=60)
+        self.assertEqual(rc, EXIT_PREEMPTED, err[-4000:])
+        self.assertIn("SIGINT received: stopping after the current step", err)
+        run_dir = os.path.join(self.d, "alone")
+        ckpt, w = latest_weights(run_dir)
+        last = rows(run_dir)[-1]["step"]
+        self.assertTrue(ckpt.endswith(f"step_{last:08d}"), (ckpt, last))
+        self.assertTrue(w)
+
     def test_a_killed_launcher_takes_its_workers_with_it(self):
         p = self.launch("orphans", ["--nproc-per-node", "2", "--standalone"])
         self.wait_rows(p, "orphans", 5)
