@@ -2,11 +2,13 @@
 // become `parallax: error: ...` and a non-zero exit code.
 #include "core/error.h"
 #include "core/strings.h"
+#include "launch/exit_codes.h"
 #include "launch/verbs.h"
 
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include <csignal>
 #include <cstdio>
 #include <exception>
 
@@ -22,6 +24,8 @@ const std::vector<Verb>& verbs() {
       {"datagen", "generate a synthetic multi-camera dataset (HDF5 shards + dataset.json)",
        verb_datagen},
       {"inspect", "describe and verify a dataset folder or an HDF5 data shard", verb_inspect},
+      {"launch", "run N workers per node with restarts and graceful preemption (torchrun style)",
+       verb_launch},
   };
   return kVerbs;
 }
@@ -67,11 +71,25 @@ int dispatch(int argc, char** argv) {
 }  // namespace parallax::launch
 
 int main(int argc, char** argv) {
+  // As in Python (and so in torchrun's workers): a peer's socket closing is an error that the
+  // communicator reports, not a silent death by SIGPIPE. This matters once SIGTERM no longer
+  // kills a worker at once (graceful preemption, train/preemption.h).
+  std::signal(SIGPIPE, SIG_IGN);
   try {
     return parallax::launch::dispatch(argc, argv);
   } catch (const parallax::UsageError& e) {
     std::fprintf(stderr, "parallax: error: %s\n", e.what());
-    return 2;
+    return parallax::launch::kExitUsage;
+  } catch (const parallax::ConfigError& e) {
+    // Deterministic: the same command fails the same way, so `parallax launch` does not restart.
+    std::fprintf(stderr, "parallax: error: %s\n", e.what());
+    return parallax::launch::kExitDeterministic;
+  } catch (const parallax::LayoutError& e) {
+    std::fprintf(stderr, "parallax: error: %s\n", e.what());
+    return parallax::launch::kExitDeterministic;
+  } catch (const parallax::DataError& e) {
+    std::fprintf(stderr, "parallax: error: %s\n", e.what());
+    return parallax::launch::kExitDeterministic;
   } catch (const parallax::Error& e) {
     std::fprintf(stderr, "parallax: error: %s\n", e.what());
     return 1;

@@ -1,8 +1,10 @@
 // `parallax train`: load the config, then train (or print the resolved config / its keys).
 #include "core/config.h"
 #include "launch/args.h"
+#include "launch/exit_codes.h"
 #include "launch/verbs.h"
 #include "parallel/comm/world.h"
+#include "train/preemption.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
 
@@ -49,9 +51,13 @@ int verb_train(const std::vector<std::string>& argv) {
   // destroyed after every communicator the trainer created.
   parallel::comm::WorldOptions wopts;
   wopts.init_timeout_s = cfg.parallel.init_timeout_s;
+  // The first SIGTERM/SIGINT stops training after the current step with a checkpoint, the
+  // second exits at once (train/preemption.h); installed before the rendezvous so that a signal
+  // during start-up is not lost.
+  train::PreemptionSignals signals;
   parallel::comm::World world(wopts);
   train::run_training(cfg);
-  return 0;
+  return train::preempted() ? kExitPreempted : kExitOk;
 }
 
 }  // namespace parallax::launch

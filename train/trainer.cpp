@@ -28,6 +28,7 @@
 #include "train/cuda_graph.h"
 #include "train/evaluate.h"
 #include "train/metrics.h"
+#include "train/preemption.h"
 #include "train/profiler.h"
 #include "train/run_dir.h"
 
@@ -824,7 +825,18 @@ TrainSummary TrainerImpl::fit() {
       cfg_.train.profile_steps > 0 ? std::max(cfg_.train.profile_start, start_step_ + 1) : 0,
       cfg_.train.profile_steps, device_.is_cuda(),
       (run_dir_ / "profile" / fmt::format("trace_rank{}.json", world_.rank())).string());
+  // Graceful preemption (train/preemption.h): every rank leaves the loop before the same step.
+  std::optional<PreemptionVote> vote;
+  if (PreemptionSignals::installed()) vote.emplace(*world_comm_, device_, cfg_.parallel.timeout_s);
+  int64_t stopped_after = -1;  // the last step trained when the vote said stop
   for (int64_t step = start_step_ + 1; step <= total; ++step) {
+    if (vote && vote->should_stop()) {
+      const int64_t done = step - 1;
+      const bool saved = cfg_.checkpoint.every > 0 && done % cfg_.checkpoint.every == 0;
+      if (done > start_step_ && !saved) save_checkpoint(done);
+      stopped_after = done;
+      break;
+    }
     const double lr = optim::lr_at(cfg_.schedule, cfg_.optim.lr, step, total);
     const bool log_now = step % cfg_.train.log_every == 0 || step == total;
     profiler.before(step);
@@ -906,6 +918,15 @@ TrainSummary TrainerImpl::fit() {
       run_eval(step);
     interval_clock.reset();
     if (save_now) save_checkpoint(step);  // its blocking time counts in the next interval
+  }
+  vote.reset();
+  if (stopped_after >= 0) {
+    if (graph_) replay_or_abort([&] { graph_->drain(); });
+    if (checkpointer_) checkpointer_->wait();
+    mark_preempted();
+    core::log::warn("preempted: stopped after step {} of {}{}", stopped_after, total,
+                    checkpointer_ ? "; resume with train.resume=auto" : " (checkpointing is off)");
+    return summary;
   }
   if (total > start_step_) {
     run_eval(total);

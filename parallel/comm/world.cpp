@@ -10,6 +10,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Logging.h>
 #include <fmt/ranges.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <mpi.h>
@@ -556,7 +557,14 @@ c10::intrusive_ptr<c10d::Store> make_store(detail::WorldContext& ctx) {
     o.port = static_cast<uint16_t>(l.master_port);
     o.isServer = ctx.rank == 0 && !l.agent_store;
     try {
-      return c10::make_intrusive<c10d::TCPStore>(l.master_addr, o);
+      auto tcp = c10::make_intrusive<c10d::TCPStore>(l.master_addr, o);
+      if (!l.agent_store) return tcp;
+      // The agent's store (torchrun's, or `parallax launch`'s) outlives restarts: each attempt's
+      // keys live under /worker/attempt_<TORCHELASTIC_RESTART_COUNT>, as torchrun's workers put
+      // them, so a restarted group never reads the previous group's keys.
+      const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+      return c10::make_intrusive<c10d::PrefixStore>(
+          fmt::format("/worker/attempt_{}", attempt && *attempt ? attempt : "0"), tcp);
     } catch (const std::exception& e) {
       throw_error<CommError>(
           "rank {}: cannot {} the TCPStore at {}:{} within {:.0f} s (init timeout): {}", ctx.rank,

@@ -15,7 +15,9 @@
 // and sends its address to the others through MPI_Bcast; the address is $PARALLAX_STORE_ADDR, else
 // $MASTER_ADDR, else rank 0's host name (127.0.0.1 for ranks on rank 0's host). Without MPI, rank 0
 // hosts the TCPStore at MASTER_ADDR:MASTER_PORT (or, under torchrun's agent store,
-// TORCHELASTIC_USE_AGENT_STORE=True, every rank connects to the agent's). No other sockets exist.
+// TORCHELASTIC_USE_AGENT_STORE=True, every rank connects to the agent's, through the prefix
+// /worker/attempt_<TORCHELASTIC_RESTART_COUNT> as torchrun's workers do, so each restart's keys are
+// apart; `parallax launch` is such an agent). No other sockets exist.
 //
 // Lifetime: exactly one World per process, created first in main() and destroyed last; every
 // communicator must be destroyed before it (the World frees what is left and logs it). The World
