@@ -158,12 +158,20 @@ WeightsReport load_weights(torch::nn::Module& module, const std::string& path,
   return report;
 }
 
-int64_t export_weights(const std::string& checkpoint_path, const std::string& out_file,
-                       at::ScalarType dtype, bool allow_nonfinite) {
+namespace {
+
+int64_t write_weights(const std::string& checkpoint_path, const std::string& out_file,
+                      at::ScalarType dtype, bool allow_nonfinite,
+                      const std::vector<std::pair<std::string, at::Tensor>>* given) {
   PARALLAX_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, CheckpointError,
                  "export dtype must be float32 or bfloat16, got {}", dtype_name(dtype));
   CheckpointReader reader(checkpoint_path);
-  const std::vector<std::string> names = reader.names(kModelPrefix);
+  std::vector<std::string> names;
+  if (given) {
+    for (const auto& [n, t] : *given) names.push_back(kModelPrefix + n);
+  } else {
+    names = reader.names(kModelPrefix);
+  }
   PARALLAX_CHECK(!names.empty(), CheckpointError,
                  "checkpoint '{}' holds no model tensors (prefix '{}')", reader.dir(),
                  kModelPrefix);
@@ -188,8 +196,9 @@ int64_t export_weights(const std::string& checkpoint_path, const std::string& ou
     h5::write_string_attr(file, "config_hash", m.config_hash);
     h5::write_string_attr(file, "source", reader.dir());
     tensor_io::Staging staging;
-    for (const std::string& n : names) {
-      at::Tensor t = reader.read(n);
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      const std::string& n = names[i];
+      at::Tensor t = given ? (*given)[i].second.detach().to(at::kCPU) : reader.read(n);
       const std::string flat = n.substr(std::string(kModelPrefix).size());
       if (first_nonfinite({t}, /*parallel=*/true) >= 0) {
         const NonFiniteCount c = count_nonfinite(t);
@@ -222,6 +231,19 @@ int64_t export_weights(const std::string& checkpoint_path, const std::string& ou
   core::log::info("export: wrote {} tensors of step {} to '{}' ({})", names.size(),
                   reader.metadata().step, out_file, dtype_name(dtype));
   return static_cast<int64_t>(names.size());
+}
+
+}  // namespace
+
+int64_t export_weights(const std::string& checkpoint_path, const std::string& out_file,
+                       at::ScalarType dtype, bool allow_nonfinite) {
+  return write_weights(checkpoint_path, out_file, dtype, allow_nonfinite, nullptr);
+}
+
+int64_t export_weights(const std::string& checkpoint_path, const std::string& out_file,
+                       at::ScalarType dtype, bool allow_nonfinite,
+                       const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  return write_weights(checkpoint_path, out_file, dtype, allow_nonfinite, &tensors);
 }
 
 bool is_weights_file(const std::string& path) {

@@ -75,6 +75,12 @@ WeightsReport load_weights(CheckpointReader& reader, torch::nn::Module& module,
 // the number of tensors written. Throws CheckpointError / IoError.
 int64_t export_weights(const std::string& checkpoint_path, const std::string& out_file,
                        at::ScalarType dtype, bool allow_nonfinite = false);
+// The same file with `tensors` (module paths, whole) as its datasets instead of the checkpoint's
+// model tensors, the checkpoint supplying the attributes (a LoRA run's merged model,
+// train/lora.h).
+int64_t export_weights(const std::string& checkpoint_path, const std::string& out_file,
+                       at::ScalarType dtype, bool allow_nonfinite,
+                       const std::vector<std::pair<std::string, at::Tensor>>& tensors);
 
 // True if `path` is an HDF5 file with the weights format attribute.
 bool is_weights_file(const std::string& path);

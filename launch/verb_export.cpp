@@ -13,6 +13,7 @@
 #include "launch/verbs.h"
 #include "models/model.h"
 #include "models/perception_model.h"
+#include "train/lora.h"
 #include "train/run_config.h"
 
 #ifdef PARALLAX_WITH_ONNX
@@ -68,7 +69,18 @@ std::optional<train::RunConfig> load_run_config(const std::string& run) {
 
 // ---- weights.h5 --------------------------------------------------------------------------------
 
-int export_weights(const Args& args, const Settings& s, const std::string& run) {
+// The scene the trainer built the model for (train/trainer.cpp, Trainer::setup): the dataset's
+// dataset.json for a bev model trained on a dataset, else the size's benchmark scene.
+core::SceneSpec run_scene(const train::RunConfig& cfg) {
+  const bool synthetic = cfg.data.synthetic || cfg.train.benchmark || cfg.model.name != "bev";
+  if (!synthetic) return data::read_dataset_info(cfg.data.path).scene_spec(cfg.data.max_boxes);
+  if (cfg.model.name == "bev") return models::benchmark_scene(cfg.model.size);
+  return {};
+}
+
+
+int export_weights(const Args& args, const Settings& s, const std::string& run,
+                   const std::optional<train::RunConfig>& cfg) {
   const std::string dtype = s.cfg.dtype;
   if (dtype != "fp32" && dtype != "bf16") {
     throw_error<UsageError>("export: --format weights takes --dtype fp32 or bf16, got '{}' ({})",
@@ -81,9 +93,19 @@ int export_weights(const Args& args, const Settings& s, const std::string& run) 
       args.has("checkpoint") ? args.get("checkpoint") : (fs::path(run) / "checkpoints").string();
   const std::string out =
       args.has("out") ? args.get("out") : (fs::path(run) / "export" / "weights.h5").string();
-  const int64_t n =
-      checkpoint::export_weights(source, out, dtype == "bf16" ? at::kBFloat16 : at::kFloat,
-                                 /*allow_nonfinite=*/args.flag_set("force"));
+  const at::ScalarType type = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  int64_t n = 0;
+  if (cfg && cfg->lora.rank > 0) {
+    // A LoRA run's checkpoints hold its adapters: the base with the adapters merged in.
+    checkpoint::CheckpointReader reader(source);
+    auto model = train::lora::merged_model(*cfg, run_scene(*cfg), reader);
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& it : model->named_parameters()) tensors.emplace_back(it.key(), it.value());
+    for (const auto& it : model->named_buffers()) tensors.emplace_back(it.key(), it.value());
+    n = checkpoint::export_weights(reader.dir(), out, type, args.flag_set("force"), tensors);
+  } else {
+    n = checkpoint::export_weights(source, out, type, /*allow_nonfinite=*/args.flag_set("force"));
+  }
   std::printf("exported %lld tensors (%s) from %s to %s\n", static_cast<long long>(n),
               dtype.c_str(), checkpoint::resolve_checkpoint(source).c_str(), out.c_str());
   return 0;
@@ -92,15 +114,6 @@ int export_weights(const Args& args, const Settings& s, const std::string& run) 
 // ---- model.onnx --------------------------------------------------------------------------------
 
 #ifdef PARALLAX_WITH_ONNX
-
-// The scene the trainer built the model for (train/trainer.cpp, Trainer::setup): the dataset's
-// dataset.json for a bev model trained on a dataset, else the size's benchmark scene.
-core::SceneSpec run_scene(const train::RunConfig& cfg) {
-  const bool synthetic = cfg.data.synthetic || cfg.train.benchmark || cfg.model.name != "bev";
-  if (!synthetic) return data::read_dataset_info(cfg.data.path).scene_spec(cfg.data.max_boxes);
-  if (cfg.model.name == "bev") return models::benchmark_scene(cfg.model.size);
-  return {};
-}
 
 // The parity frames, batch 1 each, and where they came from: the val split of the run's dataset
 // (its first scenes, repeated when it has fewer than `count`), else synthetic scenes rendered by
@@ -192,8 +205,14 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
   checkpoint::exporter::prepare_output_dir(out);
 
   const core::SceneSpec scene = run_scene(*cfg);
-  auto model = models::build_model(cfg->model, scene);
-  checkpoint::load_weights(reader, *model);
+  // A LoRA run: the base with its adapters merged in (no adapter nodes in the graph).
+  std::shared_ptr<models::Model> model;
+  if (cfg->lora.rank > 0) {
+    model = train::lora::merged_model(*cfg, scene, reader);
+  } else {
+    model = models::build_model(cfg->model, scene);
+    checkpoint::load_weights(reader, *model);
+  }
   // A fixed batch takes the frames in whole batches.
   const int64_t b = s.cfg.batch;
   const int64_t count = b > 0 ? (s.cfg.parity_frames + b - 1) / b * b : s.cfg.parity_frames;
@@ -296,7 +315,7 @@ int verb_export(const std::vector<std::string>& argv) {
   }
   const std::optional<train::RunConfig> cfg = load_run_config(run);
   const Settings s = resolve_settings(args, cfg);
-  if (s.cfg.format == "weights") return export_weights(args, s, run);
+  if (s.cfg.format == "weights") return export_weights(args, s, run, cfg);
   return export_onnx(args, s, run, cfg);
 }
 

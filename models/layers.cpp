@@ -1,5 +1,10 @@
 #include "models/layers.h"
 
+#include "core/error.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
 
 namespace parallax::models {
 
@@ -21,6 +26,44 @@ int64_t count_parameters(const torch::nn::Module& m) {
 DenseLinearImpl::DenseLinearImpl(int64_t in_features, int64_t out_features, bool with_bias) {
   weight = register_parameter("weight", at::randn({out_features, in_features}) * 0.02);
   if (with_bias) bias = register_parameter("bias", at::zeros({out_features}));
+}
+
+void DenseLinearImpl::add_lora(int64_t rank, double alpha, double dropout) {
+  PARALLAX_CHECK(!lora_a.defined(), Error, "LoRA: this linear layer already has an adapter");
+  PARALLAX_CHECK(rank > 0, ConfigError, "LoRA: rank {} must be positive", rank);
+  const int64_t in = weight.size(1), out = weight.size(0);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  const auto opts = weight.options().requires_grad(false);
+  lora_a = register_parameter("lora_a", at::empty({rank, in}, opts).uniform_(-bound, bound));
+  lora_b = register_parameter("lora_b", at::zeros({out, rank}, opts));
+  lora_scale_ = alpha / static_cast<double>(rank);
+  lora_dropout_ = dropout;
+}
+
+at::Tensor DenseLinearImpl::lora_forward(const at::Tensor& x) {
+  const at::Tensor h = lora_dropout_ > 0 && is_training() ? at::dropout(x, lora_dropout_, true) : x;
+  return at::linear(x, weight, bias) + at::linear(at::linear(h, lora_a), lora_b) * lora_scale_;
+}
+
+at::Tensor DenseLinearImpl::merged_weight() const {
+  PARALLAX_CHECK(lora_a.defined(), Error, "LoRA: merged_weight() on a layer without an adapter");
+  at::NoGradGuard no_grad;
+  // In fp32 (or wider) whatever the parameters' dtype, rounded once into the weight's dtype.
+  const auto acc = at::promote_types(weight.scalar_type(), at::kFloat);
+  return (weight.to(acc) + at::mm(lora_b.to(acc), lora_a.to(acc)) * lora_scale_)
+      .to(weight.scalar_type());
+}
+
+void DenseLinearImpl::merge_lora() {
+  const at::Tensor merged = merged_weight();
+  {
+    at::NoGradGuard no_grad;
+    weight.copy_(merged);
+  }
+  parameters_.erase("lora_a");
+  parameters_.erase("lora_b");
+  lora_a = lora_b = at::Tensor();
+  lora_scale_ = 0;
 }
 
 torch::nn::AnyModule dense_linear(const LinearSpec& spec) {

@@ -79,12 +79,33 @@ using LinearFactory = std::function<torch::nn::AnyModule(const LinearSpec&)>;
 // (torch::nn::Linear of the C++ frontend runs matmul and a separate broadcast add for 3-D inputs,
 // ~15% slower on ViT-B/16). Parameters "weight" [out, in] and "bias" [out] (as torch::nn::Linear),
 // initialised N(0, 0.02) and zero (ViT init).
+//
+// LoRA (train/lora.h, Hu et al. 2021, as PEFT's lora.Linear): add_lora(r, alpha, dropout) adds
+// parameters "lora_a" [r, in] (uniform in +-1/sqrt(in), PEFT's kaiming_uniform(a = sqrt(5))) and
+// "lora_b" [out, r] (zero, so the output does not change), and the forward becomes
+//   y = x W^T + b + (alpha / r) * dropout(x) A^T B^T.
+// merge_lora() folds the adapter into W (W += (alpha / r) B A) and removes the two parameters.
 class DenseLinearImpl : public torch::nn::Module {
  public:
   DenseLinearImpl(int64_t in_features, int64_t out_features, bool bias = true);
-  at::Tensor forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+  at::Tensor forward(const at::Tensor& x) {
+    if (!lora_a.defined()) return at::linear(x, weight, bias);
+    return lora_forward(x);
+  }
+
+  void add_lora(int64_t rank, double alpha, double dropout);
+  bool has_lora() const { return lora_a.defined(); }
+  double lora_scale() const { return lora_scale_; }
+  // W + scale * B A (the weight the merged model uses); requires an adapter.
+  at::Tensor merged_weight() const;
+  void merge_lora();
 
   at::Tensor weight, bias;  // bias undefined without one
+  at::Tensor lora_a, lora_b;  // undefined without an adapter
+
+ private:
+  at::Tensor lora_forward(const at::Tensor& x);
+  double lora_scale_ = 0, lora_dropout_ = 0;
 };
 TORCH_MODULE(DenseLinear);
 

@@ -8,6 +8,7 @@
 #include "models/model_config.h"
 #include "optim/optim_config.h"
 #include "parallel/parallel_config.h"
+#include "train/lora.h"
 
 #include <string>
 
@@ -85,6 +86,7 @@ struct RunConfig {
   TrainConfig train;
   checkpoint::CheckpointConfig checkpoint;
   checkpoint::ExportConfig export_;
+  LoraConfig lora;
 
   template <class V>
   void visit(V& v) {
@@ -98,6 +100,7 @@ struct RunConfig {
     v("train", train);
     v("checkpoint", checkpoint);
     v("export", export_);
+    v("lora", lora);
   }
 
   // Cross-section rules; throws ConfigError naming the keys.

@@ -194,6 +194,7 @@ class TrainerImpl {
   std::unique_ptr<ck::CheckpointReader> resume_;  // open only during setup
   std::vector<ck::ConfigChange> config_changes_;  // vs the resumed checkpoint's config
   int64_t start_step_ = 0;
+  bool model_tensors_logged_ = false;
   bool synthetic_ = true;
   core::SceneSpec scene_;
   std::unique_ptr<MetricsWriter> metrics_;
@@ -403,7 +404,11 @@ void TrainerImpl::setup() {
   const bool sharded_model = plan_.zero_stage == 3 && layout.dp > 1;
   if (resume_ && !sharded_model) {
     core::Stopwatch load_clock;
-    with_config_hint({"model.", "lora.", "qat."}, [&] { ck::load_weights(*resume_, *model_); });
+    if (hooks_.saves_model_tensor) {
+      with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
+    } else {
+      with_config_hint({"model.", "lora.", "qat."}, [&] { ck::load_weights(*resume_, *model_); });
+    }
     load_s += load_clock.elapsed_s();
   }
   if (hooks_.frozen_model) {
@@ -570,9 +575,21 @@ std::map<std::string, at::Tensor> TrainerImpl::train_step(int64_t step, double l
 
 void TrainerImpl::load_model_pieces() {
   // This rank's flat range of every parameter (and the buffers, whole), from whatever shards of
-  // whatever layout overlap them.
+  // whatever layout overlap them; or, before the engine exists, the module's tensors whole. Only
+  // the tensors checkpoints hold (TrainerHooks::saves_model_tensor).
+  std::vector<parallel::StatePiece> pieces = engine_ ? engine_->model_state()
+                                                     : std::vector<parallel::StatePiece>{};
+  if (!engine_) {
+    for (auto& it : model_->named_parameters())
+      pieces.push_back({it.key(), it.value().detach(), it.value().sizes().vec(),
+                        std::vector<int64_t>(static_cast<std::size_t>(it.value().dim()), 0), {}});
+    for (auto& it : model_->named_buffers())
+      pieces.push_back({it.key(), it.value().detach(), it.value().sizes().vec(),
+                        std::vector<int64_t>(static_cast<std::size_t>(it.value().dim()), 0), {}});
+  }
   std::vector<ck::LoadTarget> targets;
-  for (auto& piece : engine_->model_state()) {
+  for (auto& piece : pieces) {
+    if (hooks_.saves_model_tensor && !hooks_.saves_model_tensor(piece.name)) continue;
     const std::string name = ck::kModelPrefix + piece.name;
     if (piece.flat_begin < 0) {
       targets.push_back(ck::LoadTarget{name, piece.tensor, piece.offsets});
@@ -743,8 +760,31 @@ void TrainerImpl::save_checkpoint(int64_t step) {
   ck::SaveState state;
   // The model: whole and replicated, or (ZeRO-3) each rank's flat range of every parameter.
   const auto model_pieces = engine_->model_state();
-  if (model_pieces.empty()) ck::add_module(state, *model_, engine_->model_replicas());
+  const auto& keep = hooks_.saves_model_tensor;
+  if (model_pieces.empty() && !keep) ck::add_module(state, *model_, engine_->model_replicas());
+  if (model_pieces.empty() && keep) {
+    int64_t bytes = 0;
+    for (const auto& it : model_->named_parameters()) {
+      if (!keep(it.key())) continue;
+      state.add_replicated(ck::kModelPrefix + it.key(), it.value().detach(),
+                           engine_->model_replicas());
+      bytes += static_cast<int64_t>(it.value().nbytes());
+    }
+    for (const auto& it : model_->named_buffers()) {
+      if (!keep(it.key())) continue;
+      state.add_replicated(ck::kModelPrefix + it.key(), it.value().detach(),
+                           engine_->model_replicas());
+      bytes += static_cast<int64_t>(it.value().nbytes());
+    }
+    if (!model_tensors_logged_) {
+      core::log::info("checkpoints hold {} of model tensors (what trains; the rest comes from "
+                      "the base)",
+                      core::human_bytes(static_cast<double>(bytes)));
+      model_tensors_logged_ = true;
+    }
+  }
   for (const auto& piece : model_pieces) {
+    if (keep && !keep(piece.name)) continue;
     const std::string name = ck::kModelPrefix + piece.name;
     if (piece.flat_begin >= 0) {
       state.add_flat_shard(name, piece.tensor, piece.global_shape, piece.flat_begin,
@@ -969,7 +1009,8 @@ TrainSummary Trainer::fit() {
 }
 
 TrainSummary run_training(RunConfig& cfg) {
-  Trainer trainer(cfg);
+  // The LoRA trainer is the plain one with LoRA's hooks (train/lora.h).
+  Trainer trainer(cfg, cfg.lora.rank > 0 ? lora::hooks(cfg) : TrainerHooks{});
   return trainer.fit();
 }
 

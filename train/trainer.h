@@ -70,6 +70,9 @@ struct TrainerHooks {
       extra_loss;
   // Extra checkpoint entries (e.g. adapter-only weights, calibration statistics): added to every
   // save, and read back on resume (after the model and optimizer state).
+  // Which model tensors (module paths) checkpoints hold, and a resume reads back; empty: all.
+  // LoRA saves only what trains (its adapters): the frozen base comes from elsewhere.
+  std::function<bool(const std::string& name)> saves_model_tensor;
   std::function<void(checkpoint::SaveState& state)> save_extra;
   std::function<void(checkpoint::CheckpointReader& reader)> load_extra;
 };

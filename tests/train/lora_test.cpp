@@ -1,0 +1,114 @@
+// LoRA (train/lora.h, models/layers.h DenseLinear::add_lora): the adapter's arithmetic, its merge,
+// and the config errors. One process, CPU, fp32. The trainer-level behaviour (adapter-only
+// checkpoints, base fingerprint, DDP and ZeRO-3, merged export) is tests/train/test_lora.py.
+//
+// Tolerance (tests/TOLERANCES.md): the merged layer computes x (W + s B A)^T + b, the unmerged one
+// x W^T + b + s (x A^T) B^T; both are sums of the same exact products in another grouping, each
+// term rounded at most (in + r + 3) times, so they differ by at most
+// 2 gamma(in + r + 3) (|x| |W|^T + s |x| |A|^T |B|^T + |b|) elementwise (the magnitudes computed
+// in float64).
+#include "core/error.h"
+#include "models/layers.h"
+#include "models/model.h"
+#include "tests/common/tolerance.h"
+#include "train/lora.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+using namespace parallax;
+namespace tol = parallax::testing;
+
+TEST(LoraTest, AnAdapterStartsAsTheIdentityAndMergesIntoTheWeight) {
+  at::manual_seed(3);
+  models::DenseLinear layer(40, 24, true);
+  const at::Tensor x = at::randn({7, 5, 40});
+  const at::Tensor before = layer->forward(x).detach().clone();
+  layer->add_lora(4, 8.0, 0.0);
+  EXPECT_TRUE(at::equal(layer->forward(x), before)) << "B = 0: the output must not change";
+  EXPECT_EQ(layer->lora_scale(), 2.0);
+  {
+    at::NoGradGuard ng;
+    layer->lora_b.normal_(0, 0.5);  // a trained adapter
+  }
+  const at::Tensor unmerged = layer->forward(x).detach().clone();
+  EXPECT_FALSE(at::equal(unmerged, before));
+  const at::Tensor a = layer->lora_a.detach().to(at::kDouble).abs(),
+                   b = layer->lora_b.detach().to(at::kDouble).abs(),
+                   w = layer->weight.detach().to(at::kDouble).abs(),
+                   bias = layer->bias.detach().to(at::kDouble).abs(), ax = x.to(at::kDouble).abs();
+  const at::Tensor mag = at::matmul(ax, w.t()) + 2.0 * at::matmul(at::matmul(ax, a.t()), b.t()) + bias;
+  layer->merge_lora();
+  EXPECT_FALSE(layer->has_lora());
+  std::vector<std::string> names;
+  for (const auto& it : layer->named_parameters()) names.push_back(it.key());
+  EXPECT_EQ(names, (std::vector<std::string>{"weight", "bias"}));
+  const at::Tensor merged = layer->forward(x).detach();
+  EXPECT_TRUE(tol::within(merged, unmerged, 2 * tol::gamma_k(40 + 4 + 3) * mag));
+}
+
+TEST(LoraTest, ApplyAdaptsTheTargetsAndFreezesTheRest) {
+  at::manual_seed(5);
+  models::ModelConfig mc;
+  mc.name = "vit_cls";
+  mc.size = "tiny";
+  auto model = models::build_model(mc, core::SceneSpec{});
+  train::LoraConfig c;
+  c.rank = 2;
+  c.targets = {"*.attn.qkv", "*.mlp.fc1"};
+  c.trainable = {"head.*"};
+  const auto a = train::lora::apply(*model, c);
+  EXPECT_GT(a.layers, 0);
+  int64_t adapters = 0;
+  for (const auto& it : model->named_parameters()) {
+    const bool adapter = train::lora::is_adapter(it.key());
+    const bool head = it.key().rfind("head.", 0) == 0;
+    EXPECT_EQ(it.value().requires_grad(), adapter || head) << it.key();
+    if (adapter) {
+      adapters += it.value().numel();
+      EXPECT_TRUE(it.key().find(".attn.qkv.lora_") != std::string::npos ||
+                  it.key().find(".mlp.fc1.lora_") != std::string::npos)
+          << it.key();
+    }
+  }
+  EXPECT_EQ(adapters, a.adapter_params);
+  // Every adapter lies in its layer's unit (units are module paths), as ZeRO-3 needs.
+  std::set<std::string> in_units;
+  for (const auto& u : model->units()) in_units.insert(u.param_names.begin(), u.param_names.end());
+  for (const auto& it : model->named_parameters()) EXPECT_EQ(in_units.count(it.key()), 1u) << it.key();
+}
+
+TEST(LoraTest, AGlobThatMatchesNothingIsAConfigErrorNamingTheKey) {
+  models::ModelConfig mc;
+  mc.name = "vit_cls";
+  mc.size = "tiny";
+  auto model = models::build_model(mc, core::SceneSpec{});
+  train::LoraConfig c;
+  c.rank = 2;
+  c.targets = {"*.attn.qkv", "*.nothing"};
+  try {
+    train::lora::apply(*model, c);
+    ADD_FAILURE() << "accepted";
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("lora.targets"), std::string::npos) << what;
+    EXPECT_NE(what.find("'*.nothing'"), std::string::npos) << what;
+    EXPECT_NE(what.find("qkv"), std::string::npos) << what;  // lists linear layers that exist
+  }
+  auto fresh = models::build_model(mc, core::SceneSpec{});
+  c.targets = {"*.attn"};  // a module, but not a linear layer
+  EXPECT_THROW(train::lora::apply(*fresh, c), ConfigError);
+}
+
+TEST(LoraTest, TheFingerprintSeesEveryBaseByteAndIgnoresAdapters) {
+  at::manual_seed(7);
+  models::DenseLinear layer(6, 4, true);
+  const std::string f0 = train::lora::fingerprint(*layer);
+  layer->add_lora(2, 4.0, 0.0);
+  EXPECT_EQ(train::lora::fingerprint(*layer), f0);
+  {
+    at::NoGradGuard ng;
+    layer->weight[1][2].add_(1e-6f);
+  }
+  EXPECT_NE(train::lora::fingerprint(*layer), f0);
+}

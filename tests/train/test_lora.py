@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""LoRA through the real `parallax` binary (issue 21; train/lora.h), vit_cls tiny on CPU:
+
+- a base run, then `mpirun -np 2 parallax train ... lora.rank=4 lora.base=<base run>` (DDP):
+  only the adapters train (the exported merged weights equal the base's everywhere but the adapted
+  weights, bitwise), the checkpoints hold only the adapters (and are small), with the base's
+  fingerprint;
+- resume is bitwise; a resume on another base is refused naming both fingerprints;
+- `parallax export --format weights` merges: each adapted weight is W + alpha / r * B A, within
+  fp32 rounding of the float64 value (bound below);
+- a target glob that matches nothing is refused naming the key;
+- ZeRO-3 (frozen base weights and adapters share each unit) gives DDP's losses: step 1 bitwise,
+  steps 2-4 within 1e-5 relative (tests/TOLERANCES.md, the ZeRO rows).
+
+Merge bound: the export computes W + s (B A) in fp32: B A is a sum of r products (r roundings and
+the product's), the scaling and the addition one each: |merged - exact| <= gamma(r + 3) (|W| +
+s |B| |A|) elementwise.
+
+Usage: test_lora.py <parallax binary> <mpirun>
+"""
+import json
+import os
+import sys
+import unittest
+
+import h5py
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_train as tt  # noqa: E402
+
+U = 2.0 ** -24
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in tt.metrics(run_dir)}
+
+
+def metadata(ckpt):
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        return json.load(f)
+
+
+def read(ckpt, name):
+    t = metadata(ckpt)["tensors"][name]
+    out = np.zeros(t["shape"], dtype=np.float32)
+    for s in t["shards"]:
+        with h5py.File(os.path.join(ckpt, s["file"]), "r") as f:
+            data = f[name][()]
+        if "flat" in s:
+            out.reshape(-1)[s["flat"][0]:s["flat"][1]] = data
+        else:
+            out[tuple(slice(o, o + n) for o, n in zip(s["offsets"], s["lengths"]))] = data
+    return out
+
+
+class LoraTest(tt.RunDirTest):
+    COMMON = ["model.name=vit_cls", "model.size=tiny", "model.num_classes=10", "data.batch_size=4",
+              "train.log_every=1", "train.device=cpu", "schedule.warmup_steps=1"]
+
+    def lora(self, name, *extra, ranks=2, check=True):
+        return tt.run(self.common(name, "lora.rank=4", "lora.alpha=8",
+                                  f"lora.base={os.path.join(self.d, 'base')}", *extra), ranks=ranks,
+                      check=check)
+
+    def test_lora_trains_adapters_only_resumes_merges_and_refuses_another_base(self):
+        d = self.d
+        tt.run(self.common("base", "train.steps=3"))
+        self.lora("l", "train.steps=4", "checkpoint.every=2")
+        ck = os.path.join(d, "l", "checkpoints", "step_00000004")
+        meta = metadata(ck)
+        model = [k for k in meta["tensors"] if k.startswith("model/")]
+        self.assertTrue(model and all(k.endswith((".lora_a", ".lora_b")) for k in model), model)
+        self.assertEqual(len(model), 2 * 8)  # qkv, proj, fc1, fc2 of both blocks
+        optim = [k for k in meta["tensors"] if k.startswith("optim/") and k != "optim/step"]
+        self.assertTrue(all(".lora_" in k for k in optim), optim)
+        self.assertRegex(meta["extra"]["lora.base_fingerprint"], r"^[0-9a-f]{8}$")
+        size = lambda c: sum(os.path.getsize(os.path.join(c, f)) for f in os.listdir(c))
+        base_ck = os.path.join(d, "base", "checkpoints", "step_00000003")
+        self.assertLess(size(ck), size(base_ck) / 5)
+
+        # Resume from step 2: bitwise the same steps 3 and 4.
+        self.lora("r", "train.steps=4", f"train.resume={os.path.join(d, 'l', 'checkpoints', 'step_00000002')}")
+        a, b = losses(os.path.join(d, "l")), losses(os.path.join(d, "r"))
+        self.assertEqual(sorted(b), [3, 4])
+        for s in b:
+            self.assertEqual(a[s], b[s], f"step {s}")
+
+        # The merged export: the base everywhere, W + s B A where adapted.
+        base = tt.weights(os.path.join(d, "base"))
+        merged = tt.weights(os.path.join(d, "l"))
+        self.assertEqual(sorted(merged), sorted(base))
+        adapted = {k[len("model/"):-len(".lora_a")] for k in model if k.endswith(".lora_a")}
+        scale = 8 / 4
+        for k in base:
+            layer = k[:-len(".weight")] if k.endswith(".weight") else None
+            if layer not in adapted:
+                self.assertTrue(np.array_equal(merged[k], base[k]), f"{k} moved while frozen")
+                continue
+            A = read(ck, f"model/{layer}.lora_a").astype(np.float64)
+            B = read(ck, f"model/{layer}.lora_b").astype(np.float64)
+            self.assertGreater(np.abs(B).max(), 0, f"{layer}: the adapter never trained")
+            W = base[k].astype(np.float64)
+            exact = W + scale * (B @ A)
+            r = A.shape[0]
+            bound = (r + 3) * U / (1 - (r + 3) * U) * (np.abs(W) + scale * (np.abs(B) @ np.abs(A)))
+            self.assertTrue(np.all(np.abs(merged[k] - exact) <= bound), k)
+
+        # Another base: refused, naming both fingerprints.
+        tt.run(self.common("base2", "train.steps=2", "experiment.seed=7"))
+        p = tt.run(self.common("w", "lora.rank=4", "lora.alpha=8", f"lora.base={os.path.join(d, 'base2')}",
+                               "train.steps=4", f"train.resume={os.path.join(d, 'l', 'checkpoints', 'step_00000002')}"),
+                   check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("parallax: error:", p.stderr)
+        self.assertIn("trained on base", p.stderr)
+        self.assertIn(meta["extra"]["lora.base_fingerprint"], p.stderr)
+
+    def test_a_target_that_matches_nothing_is_refused(self):
+        tt.run(self.common("base", "train.steps=1"))
+        p = self.lora("bad", "train.steps=1", "lora.targets=['*.qkv','*.nothing']", ranks=1, check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("key 'lora.targets': '*.nothing' matches no linear layer", p.stderr)
+
+    def test_lora_under_zero3_gives_ddp_losses(self):
+        tt.run(self.common("base", "train.steps=2"))
+        out = {}
+        for stage in (0, 3):
+            self.lora(f"z{stage}", "train.steps=4", f"parallel.zero.stage={stage}")
+            out[stage] = losses(os.path.join(self.d, f"z{stage}"))
+        self.assertEqual(out[3][1], out[0][1])
+        for s in (2, 3, 4):
+            np.testing.assert_allclose(out[3][s], out[0][s], rtol=1e-5, err_msg=f"step {s}")
+
+
+if __name__ == "__main__":
+    tt.PARALLAX, tt.MPIRUN = os.path.abspath(sys.argv[1]), sys.argv[2]
+    unittest.main(argv=sys.argv[:1] + sys.argv[3:], verbosity=2)

@@ -1,0 +1,209 @@
+#include "train/lora.h"
+
+#include "checkpoint/save_state.h"
+#include "checkpoint/weights.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/strings.h"
+#include "models/layers.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fnmatch.h>
+#include <zlib.h>
+
+namespace parallax::train::lora {
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// What a LoRA run keeps between its hooks: the base's fingerprint, taken before the adapters.
+struct State {
+  const RunConfig* cfg = nullptr;
+  std::string base, fingerprint;
+  bool size_logged = false;
+};
+
+}  // namespace
+
+bool is_adapter(const std::string& name) {
+  return ends_with(name, ".lora_a") || ends_with(name, ".lora_b") || name == "lora_a" ||
+         name == "lora_b";
+}
+
+bool glob_match(const std::string& pattern, const std::string& name) {
+  return ::fnmatch(pattern.c_str(), name.c_str(), 0) == 0;
+}
+
+std::string fingerprint(const torch::nn::Module& m) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  auto add = [&](const std::string& name, const at::Tensor& t) {
+    const std::string head = fmt::format("{}|{}|{}|", name, c10::toString(t.scalar_type()),
+                                         fmt::join(t.sizes(), ","));
+    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(head.data()), static_cast<uInt>(head.size()));
+    const at::Tensor c = t.detach().to(at::kCPU).contiguous();
+    const auto* p = static_cast<const Bytef*>(c.data_ptr());
+    std::size_t left = c.nbytes();
+    while (left > 0) {  // zlib takes uInt lengths
+      const std::size_t n = std::min<std::size_t>(left, 1u << 30);
+      crc = ::crc32(crc, p, static_cast<uInt>(n));
+      p += n;
+      left -= n;
+    }
+  };
+  for (const auto& it : m.named_parameters())
+    if (!is_adapter(it.key())) add(it.key(), it.value());
+  for (const auto& it : m.named_buffers()) add(it.key(), it.value());
+  return fmt::format("{:08x}", static_cast<uint32_t>(crc));
+}
+
+Applied apply(models::Model& model, const LoraConfig& cfg) {
+  PARALLAX_CHECK(cfg.rank > 0, ConfigError, "key 'lora.rank': {} (LoRA needs a positive rank)",
+                 cfg.rank);
+  PARALLAX_CHECK(!cfg.targets.empty(), ConfigError,
+                 "key 'lora.targets': empty (name the linear layers to adapt, e.g. '*.qkv')");
+  Applied a;
+  std::vector<std::string> linears;
+  std::vector<int> hits(cfg.targets.size(), 0);
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const std::string& path = item.key();
+    auto* dense = dynamic_cast<models::DenseLinearImpl*>(item.value().get());
+    if (dense) linears.push_back(path);
+    bool match = false;
+    for (std::size_t g = 0; g < cfg.targets.size(); ++g) {
+      if (!glob_match(cfg.targets[g], path)) continue;
+      ++hits[g];
+      match = true;
+    }
+    if (!match) continue;
+    PARALLAX_CHECK(dense != nullptr, ConfigError,
+                   "key 'lora.targets': module '{}' matches but is not a linear layer (LoRA adapts "
+                   "the models' linear layers only)",
+                   path);
+    dense->add_lora(cfg.rank, cfg.alpha, cfg.dropout);
+    ++a.layers;
+    a.adapter_params += dense->lora_a.numel() + dense->lora_b.numel();
+  }
+  for (std::size_t g = 0; g < cfg.targets.size(); ++g) {
+    if (hits[g] > 0) continue;
+    std::vector<std::string> some(linears.begin(),
+                                  linears.begin() + std::min<std::ptrdiff_t>(6, linears.size()));
+    throw_error<ConfigError>(
+        "key 'lora.targets': '{}' matches no linear layer of model '{}'{}", cfg.targets[g],
+        model.name(),
+        linears.empty() ? " (it has none)"
+                        : fmt::format(" (its linear layers are e.g. {}{})", core::join(some, ", "),
+                                      linears.size() > some.size() ? ", ..." : ""));
+  }
+  std::vector<int> trainable_hits(cfg.trainable.size(), 0);
+  for (auto& it : model.named_parameters()) {
+    bool train = is_adapter(it.key());
+    for (std::size_t g = 0; g < cfg.trainable.size(); ++g) {
+      if (!glob_match(cfg.trainable[g], it.key())) continue;
+      ++trainable_hits[g];
+      train = true;
+    }
+    it.value().set_requires_grad(train);
+    a.total += it.value().numel();
+    if (train) a.trainable += it.value().numel();
+  }
+  for (std::size_t g = 0; g < cfg.trainable.size(); ++g) {
+    PARALLAX_CHECK(trainable_hits[g] > 0, ConfigError,
+                   "key 'lora.trainable': '{}' matches no parameter", cfg.trainable[g]);
+  }
+  return a;
+}
+
+std::string base_path(const RunConfig& cfg) {
+  const std::string path = cfg.lora.base.empty() ? cfg.train.load_from : cfg.lora.base;
+  PARALLAX_CHECK(!path.empty(), ConfigError,
+                 "key 'lora.base': a LoRA run adapts a trained base; set lora.base (or "
+                 "train.load_from) to its checkpoint, run directory or weights.h5");
+  return path;
+}
+
+TrainerHooks hooks(const RunConfig& cfg) {
+  auto state = std::make_shared<State>();
+  state->cfg = &cfg;
+  TrainerHooks h;
+  h.transform_model = [state](models::Model& m) {
+    const RunConfig& c = *state->cfg;
+    state->base = base_path(c);
+    const auto report = checkpoint::load_weights(m, state->base);
+    core::log::info("lora.base={}: {}", state->base, report.summary());
+    state->fingerprint = fingerprint(m);
+    const Applied a = apply(m, c.lora);
+    core::log::info(
+        "LoRA: rank {} (alpha {}, dropout {}) on {} linear layers: {:.3f} M adapter parameters; "
+        "{:.3f} M of {:.3f} M parameters trainable ({:.2f}%); base fingerprint {}",
+        c.lora.rank, c.lora.alpha, c.lora.dropout, a.layers, a.adapter_params / 1e6,
+        a.trainable / 1e6, a.total / 1e6, 100.0 * a.trainable / std::max<int64_t>(1, a.total),
+        state->fingerprint);
+  };
+  // Checkpoints hold what trains: the adapters (and `lora.trainable`), not the frozen base.
+  h.saves_model_tensor = [state](const std::string& name) {
+    if (is_adapter(name)) return true;
+    for (const auto& g : state->cfg->lora.trainable)
+      if (glob_match(g, name)) return true;
+    return false;
+  };
+  h.save_extra = [state](checkpoint::SaveState& s) {
+    s.set_extra("lora.base", state->base);
+    s.set_extra("lora.base_fingerprint", state->fingerprint);
+    s.set_extra("lora.rank", state->cfg->lora.rank);
+    s.set_extra("lora.alpha", state->cfg->lora.alpha);
+  };
+  h.load_extra = [state](checkpoint::CheckpointReader& r) {
+    const auto& m = r.metadata();
+    PARALLAX_CHECK(m.has_extra("lora.base_fingerprint"), CheckpointError,
+                   "checkpoint '{}' holds no LoRA adapters (saved without lora.rank); start a "
+                   "LoRA run from its weights with lora.base={} instead of resuming it",
+                   r.dir(), r.dir());
+    const std::string saved = m.extra_string("lora.base_fingerprint");
+    PARALLAX_CHECK(saved == state->fingerprint, CheckpointError,
+                   "checkpoint '{}': its LoRA adapters were trained on base '{}' (fingerprint {}), "
+                   "but this run's base '{}' has fingerprint {}; set lora.base to the base they "
+                   "were trained on",
+                   r.dir(), m.extra_string("lora.base"), saved, state->base, state->fingerprint);
+  };
+  return h;
+}
+
+std::shared_ptr<models::Model> merged_model(const RunConfig& cfg, const core::SceneSpec& scene,
+                                            checkpoint::CheckpointReader& reader) {
+  auto model = models::build_model(cfg.model, scene);
+  const std::string base = base_path(cfg);
+  checkpoint::load_weights(*model, base);
+  const std::string fp = fingerprint(*model);
+  const auto& meta = reader.metadata();
+  PARALLAX_CHECK(meta.has_extra("lora.base_fingerprint"), CheckpointError,
+                 "checkpoint '{}' of a LoRA run holds no adapter metadata", reader.dir());
+  const std::string saved = meta.extra_string("lora.base_fingerprint");
+  PARALLAX_CHECK(saved == fp, CheckpointError,
+                 "checkpoint '{}': its LoRA adapters were trained on base '{}' (fingerprint {}), "
+                 "but the base '{}' of the run's config has fingerprint {}",
+                 reader.dir(), meta.extra_string("lora.base"), saved, base, fp);
+  apply(*model, cfg.lora);
+  // The adapters (and the `trainable` tensors) from the checkpoint, whole.
+  std::vector<checkpoint::LoadTarget> targets;
+  for (auto& it : model->named_parameters()) {
+    if (!it.value().requires_grad()) continue;
+    targets.push_back({checkpoint::kModelPrefix + it.key(), it.value().detach(), {}});
+  }
+  reader.load(targets);
+  for (const auto& item : model->named_modules("", false)) {
+    if (auto* dense = dynamic_cast<models::DenseLinearImpl*>(item.value().get())) {
+      if (dense->has_lora()) dense->merge_lora();
+    }
+  }
+  for (auto& p : model->parameters()) p.set_requires_grad(false);
+  model->eval();
+  return model;
+}
+
+}  // namespace parallax::train::lora

@@ -1,0 +1,94 @@
+// LoRA fine-tuning (`lora` config section, docs/trainers.md): low-rank adapters on the linear
+// layers that `lora.targets` names, the rest of the model frozen, adapter-only checkpoints tied to
+// their base by a fingerprint, and merged exports. Built on the Trainer's extension points
+// (train/trainer.h): a model transform, a filter on the checkpointed model tensors, and extra
+// checkpoint entries.
+//
+// A run: the model is built, the base weights (`lora.base`, else `train.load_from`; required) are
+// loaded, their fingerprint taken, adapters added to every DenseLinear whose module path matches a
+// glob of `lora.targets` (models/layers.h: y += alpha / r * dropout(x) A^T B^T, B = 0 at the start),
+// and every parameter frozen but the adapters and those matching `lora.trainable`. Frozen base
+// weights get no gradient, no optimizer state and no gradient bucket; under ZeRO-3 they are sharded
+// like the rest. Checkpoints hold only the trainable tensors (and the base's fingerprint and path);
+// a resume loads the base again, then the adapters, and refuses a base whose fingerprint differs.
+// `parallax export` merges the adapters into the base (W += alpha / r * B A) for weights.h5 and
+// ONNX (merged_model()).
+#pragma once
+
+#include "checkpoint/reader.h"
+#include "core/config.h"
+#include "core/scene.h"
+#include "models/model.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace parallax::train {
+
+struct RunConfig;
+struct TrainerHooks;
+
+struct LoraConfig {
+  int64_t rank = 0;  // 0: off
+  double alpha = 16;
+  double dropout = 0;
+  std::vector<std::string> targets = {"*.qkv", "*.proj", "*.fc1", "*.fc2"};
+  std::vector<std::string> trainable;  // parameter-name globs trained beside the adapters
+  std::string base;                    // base weights; "" -> train.load_from
+
+  template <class V>
+  void visit(V& v) {
+    v("rank", rank, "LoRA rank r of the adapters (0: no LoRA)", core::Check::at_least(0));
+    v("alpha", alpha, "LoRA scale numerator: the adapter's output is multiplied by alpha / rank",
+      core::Check::positive());
+    v("dropout", dropout, "dropout on the adapters' input (training only)",
+      core::Check::between(0, 0.99));
+    v("targets", targets,
+      "module-path globs of the linear layers that get adapters (e.g. '*.attn.qkv', "
+      "'*.mlp.fc1'); each must match at least one");
+    v("trainable", trainable,
+      "parameter-name globs trained in full beside the adapters (e.g. 'heads.*'); saved in the "
+      "adapter checkpoints");
+    v("base", base,
+      "the base model: a checkpoint, run directory or weights.h5 ('' uses train.load_from)");
+  }
+};
+
+namespace lora {
+
+// True for an adapter parameter's name ("<module path>.lora_a" / ".lora_b").
+bool is_adapter(const std::string& name);
+// fnmatch(3) without flags: '*' also crosses dots, as in PEFT's and ModelOpt's name patterns.
+bool glob_match(const std::string& pattern, const std::string& name);
+
+// crc32 over the names, shapes, dtypes and bytes of every parameter and buffer of `m` (CPU copies,
+// tensor by tensor), as 8 hex digits: what ties an adapter to its base.
+std::string fingerprint(const torch::nn::Module& m);
+
+struct Applied {
+  int64_t layers = 0;          // linear layers with an adapter
+  int64_t adapter_params = 0;  // elements of lora_a and lora_b
+  int64_t trainable = 0;       // adapters plus `trainable` matches
+  int64_t total = 0;           // every parameter
+};
+// Adds the adapters and freezes the rest. ConfigError naming the key when a target glob matches no
+// linear layer (listing some that exist), or matches a module that is not a DenseLinear, or a
+// `trainable` glob matches no parameter.
+Applied apply(models::Model& model, const LoraConfig& cfg);
+
+// The base path of a run (lora.base, else train.load_from); ConfigError when neither is set.
+std::string base_path(const RunConfig& cfg);
+
+// The Trainer's hooks for a LoRA run of `cfg` (cfg.lora.rank > 0). The hooks keep a pointer to
+// `cfg`, which must outlive the Trainer.
+TrainerHooks hooks(const RunConfig& cfg);
+
+// For export: the run's model with the base loaded, the adapters of `reader` (a checkpoint of the
+// run) loaded after checking the base's fingerprint, and every adapter merged into its weight, so
+// the model has no adapter parameters left. CheckpointError for a base that does not match.
+std::shared_ptr<models::Model> merged_model(const RunConfig& cfg, const core::SceneSpec& scene,
+                                            checkpoint::CheckpointReader& reader);
+
+}  // namespace lora
+}  // namespace parallax::train
