@@ -2,11 +2,12 @@
 // and the config errors. One process, CPU, fp32. The trainer-level behaviour (adapter-only
 // checkpoints, base fingerprint, DDP and ZeRO-3, merged export) is tests/train/test_lora.py.
 //
-// Tolerance (tests/TOLERANCES.md): the merged layer computes x (W + s B A)^T + b, the unmerged one
-// x W^T + b + s (x A^T) B^T; both are sums of the same exact products in another grouping, each
-// term rounded at most (in + r + 3) times, so they differ by at most
+// Tolerance (tests/TOLERANCES.md): the merged layer computes x (W + s B A)^T + b, the adapted one
+// (without dropout) the same effective weight in fp32; were it the two-GEMM form x W^T + b +
+// s (x A^T) B^T, both would be sums of the same exact products in another grouping, each term
+// rounded at most (in + r + 3) times, so they differ by at most
 // 2 gamma(in + r + 3) (|x| |W|^T + s |x| |A|^T |B|^T + |b|) elementwise (the magnitudes computed
-// in float64).
+// in float64): the bound covers either form.
 #include "core/error.h"
 #include "models/layers.h"
 #include "models/model.h"
@@ -45,6 +46,29 @@ TEST(LoraTest, AnAdapterStartsAsTheIdentityAndMergesIntoTheWeight) {
   EXPECT_EQ(names, (std::vector<std::string>{"weight", "bias"}));
   const at::Tensor merged = layer->forward(x).detach();
   EXPECT_TRUE(tol::within(merged, unmerged, 2 * tol::gamma_k(40 + 4 + 3) * mag));
+}
+
+// With dropout on the adapter's input (training), the adapter runs as its own two GEMMs:
+// exactly x W^T + b + s (dropout(x) A^T) B^T, the mask drawn as at::dropout draws it.
+TEST(LoraTest, WithDropoutTheAdapterIsItsOwnPathOnTheDroppedInput) {
+  at::manual_seed(9);
+  models::DenseLinear layer(16, 12, true);
+  layer->add_lora(3, 6.0, 0.25);
+  {
+    at::NoGradGuard ng;
+    layer->lora_b.normal_();
+  }
+  layer->train();
+  const at::Tensor x = at::randn({5, 16});
+  at::manual_seed(11);
+  const at::Tensor got = layer->forward(x).detach();
+  at::manual_seed(11);
+  const at::Tensor h = at::dropout(x, 0.25, true);
+  const at::Tensor want = at::linear(x, layer->weight, layer->bias) +
+                          at::linear(at::linear(h, layer->lora_a), layer->lora_b) * 2.0;
+  EXPECT_TRUE(at::equal(got, want.detach()));
+  layer->eval();  // no dropout: the effective-weight form
+  EXPECT_FALSE(at::equal(layer->forward(x).detach(), got));
 }
 
 TEST(LoraTest, ApplyAdaptsTheTargetsAndFreezesTheRest) {
