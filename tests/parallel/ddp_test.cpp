@@ -876,7 +876,15 @@ TEST_F(DdpTest, BevLossNormalisersSpanTheWholeBatch) {
   world_->all_reduce(abs_mean, comm::ReduceOp::kSum);
   mean_grad = mean_grad.cpu() / n_;
   abs_mean = abs_mean.cpu() / n_;
-  const at::Tensor grad_bound = abs_mean * tol::gamma_k(n_);
+  at::Tensor grad_bound = abs_mean * tol::gamma_k(n_);
+  if (test_device().is_cuda()) {
+    // On GPUs the local gradient itself is not deterministic (atomic adds in the grid-sampling
+    // backward, cuDNN's algorithm choice), so `ref` and `net` differ before any reduction. Kind N
+    // (tests/TOLERANCES.md): 1e-4 relative plus 1e-7 of the largest magnitude; measured 1.4e-5
+    // relative on 2 x H200 (2026-11-24), while per-rank normalisers (the check below) are off by
+    // far more.
+    grad_bound = grad_bound + 1e-4 * abs_mean + 1e-7 * abs_mean.max();
+  }
 
   ddp::DistributedDataParallel engine(net, world_, {});
   struct DdpRun {
