@@ -78,7 +78,6 @@ core::SceneSpec run_scene(const train::RunConfig& cfg) {
   return {};
 }
 
-
 int export_weights(const Args& args, const Settings& s, const std::string& run,
                    const std::optional<train::RunConfig>& cfg) {
   const std::string dtype = s.cfg.dtype;

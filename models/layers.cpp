@@ -9,12 +9,14 @@
 namespace parallax::models {
 
 Cost linear_cost(int64_t in, int64_t out, bool bias, double rows) {
-  return {in * out + (bias ? out : 0), 2.0 * rows * static_cast<double>(in) * static_cast<double>(out)};
+  return {in * out + (bias ? out : 0),
+          2.0 * rows * static_cast<double>(in) * static_cast<double>(out)};
 }
 
 Cost conv_cost(int64_t in, int64_t out, int64_t kernel, bool bias, int64_t out_h, int64_t out_w) {
   const int64_t weights = in * out * kernel * kernel;
-  return {weights + (bias ? out : 0), 2.0 * static_cast<double>(out_h * out_w) * static_cast<double>(weights)};
+  return {weights + (bias ? out : 0),
+          2.0 * static_cast<double>(out_h * out_w) * static_cast<double>(weights)};
 }
 
 int64_t count_parameters(const torch::nn::Module& m) {
@@ -86,8 +88,10 @@ int64_t norm_groups(int64_t channels) {
 }
 
 ConvNormActImpl::ConvNormActImpl(const ConvNormActOptions& o) : opts_(o) {
-  conv_ = register_module(
-      "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in, o.out, o.kernel).stride(o.stride).padding(o.kernel / 2).bias(false)));
+  conv_ = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in, o.out, o.kernel)
+                                                        .stride(o.stride)
+                                                        .padding(o.kernel / 2)
+                                                        .bias(false)));
   norm_ = register_module("norm", torch::nn::GroupNorm(norm_groups(o.out), o.out));
 }
 
@@ -100,7 +104,8 @@ Cost ConvNormActImpl::analytic_cost(const ConvNormActOptions& o) {
   return conv_cost(o.in, o.out, o.kernel, false, o.out_h, o.out_w) + Cost{2 * o.out, 0.0};
 }
 
-ResidualConvBlock::ResidualConvBlock(int64_t channels, int64_t h, int64_t w) : channels_(channels), h_(h), w_(w) {
+ResidualConvBlock::ResidualConvBlock(int64_t channels, int64_t h, int64_t w)
+    : channels_(channels), h_(h), w_(w) {
   ConvNormActOptions o{channels, channels, 3, 1, true, h, w};
   conv1_ = register_module("conv1", ConvNormAct(o));
   o.act = false;

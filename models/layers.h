@@ -100,7 +100,7 @@ class DenseLinearImpl : public torch::nn::Module {
   at::Tensor merged_weight() const;
   void merge_lora();
 
-  at::Tensor weight, bias;  // bias undefined without one
+  at::Tensor weight, bias;    // bias undefined without one
   at::Tensor lora_a, lora_b;  // undefined without an adapter
 
  private:
@@ -117,7 +117,7 @@ int64_t norm_groups(int64_t channels);
 
 struct ConvNormActOptions {
   int64_t in = 0, out = 0, kernel = 3, stride = 1;
-  bool act = true;  // ReLU after the norm
+  bool act = true;               // ReLU after the norm
   int64_t out_h = 0, out_w = 0;  // configured output size, for cost()
 };
 

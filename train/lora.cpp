@@ -43,8 +43,8 @@ bool glob_match(const std::string& pattern, const std::string& name) {
 std::string fingerprint(const torch::nn::Module& m) {
   uLong crc = ::crc32(0L, Z_NULL, 0);
   auto add = [&](const std::string& name, const at::Tensor& t) {
-    const std::string head = fmt::format("{}|{}|{}|", name, c10::toString(t.scalar_type()),
-                                         fmt::join(t.sizes(), ","));
+    const std::string head =
+        fmt::format("{}|{}|{}|", name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ","));
     crc = ::crc32(crc, reinterpret_cast<const Bytef*>(head.data()), static_cast<uInt>(head.size()));
     const at::Tensor c = t.detach().to(at::kCPU).contiguous();
     const auto* p = static_cast<const Bytef*>(c.data_ptr());

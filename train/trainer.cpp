@@ -499,8 +499,7 @@ void TrainerImpl::setup() {
 
   if (resume_) {
     core::Stopwatch load_clock;
-    if (sharded_model)
-      with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
+    if (sharded_model) with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
     with_config_hint({"optim.", "model.", "lora.", "qat."}, [&] { load_optimizer_state(); });
     check_resumed_state_finite();
     ck::load_loss_scaler(resume_->metadata(), *scaler_);
@@ -577,15 +576,21 @@ void TrainerImpl::load_model_pieces() {
   // This rank's flat range of every parameter (and the buffers, whole), from whatever shards of
   // whatever layout overlap them; or, before the engine exists, the module's tensors whole. Only
   // the tensors checkpoints hold (TrainerHooks::saves_model_tensor).
-  std::vector<parallel::StatePiece> pieces = engine_ ? engine_->model_state()
-                                                     : std::vector<parallel::StatePiece>{};
+  std::vector<parallel::StatePiece> pieces =
+      engine_ ? engine_->model_state() : std::vector<parallel::StatePiece>{};
   if (!engine_) {
     for (auto& it : model_->named_parameters())
-      pieces.push_back({it.key(), it.value().detach(), it.value().sizes().vec(),
-                        std::vector<int64_t>(static_cast<std::size_t>(it.value().dim()), 0), {}});
+      pieces.push_back({it.key(),
+                        it.value().detach(),
+                        it.value().sizes().vec(),
+                        std::vector<int64_t>(static_cast<std::size_t>(it.value().dim()), 0),
+                        {}});
     for (auto& it : model_->named_buffers())
-      pieces.push_back({it.key(), it.value().detach(), it.value().sizes().vec(),
-                        std::vector<int64_t>(static_cast<std::size_t>(it.value().dim()), 0), {}});
+      pieces.push_back({it.key(),
+                        it.value().detach(),
+                        it.value().sizes().vec(),
+                        std::vector<int64_t>(static_cast<std::size_t>(it.value().dim()), 0),
+                        {}});
   }
   std::vector<ck::LoadTarget> targets;
   for (auto& piece : pieces) {
@@ -777,9 +782,10 @@ void TrainerImpl::save_checkpoint(int64_t step) {
       bytes += static_cast<int64_t>(it.value().nbytes());
     }
     if (!model_tensors_logged_) {
-      core::log::info("checkpoints hold {} of model tensors (what trains; the rest comes from "
-                      "the base)",
-                      core::human_bytes(static_cast<double>(bytes)));
+      core::log::info(
+          "checkpoints hold {} of model tensors (what trains; the rest comes from "
+          "the base)",
+          core::human_bytes(static_cast<double>(bytes)));
       model_tensors_logged_ = true;
     }
   }

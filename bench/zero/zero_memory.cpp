@@ -78,15 +78,14 @@ int main(int argc, char** argv) {
                            : stage == 2         ? 4.0 + 12.0 / n
                                                 : 16.0 / n;
     if (world.rank() == 0) {
-      std::printf("%s\n",
-                  fmt::format("{{\"model\": \"{}/{}\", \"ranks\": {}, \"stage\": {}, "
-                              "\"params_gb\": {:.4f}, \"grads_gb\": {:.4f}, "
-                              "\"optimizer_gb\": {:.4f}, \"total_gb\": {:.4f}, "
-                              "\"bytes_per_param\": {:.3f}, \"formula_bytes_per_param\": "
-                              "{:.3f}}}",
-                              model_name, size, n, stage, m.params / 1e9, m.grads / 1e9,
-                              m.optimizer / 1e9, m.total() / 1e9, m.total() / psi, formula)
-                      .c_str());
+      std::printf("%s\n", fmt::format("{{\"model\": \"{}/{}\", \"ranks\": {}, \"stage\": {}, "
+                                      "\"params_gb\": {:.4f}, \"grads_gb\": {:.4f}, "
+                                      "\"optimizer_gb\": {:.4f}, \"total_gb\": {:.4f}, "
+                                      "\"bytes_per_param\": {:.3f}, \"formula_bytes_per_param\": "
+                                      "{:.3f}}}",
+                                      model_name, size, n, stage, m.params / 1e9, m.grads / 1e9,
+                                      m.optimizer / 1e9, m.total() / 1e9, m.total() / psi, formula)
+                              .c_str());
       std::fflush(stdout);
     }
   }

@@ -200,16 +200,18 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
           if (options_.transient) {
             // Into the bucket's buffer (allocated by its first gradient), and the parameter's own
             // gradient is dropped: no rank keeps a full gradient past its bucket's reduce-scatter.
-            PARALLAX_CHECK(sync, Error,
-                           "gradient buckets: a backward without gradient sync on transient buckets "
-                           "(ZeRO-2 reduces every micro-step)");
+            PARALLAX_CHECK(
+                sync, Error,
+                "gradient buckets: a backward without gradient sync on transient buckets "
+                "(ZeRO-2 reduces every micro-step)");
             at::Tensor& grad = params_[i].mutable_grad();
             if (grad.defined()) {
               at::NoGradGuard ng;
               if (!b.buffer.defined()) {
                 b.buffer = at::zeros({bucket_info_[param_bucket_[i]].padded_numel}, grad.options());
               }
-              b.buffer.narrow(0, bucket_info_[param_bucket_[i]].offsets[param_slot_[i]], grad.numel())
+              b.buffer
+                  .narrow(0, bucket_info_[param_bucket_[i]].offsets[param_slot_[i]], grad.numel())
                   .view_as(grad)
                   .copy_(grad);
               grad = at::Tensor();

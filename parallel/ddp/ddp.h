@@ -173,7 +173,9 @@ class DistributedDataParallel {
   const at::Tensor& bucket_buffer(std::size_t i) const { return buckets_.at(i).buffer; }
   // After finalize_backward() with find_unused: whether any rank produced a gradient for trainable
   // parameter `i` (registration order, frozen ones left out); always true without find_unused.
-  bool used_anywhere(std::size_t i) const { return used_anywhere_.empty() || used_anywhere_.at(i) != 0; }
+  bool used_anywhere(std::size_t i) const {
+    return used_anywhere_.empty() || used_anywhere_.at(i) != 0;
+  }
   const at::Tensor& bucket_shard(std::size_t i) const { return buckets_.at(i).shard; }
 
  private:

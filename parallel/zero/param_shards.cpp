@@ -26,7 +26,9 @@ void set_storage_bytes(const at::Tensor& t, int64_t nbytes) {
   s->set_nbytes(static_cast<std::size_t>(nbytes));
 }
 
-bool on_device(const comm::Communicator& c) { return c.device_type() != c10::DeviceType::CPU; }
+bool on_device(const comm::Communicator& c) {
+  return c.device_type() != c10::DeviceType::CPU;
+}
 
 std::string ordinal(int k) {
   return k == 1 ? "1st" : k == 2 ? "2nd" : k == 3 ? "3rd" : fmt::format("{}th", k);
@@ -72,8 +74,8 @@ void ParamShards::add(int unit, int bucket, std::vector<std::string> names,
                       at::Tensor full) {
   PARALLAX_CHECK(unit >= 0 && static_cast<std::size_t>(unit) < units_.size(), Error,
                  "ZeRO-3: unit {} out of range", unit);
-  PARALLAX_CHECK(full.numel() % n_ == 0, Error, "ZeRO-3: flat parameter of {} elements not padded to {}",
-                 full.numel(), n_);
+  PARALLAX_CHECK(full.numel() % n_ == 0, Error,
+                 "ZeRO-3: flat parameter of {} elements not padded to {}", full.numel(), n_);
   Flat f;
   f.unit = unit;
   f.bucket = bucket;
@@ -133,7 +135,8 @@ void ParamShards::issue(int unit) {
   const auto& list = unit_flats_.at(static_cast<std::size_t>(unit));
   bool any = false;
   // A flat parameter done in this backward is not gathered again.
-  for (std::size_t i : list) any = any || (!flats_[i].gathered && !flats_[i].work && !flats_[i].done);
+  for (std::size_t i : list)
+    any = any || (!flats_[i].gathered && !flats_[i].work && !flats_[i].done);
   if (!any) return;
   // Agreement first: which unit this rank gathers, and how many times it has this step.
   const int k = ++gathers_[static_cast<std::size_t>(unit)];
@@ -188,9 +191,9 @@ void ParamShards::check_tags(const at::Tensor& tags, std::size_t first_gather) {
       const std::string name = u >= 0 && static_cast<std::size_t>(u) < units_.size()
                                    ? units_[static_cast<std::size_t>(u)].name
                                    : fmt::format("#{}", u);
-      who.push_back(fmt::format("rank {} gathers unit '{}' for the {} time", dp_->world_ranks().at(
-                                                                                   static_cast<std::size_t>(r)),
-                                name, ordinal(row[2 * r + 1])));
+      who.push_back(fmt::format("rank {} gathers unit '{}' for the {} time",
+                                dp_->world_ranks().at(static_cast<std::size_t>(r)), name,
+                                ordinal(row[2 * r + 1])));
     }
     throw_error<Error>(
         "ZeRO-3 (group '{}', gather {} of this step): the ranks disagree on which unit runs next: "

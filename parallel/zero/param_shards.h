@@ -58,7 +58,8 @@ class ParamShards : public core::UnitHooks {
   ~ParamShards() override;
 
   // Registers a flat parameter of unit `unit`: `params` (the module's) are views of `full` at
-  // `offsets`; `bucket` is its gradient bucket (-1: frozen). Copies this rank's shard out of `full`.
+  // `offsets`; `bucket` is its gradient bucket (-1: frozen). Copies this rank's shard out of
+  // `full`.
   void add(int unit, int bucket, std::vector<std::string> names, std::vector<at::Tensor> params,
            std::vector<int64_t> offsets, at::Tensor full);
   // Ends setup: frees every unit (N > 1).
@@ -100,9 +101,12 @@ class ParamShards : public core::UnitHooks {
   int64_t held_bytes() const;
 
  private:
-  void issue(int unit);   // gathers of the unit's flats that are neither gathered nor in flight
-  void wait(int unit);    // waits for them (the compute stream, on GPUs)
-  void gather(int unit) { issue(unit); wait(unit); }
+  void issue(int unit);  // gathers of the unit's flats that are neither gathered nor in flight
+  void wait(int unit);   // waits for them (the compute stream, on GPUs)
+  void gather(int unit) {
+    issue(unit);
+    wait(unit);
+  }
   void free_flat(Flat& f);
   void free_frozen_if_done(int unit);
   void pre_backward(int unit);
@@ -119,7 +123,7 @@ class ParamShards : public core::UnitHooks {
   std::vector<char> passed_;               // per unit: the backward has reached an earlier unit
   std::vector<int> gathers_;               // per unit: gathers this step
   std::vector<long> flat_of_bucket_;
-  std::vector<at::Tensor> tags_;           // GPUs: this backward's gathered tags, checked at its end
+  std::vector<at::Tensor> tags_;  // GPUs: this backward's gathered tags, checked at its end
   std::vector<std::pair<int, int>> tag_of_;  // the (unit, ordinal) of each deferred tag
   bool summoned_ = false;
   std::mutex mu_;

@@ -132,11 +132,12 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
   if (shards_) {
     // Frozen parameters are sharded too (a LoRA base is most of the model): per unit and dtype,
     // gathered with the unit, never reduced.
-    std::map<std::pair<int, at::ScalarType>, std::vector<std::pair<std::string, at::Tensor>>> frozen;
+    std::map<std::pair<int, at::ScalarType>, std::vector<std::pair<std::string, at::Tensor>>>
+        frozen;
     for (const auto& item : module_->named_parameters()) {
       if (item.value().requires_grad()) continue;
       frozen[{unit_of->at(item.key()), item.value().scalar_type()}].emplace_back(item.key(),
-                                                                                item.value());
+                                                                                 item.value());
     }
     for (auto& [key, list] : frozen) {
       int64_t numel = 0;
@@ -236,7 +237,8 @@ void ZeroEngine::forward_backward(int micro_steps, const std::function<at::Tenso
   }
   // A piece has a gradient unless no rank used its parameter (find_unused).
   for (auto& p : pieces_) {
-    p.param.mutable_grad() = ddp_->used_anywhere(static_cast<std::size_t>(p.param_index)) ? p.grad : at::Tensor();
+    p.param.mutable_grad() =
+        ddp_->used_anywhere(static_cast<std::size_t>(p.param_index)) ? p.grad : at::Tensor();
   }
 }
 
@@ -299,8 +301,9 @@ std::vector<StatePiece> ZeroEngine::optimizer_state() {
       out.push_back(StatePiece{key, t, {}, {}, p.holders});
       continue;
     }
-    PARALLAX_CHECK(t.numel() == p.end - p.begin, Error, "ZeRO: optimizer state '{}' has {} elements, its piece {}",
-                   key, t.numel(), p.end - p.begin);
+    PARALLAX_CHECK(t.numel() == p.end - p.begin, Error,
+                   "ZeRO: optimizer state '{}' has {} elements, its piece {}", key, t.numel(),
+                   p.end - p.begin);
     // One flat piece, a view of the live state (view, not reshape: a load must write into it).
     out.push_back(StatePiece{key, t.detach().view({-1}), p.shape, {}, {me}, p.begin});
   }
@@ -325,8 +328,12 @@ std::vector<StatePiece> ZeroEngine::model_state() {
       const int64_t off = f.offsets[k], numel = f.views[k].numel();
       const int64_t b = std::max(off, lo), e = std::min(off + numel, hi);
       if (numel == 0 || b >= e) continue;
-      out.push_back(StatePiece{f.names[k], f.shard.narrow(0, b - lo, e - b), f.views[k].sizes().vec(),
-                               {}, {me}, b - off});
+      out.push_back(StatePiece{f.names[k],
+                               f.shard.narrow(0, b - lo, e - b),
+                               f.views[k].sizes().vec(),
+                               {},
+                               {me},
+                               b - off});
     }
   }
   for (const auto& item : module_->named_buffers()) {

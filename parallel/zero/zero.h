@@ -31,10 +31,11 @@
 // buffer is released once its reduce-scatter is issued (freed when the collective completes), so
 // between steps a rank holds only its shards.
 //
-// Limits of this version: no CUDA graph capture (parallel/plan.cpp refuses it); on CPU backends a transient bucket's memory returns when
-// finalize waits for the collective (end of backward), on GPUs when the communication stream has
-// used it. Stage 3 builds the whole model on every rank before sharding it (no deferred
-// initialisation), and a resumed run reads the whole model before sharding it.
+// Limits of this version: no CUDA graph capture (parallel/plan.cpp refuses it); on CPU backends a
+// transient bucket's memory returns when finalize waits for the collective (end of backward), on
+// GPUs when the communication stream has used it. Stage 3 builds the whole model on every rank
+// before sharding it (no deferred initialisation), and a resumed run reads the whole model before
+// sharding it.
 #pragma once
 
 #include "parallel/ddp/ddp.h"
@@ -76,8 +77,8 @@ class ZeroEngine : public Engine {
   void release_full_params() override;
 
   // Parameters (whole: the flat buffers; stage 3: the shards and whatever is gathered now),
-  // gradients (flat buffers, the reduce-scatter shards and, stages 2 and 3, the shard accumulators),
-  // optimizer state (moments and masters of this rank's pieces).
+  // gradients (flat buffers, the reduce-scatter shards and, stages 2 and 3, the shard
+  // accumulators), optimizer state (moments and masters of this rank's pieces).
   EngineMemory memory() override;
 
   // The gradient buckets' timers (parallel/ddp/ddp.h): the last synced backward and the
@@ -109,14 +110,14 @@ class ZeroEngine : public Engine {
   bool reduce_each_micro_ = false;
   std::unique_ptr<ddp::DistributedDataParallel> ddp_;  // the gradient buckets (reduce-scatter)
   std::vector<at::Tensor> flat_params_;                // per bucket, padded
-  std::vector<at::Tensor> grad_acc_;   // per bucket, the reduce-scatter's shard
+  std::vector<at::Tensor> grad_acc_;                   // per bucket, the reduce-scatter's shard
   std::vector<at::Tensor> shard_acc_;  // stage 2 with several micro-steps: the shards' sum
-  bool accumulating_pieces_ = false;  // the pieces' gradients point into shard_acc_
-  std::vector<at::Tensor> params_;    // trainable parameters, registration order
+  bool accumulating_pieces_ = false;   // the pieces' gradients point into shard_acc_
+  std::vector<at::Tensor> params_;     // trainable parameters, registration order
   std::vector<Piece> pieces_;
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::vector<std::pair<std::string, at::Tensor>> held_;  // the last optimizer_state()
-  std::unique_ptr<ParamShards> shards_;                    // stage 3
+  std::unique_ptr<ParamShards> shards_;                   // stage 3
 };
 
 }  // namespace parallax::parallel::zero

@@ -363,9 +363,10 @@ TEST_P(ZeroTest, OptimizerStatePiecesTileEveryParameterOnce) {
 // Bytes per rank between steps, exactly (fp32, AdamW: 4 B parameters, 4 B gradients, 8 B moments
 // per element): DDP holds 16 Psi; ZeRO-1 holds the padded parameters and flat gradients (4 P
 // each), the reduce-scatter shard (4 P / N) and the moments of its own elements only; ZeRO-2 holds
-// no flat gradient buffer (transient buckets), only the shard. Summed over the ranks, the moments are those of Psi elements: 8 Psi / N
-// each on average (Megatron's distributed optimizer: 8 + 8 / N bytes per parameter for fp32 state
-// beside full fp32 parameters and gradients; ours adds the P / N shards).
+// no flat gradient buffer (transient buckets), only the shard. Summed over the ranks, the moments
+// are those of Psi elements: 8 Psi / N each on average (Megatron's distributed optimizer: 8 + 8 / N
+// bytes per parameter for fp32 state beside full fp32 parameters and gradients; ours adds the P / N
+// shards).
 TEST_P(ZeroTest, MemoryPerRankFollowsTheFormula) {
   auto net0 = make_net(3), netz = make_net(3);
   auto ddp = engine_for(plan(0), net0, world_, bucket_options());
@@ -512,7 +513,9 @@ TEST_F(Zero3Test, PrefetchOffGivesBitwiseTheSameWeights) {
           1,
           [&](int) {
             auto [x, y] = global_batch(step, 4 * n_);
-            return (net->forward(x.narrow(0, 4 * rank_, 4)) - y.narrow(0, 4 * rank_, 4)).pow(2).mean();
+            return (net->forward(x.narrow(0, 4 * rank_, 4)) - y.narrow(0, 4 * rank_, 4))
+                .pow(2)
+                .mean();
           },
           true);
       zero->step(1e-2);
@@ -532,16 +535,17 @@ TEST_F(Zero3Test, TheGatherPathGivesBitwiseTheWeightsOfTheOneRankShortcut) {
   std::vector<at::Tensor> out;
   for (const bool always : {false, true}) {
     auto net = make_net(27);
-    auto zero = std::make_unique<par::zero::ZeroEngine>(net, groups_of(*net), adamw(), world_,
-                                                        bucket_options(), 3, Net::units(), true,
-                                                        always);
+    auto zero = std::make_unique<par::zero::ZeroEngine>(
+        net, groups_of(*net), adamw(), world_, bucket_options(), 3, Net::units(), true, always);
     net->hooks = zero->unit_hooks();
     for (int step = 0; step < 3; ++step) {
       zero->forward_backward(
           2,
           [&](int i) {
             auto [x, y] = global_batch(10 + 2 * step + i, 4 * n_);
-            return (net->forward(x.narrow(0, 4 * rank_, 4)) - y.narrow(0, 4 * rank_, 4)).pow(2).mean();
+            return (net->forward(x.narrow(0, 4 * rank_, 4)) - y.narrow(0, 4 * rank_, 4))
+                .pow(2)
+                .mean();
           },
           true);
       zero->step(1e-2);

@@ -8,11 +8,11 @@
 // rounded at most (in + r + 3) times, so they differ by at most
 // 2 gamma(in + r + 3) (|x| |W|^T + s |x| |A|^T |B|^T + |b|) elementwise (the magnitudes computed
 // in float64): the bound covers either form.
+#include "train/lora.h"
 #include "core/error.h"
 #include "models/layers.h"
 #include "models/model.h"
 #include "tests/common/tolerance.h"
-#include "train/lora.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -38,7 +38,8 @@ TEST(LoraTest, AnAdapterStartsAsTheIdentityAndMergesIntoTheWeight) {
                    b = layer->lora_b.detach().to(at::kDouble).abs(),
                    w = layer->weight.detach().to(at::kDouble).abs(),
                    bias = layer->bias.detach().to(at::kDouble).abs(), ax = x.to(at::kDouble).abs();
-  const at::Tensor mag = at::matmul(ax, w.t()) + 2.0 * at::matmul(at::matmul(ax, a.t()), b.t()) + bias;
+  const at::Tensor mag =
+      at::matmul(ax, w.t()) + 2.0 * at::matmul(at::matmul(ax, a.t()), b.t()) + bias;
   layer->merge_lora();
   EXPECT_FALSE(layer->has_lora());
   std::vector<std::string> names;
@@ -99,7 +100,8 @@ TEST(LoraTest, ApplyAdaptsTheTargetsAndFreezesTheRest) {
   // Every adapter lies in its layer's unit (units are module paths), as ZeRO-3 needs.
   std::set<std::string> in_units;
   for (const auto& u : model->units()) in_units.insert(u.param_names.begin(), u.param_names.end());
-  for (const auto& it : model->named_parameters()) EXPECT_EQ(in_units.count(it.key()), 1u) << it.key();
+  for (const auto& it : model->named_parameters())
+    EXPECT_EQ(in_units.count(it.key()), 1u) << it.key();
 }
 
 TEST(LoraTest, AGlobThatMatchesNothingIsAConfigErrorNamingTheKey) {

@@ -154,7 +154,8 @@ TEST_F(TrainerHooksTest, TransformFrozenModelExtraLossAndExtraCheckpointEntries)
 TEST_F(TrainerHooksTest, Zero3WithAFrozenWeightBesideATrainableBiasMatchesStage0) {
   const auto& world = parallax::parallel::comm::World::current();
   // One directory for every rank of the job (they share the launcher as parent).
-  const fs::path dir = fs::temp_directory_path() / ("parallax_hooks_z3_" + std::to_string(::getppid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("parallax_hooks_z3_" + std::to_string(::getppid()));
   std::map<int, std::vector<std::map<std::string, double>>> rows;
   for (const int stage : {0, 3}) {
     train::TrainerHooks h;
