@@ -134,8 +134,12 @@ TrainerHooks hooks(const RunConfig& cfg) {
   h.transform_model = [state](models::Model& m) {
     const RunConfig& c = *state->cfg;
     state->base = base_path(c);
-    const auto report = checkpoint::load_weights(m, state->base);
-    core::log::info("lora.base={}: {}", state->base, report.summary());
+    // train.load_from is loaded by the trainer (resume included, as the checkpoints hold only
+    // the adapters); lora.base, when set, goes on top of it.
+    if (!c.lora.base.empty()) {
+      const auto report = checkpoint::load_weights(m, state->base);
+      core::log::info("lora.base={}: {}", state->base, report.summary());
+    }
     state->fingerprint = fingerprint(m);
     const Applied a = apply(m, c.lora);
     core::log::info(

@@ -4,8 +4,8 @@
 // (train/trainer.h): a model transform, a filter on the checkpointed model tensors, and extra
 // checkpoint entries.
 //
-// A run: the model is built, the base weights (`lora.base`, else `train.load_from`; required) are
-// loaded, their fingerprint taken, adapters added to every DenseLinear whose module path matches a
+// A run: the model is built, the base weights (`lora.base`, else `train.load_from`, which the
+// trainer loads; one is required) are loaded, their fingerprint taken, adapters added to every DenseLinear whose module path matches a
 // glob of `lora.targets` (models/layers.h: y += alpha / r * dropout(x) A^T B^T, B = 0 at the
 // start), and every parameter frozen but the adapters and those matching `lora.trainable`. Frozen
 // base weights get no gradient, no optimizer state and no gradient bucket; under ZeRO-3 they are

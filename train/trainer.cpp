@@ -37,6 +37,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -55,6 +56,57 @@ namespace {
 
 namespace comm = parallel::comm;
 namespace ck = checkpoint;
+
+// The model's state as checkpoint pieces: the engine's where it shards the parameters (ZeRO-3),
+// else the module's parameters and buffers whole, replicated over `replicas`.
+std::vector<parallel::StatePiece> model_pieces(parallel::Engine* engine, torch::nn::Module& model,
+                                               const std::vector<int>& replicas) {
+  std::vector<parallel::StatePiece> pieces;
+  if (engine) pieces = engine->model_state();
+  if (!pieces.empty()) return pieces;
+  auto whole = [&](const std::string& name, const at::Tensor& t) {
+    if (!t.defined()) return;
+    pieces.push_back({name, t.detach(), t.sizes().vec(),
+                      std::vector<int64_t>(static_cast<std::size_t>(t.dim()), 0), replicas});
+  };
+  for (const auto& it : model.named_parameters()) whole(it.key(), it.value());
+  for (const auto& it : model.named_buffers()) whole(it.key(), it.value());
+  return pieces;
+}
+
+// Adds `pieces` (boxes or flat ranges) to a save under `prefix`; returns their bytes.
+int64_t add_pieces(ck::SaveState& state, const std::string& prefix,
+                   const std::vector<parallel::StatePiece>& pieces) {
+  int64_t bytes = 0;
+  for (const auto& piece : pieces) {
+    const std::string name = prefix + piece.name;
+    if (piece.flat_begin >= 0) {
+      state.add_flat_shard(name, piece.tensor, piece.global_shape, piece.flat_begin,
+                           piece.replicas);
+    } else {
+      state.add_shard(name, piece.tensor, piece.global_shape, piece.offsets, piece.replicas);
+    }
+    bytes += static_cast<int64_t>(piece.tensor.nbytes());
+  }
+  return bytes;
+}
+
+// What fills `pieces` from a checkpoint under `prefix` (a flat range through the boxes it covers).
+std::vector<ck::LoadTarget> load_targets(const std::string& prefix,
+                                         const std::vector<parallel::StatePiece>& pieces) {
+  std::vector<ck::LoadTarget> targets;
+  for (const auto& piece : pieces) {
+    const std::string name = prefix + piece.name;
+    if (piece.flat_begin < 0) {
+      targets.push_back(ck::LoadTarget{name, piece.tensor, piece.offsets});
+      continue;
+    }
+    for (auto& t : ck::flat_load_targets(name, piece.tensor, piece.global_shape, piece.flat_begin))
+      targets.push_back(std::move(t));
+  }
+  return targets;
+}
+
 
 // "NaN", "inf" or "-inf" (the platform prints "-nan" for some NaNs).
 std::string nonfinite_name(double v) {
@@ -163,8 +215,11 @@ class TrainerImpl {
   void stage_graph_inputs(int64_t step);
   // Resume: the engine's optimizer state pieces, read from resume_.
   void load_optimizer_state();
-  // Resume under ZeRO-3 over several ranks: the engine's shards of the model, read from resume_.
+  // Resume: the model tensors checkpoints hold (the engine's shards under ZeRO-3 over several
+  // ranks, else the module's tensors), read from resume_.
   void load_model_pieces();
+  // The model's checkpoint pieces (model_pieces) that TrainerHooks::saves_model_tensor keeps.
+  std::vector<parallel::StatePiece> checkpointed_model(const std::vector<int>& replicas) const;
   // train.cuda_graph: refuses what a captured step cannot do, naming the key (the model's own
   // blockers are checked once it is built).
   void check_graph_capturable() const;
@@ -280,13 +335,8 @@ void TrainerImpl::with_config_hint(const std::vector<std::string>& prefixes,
 
 void TrainerImpl::check_resumed_state_finite() const {
   std::vector<std::pair<std::string, at::Tensor>> state;
-  // The engine's pieces where it shards the parameters (ZeRO-3), else the module's own tensors.
-  const auto pieces = engine_->model_state();
-  for (const auto& piece : pieces) state.emplace_back("model/" + piece.name, piece.tensor);
-  if (pieces.empty()) {
-    for (const auto& item : model_->named_parameters())
-      state.emplace_back("model/" + item.key(), item.value());
-  }
+  for (const auto& piece : model_pieces(engine_.get(), *model_, {}))
+    state.emplace_back("model/" + piece.name, piece.tensor);
   for (const auto& [k, t] : engine_->optimizer().state()) state.emplace_back("optim/" + k, t);
   std::vector<at::Tensor> tensors;
   for (const auto& [k, t] : state) tensors.push_back(t.detach());
@@ -388,8 +438,9 @@ void TrainerImpl::setup() {
   double load_s = 0;  // checkpoint read time: the weights here, the optimizer state below
   // Pretrained weights go into the model as built; the transform (e.g. LoRA adapters, QAT
   // observers) comes after them, and a resumed checkpoint, saved from the transformed model, is
-  // loaded after the transform.
-  if (!resume_ && !cfg_.train.load_from.empty()) {
+  // loaded after the transform. A checkpoint that holds only some model tensors
+  // (TrainerHooks::saves_model_tensor, e.g. LoRA's adapters) needs these weights on resume too.
+  if ((!resume_ || hooks_.saves_model_tensor) && !cfg_.train.load_from.empty()) {
     ck::WeightsOptions w;
     w.strict = cfg_.train.strict_load;
     const auto report = ck::load_weights(*model_, cfg_.train.load_from, w);
@@ -576,50 +627,26 @@ void TrainerImpl::load_model_pieces() {
   // This rank's flat range of every parameter (and the buffers, whole), from whatever shards of
   // whatever layout overlap them; or, before the engine exists, the module's tensors whole. Only
   // the tensors checkpoints hold (TrainerHooks::saves_model_tensor).
-  std::vector<parallel::StatePiece> pieces =
-      engine_ ? engine_->model_state() : std::vector<parallel::StatePiece>{};
-  if (!engine_) {
-    for (auto& it : model_->named_parameters())
-      pieces.push_back({it.key(),
-                        it.value().detach(),
-                        it.value().sizes().vec(),
-                        std::vector<int64_t>(static_cast<std::size_t>(it.value().dim()), 0),
-                        {}});
-    for (auto& it : model_->named_buffers())
-      pieces.push_back({it.key(),
-                        it.value().detach(),
-                        it.value().sizes().vec(),
-                        std::vector<int64_t>(static_cast<std::size_t>(it.value().dim()), 0),
-                        {}});
+  resume_->load(load_targets(ck::kModelPrefix, checkpointed_model({})));
+}
+
+std::vector<parallel::StatePiece> TrainerImpl::checkpointed_model(
+    const std::vector<int>& replicas) const {
+  std::vector<parallel::StatePiece> pieces = model_pieces(engine_.get(), *model_, replicas);
+  if (hooks_.saves_model_tensor) {
+    pieces.erase(std::remove_if(pieces.begin(), pieces.end(),
+                                [&](const parallel::StatePiece& p) {
+                                  return !hooks_.saves_model_tensor(p.name);
+                                }),
+                 pieces.end());
   }
-  std::vector<ck::LoadTarget> targets;
-  for (auto& piece : pieces) {
-    if (hooks_.saves_model_tensor && !hooks_.saves_model_tensor(piece.name)) continue;
-    const std::string name = ck::kModelPrefix + piece.name;
-    if (piece.flat_begin < 0) {
-      targets.push_back(ck::LoadTarget{name, piece.tensor, piece.offsets});
-      continue;
-    }
-    for (auto& t : ck::flat_load_targets(name, piece.tensor, piece.global_shape, piece.flat_begin))
-      targets.push_back(std::move(t));
-  }
-  resume_->load(targets);
+  return pieces;
 }
 
 void TrainerImpl::load_optimizer_state() {
   // Each rank reads exactly the pieces it holds (a ZeRO rank: one flat range of each state tensor,
   // read as the boxes it covers), from whatever shards of whatever layout overlap them.
-  std::vector<ck::LoadTarget> targets;
-  for (auto& piece : engine_->optimizer_state()) {
-    const std::string name = ck::kOptimPrefix + piece.name;
-    if (piece.flat_begin < 0) {
-      targets.push_back(ck::LoadTarget{name, piece.tensor, piece.offsets});
-      continue;
-    }
-    for (auto& t : ck::flat_load_targets(name, piece.tensor, piece.global_shape, piece.flat_begin))
-      targets.push_back(std::move(t));
-  }
-  resume_->load(targets);
+  resume_->load(load_targets(ck::kOptimPrefix, engine_->optimizer_state()));
   engine_->optimizer_state_loaded();
 }
 
@@ -763,53 +790,20 @@ void TrainerImpl::save_checkpoint(int64_t step) {
   // the background commit starts): a run resumed from it finds every one of them (metrics.h).
   metrics_->sync();
   ck::SaveState state;
-  // The model: whole and replicated, or (ZeRO-3) each rank's flat range of every parameter.
-  const auto model_pieces = engine_->model_state();
-  const auto& keep = hooks_.saves_model_tensor;
-  if (model_pieces.empty() && !keep) ck::add_module(state, *model_, engine_->model_replicas());
-  if (model_pieces.empty() && keep) {
-    int64_t bytes = 0;
-    for (const auto& it : model_->named_parameters()) {
-      if (!keep(it.key())) continue;
-      state.add_replicated(ck::kModelPrefix + it.key(), it.value().detach(),
-                           engine_->model_replicas());
-      bytes += static_cast<int64_t>(it.value().nbytes());
-    }
-    for (const auto& it : model_->named_buffers()) {
-      if (!keep(it.key())) continue;
-      state.add_replicated(ck::kModelPrefix + it.key(), it.value().detach(),
-                           engine_->model_replicas());
-      bytes += static_cast<int64_t>(it.value().nbytes());
-    }
-    if (!model_tensors_logged_) {
-      core::log::info(
-          "checkpoints hold {} of model tensors (what trains; the rest comes from "
-          "the base)",
-          core::human_bytes(static_cast<double>(bytes)));
-      model_tensors_logged_ = true;
-    }
-  }
-  for (const auto& piece : model_pieces) {
-    if (keep && !keep(piece.name)) continue;
-    const std::string name = ck::kModelPrefix + piece.name;
-    if (piece.flat_begin >= 0) {
-      state.add_flat_shard(name, piece.tensor, piece.global_shape, piece.flat_begin,
-                           piece.replicas);
-    } else {
-      state.add_shard(name, piece.tensor, piece.global_shape, piece.offsets, piece.replicas);
-    }
+  // The model: whole and replicated, or (ZeRO-3) each rank's flat range of every parameter; only
+  // the tensors the hooks keep (LoRA: the adapters).
+  const int64_t model_bytes =
+      add_pieces(state, ck::kModelPrefix, checkpointed_model(engine_->model_replicas()));
+  if (hooks_.saves_model_tensor && !model_tensors_logged_) {
+    core::log::info(
+        "checkpoints hold {} of model tensors on this rank (what trains; the rest comes from the "
+        "base)",
+        core::human_bytes(static_cast<double>(model_bytes)));
+    model_tensors_logged_ = true;
   }
   // The optimizer state per parameter under its global name and shape, as the engine holds it
   // (whole and replicated under DDP; one flat range of each parameter's state under ZeRO).
-  for (auto& piece : engine_->optimizer_state()) {
-    const std::string name = ck::kOptimPrefix + piece.name;
-    if (piece.flat_begin >= 0) {
-      state.add_flat_shard(name, piece.tensor, piece.global_shape, piece.flat_begin,
-                           piece.replicas);
-    } else {
-      state.add_shard(name, piece.tensor, piece.global_shape, piece.offsets, piece.replicas);
-    }
-  }
+  add_pieces(state, ck::kOptimPrefix, engine_->optimizer_state());
   ck::add_rng(state);
   ck::add_loss_scaler(state, *scaler_);
   if (hooks_.save_extra) hooks_.save_extra(state);

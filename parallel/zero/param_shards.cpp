@@ -149,10 +149,9 @@ void ParamShards::issue(int unit) {
     // Checked at the end of the backward (reading it now would stall the host on the stream).
     gather_->all_gather_async(tag, tags)->wait_stream();
     tags_.push_back(tags);
-    tag_of_.emplace_back(unit, k);
   } else {
     gather_->all_gather(tag, tags);
-    check_tags(tags, 0);
+    check_tags(tags);
   }
   for (std::size_t i : list) {
     Flat& f = flats_[i];
@@ -177,7 +176,14 @@ void ParamShards::wait(int unit) {
   }
 }
 
-void ParamShards::check_tags(const at::Tensor& tags, std::size_t first_gather) {
+void ParamShards::check_deferred_tags() {
+  if (tags_.empty()) return;
+  std::vector<at::Tensor> tags;
+  tags.swap(tags_);
+  check_tags(at::cat(tags));
+}
+
+void ParamShards::check_tags(const at::Tensor& tags) {
   const at::Tensor t = tags.cpu().contiguous().view({-1, n_, 2});
   const int* v = t.data_ptr<int>();
   for (int64_t g = 0; g < t.size(0); ++g) {
@@ -196,11 +202,11 @@ void ParamShards::check_tags(const at::Tensor& tags, std::size_t first_gather) {
                                 ordinal(row[2 * r + 1])));
     }
     throw_error<Error>(
-        "ZeRO-3 (group '{}', gather {} of this step): the ranks disagree on which unit runs next: "
+        "ZeRO-3 (group '{}'): the ranks disagree on which unit runs next: "
         "{}. A unit ran a different number of times, or in a different order, on different ranks "
         "(a data-dependent branch in the forward?); under parallel.zero.stage=3 every rank must "
         "run the same units in the same order",
-        dp_->name(), first_gather + static_cast<std::size_t>(g) + 1, fmt::join(who, "; "));
+        dp_->name(), fmt::join(who, "; "));
   }
 }
 
@@ -282,11 +288,7 @@ void ParamShards::end_backward() {
   }
   std::fill(launched_.begin(), launched_.end(), 0);
   std::fill(passed_.begin(), passed_.end(), 0);
-  if (tags_.empty()) return;
-  std::vector<at::Tensor> tags;
-  tags.swap(tags_);
-  tag_of_.clear();
-  check_tags(at::cat(tags), 0);
+  check_deferred_tags();
 }
 
 void ParamShards::gather_all() {
@@ -297,12 +299,7 @@ void ParamShards::gather_all() {
   for (std::size_t u = 0; u < units_.size(); ++u) wait(static_cast<int>(u));
   summoned_ = true;
   // A summon is a host synchronisation point anyway: its tags (GPUs) are checked now.
-  if (!tags_.empty()) {
-    std::vector<at::Tensor> tags;
-    tags.swap(tags_);
-    tag_of_.clear();
-    check_tags(at::cat(tags), 0);
-  }
+  check_deferred_tags();
 }
 
 void ParamShards::release_all() {

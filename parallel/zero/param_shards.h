@@ -110,7 +110,9 @@ class ParamShards : public core::UnitHooks {
   void free_flat(Flat& f);
   void free_frozen_if_done(int unit);
   void pre_backward(int unit);
-  void check_tags(const at::Tensor& tags, std::size_t first_gather);
+  // Throws naming the units and ranks when a row of gathered (unit, ordinal) tags disagrees.
+  void check_tags(const at::Tensor& tags);
+  void check_deferred_tags();  // GPUs: the tags gathered since the last check
 
   comm::CommPtr dp_, gather_;
   std::vector<core::Unit> units_;
@@ -124,7 +126,6 @@ class ParamShards : public core::UnitHooks {
   std::vector<int> gathers_;               // per unit: gathers this step
   std::vector<long> flat_of_bucket_;
   std::vector<at::Tensor> tags_;  // GPUs: this backward's gathered tags, checked at its end
-  std::vector<std::pair<int, int>> tag_of_;  // the (unit, ordinal) of each deferred tag
   bool summoned_ = false;
   std::mutex mu_;
 };

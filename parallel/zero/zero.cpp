@@ -72,7 +72,6 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
     params_.push_back(item.value());
   }
   const int64_t n = dp_->size(), r = dp_->rank();
-  const int me = dp_->world_ranks().at(static_cast<std::size_t>(r));
   at::NoGradGuard no_grad;
   std::map<std::string, std::size_t> piece_of;
   for (std::size_t bi = 0; bi < ddp_->buckets().size(); ++bi) {
@@ -128,7 +127,6 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
     grad_acc_.push_back(acc);
     shard_acc_.emplace_back();
   }
-  (void)me;
   if (shards_) {
     // Frozen parameters are sharded too (a LoRA base is most of the model): per unit and dtype,
     // gathered with the unit, never reduced.

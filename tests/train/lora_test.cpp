@@ -20,6 +20,17 @@
 using namespace parallax;
 namespace tol = parallax::testing;
 
+namespace {
+
+std::shared_ptr<models::Model> vit_tiny() {
+  models::ModelConfig mc;
+  mc.name = "vit_cls";
+  mc.size = "tiny";
+  return models::build_model(mc, core::SceneSpec{});
+}
+
+}  // namespace
+
 TEST(LoraTest, AnAdapterStartsAsTheIdentityAndMergesIntoTheWeight) {
   at::manual_seed(3);
   models::DenseLinear layer(40, 24, true);
@@ -74,10 +85,7 @@ TEST(LoraTest, WithDropoutTheAdapterIsItsOwnPathOnTheDroppedInput) {
 
 TEST(LoraTest, ApplyAdaptsTheTargetsAndFreezesTheRest) {
   at::manual_seed(5);
-  models::ModelConfig mc;
-  mc.name = "vit_cls";
-  mc.size = "tiny";
-  auto model = models::build_model(mc, core::SceneSpec{});
+  auto model = vit_tiny();
   train::LoraConfig c;
   c.rank = 2;
   c.targets = {"*.attn.qkv", "*.mlp.fc1"};
@@ -105,10 +113,7 @@ TEST(LoraTest, ApplyAdaptsTheTargetsAndFreezesTheRest) {
 }
 
 TEST(LoraTest, AGlobThatMatchesNothingIsAConfigErrorNamingTheKey) {
-  models::ModelConfig mc;
-  mc.name = "vit_cls";
-  mc.size = "tiny";
-  auto model = models::build_model(mc, core::SceneSpec{});
+  auto model = vit_tiny();
   train::LoraConfig c;
   c.rank = 2;
   c.targets = {"*.attn.qkv", "*.nothing"};
@@ -121,7 +126,7 @@ TEST(LoraTest, AGlobThatMatchesNothingIsAConfigErrorNamingTheKey) {
     EXPECT_NE(what.find("'*.nothing'"), std::string::npos) << what;
     EXPECT_NE(what.find("qkv"), std::string::npos) << what;  // lists linear layers that exist
   }
-  auto fresh = models::build_model(mc, core::SceneSpec{});
+  auto fresh = vit_tiny();
   c.targets = {"*.attn"};  // a module, but not a linear layer
   EXPECT_THROW(train::lora::apply(*fresh, c), ConfigError);
 }

@@ -10,7 +10,8 @@
   fp32 rounding of the float64 value (bound below);
 - a target glob that matches nothing is refused naming the key;
 - ZeRO-3 (frozen base weights and adapters share each unit) gives DDP's losses: step 1 bitwise,
-  steps 2-4 within 1e-5 relative (tests/TOLERANCES.md, the ZeRO rows).
+  steps 2-4 within 1e-5 relative (tests/TOLERANCES.md, the ZeRO rows); with the base given as
+  train.load_from, a ZeRO-3 resume is bitwise.
 
 Merge bound: the export computes W + s (B A) in fp32: B A is a sum of r products (r roundings and
 the product's), the scaling and the addition one each: |merged - exact| <= gamma(r + 3) (|W| +
@@ -18,40 +19,21 @@ s |B| |A|) elementwise.
 
 Usage: test_lora.py <parallax binary> <mpirun>
 """
-import json
 import os
 import sys
 import unittest
 
-import h5py
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train as tt  # noqa: E402
+from test_zero_checkpoint import assemble, metadata  # noqa: E402
 
 U = 2.0 ** -24
 
 
 def losses(run_dir):
     return {r["step"]: r["loss"] for r in tt.metrics(run_dir)}
-
-
-def metadata(ckpt):
-    with open(os.path.join(ckpt, "metadata.json")) as f:
-        return json.load(f)
-
-
-def read(ckpt, name):
-    t = metadata(ckpt)["tensors"][name]
-    out = np.zeros(t["shape"], dtype=np.float32)
-    for s in t["shards"]:
-        with h5py.File(os.path.join(ckpt, s["file"]), "r") as f:
-            data = f[name][()]
-        if "flat" in s:
-            out.reshape(-1)[s["flat"][0]:s["flat"][1]] = data
-        else:
-            out[tuple(slice(o, o + n) for o, n in zip(s["offsets"], s["lengths"]))] = data
-    return out
 
 
 class LoraTest(tt.RunDirTest):
@@ -97,8 +79,8 @@ class LoraTest(tt.RunDirTest):
             if layer not in adapted:
                 self.assertTrue(np.array_equal(merged[k], base[k]), f"{k} moved while frozen")
                 continue
-            A = read(ck, f"model/{layer}.lora_a").astype(np.float64)
-            B = read(ck, f"model/{layer}.lora_b").astype(np.float64)
+            A = assemble(ck, f"model/{layer}.lora_a").astype(np.float64)
+            B = assemble(ck, f"model/{layer}.lora_b").astype(np.float64)
             self.assertGreater(np.abs(B).max(), 0, f"{layer}: the adapter never trained")
             W = base[k].astype(np.float64)
             exact = W + scale * (B @ A)
@@ -122,15 +104,25 @@ class LoraTest(tt.RunDirTest):
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("key 'lora.targets': '*.nothing' matches no linear layer", p.stderr)
 
-    def test_lora_under_zero3_gives_ddp_losses(self):
+    def test_lora_under_zero3_gives_ddp_losses_and_resumes_from_train_load_from(self):
+        # The base through train.load_from (which the trainer loads, resume included).
         tt.run(self.common("base", "train.steps=2"))
+        base = f"train.load_from={os.path.join(self.d, 'base')}"
         out = {}
         for stage in (0, 3):
-            self.lora(f"z{stage}", "train.steps=4", f"parallel.zero.stage={stage}")
+            tt.run(self.common(f"z{stage}", "lora.rank=4", base, "train.steps=4", "checkpoint.every=2",
+                               f"parallel.zero.stage={stage}"), ranks=2)
             out[stage] = losses(os.path.join(self.d, f"z{stage}"))
         self.assertEqual(out[3][1], out[0][1])
         for s in (2, 3, 4):
             np.testing.assert_allclose(out[3][s], out[0][s], rtol=1e-5, err_msg=f"step {s}")
+        step2 = os.path.join(self.d, "z3", "checkpoints", "step_00000002")
+        tt.run(self.common("z3r", "lora.rank=4", base, "train.steps=4", "parallel.zero.stage=3",
+                           f"train.resume={step2}"), ranks=2)
+        resumed = losses(os.path.join(self.d, "z3r"))
+        self.assertEqual(sorted(resumed), [3, 4])
+        for s in resumed:
+            self.assertEqual(resumed[s], out[3][s], f"step {s} after resume")
 
 
 if __name__ == "__main__":
