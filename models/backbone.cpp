@@ -28,7 +28,7 @@ int64_t ImageEncoderImpl::stride_of(const ImageEncoderOptions& o) {
 ImageEncoderImpl::ImageEncoderImpl(const ImageEncoderOptions& o) : opts_(o) {
   check_encoder(o);
   if (o.backbone == "vit") {
-    vit_ = register_module("vit", VisionTransformer(VisionTransformerOptions{o.vit, o.image_h, o.image_w, false, o.linear}));
+    vit_ = register_module("vit", VisionTransformer(VisionTransformerOptions{o.vit, o.image_h, o.image_w, false, o.linear, o.tp}));
     vit_neck_ = register_module("neck", DenseLinear(o.vit.dim, o.out_channels));
     for (const auto& b : vit_->blocks()) blocks_.push_back(b);
     return;

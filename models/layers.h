@@ -10,6 +10,7 @@
 
 #include "models/checkpointable.h"
 #include "models/onnx/emitter.h"
+#include "parallel/tensor/tensor_parallel.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
@@ -57,23 +58,12 @@ class Block : public CheckpointableBlock {
   virtual onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& x);
 };
 
-// Role of a linear layer inside a transformer block, in Megatron's vocabulary: a tensor-parallel
-// factory builds kColumn layers split along outputs (qkv, fc1) and kRow layers split along inputs
-// (proj, fc2); the dense factory ignores it.
-enum class LinearRole { kColumn, kRow };
-
-struct LinearSpec {
-  int64_t in_features = 0;
-  int64_t out_features = 0;
-  bool bias = true;
-  LinearRole role = LinearRole::kColumn;
-};
-
-// Builds the linear layers of attention and MLP blocks. The returned module maps
-// [..., in_features] to [..., out_features'] where out_features' may be a shard of out_features
-// (column parallel); blocks derive head counts from the actual output width, so a TP factory can
-// be swapped in without touching them.
-using LinearFactory = std::function<torch::nn::AnyModule(const LinearSpec&)>;
+// The linear layers of attention and MLP blocks come from a factory (parallel/tensor: the spec,
+// its role in Megatron's vocabulary, its fused-part layout), so that tensor parallelism swaps in
+// column- and row-parallel layers without forking any model code.
+using parallel::tensor::LinearFactory;
+using parallel::tensor::LinearRole;
+using parallel::tensor::LinearSpec;
 
 // y = x W^T + b through at::linear, which fuses the bias into the GEMM for inputs of any rank
 // (torch::nn::Linear of the C++ frontend runs matmul and a separate broadcast add for 3-D inputs,

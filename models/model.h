@@ -144,10 +144,15 @@ void set_attention_backend(const std::string& name);
 // Builds a model of the zoo by `cfg.name` and `cfg.size` for data described by `scene`; throws
 // ConfigError for unknown names or sizes, or a scene the model cannot take.
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene);
-// The same, with the linear layers of every attention and MLP block built by `linear` (e.g. a
-// tensor-parallel factory from parallel/tensor; see LinearFactory in models/layers.h). Models
-// without such blocks (mlp) ignore it.
+// The same, with the linear layers of every attention and MLP block built by `linear` (see
+// LinearFactory in models/layers.h). Models without such blocks (mlp) ignore it.
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene, const LinearFactory& linear);
+// Tensor parallel over `tp` (parallel/tensor/tensor_parallel.h): the ViT blocks' linears column-
+// and row-parallel (with sequence parallelism when `tp` asks), vit_cls's head column-parallel.
+// ConfigError naming the model for one without tensor-parallel layers (mlp, bev with the conv
+// backbone), and naming both numbers for shapes tp does not divide (heads, widths, classes).
+std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
+                                   const parallel::tensor::TpPtr& tp);
 
 // The cost_breakdown() that build_model(cfg, scene) would report, computed from the config alone
 // without allocating the model (the 3b model has ~3e9 parameters). Same errors as build_model.

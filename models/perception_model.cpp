@@ -24,7 +24,7 @@ struct SizePreset {
 
 SizePreset size_preset(const std::string& size) {
   // ViT shapes: dim, depth, heads, mlp_hidden, patch.
-  if (size == "tiny") return {{96, 2, 3, 384, 8}, {{24, 48, 96}, {0, 1, 1}}, 1.0, 4, 64, 32, 2};
+  if (size == "tiny") return {{96, 2, 4, 384, 8}, {{24, 48, 96}, {0, 1, 1}}, 1.0, 4, 64, 32, 2};
   if (size == "small") return {{384, 12, 6, 1536, 16}, {{32, 64, 128, 256}, {0, 1, 2, 2}}, 0.5, 4, 128, 64, 2};
   if (size == "base") return {{768, 12, 12, 3072, 16}, {{64, 128, 256, 512}, {1, 2, 2, 2}}, 0.5, 4, 256, 128, 3};
   if (size == "large") return {{1024, 24, 16, 4096, 16}, {{96, 192, 384, 768}, {1, 2, 3, 2}}, 0.5, 8, 256, 128, 4};
@@ -139,8 +139,10 @@ Cost BevHeadsImpl::analytic_cost(int64_t channels, int64_t head_channels, int64_
 
 // ---- model ------------------------------------------------------------------------------------
 
-PerceptionModel::PerceptionModel(const BevModelSpec& spec, LinearFactory linear) : spec_(spec) {
+PerceptionModel::PerceptionModel(const BevModelSpec& spec, LinearFactory linear, parallel::tensor::TpPtr tp)
+    : spec_(spec) {
   spec_.encoder.linear = std::move(linear);
+  spec_.encoder.tp = std::move(tp);
   const BevGrid& g = spec_.query_grid;
   const int64_t c = spec_.bev_channels;
   encoder_ = register_module("encoder", ImageEncoder(spec_.encoder));

@@ -71,7 +71,10 @@ TORCH_MODULE(BevHeads);
 
 class PerceptionModel : public Model {
  public:
-  explicit PerceptionModel(const BevModelSpec& spec, LinearFactory linear = dense_linear);
+  // `linear` and `tp`: the ViT backbone's blocks tensor-parallel (models/vit.h); the conv
+  // backbone, view transformer, BEV encoder and heads stay replicated.
+  explicit PerceptionModel(const BevModelSpec& spec, LinearFactory linear = dense_linear,
+                           parallel::tensor::TpPtr tp = nullptr);
 
   core::TensorDict forward(const core::TensorDict& batch) override;
   LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) override;

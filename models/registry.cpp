@@ -33,7 +33,7 @@ VitSpec vit_cls_spec(const ModelConfig& cfg) {
   if (cfg.size == "tiny") {
     spec.dim = 96;
     spec.depth = 2;
-    spec.heads = 3;
+    spec.heads = 4;  // divisible by tp 2 and 4 (tensor-parallel tests)
     spec.mlp_hidden = 384;
   }
   return spec;
@@ -92,6 +92,27 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
   }
   if (cfg.name == "bev") return std::make_shared<PerceptionModel>(make_bev_spec(cfg, scene), linear);
   throw_error<ConfigError>("key 'model.name': expected bev|vit_cls|mlp, got '{}'", cfg.name);
+}
+
+std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
+                                   const parallel::tensor::TpPtr& tp) {
+  if (!tp || tp->size() == 1) return build_model(cfg, scene);
+  const bool vit_bev = cfg.name == "bev" && make_bev_spec(cfg, scene).encoder.backbone == "vit";
+  PARALLAX_CHECK(cfg.name == "vit_cls" || vit_bev, ConfigError,
+                 "key 'parallel.tp': model '{}'{} has no tensor-parallel layers (only the ViT's "
+                 "attention and MLP blocks are split); use parallel.tp=1{}",
+                 cfg.name, cfg.name == "bev" ? " with the conv backbone" : "",
+                 cfg.name == "bev" ? " or model.backbone=vit" : "");
+  set_attention_backend(cfg.attention);
+  const LinearFactory linear = parallel::tensor::parallel_linear_factory(tp);
+  if (cfg.name == "vit_cls") {
+    VitSpec spec = vit_cls_spec(cfg);
+    spec.dropout = cfg.dropout;
+    spec.fp32_residual = cfg.fp32_residual;
+    spec.fused_kernels = cfg.fused_kernels;
+    return std::make_shared<VitClassifier>(spec, 224, cfg.num_classes, linear, tp);
+  }
+  return std::make_shared<PerceptionModel>(make_bev_spec(cfg, scene), linear, tp);
 }
 
 std::vector<ModuleCost> analytic_cost(const ModelConfig& cfg, const core::SceneSpec& scene) {

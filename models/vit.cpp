@@ -75,29 +75,47 @@ at::Tensor normalize_images(const at::Tensor& images, at::ScalarType dtype) {
 
 // ---- attention, MLP, block --------------------------------------------------------------------
 
-AttentionImpl::AttentionImpl(const TransformerBlockOptions& o) : head_dim_(o.dim / o.heads), dropout_(o.dropout) {
+AttentionImpl::AttentionImpl(const TransformerBlockOptions& o)
+    : head_dim_(o.dim / o.heads), tokens_(o.tokens), dropout_(o.dropout) {
   PARALLAX_CHECK(o.dim % o.heads == 0, ConfigError, "attention: dim {} is not divisible by heads {}", o.dim, o.heads);
-  qkv_ = o.linear({o.dim, 3 * o.dim, o.qkv_bias, LinearRole::kColumn});
-  proj_ = o.linear({o.dim, o.dim, true, LinearRole::kRow});
+  if (o.tp) {
+    PARALLAX_CHECK(o.heads % o.tp->size() == 0, ConfigError,
+                   "key 'parallel.tp': {} does not divide the model's {} attention heads (each tp rank "
+                   "computes whole heads)",
+                   o.tp->size(), o.heads);
+    // Sequence parallel: a padded shard of fewer rows than tp could not tell B from the rows.
+    PARALLAX_CHECK(!o.tp->sequence_parallel() || o.tokens >= o.tp->size(), ConfigError,
+                   "key 'parallel.sequence_parallel': {} tokens per sample are fewer than tp {}",
+                   o.tokens, o.tp->size());
+  }
+  qkv_ = o.linear({o.dim, 3 * o.dim, o.qkv_bias, LinearRole::kColumn, "qkv", 3});
+  proj_ = o.linear({o.dim, o.dim, true, LinearRole::kRow, "proj"});
   register_module("qkv", qkv_.ptr());
   register_module("proj", proj_.ptr());
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x) {
-  const int64_t b = x.size(0), t = x.size(1);
   at::Tensor qkv = qkv_.forward<at::Tensor>(x);
+  // Sequence parallel: x is this rank's row shard and the column-parallel qkv returned all Rp
+  // rows of the flattened tokens, padded to a multiple of tp (fewer than tp <= T pad rows), so
+  // B = Rp / T rounded down; the pad rows are dropped here and restored by proj's reduce-scatter.
+  const bool rows = x.dim() == 2;
+  const int64_t t = rows ? tokens_ : x.size(1);
+  const int64_t b = rows ? qkv.size(0) / t : x.size(0);
+  if (rows) qkv = qkv.narrow(0, 0, b * t).view({b, t, qkv.size(1)});
   // Heads from the actual width so that a column-parallel qkv (a shard of the heads) just works.
   const int64_t heads = qkv.size(-1) / (3 * head_dim_);
   // [B, T, 3, H, hd] -> 3 x [B, H, T, hd]: strided views, the last dim stays contiguous for SDPA.
   const auto qkv_views = SplitQkv::apply(qkv, heads, head_dim_);
   at::Tensor o = at::scaled_dot_product_attention(qkv_views[0], qkv_views[1], qkv_views[2]);
   o = o.transpose(1, 2).reshape({b, t, heads * head_dim_});
+  if (rows) o = o.view({b * t, heads * head_dim_});
   return maybe_dropout(proj_.forward<at::Tensor>(o), dropout_, is_training());
 }
 
 MlpBlockImpl::MlpBlockImpl(const TransformerBlockOptions& o) : dropout_(o.dropout) {
-  fc1_ = o.linear({o.dim, o.mlp_hidden, true, LinearRole::kColumn});
-  fc2_ = o.linear({o.mlp_hidden, o.dim, true, LinearRole::kRow});
+  fc1_ = o.linear({o.dim, o.mlp_hidden, true, LinearRole::kColumn, "fc1"});
+  fc2_ = o.linear({o.mlp_hidden, o.dim, true, LinearRole::kRow, "fc2"});
   register_module("fc1", fc1_.ptr());
   register_module("fc2", fc2_.ptr());
 }
@@ -112,6 +130,13 @@ TransformerBlock::TransformerBlock(const TransformerBlockOptions& o) : opts_(o) 
   attn_ = register_module("attn", Attention(o));
   norm2_ = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim}).eps(1e-6)));
   mlp_ = register_module("mlp", MlpBlock(o));
+  if (o.tp) {
+    // Under sequence parallelism these run on this rank's tokens only: partial gradients.
+    for (auto* ln : {&norm1_, &norm2_}) {
+      o.tp->mark_sequence_parallel((*ln)->weight);
+      o.tp->mark_sequence_parallel((*ln)->bias);
+    }
+  }
 }
 
 at::Tensor TransformerBlock::forward_impl(const at::Tensor& x) {
@@ -140,8 +165,8 @@ namespace {
 
 TransformerBlockOptions block_options(const VisionTransformerOptions& o) {
   const int64_t tokens = (o.image_h / o.spec.patch) * (o.image_w / o.spec.patch) + (o.class_token ? 1 : 0);
-  return {o.spec.dim,    o.spec.heads, o.spec.mlp_hidden, o.spec.qkv_bias,
-          o.spec.dropout, tokens,       o.linear,          o.spec.fused_kernels};
+  return {o.spec.dim,    o.spec.heads, o.spec.mlp_hidden,    o.spec.qkv_bias, o.spec.dropout,
+          tokens,         o.linear,     o.spec.fused_kernels, o.tp};
 }
 
 void check_vit(const VisionTransformerOptions& o) {
@@ -165,6 +190,10 @@ VisionTransformerImpl::VisionTransformerImpl(const VisionTransformerOptions& o) 
     blocks_.push_back(register_module("block" + std::to_string(i), std::make_shared<TransformerBlock>(bo)));
   }
   norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.dim}).eps(1e-6)));
+  if (o.tp) {
+    o.tp->mark_sequence_parallel(norm_->weight);
+    o.tp->mark_sequence_parallel(norm_->bias);
+  }
 }
 
 at::Tensor VisionTransformerImpl::forward(const at::Tensor& images) {
@@ -192,11 +221,20 @@ at::Tensor VisionTransformerImpl::embed(const at::Tensor& images) {
   const at::ScalarType dt = opts_.spec.fp32_residual ? at::kFloat : stream_dtype(x);
   x = x.to(dt);
   if (opts_.class_token) x = at::cat({cls_token_.to(dt).expand({x.size(0), -1, -1}), x}, 1);
-  return x + pos_embed_.to(dt);
+  x = x + pos_embed_.to(dt);
+  // Sequence parallel: the blocks take this rank's rows of the tokens.
+  if (opts_.tp && opts_.tp->sequence_parallel()) return parallel::tensor::scatter_to_sequence(x, opts_.tp);
+  return x;
 }
 
 at::Tensor VisionTransformerImpl::final_norm(const at::Tensor& x) {
-  return layer_norm_in_dtype(norm_, x, opts_.spec.fused_kernels);
+  at::Tensor y = layer_norm_in_dtype(norm_, x, opts_.spec.fused_kernels);
+  if (x.dim() != 2) return y;
+  // Sequence parallel: the consumer (neck, head) is replicated, so every rank gets all tokens
+  // (B = padded rows / T rounded down, as in AttentionImpl::forward).
+  const int64_t t = grid_h() * grid_w() + (opts_.class_token ? 1 : 0);
+  const int64_t b = y.size(0) * opts_.tp->size() / t;
+  return parallel::tensor::gather_from_sequence(y, b * t, opts_.tp).view({b, t, y.size(1)});
 }
 
 Cost VisionTransformerImpl::analytic_cost(const VisionTransformerOptions& o) {
@@ -212,10 +250,24 @@ Cost VisionTransformerImpl::analytic_cost(const VisionTransformerOptions& o) {
 
 // ---- vit_cls ----------------------------------------------------------------------------------
 
-VitClassifier::VitClassifier(const VitSpec& spec, int64_t image_size, int64_t num_classes, LinearFactory linear)
+VitClassifier::VitClassifier(const VitSpec& spec, int64_t image_size, int64_t num_classes, LinearFactory linear,
+                             parallel::tensor::TpPtr tp)
     : spec_(spec), image_size_(image_size), num_classes_(num_classes) {
-  vit_ = register_module("vit", VisionTransformer(VisionTransformerOptions{spec, image_size, image_size, true, linear}));
-  head_ = register_module("head", DenseLinear(spec.dim, num_classes));
+  vit_ = register_module("vit",
+                         VisionTransformer(VisionTransformerOptions{spec, image_size, image_size, true, linear, tp}));
+  if (tp) {
+    PARALLAX_CHECK(num_classes % tp->size() == 0, ConfigError,
+                   "key 'parallel.tp': {} does not divide model.num_classes {} (vit_cls's head is "
+                   "column-parallel)",
+                   tp->size(), num_classes);
+    LinearSpec head{spec.dim, num_classes, true, LinearRole::kColumn, "head"};
+    head.gather_output = true;
+    head.in_sequence_region = false;  // after final_norm() gathered the tokens
+    head_ = torch::nn::AnyModule(parallel::tensor::ColumnParallelLinear(head, tp));
+  } else {
+    head_ = torch::nn::AnyModule(DenseLinear(spec.dim, num_classes));
+  }
+  register_module("head", head_.ptr());
 }
 
 core::TensorDict VitClassifier::forward(const core::TensorDict& batch) {
@@ -229,7 +281,7 @@ core::TensorDict VitClassifier::forward(const core::TensorDict& batch) {
   int unit = 1;
   for (const auto& blk : vit_->blocks()) x = run_unit1(unit++, [&] { return blk->forward(x); });
   return {{"logits",
-           run_unit1(unit, [&] { return head_->forward(vit_->final_norm(x).select(1, 0)); })}};
+           run_unit1(unit, [&] { return head_.forward<at::Tensor>(vit_->final_norm(x).select(1, 0)); })}};
 }
 
 std::vector<Unit> VitClassifier::units() const {

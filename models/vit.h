@@ -38,12 +38,17 @@ struct TransformerBlockOptions {
   int64_t dim = 768, heads = 12, mlp_hidden = 3072;
   bool qkv_bias = true;
   double dropout = 0.0;
-  int64_t tokens = 197;  // configured sequence length, for cost()
+  int64_t tokens = 197;  // configured sequence length, for cost() and sequence parallelism
   LinearFactory linear = dense_linear;
   bool fused_kernels = true;  // see VitSpec
+  // Tensor parallelism (null: none): `linear` then builds column/row-parallel layers over it, and
+  // with sequence parallelism the token stream between blocks is this rank's row shard
+  // (parallel/tensor/tensor_parallel.h), so the block's LayerNorms are marked sequence-parallel.
+  parallel::tensor::TpPtr tp;
 };
 
-// Multi-head self-attention: qkv (kColumn) -> SDPA -> proj (kRow). [B, T, D] -> [B, T, D].
+// Multi-head self-attention: qkv (kColumn, 3 fused parts) -> SDPA -> proj (kRow). [B, T, D] ->
+// [B, T, D]; under sequence parallelism [R, D] row shards of the flattened tokens -> the same.
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const TransformerBlockOptions& o);
@@ -51,7 +56,7 @@ class AttentionImpl : public torch::nn::Module {
   onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& x);  // models/onnx/vit_onnx.cpp
 
  private:
-  int64_t head_dim_;
+  int64_t head_dim_, tokens_;
   double dropout_;
   torch::nn::AnyModule qkv_, proj_;
 };
@@ -91,6 +96,7 @@ struct VisionTransformerOptions {
   int64_t image_h = 224, image_w = 224;
   bool class_token = false;
   LinearFactory linear = dense_linear;
+  parallel::tensor::TpPtr tp;  // see TransformerBlockOptions
 };
 
 // Patch embedding (conv kernel = stride = patch) + [class token] + learned position embedding
@@ -103,7 +109,9 @@ class VisionTransformerImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& images);
   // The pieces of forward(), so a model can run them as separate units (models/model.h): the
   // patch embedding with [class token] and position embedding (reads patch_embed, cls_token,
-  // pos_embed), then each of blocks(), then the final LayerNorm (reads norm).
+  // pos_embed), then each of blocks(), then the final LayerNorm (reads norm). Under sequence
+  // parallelism embed() returns this rank's row shard of the tokens and final_norm() takes it and
+  // returns the whole [B, T, D] on every rank.
   at::Tensor embed(const at::Tensor& images);
   at::Tensor final_norm(const at::Tensor& x);
   // The dtype of the patch embedding's weight: what embed() takes images in.
@@ -132,7 +140,10 @@ TORCH_MODULE(VisionTransformer);
 // [B, num_classes]; loss: cross-entropy ("ce", and "accuracy" as a metric term).
 class VitClassifier : public Model {
  public:
-  VitClassifier(const VitSpec& spec, int64_t image_size, int64_t num_classes, LinearFactory linear = dense_linear);
+  // `tp` (null: none): tensor-parallel blocks through `linear` and a column-parallel head with
+  // gathered output.
+  VitClassifier(const VitSpec& spec, int64_t image_size, int64_t num_classes,
+                LinearFactory linear = dense_linear, parallel::tensor::TpPtr tp = nullptr);
 
   core::TensorDict forward(const core::TensorDict& batch) override;
   LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) override;
@@ -155,7 +166,7 @@ class VitClassifier : public Model {
   VitSpec spec_;
   int64_t image_size_, num_classes_;
   VisionTransformer vit_{nullptr};
-  DenseLinear head_{nullptr};
+  torch::nn::AnyModule head_;
 };
 
 // Converts uint8 images to the parameters' dtype, scaled to [0, 1] and normalised with ImageNet

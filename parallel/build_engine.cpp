@@ -8,14 +8,15 @@ namespace parallax::parallel {
 std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn::Module> module,
                                      std::vector<optim::ParamGroup> groups,
                                      const OptimizerFactory& make, comm::CommPtr dp,
-                                     const ddp::DdpOptions& ddp, std::vector<core::Unit> units) {
+                                     const ddp::DdpOptions& ddp, std::vector<core::Unit> units,
+                                     TensorParallelInfo tp) {
   if (plan.zero_stage == 0) {
     return std::make_unique<ddp::DdpEngine>(std::move(module), std::move(groups), make,
-                                            std::move(dp), ddp);
+                                            std::move(dp), ddp, std::move(tp));
   }
   return std::make_unique<zero::ZeroEngine>(std::move(module), std::move(groups), make,
                                             std::move(dp), ddp, plan.zero_stage, std::move(units),
-                                            plan.zero_prefetch);
+                                            plan.zero_prefetch, false, std::move(tp));
 }
 
 }  // namespace parallax::parallel

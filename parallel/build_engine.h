@@ -13,11 +13,13 @@ namespace parallax::parallel {
 // parameters, or this rank's pieces of them). `ddp`: bucket caps, modes and unused-parameter
 // handling, shared by DDP and ZeRO's gradient buckets. `units`: the model's ordered units
 // (Model::units()), which ZeRO-3 gathers and frees one by one (install the engine's unit_hooks()
-// in the model); the other engines ignore them.
+// in the model); the other engines ignore them. `tp`: the model's tensor parallelism (its layers
+// already split by the model factory, plan step 1).
 std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn::Module> module,
                                      std::vector<optim::ParamGroup> groups,
                                      const OptimizerFactory& make, comm::CommPtr dp,
                                      const ddp::DdpOptions& ddp,
-                                     std::vector<core::Unit> units = {});
+                                     std::vector<core::Unit> units = {},
+                                     TensorParallelInfo tp = {});
 
 }  // namespace parallax::parallel

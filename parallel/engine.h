@@ -40,10 +40,23 @@
 
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 namespace parallax::parallel {
+
+// Tensor parallelism as the data-parallel engines see it (parallel/tensor/): the tp group, and the
+// parameters whose tp ranks hold different pieces (column/row-parallel weights). Every other
+// parameter is identical on every tp rank. The engines bucket and shard each rank's parameters
+// over dp as they are, and report gradients so that clipping and the inf check sum the sharded
+// ones over tp and count the replicated ones once.
+struct TensorParallelInfo {
+  comm::CommPtr tp;               // null or one rank: no tensor parallelism
+  std::set<std::string> sharded;  // full parameter names
+  bool active() const { return tp != nullptr && tp->size() > 1; }
+  bool is_sharded(const std::string& name) const { return sharded.count(name) != 0; }
+};
 
 // One piece of a tensor of the training state, of the global tensor `name` (of shape
 // `global_shape`): a box, [offsets, offsets + tensor.sizes()) (flat_begin < 0), or a flat range,

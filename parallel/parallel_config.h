@@ -55,6 +55,7 @@ struct ParallelConfig {
   int dp = 0;  // 0: world / (tp * pp)
   int tp = 1;
   int pp = 1;
+  bool sequence_parallel = false;
   std::string backend = "auto";
   std::string allreduce = "native";
   double timeout_s = 600;
@@ -73,6 +74,9 @@ struct ParallelConfig {
     v("dp", dp, "data-parallel degree (0: world / (tp * pp))", core::Check::at_least(0));
     v("tp", tp, "tensor-parallel degree (innermost, contiguous ranks)", core::Check::at_least(1));
     v("pp", pp, "pipeline-parallel degree (outermost)", core::Check::at_least(1));
+    v("sequence_parallel", sequence_parallel,
+      "with tp > 1: shard LayerNorm, dropout and residual regions along the tokens (all-gather "
+      "before each column-parallel layer, reduce-scatter after each row-parallel one)");
     v("backend", backend, "communication backend", core::Check::one_of({"auto", "mpi", "nccl", "gloo"}));
     v("allreduce", allreduce, "all-reduce algorithm: backend native or the explicit ring",
       core::Check::one_of({"native", "ring"}));

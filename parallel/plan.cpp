@@ -13,13 +13,18 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
   plan.zero_stage = p.zero.stage;
   plan.activation_checkpointing = activation_checkpointing;
   plan.cuda_graph = cuda_graph;
-  if (plan.layout.tp > 1 || plan.layout.pp > 1) {
+  if (plan.layout.pp > 1) {
     throw_error<LayoutError>(
-        "layout {}: tensor and pipeline parallelism are not available in this version; use "
-        "parallel.tp=1 "
-        "parallel.pp=1 (data parallel over all {} ranks)",
-        plan.layout.to_string(), world);
+        "layout {}: pipeline parallelism is not available in this version; use parallel.pp=1",
+        plan.layout.to_string());
   }
+  plan.sequence_parallel = p.sequence_parallel;
+  PARALLAX_CHECK(!p.sequence_parallel || plan.layout.tp > 1, ConfigError,
+                 "key 'parallel.sequence_parallel': it shards the tokens over the tensor-parallel "
+                 "group; set parallel.tp > 1 or parallel.sequence_parallel=false");
+  PARALLAX_CHECK(plan.layout.tp == 1 || !cuda_graph, ConfigError,
+                 "keys 'parallel.tp' and 'train.cuda_graph': a tensor-parallel step cannot be "
+                 "captured into a CUDA graph in this version; set train.cuda_graph=false");
   PARALLAX_CHECK(plan.zero_stage >= 0 && plan.zero_stage <= 3, ConfigError,
                  "key 'parallel.zero.stage': {} is not a ZeRO stage (0, 1, 2 or 3)",
                  plan.zero_stage);
@@ -49,7 +54,10 @@ std::string Plan::engine_name() const {
 }
 
 std::string Plan::describe() const {
-  return fmt::format("{}, {}, activation checkpointing {}", layout.to_string(), engine_name(),
+  return fmt::format("{}, {}{}, activation checkpointing {}", layout.to_string(), engine_name(),
+                     layout.tp > 1 ? (sequence_parallel ? ", tensor parallel + sequence parallel"
+                                                         : ", tensor parallel")
+                                   : "",
                      activation_checkpointing);
 }
 

@@ -27,13 +27,15 @@ namespace parallax::parallel {
 struct Plan {
   comm::Layout layout;
   int zero_stage = 0;                             // 0: DDP (or one process)
+  bool sequence_parallel = false;                 // tp > 1 only
   bool zero_prefetch = true;                      // ZeRO-3: gather the next unit ahead
   std::string activation_checkpointing = "none";  // none | selective | full
   bool cuda_graph = false;
 
   // Validates `p` for a world of `world` ranks with `gpus_per_node` GPUs (0: CPU ranks). Throws
-  // LayoutError / ConfigError naming the key: tp or pp > 1 (not available yet), ZeRO with CUDA
-  // graphs or with a reduced-precision gradient reduction.
+  // LayoutError / ConfigError naming the key: pp > 1 (not available yet), tp that does not divide
+  // the world, sequence parallelism without tp, tp or ZeRO with CUDA graphs, ZeRO with a
+  // reduced-precision gradient reduction.
   static Plan from(const ParallelConfig& p, const std::string& activation_checkpointing,
                    bool cuda_graph, int world, int gpus_per_node);
 

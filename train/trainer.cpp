@@ -24,6 +24,7 @@
 #include "parallel/comm/factory.h"
 #include "parallel/comm/topology.h"
 #include "parallel/comm/world.h"
+#include "parallel/tensor/tensor_parallel.h"
 #include "train/batch_source.h"
 #include "train/cuda_graph.h"
 #include "train/evaluate.h"
@@ -42,6 +43,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
+#include <set>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -107,6 +110,78 @@ std::vector<ck::LoadTarget> load_targets(const std::string& prefix,
   return targets;
 }
 
+
+namespace tensor = parallel::tensor;
+
+// The tp layout of the parameter a piece belongs to: the parameter's own ("<param>") or that of
+// its optimizer state ("<param>.<state>"); null for whole, replicated tensors.
+const tensor::ParamLayout* split_layout(const std::map<std::string, tensor::ParamLayout>& layouts,
+                                        const parallel::StatePiece& piece) {
+  if (piece.tensor.dim() == 0) return nullptr;  // per-parameter scalars are the same everywhere
+  auto it = layouts.find(piece.name);
+  if (it == layouts.end()) {
+    const auto dot = piece.name.rfind('.');
+    if (dot != std::string::npos) it = layouts.find(piece.name.substr(0, dot));
+  }
+  return it == layouts.end() ? nullptr : &it->second;
+}
+
+// Tensor parallel: pieces as a checkpoint stores them, in the single-process shapes so that any tp
+// size loads them. A tp-split tensor is gathered over tp (collective: every tp rank calls this
+// with the same pieces in the same order) and saved whole by tp rank 0, replicated over its dp
+// group; every other tensor is the same on all tp ranks, so its replica set grows by the tp peers.
+std::vector<parallel::StatePiece> tp_save_pieces(std::vector<parallel::StatePiece> pieces,
+                                                 const std::map<std::string, tensor::ParamLayout>& layouts,
+                                                 const comm::Topology& topo) {
+  const comm::Layout& layout = topo.layout();
+  if (layout.tp == 1) return pieces;
+  std::vector<parallel::StatePiece> out;
+  for (auto& p : pieces) {
+    const tensor::ParamLayout* l = split_layout(layouts, p);
+    if (l == nullptr) {
+      std::set<int> reps;
+      for (int r : p.replicas)
+        for (int q : comm::group_ranks(layout, "tp", r)) reps.insert(q);
+      if (p.replicas.empty()) {
+        for (int q : topo.tp()->world_ranks()) reps.insert(q);
+      }
+      p.replicas.assign(reps.begin(), reps.end());
+      out.push_back(std::move(p));
+      continue;
+    }
+    PARALLAX_CHECK(p.flat_begin < 0, Error,
+                   "checkpoint: '{}' is a flat range of a tensor-parallel piece (ZeRO with "
+                   "parallel.tp > 1 cannot save checkpoints in this version)",
+                   p.name);
+    at::Tensor whole = tensor::gather_split(p.tensor, *l, *topo.tp());
+    if (topo.coord().tp != 0) continue;
+    p.global_shape = whole.sizes().vec();
+    p.offsets.assign(whole.sizes().size(), 0);
+    p.tensor = whole;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+// Load targets for pieces of a tensor-parallel model: a tp-split piece reads its boxes of the
+// whole tensor (one per fused part), from a checkpoint of any tp size.
+std::vector<ck::LoadTarget> tp_load_targets(const std::string& prefix,
+                                            const std::vector<parallel::StatePiece>& pieces,
+                                            const std::map<std::string, tensor::ParamLayout>& layouts) {
+  std::vector<parallel::StatePiece> whole;
+  std::vector<ck::LoadTarget> targets;
+  for (const auto& p : pieces) {
+    const tensor::ParamLayout* l = split_layout(layouts, p);
+    if (l == nullptr || p.flat_begin >= 0) {
+      whole.push_back(p);
+      continue;
+    }
+    for (const auto& box : tensor::split_boxes(p.tensor, *l))
+      targets.push_back(ck::LoadTarget{prefix + p.name, box.local, box.offsets});
+  }
+  for (auto& t : load_targets(prefix, whole)) targets.push_back(std::move(t));
+  return targets;
+}
 
 // "NaN", "inf" or "-inf" (the platform prints "-nan" for some NaNs).
 std::string nonfinite_name(double v) {
@@ -218,6 +293,8 @@ class TrainerImpl {
   // Resume: the model tensors checkpoints hold (the engine's shards under ZeRO-3 over several
   // ranks, else the module's tensors), read from resume_.
   void load_model_pieces();
+  // Tensor parallel: this rank's slices of `dense` (the same model built for one process).
+  void copy_dense_into_split(models::Model& dense);
   // The model's checkpoint pieces (model_pieces) that TrainerHooks::saves_model_tensor keeps.
   std::vector<parallel::StatePiece> checkpointed_model(const std::vector<int>& replicas) const;
   // train.cuda_graph: refuses what a captured step cannot do, naming the key (the model's own
@@ -230,6 +307,9 @@ class TrainerImpl {
   c10::Device device_{c10::kCPU};
   comm::CommPtr world_comm_;
   std::unique_ptr<comm::Topology> topo_;
+  // Tensor parallel (tp > 1): the model's tp group and how its layers split each parameter.
+  tensor::TpPtr tp_;
+  std::map<std::string, tensor::ParamLayout> tp_layouts_;
   // Locked for the trainer's lifetime; declared before everything that writes into it.
   std::optional<RunDirectory> run_directory_;
   fs::path run_dir_;
@@ -432,7 +512,24 @@ void TrainerImpl::setup() {
   }
   // Identical initialisation on every rank (DDP also broadcasts from rank 0).
   core::seed_all(seed);
-  model_ = models::build_model(cfg_.model, scene_);
+  // Plan step 1: tensor-parallel layers come from the model's factory.
+  if (layout.tp > 1) {
+    PARALLAX_CHECK(cfg_.lora.rank == 0, ConfigError,
+                   "keys 'lora.rank' and 'parallel.tp': LoRA adapts dense linear layers and "
+                   "parallel.tp={} makes them column/row-parallel; use parallel.tp=1 (data "
+                   "parallel or ZeRO) for LoRA in this version",
+                   layout.tp);
+    PARALLAX_CHECK(plan_.zero_stage == 0 || cfg_.train.benchmark, ConfigError,
+                   "keys 'parallel.zero.stage' and 'parallel.tp': ZeRO-{} with tensor parallelism "
+                   "trains, but cannot save checkpoints in this version; use "
+                   "parallel.zero.stage=0 (DDP) with parallel.tp={}, or train.benchmark=true",
+                   plan_.zero_stage, layout.tp);
+    tp_ = std::make_shared<tensor::TpGroup>(topo_->tp(), plan_.sequence_parallel);
+    model_ = models::build_model(cfg_.model, scene_, tp_);
+    tp_layouts_ = tensor::param_layouts(*model_);
+  } else {
+    model_ = models::build_model(cfg_.model, scene_);
+  }
   model_->to(device_);
   model_->train();
   double load_s = 0;  // checkpoint read time: the weights here, the optimizer state below
@@ -443,8 +540,16 @@ void TrainerImpl::setup() {
   if ((!resume_ || hooks_.saves_model_tensor) && !cfg_.train.load_from.empty()) {
     ck::WeightsOptions w;
     w.strict = cfg_.train.strict_load;
-    const auto report = ck::load_weights(*model_, cfg_.train.load_from, w);
-    core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
+    if (tp_) {
+      // Through a single-process copy of the model: each rank keeps its slices of it.
+      auto dense = models::build_model(cfg_.model, scene_);
+      const auto report = ck::load_weights(*dense, cfg_.train.load_from, w);
+      core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
+      copy_dense_into_split(*dense);
+    } else {
+      const auto report = ck::load_weights(*model_, cfg_.train.load_from, w);
+      core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
+    }
   }
   if (hooks_.transform_model) {
     hooks_.transform_model(*model_);
@@ -455,7 +560,7 @@ void TrainerImpl::setup() {
   const bool sharded_model = plan_.zero_stage == 3 && layout.dp > 1;
   if (resume_ && !sharded_model) {
     core::Stopwatch load_clock;
-    if (hooks_.saves_model_tensor) {
+    if (hooks_.saves_model_tensor || tp_) {
       with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
     } else {
       with_config_hint({"model.", "lora.", "qat."}, [&] { ck::load_weights(*resume_, *model_); });
@@ -511,6 +616,13 @@ void TrainerImpl::setup() {
   o.broadcast_buffers = p.ddp.broadcast_buffers;
   o.algo = comm::parse_allreduce_algo(p.allreduce);
   o.timing = !cfg_.train.cuda_graph;
+  // Sequence parallel: LayerNorm and row-bias gradients summed over tp as autograd makes them.
+  tensor::install_sequence_parallel_hooks(tp_);
+  parallel::TensorParallelInfo tp_info;
+  if (tp_) {
+    tp_info.tp = topo_->tp();
+    for (const auto& [name, l] : tp_layouts_) tp_info.sharded.insert(name);
+  }
   optim::NamedParams named;
   for (const auto& item : model_->named_parameters()) named.emplace_back(item.key(), item.value());
   const optim::OptimConfig optim_cfg = cfg_.optim;
@@ -519,7 +631,7 @@ void TrainerImpl::setup() {
       [optim_cfg](std::vector<optim::ParamGroup> groups) {
         return optim::build_optimizer(optim_cfg, std::move(groups));
       },
-      topo_->dp(), o, model_->units());
+      topo_->dp(), o, model_->units(), std::move(tp_info));
   // ZeRO-3 gathers and frees parameters around each unit of the model's forward.
   model_->set_unit_hooks(engine_->unit_hooks());
   core::log::info("parallel plan: {}; engine: {}", plan_.describe(), engine_->describe());
@@ -623,11 +735,35 @@ std::map<std::string, at::Tensor> TrainerImpl::train_step(int64_t step, double l
   return terms;
 }
 
+void TrainerImpl::copy_dense_into_split(models::Model& dense) {
+  at::NoGradGuard no_grad;
+  const auto from = dense.named_parameters();
+  for (auto& item : model_->named_parameters()) {
+    const at::Tensor* src = from.find(item.key());
+    PARALLAX_CHECK(src != nullptr, Error, "tensor parallel: '{}' has no single-process twin", item.key());
+    const auto it = tp_layouts_.find(item.key());
+    if (it == tp_layouts_.end()) {
+      item.value().copy_(*src);
+      continue;
+    }
+    for (const auto& box : tensor::split_boxes(item.value(), it->second)) {
+      at::Tensor part = *src;
+      for (int64_t d = 0; d < box.local.dim(); ++d)
+        part = part.narrow(d, box.offsets[static_cast<std::size_t>(d)], box.local.size(d));
+      box.local.copy_(part);
+    }
+  }
+  const auto buffers = dense.named_buffers();
+  for (auto& item : model_->named_buffers()) {
+    if (const at::Tensor* src = buffers.find(item.key())) item.value().copy_(*src);
+  }
+}
+
 void TrainerImpl::load_model_pieces() {
   // This rank's flat range of every parameter (and the buffers, whole), from whatever shards of
   // whatever layout overlap them; or, before the engine exists, the module's tensors whole. Only
   // the tensors checkpoints hold (TrainerHooks::saves_model_tensor).
-  resume_->load(load_targets(ck::kModelPrefix, checkpointed_model({})));
+  resume_->load(tp_load_targets(ck::kModelPrefix, checkpointed_model({}), tp_layouts_));
 }
 
 std::vector<parallel::StatePiece> TrainerImpl::checkpointed_model(
@@ -646,7 +782,7 @@ std::vector<parallel::StatePiece> TrainerImpl::checkpointed_model(
 void TrainerImpl::load_optimizer_state() {
   // Each rank reads exactly the pieces it holds (a ZeRO rank: one flat range of each state tensor,
   // read as the boxes it covers), from whatever shards of whatever layout overlap them.
-  resume_->load(load_targets(ck::kOptimPrefix, engine_->optimizer_state()));
+  resume_->load(tp_load_targets(ck::kOptimPrefix, engine_->optimizer_state(), tp_layouts_));
   engine_->optimizer_state_loaded();
 }
 
@@ -792,8 +928,9 @@ void TrainerImpl::save_checkpoint(int64_t step) {
   ck::SaveState state;
   // The model: whole and replicated, or (ZeRO-3) each rank's flat range of every parameter; only
   // the tensors the hooks keep (LoRA: the adapters).
-  const int64_t model_bytes =
-      add_pieces(state, ck::kModelPrefix, checkpointed_model(engine_->model_replicas()));
+  const int64_t model_bytes = add_pieces(
+      state, ck::kModelPrefix,
+      tp_save_pieces(checkpointed_model(engine_->model_replicas()), tp_layouts_, *topo_));
   if (hooks_.saves_model_tensor && !model_tensors_logged_) {
     core::log::info(
         "checkpoints hold {} of model tensors on this rank (what trains; the rest comes from the "
@@ -803,7 +940,8 @@ void TrainerImpl::save_checkpoint(int64_t step) {
   }
   // The optimizer state per parameter under its global name and shape, as the engine holds it
   // (whole and replicated under DDP; one flat range of each parameter's state under ZeRO).
-  add_pieces(state, ck::kOptimPrefix, engine_->optimizer_state());
+  add_pieces(state, ck::kOptimPrefix,
+             tp_save_pieces(engine_->optimizer_state(), tp_layouts_, *topo_));
   ck::add_rng(state);
   ck::add_loss_scaler(state, *scaler_);
   if (hooks_.save_extra) hooks_.save_extra(state);

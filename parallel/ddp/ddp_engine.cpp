@@ -8,8 +8,8 @@ namespace parallax::parallel::ddp {
 
 DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module,
                      std::vector<optim::ParamGroup> groups, const OptimizerFactory& make,
-                     comm::CommPtr dp, DdpOptions options)
-    : module_(std::move(module)), dp_(std::move(dp)), timing_(options.timing) {
+                     comm::CommPtr dp, DdpOptions options, TensorParallelInfo tp)
+    : module_(std::move(module)), dp_(std::move(dp)), timing_(options.timing), tp_(std::move(tp)) {
   // DDP first: its broadcast from rank 0 must precede the optimizer, whose fp32 masters of
   // low-precision parameters copy the values they see.
   if (dp_->size() > 1) ddp_ = std::make_unique<DistributedDataParallel>(module_, dp_, options);
@@ -42,13 +42,22 @@ void DdpEngine::forward_backward(int micro_steps, const std::function<at::Tensor
 }
 
 std::vector<optim::GradGroup> DdpEngine::grads() {
-  optim::GradGroup g;
-  for (const auto& p : module_->parameters()) {
-    if (p.grad().defined()) g.grads.push_back(p.grad());
+  // After DDP's all-reduce every member holds the same averaged gradients: counted once. Under
+  // tensor parallelism the tp-sharded gradients are pieces summed over tp, the others identical
+  // copies on every tp rank.
+  optim::GradGroup whole, sharded;
+  for (const auto& item : module_->named_parameters()) {
+    const at::Tensor& g = item.value().grad();
+    if (!g.defined()) continue;
+    (tp_.is_sharded(item.key()) ? sharded : whole).grads.push_back(g);
   }
-  // After DDP's all-reduce every member holds the same averaged gradients: counted once.
-  if (dp_->size() > 1) g.replicated_over.push_back(dp_.get());
-  return {std::move(g)};
+  for (auto* grp : {&whole, &sharded}) {
+    if (dp_->size() > 1) grp->replicated_over.push_back(dp_.get());
+  }
+  if (!tp_.active()) return {std::move(whole)};
+  whole.replicated_over.push_back(tp_.tp.get());
+  sharded.sharded_over.push_back(tp_.tp.get());
+  return {std::move(whole), std::move(sharded)};
 }
 
 void DdpEngine::step(double lr) {

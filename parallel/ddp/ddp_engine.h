@@ -14,7 +14,8 @@ class DdpEngine : public Engine {
   // Wraps `module` in DDP over `dp` when dp has more than one rank (broadcasting parameters and
   // buffers from its rank 0 first), then builds the optimizer over `groups` with `make`.
   DdpEngine(std::shared_ptr<torch::nn::Module> module, std::vector<optim::ParamGroup> groups,
-            const OptimizerFactory& make, comm::CommPtr dp, DdpOptions options);
+            const OptimizerFactory& make, comm::CommPtr dp, DdpOptions options,
+            TensorParallelInfo tp = {});
 
   std::string describe() const override;
   void broadcast_buffers() override;
@@ -41,6 +42,7 @@ class DdpEngine : public Engine {
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::vector<std::pair<std::string, at::Tensor>> held_;  // the last optimizer_state()
   bool timing_ = true;
+  TensorParallelInfo tp_;
 };
 
 }  // namespace parallax::parallel::ddp

@@ -8,14 +8,20 @@
 #include <fmt/format.h>
 
 #include <map>
+#include <set>
 
 namespace parallax::parallel::zero {
 
 ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
                        std::vector<optim::ParamGroup> groups, const OptimizerFactory& make,
                        comm::CommPtr dp, ddp::DdpOptions options, int stage,
-                       std::vector<core::Unit> units, bool prefetch, bool always_gather)
-    : module_(std::move(module)), dp_(std::move(dp)), stage_(stage), timing_(options.timing) {
+                       std::vector<core::Unit> units, bool prefetch, bool always_gather,
+                       TensorParallelInfo tp)
+    : module_(std::move(module)),
+      dp_(std::move(dp)),
+      stage_(stage),
+      timing_(options.timing),
+      tp_(std::move(tp)) {
   PARALLAX_CHECK(stage_ >= 1 && stage_ <= 3, ConfigError, "ZeRO: stage {} is not 1, 2 or 3",
                  stage_);
   // Buckets never mix optimizer groups (their weight decay differs).
@@ -48,14 +54,18 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
   options.transient = reduce_each_micro_;
   const int n_groups = static_cast<int>(groups.size()) + 1;
   const int n_units = static_cast<int>(units.size());
-  options.bucket_key = [group_of, unit_of, n_groups, n_units](const std::string& name) {
+  // Tensor parallel: a bucket holds only tp-sharded or only tp-replicated parameters, so each of
+  // this rank's pieces is one or the other (grads()).
+  auto tp_sharded = std::make_shared<std::set<std::string>>(tp_.sharded);
+  options.bucket_key = [group_of, unit_of, n_groups, n_units, tp_sharded](const std::string& name) {
     const auto it = group_of->find(name);
     const int g = it == group_of->end() ? -1 : it->second;
+    const int tp_bit = tp_sharded->count(name) != 0 ? 1 : 0;
     const auto u = unit_of->find(name);
-    if (u == unit_of->end()) return g;
+    if (u == unit_of->end()) return 2 * g + tp_bit;
     // Keys ascend in reverse unit order: buckets come out (and are launched) last unit first, the
     // order of the backward.
-    return (n_units - 1 - u->second) * n_groups + g + 1;
+    return 2 * ((n_units - 1 - u->second) * n_groups + g + 1) + tp_bit;
   };
   if (stage_ == 3) {
     // One bucket per (unit, dtype, group): no cap splits a unit's flat parameter.
@@ -241,13 +251,19 @@ void ZeroEngine::forward_backward(int micro_steps, const std::function<at::Tenso
 }
 
 std::vector<optim::GradGroup> ZeroEngine::grads() {
-  optim::GradGroup g;
+  // Every element of the gradient lives in exactly one dp rank's shard; under tensor parallelism
+  // the tp-sharded pieces are also summed over tp, the others are the same on every tp rank.
+  optim::GradGroup whole, sharded;
   for (const auto& p : pieces_) {
-    if (p.param.grad().defined()) g.grads.push_back(p.param.grad());
+    if (p.param.grad().defined())
+      (tp_.is_sharded(p.name) ? sharded : whole).grads.push_back(p.param.grad());
   }
-  // Every element of the gradient lives in exactly one rank's shard.
-  g.sharded_over.push_back(dp_.get());
-  return {std::move(g)};
+  whole.sharded_over.push_back(dp_.get());
+  sharded.sharded_over.push_back(dp_.get());
+  if (!tp_.active()) return {std::move(whole)};
+  whole.replicated_over.push_back(tp_.tp.get());
+  sharded.sharded_over.push_back(tp_.tp.get());
+  return {std::move(whole), std::move(sharded)};
 }
 
 void ZeroEngine::step(double lr) {

@@ -55,7 +55,8 @@ class ZeroEngine : public Engine {
   // of that path on one GPU; otherwise one rank skips it).
   ZeroEngine(std::shared_ptr<torch::nn::Module> module, std::vector<optim::ParamGroup> groups,
              const OptimizerFactory& make, comm::CommPtr dp, ddp::DdpOptions options, int stage,
-             std::vector<core::Unit> units = {}, bool prefetch = true, bool always_gather = false);
+             std::vector<core::Unit> units = {}, bool prefetch = true, bool always_gather = false,
+             TensorParallelInfo tp = {});
   ~ZeroEngine() override;
 
   std::string describe() const override;
@@ -118,6 +119,7 @@ class ZeroEngine : public Engine {
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::vector<std::pair<std::string, at::Tensor>> held_;  // the last optimizer_state()
   std::unique_ptr<ParamShards> shards_;                   // stage 3
+  TensorParallelInfo tp_;  // tp-sharded and replicated parameters never share a bucket
 };
 
 }  // namespace parallax::parallel::zero
