@@ -32,10 +32,17 @@ int64_t bytes_of(const at::Tensor& t) {
   return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
 }
 
+// The traffic counters hold the bytes each rank sends for an op on a ring of n ranks (NCCL's and
+// the ring algorithm's cost; the standard bus-bandwidth accounting): all-reduce of M bytes
+// 2 (n - 1) / n M, all-gather into M bytes (n - 1) / n M, reduce-scatter of M bytes (n - 1) / n M.
+int64_t ring_bytes(int64_t bytes, int n, int factor) {
+  return factor * bytes * (n - 1) / n;
+}
+
 at::Tensor all_reduce_sum(const at::Tensor& x, TpGroup& tp, int64_t& counter) {
   at::Tensor y = x.contiguous().clone();
   finish(tp.comm().all_reduce_async(y, comm::ReduceOp::kSum));
-  counter += bytes_of(y);
+  counter += ring_bytes(bytes_of(y), tp.size(), 2);
   return y;
 }
 
@@ -47,7 +54,7 @@ at::Tensor all_gather_rows(const at::Tensor& shard, TpGroup& tp, int64_t& counte
   at::Tensor out = at::empty(shape, s.options());
   at::Tensor flat = out.view({-1});
   finish(tp.comm().all_gather_async(s.view({-1}), flat));
-  counter += bytes_of(s);
+  counter += ring_bytes(bytes_of(out), tp.size(), 1);
   return out;
 }
 
@@ -59,7 +66,7 @@ at::Tensor reduce_scatter_rows(const at::Tensor& x, TpGroup& tp, int64_t& counte
   at::Tensor out = at::empty(shape, s.options());
   at::Tensor flat = out.view({-1});
   finish(tp.comm().reduce_scatter_async(s, flat, comm::ReduceOp::kSum));
-  counter += bytes_of(s);
+  counter += ring_bytes(bytes_of(s), tp.size(), 1);
   return out;
 }
 

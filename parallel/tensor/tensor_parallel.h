@@ -133,8 +133,10 @@ class TpGroup {
   void mark_sequence_parallel(const at::Tensor& param);
   const std::vector<at::Tensor>& sequence_parallel_params() const { return sp_params_; }
 
-  // Per-step byte counters of the TP collectives (docs/PERFORMANCE.md's communication table):
-  // payload bytes each rank contributes, by layer type.
+  // Byte counters of the TP collectives since construction (or the caller's reset), by layer
+  // type: the bytes each rank sends on a ring of tp ranks (all-reduce 2 (n - 1) / n M, all-gather
+  // and reduce-scatter (n - 1) / n M, M the whole tensor's bytes), for docs/PERFORMANCE.md's
+  // communication table (bench/tensor/tp_comm.cpp).
   struct Traffic {
     int64_t column_bytes = 0;  // f backward / SP all-gather forward and reduce-scatter backward
     int64_t row_bytes = 0;     // g forward / SP reduce-scatter forward and all-gather backward
