@@ -147,7 +147,8 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
 // The same, with the linear layers of every attention and MLP block built by `linear` (see
 // LinearFactory in models/layers.h). Models without such blocks (mlp) ignore it.
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene, const LinearFactory& linear);
-// Tensor parallel over `tp` (parallel/tensor/tensor_parallel.h): the ViT blocks' linears column-
+// Tensor parallel over `tp` (parallel/tensor/tensor_parallel.h; null: build_model(cfg, scene),
+// a group of one rank: the parallel layers with trivial collectives): the ViT blocks' linears column-
 // and row-parallel (with sequence parallelism when `tp` asks), vit_cls's head column-parallel.
 // ConfigError naming the model for one without tensor-parallel layers (mlp, bev with the conv
 // backbone), and naming both numbers for shapes tp does not divide (heads, widths, classes).

@@ -96,7 +96,7 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
 
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
                                    const parallel::tensor::TpPtr& tp) {
-  if (!tp || tp->size() == 1) return build_model(cfg, scene);
+  if (!tp) return build_model(cfg, scene);
   const bool vit_bev = cfg.name == "bev" && make_bev_spec(cfg, scene).encoder.backbone == "vit";
   PARALLAX_CHECK(cfg.name == "vit_cls" || vit_bev, ConfigError,
                  "key 'parallel.tp': model '{}'{} has no tensor-parallel layers (only the ViT's "

@@ -49,7 +49,7 @@ std::vector<optim::GradGroup> DdpEngine::grads() {
   for (const auto& item : module_->named_parameters()) {
     const at::Tensor& g = item.value().grad();
     if (!g.defined()) continue;
-    (tp_.is_sharded(item.key()) ? sharded : whole).grads.push_back(g);
+    (tp_.active() && tp_.is_sharded(item.key()) ? sharded : whole).grads.push_back(g);
   }
   for (auto* grp : {&whole, &sharded}) {
     if (dp_->size() > 1) grp->replicated_over.push_back(dp_.get());

@@ -256,7 +256,7 @@ std::vector<optim::GradGroup> ZeroEngine::grads() {
   optim::GradGroup whole, sharded;
   for (const auto& p : pieces_) {
     if (p.param.grad().defined())
-      (tp_.is_sharded(p.name) ? sharded : whole).grads.push_back(p.param.grad());
+      (tp_.active() && tp_.is_sharded(p.name) ? sharded : whole).grads.push_back(p.param.grad());
   }
   whole.sharded_over.push_back(dp_.get());
   sharded.sharded_over.push_back(dp_.get());
