@@ -69,15 +69,6 @@ std::optional<train::RunConfig> load_run_config(const std::string& run) {
 
 // ---- weights.h5 --------------------------------------------------------------------------------
 
-// The scene the trainer built the model for (train/trainer.cpp, Trainer::setup): the dataset's
-// dataset.json for a bev model trained on a dataset, else the size's benchmark scene.
-core::SceneSpec run_scene(const train::RunConfig& cfg) {
-  const bool synthetic = cfg.data.synthetic || cfg.train.benchmark || cfg.model.name != "bev";
-  if (!synthetic) return data::read_dataset_info(cfg.data.path).scene_spec(cfg.data.max_boxes);
-  if (cfg.model.name == "bev") return models::benchmark_scene(cfg.model.size);
-  return {};
-}
-
 int export_weights(const Args& args, const Settings& s, const std::string& run,
                    const std::optional<train::RunConfig>& cfg) {
   const std::string dtype = s.cfg.dtype;
@@ -97,7 +88,7 @@ int export_weights(const Args& args, const Settings& s, const std::string& run,
   if (cfg && cfg->lora.rank > 0) {
     // A LoRA run's checkpoints hold its adapters: the base with the adapters merged in.
     checkpoint::CheckpointReader reader(source);
-    auto model = train::lora::merged_model(*cfg, run_scene(*cfg), reader);
+    auto model = train::lora::merged_model(*cfg, train::run_scene(*cfg), reader);
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (const auto& it : model->named_parameters()) tensors.emplace_back(it.key(), it.value());
     for (const auto& it : model->named_buffers()) tensors.emplace_back(it.key(), it.value());
@@ -203,7 +194,7 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
       args.has("out") ? args.get("out") : (fs::path(run) / "export" / "model.onnx").string();
   checkpoint::exporter::prepare_output_dir(out);
 
-  const core::SceneSpec scene = run_scene(*cfg);
+  const core::SceneSpec scene = train::run_scene(*cfg);
   // A LoRA run: the base with its adapters merged in (no adapter nodes in the graph).
   std::shared_ptr<models::Model> model;
   if (cfg->lora.rank > 0) {

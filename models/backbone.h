@@ -51,8 +51,9 @@ class ImageEncoderImpl : public torch::nn::Module {
   at::ScalarType param_dtype() const {
     return vit_ ? vit_->param_dtype() : conv_neck_->weight.scalar_type();
   }
-  // forward() of normalised images [B, 3, H, W] in e.dtype() as ONNX nodes (models/onnx/bev_onnx.cpp).
-  onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& images);
+  // forward_unit(index, x) as ONNX nodes, x in e.dtype() (unit 0 takes normalised images
+  // [B, 3, H, W]; models/onnx/bev_onnx.cpp).
+  onnx::Value emit_unit(onnx::Emitter& e, int64_t index, const onnx::Value& x);
 
   int64_t stride() const { return stride_of(opts_); }
   int64_t feat_h() const { return opts_.image_h / stride(); }

@@ -22,7 +22,10 @@ class MlpModel : public Model {
   // One unit per linear layer with the GELU after it: "net.0", "net.2", ..., "net.<2 depth>".
   std::vector<Unit> units() const override;
   // Input "x" float32 [B, in], output "y_hat" float32 [B, out].
-  void emit_onnx(onnx::Emitter& e) override;
+  // Input "x", output "y_hat"; a unit per Linear (with its GELU) (models/onnx/mlp_onnx.cpp).
+  OnnxFlow emit_onnx_inputs(onnx::Emitter& e) override;
+  std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) override;
+  void emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow) override;
 
  private:
   int64_t in_, hidden_, out_, depth_;

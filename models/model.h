@@ -19,6 +19,7 @@
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -84,10 +85,23 @@ class Model : public torch::nn::Module {
   // forward_flops_per_sample()); empty if the model does not break its cost down.
   virtual std::vector<ModuleCost> cost_breakdown() const { return {}; }
 
-  // Writes the forward as ONNX nodes (models/onnx/emitter.h): the graph inputs (the batch keys
-  // forward() reads), every layer in forward order, and one graph output per key of forward()'s
-  // result. The default throws parallax::Error: the model has no ONNX emitter.
+  // Writes the forward as ONNX nodes (models/onnx/emitter.h). The default walks the model unit by
+  // unit, as the forward runs them: emit_onnx_inputs() declares the graph inputs (the batch keys
+  // forward() reads) and returns what unit 0 takes; emit_onnx_unit(i) writes the layers of unit i
+  // (each layer emits its own nodes) from the values the unit before it returned, and returns its
+  // own; emit_onnx_outputs() declares one graph output per key of forward()'s result from the last
+  // unit's values. A model may instead override emit_onnx() whole. The defaults throw
+  // parallax::Error: the model has no ONNX emitter.
   virtual void emit_onnx(onnx::Emitter& e);
+  // What flows through the walk: the values the last unit returned, and the graph inputs by name
+  // (side inputs such as the camera geometry, which a later unit reads).
+  struct OnnxFlow {
+    std::vector<onnx::Value> values;
+    std::map<std::string, onnx::Value> inputs;
+  };
+  virtual OnnxFlow emit_onnx_inputs(onnx::Emitter& e);
+  virtual std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow);
+  virtual void emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow);
 
   // Why a training step of this model cannot be captured into a CUDA graph (train.cuda_graph):
   // a forward or loss that reads device values on the host, or whose shapes depend on the data.

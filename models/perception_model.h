@@ -93,8 +93,11 @@ class PerceptionModel : public Model {
   core::TensorDict example_batch(int64_t n) const override;
   std::vector<ModuleCost> cost_breakdown() const override { return analytic_cost(spec_); }
   // Inputs "images" uint8 [B, N, H, W, 3], "intrinsics" float32 [B, N, 3, 3], "cam_to_ego" float32
-  // [B, N, 4, 4]; outputs "bev_logits", "heatmap", "box_reg" (float32, shapes as forward()).
-  void emit_onnx(onnx::Emitter& e) override;
+  // [B, N, 4, 4]; outputs "bev_logits", "heatmap", "box_reg" (float32, shapes as forward()); the
+  // units of units() in order (models/onnx/bev_onnx.cpp).
+  OnnxFlow emit_onnx_inputs(onnx::Emitter& e) override;
+  std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) override;
+  void emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow) override;
   std::string graph_capture_blocker() const override {
     return "the view transformer samples as many points per camera as the batch's cameras see (one host read of "
            "the counts per forward), so the step's shapes depend on the data";

@@ -116,8 +116,12 @@ class VisionTransformerImpl : public torch::nn::Module {
   at::Tensor final_norm(const at::Tensor& x);
   // The dtype of the patch embedding's weight: what embed() takes images in.
   at::ScalarType param_dtype() const { return patch_embed_->weight.scalar_type(); }
-  // forward() of normalised images [B, 3, H, W] in e.dtype() as ONNX nodes: tokens [B, T, D].
+  // forward() of normalised images [B, 3, H, W] in e.dtype() as ONNX nodes: tokens [B, T, D]; and
+  // its pieces, as embed() and final_norm() (blocks: each block's own emit_onnx in its scope).
   onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& images);
+  onnx::Value emit_embed(onnx::Emitter& e, const onnx::Value& images);
+  onnx::Value emit_block(onnx::Emitter& e, int64_t index, const onnx::Value& x);
+  onnx::Value emit_final_norm(onnx::Emitter& e, const onnx::Value& x);
 
   int64_t grid_h() const { return opts_.image_h / opts_.spec.patch; }
   int64_t grid_w() const { return opts_.image_w / opts_.spec.patch; }
@@ -156,8 +160,11 @@ class VitClassifier : public Model {
   int64_t batch_size(const core::TensorDict& batch) const override { return batch.at("images").size(0); }
   core::TensorDict example_batch(int64_t n) const override;
   std::vector<ModuleCost> cost_breakdown() const override;
-  // Input "images" uint8 [B, 3, S, S], output "logits" float32 [B, num_classes].
-  void emit_onnx(onnx::Emitter& e) override;
+  // Input "images" uint8 [B, 3, S, S], output "logits" float32 [B, num_classes]; the units of
+  // units() in order (models/onnx/vit_onnx.cpp).
+  OnnxFlow emit_onnx_inputs(onnx::Emitter& e) override;
+  std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) override;
+  void emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow) override;
 
   Cost cost() const { return analytic_cost(spec_, image_size_, num_classes_); }
   static Cost analytic_cost(const VitSpec& spec, int64_t image_size, int64_t num_classes);

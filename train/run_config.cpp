@@ -1,5 +1,8 @@
 #include "train/run_config.h"
 
+#include "data/schema.h"
+#include "models/perception_model.h"
+
 namespace parallax::train {
 
 RunConfig load_run_config(const std::string& file, const std::vector<std::string>& overrides) {
@@ -7,5 +10,16 @@ RunConfig load_run_config(const std::string& file, const std::vector<std::string
 }
 
 std::string resolved_yaml(RunConfig& cfg) { return core::emit_yaml(core::to_yaml(cfg)); }
+
+bool uses_synthetic_data(const RunConfig& cfg) {
+  return cfg.data.synthetic || cfg.train.benchmark || cfg.model.name != "bev";
+}
+
+core::SceneSpec run_scene(const RunConfig& cfg) {
+  if (!uses_synthetic_data(cfg))
+    return data::read_dataset_info(cfg.data.path).scene_spec(cfg.data.max_boxes);
+  if (cfg.model.name == "bev") return models::benchmark_scene(cfg.model.size);
+  return {};
+}
 
 }  // namespace parallax::train

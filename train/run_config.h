@@ -2,6 +2,8 @@
 // owned by its layer, plus the `experiment` and `train` sections owned here.
 #pragma once
 
+#include "core/scene.h"
+
 #include "checkpoint/checkpoint_config.h"
 #include "core/config.h"
 #include "data/data_config.h"
@@ -116,5 +118,13 @@ RunConfig load_run_config(const std::string& file, const std::vector<std::string
 
 // The resolved config as YAML (every key, defaults included): what runs/<name>/config.yaml holds.
 std::string resolved_yaml(RunConfig& cfg);
+
+// Whether a run trains on synthetic batches (data.synthetic, benchmark mode, or a model other than
+// bev) rather than on the dataset at data.path.
+bool uses_synthetic_data(const RunConfig& cfg);
+// The scene a run's model is built for: the dataset's (its dataset.json), or for synthetic bev
+// batches the size's benchmark scene, or none (models that take no scene). The trainer, `parallax
+// export` and `parallax eval` build the same model through it. DataError for an unreadable dataset.
+core::SceneSpec run_scene(const RunConfig& cfg);
 
 }  // namespace parallax::train

@@ -492,15 +492,15 @@ void TrainerImpl::setup() {
 
   // Data first: a dataset's dataset.json describes the scenes the model is built for.
   const uint64_t seed = static_cast<uint64_t>(cfg_.experiment.seed);
-  synthetic_ = cfg_.data.synthetic || cfg_.train.benchmark || cfg_.model.name != "bev";
+  synthetic_ = uses_synthetic_data(cfg_);
   if (!synthetic_) {
     source_ =
         make_dataset_source(cfg_.data, seed, topo_->coord().dp, layout.dp, data_pos, data_pos_dp);
-    scene_ = *source_->scene();
-  } else if (cfg_.model.name == "bev") {
-    // Synthetic batches use the size's benchmark scene (tiny: the default 6 x 128x224 scene;
+    scene_ = *source_->scene();  // the dataset's, as run_scene() reads it
+  } else {
+    // Synthetic bev batches use the size's benchmark scene (tiny: the default 6 x 128x224 scene;
     // small and up: BEVFormer's 6 x 256x704 cameras and 200 x 200 BEV cells at 0.5 m).
-    scene_ = models::benchmark_scene(cfg_.model.size);
+    scene_ = run_scene(cfg_);
   }
   if (cfg_.train.cuda_graph) {
     check_graph_capturable();

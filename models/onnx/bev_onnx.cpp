@@ -30,33 +30,38 @@ onnx::Value small_matmul(onnx::Emitter& e, const onnx::Value& a, const onnx::Val
 
 }  // namespace
 
-onnx::Value ImageEncoderImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& images) {
+onnx::Value ImageEncoderImpl::emit_unit(onnx::Emitter& e, int64_t index, const onnx::Value& x) {
   if (vit_) {
+    const int64_t blocks = static_cast<int64_t>(blocks_.size());
+    if (index < blocks + 1) {
+      auto s = e.scope("vit");
+      return index == 0 ? vit_->emit_embed(e, x) : vit_->emit_block(e, index - 1, x);
+    }
     onnx::Value tokens;
     {
       auto s = e.scope("vit");
-      tokens = vit_->emit_onnx(e, images);
+      tokens = vit_->emit_final_norm(e, x);
     }
     tokens = onnx::linear(e, tokens, "neck", true);  // [BN, T, C]
     // [BN, gh, gw, C] -> [BN, C, gh, gw] (forward()'s channels-last view).
     return e.transpose(e.reshape(tokens, {0, vit_->grid_h(), vit_->grid_w(), opts_.out_channels}),
                        {0, 3, 1, 2});
   }
-  onnx::Value x = images;
+  onnx::Value y = x;
   {
     auto s = e.scope("conv");
     for (const auto& child : conv_->named_children()) {
       auto sc = e.scope(child.key());
       if (auto* c = dynamic_cast<ConvNormActImpl*>(child.value().get())) {
-        x = c->emit_onnx(e, x);
+        y = c->emit_onnx(e, y);
       } else if (auto* b = dynamic_cast<Block*>(child.value().get())) {
-        x = b->emit_onnx(e, x);
+        y = b->emit_onnx(e, y);
       } else {
         e.no_emitter("", *child.value());
       }
     }
   }
-  return onnx::conv2d(e, x, "neck", *conv_neck_);
+  return onnx::conv2d(e, y, "neck", *conv_neck_);
 }
 
 onnx::Value ViewTransformerImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& features,
@@ -141,26 +146,40 @@ std::vector<onnx::Value> BevHeadsImpl::emit_onnx(onnx::Emitter& e, const onnx::V
           branch("reg_conv", reg_conv_, "reg_out", reg_out_)};
 }
 
-void PerceptionModel::emit_onnx(onnx::Emitter& e) {
+Model::OnnxFlow PerceptionModel::emit_onnx_inputs(onnx::Emitter& e) {
   const auto& sc = spec_.scene;
   const int64_t n = sc.num_cameras, h = sc.image_height, w = sc.image_width;
   const onnx::Value images = e.input("images", at::kByte, {onnx::kBatch, n, h, w, 3});
   const onnx::Value intrinsics = e.input("intrinsics", at::kFloat, {onnx::kBatch, n, 3, 3});
   const onnx::Value cam_to_ego = e.input("cam_to_ego", at::kFloat, {onnx::kBatch, n, 4, 4});
-  // forward(): the cameras folded into the batch, normalised, NCHW.
-  onnx::Value x = e.reshape(images, {-1, h, w, 3});
-  x = e.transpose(onnx::normalize_images(e, x, 3, 4), {0, 3, 1, 2});
-  {
+  return {{images}, {{"images", images}, {"intrinsics", intrinsics}, {"cam_to_ego", cam_to_ego}}};
+}
+
+// The units of units(), as forward() runs them: the image encoder's (the first one folds the
+// cameras into the batch and normalises the images), the view transformer (which reads the camera
+// geometry), each BEV encoder block, the heads (with the resampling of the segmentation logits).
+std::vector<onnx::Value> PerceptionModel::emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) {
+  const auto& sc = spec_.scene;
+  const int64_t n = sc.num_cameras, h = sc.image_height, w = sc.image_width;
+  const int encoder_units = static_cast<int>(encoder_->num_units());
+  const int bev_blocks = static_cast<int>(bev_blocks_.size());
+  onnx::Value x = flow.values.at(0);
+  if (unit < encoder_units) {
+    if (unit == 0) {
+      x = e.reshape(x, {-1, h, w, 3});
+      x = e.transpose(onnx::normalize_images(e, x, 3, 4), {0, 3, 1, 2});
+    }
     auto s = e.scope("encoder");
-    x = encoder_->emit_onnx(e, x);
+    return {encoder_->emit_unit(e, unit, x)};
   }
-  {
+  if (unit == encoder_units) {
     auto s = e.scope("view");
-    x = view_->emit_onnx(e, x, intrinsics, cam_to_ego, n);
+    return {view_->emit_onnx(e, x, flow.inputs.at("intrinsics"), flow.inputs.at("cam_to_ego"), n)};
   }
-  for (size_t i = 0; i < bev_blocks_.size(); ++i) {
+  if (unit < encoder_units + 1 + bev_blocks) {
+    const int i = unit - encoder_units - 1;
     auto s = e.scope("bev_block" + std::to_string(i));
-    x = bev_blocks_[i]->emit_onnx(e, x);
+    return {bev_blocks_[static_cast<std::size_t>(i)]->emit_onnx(e, x)};
   }
   std::vector<onnx::Value> out;
   {
@@ -175,9 +194,9 @@ void PerceptionModel::emit_onnx(onnx::Emitter& e) {
     // leave shape inference without the output's shape. Each scale is out/in rounded to float32 and
     // nudged up until in * scale >= out, so floor(in * scale) = out; the source coordinates then
     // differ from ATen's in/out by at most an ulp.
-    auto exact_scale = [](int64_t in, int64_t out) {
-      float s = static_cast<float>(static_cast<double>(out) / static_cast<double>(in));
-      while (static_cast<float>(in) * s < static_cast<float>(out)) s = std::nextafter(s, 2.0f * s);
+    auto exact_scale = [](int64_t in, int64_t out_size) {
+      float s = static_cast<float>(static_cast<double>(out_size) / static_cast<double>(in));
+      while (static_cast<float>(in) * s < static_cast<float>(out_size)) s = std::nextafter(s, 2.0f * s);
       return s;
     };
     const onnx::Value scales =
@@ -186,18 +205,25 @@ void PerceptionModel::emit_onnx(onnx::Emitter& e) {
                   {{"mode", std::string("linear")},
                    {"coordinate_transformation_mode", std::string("half_pixel")}});
   }
+  return out;
+}
+
+void PerceptionModel::emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow) {
+  std::vector<onnx::Value> out = flow.values;
   if (e.dtype() != at::kFloat) {
     for (auto& o : out) o = e.cast(o, at::kFloat);
   }
+  const auto& sc = spec_.scene;
+  const BevGrid lg = spec_.label_grid(), &g = spec_.query_grid;
   const int64_t seg_classes = static_cast<int64_t>(sc.bev_classes.size());
   const int64_t box_classes = static_cast<int64_t>(sc.box_classes.size());
   e.metadata("parallax.inputs",
              "images: uint8 [B, N, H, W, 3] RGB, normalised inside the graph (ImageNet mean/std); "
              "intrinsics: "
              "float32 [B, N, 3, 3]; cam_to_ego: float32 [B, N, 4, 4] (docs/data.md)");
-  e.output("bev_logits", out[0], at::kFloat, {onnx::kBatch, seg_classes, lg.nx, lg.ny});
-  e.output("heatmap", out[1], at::kFloat, {onnx::kBatch, box_classes, g.nx, g.ny});
-  e.output("box_reg", out[2], at::kFloat, {onnx::kBatch, kBoxCodeSize, g.nx, g.ny});
+  e.output("bev_logits", out.at(0), at::kFloat, {onnx::kBatch, seg_classes, lg.nx, lg.ny});
+  e.output("heatmap", out.at(1), at::kFloat, {onnx::kBatch, box_classes, g.nx, g.ny});
+  e.output("box_reg", out.at(2), at::kFloat, {onnx::kBatch, kBoxCodeSize, g.nx, g.ny});
 }
 
 }  // namespace parallax::models

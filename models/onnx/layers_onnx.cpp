@@ -8,7 +8,28 @@
 namespace parallax::models {
 
 void Model::emit_onnx(onnx::Emitter& e) {
+  // The walk: graph inputs, every unit in units() order, graph outputs.
+  OnnxFlow flow = emit_onnx_inputs(e);
+  const int n = static_cast<int>(units().size());
+  for (int i = 0; i < n; ++i) flow.values = emit_onnx_unit(e, i, flow);
+  emit_onnx_outputs(e, flow);
+}
+
+Model::OnnxFlow Model::emit_onnx_inputs(onnx::Emitter& e) {
   (void)e;
+  throw_error<Error>("ONNX export: model '{}' has no ONNX emitter", name());
+}
+
+std::vector<onnx::Value> Model::emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) {
+  (void)e;
+  (void)flow;
+  throw_error<Error>("ONNX export: unit {} ('{}') of model '{}' has no ONNX emitter", unit,
+                     units().at(static_cast<std::size_t>(unit)).name, name());
+}
+
+void Model::emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow) {
+  (void)e;
+  (void)flow;
   throw_error<Error>("ONNX export: model '{}' has no ONNX emitter", name());
 }
 

@@ -52,7 +52,7 @@ onnx::Value TransformerBlock::emit_onnx(onnx::Emitter& e, const onnx::Value& x) 
   return e.add(y, mlp_->emit_onnx(e, h));
 }
 
-onnx::Value VisionTransformerImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& images) {
+onnx::Value VisionTransformerImpl::emit_embed(onnx::Emitter& e, const onnx::Value& images) {
   const int64_t d = opts_.spec.dim, t = grid_h() * grid_w();
   onnx::Value x = onnx::conv2d(e, images, "patch_embed", *patch_embed_);  // [B, D, gh, gw]
   x = e.transpose(e.reshape(x, {0, d, t}), {0, 2, 1});                    // [B, T, D]
@@ -63,25 +63,55 @@ onnx::Value VisionTransformerImpl::emit_onnx(onnx::Emitter& e, const onnx::Value
         e.op("Expand", {e.weight("cls_token"), e.concat({b, e.ints({1, d})}, 0)});
     x = e.concat({cls, x}, 1);
   }
-  x = e.add(x, e.weight("pos_embed"));
-  for (size_t i = 0; i < blocks_.size(); ++i) {
-    auto s = e.scope("block" + std::to_string(i));
-    x = blocks_[i]->emit_onnx(e, x);
-  }
+  return e.add(x, e.weight("pos_embed"));
+}
+
+onnx::Value VisionTransformerImpl::emit_block(onnx::Emitter& e, int64_t index, const onnx::Value& x) {
+  auto s = e.scope("block" + std::to_string(index));
+  return blocks_.at(static_cast<std::size_t>(index))->emit_onnx(e, x);
+}
+
+onnx::Value VisionTransformerImpl::emit_final_norm(onnx::Emitter& e, const onnx::Value& x) {
   return onnx::layer_norm(e, x, "norm", *norm_);
 }
 
-void VitClassifier::emit_onnx(onnx::Emitter& e) {
+onnx::Value VisionTransformerImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& images) {
+  onnx::Value x = emit_embed(e, images);
+  for (size_t i = 0; i < blocks_.size(); ++i) x = emit_block(e, static_cast<int64_t>(i), x);
+  return emit_final_norm(e, x);
+}
+
+Model::OnnxFlow VitClassifier::emit_onnx_inputs(onnx::Emitter& e) {
   const int64_t s = image_size_;
   const onnx::Value images = e.input("images", at::kByte, {onnx::kBatch, 3, s, s});
+  return {{images}, {{"images", images}}};
+}
+
+// The units of units(): "vit.embed" (normalisation inside the graph, then the embedding), each
+// "vit.block<i>", "head" (the final LayerNorm, the class token's feature, the linear head).
+std::vector<onnx::Value> VitClassifier::emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) {
+  const int blocks = static_cast<int>(vit_->blocks().size());
+  const onnx::Value& x = flow.values.at(0);
+  if (unit == 0) {
+    auto sc = e.scope("vit");
+    return {vit_->emit_embed(e, onnx::normalize_images(e, x, 1, 4))};
+  }
+  if (unit <= blocks) {
+    auto sc = e.scope("vit");
+    return {vit_->emit_block(e, unit - 1, x)};
+  }
   onnx::Value tokens;
   {
     auto sc = e.scope("vit");
-    tokens = vit_->emit_onnx(e, onnx::normalize_images(e, images, 1, 4));
+    tokens = vit_->emit_final_norm(e, x);
   }
   const onnx::Value cls =
       e.op("Gather", {tokens, e.constant(at::scalar_tensor(0, at::kLong))}, {{"axis", int64_t{1}}});
-  onnx::Value logits = onnx::gemm(e, cls, "head", true);
+  return {onnx::gemm(e, cls, "head", true)};
+}
+
+void VitClassifier::emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow) {
+  onnx::Value logits = flow.values.at(0);
   if (e.dtype() != at::kFloat) logits = e.cast(logits, at::kFloat);
   e.metadata("parallax.inputs",
              "images: uint8 [B, 3, H, W] RGB, normalised inside the graph (ImageNet mean/std)");
