@@ -215,6 +215,26 @@ class SilentModel : public TanhModel {
   void emit_onnx(models::onnx::Emitter& e) override { models::Model::emit_onnx(e); }
 };
 
+// Declares its inputs but writes none of its units: the exporter's walk over Model::units() names
+// the unit that has no emitter.
+class InputsOnlyModel : public TanhModel {
+ public:
+  void emit_onnx(models::onnx::Emitter& e) override { models::Model::emit_onnx(e); }
+  OnnxFlow emit_onnx_inputs(models::onnx::Emitter& e) override {
+    const auto x = e.input("x", at::kFloat, {models::onnx::kBatch, 4});
+    return {{x}, {{"x", x}}};
+  }
+};
+
+TEST(OnnxExportTest, TheUnitWalkNamesAUnitWithoutAnEmitter) {
+  ScratchDir tmp;
+  InputsOnlyModel model;
+  const std::string m =
+      expect_error<Error>([&] { export_onnx(model, {}, (tmp.path / "model.onnx").string(), {}); });
+  EXPECT_TRUE(contains(m, "unit 0 ('model')") && contains(m, "no ONNX emitter")) << m;
+  EXPECT_TRUE(entries(tmp.path).empty());
+}
+
 TEST(OnnxExportTest, ALayerWithoutAnEmitterIsNamedAndNothingIsWritten) {
   ScratchDir tmp;
   TanhModel model;
