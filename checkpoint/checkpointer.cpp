@@ -40,6 +40,7 @@ struct ShardRecord {
   std::vector<int64_t> shape, offsets, lengths;  // a box's offsets and lengths
   uint32_t crc32 = 0;
   std::optional<FlatRange> flat;  // or a flat range (offsets, lengths empty)
+  int piece = 0;                  // this file's k-th piece of the tensor (format.h)
 };
 
 struct RankIndex {
@@ -49,13 +50,13 @@ struct RankIndex {
   std::vector<ShardRecord> shards;
 
   // A line format (the name last, so it may hold spaces): cheap to parse for thousands of shards.
-  //   shard <crc32> <dtype> <ndim> <shape...> <offsets...> <lengths...> <name>   a box
-  //   flat <crc32> <dtype> <ndim> <shape...> <begin> <end> <name>               a flat range
+  //   shard <crc32> <piece> <dtype> <ndim> <shape...> <offsets...> <lengths...> <name>   a box
+  //   flat <crc32> <piece> <dtype> <ndim> <shape...> <begin> <end> <name>               a flat range
   std::string serialize() const {
-    std::string out = fmt::format("parallax-shard-index 2\nfile {} {} {}\n", file, rank, bytes);
+    std::string out = fmt::format("parallax-shard-index 3\nfile {} {} {}\n", file, rank, bytes);
     for (const auto& s : shards) {
-      out += fmt::format("{} {} {} {}", s.flat ? "flat" : "shard", s.crc32, dtype_name(s.dtype),
-                         s.shape.size());
+      out += fmt::format("{} {} {} {} {}", s.flat ? "flat" : "shard", s.crc32, s.piece,
+                         dtype_name(s.dtype), s.shape.size());
       for (const int64_t x : s.shape) out += fmt::format(" {}", x);
       if (s.flat) {
         out += fmt::format(" {} {}", s.flat->begin, s.flat->end);
@@ -76,7 +77,7 @@ struct RankIndex {
     std::istringstream in(text);
     std::string line;
     RankIndex idx;
-    if (!std::getline(in, line) || line != "parallax-shard-index 2")
+    if (!std::getline(in, line) || line != "parallax-shard-index 3")
       bad("bad header '" + line + "'");
     if (!std::getline(in, line)) bad("no file line");
     {
@@ -91,8 +92,8 @@ struct RankIndex {
       std::string tag, dtype;
       ShardRecord s;
       size_t nd = 0;
-      ls >> tag >> s.crc32 >> dtype >> nd;
-      if ((tag != "shard" && tag != "flat") || ls.fail() || nd > 64)
+      ls >> tag >> s.crc32 >> s.piece >> dtype >> nd;
+      if ((tag != "shard" && tag != "flat") || ls.fail() || nd > 64 || s.piece < 0)
         bad("bad shard line '" + line + "'");
       s.dtype = dtype_from_name(dtype, fmt::format("shard index of rank {}", from_rank));
       s.shape.resize(nd);
@@ -136,12 +137,13 @@ RankIndex write_rank_file(const std::string& path, int rank, const std::vector<O
     h5::write_int64_attr(file, "rank", rank);
     for (const OwnedEntry& e : entries) {
       const at::Tensor& src = e.tensor;
+      const std::string dataset = piece_dataset(e.name, e.piece);
       const std::string ctx =
-          fmt::format("rank {}: writing tensor '{}' to '{}'", rank, e.name, path);
+          fmt::format("rank {}: writing tensor '{}' to '{}'", rank, dataset, path);
       const uint32_t crc =
-          tensor_io::write_dataset(file, e.name, src, block_bytes, staging, ctx, parallel_crc);
+          tensor_io::write_dataset(file, dataset, src, block_bytes, staging, ctx, parallel_crc);
       if (src.dim() > 0) {
-        h5::Id dset(H5Dopen2(file, e.name.c_str(), H5P_DEFAULT));
+        h5::Id dset(H5Dopen2(file, dataset.c_str(), H5P_DEFAULT));
         if (!dset.valid()) h5::fail<IoError>(ctx);
         if (e.flat) {
           h5::write_int64s_attr(dset, "flat", {e.flat->begin, e.flat->end});
@@ -151,7 +153,7 @@ RankIndex write_rank_file(const std::string& path, int rank, const std::vector<O
         h5::write_int64s_attr(dset, "global_shape", e.global_shape);
       }
       data_bytes += static_cast<int64_t>(src.nbytes());
-      ShardRecord rec{e.name, src.scalar_type(), e.global_shape, {}, {}, crc, e.flat};
+      ShardRecord rec{e.name, src.scalar_type(), e.global_shape, {}, {}, crc, e.flat, e.piece};
       if (!e.flat) {
         rec.offsets = e.offsets;
         rec.lengths = src.sizes().vec();
@@ -320,7 +322,7 @@ struct Checkpointer::Impl {
               job.step, s.name, dtype_name(t.dtype), t.shape, first_rank[s.name],
               dtype_name(s.dtype), s.shape, idx.rank);
         }
-        t.shards.push_back(ShardInfo{idx.file, s.offsets, s.lengths, s.crc32, s.flat});
+        t.shards.push_back(ShardInfo{idx.file, s.offsets, s.lengths, s.crc32, s.flat, s.piece});
       }
     }
     m.format_version = m.version_needed();

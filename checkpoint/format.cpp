@@ -139,12 +139,18 @@ std::string ShardInfo::describe() const {
 }
 
 int Metadata::version_needed() const {
+  int v = kBoxFormatVersion;
   for (const auto& [name, t] : tensors) {
     for (const ShardInfo& s : t.shards) {
-      if (s.is_flat()) return kFlatFormatVersion;
+      if (s.piece > 0) return kPieceFormatVersion;
+      if (s.is_flat()) v = kFlatFormatVersion;
     }
   }
-  return kBoxFormatVersion;
+  return v;
+}
+
+std::string piece_dataset(const std::string& name, int piece) {
+  return piece == 0 ? name : fmt::format("{}@{}", name, piece);
 }
 int64_t TensorInfo::numel() const {
   return volume(shape);
@@ -313,8 +319,9 @@ std::string Metadata::to_json() const {
           sh.flat ? fmt::format("\"flat\": [{}, {}]", sh.flat->begin, sh.flat->end)
                   : fmt::format("\"offsets\": {}, \"lengths\": {}", json_ints(sh.offsets),
                                 json_ints(sh.lengths));
-      o += fmt::format("{}\n      {{\"file\": {}, {}, \"crc32\": {}}}", s ? "," : "",
-                       core::json_quote(sh.file), where, sh.crc32);
+      o += fmt::format("{}\n      {{\"file\": {}, {}, \"crc32\": {}{}}}", s ? "," : "",
+                       core::json_quote(sh.file), where, sh.crc32,
+                       sh.piece > 0 ? fmt::format(", \"piece\": {}", sh.piece) : "");
     }
     o += t.shards.empty() ? "]}" : "\n    ]}";
   }
@@ -441,6 +448,16 @@ Metadata Metadata::from_json(const std::string& text, const std::string& where) 
       s.crc32 = static_cast<uint32_t>(crc);
       if (!file_names.count(s.file))
         r.fail(sk + ".file", fmt::format("'{}' is not listed in \"files\"", s.file));
+      if (const YAML::Node p = shards[i]["piece"]; p.IsDefined()) {
+        // Piece k > 0 of this tensor in its rank file (format version 4).
+        if (m.format_version < kPieceFormatVersion) {
+          r.fail(sk + ".piece", fmt::format("pieces need format version {}, the file has {}",
+                                            kPieceFormatVersion, m.format_version));
+        }
+        const int64_t k = r.to_int(p, sk + ".piece");
+        if (k < 1 || k > 1000000) r.fail(sk + ".piece", "out of range");
+        s.piece = static_cast<int>(k);
+      }
       if (const YAML::Node f = shards[i]["flat"]; f.IsDefined()) {
         // A flat range [begin, end) of the C-order flattening (format version 3).
         if (m.format_version < kFlatFormatVersion) {

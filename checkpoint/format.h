@@ -9,7 +9,10 @@
 //     .tmp-step_00000200-<hex>/  a save in progress (or a killed one, removed by the next save)
 //
 // In a rank file each shard is a dataset whose HDF5 path is the tensor name ("model/fc.weight" is
-// dataset "fc.weight" in group "model"), so a rank file holds at most one shard of a tensor. A
+// dataset "fc.weight" in group "model"). A rank that holds several disjoint pieces of one tensor
+// (a tensor-parallel qkv weight: one box per fused part; a ZeRO rank's flat range of a
+// tensor-parallel slice: up to 2 ndim - 1 boxes) stores the first under the tensor name and piece k
+// under "<name>@<k>" (metadata.json records "piece": k; format version 4). A
 // shard is either a box (offsets and lengths per dimension: the dataset has the box's shape and
 // holds it in C order; attributes "dtype", "offsets", "global_shape") or a flat range [begin, end)
 // of the tensor's C-order flattening (a ZeRO rank's piece of a parameter: the dataset is 1-D with
@@ -42,9 +45,10 @@
 
 namespace parallax::checkpoint {
 
-inline constexpr int kFormatVersion = 3;      // the newest version this build reads and writes
+inline constexpr int kFormatVersion = 4;      // the newest version this build reads and writes
 inline constexpr int kBoxFormatVersion = 2;   // written when every shard is a box
 inline constexpr int kFlatFormatVersion = 3;  // the first version with flat shards
+inline constexpr int kPieceFormatVersion = 4;  // the first with several shards of a tensor per file
 inline constexpr const char* kFormatName = "parallax-checkpoint";
 inline constexpr const char* kMetadataFile = "metadata.json";
 inline constexpr const char* kConfigFile = "config.yaml";
@@ -68,6 +72,9 @@ struct ShardInfo {
   std::vector<int64_t> lengths;   // box: per dimension, its extent
   uint32_t crc32 = 0;             // zlib crc32 of the dataset's bytes as stored (C order)
   std::optional<FlatRange> flat;  // flat range: the elements it holds, in order
+  // Which of this file's shards of the tensor it is (0: the only or first one, dataset path =
+  // the tensor name; k > 0: dataset path piece_dataset(name, k), format version 4).
+  int piece = 0;
   int64_t numel() const;
   bool is_flat() const { return flat.has_value(); }
   // The shape of the shard's dataset: `lengths` for a box, {numel} for a flat range.
@@ -157,6 +164,8 @@ std::string rank_local_name(int rank, const std::string& name);
 // Tensor names are HDF5 paths: non-empty '/'-separated components, none empty, "." or "..".
 // Throws CheckpointError naming the entry.
 void validate_tensor_name(const std::string& name);
+// The dataset path of piece `piece` of tensor `name` in a rank file.
+std::string piece_dataset(const std::string& name, int piece);
 
 // The committed checkpoint `path` denotes: a checkpoint directory (holds metadata.json), a
 // checkpoints directory (holds `latest`) or a run directory (holds checkpoints/latest). Throws

@@ -177,10 +177,12 @@ struct CheckpointReader::Impl {
   h5::Id dataset(const TensorInfo& t, const ShardInfo& s) {
     const hid_t f = file(s.file, t.name);
     h5::quiet_errors();
-    h5::Id d(H5Dopen2(f, t.name.c_str(), H5P_DEFAULT));
+    const std::string path = piece_dataset(t.name, s.piece);
+    h5::Id d(H5Dopen2(f, path.c_str(), H5P_DEFAULT));
     if (!d.valid()) {
-      h5::fail<CheckpointError>(fmt::format(
-          "checkpoint '{}': shard file '{}' has no dataset for tensor '{}'", dir, s.file, t.name));
+      h5::fail<CheckpointError>(
+          fmt::format("checkpoint '{}': shard file '{}' has no dataset '{}' for tensor '{}'", dir,
+                      s.file, path, t.name));
     }
     const std::string ctx =
         fmt::format("checkpoint '{}': shard file '{}', tensor '{}'", dir, s.file, t.name);

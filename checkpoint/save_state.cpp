@@ -2,11 +2,13 @@
 
 #include "checkpoint/h5.h"
 #include "core/error.h"
+#include "parallel/engine.h"
 
 #include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <set>
 
@@ -136,8 +138,29 @@ void validate_flat(const TensorEntry& e, const std::string& name, int rank) {
 
 }  // namespace
 
+// The boxes of the global tensor that entry `e` covers (a flat range: the boxes of its range).
+std::vector<parallel::Box> entry_boxes(const TensorEntry& e) {
+  if (e.flat) return parallel::flat_range_boxes(e.global_shape, e.flat->begin, e.flat->end);
+  return {parallel::Box{e.offsets, e.tensor.sizes().vec()}};
+}
+
+bool boxes_meet(const parallel::Box& a, const parallel::Box& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  for (size_t d = 0; d < a.offsets.size(); ++d) {
+    if (a.offsets[d] >= b.offsets[d] + b.lengths[d] || b.offsets[d] >= a.offsets[d] + a.lengths[d])
+      return false;
+  }
+  return true;
+}
+
+// "box [0, 4] + [2, 4]" / "flat [3, 9)": what an entry holds, for messages and tie-breaks.
+std::string entry_where(const TensorEntry& e) {
+  if (e.flat) return fmt::format("flat [{}, {})", e.flat->begin, e.flat->end);
+  return fmt::format("box {} + {}", e.offsets, e.tensor.sizes().vec());
+}
+
 std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world) {
-  std::set<std::string> seen;
+  std::map<std::string, std::vector<size_t>> by_name;
   // Entries grouped by replica set; sets of one member are owned directly.
   std::map<std::vector<int>, std::vector<size_t>> groups;
   std::vector<OwnedEntry> owned;
@@ -150,9 +173,7 @@ std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world
     validate_tensor_name(name);
     if (!e.tensor.defined())
       throw_error<CheckpointError>("checkpoint entry '{}' has no tensor (undefined)", name);
-    if (!seen.insert(name).second) {
-      throw_error<CheckpointError>("checkpoint entry '{}' was added twice on rank {}", name, rank);
-    }
+    by_name[name].push_back(i);
     h5::storage_type(e.tensor.scalar_type(), name);  // throws for dtypes the format cannot store
     const auto sizes = e.tensor.sizes();
     if (e.flat) {
@@ -196,6 +217,31 @@ std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world
     }
     groups[replicas].push_back(i);
   }
+  // Several entries of one name: disjoint pieces of the tensor (same global shape), or an error.
+  for (const auto& [name, idx] : by_name) {
+    if (idx.size() < 2) continue;
+    for (size_t a = 0; a < idx.size(); ++a) {
+      const TensorEntry& ea = state.entries()[idx[a]];
+      for (size_t b = a + 1; b < idx.size(); ++b) {
+        const TensorEntry& eb = state.entries()[idx[b]];
+        if (ea.global_shape != eb.global_shape) {
+          throw_error<CheckpointError>(
+              "checkpoint entry '{}' was added twice on rank {} with global shapes {} and {}", name,
+              rank, ea.global_shape, eb.global_shape);
+        }
+        for (const auto& x : entry_boxes(ea)) {
+          for (const auto& y : entry_boxes(eb)) {
+            if (boxes_meet(x, y)) {
+              throw_error<CheckpointError>(
+                  "checkpoint entry '{}' was added twice on rank {} with overlapping pieces ({} and "
+                  "{})",
+                  name, rank, entry_where(ea), entry_where(eb));
+            }
+          }
+        }
+      }
+    }
+  }
   for (const auto& [members, idx] : groups) {
     const int me =
         static_cast<int>(std::lower_bound(members.begin(), members.end(), rank) - members.begin());
@@ -203,7 +249,10 @@ std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world
     std::vector<std::string> names;
     for (size_t i : idx) {
       bytes.push_back(static_cast<int64_t>(state.entries()[i].tensor.nbytes()));
-      names.push_back(final_names[i]);
+      // Pieces of one tensor are told apart by where they lie (members add them in any order).
+      names.push_back(by_name.at(final_names[i]).size() > 1
+                          ? final_names[i] + " " + entry_where(state.entries()[i])
+                          : final_names[i]);
     }
     const std::vector<int> owner = balance_owners(bytes, names, static_cast<int>(members.size()));
     for (size_t j = 0; j < idx.size(); ++j) {
@@ -212,8 +261,25 @@ std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world
       owned.push_back(OwnedEntry{final_names[idx[j]], e.tensor, e.global_shape, e.offsets, e.flat});
     }
   }
-  std::sort(owned.begin(), owned.end(),
-            [](const OwnedEntry& a, const OwnedEntry& b) { return a.name < b.name; });
+  // This rank's pieces of a tensor in a deterministic order (by where they start), numbered.
+  auto start = [](const OwnedEntry& e) -> std::vector<int64_t> {
+    if (!e.flat) return e.offsets;
+    const auto boxes = parallel::flat_range_boxes(e.global_shape, e.flat->begin, e.flat->end);
+    return boxes.empty() ? std::vector<int64_t>{} : boxes.front().offsets;
+  };
+  std::sort(owned.begin(), owned.end(), [&](const OwnedEntry& a, const OwnedEntry& b) {
+    return a.name != b.name ? a.name < b.name : start(a) < start(b);
+  });
+  std::set<std::string> names_here;
+  for (const auto& e : owned) names_here.insert(e.name);
+  for (size_t i = 1; i < owned.size(); ++i) {
+    if (owned[i].name != owned[i - 1].name) continue;
+    owned[i].piece = owned[i - 1].piece + 1;
+    const std::string path = piece_dataset(owned[i].name, owned[i].piece);
+    PARALLAX_CHECK(!names_here.count(path), CheckpointError,
+                   "checkpoint: tensor '{}' is named like piece {} of tensor '{}' in the rank file",
+                   path, owned[i].piece, owned[i].name);
+  }
   return owned;
 }
 

@@ -4,7 +4,7 @@
 // [offsets, offsets + tensor.sizes()) of the global tensor `name`, and `replicas` (world ranks,
 // this rank included) hold identical copies of that same box. A flat entry holds elements
 // [begin, begin + tensor.numel()) of the C-order flattening of the global tensor instead, as a
-// 1-D tensor. A rank adds at most one entry per name. Examples:
+// 1-D tensor. Examples:
 //   - DDP parameter, replicated on every dp rank:   add_replicated("model/w", w, dp_ranks)
 //   - ZeRO rank's piece of a parameter's moment:      add_flat_shard("optim/fc.weight.exp_avg", m,
 //                                                                   {37, 13}, begin)
@@ -18,6 +18,8 @@
 // write in parallel and nothing is written twice. Contract: every member of a replica set adds the
 // same entries for that set (same names, boxes and dtypes; order free). A violation is caught at
 // commit time (a tensor whose shards do not tile it exactly) and fails the save, naming the tensor.
+// A rank may add several entries of one name when their boxes (or flat ranges) are disjoint: a
+// tensor-parallel rank's pieces of a fused weight, a ZeRO rank's range of a split tensor.
 //
 // Small scalars (step counters, loss scale, sampler position) go to `extra`, stored in
 // metadata.json. Rank 0's extra is the one that is saved: keep global values identical on all
@@ -90,6 +92,7 @@ struct OwnedEntry {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offsets;   // a box's (empty when flat)
   std::optional<FlatRange> flat;  // a flat range's
+  int piece = 0;  // this rank's k-th piece of the tensor (format.h: dataset piece_dataset(name, k))
 };
 
 // Resolves names and replica sets for world rank `rank` of `world`, validates every entry (name,

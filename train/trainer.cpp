@@ -126,10 +126,42 @@ const tensor::ParamLayout* split_layout(const std::map<std::string, tensor::Para
   return it == layouts.end() ? nullptr : &it->second;
 }
 
-// Tensor parallel: pieces as a checkpoint stores them, in the single-process shapes so that any tp
-// size loads them. A tp-split tensor is gathered over tp (collective: every tp rank calls this
-// with the same pieces in the same order) and saved whole by tp rank 0, replicated over its dp
-// group; every other tensor is the same on all tp ranks, so its replica set grows by the tp peers.
+// The boxes of the whole (single-process) tensor that `p`, a piece of a tp-split tensor, holds,
+// each with a view of the piece's tensor: a whole local tensor gives one box per fused part
+// (tensor::split_boxes); a flat range of it (ZeRO) first gives the boxes of the range in the local
+// tensor (parallel::flat_range_boxes), each then cut at the part boundaries (the split dimension of
+// a fused layer is 0, and a contiguous box of several rows spans whole trailing dimensions, so every
+// cut stays contiguous) and moved to where that part's rows sit in the whole tensor.
+std::vector<tensor::SplitBox> split_piece_boxes(const parallel::StatePiece& p, const tensor::ParamLayout& l) {
+  if (p.flat_begin < 0) return tensor::split_boxes(p.tensor, l);
+  const std::vector<int64_t>& local = p.global_shape;  // an engine's pieces are of the local tensor
+  const auto d = static_cast<std::size_t>(l.dim);
+  const int64_t per_part = local.at(d) / l.parts;
+  std::vector<tensor::SplitBox> out;
+  int64_t at = 0;
+  for (const parallel::Box& b : parallel::flat_range_boxes(local, p.flat_begin, p.flat_begin + p.tensor.numel())) {
+    const at::Tensor run = p.tensor.narrow(0, at, b.numel());
+    at += b.numel();
+    int64_t row = 0;  // along d, within the box
+    while (row < b.lengths[d]) {
+      const int64_t first = b.offsets[d] + row, k = first / per_part;
+      const int64_t rows = std::min(b.lengths[d] - row, (k + 1) * per_part - first);
+      std::vector<int64_t> lengths = b.lengths, offsets = b.offsets;
+      lengths[d] = rows;
+      offsets[d] = (k * l.size + l.rank) * per_part + (first - k * per_part);
+      const int64_t inner = b.numel() / b.lengths[d];  // elements per unit of dimension d
+      out.push_back({run.narrow(0, row * inner, rows * inner).view(lengths), offsets});
+      row += rows;
+    }
+  }
+  return out;
+}
+
+// Tensor parallel: pieces as a checkpoint stores them, in the single-process names and shapes so
+// that any tp size loads them: each piece of a tp-split tensor (a whole local tensor, or a ZeRO
+// rank's flat range of one) as the boxes of the whole tensor it holds, written by this rank
+// (several pieces of one tensor per rank file: checkpoint/format.h, version 4); every other
+// tensor is the same on all tp ranks, so its replica set grows by the tp peers.
 std::vector<parallel::StatePiece> tp_save_pieces(std::vector<parallel::StatePiece> pieces,
                                                  const std::map<std::string, tensor::ParamLayout>& layouts,
                                                  const comm::Topology& topo) {
@@ -149,22 +181,16 @@ std::vector<parallel::StatePiece> tp_save_pieces(std::vector<parallel::StatePiec
       out.push_back(std::move(p));
       continue;
     }
-    PARALLAX_CHECK(p.flat_begin < 0, Error,
-                   "checkpoint: '{}' is a flat range of a tensor-parallel piece (ZeRO with "
-                   "parallel.tp > 1 cannot save checkpoints in this version)",
-                   p.name);
-    at::Tensor whole = tensor::gather_split(p.tensor, *l, *topo.tp());
-    if (topo.coord().tp != 0) continue;
-    p.global_shape = whole.sizes().vec();
-    p.offsets.assign(whole.sizes().size(), 0);
-    p.tensor = whole;
-    out.push_back(std::move(p));
+    const std::vector<int64_t> whole = tensor::global_shape(
+        p.flat_begin < 0 ? p.tensor.sizes().vec() : p.global_shape, *l);
+    for (auto& box : split_piece_boxes(p, *l))
+      out.push_back({p.name, box.local, whole, box.offsets, p.replicas});
   }
   return out;
 }
 
-// Load targets for pieces of a tensor-parallel model: a tp-split piece reads its boxes of the
-// whole tensor (one per fused part), from a checkpoint of any tp size.
+// Load targets for pieces of a tensor-parallel model: a piece of a tp-split tensor reads the boxes
+// of the whole tensor it holds (split_piece_boxes), from a checkpoint of any layout.
 std::vector<ck::LoadTarget> tp_load_targets(const std::string& prefix,
                                             const std::vector<parallel::StatePiece>& pieces,
                                             const std::map<std::string, tensor::ParamLayout>& layouts) {
@@ -172,11 +198,11 @@ std::vector<ck::LoadTarget> tp_load_targets(const std::string& prefix,
   std::vector<ck::LoadTarget> targets;
   for (const auto& p : pieces) {
     const tensor::ParamLayout* l = split_layout(layouts, p);
-    if (l == nullptr || p.flat_begin >= 0) {
+    if (l == nullptr) {
       whole.push_back(p);
       continue;
     }
-    for (const auto& box : tensor::split_boxes(p.tensor, *l))
+    for (const auto& box : split_piece_boxes(p, *l))
       targets.push_back(ck::LoadTarget{prefix + p.name, box.local, box.offsets});
   }
   for (auto& t : load_targets(prefix, whole)) targets.push_back(std::move(t));
@@ -519,11 +545,6 @@ void TrainerImpl::setup() {
                    "parallel.tp={} makes them column/row-parallel; use parallel.tp=1 (data "
                    "parallel or ZeRO) for LoRA in this version",
                    layout.tp);
-    PARALLAX_CHECK(plan_.zero_stage == 0 || cfg_.train.benchmark, ConfigError,
-                   "keys 'parallel.zero.stage' and 'parallel.tp': ZeRO-{} with tensor parallelism "
-                   "trains, but cannot save checkpoints in this version; use "
-                   "parallel.zero.stage=0 (DDP) with parallel.tp={}, or train.benchmark=true",
-                   plan_.zero_stage, layout.tp);
     tp_ = std::make_shared<tensor::TpGroup>(topo_->tp(), plan_.sequence_parallel);
     model_ = models::build_model(cfg_.model, scene_, tp_);
     tp_layouts_ = tensor::param_layouts(*model_);

@@ -562,3 +562,79 @@ TEST(CheckpointFlatTest, ExportWritesWholeTensorsFromFlatRanges) {
   EXPECT_TRUE(bitwise_equal(fc->weight.detach(), w));
   EXPECT_TRUE(bitwise_equal(fc->bias.detach(), b));
 }
+
+// Several pieces of one tensor in one rank file (format version 4): a tensor-parallel rank's boxes
+// of a fused qkv weight [3 D, in] (one per part: rows [k D + r D/2, +D/2) on rank r of 2) and a
+// ZeRO-style flat range of another tensor cut into boxes, all saved by 2 ranks and read back whole,
+// as random boxes, and into another layout; pieces that overlap on one rank are refused.
+TEST(CheckpointFlatTest, SeveralPiecesOfATensorPerRankFileRoundTrip) {
+  const uint64_t seed = ckpt_test::fresh_seed();
+  SCOPED_TRACE(fmt::format("seed {}", seed));
+  std::mt19937_64 rng(seed);
+  const int64_t d = 6, in = 5;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const at::Tensor qkv = at::randn({3 * d, in}, gen);
+  const at::Tensor m = at::randn({7, 9}, gen);
+  ScratchDir tmp("pieces");
+  const std::string dir = (tmp / "checkpoints").string();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  run_ranks(2, [&](int r) {
+    SaveState s;
+    for (int64_t k = 0; k < 3; ++k) {
+      const int64_t row = k * d + r * d / 2;
+      s.add_shard("model/qkv.weight", qkv.narrow(0, row, d / 2).clone(), {3 * d, in}, {row, 0});
+    }
+    // Rank r holds rows [r 4, r 4 + 3) of m in two pieces: a flat range of its first row's tail
+    // and a box of the rest.
+    const int64_t first = r * 4;
+    s.add_flat_shard("model/m", m[first].narrow(0, 0, 9).clone(), {7, 9}, first * 9);
+    const int64_t rows = r == 0 ? 3 : 2;
+    s.add_shard("model/m", m.narrow(0, first + 1, rows).clone(), {7, 9}, {first + 1, 0});
+    CheckpointerOptions o;
+    o.timeout_s = 60;
+    Checkpointer ck(dir, o, CommitGroup{r, 2, store});
+    ck.save(1, s);
+  });
+  CheckpointReader reader(dir);
+  EXPECT_EQ(reader.metadata().format_version, kPieceFormatVersion);
+  const TensorInfo& t = reader.info("model/qkv.weight");
+  ASSERT_EQ(t.shards.size(), 6u);
+  std::map<std::string, std::vector<int>> pieces;
+  for (const ShardInfo& s : t.shards) pieces[s.file].push_back(s.piece);
+  for (auto& [file, p] : pieces) {
+    std::sort(p.begin(), p.end());
+    EXPECT_EQ(p, (std::vector<int>{0, 1, 2})) << file;
+  }
+  EXPECT_TRUE(bitwise_equal(reader.read("model/qkv.weight"), qkv));
+  EXPECT_TRUE(bitwise_equal(reader.read("model/m"), m));
+  EXPECT_GT(reader.verify_all(), 0);
+  // tp 3 of the same tensor: rank r's per-part boxes, each from pieces of both saved files.
+  for (int r = 0; r < 3; ++r) {
+    for (int64_t k = 0; k < 3; ++k) {
+      const int64_t row = k * d + r * d / 3;
+      at::Tensor out = at::empty({d / 3, in});
+      CheckpointReader(dir).read("model/qkv.weight", out, {row, 0});
+      EXPECT_TRUE(bitwise_equal(out, qkv.narrow(0, row, d / 3))) << "tp rank " << r << " part " << k;
+    }
+  }
+  for (int trial = 0; trial < 20; ++trial) {
+    const int64_t r0 = static_cast<int64_t>(rng() % 7), c0 = static_cast<int64_t>(rng() % 9);
+    const int64_t nr = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(7 - r0));
+    const int64_t nc = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(9 - c0));
+    at::Tensor out = at::empty({nr, nc});
+    CheckpointReader(dir).read("model/m", out, {r0, c0});
+    EXPECT_TRUE(bitwise_equal(out, m.narrow(0, r0, nr).narrow(1, c0, nc)));
+  }
+  // Overlapping pieces of one tensor on one rank: one error naming the tensor and both pieces.
+  SaveState bad;
+  bad.add_shard("model/qkv.weight", qkv.narrow(0, 0, 4).clone(), {3 * d, in}, {0, 0});
+  bad.add_shard("model/qkv.weight", qkv.narrow(0, 3, 4).clone(), {3 * d, in}, {3, 0});
+  try {
+    select_owned(bad, 0, 1);
+    ADD_FAILURE() << "overlapping pieces accepted";
+  } catch (const CheckpointError& e) {
+    EXPECT_TRUE(contains(e.what(), "model/qkv.weight") && contains(e.what(), "overlapping") &&
+                contains(e.what(), "[0, 0]") && contains(e.what(), "[3, 0]"))
+        << e.what();
+  }
+}
