@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
+#include "models/model.h"
 
 #include <ATen/ATen.h>
 #include <fmt/ranges.h>
@@ -67,6 +68,11 @@ std::string WeightsReport::summary() const {
   return core::join(parts, "; ");
 }
 
+bool is_aux_tensor(const std::string& name) {
+  const std::string aux = std::string(models::kAuxModule) + ".";
+  return name.compare(0, aux.size(), aux) == 0;
+}
+
 WeightsReport load_weights(CheckpointReader& reader, torch::nn::Module& module,
                            const WeightsOptions& options) {
   WeightsReport report;
@@ -99,7 +105,7 @@ WeightsReport load_weights(CheckpointReader& reader, torch::nn::Module& module,
     report.loaded.push_back(name);
   }
   for (const auto& n : saved) {
-    if (!model.count(n)) report.unexpected.push_back(n);
+    if (!model.count(n) && !is_aux_tensor(n)) report.unexpected.push_back(n);
   }
   finish(report, options, reader.dir());
   ReadOptions ro;
@@ -146,7 +152,7 @@ WeightsReport load_weights(torch::nn::Module& module, const std::string& path,
     report.loaded.push_back(name);
   }
   for (const auto& n : saved) {
-    if (!model.count(n)) report.unexpected.push_back(n);
+    if (!model.count(n) && !is_aux_tensor(n)) report.unexpected.push_back(n);
   }
   finish(report, options, path);
   at::NoGradGuard no_grad;
@@ -168,9 +174,11 @@ int64_t write_weights(const std::string& checkpoint_path, const std::string& out
   CheckpointReader reader(checkpoint_path);
   std::vector<std::string> names;
   if (given) {
-    for (const auto& [n, t] : *given) names.push_back(kModelPrefix + n);
+    for (const auto& [n, t] : *given)
+      if (!is_aux_tensor(n)) names.push_back(kModelPrefix + n);
   } else {
-    names = reader.names(kModelPrefix);
+    for (auto& n : reader.names(kModelPrefix))
+      if (!is_aux_tensor(n.substr(std::string(kModelPrefix).size()))) names.push_back(std::move(n));
   }
   PARALLAX_CHECK(!names.empty(), CheckpointError,
                  "checkpoint '{}' holds no model tensors (prefix '{}')", reader.dir(),

@@ -58,6 +58,10 @@ struct WeightsOptions {
   std::function<std::vector<int64_t>(const std::string& name, const at::Tensor& local)> offsets_of;
 };
 
+// A training-only tensor of a model (models/model.h, kAuxModule: "aux.<module>..."): never
+// exported, and not "unexpected" when a model without it loads a checkpoint that has it.
+bool is_aux_tensor(const std::string& name);
+
 // Loads `module`'s parameters and buffers from `path`: an exported weights .h5 file, or a
 // checkpoint (a checkpoint directory, a checkpoints directory or a run directory). Values are
 // converted to each module tensor's dtype and device. Throws CheckpointError (strict, or a corrupt

@@ -50,9 +50,15 @@ struct UnitPaths {
   std::vector<std::string> paths;
 };
 
+// Training-only modules a trainer adds to a model (distillation's feature projection) are
+// registered under this name ("aux.<module>"): their parameters train and are checkpointed with the
+// model's, join its last unit, and are never exported (weights.h5, ONNX), nor expected by a model
+// that loads the checkpoint without them.
+inline constexpr const char* kAuxModule = "aux";
+
 // The units `specs` describe, with the parameter names of `module.named_parameters()` in
-// registration order. Throws parallax::Error naming the parameter or unit when a parameter lies in
-// no unit or in two, or a unit owns no parameter: a unit list that does not cover the model exactly
+// registration order (parameters under kAuxModule join the last unit). Throws parallax::Error naming
+// the parameter or unit when a parameter lies in no unit or in two, or a unit owns no parameter: a unit list that does not cover the model exactly
 // would make ZeRO-3 skip or double-count parameters silently.
 std::vector<Unit> resolve_units(const torch::nn::Module& module,
                                 const std::vector<UnitPaths>& specs);

@@ -202,7 +202,9 @@ core::TensorDict PerceptionModel::forward(const core::TensorDict& batch) {
     }
     return std::vector<at::Tensor>{seg, heads.at("heatmap"), heads.at("box_reg")};
   });
-  return {{"bev_logits", out[0]}, {"heatmap", out[1]}, {"box_reg", out[2]}};
+  core::TensorDict pred{{"bev_logits", out[0]}, {"heatmap", out[1]}, {"box_reg", out[2]}};
+  if (feature_output_) pred["bev_features"] = x;
+  return pred;
 }
 
 std::vector<Unit> PerceptionModel::units() const {

@@ -106,6 +106,9 @@ class PerceptionModel : public Model {
   static std::vector<ModuleCost> analytic_cost(const BevModelSpec& spec);
   const BevModelSpec& spec() const { return spec_; }
   ImageEncoder& encoder() { return encoder_; }
+  // forward() also returns "bev_features" [B, bev_channels, nx, ny], the BEV encoder's output that
+  // the heads read (feature distillation, train/distill.h). Off by default.
+  void set_feature_output(bool on) { feature_output_ = on; }
   ViewTransformer& view_transformer() { return view_; }
 
  private:
@@ -117,6 +120,7 @@ class PerceptionModel : public Model {
   std::vector<std::shared_ptr<ResidualConvBlock>> bev_blocks_;
   BevHeads heads_{nullptr};
   std::vector<int64_t> box_to_bev_class_;  // box class -> bev class index (-1 if absent)
+  bool feature_output_ = false;
 };
 
 }  // namespace parallax::models

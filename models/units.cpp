@@ -27,6 +27,11 @@ std::vector<Unit> resolve_units(const torch::nn::Module& module,
   }
   for (const auto& item : module.named_parameters()) {
     const std::string& name = item.key();
+    if (under(name, kAuxModule) && !specs.empty()) {
+      // Training-only modules (models/model.h, kAuxModule) join the last unit.
+      units.back().param_names.push_back(name);
+      continue;
+    }
     int owner = -1;
     for (std::size_t u = 0; u < specs.size(); ++u) {
       if (std::none_of(specs[u].paths.begin(), specs[u].paths.end(),

@@ -10,6 +10,7 @@
 #include "models/model_config.h"
 #include "optim/optim_config.h"
 #include "parallel/parallel_config.h"
+#include "train/distill.h"
 #include "train/lora.h"
 
 #include <string>
@@ -89,6 +90,7 @@ struct RunConfig {
   checkpoint::CheckpointConfig checkpoint;
   checkpoint::ExportConfig export_;
   LoraConfig lora;
+  DistillConfig distill;
 
   template <class V>
   void visit(V& v) {
@@ -103,6 +105,7 @@ struct RunConfig {
     v("checkpoint", checkpoint);
     v("export", export_);
     v("lora", lora);
+    v("distill", distill);
   }
 
   // Cross-section rules; throws ConfigError naming the keys.

@@ -27,6 +27,7 @@
 #include "parallel/tensor/tensor_parallel.h"
 #include "train/batch_source.h"
 #include "train/cuda_graph.h"
+#include "train/distill.h"
 #include "train/evaluate.h"
 #include "train/metrics.h"
 #include "train/preemption.h"
@@ -902,6 +903,7 @@ std::map<std::string, at::Tensor> TrainerImpl::compute_step(
           optim::AutocastGuard autocast(precision_);
           const auto pred = model_->forward(batch);
           loss = model_->loss(batch, pred);
+          if (hooks_.task_loss_weight != 1.0) loss.total = loss.total * hooks_.task_loss_weight;
           if (hooks_.extra_loss) {
             // Extra terms (distillation against the frozen model, regularisers): added to the
             // total, logged as loss_<name>.
@@ -1168,8 +1170,14 @@ TrainSummary Trainer::fit() {
 }
 
 TrainSummary run_training(RunConfig& cfg) {
-  // The LoRA trainer is the plain one with LoRA's hooks (train/lora.h).
-  Trainer trainer(cfg, cfg.lora.rank > 0 ? lora::hooks(cfg) : TrainerHooks{});
+  // The LoRA and distillation trainers are the plain one with their hooks (train/lora.h,
+  // train/distill.h).
+  PARALLAX_CHECK(cfg.lora.rank == 0 || cfg.distill.teacher.empty(), ConfigError,
+                 "keys 'lora.rank' and 'distill.teacher': LoRA and distillation are separate "
+                 "trainers in this version; set one of them");
+  Trainer trainer(cfg, cfg.lora.rank > 0              ? lora::hooks(cfg)
+                       : !cfg.distill.teacher.empty() ? distill::hooks(cfg)
+                                                      : TrainerHooks{});
   return trainer.fit();
 }
 

@@ -68,6 +68,8 @@ struct TrainerHooks {
   std::function<std::map<std::string, at::Tensor>(
       const core::TensorDict& batch, const core::TensorDict& pred, models::Model* frozen)>
       extra_loss;
+  // Weight of the model's own loss in the total (e.g. distillation's distill.student_loss).
+  double task_loss_weight = 1.0;
   // Extra checkpoint entries (e.g. adapter-only weights, calibration statistics): added to every
   // save, and read back on resume (after the model and optimizer state).
   // Which model tensors (module paths) checkpoints hold, and a resume reads back; empty: all.

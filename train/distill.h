@@ -1,0 +1,98 @@
+// Knowledge distillation (`distill` config section, docs/trainers.md): a frozen teacher, loaded
+// from its own run, guides the student through extra loss terms. Built on the Trainer's extension
+// points (train/trainer.h): a frozen model, extra loss terms, and a model transform that adds the
+// feature projection.
+//
+// The teacher is the student's model section with `distill.teacher_size` / `teacher_backbone`
+// overrides (a larger size, or the other backbone), built for the same scene, loaded from
+// `distill.teacher` (a run directory, a checkpoint or a weights.h5: strict, so a teacher that does
+// not fit its model is an error naming the tensors), in eval mode, with no gradients and never in
+// the optimizer or the gradient buckets; it runs under no-grad inside the student's autocast. Its
+// attention-kernel choice is the student's (the SDPA order is process-wide: building the teacher
+// restores the student's).
+//
+// Loss terms, each weighted and logged as loss_<name>:
+//   seg_kl   T^2 KL(softmax(teacher / T) || softmax(student / T)) over the classes of every BEV cell
+//            (bev: the segmentation logits; vit_cls: the class logits), mean over cells and samples
+//            (Hinton et al. 2015);
+//   heatmap  mean squared error between the sigmoid detection heatmaps (bev);
+//   feature  mean squared error between the BEV feature maps (the BEV encoder's output), through a
+//            learned 1x1 convolution student -> teacher channels when the counts differ. The
+//            projection is a training-only module of the student ("aux.distill_proj": in the last
+//            unit, checkpointed, never exported; models/model.h).
+// A teacher whose query grid differs from the student's (another size: bev small has 0.5 m cells,
+// tiny 1 m) has its heatmap and features bilinearly resampled to the student's grid; the
+// segmentation logits are on the dataset's label grid for every size.
+// `distill.student_loss` weights the model's own task loss (the total is student_loss x task +
+// the terms).
+//
+// Parallelism: under DDP and ZeRO-1/2 the teacher is replicated on every rank (it has no gradients
+// or optimizer state: its parameters and buffers only). ZeRO-3 is refused with a ConfigError (the
+// projection runs outside the model's units, where ZeRO-3 keeps parameters sharded).
+#pragma once
+
+#include "core/config.h"
+#include "core/scene.h"
+#include "core/tensor_dict.h"
+#include "models/model.h"
+
+#include <map>
+#include <memory>
+#include <string>
+
+namespace parallax::train {
+
+struct RunConfig;
+struct TrainerHooks;
+
+struct DistillConfig {
+  std::string teacher;          // "" : off
+  std::string teacher_size;     // "" : the student's model.size
+  std::string teacher_backbone;  // "" : the student's model.backbone
+  double temperature = 4.0;
+  double student_loss = 1.0;
+  double seg_kl = 1.0;
+  double heatmap = 1.0;
+  double feature = 1.0;
+
+  template <class V>
+  void visit(V& v) {
+    v("teacher", teacher,
+      "the teacher's weights: a run directory, a checkpoint or a weights.h5 ('' : no distillation)");
+    v("teacher_size", teacher_size, "the teacher's model.size ('' : the student's)");
+    v("teacher_backbone", teacher_backbone, "the teacher's model.backbone ('' : the student's)",
+      core::Check::one_of({"", "vit", "conv"}));
+    v("temperature", temperature, "softmax temperature T of the KL term (scaled by T^2)",
+      core::Check::positive());
+    v("student_loss", student_loss, "weight of the student's own task loss", core::Check::at_least(0));
+    v("seg_kl", seg_kl, "weight of the KL term on the segmentation (vit_cls: class) logits",
+      core::Check::at_least(0));
+    v("heatmap", heatmap, "weight of the MSE between the sigmoid detection heatmaps (bev)",
+      core::Check::at_least(0));
+    v("feature", feature,
+      "weight of the MSE between the BEV feature maps, through a learned 1x1 projection when the "
+      "channel counts differ (bev)",
+      core::Check::at_least(0));
+  }
+};
+
+namespace distill {
+
+// The teacher of `cfg` for `scene`, loaded and frozen (eval, no gradients), on the CPU. ConfigError
+// naming the key for a missing teacher path or an unknown size; CheckpointError naming the tensors
+// for weights that do not fit the teacher's model.
+std::shared_ptr<models::Model> build_teacher(const RunConfig& cfg, const core::SceneSpec& scene);
+
+// The weighted loss terms of one micro-batch ("seg_kl", "heatmap", "feature"; a zero weight drops
+// its term): `pred` is the student's forward, `teacher_pred` the teacher's; `projection` (may be
+// null) maps the student's BEV features to the teacher's channels.
+std::map<std::string, at::Tensor> loss_terms(const DistillConfig& cfg, const core::TensorDict& pred,
+                                             const core::TensorDict& teacher_pred,
+                                             torch::nn::Module* projection);
+
+// The Trainer's hooks for a distillation run of `cfg` (cfg.distill.teacher set). The hooks keep a
+// pointer to `cfg`, which must outlive the Trainer.
+TrainerHooks hooks(const RunConfig& cfg);
+
+}  // namespace distill
+}  // namespace parallax::train
