@@ -51,7 +51,8 @@ struct RankIndex {
 
   // A line format (the name last, so it may hold spaces): cheap to parse for thousands of shards.
   //   shard <crc32> <piece> <dtype> <ndim> <shape...> <offsets...> <lengths...> <name>   a box
-  //   flat <crc32> <piece> <dtype> <ndim> <shape...> <begin> <end> <name>               a flat range
+  //   flat <crc32> <piece> <dtype> <ndim> <shape...> <begin> <end> <name>               a flat
+  //   range
   std::string serialize() const {
     std::string out = fmt::format("parallax-shard-index 3\nfile {} {} {}\n", file, rank, bytes);
     for (const auto& s : shards) {

@@ -312,7 +312,8 @@ std::string Metadata::to_json() const {
   i = 0;
   for (const auto& [name, t] : tensors) {
     o += fmt::format("{}\n    {}: {{\"dtype\": {}, \"shape\": {}, \"shards\": [", i++ ? "," : "",
-                     core::json_quote(name), core::json_quote(dtype_name(t.dtype)), json_ints(t.shape));
+                     core::json_quote(name), core::json_quote(dtype_name(t.dtype)),
+                     json_ints(t.shape));
     for (size_t s = 0; s < t.shards.size(); ++s) {
       const ShardInfo& sh = t.shards[s];
       const std::string where =

@@ -45,9 +45,9 @@
 
 namespace parallax::checkpoint {
 
-inline constexpr int kFormatVersion = 4;      // the newest version this build reads and writes
-inline constexpr int kBoxFormatVersion = 2;   // written when every shard is a box
-inline constexpr int kFlatFormatVersion = 3;  // the first version with flat shards
+inline constexpr int kFormatVersion = 4;       // the newest version this build reads and writes
+inline constexpr int kBoxFormatVersion = 2;    // written when every shard is a box
+inline constexpr int kFlatFormatVersion = 3;   // the first version with flat shards
 inline constexpr int kPieceFormatVersion = 4;  // the first with several shards of a tensor per file
 inline constexpr const char* kFormatName = "parallax-checkpoint";
 inline constexpr const char* kMetadataFile = "metadata.json";

@@ -233,7 +233,8 @@ std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world
           for (const auto& y : entry_boxes(eb)) {
             if (boxes_meet(x, y)) {
               throw_error<CheckpointError>(
-                  "checkpoint entry '{}' was added twice on rank {} with overlapping pieces ({} and "
+                  "checkpoint entry '{}' was added twice on rank {} with overlapping pieces ({} "
+                  "and "
                   "{})",
                   name, rank, entry_where(ea), entry_where(eb));
             }

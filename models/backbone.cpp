@@ -10,13 +10,14 @@ void check_encoder(const ImageEncoderOptions& o) {
   PARALLAX_CHECK(o.backbone == "vit" || o.backbone == "conv", ConfigError,
                  "key 'model.backbone': expected vit|conv, got '{}'", o.backbone);
   if (o.backbone == "conv") {
-    PARALLAX_CHECK(!o.conv.widths.empty() && o.conv.widths.size() == o.conv.blocks.size(), ConfigError,
-                   "conv backbone: {} stage widths but {} block counts", o.conv.widths.size(), o.conv.blocks.size());
+    PARALLAX_CHECK(!o.conv.widths.empty() && o.conv.widths.size() == o.conv.blocks.size(),
+                   ConfigError, "conv backbone: {} stage widths but {} block counts",
+                   o.conv.widths.size(), o.conv.blocks.size());
   }
   const int64_t s = ImageEncoderImpl::stride_of(o);
   PARALLAX_CHECK(o.image_h % s == 0 && o.image_w % s == 0, ConfigError,
-                 "model.backbone '{}' has stride {}; the image size {}x{} must be divisible by it", o.backbone, s,
-                 o.image_h, o.image_w);
+                 "model.backbone '{}' has stride {}; the image size {}x{} must be divisible by it",
+                 o.backbone, s, o.image_h, o.image_w);
 }
 
 }  // namespace
@@ -28,7 +29,8 @@ int64_t ImageEncoderImpl::stride_of(const ImageEncoderOptions& o) {
 ImageEncoderImpl::ImageEncoderImpl(const ImageEncoderOptions& o) : opts_(o) {
   check_encoder(o);
   if (o.backbone == "vit") {
-    vit_ = register_module("vit", VisionTransformer(VisionTransformerOptions{o.vit, o.image_h, o.image_w, false, o.linear, o.tp}));
+    vit_ = register_module("vit", VisionTransformer(VisionTransformerOptions{
+                                      o.vit, o.image_h, o.image_w, false, o.linear, o.tp}));
     vit_neck_ = register_module("neck", DenseLinear(o.vit.dim, o.out_channels));
     for (const auto& b : vit_->blocks()) blocks_.push_back(b);
     return;
@@ -46,7 +48,8 @@ ImageEncoderImpl::ImageEncoderImpl(const ImageEncoderOptions& o) : opts_(o) {
     }
     in = o.conv.widths[s];
   }
-  conv_neck_ = register_module("neck", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, o.out_channels, 1)));
+  conv_neck_ =
+      register_module("neck", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, o.out_channels, 1)));
 }
 
 at::Tensor ImageEncoderImpl::forward(const at::Tensor& images) {

@@ -24,7 +24,8 @@ class MlpModel : public Model {
   // Input "x" float32 [B, in], output "y_hat" float32 [B, out].
   // Input "x", output "y_hat"; a unit per Linear (with its GELU) (models/onnx/mlp_onnx.cpp).
   OnnxFlow emit_onnx_inputs(onnx::Emitter& e) override;
-  std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) override;
+  std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit,
+                                          const OnnxFlow& flow) override;
   void emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow) override;
 
  private:

@@ -9,8 +9,8 @@
 #pragma once
 
 #include "core/scene.h"
-#include "core/unit_hooks.h"
 #include "core/tensor_dict.h"
+#include "core/unit_hooks.h"
 #include "models/layers.h"
 #include "models/model_config.h"
 #include "models/replica_mean.h"
@@ -57,15 +57,16 @@ struct UnitPaths {
 inline constexpr const char* kAuxModule = "aux";
 
 // The units `specs` describe, with the parameter names of `module.named_parameters()` in
-// registration order (parameters under kAuxModule join the last unit). Throws parallax::Error naming
-// the parameter or unit when a parameter lies in no unit or in two, or a unit owns no parameter: a unit list that does not cover the model exactly
-// would make ZeRO-3 skip or double-count parameters silently.
+// registration order (parameters under kAuxModule join the last unit). Throws parallax::Error
+// naming the parameter or unit when a parameter lies in no unit or in two, or a unit owns no
+// parameter: a unit list that does not cover the model exactly would make ZeRO-3 skip or
+// double-count parameters silently.
 std::vector<Unit> resolve_units(const torch::nn::Module& module,
                                 const std::vector<UnitPaths>& specs);
 
 struct LossOutput {
-  at::Tensor total;              // scalar, what backward() runs on
-  core::TensorDict terms;        // each named term (detached or not), for metrics
+  at::Tensor total;        // scalar, what backward() runs on
+  core::TensorDict terms;  // each named term (detached or not), for metrics
 };
 
 class Model : public torch::nn::Module {
@@ -156,9 +157,9 @@ class Model : public torch::nn::Module {
   UnitHooks* unit_hooks_ = nullptr;
 };
 
-// Makes `name` (auto | cudnn | flash | fa3 | efficient | math) the first fused attention kernel that
-// at::scaled_dot_product_attention tries, process-wide (fa3: FlashAttention-3 on Hopper, where this
-// LibTorch has it). build_model() applies `cfg.attention`. ConfigError for an unknown name.
+// Makes `name` (auto | cudnn | flash | fa3 | efficient | math) the first fused attention kernel
+// that at::scaled_dot_product_attention tries, process-wide (fa3: FlashAttention-3 on Hopper, where
+// this LibTorch has it). build_model() applies `cfg.attention`. ConfigError for an unknown name.
 void set_attention_backend(const std::string& name);
 
 // Builds a model of the zoo by `cfg.name` and `cfg.size` for data described by `scene`; throws
@@ -166,12 +167,14 @@ void set_attention_backend(const std::string& name);
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene);
 // The same, with the linear layers of every attention and MLP block built by `linear` (see
 // LinearFactory in models/layers.h). Models without such blocks (mlp) ignore it.
-std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene, const LinearFactory& linear);
+std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
+                                   const LinearFactory& linear);
 // Tensor parallel over `tp` (parallel/tensor/tensor_parallel.h; null: build_model(cfg, scene),
-// a group of one rank: the parallel layers with trivial collectives): the ViT blocks' linears column-
-// and row-parallel (with sequence parallelism when `tp` asks), vit_cls's head column-parallel.
-// ConfigError naming the model for one without tensor-parallel layers (mlp, bev with the conv
-// backbone), and naming both numbers for shapes tp does not divide (heads, widths, classes).
+// a group of one rank: the parallel layers with trivial collectives): the ViT blocks' linears
+// column- and row-parallel (with sequence parallelism when `tp` asks), vit_cls's head
+// column-parallel. ConfigError naming the model for one without tensor-parallel layers (mlp, bev
+// with the conv backbone), and naming both numbers for shapes tp does not divide (heads, widths,
+// classes).
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
                                    const parallel::tensor::TpPtr& tp);
 

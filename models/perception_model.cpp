@@ -25,11 +25,16 @@ struct SizePreset {
 SizePreset size_preset(const std::string& size) {
   // ViT shapes: dim, depth, heads, mlp_hidden, patch.
   if (size == "tiny") return {{96, 2, 4, 384, 8}, {{24, 48, 96}, {0, 1, 1}}, 1.0, 4, 64, 32, 2};
-  if (size == "small") return {{384, 12, 6, 1536, 16}, {{32, 64, 128, 256}, {0, 1, 2, 2}}, 0.5, 4, 128, 64, 2};
-  if (size == "base") return {{768, 12, 12, 3072, 16}, {{64, 128, 256, 512}, {1, 2, 2, 2}}, 0.5, 4, 256, 128, 3};
-  if (size == "large") return {{1024, 24, 16, 4096, 16}, {{96, 192, 384, 768}, {1, 2, 3, 2}}, 0.5, 8, 256, 128, 4};
-  if (size == "3b") return {{2560, 36, 32, 10240, 16}, {{128, 256, 512, 1024}, {2, 3, 4, 3}}, 0.5, 8, 384, 192, 4};
-  throw_error<ConfigError>("key 'model.size': model 'bev' has sizes tiny|small|base|large|3b, got '{}'", size);
+  if (size == "small")
+    return {{384, 12, 6, 1536, 16}, {{32, 64, 128, 256}, {0, 1, 2, 2}}, 0.5, 4, 128, 64, 2};
+  if (size == "base")
+    return {{768, 12, 12, 3072, 16}, {{64, 128, 256, 512}, {1, 2, 2, 2}}, 0.5, 4, 256, 128, 3};
+  if (size == "large")
+    return {{1024, 24, 16, 4096, 16}, {{96, 192, 384, 768}, {1, 2, 3, 2}}, 0.5, 8, 256, 128, 4};
+  if (size == "3b")
+    return {{2560, 36, 32, 10240, 16}, {{128, 256, 512, 1024}, {2, 3, 4, 3}}, 0.5, 8, 384, 192, 4};
+  throw_error<ConfigError>(
+      "key 'model.size': model 'bev' has sizes tiny|small|base|large|3b, got '{}'", size);
 }
 
 int64_t class_index(const std::vector<std::string>& names, const std::string& name) {
@@ -53,12 +58,13 @@ BevGrid BevModelSpec::label_grid() const {
 
 BevModelSpec make_bev_spec(const ModelConfig& cfg, const core::SceneSpec& scene) {
   const SizePreset p = size_preset(cfg.size);
-  PARALLAX_CHECK(scene.num_cameras >= 1 && scene.image_height > 0 && scene.image_width > 0, ConfigError,
-                 "model 'bev': the scene needs cameras and an image size, got {} cameras of {}x{}", scene.num_cameras,
-                 scene.image_height, scene.image_width);
-  PARALLAX_CHECK(scene.x_max > scene.x_min && scene.y_max > scene.y_min && scene.bev_resolution > 0, ConfigError,
-                 "model 'bev': invalid BEV grid x [{}, {}], y [{}, {}], resolution {}", scene.x_min, scene.x_max,
-                 scene.y_min, scene.y_max, scene.bev_resolution);
+  PARALLAX_CHECK(scene.num_cameras >= 1 && scene.image_height > 0 && scene.image_width > 0,
+                 ConfigError,
+                 "model 'bev': the scene needs cameras and an image size, got {} cameras of {}x{}",
+                 scene.num_cameras, scene.image_height, scene.image_width);
+  PARALLAX_CHECK(scene.x_max > scene.x_min && scene.y_max > scene.y_min && scene.bev_resolution > 0,
+                 ConfigError, "model 'bev': invalid BEV grid x [{}, {}], y [{}, {}], resolution {}",
+                 scene.x_min, scene.x_max, scene.y_min, scene.y_max, scene.bev_resolution);
   PARALLAX_CHECK(!scene.bev_classes.empty() && !scene.box_classes.empty(), ConfigError,
                  "model 'bev': the scene needs BEV classes and box classes");
   BevModelSpec s;
@@ -83,7 +89,8 @@ BevModelSpec make_bev_spec(const ModelConfig& cfg, const core::SceneSpec& scene)
                   std::max<int64_t>(1, std::llround(ey / (ex / static_cast<double>(nx))))};
 
   const int64_t z = cfg.bev_heights > 0 ? cfg.bev_heights : p.heights;
-  for (int64_t k = 0; k < z; ++k) s.heights.push_back(z == 1 ? 1.0 : 2.0 * static_cast<double>(k) / static_cast<double>(z - 1));
+  for (int64_t k = 0; k < z; ++k)
+    s.heights.push_back(z == 1 ? 1.0 : 2.0 * static_cast<double>(k) / static_cast<double>(z - 1));
   s.bev_channels = p.bev_channels;
   s.head_channels = p.head_channels;
   s.encoder_blocks = p.encoder_blocks;
@@ -109,17 +116,24 @@ core::SceneSpec benchmark_scene(const std::string& size) {
 
 // ---- heads ------------------------------------------------------------------------------------
 
-BevHeadsImpl::BevHeadsImpl(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes,
-                           int64_t nx, int64_t ny)
-    : channels_(channels), head_channels_(head_channels), seg_classes_(seg_classes), box_classes_(box_classes),
-      nx_(nx), ny_(ny) {
+BevHeadsImpl::BevHeadsImpl(int64_t channels, int64_t head_channels, int64_t seg_classes,
+                           int64_t box_classes, int64_t nx, int64_t ny)
+    : channels_(channels),
+      head_channels_(head_channels),
+      seg_classes_(seg_classes),
+      box_classes_(box_classes),
+      nx_(nx),
+      ny_(ny) {
   const ConvNormActOptions o{channels, head_channels, 3, 1, true, nx, ny};
   seg_conv_ = register_module("seg_conv", ConvNormAct(o));
-  seg_out_ = register_module("seg_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(head_channels, seg_classes, 1)));
+  seg_out_ = register_module(
+      "seg_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(head_channels, seg_classes, 1)));
   heat_conv_ = register_module("heat_conv", ConvNormAct(o));
-  heat_out_ = register_module("heat_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(head_channels, box_classes, 1)));
+  heat_out_ = register_module(
+      "heat_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(head_channels, box_classes, 1)));
   reg_conv_ = register_module("reg_conv", ConvNormAct(o));
-  reg_out_ = register_module("reg_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(head_channels, kBoxCodeSize, 1)));
+  reg_out_ = register_module(
+      "reg_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(head_channels, kBoxCodeSize, 1)));
   torch::NoGradGuard no_grad;
   heat_out_->bias.fill_(-std::log((1 - 0.1) / 0.1));  // prior probability 0.1 (CenterNet)
 }
@@ -130,31 +144,37 @@ core::TensorDict BevHeadsImpl::forward(const at::Tensor& bev) {
           {"box_reg", reg_out_->forward(reg_conv_->forward(bev))}};
 }
 
-Cost BevHeadsImpl::analytic_cost(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes,
-                                 int64_t nx, int64_t ny) {
+Cost BevHeadsImpl::analytic_cost(int64_t channels, int64_t head_channels, int64_t seg_classes,
+                                 int64_t box_classes, int64_t nx, int64_t ny) {
   const Cost branch = ConvNormActImpl::analytic_cost({channels, head_channels, 3, 1, true, nx, ny});
   return branch.copies(3) + conv_cost(head_channels, seg_classes, 1, true, nx, ny) +
-         conv_cost(head_channels, box_classes, 1, true, nx, ny) + conv_cost(head_channels, kBoxCodeSize, 1, true, nx, ny);
+         conv_cost(head_channels, box_classes, 1, true, nx, ny) +
+         conv_cost(head_channels, kBoxCodeSize, 1, true, nx, ny);
 }
 
 // ---- model ------------------------------------------------------------------------------------
 
-PerceptionModel::PerceptionModel(const BevModelSpec& spec, LinearFactory linear, parallel::tensor::TpPtr tp)
+PerceptionModel::PerceptionModel(const BevModelSpec& spec, LinearFactory linear,
+                                 parallel::tensor::TpPtr tp)
     : spec_(spec) {
   spec_.encoder.linear = std::move(linear);
   spec_.encoder.tp = std::move(tp);
   const BevGrid& g = spec_.query_grid;
   const int64_t c = spec_.bev_channels;
   encoder_ = register_module("encoder", ImageEncoder(spec_.encoder));
-  view_ = register_module("view", ViewTransformer(ViewTransformerOptions{c, c, spec_.heights, g, spec_.scene.image_height,
-                                                                         spec_.scene.image_width,
-                                                                         spec_.encoder.vit.fused_kernels}));
+  view_ = register_module("view", ViewTransformer(ViewTransformerOptions{
+                                      c, c, spec_.heights, g, spec_.scene.image_height,
+                                      spec_.scene.image_width, spec_.encoder.vit.fused_kernels}));
   for (int64_t i = 0; i < spec_.encoder_blocks; ++i) {
-    bev_blocks_.push_back(register_module("bev_block" + std::to_string(i), std::make_shared<ResidualConvBlock>(c, g.nx, g.ny)));
+    bev_blocks_.push_back(register_module("bev_block" + std::to_string(i),
+                                          std::make_shared<ResidualConvBlock>(c, g.nx, g.ny)));
   }
-  heads_ = register_module("heads", BevHeads(c, spec_.head_channels, static_cast<int64_t>(spec_.scene.bev_classes.size()),
-                                             static_cast<int64_t>(spec_.scene.box_classes.size()), g.nx, g.ny));
-  for (const auto& name : spec_.scene.box_classes) box_to_bev_class_.push_back(class_index(spec_.scene.bev_classes, name));
+  heads_ = register_module(
+      "heads",
+      BevHeads(c, spec_.head_channels, static_cast<int64_t>(spec_.scene.bev_classes.size()),
+               static_cast<int64_t>(spec_.scene.box_classes.size()), g.nx, g.ny));
+  for (const auto& name : spec_.scene.box_classes)
+    box_to_bev_class_.push_back(class_index(spec_.scene.bev_classes, name));
 }
 
 void PerceptionModel::check_batch(const core::TensorDict& batch) const {
@@ -165,13 +185,16 @@ void PerceptionModel::check_batch(const core::TensorDict& batch) const {
   const at::Tensor& im = batch.at("images");
   PARALLAX_CHECK(im.dim() == 5 && im.size(1) == sc.num_cameras && im.size(2) == sc.image_height &&
                      im.size(3) == sc.image_width && im.size(4) == 3,
-                 Error, "model 'bev': batch 'images' must be [B, {}, {}, {}, 3], got {}", sc.num_cameras,
-                 sc.image_height, sc.image_width, fmt::format("{}", im.sizes()));
+                 Error, "model 'bev': batch 'images' must be [B, {}, {}, {}, 3], got {}",
+                 sc.num_cameras, sc.image_height, sc.image_width, fmt::format("{}", im.sizes()));
   const int64_t b = im.size(0);
   PARALLAX_CHECK(batch.at("intrinsics").sizes() == at::IntArrayRef({b, sc.num_cameras, 3, 3}) &&
                      batch.at("cam_to_ego").sizes() == at::IntArrayRef({b, sc.num_cameras, 4, 4}),
-                 Error, "model 'bev': batch 'intrinsics' must be [B, N, 3, 3] and 'cam_to_ego' [B, N, 4, 4], got {} and {}",
-                 fmt::format("{}", batch.at("intrinsics").sizes()), fmt::format("{}", batch.at("cam_to_ego").sizes()));
+                 Error,
+                 "model 'bev': batch 'intrinsics' must be [B, N, 3, 3] and 'cam_to_ego' [B, N, 4, "
+                 "4], got {} and {}",
+                 fmt::format("{}", batch.at("intrinsics").sizes()),
+                 fmt::format("{}", batch.at("cam_to_ego").sizes()));
 }
 
 core::TensorDict PerceptionModel::forward(const core::TensorDict& batch) {
@@ -239,16 +262,20 @@ LossOutput PerceptionModel::loss(const core::TensorDict& batch, const core::Tens
   const at::Tensor weight = (counts / counts.sum().clamp_min(1)).clamp_min(1e-3).rsqrt();
   // cross_entropy's weighted mean, sum_i w[y_i] l_i / sum_i w[y_i], with the denominator counted
   // over the (replicas') batch: sum_c counts_c w_c. 0 when no cell is labelled.
-  const at::Tensor per_cell = at::cross_entropy_loss(
-      logits, at::where(valid, labels, at::full_like(labels, -100)), weight, at::Reduction::None, -100);
+  const at::Tensor per_cell =
+      at::cross_entropy_loss(logits, at::where(valid, labels, at::full_like(labels, -100)), weight,
+                             at::Reduction::None, -100);
   const at::Tensor seg = per_cell.sum() / (counts * weight).sum().clamp_min(1e-12);
   // Detection (CenterPoint): targets on the query grid from the padded boxes.
-  const DetectionTargets t = encode_detection_targets(batch.at("boxes").to(logits.device()), spec_.query_grid,
-                                                      static_cast<int64_t>(spec_.scene.box_classes.size()));
+  const DetectionTargets t =
+      encode_detection_targets(batch.at("boxes").to(logits.device()), spec_.query_grid,
+                               static_cast<int64_t>(spec_.scene.box_classes.size()));
   const at::Tensor heat = heatmap_focal_loss(pred.at("heatmap"), t.heatmap, mean);
   const at::Tensor reg = box_regression_loss(pred.at("box_reg"), t, mean);
-  at::Tensor total = spec_.seg_loss_weight * seg + spec_.heatmap_loss_weight * heat + spec_.box_loss_weight * reg;
-  return {total, {{"seg_ce", seg.detach()}, {"heatmap_focal", heat.detach()}, {"box_l1", reg.detach()}}};
+  at::Tensor total =
+      spec_.seg_loss_weight * seg + spec_.heatmap_loss_weight * heat + spec_.box_loss_weight * reg;
+  return {total,
+          {{"seg_ce", seg.detach()}, {"heatmap_focal", heat.detach()}, {"box_l1", reg.detach()}}};
 }
 
 double PerceptionModel::forward_flops_per_sample() const {
@@ -265,20 +292,24 @@ std::vector<std::shared_ptr<torch::nn::Module>> PerceptionModel::checkpointable_
 }
 
 core::TensorDict PerceptionModel::postprocess(const core::TensorDict& pred) {
-  Detections d = decode_detections(pred.at("heatmap"), pred.at("box_reg"), spec_.query_grid, spec_.max_detections,
-                                   spec_.score_threshold);
-  return {{"bev_labels", pred.at("bev_logits").argmax(1)}, {"det_boxes", d.boxes}, {"det_scores", d.scores}};
+  Detections d = decode_detections(pred.at("heatmap"), pred.at("box_reg"), spec_.query_grid,
+                                   spec_.max_detections, spec_.score_threshold);
+  return {{"bev_labels", pred.at("bev_logits").argmax(1)},
+          {"det_boxes", d.boxes},
+          {"det_scores", d.scores}};
 }
 
 std::vector<ModuleCost> PerceptionModel::analytic_cost(const BevModelSpec& s) {
   const BevGrid& g = s.query_grid;
-  const Cost backbone = ImageEncoderImpl::analytic_cost(s.encoder).applied(static_cast<double>(s.scene.num_cameras));
+  const Cost backbone =
+      ImageEncoderImpl::analytic_cost(s.encoder).applied(static_cast<double>(s.scene.num_cameras));
   const Cost view = ViewTransformerImpl::analytic_cost(
       {s.bev_channels, s.bev_channels, s.heights, g, s.scene.image_height, s.scene.image_width});
-  const Cost enc = ResidualConvBlock::analytic_cost(s.bev_channels, g.nx, g.ny).copies(s.encoder_blocks);
-  const Cost heads = BevHeadsImpl::analytic_cost(s.bev_channels, s.head_channels,
-                                                 static_cast<int64_t>(s.scene.bev_classes.size()),
-                                                 static_cast<int64_t>(s.scene.box_classes.size()), g.nx, g.ny);
+  const Cost enc =
+      ResidualConvBlock::analytic_cost(s.bev_channels, g.nx, g.ny).copies(s.encoder_blocks);
+  const Cost heads = BevHeadsImpl::analytic_cost(
+      s.bev_channels, s.head_channels, static_cast<int64_t>(s.scene.bev_classes.size()),
+      static_cast<int64_t>(s.scene.box_classes.size()), g.nx, g.ny);
   return {{"backbone", backbone.params, backbone.flops},
           {"view_transformer", view.params, view.flops},
           {"bev_encoder", enc.params, enc.flops},
@@ -305,7 +336,8 @@ core::TensorDict PerceptionModel::example_batch(int64_t n) const {
   at::Tensor count = at::randint(lo, hi + 1, {n}, at::kLong);
   at::Tensor row_valid = at::arange(kmax, at::kLong).unsqueeze(0) < count.unsqueeze(1);  // [n, K]
   at::Tensor cls = at::randint(0, nbox, {n, kmax}, at::kLong);
-  at::Tensor dims = typical.index_select(0, cls.flatten()).view({n, kmax, 3}) * (0.85 + 0.3 * at::rand({n, kmax, 3}));
+  at::Tensor dims = typical.index_select(0, cls.flatten()).view({n, kmax, 3}) *
+                    (0.85 + 0.3 * at::rand({n, kmax, 3}));
   auto uniform = [&](double a, double b) { return a + (b - a) * at::rand({n, kmax}); };
   at::Tensor x = uniform(sc.x_min + 2, sc.x_max - 2), y = uniform(sc.y_min + 2, sc.y_max - 2);
   at::Tensor near = (x.abs() < 4) & (y.abs() < 4);
@@ -315,16 +347,19 @@ core::TensorDict PerceptionModel::example_batch(int64_t n) const {
   at::Tensor z = h / 2;
 
   // Visibility: fraction of the 8 corners and the centre seen by at least one camera.
-  at::Tensor signs = at::tensor({-0.5f, -0.5f, -0.5f, 0.5f, -0.5f, -0.5f, -0.5f, 0.5f, -0.5f, 0.5f, 0.5f, -0.5f,
-                                 -0.5f, -0.5f, 0.5f, 0.5f, -0.5f, 0.5f, -0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f,
-                                 0.0f, 0.0f, 0.0f})
-                          .view({9, 3});
+  at::Tensor signs = at::tensor({-0.5f, -0.5f, -0.5f, 0.5f,  -0.5f, -0.5f, -0.5f, 0.5f,  -0.5f,
+                                 0.5f,  0.5f,  -0.5f, -0.5f, -0.5f, 0.5f,  0.5f,  -0.5f, 0.5f,
+                                 -0.5f, 0.5f,  0.5f,  0.5f,  0.5f,  0.5f,  0.0f,  0.0f,  0.0f})
+                         .view({9, 3});
   at::Tensor local = signs.view({1, 1, 9, 3}) * dims.unsqueeze(2);  // [n, K, 9, 3]
   at::Tensor c = yaw.cos().unsqueeze(-1), s = yaw.sin().unsqueeze(-1);
   at::Tensor lx = local.select(-1, 0), ly = local.select(-1, 1), lz = local.select(-1, 2);
-  at::Tensor pts = at::stack({x.unsqueeze(-1) + c * lx - s * ly, y.unsqueeze(-1) + s * lx + c * ly, z.unsqueeze(-1) + lz}, -1);
+  at::Tensor pts = at::stack(
+      {x.unsqueeze(-1) + c * lx - s * ly, y.unsqueeze(-1) + s * lx + c * ly, z.unsqueeze(-1) + lz},
+      -1);
   Projection proj = project_points(pts.view({n, kmax * 9, 3}), rig.intrinsics, rig.cam_to_ego);
-  at::Tensor seen = visibility_mask(proj, sc.image_height, sc.image_width).any(1).view({n, kmax, 9});
+  at::Tensor seen =
+      visibility_mask(proj, sc.image_height, sc.image_width).any(1).view({n, kmax, 9});
   at::Tensor vis = seen.to(at::kFloat).mean(-1);
 
   at::Tensor boxes = at::stack({x, y, z, l, w, h, yaw, cls.to(at::kFloat), vis}, -1);
@@ -338,7 +373,8 @@ core::TensorDict PerceptionModel::example_batch(int64_t n) const {
   at::Tensor cy = (lg.y_min + (at::arange(lg.ny, f32) + 0.5) * lg.resolution).view({1, 1, -1});
   at::Tensor sem = at::zeros({n, lg.nx, lg.ny}, at::kLong);
   at::Tensor y0 = (at::rand({n}) * 16 - 8).view({-1, 1, 1});
-  const int64_t road = class_index(sc.bev_classes, "road"), marking = class_index(sc.bev_classes, "marking");
+  const int64_t road = class_index(sc.bev_classes, "road"),
+                marking = class_index(sc.bev_classes, "marking");
   if (road >= 0) sem.masked_fill_(((cy - y0).abs() < 4).expand({n, lg.nx, lg.ny}), road);
   if (marking >= 0) {
     at::Tensor dash = at::floor(cx / 3).remainder(2) == 0;
@@ -347,9 +383,12 @@ core::TensorDict PerceptionModel::example_batch(int64_t n) const {
   for (int64_t k = 0; k < kmax; ++k) {
     auto v = [&](const at::Tensor& t) { return t.select(1, k).view({-1, 1, 1}); };
     at::Tensor dx = cx - v(x), dy = cy - v(y);
-    at::Tensor along = dx * v(yaw).cos() + dy * v(yaw).sin(), across = -dx * v(yaw).sin() + dy * v(yaw).cos();
-    at::Tensor bev_cls = at::tensor(box_to_bev_class_, at::kLong).index_select(0, cls.select(1, k)).view({-1, 1, 1});
-    at::Tensor inside = (along.abs() <= v(l) / 2) & (across.abs() <= v(w) / 2) & v(row_valid) & (bev_cls >= 0);
+    at::Tensor along = dx * v(yaw).cos() + dy * v(yaw).sin(),
+               across = -dx * v(yaw).sin() + dy * v(yaw).cos();
+    at::Tensor bev_cls =
+        at::tensor(box_to_bev_class_, at::kLong).index_select(0, cls.select(1, k)).view({-1, 1, 1});
+    at::Tensor inside =
+        (along.abs() <= v(l) / 2) & (across.abs() <= v(w) / 2) & v(row_valid) & (bev_cls >= 0);
     sem = at::where(inside, bev_cls, sem);
   }
   return {{"images", images},

@@ -1,4 +1,5 @@
-// `bev`: the multi-camera BEV perception model, one family in sizes tiny | small | base | large | 3b.
+// `bev`: the multi-camera BEV perception model, one family in sizes tiny | small | base | large |
+// 3b.
 //
 //   images [B, N, H, W, 3] uint8 --(normalise; shared image backbone + neck)--> [B*N, C, H/s, W/s]
 //   --(view transformer: pillar reference points projected with the batch's cameras)--> BEV
@@ -54,13 +55,16 @@ core::SceneSpec benchmark_scene(const std::string& size);
 // Segmentation and detection heads: per task a 3x3 ConvNormAct to head_channels and a 1x1 conv.
 class BevHeadsImpl : public torch::nn::Module {
  public:
-  BevHeadsImpl(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes, int64_t nx, int64_t ny);
+  BevHeadsImpl(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes,
+               int64_t nx, int64_t ny);
   core::TensorDict forward(const at::Tensor& bev);  // "seg", "heatmap", "box_reg" on the query grid
   // forward() as ONNX nodes: {seg, heatmap, box_reg}.
   std::vector<onnx::Value> emit_onnx(onnx::Emitter& e, const onnx::Value& bev);
-  Cost cost() const { return analytic_cost(channels_, head_channels_, seg_classes_, box_classes_, nx_, ny_); }
-  static Cost analytic_cost(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes,
-                            int64_t nx, int64_t ny);
+  Cost cost() const {
+    return analytic_cost(channels_, head_channels_, seg_classes_, box_classes_, nx_, ny_);
+  }
+  static Cost analytic_cost(int64_t channels, int64_t head_channels, int64_t seg_classes,
+                            int64_t box_classes, int64_t nx, int64_t ny);
 
  private:
   int64_t channels_, head_channels_, seg_classes_, box_classes_, nx_, ny_;
@@ -86,7 +90,9 @@ class PerceptionModel : public Model {
   // segmentation logits to the label grid).
   std::vector<Unit> units() const override;
   core::TensorDict postprocess(const core::TensorDict& pred) override;
-  int64_t batch_size(const core::TensorDict& batch) const override { return batch.at("images").size(0); }
+  int64_t batch_size(const core::TensorDict& batch) const override {
+    return batch.at("images").size(0);
+  }
   // Random noise images on a jittered surround rig (models/camera_rig.h), 2-8 random boxes per
   // sample (class-typical sizes, visibility computed through the cameras) and BEV semantics
   // consistent with them (a road band with lane markings, box footprints on top).
@@ -96,10 +102,12 @@ class PerceptionModel : public Model {
   // [B, N, 4, 4]; outputs "bev_logits", "heatmap", "box_reg" (float32, shapes as forward()); the
   // units of units() in order (models/onnx/bev_onnx.cpp).
   OnnxFlow emit_onnx_inputs(onnx::Emitter& e) override;
-  std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) override;
+  std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit,
+                                          const OnnxFlow& flow) override;
   void emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow) override;
   std::string graph_capture_blocker() const override {
-    return "the view transformer samples as many points per camera as the batch's cameras see (one host read of "
+    return "the view transformer samples as many points per camera as the batch's cameras see (one "
+           "host read of "
            "the counts per forward), so the step's shapes depend on the data";
   }
 

@@ -61,14 +61,18 @@ void set_attention_backend(const std::string& name) {
                                             {"efficient", B::efficient_attention},
                                             {"math", B::math}};
   // FlashAttention-3 is a variant of the flash backend that this LibTorch may or may not have.
-  constexpr bool kHasFa3 = requires(at::Context& c) { c.setSDPUseFA3(true); };
+  constexpr bool kHasFa3 = requires(at::Context & c) {
+    c.setSDPUseFA3(true);
+  };
   if constexpr (kHasFa3) at::globalContext().setSDPUseFA3(name == "fa3");
-  PARALLAX_CHECK(name != "fa3" || kHasFa3, ConfigError,
-                 "key 'model.attention': fa3 needs a LibTorch with FlashAttention-3 (this one has none)");
+  PARALLAX_CHECK(
+      name != "fa3" || kHasFa3, ConfigError,
+      "key 'model.attention': fa3 needs a LibTorch with FlashAttention-3 (this one has none)");
   if (name != "auto") {
     const auto it = by_name.find(name == "fa3" ? "flash" : name);
     PARALLAX_CHECK(it != by_name.end(), ConfigError,
-                   "key 'model.attention': expected auto|cudnn|flash|fa3|efficient|math, got '{}'", name);
+                   "key 'model.attention': expected auto|cudnn|flash|fa3|efficient|math, got '{}'",
+                   name);
     order.erase(std::find(order.begin(), order.end(), it->second));
     order.insert(order.begin(), it->second);
   }
@@ -77,7 +81,8 @@ void set_attention_backend(const std::string& name) {
   at::globalContext().setSDPPriorityOrder(ids);
 }
 
-std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene, const LinearFactory& linear) {
+std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
+                                   const LinearFactory& linear) {
   set_attention_backend(cfg.attention);
   if (cfg.name == "mlp") {
     const MlpShape s = mlp_shape(cfg.size);
@@ -90,7 +95,8 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
     spec.fused_kernels = cfg.fused_kernels;
     return std::make_shared<VitClassifier>(spec, 224, cfg.num_classes, linear);
   }
-  if (cfg.name == "bev") return std::make_shared<PerceptionModel>(make_bev_spec(cfg, scene), linear);
+  if (cfg.name == "bev")
+    return std::make_shared<PerceptionModel>(make_bev_spec(cfg, scene), linear);
   throw_error<ConfigError>("key 'model.name': expected bev|vit_cls|mlp, got '{}'", cfg.name);
 }
 

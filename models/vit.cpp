@@ -49,7 +49,8 @@ struct SplitQkv : public torch::autograd::Function<SplitQkv> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto shape = ctx->saved_data["shape"].toIntVector();
-    return {kernels::pack_qkv_grad(grads[0], grads[1], grads[2], shape), at::Tensor(), at::Tensor()};
+    return {kernels::pack_qkv_grad(grads[0], grads[1], grads[2], shape), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -69,7 +70,8 @@ at::Tensor normalize_images(const at::Tensor& images, at::ScalarType dtype) {
   static constexpr double kMean[3] = {0.485, 0.456, 0.406};
   static constexpr double kStd[3] = {0.229, 0.224, 0.225};
   at::Tensor x = images.to(at::kFloat);
-  for (int64_t c = 0; c < 3; ++c) x.select(1, c).mul_(1.0 / (255.0 * kStd[c])).sub_(kMean[c] / kStd[c]);
+  for (int64_t c = 0; c < 3; ++c)
+    x.select(1, c).mul_(1.0 / (255.0 * kStd[c])).sub_(kMean[c] / kStd[c]);
   return x.to(dtype);
 }
 
@@ -77,12 +79,14 @@ at::Tensor normalize_images(const at::Tensor& images, at::ScalarType dtype) {
 
 AttentionImpl::AttentionImpl(const TransformerBlockOptions& o)
     : head_dim_(o.dim / o.heads), tokens_(o.tokens), dropout_(o.dropout) {
-  PARALLAX_CHECK(o.dim % o.heads == 0, ConfigError, "attention: dim {} is not divisible by heads {}", o.dim, o.heads);
+  PARALLAX_CHECK(o.dim % o.heads == 0, ConfigError,
+                 "attention: dim {} is not divisible by heads {}", o.dim, o.heads);
   if (o.tp) {
-    PARALLAX_CHECK(o.heads % o.tp->size() == 0, ConfigError,
-                   "key 'parallel.tp': {} does not divide the model's {} attention heads (each tp rank "
-                   "computes whole heads)",
-                   o.tp->size(), o.heads);
+    PARALLAX_CHECK(
+        o.heads % o.tp->size() == 0, ConfigError,
+        "key 'parallel.tp': {} does not divide the model's {} attention heads (each tp rank "
+        "computes whole heads)",
+        o.tp->size(), o.heads);
     // Sequence parallel: a padded shard of fewer rows than tp could not tell B from the rows.
     PARALLAX_CHECK(!o.tp->sequence_parallel() || o.tokens >= o.tp->size(), ConfigError,
                    "key 'parallel.sequence_parallel': {} tokens per sample are fewer than tp {}",
@@ -126,9 +130,11 @@ at::Tensor MlpBlockImpl::forward(const at::Tensor& x) {
 }
 
 TransformerBlock::TransformerBlock(const TransformerBlockOptions& o) : opts_(o) {
-  norm1_ = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim}).eps(1e-6)));
+  norm1_ = register_module("norm1",
+                           torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim}).eps(1e-6)));
   attn_ = register_module("attn", Attention(o));
-  norm2_ = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim}).eps(1e-6)));
+  norm2_ = register_module("norm2",
+                           torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim}).eps(1e-6)));
   mlp_ = register_module("mlp", MlpBlock(o));
   if (o.tp) {
     // Under sequence parallelism these run on this rank's tokens only: partial gradients.
@@ -144,7 +150,8 @@ at::Tensor TransformerBlock::forward_impl(const at::Tensor& x) {
   const at::Tensor a = attn_->forward(layer_norm_in_dtype(norm1_, x, fused));
   // y = x + a and LayerNorm(y) in one kernel (and one backward that also adds y's other gradient);
   // add_layer_norm falls back to the ATen ops itself when the kernel cannot take the inputs.
-  const auto [h, y] = kernels::add_layer_norm(x, a, norm2_->weight, norm2_->bias, norm2_->options.eps(), fused);
+  const auto [h, y] =
+      kernels::add_layer_norm(x, a, norm2_->weight, norm2_->bias, norm2_->options.eps(), fused);
   return y + mlp_->forward(h);
 }
 
@@ -164,16 +171,19 @@ Cost TransformerBlock::analytic_cost(const TransformerBlockOptions& o) {
 namespace {
 
 TransformerBlockOptions block_options(const VisionTransformerOptions& o) {
-  const int64_t tokens = (o.image_h / o.spec.patch) * (o.image_w / o.spec.patch) + (o.class_token ? 1 : 0);
-  return {o.spec.dim,    o.spec.heads, o.spec.mlp_hidden,    o.spec.qkv_bias, o.spec.dropout,
-          tokens,         o.linear,     o.spec.fused_kernels, o.tp};
+  const int64_t tokens =
+      (o.image_h / o.spec.patch) * (o.image_w / o.spec.patch) + (o.class_token ? 1 : 0);
+  return {o.spec.dim,      o.spec.heads,         o.spec.mlp_hidden,
+          o.spec.qkv_bias, o.spec.dropout,       tokens,
+          o.linear,        o.spec.fused_kernels, o.tp};
 }
 
 void check_vit(const VisionTransformerOptions& o) {
   PARALLAX_CHECK(o.image_h % o.spec.patch == 0 && o.image_w % o.spec.patch == 0, ConfigError,
-                 "ViT: image size {}x{} is not divisible by the patch size {}", o.image_h, o.image_w, o.spec.patch);
-  PARALLAX_CHECK(o.spec.dim % o.spec.heads == 0, ConfigError, "ViT: dim {} is not divisible by heads {}", o.spec.dim,
-                 o.spec.heads);
+                 "ViT: image size {}x{} is not divisible by the patch size {}", o.image_h,
+                 o.image_w, o.spec.patch);
+  PARALLAX_CHECK(o.spec.dim % o.spec.heads == 0, ConfigError,
+                 "ViT: dim {} is not divisible by heads {}", o.spec.dim, o.spec.heads);
 }
 
 }  // namespace
@@ -181,15 +191,19 @@ void check_vit(const VisionTransformerOptions& o) {
 VisionTransformerImpl::VisionTransformerImpl(const VisionTransformerOptions& o) : opts_(o) {
   check_vit(o);
   const VitSpec& s = o.spec;
-  patch_embed_ = register_module("patch_embed", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, s.dim, s.patch).stride(s.patch)));
+  patch_embed_ = register_module(
+      "patch_embed",
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(3, s.dim, s.patch).stride(s.patch)));
   const int64_t tokens = grid_h() * grid_w() + (o.class_token ? 1 : 0);
   if (o.class_token) cls_token_ = register_parameter("cls_token", at::randn({1, 1, s.dim}) * 0.02);
   pos_embed_ = register_parameter("pos_embed", at::randn({1, tokens, s.dim}) * 0.02);
   const TransformerBlockOptions bo = block_options(o);
   for (int64_t i = 0; i < s.depth; ++i) {
-    blocks_.push_back(register_module("block" + std::to_string(i), std::make_shared<TransformerBlock>(bo)));
+    blocks_.push_back(
+        register_module("block" + std::to_string(i), std::make_shared<TransformerBlock>(bo)));
   }
-  norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.dim}).eps(1e-6)));
+  norm_ =
+      register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.dim}).eps(1e-6)));
   if (o.tp) {
     o.tp->mark_sequence_parallel(norm_->weight);
     o.tp->mark_sequence_parallel(norm_->bias);
@@ -207,23 +221,27 @@ at::Tensor VisionTransformerImpl::embed(const at::Tensor& images) {
   // ([B, gh, gw, C, p, p] -> [B*T, C*p*p], one copy) times the conv weight viewed [D, C*p*p].
   // Same sums as the convolution, without cuDNN's NCHW/NHWC conversions and implicit-GEMM
   // kernels (1.6 ms of kernels per W1 step on an H200; about 1 ms saved, bench/NOTES.md lever 9).
-  // The token stream comes out contiguous, so every later linear takes at::linear's fused-bias path.
+  // The token stream comes out contiguous, so every later linear takes at::linear's fused-bias
+  // path.
   const int64_t b = images.size(0), c = images.size(1), p = opts_.spec.patch;
   const int64_t channels = patch_embed_->weight.size(1);
   PARALLAX_CHECK(images.dim() == 4 && c == channels && images.size(2) == opts_.image_h &&
                      images.size(3) == opts_.image_w,
-                 Error, "ViT: expected images [B, {}, {}, {}], got {}", channels, opts_.image_h, opts_.image_w,
-                 fmt::format("{}", images.sizes()));
-  const at::Tensor rows =
-      images.reshape({b, c, grid_h(), p, grid_w(), p}).permute({0, 2, 4, 1, 3, 5}).reshape({-1, c * p * p});
+                 Error, "ViT: expected images [B, {}, {}, {}], got {}", channels, opts_.image_h,
+                 opts_.image_w, fmt::format("{}", images.sizes()));
+  const at::Tensor rows = images.reshape({b, c, grid_h(), p, grid_w(), p})
+                              .permute({0, 2, 4, 1, 3, 5})
+                              .reshape({-1, c * p * p});
   const at::Tensor& w = patch_embed_->weight;
-  at::Tensor x = at::linear(rows, w.view({w.size(0), -1}), patch_embed_->bias).view({b, grid_h() * grid_w(), -1});
+  at::Tensor x = at::linear(rows, w.view({w.size(0), -1}), patch_embed_->bias)
+                     .view({b, grid_h() * grid_w(), -1});
   const at::ScalarType dt = opts_.spec.fp32_residual ? at::kFloat : stream_dtype(x);
   x = x.to(dt);
   if (opts_.class_token) x = at::cat({cls_token_.to(dt).expand({x.size(0), -1, -1}), x}, 1);
   x = x + pos_embed_.to(dt);
   // Sequence parallel: the blocks take this rank's rows of the tokens.
-  if (opts_.tp && opts_.tp->sequence_parallel()) return parallel::tensor::scatter_to_sequence(x, opts_.tp);
+  if (opts_.tp && opts_.tp->sequence_parallel())
+    return parallel::tensor::scatter_to_sequence(x, opts_.tp);
   return x;
 }
 
@@ -250,11 +268,11 @@ Cost VisionTransformerImpl::analytic_cost(const VisionTransformerOptions& o) {
 
 // ---- vit_cls ----------------------------------------------------------------------------------
 
-VitClassifier::VitClassifier(const VitSpec& spec, int64_t image_size, int64_t num_classes, LinearFactory linear,
-                             parallel::tensor::TpPtr tp)
+VitClassifier::VitClassifier(const VitSpec& spec, int64_t image_size, int64_t num_classes,
+                             LinearFactory linear, parallel::tensor::TpPtr tp)
     : spec_(spec), image_size_(image_size), num_classes_(num_classes) {
-  vit_ = register_module("vit",
-                         VisionTransformer(VisionTransformerOptions{spec, image_size, image_size, true, linear, tp}));
+  vit_ = register_module("vit", VisionTransformer(VisionTransformerOptions{
+                                    spec, image_size, image_size, true, linear, tp}));
   if (tp) {
     PARALLAX_CHECK(num_classes % tp->size() == 0, ConfigError,
                    "key 'parallel.tp': {} does not divide model.num_classes {} (vit_cls's head is "
@@ -272,16 +290,18 @@ VitClassifier::VitClassifier(const VitSpec& spec, int64_t image_size, int64_t nu
 
 core::TensorDict VitClassifier::forward(const core::TensorDict& batch) {
   const at::Tensor& images = batch.at("images");
-  PARALLAX_CHECK(images.dim() == 4 && images.size(1) == 3 && images.size(2) == image_size_ && images.size(3) == image_size_,
-                 Error, "vit_cls: batch 'images' must be [B, 3, {}, {}], got {}", image_size_, image_size_,
-                 fmt::format("{}", images.sizes()));
+  PARALLAX_CHECK(images.dim() == 4 && images.size(1) == 3 && images.size(2) == image_size_ &&
+                     images.size(3) == image_size_,
+                 Error, "vit_cls: batch 'images' must be [B, 3, {}, {}], got {}", image_size_,
+                 image_size_, fmt::format("{}", images.sizes()));
   // The units of units(), in order: the embedding, each block, the final norm with the head.
   at::Tensor x =
       run_unit1(0, [&] { return vit_->embed(normalize_images(images, vit_->param_dtype())); });
   int unit = 1;
   for (const auto& blk : vit_->blocks()) x = run_unit1(unit++, [&] { return blk->forward(x); });
-  return {{"logits",
-           run_unit1(unit, [&] { return head_.forward<at::Tensor>(vit_->final_norm(x).select(1, 0)); })}};
+  return {{"logits", run_unit1(unit, [&] {
+             return head_.forward<at::Tensor>(vit_->final_norm(x).select(1, 0));
+           })}};
 }
 
 std::vector<Unit> VitClassifier::units() const {
@@ -319,7 +339,8 @@ core::TensorDict VitClassifier::example_batch(int64_t n) const {
 }
 
 std::vector<ModuleCost> VitClassifier::cost_breakdown() const {
-  const Cost vit = VisionTransformerImpl::analytic_cost({spec_, image_size_, image_size_, true, dense_linear});
+  const Cost vit =
+      VisionTransformerImpl::analytic_cost({spec_, image_size_, image_size_, true, dense_linear});
   const Cost head = linear_cost(spec_.dim, num_classes_, true, 1);
   return {{"vit", vit.params, vit.flops}, {"head", head.params, head.flops}};
 }

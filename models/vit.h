@@ -157,13 +157,16 @@ class VitClassifier : public Model {
   // "head" (the ViT's final LayerNorm and the linear head).
   std::vector<Unit> units() const override;
   core::TensorDict postprocess(const core::TensorDict& pred) override;
-  int64_t batch_size(const core::TensorDict& batch) const override { return batch.at("images").size(0); }
+  int64_t batch_size(const core::TensorDict& batch) const override {
+    return batch.at("images").size(0);
+  }
   core::TensorDict example_batch(int64_t n) const override;
   std::vector<ModuleCost> cost_breakdown() const override;
   // Input "images" uint8 [B, 3, S, S], output "logits" float32 [B, num_classes]; the units of
   // units() in order (models/onnx/vit_onnx.cpp).
   OnnxFlow emit_onnx_inputs(onnx::Emitter& e) override;
-  std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) override;
+  std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit,
+                                          const OnnxFlow& flow) override;
   void emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow) override;
 
   Cost cost() const { return analytic_cost(spec_, image_size_, num_classes_); }

@@ -18,8 +18,7 @@ namespace parallax::parallel {
 std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn::Module> module,
                                      std::vector<optim::ParamGroup> groups,
                                      const OptimizerFactory& make, comm::CommPtr dp,
-                                     const ddp::DdpOptions& ddp,
-                                     std::vector<core::Unit> units = {},
+                                     const ddp::DdpOptions& ddp, std::vector<core::Unit> units = {},
                                      TensorParallelInfo tp = {});
 
 }  // namespace parallax::parallel

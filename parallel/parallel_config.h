@@ -20,19 +20,24 @@ struct DdpConfig {
   template <class V>
   void visit(V& v) {
     v("bucket_mode", bucket_mode,
-      "gradient buckets: flat (gradients are views of one buffer per bucket), grouped (each gradient "
-      "all-reduced in place, one NCCL group per bucket; native all-reduce in the gradients' dtype only), or auto "
+      "gradient buckets: flat (gradients are views of one buffer per bucket), grouped (each "
+      "gradient "
+      "all-reduced in place, one NCCL group per bucket; native all-reduce in the gradients' dtype "
+      "only), or auto "
       "(grouped on NCCL with the native all-reduce and no reduce_dtype, else flat)",
       core::Check::one_of({"auto", "flat", "grouped"}));
     v("reduce_dtype", reduce_dtype,
-      "dtype gradients are all-reduced in: grad (their own, fp32 as PyTorch DDP), or bf16/fp16 (half the bytes, "
+      "dtype gradients are all-reduced in: grad (their own, fp32 as PyTorch DDP), or bf16/fp16 "
+      "(half the bytes, "
       "the average rounded to that dtype, as PyTorch's bf16_compress_hook; flat buckets only)",
       core::Check::one_of({"grad", "bf16", "fp16"}));
-    v("bucket_mb", bucket_mb, "gradient bucket cap in MiB (PyTorch DDP: 25)", core::Check::positive());
-    v("first_bucket_mb", first_bucket_mb, "cap of the first bucket in MiB, so communication starts early",
+    v("bucket_mb", bucket_mb, "gradient bucket cap in MiB (PyTorch DDP: 25)",
       core::Check::positive());
+    v("first_bucket_mb", first_bucket_mb,
+      "cap of the first bucket in MiB, so communication starts early", core::Check::positive());
     v("find_unused", find_unused, "tolerate parameters that get no gradient in a step");
-    v("broadcast_buffers", broadcast_buffers, "broadcast buffers (e.g. BatchNorm stats) from rank 0 every step");
+    v("broadcast_buffers", broadcast_buffers,
+      "broadcast buffers (e.g. BatchNorm stats) from rank 0 every step");
   }
 };
 
@@ -43,11 +48,14 @@ struct ZeroConfig {
   template <class V>
   void visit(V& v) {
     v("stage", stage,
-      "ZeRO stage over the data-parallel group: 0 (DDP: everything replicated), 1 (optimizer state and fp32 "
-      "masters sharded), 2 (1 + gradients reduce-scattered into shards), 3 (2 + parameters sharded, "
+      "ZeRO stage over the data-parallel group: 0 (DDP: everything replicated), 1 (optimizer state "
+      "and fp32 "
+      "masters sharded), 2 (1 + gradients reduce-scattered into shards), 3 (2 + parameters "
+      "sharded, "
       "gathered unit by unit around each forward and backward)",
       core::Check::between(0, 3));
-    v("prefetch", prefetch, "ZeRO-3: gather the next unit's parameters while the current one computes");
+    v("prefetch", prefetch,
+      "ZeRO-3: gather the next unit's parameters while the current one computes");
   }
 };
 
@@ -77,22 +85,27 @@ struct ParallelConfig {
     v("sequence_parallel", sequence_parallel,
       "with tp > 1: shard LayerNorm, dropout and residual regions along the tokens (all-gather "
       "before each column-parallel layer, reduce-scatter after each row-parallel one)");
-    v("backend", backend, "communication backend", core::Check::one_of({"auto", "mpi", "nccl", "gloo"}));
+    v("backend", backend, "communication backend",
+      core::Check::one_of({"auto", "mpi", "nccl", "gloo"}));
     v("allreduce", allreduce, "all-reduce algorithm: backend native or the explicit ring",
       core::Check::one_of({"native", "ring"}));
     v("timeout_s", timeout_s, "timeout of a steady-state collective", core::Check::positive());
     v("init_timeout_s", init_timeout_s, "timeout of communicator creation and rendezvous",
       core::Check::positive());
-    v("checkpoint_timeout_s", checkpoint_timeout_s, "timeout of checkpoint barriers", core::Check::positive());
-    v("debug_collectives", debug_collectives, "cross-check op, group and shape across ranks before each collective");
+    v("checkpoint_timeout_s", checkpoint_timeout_s, "timeout of checkpoint barriers",
+      core::Check::positive());
+    v("debug_collectives", debug_collectives,
+      "cross-check op, group and shape across ranks before each collective");
     v("flight_recorder_size", flight_recorder_size, "collectives kept per rank for hang reports",
       core::Check::at_least(1));
-    v("ring_chunk_mb", ring_chunk_mb, "pipelining chunk of the ring all-reduce in MiB (0: backend default)",
+    v("ring_chunk_mb", ring_chunk_mb,
+      "pipelining chunk of the ring all-reduce in MiB (0: backend default)",
       core::Check::at_least(0));
     v("nccl_blocking", nccl_blocking,
       "NCCL collectives on blocking communicators (~70 us less per call; connections made at "
       "creation); false: every call on non-blocking communicators");
-    v("gpus_per_node", gpus_per_node, "GPUs per node for layout checks (0: detect)", core::Check::at_least(0));
+    v("gpus_per_node", gpus_per_node, "GPUs per node for layout checks (0: detect)",
+      core::Check::at_least(0));
     v("ddp", ddp);
     v("zero", zero);
   }

@@ -56,7 +56,7 @@ std::string Plan::engine_name() const {
 std::string Plan::describe() const {
   return fmt::format("{}, {}{}, activation checkpointing {}", layout.to_string(), engine_name(),
                      layout.tp > 1 ? (sequence_parallel ? ", tensor parallel + sequence parallel"
-                                                         : ", tensor parallel")
+                                                        : ", tensor parallel")
                                    : "",
                      activation_checkpointing);
 }

@@ -57,8 +57,9 @@ std::shared_ptr<models::Model> build_teacher(const RunConfig& cfg, const core::S
   try {
     teacher = models::build_model(tc, scene);
   } catch (const ConfigError& e) {
-    throw_error<ConfigError>("distill.teacher_size / distill.teacher_backbone: the teacher {}/{}: {}",
-                             tc.name, tc.size, e.what());
+    throw_error<ConfigError>(
+        "distill.teacher_size / distill.teacher_backbone: the teacher {}/{}: {}", tc.name, tc.size,
+        e.what());
   }
   models::set_attention_backend(cfg.model.attention);
   checkpoint::WeightsOptions w;
@@ -81,20 +82,23 @@ std::map<std::string, at::Tensor> loss_terms(const DistillConfig& cfg, const cor
     // Over the class dimension (1) of every cell (or sample): T^2 KL(p_teacher || p_student), in
     // fp32 whatever the autocast dtype; the mean over cells and samples.
     const at::Tensor s = at::log_softmax(pred.at(logits).to(at::kFloat) / t, 1);
-    const at::Tensor q = at::log_softmax(teacher_pred.at(logits).to(at::kFloat) / t, 1);  // same label grid
+    const at::Tensor q =
+        at::log_softmax(teacher_pred.at(logits).to(at::kFloat) / t, 1);  // same label grid
     const at::Tensor kl = (q.exp() * (q - s)).sum(1).mean();
     out["seg_kl"] = kl * (t * t * cfg.seg_kl);
   }
   if (cfg.heatmap > 0 && pred.count("heatmap")) {
     const at::Tensor s = pred.at("heatmap").to(at::kFloat);
-    out["heatmap"] = at::mse_loss(at::sigmoid(s), at::sigmoid(on_grid(teacher_pred.at("heatmap"), s))) *
-                     cfg.heatmap;
+    out["heatmap"] =
+        at::mse_loss(at::sigmoid(s), at::sigmoid(on_grid(teacher_pred.at("heatmap"), s))) *
+        cfg.heatmap;
   }
   if (cfg.feature > 0 && pred.count("bev_features")) {
     at::Tensor f = pred.at("bev_features");
     if (projection != nullptr) {
-      f = dynamic_cast<torch::nn::Conv2dImpl&>(*projection).forward(f.to(
-          dynamic_cast<torch::nn::Conv2dImpl&>(*projection).weight.scalar_type()));
+      f = dynamic_cast<torch::nn::Conv2dImpl&>(*projection)
+              .forward(
+                  f.to(dynamic_cast<torch::nn::Conv2dImpl&>(*projection).weight.scalar_type()));
     }
     const at::Tensor g = on_grid(teacher_pred.at("bev_features"), f);
     PARALLAX_CHECK(f.sizes() == g.sizes(), ConfigError,
@@ -114,17 +118,19 @@ TrainerHooks hooks(const RunConfig& cfg) {
   PARALLAX_CHECK(d.seg_kl + d.heatmap + d.feature > 0, ConfigError,
                  "keys 'distill.seg_kl', 'distill.heatmap', 'distill.feature': every weight is 0, "
                  "so the teacher would not be used");
-  PARALLAX_CHECK(cfg.parallel.zero.stage < 3, ConfigError,
-                 "keys 'distill.teacher' and 'parallel.zero.stage': distillation runs under DDP and "
-                 "ZeRO-1/2 (the teacher replicated); ZeRO-3 is refused in this version (the feature "
-                 "projection runs outside the student's units, where ZeRO-3 keeps it sharded)");
+  PARALLAX_CHECK(
+      cfg.parallel.zero.stage < 3, ConfigError,
+      "keys 'distill.teacher' and 'parallel.zero.stage': distillation runs under DDP and "
+      "ZeRO-1/2 (the teacher replicated); ZeRO-3 is refused in this version (the feature "
+      "projection runs outside the student's units, where ZeRO-3 keeps it sharded)");
   auto state = std::make_shared<State>();
   state->cfg = &cfg;
   TrainerHooks h;
   h.task_loss_weight = d.student_loss;
   h.frozen_model = [state](const RunConfig& c, const core::SceneSpec& scene, c10::Device) {
     auto teacher = build_teacher(c, scene);
-    if (auto* p = dynamic_cast<models::PerceptionModel*>(teacher.get())) p->set_feature_output(true);
+    if (auto* p = dynamic_cast<models::PerceptionModel*>(teacher.get()))
+      p->set_feature_output(true);
     return teacher;
   };
   // The student returns its BEV features; a projection to the teacher's channel count when they
@@ -142,8 +148,8 @@ TrainerHooks hooks(const RunConfig& cfg) {
     state->projection = aux->register_module(
         "distill_proj", torch::nn::Conv2d(torch::nn::Conv2dOptions(sc, tch, 1)));
     m.register_module(models::kAuxModule, aux);
-    core::log::info("distill: feature projection {} -> {} channels (aux.distill_proj, not exported)",
-                    sc, tch);
+    core::log::info(
+        "distill: feature projection {} -> {} channels (aux.distill_proj, not exported)", sc, tch);
   };
   h.extra_loss = [state](const core::TensorDict& batch, const core::TensorDict& pred,
                          models::Model* teacher) {

@@ -12,7 +12,8 @@
 // restores the student's).
 //
 // Loss terms, each weighted and logged as loss_<name>:
-//   seg_kl   T^2 KL(softmax(teacher / T) || softmax(student / T)) over the classes of every BEV cell
+//   seg_kl   T^2 KL(softmax(teacher / T) || softmax(student / T)) over the classes of every BEV
+//   cell
 //            (bev: the segmentation logits; vit_cls: the class logits), mean over cells and samples
 //            (Hinton et al. 2015);
 //   heatmap  mean squared error between the sigmoid detection heatmaps (bev);
@@ -46,8 +47,8 @@ struct RunConfig;
 struct TrainerHooks;
 
 struct DistillConfig {
-  std::string teacher;          // "" : off
-  std::string teacher_size;     // "" : the student's model.size
+  std::string teacher;           // "" : off
+  std::string teacher_size;      // "" : the student's model.size
   std::string teacher_backbone;  // "" : the student's model.backbone
   double temperature = 4.0;
   double student_loss = 1.0;
@@ -58,13 +59,15 @@ struct DistillConfig {
   template <class V>
   void visit(V& v) {
     v("teacher", teacher,
-      "the teacher's weights: a run directory, a checkpoint or a weights.h5 ('' : no distillation)");
+      "the teacher's weights: a run directory, a checkpoint or a weights.h5 ('' : no "
+      "distillation)");
     v("teacher_size", teacher_size, "the teacher's model.size ('' : the student's)");
     v("teacher_backbone", teacher_backbone, "the teacher's model.backbone ('' : the student's)",
       core::Check::one_of({"", "vit", "conv"}));
     v("temperature", temperature, "softmax temperature T of the KL term (scaled by T^2)",
       core::Check::positive());
-    v("student_loss", student_loss, "weight of the student's own task loss", core::Check::at_least(0));
+    v("student_loss", student_loss, "weight of the student's own task loss",
+      core::Check::at_least(0));
     v("seg_kl", seg_kl, "weight of the KL term on the segmentation (vit_cls: class) logits",
       core::Check::at_least(0));
     v("heatmap", heatmap, "weight of the MSE between the sigmoid detection heatmaps (bev)",

@@ -9,7 +9,9 @@ RunConfig load_run_config(const std::string& file, const std::vector<std::string
   return core::load_config<RunConfig>(file, overrides);
 }
 
-std::string resolved_yaml(RunConfig& cfg) { return core::emit_yaml(core::to_yaml(cfg)); }
+std::string resolved_yaml(RunConfig& cfg) {
+  return core::emit_yaml(core::to_yaml(cfg));
+}
 
 bool uses_synthetic_data(const RunConfig& cfg) {
   return cfg.data.synthetic || cfg.train.benchmark || cfg.model.name != "bev";

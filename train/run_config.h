@@ -24,7 +24,8 @@ struct ExperimentConfig {
 
   template <class V>
   void visit(V& v) {
-    v("name", name, "run name, one folder name (no '/', not '.' or '..'): outputs go to <output_dir>/<name>",
+    v("name", name,
+      "run name, one folder name (no '/', not '.' or '..'): outputs go to <output_dir>/<name>",
       core::Check::path_component());
     v("seed", seed, "global seed (model init, data order, augmentation)", core::Check::at_least(0));
     v("output_dir", output_dir, "parent folder of run directories (relative or absolute)");
@@ -43,37 +44,45 @@ struct TrainConfig {
   bool strict_load = true;
   std::string device = "auto";
   bool benchmark = false;
-  int threads = 0;  // intra-op CPU threads per rank; 0: cores / ranks on the node
+  int threads = 0;            // intra-op CPU threads per rank; 0: cores / ranks on the node
   int64_t profile_steps = 0;  // > 0: Chrome trace of that many steps
   int64_t profile_start = 5;
-  bool cuda_graph = false;     // capture the whole step into a CUDA graph (train/cuda_graph.h)
+  bool cuda_graph = false;        // capture the whole step into a CUDA graph (train/cuda_graph.h)
   int64_t cuda_graph_warmup = 3;  // eager steps before the capture
 
   template <class V>
   void visit(V& v) {
     v("steps", steps, "optimizer steps to run", core::Check::at_least(0));
-    v("epochs", epochs, "if > 0, train this many epochs instead of `steps`", core::Check::at_least(0));
+    v("epochs", epochs, "if > 0, train this many epochs instead of `steps`",
+      core::Check::at_least(0));
     v("grad_accum", grad_accum, "micro-steps per optimizer step", core::Check::at_least(1));
-    v("eval_every", eval_every, "evaluate every N steps (0: only at the end)", core::Check::at_least(0));
+    v("eval_every", eval_every, "evaluate every N steps (0: only at the end)",
+      core::Check::at_least(0));
     v("log_every", log_every, "log metrics every N steps", core::Check::at_least(1));
-    v("activation_checkpointing", activation_checkpointing, "recompute transformer blocks in backward",
+    v("activation_checkpointing", activation_checkpointing,
+      "recompute transformer blocks in backward",
       core::Check::one_of({"none", "full", "selective"}));
     v("resume", resume, "resume from a checkpoint: '' (no), 'auto' (latest) or a path");
-    v("load_from", load_from, "initialise weights from a checkpoint or weights.h5 (fresh optimizer)");
+    v("load_from", load_from,
+      "initialise weights from a checkpoint or weights.h5 (fresh optimizer)");
     v("strict_load", strict_load, "load_from: every tensor must match by name and shape");
     v("device", device, "compute device", core::Check::one_of({"auto", "cpu", "cuda"}));
     v("benchmark", benchmark, "benchmark mode: synthetic batches, no eval or checkpoints");
-    v("threads", threads, "intra-op CPU threads per rank (0: cores on the node / ranks on the node)",
+    v("threads", threads,
+      "intra-op CPU threads per rank (0: cores on the node / ranks on the node)",
       core::Check::at_least(0));
     v("profile_steps", profile_steps,
-      "record this many steps with the Kineto profiler into <run>/profile/trace_rank<r>.json (0: off)",
+      "record this many steps with the Kineto profiler into <run>/profile/trace_rank<r>.json (0: "
+      "off)",
       core::Check::at_least(0));
     v("profile_start", profile_start, "first profiled step", core::Check::at_least(1));
     v("cuda_graph", cuda_graph,
-      "capture forward, backward, DDP's all-reduces and the optimizer step into one CUDA graph, replayed each step "
+      "capture forward, backward, DDP's all-reduces and the optimizer step into one CUDA graph, "
+      "replayed each step "
       "(GPU; static shapes; not with fp16 loss scaling, find_unused or debug_collectives)");
     v("cuda_graph_warmup", cuda_graph_warmup,
-      "eager steps before the capture (lazy initialisation: cuBLAS workspaces, NCCL connections, optimizer state)",
+      "eager steps before the capture (lazy initialisation: cuBLAS workspaces, NCCL connections, "
+      "optimizer state)",
       core::Check::at_least(1));
   }
 };

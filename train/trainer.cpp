@@ -44,11 +44,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <map>
-#include <set>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -111,7 +111,6 @@ std::vector<ck::LoadTarget> load_targets(const std::string& prefix,
   return targets;
 }
 
-
 namespace tensor = parallel::tensor;
 
 // The tp layout of the parameter a piece belongs to: the parameter's own ("<param>") or that of
@@ -131,16 +130,18 @@ const tensor::ParamLayout* split_layout(const std::map<std::string, tensor::Para
 // each with a view of the piece's tensor: a whole local tensor gives one box per fused part
 // (tensor::split_boxes); a flat range of it (ZeRO) first gives the boxes of the range in the local
 // tensor (parallel::flat_range_boxes), each then cut at the part boundaries (the split dimension of
-// a fused layer is 0, and a contiguous box of several rows spans whole trailing dimensions, so every
-// cut stays contiguous) and moved to where that part's rows sit in the whole tensor.
-std::vector<tensor::SplitBox> split_piece_boxes(const parallel::StatePiece& p, const tensor::ParamLayout& l) {
+// a fused layer is 0, and a contiguous box of several rows spans whole trailing dimensions, so
+// every cut stays contiguous) and moved to where that part's rows sit in the whole tensor.
+std::vector<tensor::SplitBox> split_piece_boxes(const parallel::StatePiece& p,
+                                                const tensor::ParamLayout& l) {
   if (p.flat_begin < 0) return tensor::split_boxes(p.tensor, l);
   const std::vector<int64_t>& local = p.global_shape;  // an engine's pieces are of the local tensor
   const auto d = static_cast<std::size_t>(l.dim);
   const int64_t per_part = local.at(d) / l.parts;
   std::vector<tensor::SplitBox> out;
   int64_t at = 0;
-  for (const parallel::Box& b : parallel::flat_range_boxes(local, p.flat_begin, p.flat_begin + p.tensor.numel())) {
+  for (const parallel::Box& b :
+       parallel::flat_range_boxes(local, p.flat_begin, p.flat_begin + p.tensor.numel())) {
     const at::Tensor run = p.tensor.narrow(0, at, b.numel());
     at += b.numel();
     int64_t row = 0;  // along d, within the box
@@ -163,9 +164,9 @@ std::vector<tensor::SplitBox> split_piece_boxes(const parallel::StatePiece& p, c
 // rank's flat range of one) as the boxes of the whole tensor it holds, written by this rank
 // (several pieces of one tensor per rank file: checkpoint/format.h, version 4); every other
 // tensor is the same on all tp ranks, so its replica set grows by the tp peers.
-std::vector<parallel::StatePiece> tp_save_pieces(std::vector<parallel::StatePiece> pieces,
-                                                 const std::map<std::string, tensor::ParamLayout>& layouts,
-                                                 const comm::Topology& topo) {
+std::vector<parallel::StatePiece> tp_save_pieces(
+    std::vector<parallel::StatePiece> pieces,
+    const std::map<std::string, tensor::ParamLayout>& layouts, const comm::Topology& topo) {
   const comm::Layout& layout = topo.layout();
   if (layout.tp == 1) return pieces;
   std::vector<parallel::StatePiece> out;
@@ -182,8 +183,8 @@ std::vector<parallel::StatePiece> tp_save_pieces(std::vector<parallel::StatePiec
       out.push_back(std::move(p));
       continue;
     }
-    const std::vector<int64_t> whole = tensor::global_shape(
-        p.flat_begin < 0 ? p.tensor.sizes().vec() : p.global_shape, *l);
+    const std::vector<int64_t> whole =
+        tensor::global_shape(p.flat_begin < 0 ? p.tensor.sizes().vec() : p.global_shape, *l);
     for (auto& box : split_piece_boxes(p, *l))
       out.push_back({p.name, box.local, whole, box.offsets, p.replicas});
   }
@@ -192,9 +193,9 @@ std::vector<parallel::StatePiece> tp_save_pieces(std::vector<parallel::StatePiec
 
 // Load targets for pieces of a tensor-parallel model: a piece of a tp-split tensor reads the boxes
 // of the whole tensor it holds (split_piece_boxes), from a checkpoint of any layout.
-std::vector<ck::LoadTarget> tp_load_targets(const std::string& prefix,
-                                            const std::vector<parallel::StatePiece>& pieces,
-                                            const std::map<std::string, tensor::ParamLayout>& layouts) {
+std::vector<ck::LoadTarget> tp_load_targets(
+    const std::string& prefix, const std::vector<parallel::StatePiece>& pieces,
+    const std::map<std::string, tensor::ParamLayout>& layouts) {
   std::vector<parallel::StatePiece> whole;
   std::vector<ck::LoadTarget> targets;
   for (const auto& p : pieces) {
@@ -762,7 +763,8 @@ void TrainerImpl::copy_dense_into_split(models::Model& dense) {
   const auto from = dense.named_parameters();
   for (auto& item : model_->named_parameters()) {
     const at::Tensor* src = from.find(item.key());
-    PARALLAX_CHECK(src != nullptr, Error, "tensor parallel: '{}' has no single-process twin", item.key());
+    PARALLAX_CHECK(src != nullptr, Error, "tensor parallel: '{}' has no single-process twin",
+                   item.key());
     const auto it = tp_layouts_.find(item.key());
     if (it == tp_layouts_.end()) {
       item.value().copy_(*src);

@@ -6,10 +6,12 @@
 // Formula, per step, n = tp, L blocks, R = B T token rows (Rp: R padded to a multiple of n),
 // D the width, 4 bytes per element, ring costs (all-reduce 2 (n-1)/n M; all-gather and
 // reduce-scatter (n-1)/n M):
-//   column (qkv, fc1; 2 L layers)  no SP: backward all-reduce of dX [R, D]      2 (n-1)/n 4 R D each
+//   column (qkv, fc1; 2 L layers)  no SP: backward all-reduce of dX [R, D]      2 (n-1)/n 4 R D
+//   each
 //                                  SP:    forward all-gather + backward reduce-scatter of [Rp, D]
 //                                         2 (n-1)/n 4 Rp D each
-//   row (proj, fc2; 2 L layers)    no SP: forward all-reduce of Y [R, D]         2 (n-1)/n 4 R D each
+//   row (proj, fc2; 2 L layers)    no SP: forward all-reduce of Y [R, D]         2 (n-1)/n 4 R D
+//   each
 //                                  SP:    forward reduce-scatter + backward all-gather of [Rp, D]
 //                                         2 (n-1)/n 4 Rp D each
 //                                  + vit_cls's head: backward all-reduce of [B, D]
@@ -20,7 +22,8 @@
 //                                  norms x 2 D; row biases: 2 L x D).
 // Sequence parallelism sends the same bytes as tensor parallelism alone in the blocks (an
 // all-reduce is a reduce-scatter plus an all-gather) and saves activation memory, not traffic.
-// Usage: mpirun -np N tp_comm [--model vit_cls|bev] [--size b16|tiny] [--batch B] [--backend mpi|nccl]
+// Usage: mpirun -np N tp_comm [--model vit_cls|bev] [--size b16|tiny] [--batch B] [--backend
+// mpi|nccl]
 #include "core/log.h"
 #include "models/model.h"
 #include "models/perception_model.h"
@@ -96,7 +99,7 @@ int main(int argc, char** argv) {
     const int64_t row = 2 * L * ring(4 * rows * D, 2);
     int64_t other = 0;
     if (classes > 0) {
-      column += ring(4 * batch * D, 2);     // the head is column-parallel: f's backward
+      column += ring(4 * batch * D, 2);       // the head is column-parallel: f's backward
       other += ring(4 * batch * classes, 1);  // and its gathered output
     }
     if (sp) {
@@ -110,10 +113,12 @@ int main(int argc, char** argv) {
           {"other", {measured.other_bytes, other}}};
       for (const auto& [layer, v] : rows_out) {
         std::printf(
-            "{\"model\": \"%s/%s\", \"tp\": %d, \"batch\": %lld, \"sequence_parallel\": %s, \"layer\": \"%s\", "
+            "{\"model\": \"%s/%s\", \"tp\": %d, \"batch\": %lld, \"sequence_parallel\": %s, "
+            "\"layer\": \"%s\", "
             "\"measured_bytes\": %lld, \"formula_bytes\": %lld, \"match\": %s}\n",
-            model_name.c_str(), size.c_str(), n, static_cast<long long>(batch), sp ? "true" : "false", layer,
-            static_cast<long long>(v.first), static_cast<long long>(v.second), v.first == v.second ? "true" : "false");
+            model_name.c_str(), size.c_str(), n, static_cast<long long>(batch),
+            sp ? "true" : "false", layer, static_cast<long long>(v.first),
+            static_cast<long long>(v.second), v.first == v.second ? "true" : "false");
       }
     }
   }

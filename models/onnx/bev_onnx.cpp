@@ -158,7 +158,8 @@ Model::OnnxFlow PerceptionModel::emit_onnx_inputs(onnx::Emitter& e) {
 // The units of units(), as forward() runs them: the image encoder's (the first one folds the
 // cameras into the batch and normalises the images), the view transformer (which reads the camera
 // geometry), each BEV encoder block, the heads (with the resampling of the segmentation logits).
-std::vector<onnx::Value> PerceptionModel::emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) {
+std::vector<onnx::Value> PerceptionModel::emit_onnx_unit(onnx::Emitter& e, int unit,
+                                                         const OnnxFlow& flow) {
   const auto& sc = spec_.scene;
   const int64_t n = sc.num_cameras, h = sc.image_height, w = sc.image_width;
   const int encoder_units = static_cast<int>(encoder_->num_units());
@@ -196,7 +197,8 @@ std::vector<onnx::Value> PerceptionModel::emit_onnx_unit(onnx::Emitter& e, int u
     // differ from ATen's in/out by at most an ulp.
     auto exact_scale = [](int64_t in, int64_t out_size) {
       float s = static_cast<float>(static_cast<double>(out_size) / static_cast<double>(in));
-      while (static_cast<float>(in) * s < static_cast<float>(out_size)) s = std::nextafter(s, 2.0f * s);
+      while (static_cast<float>(in) * s < static_cast<float>(out_size))
+        s = std::nextafter(s, 2.0f * s);
       return s;
     };
     const onnx::Value scales =

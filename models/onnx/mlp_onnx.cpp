@@ -10,11 +10,13 @@ Model::OnnxFlow MlpModel::emit_onnx_inputs(onnx::Emitter& e) {
 }
 
 // Unit k: modules 2k (Linear) and 2k + 1 (GELU, absent after the last Linear), as forward().
-std::vector<onnx::Value> MlpModel::emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) {
+std::vector<onnx::Value> MlpModel::emit_onnx_unit(onnx::Emitter& e, int unit,
+                                                  const OnnxFlow& flow) {
   auto s = e.scope("net");
   const auto children = net_->named_children();
   onnx::Value y = flow.values.at(0);
-  for (std::size_t i = 2 * static_cast<std::size_t>(unit); i < children.size() && i < 2 * static_cast<std::size_t>(unit) + 2; ++i)
+  for (std::size_t i = 2 * static_cast<std::size_t>(unit);
+       i < children.size() && i < 2 * static_cast<std::size_t>(unit) + 2; ++i)
     y = onnx::module(e, children[i].key(), *children[i].value(), y);
   return {y};
 }

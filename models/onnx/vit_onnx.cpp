@@ -66,7 +66,8 @@ onnx::Value VisionTransformerImpl::emit_embed(onnx::Emitter& e, const onnx::Valu
   return e.add(x, e.weight("pos_embed"));
 }
 
-onnx::Value VisionTransformerImpl::emit_block(onnx::Emitter& e, int64_t index, const onnx::Value& x) {
+onnx::Value VisionTransformerImpl::emit_block(onnx::Emitter& e, int64_t index,
+                                              const onnx::Value& x) {
   auto s = e.scope("block" + std::to_string(index));
   return blocks_.at(static_cast<std::size_t>(index))->emit_onnx(e, x);
 }
@@ -89,7 +90,8 @@ Model::OnnxFlow VitClassifier::emit_onnx_inputs(onnx::Emitter& e) {
 
 // The units of units(): "vit.embed" (normalisation inside the graph, then the embedding), each
 // "vit.block<i>", "head" (the final LayerNorm, the class token's feature, the linear head).
-std::vector<onnx::Value> VitClassifier::emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow) {
+std::vector<onnx::Value> VitClassifier::emit_onnx_unit(onnx::Emitter& e, int unit,
+                                                       const OnnxFlow& flow) {
   const int blocks = static_cast<int>(vit_->blocks().size());
   const onnx::Value& x = flow.values.at(0);
   if (unit == 0) {

@@ -97,9 +97,7 @@ struct ReduceFromTp : public torch::autograd::Function<ReduceFromTp> {
     TpGroup& g = unstash(ctx);
     return all_reduce_sum(x, g, g.traffic().row_bytes);
   }
-  static variable_list backward(AutogradContext*, variable_list g) {
-    return {g[0], at::Tensor()};
-  }
+  static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
 };
 
 struct GatherFromTp : public torch::autograd::Function<GatherFromTp> {
@@ -198,10 +196,11 @@ struct ReduceScatterToSequence : public torch::autograd::Function<ReduceScatterT
 };
 
 void check_divides(const LinearSpec& s, int64_t dim, int64_t tp, const char* what) {
-  PARALLAX_CHECK(dim % tp == 0, ConfigError,
-                 "key 'parallel.tp': {} does not divide the {} of linear layer '{}' ({} features{})",
-                 tp, what, s.name.empty() ? "?" : s.name, dim,
-                 s.parts > 1 ? fmt::format(" per part, {} parts", s.parts) : "");
+  PARALLAX_CHECK(
+      dim % tp == 0, ConfigError,
+      "key 'parallel.tp': {} does not divide the {} of linear layer '{}' ({} features{})", tp, what,
+      s.name.empty() ? "?" : s.name, dim,
+      s.parts > 1 ? fmt::format(" per part, {} parts", s.parts) : "");
 }
 
 }  // namespace
@@ -277,9 +276,8 @@ void install_sequence_parallel_hooks(const TpPtr& tp) {
   TpGroup* g = tp.get();
   for (const at::Tensor& p : tp->sequence_parallel_params()) {
     at::Tensor param = p;  // register_hook is non-const on the handle
-    param.register_hook([g](const at::Tensor& grad) {
-      return all_reduce_sum(grad, *g, g->traffic().other_bytes);
-    });
+    param.register_hook(
+        [g](const at::Tensor& grad) { return all_reduce_sum(grad, *g, g->traffic().other_bytes); });
   }
 }
 
@@ -325,7 +323,8 @@ at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const TpPtr& tp) {
 at::Tensor column_slice(const at::Tensor& full, int64_t parts, int rank, int size) {
   const int64_t per_part = full.size(0) / parts, local = per_part / size;
   std::vector<at::Tensor> pieces;
-  for (int64_t k = 0; k < parts; ++k) pieces.push_back(full.narrow(0, k * per_part + rank * local, local));
+  for (int64_t k = 0; k < parts; ++k)
+    pieces.push_back(full.narrow(0, k * per_part + rank * local, local));
   return at::cat(pieces, 0).contiguous();
 }
 
@@ -349,8 +348,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const LinearSpec& spec, TpPtr
   at::Tensor full = at::randn({spec.out_features, spec.in_features}) * 0.02;
   weight = register_parameter("weight", column_slice(full, spec.parts, tp_->rank(), n));
   if (spec.bias) {
-    bias = register_parameter(
-        "bias", at::zeros({spec.out_features / n}));
+    bias = register_parameter("bias", at::zeros({spec.out_features / n}));
   }
 }
 
@@ -382,8 +380,8 @@ RowParallelLinearImpl::RowParallelLinearImpl(const LinearSpec& spec, TpPtr tp)
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   const at::Tensor in = spec_.input_is_parallel ? x : scatter_to_tp(x, tp_);
   const at::Tensor partial = at::linear(in, weight);
-  at::Tensor y = sequence_parallel() ? reduce_scatter_to_sequence(partial, tp_)
-                                     : reduce_from_tp(partial, tp_);
+  at::Tensor y =
+      sequence_parallel() ? reduce_scatter_to_sequence(partial, tp_) : reduce_from_tp(partial, tp_);
   return bias.defined() ? y + bias : y;
 }
 

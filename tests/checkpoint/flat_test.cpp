@@ -614,7 +614,8 @@ TEST(CheckpointFlatTest, SeveralPiecesOfATensorPerRankFileRoundTrip) {
       const int64_t row = k * d + r * d / 3;
       at::Tensor out = at::empty({d / 3, in});
       CheckpointReader(dir).read("model/qkv.weight", out, {row, 0});
-      EXPECT_TRUE(bitwise_equal(out, qkv.narrow(0, row, d / 3))) << "tp rank " << r << " part " << k;
+      EXPECT_TRUE(bitwise_equal(out, qkv.narrow(0, row, d / 3)))
+          << "tp rank " << r << " part " << k;
     }
   }
   for (int trial = 0; trial < 20; ++trial) {

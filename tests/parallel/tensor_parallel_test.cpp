@@ -49,7 +49,7 @@ c10::Device test_device() {
   return test_backend() == "nccl" ? *comm::World::current().device() : c10::Device(c10::kCPU);
 }
 
-constexpr double kGamma = 2.3e-5;        // gamma_384 in fp32 (the widest K of these models)
+constexpr double kGamma = 2.3e-5;                // gamma_384 in fp32 (the widest K of these models)
 constexpr double kForward = 4 * 2 * 2 * kGamma;  // 4 GEMMs per block, 2 blocks, 2 orders
 constexpr double kGrad = 2 * kForward;
 
@@ -151,7 +151,8 @@ void compare_with_single_process(const comm::CommPtr& world, const comm::CommPtr
   // The split layers hold exactly their slices of the single-process initial weights.
   const auto dense_params = dense->named_parameters();
   for (const auto& it : split->named_parameters()) {
-    ASSERT_TRUE(at::equal(it.value(), expected(layouts, it.key(), dense_params[it.key()], it.value())))
+    ASSERT_TRUE(
+        at::equal(it.value(), expected(layouts, it.key(), dense_params[it.key()], it.value())))
         << it.key();
   }
 
@@ -169,8 +170,8 @@ void compare_with_single_process(const comm::CommPtr& world, const comm::CommPtr
   par::TensorParallelInfo info{topo.tp(), {}};
   for (const auto& [name, l] : layouts) info.sharded.insert(name);
   tensor::install_sequence_parallel_hooks(group);
-  auto split_engine = par::build_engine(plan, split, groups_of(*split), sgd(), topo.dp(), o,
-                                        split->units(), info);
+  auto split_engine =
+      par::build_engine(plan, split, groups_of(*split), sgd(), topo.dp(), o, split->units(), info);
   split->set_unit_hooks(split_engine->unit_hooks());  // ZeRO-3 gathers and frees per unit
   par::Plan one;
   auto dense_engine = par::build_engine(one, dense, groups_of(*dense), sgd(), self, o);
@@ -212,7 +213,8 @@ void compare_with_single_process(const comm::CommPtr& world, const comm::CommPtr
       // Global-norm clipping counts every element once (tp-sharded summed, replicated once).
       const at::Tensor norm_split = optim::clip_grad_norm(split_engine->grads(), 0);
       const at::Tensor norm_dense = optim::clip_grad_norm(dense_engine->grads(), 0);
-      EXPECT_TRUE(tol::within(norm_split, norm_dense, kGrad * norm_dense.item<double>())) << "grad norm";
+      EXPECT_TRUE(tol::within(norm_split, norm_dense, kGrad * norm_dense.item<double>()))
+          << "grad norm";
     }
     split_engine->step(lr);
     dense_engine->step(lr);
@@ -222,7 +224,8 @@ void compare_with_single_process(const comm::CommPtr& world, const comm::CommPtr
   par::FullParams whole(*split_engine);  // ZeRO-3: the parameters are shards between units
   for (const auto& it : split->named_parameters()) {
     const at::Tensor want = expected(layouts, it.key(), dense_params[it.key()], it.value());
-    EXPECT_TRUE(tol::within(it.value(), want, lr * steps * kGrad * 10)) << it.key() << " after " << steps << " steps";
+    EXPECT_TRUE(tol::within(it.value(), want, lr * steps * kGrad * 10))
+        << it.key() << " after " << steps << " steps";
   }
 }
 
@@ -239,7 +242,9 @@ TEST_F(TensorParallelTest, FusedQkvSplitsEachPartNotTheRows) {
   const at::Tensor want = per_head.narrow(1, rank_ * local, local).reshape({3 * local * hd, in});
   EXPECT_TRUE(at::equal(mine, want));
   const at::Tensor contiguous = w.narrow(0, rank_ * 3 * d / n_, 3 * d / n_);
-  if (n_ > 1) EXPECT_FALSE(at::equal(contiguous, want)) << "a contiguous split would give this rank other heads";
+  if (n_ > 1)
+    EXPECT_FALSE(at::equal(contiguous, want))
+        << "a contiguous split would give this rank other heads";
   // The boxes of the global tensor this piece is, one per part.
   const tensor::ParamLayout l{0, 3, rank_, n_};
   const auto boxes = tensor::split_boxes(mine, l);
@@ -325,10 +330,12 @@ TEST_F(TensorParallelTest, ColumnThenRowMatchesDenseWithAndWithoutSequenceParall
     (y * y).sum().backward();
     const double s = 1 + yd.abs().max().item<double>();
     EXPECT_TRUE(tol::within(y, yd, kForward * s)) << "sp " << sp;
-    EXPECT_TRUE(tol::within(x.grad(), xd.grad(), kGrad * (1 + xd.grad().abs().max().item<double>())))
+    EXPECT_TRUE(
+        tol::within(x.grad(), xd.grad(), kGrad * (1 + xd.grad().abs().max().item<double>())))
         << "sp " << sp;
     const tensor::ParamLayout col{0, 1, rank_, n_}, row{1, 1, rank_, n_};
-    const double g = kGrad * (1 + w1d.grad().abs().max().item<double>() + w2d.grad().abs().max().item<double>());
+    const double g =
+        kGrad * (1 + w1d.grad().abs().max().item<double>() + w2d.grad().abs().max().item<double>());
     EXPECT_TRUE(tol::within(fc1->weight.grad(), local_part(w1d.grad(), col, fc1->weight), g));
     EXPECT_TRUE(tol::within(fc1->bias.grad(), local_part(b1d.grad(), col, fc1->bias), g));
     EXPECT_TRUE(tol::within(fc2->weight.grad(), local_part(w2d.grad(), row, fc2->weight), g));
@@ -364,7 +371,8 @@ TEST_F(TensorParallelTest, SequenceParallelLayerNormGradientsAreIdenticalOnEvery
       if (hooks) EXPECT_TRUE(same) << it.key() << " differs across tp ranks";
     }
     EXPECT_GE(checked, 10);  // 2 blocks x 2 LayerNorms x (weight, bias) + the final one
-    if (!hooks && n_ > 1) EXPECT_EQ(differing, checked) << "without the all-reduce every LayerNorm gradient is partial";
+    if (!hooks && n_ > 1)
+      EXPECT_EQ(differing, checked) << "without the all-reduce every LayerNorm gradient is partial";
   }
 }
 
@@ -402,7 +410,8 @@ TEST_F(TensorParallelTest, BevWithVitBackboneMatchesSingleProcess) {
       at::NoGradGuard no_grad;
       const core::TensorDict pd = dense->forward(batch), ps = split->forward(batch);
       for (const auto& [k, v] : pd) {
-        EXPECT_TRUE(tol::within(ps.at(k), v, kForward * (1 + v.abs().max().item<double>()))) << k << " sp " << sp;
+        EXPECT_TRUE(tol::within(ps.at(k), v, kForward * (1 + v.abs().max().item<double>())))
+            << k << " sp " << sp;
       }
       const auto ld = dense->loss(batch, pd), ls = split->loss(batch, ps);
       for (const auto& [k, v] : ld.terms)
@@ -412,7 +421,8 @@ TEST_F(TensorParallelTest, BevWithVitBackboneMatchesSingleProcess) {
     const at::Tensor images = models::normalize_images(
         raw.view({-1, raw.size(2), raw.size(3), 3}).permute({0, 3, 1, 2}), at::kFloat);
     const at::Tensor fd = dense->encoder()->forward(images), fs = split->encoder()->forward(images);
-    EXPECT_TRUE(tol::within(fs, fd, kForward * (1 + fd.abs().max().item<double>()))) << "features sp " << sp;
+    EXPECT_TRUE(tol::within(fs, fd, kForward * (1 + fd.abs().max().item<double>())))
+        << "features sp " << sp;
     fd.pow(2).sum().backward();
     fs.pow(2).sum().backward();
     const auto dense_params = dense->encoder()->named_parameters();
@@ -420,7 +430,8 @@ TEST_F(TensorParallelTest, BevWithVitBackboneMatchesSingleProcess) {
     for (const auto& it : split->encoder()->named_parameters()) {
       const at::Tensor& g = dense_params[it.key()].grad();
       const at::Tensor want = expected(layouts, "encoder." + it.key(), g, it.value().grad());
-      EXPECT_TRUE(tol::within(it.value().grad(), want, kGrad * (want.abs().max().item<double>() + 1e-6)))
+      EXPECT_TRUE(
+          tol::within(it.value().grad(), want, kGrad * (want.abs().max().item<double>() + 1e-6)))
           << it.key() << " sp " << sp;
       ++compared;
     }
@@ -445,7 +456,8 @@ TEST_F(TensorParallelTest, ShapesTheTpSizeDoesNotDivideAreConfigErrors) {
     models::build_model(cfg, core::SceneSpec{}, group);
     ADD_FAILURE() << "no error";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find(std::to_string(4 * n_ + 1)), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(std::to_string(4 * n_ + 1)), std::string::npos)
+        << e.what();
   }
   models::ModelConfig mlp;
   mlp.name = "mlp";

@@ -14,8 +14,8 @@
 #include <ATen/ATen.h>
 #include <ATen/SDPBackend.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/nn/modules/conv.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <cmath>
 #include <filesystem>
@@ -35,12 +35,14 @@ models::ModelConfig bev(const std::string& size) {
 // A checkpoint directory holding `model`'s tensors (what a teacher run leaves).
 std::string save_model(const fs::path& dir, torch::nn::Module& model) {
   checkpoint::SaveState s;
-  for (const auto& it : model.named_parameters()) s.add_replicated("model/" + it.key(), it.value().detach());
-  for (const auto& it : model.named_buffers()) s.add_replicated("model/" + it.key(), it.value().detach());
+  for (const auto& it : model.named_parameters())
+    s.add_replicated("model/" + it.key(), it.value().detach());
+  for (const auto& it : model.named_buffers())
+    s.add_replicated("model/" + it.key(), it.value().detach());
   checkpoint::CheckpointerOptions o;
   o.timeout_s = 60;
-  checkpoint::Checkpointer ck(dir.string(), o,
-                              checkpoint::CommitGroup{0, 1, c10::make_intrusive<c10d::HashStore>()});
+  checkpoint::Checkpointer ck(
+      dir.string(), o, checkpoint::CommitGroup{0, 1, c10::make_intrusive<c10d::HashStore>()});
   ck.save(1, s);
   return dir.string();
 }
@@ -62,7 +64,8 @@ TEST(DistillTest, KlTermEqualsTheFloat64Computation) {
   train::DistillConfig cfg;
   cfg.temperature = 2.0;
   cfg.seg_kl = 0.5;
-  const auto terms = train::distill::loss_terms(cfg, {{"bev_logits", s}}, {{"bev_logits", t}}, nullptr);
+  const auto terms =
+      train::distill::loss_terms(cfg, {{"bev_logits", s}}, {{"bev_logits", t}}, nullptr);
   ASSERT_TRUE(terms.count("seg_kl"));
   // Hand computation in float64: per cell, sum_c q_c (log q_c - log p_c), q = softmax(t / T).
   double total = 0;
@@ -94,8 +97,10 @@ TEST(DistillTest, GradientsReachOnlyTheStudentAndTheTeacherIsUnchanged) {
   // so the projection trains) and another query grid (resampled to the student's).
   const core::SceneSpec scene = models::benchmark_scene("tiny");
   at::manual_seed(2);
-  auto student = std::dynamic_pointer_cast<models::PerceptionModel>(models::build_model(bev("tiny"), scene));
-  auto teacher = std::dynamic_pointer_cast<models::PerceptionModel>(models::build_model(bev("small"), scene));
+  auto student =
+      std::dynamic_pointer_cast<models::PerceptionModel>(models::build_model(bev("tiny"), scene));
+  auto teacher =
+      std::dynamic_pointer_cast<models::PerceptionModel>(models::build_model(bev("small"), scene));
   ASSERT_TRUE(student && teacher);
   student->set_feature_output(true);
   teacher->set_feature_output(true);
@@ -133,7 +138,8 @@ TEST(DistillTest, GradientsReachOnlyTheStudentAndTheTeacherIsUnchanged) {
   EXPECT_TRUE(proj->weight.grad().defined());
   EXPECT_GT(proj->weight.grad().abs().sum().item<double>(), 0);
   int with_grad = 0;
-  for (const auto& it : student->named_parameters()) with_grad += it.value().grad().defined() ? 1 : 0;
+  for (const auto& it : student->named_parameters())
+    with_grad += it.value().grad().defined() ? 1 : 0;
   EXPECT_GT(with_grad, 10);  // the distillation terms reach the student's layers
 }
 
