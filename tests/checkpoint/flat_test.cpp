@@ -323,10 +323,17 @@ TEST(CheckpointFlatTest, SaveStateValidatesFlatEntries) {
   SaveState not_1d;
   not_1d.add_flat_shard("optim/x", at::zeros({2, 2}), {37, 13}, 0);
   refused(not_1d, "1-D");
-  SaveState twice;  // one dataset per name in a rank file: a box and a flat range of one tensor
+  SaveState pieces;  // a box and a flat range of one tensor, disjoint: two pieces (format v4)
+  pieces.add_shard("optim/x", at::zeros({1, 13}), {37, 13}, {0, 0});
+  pieces.add_flat_shard("optim/x", at::zeros({13}), {37, 13}, 13);
+  const auto two = select_owned(pieces, 0, 1);
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_EQ(two[0].piece, 0);
+  EXPECT_EQ(two[1].piece, 1);
+  SaveState twice;  // ... that overlap (element 12): refused
   twice.add_shard("optim/x", at::zeros({1, 13}), {37, 13}, {0, 0});
-  twice.add_flat_shard("optim/x", at::zeros({13}), {37, 13}, 13);
-  refused(twice, "added twice");
+  twice.add_flat_shard("optim/x", at::zeros({13}), {37, 13}, 12);
+  refused(twice, "overlapping");
   SaveState complex;
   complex.add_flat_shard("optim/x", at::zeros({2}, at::kComplexFloat), {4}, 0);
   refused(complex, "optim/x");
