@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <set>
+#include <utility>
 
 namespace fs = std::filesystem;
 
@@ -426,6 +428,9 @@ Metadata Metadata::from_json(const std::string& text, const std::string& where) 
   }
   const YAML::Node tensors = r.child(root, "", "tensors");
   if (!tensors.IsMap()) r.fail("tensors", "expected an object");
+  // (file, dataset path) -> the shard stored there: two shards in one dataset would read the same
+  // bytes (a rank file holds each piece of a tensor once, format.h).
+  std::map<std::pair<std::string, std::string>, std::string> datasets;
   for (const auto& kv : tensors) {
     TensorInfo t;
     t.name = kv.first.Scalar();
@@ -458,6 +463,14 @@ Metadata Metadata::from_json(const std::string& text, const std::string& where) 
         const int64_t k = r.to_int(p, sk + ".piece");
         if (k < 1 || k > 1000000) r.fail(sk + ".piece", "out of range");
         s.piece = static_cast<int>(k);
+      }
+      {
+        const std::string path = piece_dataset(t.name, s.piece);
+        const auto [it, fresh] = datasets.try_emplace({s.file, path}, sk);
+        if (!fresh) {
+          r.fail(sk, fmt::format("file '{}' dataset '{}' is also the dataset of {}", s.file, path,
+                                 it->second));
+        }
       }
       if (const YAML::Node f = shards[i]["flat"]; f.IsDefined()) {
         // A flat range [begin, end) of the C-order flattening (format version 3).

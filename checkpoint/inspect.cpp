@@ -72,12 +72,15 @@ std::string inspect(const std::string& path, std::ostream& out, const InspectOpt
                          core::human_bytes(static_cast<double>(t.nbytes())));
       if (options.list_shards) {
         for (const auto& s : t.shards) {
+          // Piece k > 0 of the tensor in its file: the dataset it is stored under (format.h).
+          const std::string dataset =
+              s.piece > 0 ? fmt::format(" dataset {}", piece_dataset(name, s.piece)) : "";
           if (s.flat) {
-            out << fmt::format("      {} flat [{}, {}) ({} elements) crc32 {:08x}\n", s.file,
-                               s.flat->begin, s.flat->end, s.numel(), s.crc32);
+            out << fmt::format("      {} flat [{}, {}) ({} elements) crc32 {:08x}{}\n", s.file,
+                               s.flat->begin, s.flat->end, s.numel(), s.crc32, dataset);
           } else {
-            out << fmt::format("      {} offsets {} lengths {} crc32 {:08x}\n", s.file, s.offsets,
-                               s.lengths, s.crc32);
+            out << fmt::format("      {} offsets {} lengths {} crc32 {:08x}{}\n", s.file, s.offsets,
+                               s.lengths, s.crc32, dataset);
           }
         }
       }

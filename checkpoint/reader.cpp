@@ -17,6 +17,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <tuple>
 
 namespace fs = std::filesystem;
 
@@ -114,14 +115,19 @@ struct CheckpointReader::Impl {
   int64_t block_bytes = 64 << 20;
   std::map<std::string, const FileInfo*> file_info;
   std::map<std::string, h5::Id> open_files;
-  std::set<std::pair<std::string, std::string>> verified;  // (file, tensor)
+  // A shard is (file, tensor, piece): a rank file may hold several pieces of one tensor.
+  using ShardKey = std::tuple<std::string, std::string, int>;
+  static ShardKey key_of(const TensorInfo& t, const ShardInfo& s) {
+    return {s.file, t.name, s.piece};
+  }
+  std::set<ShardKey> verified;  // shards whose checksum matched
   // A flat shard touched by the load in progress: the checksums of its parts read whole.
   struct FlatCheck {
     const TensorInfo* t = nullptr;
     const ShardInfo* s = nullptr;
     std::vector<std::optional<uint32_t>> crcs;
   };
-  std::map<std::pair<std::string, std::string>, FlatCheck> flat_checks;  // (file, tensor)
+  std::map<ShardKey, FlatCheck> flat_checks;
   std::set<std::string> checked_files;  // present with the recorded size
   ReadStats stats;
 
@@ -200,17 +206,20 @@ struct CheckpointReader::Impl {
   }
 
   void fail_checksum(const TensorInfo& t, const ShardInfo& s, uint32_t got) const {
+    // Piece k > 0 of a tensor in its file is named by its dataset (the others by the tensor).
+    const std::string piece =
+        s.piece > 0 ? fmt::format(", dataset '{}'", piece_dataset(t.name, s.piece)) : "";
     throw_error<CheckpointError>(
-        "checkpoint '{}': checksum mismatch in shard file '{}' for tensor '{}' ({}): crc32 {:08x} "
-        "recorded, {:08x} read; the file is corrupt",
-        dir, s.file, t.name, s.describe(), s.crc32, got);
+        "checkpoint '{}': checksum mismatch in shard file '{}' for tensor '{}' ({}{}): crc32 "
+        "{:08x} recorded, {:08x} read; the file is corrupt",
+        dir, s.file, t.name, s.describe(), piece, s.crc32, got);
   }
 
   // Streams shard `s` in blocks and checks its crc32; with `nonfinite`, adds the shard's NaN and
   // infinity counts to it.
   void verify_shard(const TensorInfo& t, const ShardInfo& s, bool extra,
                     NonFiniteCount* nonfinite = nullptr) {
-    if (s.numel() == 0 || verified.count({s.file, t.name})) return;
+    if (s.numel() == 0 || verified.count(key_of(t, s))) return;
     const bool scan = nonfinite != nullptr && can_be_nonfinite(t.dtype);
     h5::Id d = dataset(t, s);
     const hid_t type = h5::storage_type(t.dtype, t.name);
@@ -245,7 +254,7 @@ struct CheckpointReader::Impl {
     stats.bytes_verified += s.numel() * esize;
     if (extra) stats.extra_bytes += s.numel() * esize;
     if (crc != s.crc32) fail_checksum(t, s, crc);
-    verified.insert({s.file, t.name});
+    verified.insert(key_of(t, s));
   }
 
   // Reads box `r` of `t` into `host` (contiguous CPU, t.dtype, shape r.lengths). With
@@ -288,7 +297,7 @@ struct CheckpointReader::Impl {
       }
       if (rc < 0) fail_read(t, s);
       covered += volume(in.lengths);
-      if (!opt.verify || verified.count({s.file, t.name})) continue;
+      if (!opt.verify || verified.count(key_of(t, s))) continue;
       const bool whole = in.lengths == s.lengths;
       const int64_t off = whole ? contiguous_offset(sb, r, esize) : -1;
       if (off >= 0) {
@@ -296,7 +305,7 @@ struct CheckpointReader::Impl {
         const uint32_t crc = tensor_io::crc32_update(0, base + off, n, /*parallel=*/true);
         stats.bytes_verified += n;
         if (crc != s.crc32) fail_checksum(t, s, crc);
-        verified.insert({s.file, t.name});
+        verified.insert(key_of(t, s));
       } else {
         verify_shard(t, s, /*extra=*/true);
       }
@@ -371,8 +380,8 @@ struct CheckpointReader::Impl {
         if (q == 0) break;
       }
       covered += volume(in.lengths);
-      if (!opt.verify || verified.count({s.file, t.name})) continue;
-      FlatCheck& c = flat_checks[{s.file, t.name}];
+      if (!opt.verify || verified.count(key_of(t, s))) continue;
+      FlatCheck& c = flat_checks[key_of(t, s)];
       if (c.crcs.empty()) {
         c.t = &t;
         c.s = &s;
@@ -392,7 +401,7 @@ struct CheckpointReader::Impl {
   // Checks the flat shards a load read from: by their parts' checksums when every part was read
   // whole (crc32_combine, no extra I/O), else by streaming the shard (verify_shard).
   void finish_flat_checks() {
-    std::map<std::pair<std::string, std::string>, FlatCheck> checks;
+    std::map<ShardKey, FlatCheck> checks;
     checks.swap(flat_checks);
     for (const auto& [key, c] : checks) {
       if (verified.count(key)) continue;
@@ -615,13 +624,15 @@ int64_t CheckpointReader::verify_all(const std::function<bool(const TensorInfo&)
     if (filter && !filter(t)) continue;
     NonFiniteTensor bad{name, 0, 0, {}};
     for (const ShardInfo& s : t.shards) {
-      I.verified.erase({s.file, t.name});
+      I.verified.erase(I.key_of(t, s));
       NonFiniteCount c;
       I.verify_shard(t, s, /*extra=*/false, nonfinite ? &c : nullptr);
       if (c.any()) {
         bad.nan += c.nan;
         bad.inf += c.inf;
-        bad.files.push_back(s.file);
+        // A file holding several pieces of the tensor is named once.
+        if (std::find(bad.files.begin(), bad.files.end(), s.file) == bad.files.end())
+          bad.files.push_back(s.file);
       }
       bytes += s.numel() * static_cast<int64_t>(c10::elementSize(t.dtype));
     }

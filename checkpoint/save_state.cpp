@@ -251,9 +251,10 @@ std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world
     for (size_t i : idx) {
       bytes.push_back(static_cast<int64_t>(state.entries()[i].tensor.nbytes()));
       // Pieces of one tensor are told apart by where they lie (members add them in any order).
-      names.push_back(by_name.at(final_names[i]).size() > 1
-                          ? final_names[i] + " " + entry_where(state.entries()[i])
-                          : final_names[i]);
+      // The key is the same on every member, whatever else of the tensor each holds outside this
+      // set: name, then '\0' (below every character a name may hold, validate_tensor_name), then
+      // where. Distinct names order as the names alone, as before pieces existed.
+      names.push_back(final_names[i] + '\0' + entry_where(state.entries()[i]));
     }
     const std::vector<int> owner = balance_owners(bytes, names, static_cast<int>(members.size()));
     for (size_t j = 0; j < idx.size(); ++j) {

@@ -97,8 +97,10 @@ struct OwnedEntry {
 
 // Resolves names and replica sets for world rank `rank` of `world`, validates every entry (name,
 // box or flat range inside the global shape, a flat entry's tensor 1-D, storable dtype, this rank
-// among the replicas, no duplicate name) and keeps the entries this rank owns, sorted by name.
-// Throws CheckpointError naming the entry.
+// among the replicas; entries of one name only as disjoint pieces of one global shape) and keeps
+// the entries this rank owns, sorted by name, then by their first element, numbered as pieces of
+// the rank file (0, 1, ... per name). Throws CheckpointError naming the entry (for overlapping
+// pieces, both).
 std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world);
 
 // The size-balanced assignment used for one replica set of `members` ranks: entry i (of

@@ -5,9 +5,12 @@
 #include "checkpoint/reader.h"
 #include "core/error.h"
 #include "mpi_env.h"
+#include "parallel/engine.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <sys/resource.h>
@@ -307,6 +310,133 @@ TEST(CheckpointMpiTest, FlatRangesOfEveryRankRoundTripSyncAndAsync) {
     }
     EXPECT_GT(r.verify_all(), 0);
   }
+  env.barrier();
+  if (env.rank() == 0) fs::remove_all(root);
+}
+
+// Several pieces of a tensor per rank file under the real protocol (format version 4). A fused qkv
+// weight [3 D, in] split over tp = world ranks: rank r holds rows [k D + r D/tp, + D/tp) of each
+// part k as three boxes (rank 1 the interleaved ones). A ZeRO moment of a tp slice: rank r's slice
+// (rows [r R, (r + 1) R) of a [tp R, 4, 5] tensor) is cut at two random points into three flat
+// ranges, each saved as its boxes (parallel::flat_range_boxes on the slice's shape, offset into the
+// global tensor): up to 15 pieces in one file. Every rank reads both tensors back bitwise whole,
+// as random boxes, in other layouts (tp = 3 parts, one box per rank, one flat range per rank), and
+// against a checkpoint of the same tensors saved one box per rank.
+TEST(CheckpointMpiTest, SeveralPiecesPerRankFileRoundTripAcrossLayouts) {
+  MpiEnv& env = MpiEnv::get();
+  const uint64_t seed = env.shared_seed();
+  SCOPED_TRACE(fmt::format("seed {}", seed));
+  const std::string root = shared_scratch(env, "pieces");
+  const int tp = env.size(), r = env.rank();
+  const int64_t d = 6, in = 5, rows = 3;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const at::Tensor qkv = random_tensor(at::kBFloat16, {3 * d, in}, gen);
+  const at::Tensor m = random_tensor(at::kFloat, {tp * rows, 4, 5}, gen);
+  const std::vector<int64_t> slice_shape{rows, 4, 5};
+  const int64_t slice_numel = rows * 4 * 5;
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<int64_t>> cuts;  // per rank: 0 < b < e < slice_numel
+  for (int q = 0; q < tp; ++q) {
+    const int64_t b = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(slice_numel - 2));
+    const int64_t e =
+        b + 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(slice_numel - b - 1));
+    cuts.push_back({0, b, e, slice_numel});
+  }
+  const std::string pieces_dir = root + "/pieces", boxes_dir = root + "/boxes";
+  size_t my_boxes = 0;
+  {
+    SaveState s;
+    for (int64_t k = 2; k >= 0; --k) {
+      const int64_t row = k * d + r * d / tp;
+      s.add_shard("model/qkv.weight", qkv.narrow(0, row, d / tp).clone(), {3 * d, in}, {row, 0});
+    }
+    const at::Tensor slice = m.narrow(0, r * rows, rows);
+    const std::vector<int64_t>& c = cuts[static_cast<size_t>(r)];
+    for (size_t i = 0; i + 1 < c.size(); ++i) {
+      for (const parallel::Box& b : parallel::flat_range_boxes(slice_shape, c[i], c[i + 1])) {
+        at::Tensor piece = slice;
+        for (size_t dim = 0; dim < b.offsets.size(); ++dim)
+          piece = piece.narrow(static_cast<int64_t>(dim), b.offsets[dim], b.lengths[dim]);
+        std::vector<int64_t> where = b.offsets;
+        where[0] += r * rows;
+        s.add_shard("optim/proj.exp_avg", piece.clone(), m.sizes().vec(), where);
+        ++my_boxes;
+      }
+    }
+    Checkpointer ck(pieces_dir, CheckpointerOptions{});
+    ck.save(3, s);
+  }
+  {
+    SaveState s;  // the same tensors, one box per rank
+    const auto [q0, qn] = chunk(3 * d, tp, r);
+    s.add_shard("model/qkv.weight", qkv.narrow(0, q0, qn).clone(), {3 * d, in}, {q0, 0});
+    s.add_shard("optim/proj.exp_avg", m.narrow(0, r * rows, rows).clone(), m.sizes().vec(),
+                {r * rows, 0, 0});
+    Checkpointer ck(boxes_dir, CheckpointerOptions{});
+    ck.save(3, s);
+  }
+  CheckpointReader pr(pieces_dir), br(boxes_dir);
+  EXPECT_EQ(pr.metadata().format_version, kPieceFormatVersion);
+  EXPECT_EQ(br.metadata().format_version, kBoxFormatVersion);
+  const std::string my_file = rank_file_name(r);
+  std::vector<int> qkv_pieces;
+  for (const ShardInfo& s : pr.info("model/qkv.weight").shards) {
+    if (s.file == my_file) qkv_pieces.push_back(s.piece);
+  }
+  std::sort(qkv_pieces.begin(), qkv_pieces.end());
+  EXPECT_EQ(qkv_pieces, (std::vector<int>{0, 1, 2}));
+  size_t m_pieces = 0;
+  for (const ShardInfo& s : pr.info("optim/proj.exp_avg").shards) m_pieces += s.file == my_file;
+  EXPECT_EQ(m_pieces, my_boxes);
+  EXPECT_GE(my_boxes, 3u);
+  for (const auto& [name, t] :
+       std::map<std::string, at::Tensor>{{"model/qkv.weight", qkv}, {"optim/proj.exp_avg", m}}) {
+    EXPECT_TRUE(bitwise_equal(pr.read(name), t)) << name;
+    EXPECT_TRUE(bitwise_equal(br.read(name), t)) << name;
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<int64_t> off, len;
+      for (const int64_t n : t.sizes()) {
+        off.push_back(static_cast<int64_t>(rng() % static_cast<uint64_t>(n)));
+        len.push_back(1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(n - off.back())));
+      }
+      at::Tensor want = t;
+      for (size_t dim = 0; dim < off.size(); ++dim)
+        want = want.narrow(static_cast<int64_t>(dim), off[dim], len[dim]);
+      at::Tensor got = at::empty(len, t.options());
+      CheckpointReader(pieces_dir).read(name, got, off);
+      EXPECT_TRUE(bitwise_equal(got, want)) << name << fmt::format(" box {} + {}", off, len);
+    }
+  }
+  // tp = 3: each part's rows [k D + q D/3, + D/3) for q = 0, 1, 2, from both checkpoints.
+  for (int q = 0; q < 3; ++q) {
+    for (int64_t k = 0; k < 3; ++k) {
+      const int64_t row = k * d + q * d / 3;
+      for (const std::string& dir : {pieces_dir, boxes_dir}) {
+        at::Tensor got = at::empty({d / 3, in}, qkv.options());
+        CheckpointReader(dir).read("model/qkv.weight", got, {row, 0});
+        EXPECT_TRUE(bitwise_equal(got, qkv.narrow(0, row, d / 3))) << dir << " part " << k;
+      }
+    }
+  }
+  // The pieces checkpoint read one box per rank, and the boxes checkpoint read as this rank's
+  // pieces; a flat range per rank of the ZeRO moment (no tp) from both.
+  const auto [q0, qn] = chunk(3 * d, tp, r);
+  at::Tensor box = at::empty({qn, in}, qkv.options());
+  CheckpointReader(pieces_dir).read("model/qkv.weight", box, {q0, 0});
+  EXPECT_TRUE(bitwise_equal(box, qkv.narrow(0, q0, qn)));
+  for (int64_t k = 0; k < 3; ++k) {
+    const int64_t row = k * d + r * d / tp;
+    at::Tensor got = at::empty({d / tp, in}, qkv.options());
+    CheckpointReader(boxes_dir).read("model/qkv.weight", got, {row, 0});
+    EXPECT_TRUE(bitwise_equal(got, qkv.narrow(0, row, d / tp))) << "part " << k;
+  }
+  const auto [f0, fn] = chunk(m.numel(), tp, r);
+  for (const std::string& dir : {pieces_dir, boxes_dir}) {
+    at::Tensor flat = at::empty({fn}, m.options());
+    CheckpointReader(dir).load(flat_load_targets("optim/proj.exp_avg", flat, m.sizes().vec(), f0));
+    EXPECT_TRUE(bitwise_equal(flat, m.view({-1}).narrow(0, f0, fn))) << dir;
+  }
+  EXPECT_GT(pr.verify_all(), 0);
   env.barrier();
   if (env.rank() == 0) fs::remove_all(root);
 }
