@@ -1,4 +1,4 @@
-// The on-disk format of a Parallax checkpoint (versions 2 and 3), its metadata and its names.
+// The on-disk format of a Parallax checkpoint (versions 2 to 4), its metadata and its names.
 //
 //   runs/<name>/checkpoints/
 //     latest                   one line, "step_00000100": the last committed checkpoint
@@ -12,22 +12,25 @@
 // dataset "fc.weight" in group "model"). A rank that holds several disjoint pieces of one tensor
 // (a tensor-parallel qkv weight: one box per fused part; a ZeRO rank's flat range of a
 // tensor-parallel slice: up to 2 ndim - 1 boxes) stores the first under the tensor name and piece k
-// under "<name>@<k>" (metadata.json records "piece": k; format version 4). A
-// shard is either a box (offsets and lengths per dimension: the dataset has the box's shape and
-// holds it in C order; attributes "dtype", "offsets", "global_shape") or a flat range [begin, end)
-// of the tensor's C-order flattening (a ZeRO rank's piece of a parameter: the dataset is 1-D with
+// under "<name>@<k>" (metadata.json records "piece": k; format version 4), the pieces numbered in
+// the order of their first elements; no two shards of one file share a dataset. A shard is either
+// a box (offsets and lengths per dimension: the dataset has the box's shape and holds it in C
+// order; attributes "dtype", "offsets", "global_shape") or a flat range [begin, end) of the
+// tensor's C-order flattening (a ZeRO rank's piece of a parameter: the dataset is 1-D with
 // end - begin elements; attributes "dtype", "flat" = [begin, end], "global_shape"). A flat range
-// covers up to 2 ndim - 1 boxes (parallel::flat_range_boxes); readers read it through them.
-// A tensor is stored exactly: floats and integers as HDF5's
-// native types; bfloat16, float16 and float8 as unsigned integers of the same width holding the raw
-// bits; bool as uint8; the exact dtype is the "dtype" attribute and the metadata's "dtype".
+// covers up to 2 ndim - 1 boxes (parallel::flat_range_boxes); readers read it through them. A
+// tensor is stored exactly: floats and integers as HDF5's native types; bfloat16, float16 and
+// float8 as unsigned integers of the same width holding the raw bits; bool as uint8; the exact
+// dtype is the "dtype" attribute and the metadata's "dtype".
 //
 // metadata.json protects itself: its second line is `  "checksum": "crc32:XXXXXXXX",`, the zlib
 // crc32 of every byte after that line. The reader refuses a file whose bytes do not match (an
 // edited step, a torn copy), naming the file. Version 1 files (no checksum, no config.yaml) are
-// still read. Version 3 adds flat shards; a checkpoint is written with the lowest version that
-// describes it (2 without flat shards), so builds that predate flat shards still read the
-// checkpoints they can, and refuse the others as "newer" rather than misreading them.
+// still read. Version 3 adds flat shards, version 4 several pieces of a tensor in one rank file
+// (a version 3 reader would open dataset <name> for each of them). A checkpoint is written with
+// the lowest version that describes it (4 with such pieces, else 3 with flat shards, else 2), so
+// older builds still read the checkpoints they can, and refuse the others as "newer" rather than
+// misreading them. This build reads versions 1 to 4.
 //
 // Thread-safety: everything here is a pure function or a value type.
 #pragma once
