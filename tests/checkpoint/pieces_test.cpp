@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <regex>
@@ -141,6 +142,29 @@ TEST(CheckpointPiecesTest, CorruptLaterPieceFailsAVerifiedWholeLoad) {
   at::Tensor front = at::empty({2 * d, in});
   CheckpointReader(dir).read("model/qkv.weight", front, {0, 0});
   EXPECT_TRUE(bitwise_equal(front, qkv.narrow(0, 0, 2 * d)));
+}
+
+// NaN in two pieces of a tensor in one rank file (a checkpoint as an older Parallax could commit
+// it): verify_all counts both and names the file once.
+TEST(CheckpointPiecesTest, NonFinitePiecesNameTheirFileOnce) {
+  ScratchDir tmp("pieces_nan");
+  const std::string dir = (tmp / "checkpoints").string();
+  at::Tensor w = at::ones({6, 2});
+  w.index_put_({0, 1}, std::numeric_limits<float>::quiet_NaN());
+  w.index_put_({4, 0}, std::numeric_limits<float>::infinity());
+  SaveState s;
+  for (int64_t k = 0; k < 3; ++k)
+    s.add_shard("model/w", w.narrow(0, 2 * k, 2).clone(), {6, 2}, {2 * k, 0});
+  CheckpointerOptions o;
+  o.allow_nonfinite = true;
+  Checkpointer(dir, o, CommitGroup{0, 1, c10::make_intrusive<c10d::HashStore>()}).save(1, s);
+  std::vector<NonFiniteTensor> bad;
+  CheckpointReader(dir).verify_all(nullptr, &bad);
+  ASSERT_EQ(bad.size(), 1u);
+  EXPECT_EQ(bad[0].name, "model/w");
+  EXPECT_EQ(bad[0].nan, 1);
+  EXPECT_EQ(bad[0].inf, 1);
+  EXPECT_EQ(bad[0].files, (std::vector<std::string>{rank_file_name(0)}));
 }
 
 // Two flat ranges of one tensor in each of two rank files (rank 0: [0, 10) and [20, 30); rank 1:
