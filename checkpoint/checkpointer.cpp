@@ -211,7 +211,8 @@ struct Checkpointer::Impl {
   std::optional<SaveStats> last;
   SaveStats pending;
 
-  std::map<std::string, at::Tensor> snapshots;  // async: host buffers reused between saves
+  // async: host buffers reused between saves, by dataset path (one per piece of a tensor).
+  std::map<std::string, at::Tensor> snapshots;
   tensor_io::Staging staging;
 
   struct Job {
@@ -527,7 +528,8 @@ struct Checkpointer::Impl {
     std::set<c10::DeviceIndex> devices;
     for (OwnedEntry& e : job.entries) {
       const at::Tensor& src = e.tensor;
-      at::Tensor& buf = snapshots[e.name];
+      // By dataset, not name: a rank's pieces of one tensor each need their own buffer.
+      at::Tensor& buf = snapshots[piece_dataset(e.name, e.piece)];
       const bool pinned = src.is_cuda();
       if (!buf.defined() || buf.sizes() != src.sizes() || buf.scalar_type() != src.scalar_type() ||
           (pinned && !buf.is_pinned())) {
@@ -541,7 +543,7 @@ struct Checkpointer::Impl {
     for (const auto d : devices) at::accelerator::synchronizeDevice(d);
     // Drop buffers of entries this save no longer has.
     std::set<std::string> names;
-    for (const auto& e : job.entries) names.insert(e.name);
+    for (const auto& e : job.entries) names.insert(piece_dataset(e.name, e.piece));
     for (auto it = snapshots.begin(); it != snapshots.end();) {
       it = names.count(it->first) ? std::next(it) : snapshots.erase(it);
     }
