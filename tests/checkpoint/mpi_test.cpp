@@ -20,7 +20,9 @@
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <random>
+#include <set>
 
 using namespace parallax;
 using namespace parallax::checkpoint;
@@ -321,7 +323,8 @@ TEST(CheckpointMpiTest, FlatRangesOfEveryRankRoundTripSyncAndAsync) {
 // ranges, each saved as its boxes (parallel::flat_range_boxes on the slice's shape, offset into the
 // global tensor): up to 15 pieces in one file. Every rank reads both tensors back bitwise whole,
 // as random boxes, in other layouts (tp = 3 parts, one box per rank, one flat range per rank), and
-// against a checkpoint of the same tensors saved one box per rank.
+// against a checkpoint of the same tensors saved one box per rank. A third tensor's three parts are
+// replicated on every rank (dp): each part is written exactly once, by one member.
 TEST(CheckpointMpiTest, SeveralPiecesPerRankFileRoundTripAcrossLayouts) {
   MpiEnv& env = MpiEnv::get();
   const uint64_t seed = env.shared_seed();
@@ -332,6 +335,9 @@ TEST(CheckpointMpiTest, SeveralPiecesPerRankFileRoundTripAcrossLayouts) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const at::Tensor qkv = random_tensor(at::kBFloat16, {3 * d, in}, gen);
   const at::Tensor m = random_tensor(at::kFloat, {tp * rows, 4, 5}, gen);
+  const at::Tensor kv = random_tensor(at::kDouble, {3 * d, in}, gen);
+  std::vector<int> everyone(static_cast<size_t>(tp));
+  std::iota(everyone.begin(), everyone.end(), 0);
   const std::vector<int64_t> slice_shape{rows, 4, 5};
   const int64_t slice_numel = rows * 4 * 5;
   std::mt19937_64 rng(seed);
@@ -363,6 +369,9 @@ TEST(CheckpointMpiTest, SeveralPiecesPerRankFileRoundTripAcrossLayouts) {
         ++my_boxes;
       }
     }
+    for (int64_t k = 0; k < 3; ++k)
+      s.add_shard("model/kv.weight", kv.narrow(0, k * d, d).clone(), {3 * d, in}, {k * d, 0},
+                  everyone);
     Checkpointer ck(pieces_dir, CheckpointerOptions{});
     ck.save(3, s);
   }
@@ -389,6 +398,12 @@ TEST(CheckpointMpiTest, SeveralPiecesPerRankFileRoundTripAcrossLayouts) {
   for (const ShardInfo& s : pr.info("optim/proj.exp_avg").shards) m_pieces += s.file == my_file;
   EXPECT_EQ(m_pieces, my_boxes);
   EXPECT_GE(my_boxes, 3u);
+  const TensorInfo& kv_info = pr.info("model/kv.weight");
+  ASSERT_EQ(kv_info.shards.size(), 3u);  // each replicated part once
+  std::set<std::string> kv_files;
+  for (const ShardInfo& s : kv_info.shards) kv_files.insert(s.file);
+  EXPECT_EQ(kv_files.size(), static_cast<size_t>(std::min(tp, 3)));  // spread over the members
+  EXPECT_TRUE(bitwise_equal(pr.read("model/kv.weight"), kv));
   for (const auto& [name, t] :
        std::map<std::string, at::Tensor>{{"model/qkv.weight", qkv}, {"optim/proj.exp_avg", m}}) {
     EXPECT_TRUE(bitwise_equal(pr.read(name), t)) << name;
