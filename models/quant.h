@@ -12,7 +12,7 @@
 //
 // A quantizer is disabled (pass-through), calibrating (pass-through while collecting the
 // statistics its calibrator needs) or quantizing (frozen amax). Its amax is the buffer "amax"
-// (float32; [] per tensor, [C] per channel), so checkpoints hold it beside the weights.
+// (float32; [1] per tensor, [C] per channel), so checkpoints hold it beside the weights.
 //
 // Layers hold quantizers only once QAT adds them (add_quantizers()): the module paths and
 // parameter names of a model do not change, and a model without QAT has no extra buffers.

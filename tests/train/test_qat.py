@@ -8,7 +8,8 @@
   buffer per quantizer; `parallax eval` evaluates the checkpoint fake-quantized;
 - qat on 2 ranks (DDP, activation checkpointing): both ranks end the calibration with the same
   amax (the fingerprint each rank logs), training runs, and a resume from the step-2 checkpoint
-  repeats steps 3-4 bitwise without calibrating again;
+  repeats steps 3-4 bitwise without calibrating again; under ZeRO-3 the calibration gives the same
+  amax;
 - bad inputs (unknown calibrator, a skip glob matching nothing, no train.load_from, tp > 1) are
   each one `parallax: error:` line naming the key.
 
@@ -108,6 +109,14 @@ class QatTest(tt.RunDirTest):
         prints = re.findall(r"amax fingerprint ([0-9a-f]{8})", p.stdout + p.stderr)
         self.assertEqual(len(prints), 2, (p.stdout + p.stderr)[-3000:])
         self.assertEqual(prints[0], prints[1], "the ranks calibrated different amax")
+        # ZeRO-3 (parameters sharded, gathered whole for the calibration): the same amax, bitwise.
+        os.environ["PARALLAX_LOG_ALL_RANKS"] = "1"
+        try:
+            z = self.bev("z", *qat, "train.steps=2", "parallel.zero.stage=3", ranks=2)
+        finally:
+            del os.environ["PARALLAX_LOG_ALL_RANKS"]
+        self.assertEqual(re.findall(r"amax fingerprint ([0-9a-f]{8})", z.stdout + z.stderr), prints)
+        self.assertTrue(all(np.isfinite(x["loss"]) for x in tt.metrics(os.path.join(self.d, "z"))))
         rows = tt.metrics(os.path.join(self.d, "q"))
         self.assertEqual([x["step"] for x in rows], [1, 2, 3, 4])
         self.assertTrue(all(np.isfinite(x["loss"]) for x in rows))
