@@ -15,6 +15,7 @@
 #include "parallel/comm/factory.h"
 #include "parallel/comm/world.h"
 #include "train/evaluate.h"
+#include "train/qat.h"
 #include "train/run_config.h"
 
 #include <ATen/Parallel.h>
@@ -174,7 +175,11 @@ int verb_eval(const std::vector<std::string>& argv) {
   const core::SceneSpec scene = info.scene_spec(cfg.data.max_boxes);
   core::seed_all(static_cast<uint64_t>(cfg.experiment.seed));
   auto model = models::build_model(cfg.model, scene);
+  // A QAT run's checkpoints hold the quantizers' amax: the model is evaluated fake-quantized.
+  std::vector<train::qat::Layer> quantized;
+  if (cfg.qat.enabled) quantized = train::qat::apply(*model, cfg.qat);
   const auto report = checkpoint::load_weights(*model, source);
+  train::qat::set_state(quantized, models::QuantState::kQuantizing);
   model->to(device);
   const auto precision = optim::make_precision_policy(cfg.precision, device.type());
   train::EvalDetections det;

@@ -194,6 +194,11 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
       args.has("out") ? args.get("out") : (fs::path(run) / "export" / "model.onnx").string();
   checkpoint::exporter::prepare_output_dir(out);
 
+  PARALLAX_CHECK(!cfg->qat.enabled, ConfigError,
+                 "export: run '{}' is a QAT run (qat.enabled): its ONNX export needs "
+                 "QuantizeLinear/DequantizeLinear nodes, which this version does not write yet; "
+                 "export --format weights (the fp32 weights and the amax buffers) instead",
+                 run);
   const core::SceneSpec scene = train::run_scene(*cfg);
   // A LoRA run: the base with its adapters merged in (no adapter nodes in the graph).
   std::shared_ptr<models::Model> model;

@@ -49,7 +49,7 @@ ImageEncoderImpl::ImageEncoderImpl(const ImageEncoderOptions& o) : opts_(o) {
     in = o.conv.widths[s];
   }
   conv_neck_ =
-      register_module("neck", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, o.out_channels, 1)));
+      register_module("neck", QuantConv2d(torch::nn::Conv2dOptions(in, o.out_channels, 1)));
 }
 
 at::Tensor ImageEncoderImpl::forward(const at::Tensor& images) {

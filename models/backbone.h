@@ -72,7 +72,7 @@ class ImageEncoderImpl : public torch::nn::Module {
   VisionTransformer vit_{nullptr};
   DenseLinear vit_neck_{nullptr};
   torch::nn::Sequential conv_{nullptr};
-  torch::nn::Conv2d conv_neck_{nullptr};
+  QuantConv2d conv_neck_{nullptr};
   std::vector<std::shared_ptr<Block>> blocks_;
 };
 TORCH_MODULE(ImageEncoder);

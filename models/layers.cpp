@@ -32,6 +32,8 @@ DenseLinearImpl::DenseLinearImpl(int64_t in_features, int64_t out_features, bool
 
 void DenseLinearImpl::add_lora(int64_t rank, double alpha, double dropout) {
   PARALLAX_CHECK(!lora_a.defined(), Error, "LoRA: this linear layer already has an adapter");
+  PARALLAX_CHECK(!quantized(), Error,
+                 "LoRA: this linear layer has QAT quantizers (LoRA and QAT do not combine)");
   PARALLAX_CHECK(rank > 0, ConfigError, "LoRA: rank {} must be positive", rank);
   const int64_t in = weight.size(1), out = weight.size(0);
   const double bound = 1.0 / std::sqrt(static_cast<double>(in));
@@ -53,6 +55,20 @@ at::Tensor DenseLinearImpl::lora_forward(const at::Tensor& x) {
   }
   const at::Tensor h = at::dropout(x, lora_dropout_, true);
   return at::linear(x, weight, bias) + at::linear(at::linear(h, lora_a), lora_b) * lora_scale_;
+}
+
+void DenseLinearImpl::add_quantizers() {
+  PARALLAX_CHECK(!quantized(), Error, "QAT: this linear layer already has quantizers");
+  PARALLAX_CHECK(!lora_a.defined(), Error,
+                 "QAT: this linear layer has a LoRA adapter (LoRA and QAT do not combine)");
+  input_quantizer = register_module("input_quantizer", TensorQuantizer(0));
+  weight_quantizer = register_module("weight_quantizer", TensorQuantizer(weight.size(0)));
+  at::NoGradGuard no_grad;
+  weight_quantizer->amax.copy_(weight_amax(weight).to(weight_quantizer->amax.device()));
+}
+
+at::Tensor DenseLinearImpl::quant_forward(const at::Tensor& x) {
+  return at::linear(input_quantizer->forward(x), weight_quantizer->forward(weight), bias);
 }
 
 at::Tensor DenseLinearImpl::merged_weight() const {
@@ -88,10 +104,10 @@ int64_t norm_groups(int64_t channels) {
 }
 
 ConvNormActImpl::ConvNormActImpl(const ConvNormActOptions& o) : opts_(o) {
-  conv_ = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in, o.out, o.kernel)
-                                                        .stride(o.stride)
-                                                        .padding(o.kernel / 2)
-                                                        .bias(false)));
+  conv_ = register_module("conv", QuantConv2d(torch::nn::Conv2dOptions(o.in, o.out, o.kernel)
+                                                  .stride(o.stride)
+                                                  .padding(o.kernel / 2)
+                                                  .bias(false)));
   norm_ = register_module("norm", torch::nn::GroupNorm(norm_groups(o.out), o.out));
 }
 

@@ -10,6 +10,7 @@
 
 #include "models/checkpointable.h"
 #include "models/onnx/emitter.h"
+#include "models/quant.h"
 #include "parallel/tensor/tensor_parallel.h"
 
 #include <torch/nn/module.h>
@@ -75,12 +76,19 @@ using parallel::tensor::LinearSpec;
 // "lora_b" [out, r] (zero, so the output does not change), and the forward becomes
 //   y = x W^T + b + (alpha / r) * dropout(x) A^T B^T.
 // merge_lora() folds the adapter into W (W += (alpha / r) B A) and removes the two parameters.
+//
+// QAT (train/qat.h, models/quant.h): add_quantizers() registers "input_quantizer" (per tensor)
+// and "weight_quantizer" (per output channel), and the forward becomes
+//   y = fq(x) fq(W)^T + b
+// (the adapter and the quantizers are not combined: add_quantizers() refuses a layer with an
+// adapter and add_lora() one with quantizers).
 class DenseLinearImpl : public torch::nn::Module {
  public:
   DenseLinearImpl(int64_t in_features, int64_t out_features, bool bias = true);
   at::Tensor forward(const at::Tensor& x) {
-    if (!lora_a.defined()) return at::linear(x, weight, bias);
-    return lora_forward(x);
+    if (lora_a.defined()) return lora_forward(x);
+    if (!input_quantizer.is_empty()) return quant_forward(x);
+    return at::linear(x, weight, bias);
   }
 
   void add_lora(int64_t rank, double alpha, double dropout);
@@ -90,11 +98,18 @@ class DenseLinearImpl : public torch::nn::Module {
   at::Tensor merged_weight() const;
   void merge_lora();
 
+  // Registers the quantizers (disabled; the weight's amax from the current weight).
+  // parallax::Error when the layer has an adapter or quantizers already.
+  void add_quantizers();
+  bool quantized() const { return !input_quantizer.is_empty(); }
+
   at::Tensor weight, bias;    // bias undefined without one
   at::Tensor lora_a, lora_b;  // undefined without an adapter
+  TensorQuantizer input_quantizer{nullptr}, weight_quantizer{nullptr};  // empty without QAT
 
  private:
   at::Tensor lora_forward(const at::Tensor& x);
+  at::Tensor quant_forward(const at::Tensor& x);
   double lora_scale_ = 0, lora_dropout_ = 0;
 };
 TORCH_MODULE(DenseLinear);
@@ -122,7 +137,7 @@ class ConvNormActImpl : public torch::nn::Module {
 
  private:
   ConvNormActOptions opts_;
-  torch::nn::Conv2d conv_{nullptr};
+  QuantConv2d conv_{nullptr};
   torch::nn::GroupNorm norm_{nullptr};
 };
 TORCH_MODULE(ConvNormAct);

@@ -69,7 +69,7 @@ class BevHeadsImpl : public torch::nn::Module {
  private:
   int64_t channels_, head_channels_, seg_classes_, box_classes_, nx_, ny_;
   ConvNormAct seg_conv_{nullptr}, heat_conv_{nullptr}, reg_conv_{nullptr};
-  torch::nn::Conv2d seg_out_{nullptr}, heat_out_{nullptr}, reg_out_{nullptr};
+  QuantConv2d seg_out_{nullptr}, heat_out_{nullptr}, reg_out_{nullptr};
 };
 TORCH_MODULE(BevHeads);
 

@@ -64,7 +64,7 @@ class ViewTransformerImpl : public torch::nn::Module {
 
  private:
   ViewTransformerOptions opts_;
-  torch::nn::Conv2d lift1_{nullptr}, lift2_{nullptr};
+  QuantConv2d lift1_{nullptr}, lift2_{nullptr};
   torch::nn::GroupNorm norm_{nullptr};
   at::Tensor query_embed_;  // [1, C, nx, ny]
 };

@@ -192,8 +192,7 @@ VisionTransformerImpl::VisionTransformerImpl(const VisionTransformerOptions& o) 
   check_vit(o);
   const VitSpec& s = o.spec;
   patch_embed_ = register_module(
-      "patch_embed",
-      torch::nn::Conv2d(torch::nn::Conv2dOptions(3, s.dim, s.patch).stride(s.patch)));
+      "patch_embed", QuantConv2d(torch::nn::Conv2dOptions(3, s.dim, s.patch).stride(s.patch)));
   const int64_t tokens = grid_h() * grid_w() + (o.class_token ? 1 : 0);
   if (o.class_token) cls_token_ = register_parameter("cls_token", at::randn({1, 1, s.dim}) * 0.02);
   pos_embed_ = register_parameter("pos_embed", at::randn({1, tokens, s.dim}) * 0.02);
@@ -232,8 +231,12 @@ at::Tensor VisionTransformerImpl::embed(const at::Tensor& images) {
   const at::Tensor rows = images.reshape({b, c, grid_h(), p, grid_w(), p})
                               .permute({0, 2, 4, 1, 3, 5})
                               .reshape({-1, c * p * p});
-  const at::Tensor& w = patch_embed_->weight;
-  at::Tensor x = at::linear(rows, w.view({w.size(0), -1}), patch_embed_->bias)
+  // Under QAT the patch rows are the convolution's input (one per-tensor quantizer sees the same
+  // values either way) and the weight is quantized per output channel, as the conv would be.
+  const at::Tensor w = patch_embed_->effective_weight();
+  const at::Tensor in =
+      patch_embed_->quantized() ? patch_embed_->input_quantizer->forward(rows) : rows;
+  at::Tensor x = at::linear(in, w.view({w.size(0), -1}), patch_embed_->bias)
                      .view({b, grid_h() * grid_w(), -1});
   const at::ScalarType dt = opts_.spec.fp32_residual ? at::kFloat : stream_dtype(x);
   x = x.to(dt);

@@ -131,7 +131,7 @@ class VisionTransformerImpl : public torch::nn::Module {
 
  private:
   VisionTransformerOptions opts_;
-  torch::nn::Conv2d patch_embed_{nullptr};
+  QuantConv2d patch_embed_{nullptr};
   at::Tensor cls_token_, pos_embed_;
   std::vector<std::shared_ptr<TransformerBlock>> blocks_;
   torch::nn::LayerNorm norm_{nullptr};

@@ -12,6 +12,7 @@
 #include "parallel/parallel_config.h"
 #include "train/distill.h"
 #include "train/lora.h"
+#include "train/qat.h"
 
 #include <string>
 
@@ -98,6 +99,7 @@ struct RunConfig {
   TrainConfig train;
   checkpoint::CheckpointConfig checkpoint;
   checkpoint::ExportConfig export_;
+  QatConfig qat;
   LoraConfig lora;
   DistillConfig distill;
 
@@ -113,6 +115,7 @@ struct RunConfig {
     v("train", train);
     v("checkpoint", checkpoint);
     v("export", export_);
+    v("qat", qat);
     v("lora", lora);
     v("distill", distill);
   }

@@ -32,6 +32,7 @@
 #include "train/metrics.h"
 #include "train/preemption.h"
 #include "train/profiler.h"
+#include "train/qat.h"
 #include "train/run_dir.h"
 
 #include <ATen/ATen.h>
@@ -295,6 +296,7 @@ class TrainerImpl {
   void open_run_directory(const std::string& config_text);
   // Evaluates on the validation split (dataset runs of BEV models) and logs "eval" metrics.
   void run_eval(int64_t step);
+  void prepare();  // TrainerHooks::prepare, then its metrics row
   // Saves model, optimizer, RNG, loss scaler and data position as checkpoint `step`, after making
   // the metrics rows logged so far durable. Call it after step `step`'s rows and evaluation.
   void save_checkpoint(int64_t step);
@@ -357,6 +359,7 @@ class TrainerImpl {
   std::unique_ptr<ck::CheckpointReader> resume_;  // open only during setup
   std::vector<ck::ConfigChange> config_changes_;  // vs the resumed checkpoint's config
   int64_t start_step_ = 0;
+  bool resumed_ = false;  // a checkpoint was loaded (its step may be 0: a ptq run)
   bool model_tensors_logged_ = false;
   bool synthetic_ = true;
   core::SceneSpec scene_;
@@ -496,6 +499,7 @@ void TrainerImpl::setup() {
   const fs::path ckpt_dir = run_dir_ / "checkpoints";
   if (auto path = ck::resume_checkpoint(cfg_.train.resume, ckpt_dir.string())) {
     resume_ = std::make_unique<ck::CheckpointReader>(*path);
+    resumed_ = true;
     start_step_ = resume_->metadata().step;
     core::log::info("resuming from {} (step {}, saved with layout {})", *path, start_step_,
                     resume_->metadata().layout.to_string());
@@ -546,6 +550,11 @@ void TrainerImpl::setup() {
                    "keys 'lora.rank' and 'parallel.tp': LoRA adapts dense linear layers and "
                    "parallel.tp={} makes them column/row-parallel; use parallel.tp=1 (data "
                    "parallel or ZeRO) for LoRA in this version",
+                   layout.tp);
+    PARALLAX_CHECK(!cfg_.qat.enabled, ConfigError,
+                   "keys 'qat.enabled' and 'parallel.tp': QAT quantizes dense linear layers and "
+                   "parallel.tp={} makes them column/row-parallel; use parallel.tp=1 (data "
+                   "parallel or ZeRO) for QAT in this version",
                    layout.tp);
     tp_ = std::make_shared<tensor::TpGroup>(topo_->tp(), plan_.sequence_parallel);
     model_ = models::build_model(cfg_.model, scene_, tp_);
@@ -981,6 +990,35 @@ void TrainerImpl::save_checkpoint(int64_t step) {
   }
 }
 
+void TrainerImpl::prepare() {
+  // Parameters whole for the call (ZeRO-3), as for evaluation.
+  std::map<std::string, double> m;
+  {
+    parallel::FullParams whole(*engine_);
+    const TrainingStart start{*model_,
+                              resumed_,
+                              topo_->dp(),
+                              device_,
+                              [this] { return core::to_device(source_->next(), device_); },
+                              [this](const core::TensorDict& batch) {
+                                optim::AutocastGuard autocast(precision_);
+                                return model_->forward(batch);
+                              },
+                              [this] {
+                                if (synthetic_ || cfg_.model.name != "bev")
+                                  return std::map<std::string, double>{};
+                                return evaluate(*model_, cfg_.data, scene_,
+                                                static_cast<uint64_t>(cfg_.experiment.seed),
+                                                *topo_->dp(), device_, precision_);
+                              },
+                              rank0_ ? run_dir_.string() : std::string()};
+    m = hooks_.prepare(start);
+  }
+  // A resume's buffers (and the prepared ones) are the same on every rank; DDP's buffer broadcast
+  // (parallel.ddp.broadcast_buffers) keeps them so.
+  if (!m.empty()) metrics_->write("prepare", start_step_, m);
+}
+
 void TrainerImpl::run_eval(int64_t step) {
   if (synthetic_ || cfg_.model.name != "bev") return;
   // Evaluation runs a different number of batches per rank: no collective may happen inside it,
@@ -993,6 +1031,19 @@ void TrainerImpl::run_eval(int64_t step) {
 
 TrainSummary TrainerImpl::fit() {
   setup();
+  if (hooks_.prepare) prepare();
+  if (!hooks_.trains) {
+    // No optimizer step (QAT's ptq mode): the model as prepared, evaluated and saved once.
+    core::log::info("train.steps ignored: this trainer takes no optimizer step (step {})",
+                    start_step_);
+    run_eval(start_step_);
+    save_checkpoint(start_step_);
+    if (checkpointer_) checkpointer_->wait();
+    metrics_->write("summary", start_step_, {{"loss", NAN}, {"samples_per_s", 0.0}});
+    world_comm_->barrier();
+    return TrainSummary{run_dir_.string(), start_step_, NAN, 0};
+  }
+
   int64_t total = cfg_.train.steps;
   if (cfg_.train.epochs > 0) {
     PARALLAX_CHECK(
@@ -1172,13 +1223,18 @@ TrainSummary Trainer::fit() {
 }
 
 TrainSummary run_training(RunConfig& cfg) {
-  // The LoRA and distillation trainers are the plain one with their hooks (train/lora.h,
-  // train/distill.h).
-  PARALLAX_CHECK(cfg.lora.rank == 0 || cfg.distill.teacher.empty(), ConfigError,
-                 "keys 'lora.rank' and 'distill.teacher': LoRA and distillation are separate "
-                 "trainers in this version; set one of them");
+  // The LoRA, distillation and QAT trainers are the plain one with their hooks (train/lora.h,
+  // train/distill.h, train/qat.h).
+  const int trainers =
+      (cfg.lora.rank > 0) + !cfg.distill.teacher.empty() + static_cast<int>(cfg.qat.enabled);
+  PARALLAX_CHECK(trainers <= 1, ConfigError,
+                 "keys 'qat.enabled', 'lora.rank' and 'distill.teacher': QAT, LoRA and "
+                 "distillation are separate trainers in this version; set one of them (qat.enabled="
+                 "{}, lora.rank={}, distill.teacher='{}')",
+                 cfg.qat.enabled, cfg.lora.rank, cfg.distill.teacher);
   Trainer trainer(cfg, cfg.lora.rank > 0              ? lora::hooks(cfg)
                        : !cfg.distill.teacher.empty() ? distill::hooks(cfg)
+                       : cfg.qat.enabled              ? qat::hooks(cfg)
                                                       : TrainerHooks{});
   return trainer.fit();
 }

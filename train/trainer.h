@@ -19,6 +19,7 @@
 
 #include "core/scene.h"
 #include "core/tensor_dict.h"
+#include "parallel/comm/communicator.h"
 #include "train/run_config.h"
 
 #include <c10/core/Device.h>
@@ -43,6 +44,26 @@ struct TrainSummary {
   int64_t steps = 0;
   double final_loss = 0;  // mean over the data-parallel group at the last step (NaN: none trained)
   double samples_per_s = 0;  // global throughput over the run (after the first step)
+};
+
+// What TrainerHooks::prepare gets: the trained model as the loop will run it, and the means to
+// run it on training batches and to agree on statistics over the data-parallel replicas.
+struct TrainingStart {
+  models::Model& model;  // on `device`, wrapped by the engine; every parameter whole for the call
+  bool resumed;          // a checkpoint was loaded (its model tensors and extras included)
+  const parallel::comm::CommPtr& dp;  // the data-parallel group (every rank calls prepare); null in
+                                      // unit tests: this process alone
+  c10::Device device;
+  // This rank's next training batch, on `device`: drawn from the training stream, whose position
+  // the checkpoints record (a resume continues after what prepare drew).
+  std::function<core::TensorDict()> next_batch;
+  // model.forward(batch) under the run's autocast (precision.mode); no grad mode is set here.
+  std::function<core::TensorDict(const core::TensorDict&)> forward;
+  // The model's evaluation on the validation split as the run's eval rows compute it (collective
+  // over dp; empty map where the run has no evaluation: synthetic batches). Not written anywhere.
+  std::function<std::map<std::string, double>()> evaluate;
+  // The run directory on rank 0 (where reports go); empty on the other ranks.
+  std::string report_dir;
 };
 
 // What a specialised trainer adds to the loop. Every member is optional; each is called on every
@@ -77,6 +98,14 @@ struct TrainerHooks {
   std::function<bool(const std::string& name)> saves_model_tensor;
   std::function<void(checkpoint::SaveState& state)> save_extra;
   std::function<void(checkpoint::CheckpointReader& reader)> load_extra;
+  // Runs once on every rank after the set-up (model, engine, data, a resume) and before the first
+  // step: e.g. QAT's calibration. Collective when it uses `dp`. What it returns is written to
+  // metrics.jsonl as one row of kind "prepare" at the starting step.
+  std::function<std::map<std::string, double>(const TrainingStart& start)> prepare;
+  // false: the run takes no optimizer step (QAT's ptq mode): after prepare, fit() evaluates and
+  // saves one checkpoint at the starting step (0, or a resumed checkpoint's); train.steps is
+  // ignored.
+  bool trains = true;
 };
 
 // The training loop with hooks. Collective: every rank constructs one with the same config and

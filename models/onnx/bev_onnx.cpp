@@ -133,7 +133,7 @@ onnx::Value ViewTransformerImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& 
 
 std::vector<onnx::Value> BevHeadsImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& bev) {
   auto branch = [&](const char* conv_name, ConvNormAct& conv, const char* out_name,
-                    torch::nn::Conv2d& out) {
+                    QuantConv2d& out) {
     onnx::Value y;
     {
       auto s = e.scope(conv_name);

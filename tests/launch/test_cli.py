@@ -76,7 +76,7 @@ class CliTest(unittest.TestCase):
         self.assertEqual(c["experiment"]["name"], "mlp_demo")       # from the file
         self.assertEqual(c["optim"]["name"], "adamw")                # from its base
         self.assertEqual(set(c), {"experiment", "model", "data", "parallel", "precision", "optim",
-                                  "schedule", "train", "checkpoint", "export", "lora", "distill"})
+                                  "schedule", "train", "checkpoint", "export", "qat", "lora", "distill"})
 
     def test_bad_override_and_bad_file_name_the_key(self):
         cfg = os.path.join(SRC, "configs", "mlp_demo.yaml")

@@ -1,0 +1,169 @@
+#include "models/quant.h"
+
+#include "core/error.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace parallax::models {
+
+TensorQuantizerImpl::TensorQuantizerImpl(int64_t channels) : channels_(channels) {
+  PARALLAX_CHECK(channels >= 0, Error, "TensorQuantizer: channels {} must be >= 0", channels);
+  // [1] rather than a 0-dim tensor per tensor: checkpoints and weights.h5 hold 1-D shapes.
+  amax = register_buffer("amax", at::zeros({channels > 0 ? channels : 1}));
+}
+
+void TensorQuantizerImpl::begin_pass(CalibPass pass, double range) {
+  PARALLAX_CHECK(pass == CalibPass::kMax || range > 0, Error,
+                 "TensorQuantizer: a histogram pass needs a positive range, got {}", range);
+  state_ = QuantState::kCalibrating;
+  pass_ = pass;
+  hist_range_ = range;
+  if (pass == CalibPass::kHistogram) hist_ = at::Tensor();
+}
+
+void TensorQuantizerImpl::freeze(const at::Tensor& amax_value) {
+  {
+    at::NoGradGuard no_grad;
+    amax.copy_(amax_value.reshape(amax.sizes()));
+  }
+  state_ = QuantState::kQuantizing;
+  calib_max_ = hist_ = at::Tensor();
+  hist_range_ = 0;
+}
+
+at::Tensor TensorQuantizerImpl::scale() const {
+  return amax.clamp_min(kMinAmax) / static_cast<double>(kQuantMax);
+}
+
+at::Tensor TensorQuantizerImpl::forward(const at::Tensor& x) {
+  if (state_ == QuantState::kDisabled) return x;
+  if (state_ == QuantState::kCalibrating) {
+    at::NoGradGuard no_grad;
+    const at::Tensor a = x.detach().abs().to(at::kFloat);
+    if (pass_ == CalibPass::kMax) {
+      const at::Tensor m = per_channel() ? a.reshape({a.size(0), -1}).amax(1) : a.max();
+      calib_max_ = calib_max_.defined() ? at::maximum(calib_max_, m) : m;
+    } else {
+      // Values above the range (none, when the range is the max of pass 1 over the same
+      // batches) would be dropped by histc: clamp them into the last bin instead.
+      const at::Tensor h =
+          at::histc(a.clamp_max(hist_range_), kHistogramBins, 0, hist_range_).to(at::kDouble);
+      hist_ = hist_.defined() ? hist_ + h : h;
+    }
+    return x;
+  }
+  // Quantizing. ATen's kernels take float32 (the scale is a float32 tensor, so no host sync).
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor s = scale();
+  at::Tensor y;
+  if (per_channel()) {
+    y = at::fake_quantize_per_channel_affine(xf, s, at::zeros_like(s, s.options().dtype(at::kInt)),
+                                             0, kQuantMin, kQuantMax);
+  } else {
+    y = at::fake_quantize_per_tensor_affine(
+        xf, s.reshape({1}), at::zeros({1}, s.options().dtype(at::kInt)), kQuantMin, kQuantMax);
+  }
+  return y.to(x.scalar_type());
+}
+
+at::Tensor weight_amax(const at::Tensor& w) {
+  at::NoGradGuard no_grad;
+  return w.detach().abs().to(at::kFloat).reshape({w.size(0), -1}).amax(1);
+}
+
+namespace {
+
+// Counts as float64 on the CPU, checked.
+std::vector<double> host_counts(const at::Tensor& hist, double range) {
+  PARALLAX_CHECK(hist.defined() && hist.numel() == kHistogramBins && range > 0, Error,
+                 "calibrator: expected a histogram of {} bins over a positive range, got {} bins "
+                 "over [0, {}]",
+                 kHistogramBins, hist.defined() ? hist.numel() : 0, range);
+  const at::Tensor h = hist.detach().to(at::kCPU, at::kDouble).contiguous();
+  return std::vector<double>(h.data_ptr<double>(), h.data_ptr<double>() + h.numel());
+}
+
+}  // namespace
+
+double percentile_amax(const at::Tensor& hist, double range, double percentile) {
+  PARALLAX_CHECK(percentile > 0 && percentile <= 100, Error,
+                 "percentile calibrator: percentile {} is not in (0, 100]", percentile);
+  const std::vector<double> h = host_counts(hist, range);
+  double total = 0;
+  for (double c : h) total += c;
+  if (total <= 0) return range;
+  const double width = range / static_cast<double>(kHistogramBins);
+  const double target = percentile / 100.0 * total;
+  double cum = 0;
+  for (int64_t i = 0; i < kHistogramBins; ++i) {
+    cum += h[static_cast<std::size_t>(i)];
+    if (cum >= target) return width * static_cast<double>(i + 1);
+  }
+  return range;
+}
+
+double mse_amax(const at::Tensor& hist, double range) {
+  const std::vector<double> h = host_counts(hist, range);
+  const double width = range / static_cast<double>(kHistogramBins);
+  double total = 0;
+  for (double c : h) total += c;
+  if (total <= 0) return range;
+  // Occupied bins only: the error sums over them.
+  std::vector<double> centre, count;
+  for (int64_t i = 0; i < kHistogramBins; ++i) {
+    if (h[static_cast<std::size_t>(i)] <= 0) continue;
+    centre.push_back(width * (static_cast<double>(i) + 0.5));
+    count.push_back(h[static_cast<std::size_t>(i)]);
+  }
+  const at::Tensor c = at::from_blob(centre.data(), {static_cast<int64_t>(centre.size())},
+                                     at::TensorOptions().dtype(at::kDouble))
+                           .clone();
+  const at::Tensor n = at::from_blob(count.data(), {static_cast<int64_t>(count.size())},
+                                     at::TensorOptions().dtype(at::kDouble))
+                           .clone();
+  constexpr int64_t kStartBin = 128;
+  double best = range, best_err = INFINITY;
+  // Candidates in chunks (a [candidates, bins] matrix of float64 per chunk).
+  constexpr int64_t kChunk = 256;
+  for (int64_t k0 = kStartBin; k0 <= kHistogramBins; k0 += kChunk) {
+    const int64_t k1 = std::min<int64_t>(k0 + kChunk, kHistogramBins + 1);
+    const at::Tensor amax = at::arange(k0, k1, at::TensorOptions().dtype(at::kDouble)) * width;
+    const at::Tensor s = (amax / static_cast<double>(kQuantMax)).unsqueeze(1);
+    // |x| >= 0: the positive side of the range saturates at 127.
+    const at::Tensor q = at::round(c.unsqueeze(0) / s).clamp(0, kQuantMax) * s;
+    const at::Tensor err = ((q - c.unsqueeze(0)).square() * n.unsqueeze(0)).sum(1) / total;
+    const int64_t arg = err.argmin().item<int64_t>();
+    const double e = err[arg].item<double>();
+    if (e < best_err) {
+      best_err = e;
+      best = amax[arg].item<double>();
+    }
+  }
+  return best;
+}
+
+at::Tensor QuantConv2dImpl::forward(const at::Tensor& x) {
+  if (!quantized()) return torch::nn::Conv2dImpl::forward(x);
+  return _conv_forward(input_quantizer->forward(x), effective_weight());
+}
+
+at::Tensor QuantConv2dImpl::effective_weight() {
+  return quantized() ? weight_quantizer->forward(weight) : weight;
+}
+
+void QuantConv2dImpl::add_quantizers() {
+  PARALLAX_CHECK(!quantized(), Error, "QuantConv2d: quantizers added twice");
+  input_quantizer = register_module("input_quantizer", TensorQuantizer(0));
+  weight_quantizer = register_module("weight_quantizer", TensorQuantizer(weight.size(0)));
+  {
+    at::NoGradGuard no_grad;
+    weight_quantizer->amax.copy_(weight_amax(weight).to(weight_quantizer->amax.device()));
+  }
+  // Data-independent: the weight's amax is known now; what QAT enables, it enables quantizing.
+}
+
+}  // namespace parallax::models

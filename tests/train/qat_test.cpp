@@ -1,0 +1,283 @@
+// QAT (models/quant.h, train/qat.h): the fake-quant arithmetic and its straight-through gradient,
+// the calibrators on known distributions, the quantizers' placement on bev tiny, and the
+// calibration of a whole model. One process, CPU, fp32. The trainer-level behaviour (PTQ and QAT
+// through the CLI, DDP, resume, the config errors) is tests/train/test_qat.py.
+#include "train/qat.h"
+
+#include "core/error.h"
+#include "models/layers.h"
+#include "models/perception_model.h"
+#include "train/trainer.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
+
+using namespace parallax;
+using models::QuantState;
+
+namespace {
+
+// The reference arithmetic, element by element in float32 as ATen's kernels compute it: the scale
+// amax / 127 rounded to float, its float reciprocal, nearbyint (ties to even, the default rounding
+// mode), the clamp to [-128, 127], and the product with the scale.
+float reference_fq(float x, float amax) {
+  const float s = amax / 127.0f;
+  const float inv = 1.0f / s;
+  const float q = std::fmin(std::fmax(std::nearbyint(x * inv), -128.0f), 127.0f);
+  return q * s;
+}
+
+bool inside(float x, float amax) {
+  const float s = amax / 127.0f;
+  const float q = std::nearbyint(x * (1.0f / s));
+  return q >= -128.0f && q <= 127.0f;
+}
+
+std::shared_ptr<models::Model> bev_tiny() {
+  models::ModelConfig mc;
+  mc.name = "bev";
+  mc.size = "tiny";
+  mc.backbone = "conv";
+  return models::build_model(mc, models::benchmark_scene("tiny"));
+}
+
+}  // namespace
+
+TEST(QatTest, PerTensorFakeQuantEqualsTheReferenceMathExactly) {
+  at::manual_seed(11);
+  models::TensorQuantizer q(0);
+  const float amax = 1.7f;
+  q->freeze(at::full({}, amax));
+  ASSERT_EQ(q->state(), QuantState::kQuantizing);
+  // Values on both sides of the range, and exact multiples of the scale and half-steps (ties).
+  const float s = amax / 127.0f;
+  at::Tensor x = at::cat({at::randn({4000}) * 1.5, at::arange(-140, 140).to(at::kFloat) * s,
+                          (at::arange(-140, 140).to(at::kFloat) + 0.5) * s});
+  const at::Tensor y = q->forward(x);
+  const float* px = x.data_ptr<float>();
+  const float* py = y.data_ptr<float>();
+  int64_t clipped = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    ASSERT_EQ(py[i], reference_fq(px[i], amax)) << "x = " << px[i];
+    clipped += !inside(px[i], amax);
+  }
+  EXPECT_GT(clipped, 100) << "the draw must exercise the saturation";
+  // The extremes: -128 s and 127 s.
+  EXPECT_EQ(q->forward(at::full({1}, -10.f)).item<float>(), -128.0f * s);
+  EXPECT_EQ(q->forward(at::full({1}, 10.f)).item<float>(), 127.0f * s);
+}
+
+TEST(QatTest, PerChannelFakeQuantUsesOneScalePerOutputChannel) {
+  at::manual_seed(12);
+  const at::Tensor w = at::randn({6, 4, 3, 3});
+  models::TensorQuantizer q(6);
+  const at::Tensor amax = models::weight_amax(w);
+  EXPECT_TRUE(at::equal(amax, w.abs().reshape({6, -1}).amax(1)));
+  q->freeze(amax * 0.8);  // some weights clip
+  const at::Tensor y = q->forward(w);
+  const at::Tensor a = q->amax.contiguous();
+  for (int64_t c = 0; c < 6; ++c) {
+    const at::Tensor wc = w[c].contiguous(), yc = y[c].contiguous();
+    const float ac = a[c].item<float>();
+    for (int64_t i = 0; i < wc.numel(); ++i)
+      ASSERT_EQ(yc.data_ptr<float>()[i], reference_fq(wc.data_ptr<float>()[i], ac));
+  }
+}
+
+TEST(QatTest, StraightThroughGradientIsOneInsideTheRangeAndZeroOutside) {
+  at::manual_seed(13);
+  const float amax = 0.9f;
+  for (int64_t channels : {0, 3}) {
+    models::TensorQuantizer q(channels);
+    q->freeze(channels > 0 ? at::full({channels}, amax) : at::full({}, amax));
+    at::Tensor x = (at::randn({3, 500}) * 0.8).requires_grad_(true);
+    const at::Tensor g = at::randn({3, 500});
+    (q->forward(x) * g).sum().backward();
+    const at::Tensor xd = x.detach().contiguous();
+    const at::Tensor gx = x.grad().contiguous();
+    int64_t out = 0;
+    for (int64_t i = 0; i < xd.numel(); ++i) {
+      const bool in = inside(xd.data_ptr<float>()[i], amax);
+      out += !in;
+      ASSERT_EQ(gx.data_ptr<float>()[i], in ? g.contiguous().data_ptr<float>()[i] : 0.0f)
+          << "channels " << channels << ", x = " << xd.data_ptr<float>()[i];
+    }
+    EXPECT_GT(out, 50);
+  }
+}
+
+TEST(QatTest, DisabledAndCalibratingQuantizersPassTheInputThrough) {
+  at::manual_seed(14);
+  models::TensorQuantizer q(0);
+  const at::Tensor x = at::randn({64});
+  EXPECT_TRUE(at::equal(q->forward(x), x));
+  q->begin_pass(models::CalibPass::kMax);
+  EXPECT_TRUE(at::equal(q->forward(x), x));
+}
+
+TEST(QatTest, MaxCalibratorGivesTheMaxOfAbsoluteValues) {
+  at::manual_seed(15);
+  models::TensorQuantizer q(0);
+  q->begin_pass(models::CalibPass::kMax);
+  const at::Tensor a = at::randn({1000}), b = at::randn({10, 10}) * 3;
+  q->forward(a);
+  q->forward(b);
+  EXPECT_EQ(q->calib_max().item<float>(),
+            std::max(a.abs().max().item<float>(), b.abs().max().item<float>()));
+  // Per channel (axis 0).
+  models::TensorQuantizer qc(4);
+  qc->begin_pass(models::CalibPass::kMax);
+  const at::Tensor c = at::randn({4, 50});
+  qc->forward(c);
+  EXPECT_TRUE(at::equal(qc->calib_max(), c.abs().amax(1)));
+}
+
+TEST(QatTest, PercentileOfALargeGaussianIsWithinOneBinOfTheEmpiricalPercentile) {
+  at::manual_seed(16);
+  const int64_t n = 2000000;
+  const at::Tensor x = at::randn({n});
+  const double range = x.abs().max().item<double>();
+  models::TensorQuantizer q(0);
+  q->begin_pass(models::CalibPass::kHistogram, range);
+  q->forward(x.narrow(0, 0, n / 2));
+  q->forward(x.narrow(0, n / 2, n / 2));
+  EXPECT_DOUBLE_EQ(q->histogram().sum().item<double>(), static_cast<double>(n));
+  const double amax = models::percentile_amax(q->histogram(), range, 99.99);
+  // The empirical 99.99th percentile of |x|: the ceil(0.9999 n)-th smallest. The calibrator
+  // returns the upper edge of the bin that holds it, so it lies in (amax - width, amax]; histc's
+  // bin edges are computed in float32, so allow one float32 ulp of the range on each side.
+  const at::Tensor sorted = std::get<0>(x.abs().sort());
+  const auto k = static_cast<int64_t>(std::ceil(0.9999 * static_cast<double>(n)));
+  const double emp = sorted[k - 1].item<double>();
+  const double width = range / models::kHistogramBins;
+  const double ulp = range * std::ldexp(1.0, -23);
+  EXPECT_LE(emp, amax + ulp);
+  EXPECT_GT(emp, amax - width - ulp);
+  // And the distribution's: P(|x| > 3.8906) = 1e-4 for a standard normal. The sample quantile's
+  // standard deviation is sqrt(p (1 - p) / n) / f(q), f = 2 phi(3.8906) = 4.2e-4: 0.017; with the
+  // bin width (range / 2048 ~ 0.0026) 0.1 is over 5 standard deviations.
+  EXPECT_NEAR(amax, 3.8906, 0.1);
+}
+
+TEST(QatTest, MseCalibratorOnAUniformDistributionIsNearTheMax) {
+  at::manual_seed(17);
+  const at::Tensor x = at::rand({1000000}) * 2 - 1;
+  const double range = x.abs().max().item<double>();
+  models::TensorQuantizer q(0);
+  q->begin_pass(models::CalibPass::kHistogram, range);
+  q->forward(x);
+  const double amax = models::mse_amax(q->histogram(), range);
+  // |x| is uniform on [0, 1]. Clipping at a costs (1 - a)^3 / 3; rounding with step a / 127 costs
+  // at most (a / 127)^2 / 12 = 5.2e-6 at a = 1. So any a with (1 - a)^3 / 3 > 5.2e-6, i.e.
+  // a < 0.975, is worse than a = 1 by the clipping term alone: the minimiser is in [0.975, 1]
+  // (the continuous optimum is 1 - 0.0032). 0.97 leaves room for the histogram's bin centres.
+  EXPECT_LE(amax, range);
+  EXPECT_GE(amax, 0.97 * range);
+  // A standard Gaussian, unlike the uniform, is clipped well inside its max (~4.9 for 1e6 draws):
+  // the MSE-optimal clip of a uniform 8-bit quantizer of N(0, 1) is 3.92 (Banner et al., "Post
+  // training 4-bit quantization", 2019, table of optimal clipping values; their 256 levels over
+  // [-a, a] against our 255 change it by far less than the tolerance). 0.1 covers the bin width
+  // (~0.0024), the sampling noise of the tail counts and the flat objective near the optimum.
+  const at::Tensor g = at::randn({1000000});
+  const double grange = g.abs().max().item<double>();
+  models::TensorQuantizer qg(0);
+  qg->begin_pass(models::CalibPass::kHistogram, grange);
+  qg->forward(g);
+  const double gamax = models::mse_amax(qg->histogram(), grange);
+  EXPECT_NEAR(gamax, 3.92, 0.1);
+  EXPECT_LT(gamax, 0.9 * grange);
+}
+
+TEST(QatTest, ApplyQuantizesEveryLinearAndConvButTheSkippedAndKeepsParameterNames) {
+  auto model = bev_tiny();
+  std::vector<std::string> before;
+  for (const auto& it : model->named_parameters()) before.push_back(it.key());
+  train::QatConfig cfg;
+  cfg.enabled = true;
+  cfg.skip = {"heads"};
+  int64_t skipped = 0;
+  const auto ls = train::qat::apply(*model, cfg, &skipped);
+  EXPECT_EQ(skipped, 6);  // seg/heat/reg conv (ConvNormAct) and out
+  std::set<std::string> paths;
+  for (const auto& l : ls) {
+    paths.insert(l.path);
+    EXPECT_FALSE(l.path.rfind("heads.", 0) == 0) << l.path;
+  }
+  EXPECT_TRUE(paths.count("view.lift1") && paths.count("view.lift2")) << *paths.begin();
+  std::vector<std::string> after;
+  for (const auto& it : model->named_parameters()) after.push_back(it.key());
+  EXPECT_EQ(before, after) << "QAT must not rename or add parameters";
+  int64_t amax_buffers = 0;
+  for (const auto& it : model->named_buffers())
+    amax_buffers += it.key().size() > 5 && it.key().substr(it.key().size() - 5) == ".amax";
+  EXPECT_EQ(amax_buffers, 2 * static_cast<int64_t>(ls.size()));
+}
+
+TEST(QatTest, ASkipGlobThatMatchesNothingIsRefusedNamingTheKey) {
+  auto model = bev_tiny();
+  train::QatConfig cfg;
+  cfg.skip = {"heads", "*.nothing"};
+  try {
+    train::qat::apply(*model, cfg);
+    FAIL() << "expected a ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("key 'qat.skip': '*.nothing' matches no"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(QatTest, CalibrationFreezesEveryQuantizerAndTheModelStaysCloseToFp32) {
+  at::manual_seed(18);
+  for (const char* calibrator : {"max", "percentile", "mse"}) {
+    auto model = bev_tiny();
+    model->eval();
+    const core::TensorDict batch = model->example_batch(2);
+    at::Tensor ref;
+    {
+      at::NoGradGuard g;
+      ref = model->forward(batch).at("bev_logits").clone();
+    }
+    train::QatConfig cfg;
+    cfg.calibrator = calibrator;
+    cfg.calib_batches = 2;
+    const auto ls = train::qat::apply(*model, cfg);
+    {
+      at::NoGradGuard g;  // quantizers added, still disabled: the forward is unchanged
+      EXPECT_TRUE(at::equal(model->forward(batch).at("bev_logits"), ref));
+    }
+    model->train();
+    int drawn = 0;
+    const parallel::comm::CommPtr none;
+    const train::TrainingStart start{*model,
+                                     false,
+                                     none,
+                                     c10::Device(c10::kCPU),
+                                     [&] {
+                                       ++drawn;
+                                       return batch;
+                                     },
+                                     [&](const core::TensorDict& b) { return model->forward(b); }};
+    const auto m = train::qat::calibrate(ls, cfg, start);
+    EXPECT_EQ(drawn, 2);
+    EXPECT_TRUE(model->is_training()) << "calibration restores the training mode";
+    EXPECT_EQ(m.at("calib_layers"), static_cast<double>(ls.size()));
+    EXPECT_EQ(m.at("calib_unseen"), 0);
+    for (const auto& l : ls) {
+      EXPECT_EQ(l.input->state(), QuantState::kQuantizing) << l.path;
+      EXPECT_EQ(l.weight->state(), QuantState::kQuantizing) << l.path;
+      EXPECT_GT(l.input->amax.item<float>(), 0) << l.path;
+    }
+    model->eval();
+    at::NoGradGuard g;
+    const at::Tensor out = model->forward(batch).at("bev_logits");
+    EXPECT_FALSE(at::equal(out, ref)) << calibrator << ": quantization changed nothing";
+    // INT8 on every layer of a random-weight model: a loose sanity bound (the outputs' relative
+    // RMS error), not an accuracy claim; fp32 vs quantized differ by the accumulated rounding.
+    const double rel = ((out - ref).square().mean() / ref.square().mean()).sqrt().item<double>();
+    EXPECT_LT(rel, 0.2) << calibrator;
+  }
+}

@@ -1,0 +1,382 @@
+#include "train/qat.h"
+
+#include "checkpoint/reader.h"
+#include "checkpoint/save_state.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/strings.h"
+#include "core/timer.h"
+#include "models/layers.h"
+#include "train/lora.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+
+namespace parallax::train::qat {
+
+namespace {
+
+using models::CalibPass;
+using models::QuantState;
+
+// The quantizable layer at `module`, if it is one: its quantizers (empty before apply()).
+bool quantizable(torch::nn::Module* module, Layer* out) {
+  if (auto* d = dynamic_cast<models::DenseLinearImpl*>(module)) {
+    out->input = d->input_quantizer.is_empty() ? nullptr : d->input_quantizer.ptr();
+    out->weight = d->weight_quantizer.is_empty() ? nullptr : d->weight_quantizer.ptr();
+    return true;
+  }
+  if (auto* c = dynamic_cast<models::QuantConv2dImpl*>(module)) {
+    out->input = c->input_quantizer.is_empty() ? nullptr : c->input_quantizer.ptr();
+    out->weight = c->weight_quantizer.is_empty() ? nullptr : c->weight_quantizer.ptr();
+    return true;
+  }
+  return false;
+}
+
+// Whether `glob` names the layer at `path` or a module containing it (a dotted prefix of it).
+bool skip_matches(const std::string& glob, const std::string& path) {
+  if (lora::glob_match(glob, path)) return true;
+  for (std::size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', dot + 1)) {
+    if (lora::glob_match(glob, path.substr(0, dot))) return true;
+  }
+  return false;
+}
+
+// Every rank's values [n] reduced by `op` over `dp` (null: this process alone), on the device its
+// backend takes.
+at::Tensor reduce(at::Tensor t, parallel::comm::ReduceOp op, const parallel::comm::CommPtr& dp,
+                  c10::Device device) {
+  if (!dp || dp->size() <= 1) return t;
+  const c10::Device on = dp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device;
+  at::Tensor x = t.to(on).contiguous();
+  dp->all_reduce(x, op);
+  return x.to(t.device());
+}
+
+}  // namespace
+
+std::string amax_fingerprint(const std::vector<Layer>& ls) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  for (const auto& l : ls) {
+    for (const auto& q : {l.input, l.weight}) {
+      const at::Tensor c = q->amax.detach().to(at::kCPU).contiguous();
+      crc = ::crc32(crc, static_cast<const Bytef*>(c.data_ptr()), static_cast<uInt>(c.nbytes()));
+    }
+  }
+  return fmt::format("{:08x}", static_cast<uint32_t>(crc));
+}
+
+std::vector<Layer> layers(torch::nn::Module& model) {
+  std::vector<Layer> out;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    Layer l;
+    if (!quantizable(item.value().get(), &l) || !l.input) continue;
+    l.path = item.key();
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
+std::vector<Layer> apply(models::Model& model, const QatConfig& cfg, int64_t* skipped) {
+  std::vector<std::string> all;
+  std::vector<int> hits(cfg.skip.size(), 0);
+  int64_t n_skipped = 0;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    Layer l;
+    if (!quantizable(item.value().get(), &l)) continue;
+    const std::string& path = item.key();
+    all.push_back(path);
+    bool skip = false;
+    for (std::size_t g = 0; g < cfg.skip.size(); ++g) {
+      if (!skip_matches(cfg.skip[g], path)) continue;
+      ++hits[g];
+      skip = true;
+    }
+    if (skip) {
+      ++n_skipped;
+      continue;
+    }
+    if (auto* d = dynamic_cast<models::DenseLinearImpl*>(item.value().get())) {
+      d->add_quantizers();
+    } else {
+      dynamic_cast<models::QuantConv2dImpl*>(item.value().get())->add_quantizers();
+    }
+  }
+  for (std::size_t g = 0; g < cfg.skip.size(); ++g) {
+    if (hits[g] > 0) continue;
+    std::vector<std::string> some(all.begin(),
+                                  all.begin() + std::min<std::ptrdiff_t>(6, all.size()));
+    throw_error<ConfigError>(
+        "key 'qat.skip': '{}' matches no quantizable layer of model '{}'{}", cfg.skip[g],
+        model.name(),
+        all.empty() ? " (it has none)"
+                    : fmt::format(" (its linear and conv layers are e.g. {}{})",
+                                  core::join(some, ", "), all.size() > some.size() ? ", ..." : ""));
+  }
+  std::vector<Layer> out = layers(model);
+  PARALLAX_CHECK(!out.empty(), ConfigError,
+                 "key 'qat.enabled': model '{}' has no layer left to quantize ({} linear/conv "
+                 "layers, {} skipped by qat.skip; QAT quantizes the models' DenseLinear and conv "
+                 "layers)",
+                 model.name(), all.size(), n_skipped);
+  if (skipped) *skipped = n_skipped;
+  return out;
+}
+
+void set_state(const std::vector<Layer>& ls, QuantState state) {
+  for (const auto& l : ls) {
+    l.input->set_state(state);
+    l.weight->set_state(state);
+  }
+}
+
+std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatConfig& cfg,
+                                        const TrainingStart& start) {
+  core::Stopwatch clock;
+  const bool was_training = start.model.is_training();
+  start.model.eval();
+  at::NoGradGuard no_grad;
+  // The batches, kept for the second pass (the histograms' range is pass 1's max).
+  std::vector<core::TensorDict> batches;
+  for (int64_t i = 0; i < cfg.calib_batches; ++i) batches.push_back(start.next_batch());
+  const auto n = static_cast<int64_t>(ls.size());
+  for (const auto& l : ls) {
+    l.weight->set_state(QuantState::kDisabled);
+    l.input->begin_pass(CalibPass::kMax);
+  }
+  for (const auto& b : batches) start.forward(b);
+  // Pass 1: max |x| per input quantizer, the max over the data-parallel group.
+  at::Tensor maxes = at::zeros({n}, at::kFloat);
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& m = ls[static_cast<std::size_t>(i)].input->calib_max();
+    if (m.defined()) maxes[i] = m.to(at::kCPU).item<float>();
+  }
+  maxes = reduce(maxes, parallel::comm::ReduceOp::kMax, start.dp, start.device);
+  at::Tensor amax = maxes.clone();
+  if (cfg.calibrator != "max") {
+    // Pass 2: histograms of |x| over [0, max], summed over the group bin by bin.
+    for (int64_t i = 0; i < n; ++i) {
+      const double range = maxes[i].item<double>();
+      auto& q = ls[static_cast<std::size_t>(i)].input;
+      if (range > 0) {
+        q->begin_pass(CalibPass::kHistogram, range);
+      } else {
+        q->set_state(QuantState::kDisabled);  // never reached: nothing to histogram
+      }
+    }
+    for (const auto& b : batches) start.forward(b);
+    at::Tensor hist = at::zeros({n, models::kHistogramBins}, at::kDouble);
+    for (int64_t i = 0; i < n; ++i) {
+      const at::Tensor& h = ls[static_cast<std::size_t>(i)].input->histogram();
+      if (h.defined()) hist[i].copy_(h.to(at::kCPU));
+    }
+    hist = reduce(hist, parallel::comm::ReduceOp::kSum, start.dp, start.device);
+    for (int64_t i = 0; i < n; ++i) {
+      const double range = maxes[i].item<double>();
+      if (range <= 0) continue;
+      amax[i] = cfg.calibrator == "percentile"
+                    ? models::percentile_amax(hist[i], range, cfg.percentile)
+                    : models::mse_amax(hist[i], range);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const Layer& l = ls[static_cast<std::size_t>(i)];
+    l.input->freeze(amax[i]);
+    l.weight->set_state(QuantState::kQuantizing);
+  }
+  if (was_training) start.model.train();
+  std::map<std::string, double> m;
+  m["calib_layers"] = static_cast<double>(n);
+  m["calib_quantizers"] = static_cast<double>(2 * n);
+  m["calib_batches"] = static_cast<double>(cfg.calib_batches);
+  m["calib_unseen"] = (maxes <= 0).sum().item<double>();
+  const at::Tensor seen = amax.masked_select(maxes > 0);
+  m["calib_amax_min"] = seen.numel() > 0 ? seen.min().item<double>() : NAN;
+  m["calib_amax_max"] = seen.numel() > 0 ? seen.max().item<double>() : NAN;
+  m["calib_amax_mean"] = seen.numel() > 0 ? seen.mean().item<double>() : NAN;
+  double wmax = 0;
+  for (const auto& l : ls) wmax = std::max(wmax, l.weight->amax.max().item<double>());
+  m["calib_weight_amax_max"] = wmax;
+  m["calib_s"] = clock.elapsed_s();
+  return m;
+}
+
+namespace {
+
+std::string json_number(double v) {
+  return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null";
+}
+
+std::string json_metrics(const std::map<std::string, double>& m) {
+  std::vector<std::string> items;
+  for (const auto& [k, v] : m) {
+    if (k == "eval_s") continue;  // timing, not a metric
+    items.push_back(fmt::format("{}: {}", core::json_quote(k), json_number(v)));
+  }
+  return "{" + core::join(items, ", ") + "}";
+}
+
+}  // namespace
+
+int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& ls,
+                           const TrainingStart& start) {
+  int64_t evals = 0;
+  auto run_eval = [&] {
+    ++evals;
+    return start.evaluate();
+  };
+  set_state(ls, QuantState::kDisabled);
+  const auto fp32 = run_eval();
+  set_state(ls, QuantState::kQuantizing);
+  const auto all = run_eval();
+  struct Row {
+    std::string unit;
+    int64_t layers = 0;
+    std::map<std::string, double> metrics;
+  };
+  std::vector<Row> rows;
+  for (const auto& unit : model.units()) {
+    const std::set<std::string> params(unit.param_names.begin(), unit.param_names.end());
+    Row row{unit.name, 0, {}};
+    for (const auto& l : ls) {
+      const bool mine = params.count(l.path + ".weight") > 0;
+      row.layers += mine;
+      const QuantState s = mine ? QuantState::kQuantizing : QuantState::kDisabled;
+      l.input->set_state(s);
+      l.weight->set_state(s);
+    }
+    if (row.layers == 0) continue;  // nothing of this unit is quantized: no drop to measure
+    row.metrics = run_eval();
+    rows.push_back(std::move(row));
+  }
+  set_state(ls, QuantState::kQuantizing);
+  if (start.report_dir.empty()) return evals;
+  auto drop = [&](const std::map<std::string, double>& m) {
+    std::map<std::string, double> d;
+    for (const auto& [k, v] : m) {
+      if (k == "eval_s") continue;
+      const auto it = fp32.find(k);
+      if (it != fp32.end()) d[k] = it->second - v;
+    }
+    return d;
+  };
+  std::string json = fmt::format(
+      "{{\n  \"fp32\": {},\n  \"quantized\": {},\n  \"quantized_drop\": {},\n  \"units\": [",
+      json_metrics(fp32), json_metrics(all), json_metrics(drop(all)));
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    json += fmt::format("{}\n    {{\"unit\": {}, \"layers\": {}, \"metrics\": {}, \"drop\": {}}}",
+                        i ? "," : "", core::json_quote(rows[i].unit), rows[i].layers,
+                        json_metrics(rows[i].metrics), json_metrics(drop(rows[i].metrics)));
+  }
+  json += "\n  ]\n}\n";
+  const std::string path = (std::filesystem::path(start.report_dir) / "sensitivity.json").string();
+  {
+    std::ofstream f(path + ".tmp");
+    f << json;
+    f.close();
+    PARALLAX_CHECK(f.good(), IoError, "QAT sensitivity report: cannot write '{}'", path + ".tmp");
+  }
+  std::filesystem::rename(path + ".tmp", path);
+  // The units that lose the most mIoU first.
+  std::sort(rows.begin(), rows.end(), [&](const Row& a, const Row& b) {
+    const auto get = [&](const Row& r) {
+      const auto it = r.metrics.find("miou");
+      const auto f = fp32.find("miou");
+      return it == r.metrics.end() || f == fp32.end() ? 0.0 : f->second - it->second;
+    };
+    return get(a) > get(b);
+  });
+  std::vector<std::string> top;
+  for (std::size_t i = 0; i < std::min<std::size_t>(3, rows.size()); ++i) {
+    const auto it = rows[i].metrics.find("miou");
+    const auto f = fp32.find("miou");
+    top.push_back(
+        fmt::format("{} ({:+.4f})", rows[i].unit,
+                    it == rows[i].metrics.end() || f == fp32.end() ? NAN : it->second - f->second));
+  }
+  core::log::info("QAT sensitivity: {} units evaluated one at a time; largest miou drops: {}; {}",
+                  rows.size(), core::join(top, ", "), path);
+  return evals;
+}
+
+namespace {
+
+// What a QAT run keeps between its hooks: the layers the transform quantized.
+struct State {
+  const RunConfig* cfg = nullptr;
+  std::vector<Layer> layers;
+};
+
+}  // namespace
+
+TrainerHooks hooks(const RunConfig& cfg) {
+  PARALLAX_CHECK(!cfg.train.load_from.empty(), ConfigError,
+                 "key 'train.load_from': qat.mode={} quantizes a trained fp32 model; set "
+                 "train.load_from to its checkpoint, run directory or weights.h5",
+                 cfg.qat.mode);
+  PARALLAX_CHECK(!cfg.qat.sensitivity || !uses_synthetic_data(cfg), ConfigError,
+                 "key 'qat.sensitivity': the report compares evaluations, which need a dataset; "
+                 "set data.path (and data.synthetic=false) or qat.sensitivity=false");
+  auto state = std::make_shared<State>();
+  state->cfg = &cfg;
+  TrainerHooks h;
+  h.trains = cfg.qat.mode == "qat";
+  h.transform_model = [state](models::Model& m) {
+    const QatConfig& c = state->cfg->qat;
+    int64_t skipped = 0;
+    state->layers = apply(m, c, &skipped);
+    core::log::info(
+        "QAT ({}): INT8 fake quantization on {} layers ({} skipped by qat.skip); "
+        "calibrator {}{}",
+        c.mode, state->layers.size(), skipped, c.calibrator,
+        c.calibrator == "percentile" ? fmt::format(" ({})", c.percentile) : "");
+  };
+  h.prepare = [state](const TrainingStart& start) {
+    const QatConfig& c = state->cfg->qat;
+    if (start.resumed) {
+      // The checkpoint held every amax: quantize with them, calibrate nothing.
+      set_state(state->layers, QuantState::kQuantizing);
+      core::log::info("QAT: resumed; amax from the checkpoint, no calibration");
+      return std::map<std::string, double>{};
+    }
+    auto m = calibrate(state->layers, c, start);
+    if (c.sensitivity) {
+      m["sensitivity_evals"] =
+          static_cast<double>(sensitivity_report(start.model, state->layers, start));
+    }
+    core::log::info(
+        "QAT: calibrated {} quantizers over {} batch(es) per rank in {:.2f} s: activation amax in "
+        "[{:.4g}, {:.4g}] (mean {:.4g}), weight amax up to {:.4g}; amax fingerprint {}{}",
+        m["calib_quantizers"], c.calib_batches, m["calib_s"], m["calib_amax_min"],
+        m["calib_amax_max"], m["calib_amax_mean"], m["calib_weight_amax_max"],
+        amax_fingerprint(state->layers),
+        m["calib_unseen"] > 0
+            ? fmt::format("; {} layer(s) never reached by the forward", m["calib_unseen"])
+            : "");
+    return m;
+  };
+  h.save_extra = [state](checkpoint::SaveState& s) {
+    s.set_extra("qat.mode", state->cfg->qat.mode);
+    s.set_extra("qat.calibrator", state->cfg->qat.calibrator);
+  };
+  h.load_extra = [state](checkpoint::CheckpointReader& r) {
+    PARALLAX_CHECK(r.metadata().has_extra("qat.calibrator"), CheckpointError,
+                   "checkpoint '{}' holds no QAT amax (saved without qat.enabled); start a QAT "
+                   "run from its weights with train.load_from={} instead of resuming it",
+                   r.dir(), r.dir());
+  };
+  return h;
+}
+
+}  // namespace parallax::train::qat

@@ -1,0 +1,118 @@
+// Quantization-aware training and post-training quantization (`qat` config section,
+// docs/trainers.md "QAT"): symmetric INT8 fake quantization (models/quant.h) on the input (per
+// tensor) and weight (per output channel) of every linear layer (models::DenseLinear) and
+// convolution (models::QuantConv2d) of the model but those `qat.skip` names, calibrated over
+// `qat.calib_batches` training batches before the first step. Built on the Trainer's extension
+// points (train/trainer.h): a model transform (the quantizers), prepare (the calibration) and
+// extra checkpoint entries.
+//
+// A run: the model is built and its fp32 weights loaded (train.load_from, required), the
+// quantizers added (weights' amax: the per-channel max of |W| at that point, frozen), then, after
+// the engine and the data are set up, the activations are calibrated: in eval mode, under no-grad,
+// with every quantizer passing its input through, pass 1 takes each input's max |x| (max over the
+// data-parallel group), and for the percentile and mse calibrators pass 2 builds a histogram of
+// |x| over [0, that max] on the same batches (summed over the group); every rank then computes the
+// same amax from the same numbers. All quantizers then quantize with frozen amax. Mode qat trains
+// as usual (the straight-through estimator carries the gradients); mode ptq takes no optimizer
+// step: it evaluates and saves the calibrated model at step 0. Checkpoints hold the amax buffers
+// with the weights; a resume loads them and does not calibrate again.
+//
+// Limits: tensor parallelism (parallel.tp > 1) is refused; LoRA and distillation do not combine
+// with QAT in this version; the attention matmuls are not quantized; the Q/DQ ONNX export is not
+// written yet (parallax export refuses a QAT run).
+#pragma once
+
+#include "core/config.h"
+#include "models/model.h"
+#include "models/quant.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace parallax::train {
+
+struct RunConfig;
+struct TrainerHooks;
+struct TrainingStart;
+
+struct QatConfig {
+  bool enabled = false;
+  std::string mode = "qat";
+  std::string calibrator = "max";
+  double percentile = 99.99;
+  int64_t calib_batches = 8;
+  std::vector<std::string> skip;
+  bool sensitivity = false;
+
+  template <class V>
+  void visit(V& v) {
+    v("enabled", enabled, "INT8 fake quantization of every linear and conv layer (QAT / PTQ)");
+    v("mode", mode,
+      "ptq: calibrate, evaluate and save at step 0 (no optimizer step; train.steps ignored); qat: "
+      "calibrate, then fine-tune for train.steps (both start from train.load_from)",
+      core::Check::one_of({"ptq", "qat"}));
+    v("calibrator", calibrator,
+      "how activation amax is chosen: max of |x|, a percentile of |x|, or the MSE-optimal clip of "
+      "the |x| histogram (weights always use their per-channel max)",
+      core::Check::one_of({"max", "percentile", "mse"}));
+    v("percentile", percentile, "percentile of |x| kept unclipped by the percentile calibrator",
+      core::Check::between(50, 100));
+    v("calib_batches", calib_batches, "training batches per rank the calibration runs over",
+      core::Check::at_least(1));
+    v("skip", skip,
+      "module-path globs of layers left unquantized (a glob also matches a layer inside a module "
+      "it names, e.g. 'heads' or 'encoder.conv.0'); each must match at least one layer");
+    v("sensitivity", sensitivity,
+      "after calibration, evaluate with one model unit quantized at a time and write the drop of "
+      "each eval metric to <run>/sensitivity.json (needs a dataset)");
+  }
+};
+
+namespace qat {
+
+// A quantized layer: its module path and its two quantizers.
+struct Layer {
+  std::string path;
+  std::shared_ptr<models::TensorQuantizerImpl> input, weight;
+};
+
+// Every layer of `model` with quantizers, in module order.
+std::vector<Layer> layers(torch::nn::Module& model);
+
+// Adds quantizers (disabled) to every DenseLinear and QuantConv2d of `model` but those `cfg.skip`
+// names; returns the layers quantized and, in `skipped`, how many were skipped. ConfigError naming
+// the key when a skip glob matches no layer (listing some that exist), or when no layer is left.
+std::vector<Layer> apply(models::Model& model, const QatConfig& cfg, int64_t* skipped = nullptr);
+
+// crc32 of every amax of `layers` (their bytes, in order), as 8 hex digits: what the calibration
+// log line prints, so that the ranks of a run can be compared.
+std::string amax_fingerprint(const std::vector<Layer>& layers);
+
+// Sets every quantizer of `layers` to `state`.
+void set_state(const std::vector<Layer>& layers, models::QuantState state);
+
+// Calibrates the activation quantizers over `cfg.calib_batches` batches of `start` (see the file
+// comment; collective over start.dp) and leaves every quantizer quantizing. Returns the statistics
+// logged: calib_quantizers, calib_layers, calib_amax_min, calib_amax_max, calib_amax_mean (over the
+// input quantizers), calib_weight_amax_max, calib_unseen (layers whose input the forward never
+// reached: amax 0, they quantize everything to 0), calib_s.
+std::map<std::string, double> calibrate(const std::vector<Layer>& layers, const QatConfig& cfg,
+                                        const TrainingStart& start);
+
+// The sensitivity report: with every quantizer calibrated, evaluates the model (start.evaluate)
+// in fp32 (all quantizers off), fully quantized, and with only the layers of one unit of
+// model.units() quantized, unit by unit; writes <start.report_dir>/sensitivity.json (rank 0) with
+// each evaluation's metrics and, per unit, the drop of every metric against fp32 (fp32 - value);
+// logs the units by their miou drop. Leaves every quantizer quantizing. Collective over start.dp.
+// Returns the number of evaluations run.
+int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& layers,
+                           const TrainingStart& start);
+
+// The Trainer's hooks for a QAT run of `cfg` (cfg.qat.enabled). ConfigError without
+// train.load_from. The hooks keep a pointer to `cfg`, which must outlive the Trainer.
+TrainerHooks hooks(const RunConfig& cfg);
+
+}  // namespace qat
+}  // namespace parallax::train
