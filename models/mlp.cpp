@@ -1,5 +1,7 @@
 #include "models/mlp.h"
 
+#include "core/error.h"
+
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
 
@@ -19,18 +21,26 @@ MlpModel::MlpModel(int64_t in_features, int64_t hidden, int64_t out_features, in
   teacher_ = register_buffer("teacher", at::randn({in_, out_}) / std::sqrt(static_cast<double>(in_)));
 }
 
-core::TensorDict MlpModel::forward(const core::TensorDict& batch) {
-  // net_ is [Linear, GELU] x depth, Linear: unit k runs modules 2k and 2k + 1 (see units()).
-  at::Tensor x = batch.at("x");
+core::TensorDict MlpModel::forward(const core::TensorDict& batch) { return forward_chain(batch); }
+
+std::vector<at::Tensor> MlpModel::chain_begin(const core::TensorDict& batch) {
+  return {batch.at("x")};
+}
+
+// net_ is [Linear, GELU] x depth, Linear: unit k runs modules 2k and 2k + 1 (see units()).
+std::vector<at::Tensor> MlpModel::chain_unit(int unit, const core::TensorDict&,
+                                             const std::vector<at::Tensor>& in) {
+  PARALLAX_CHECK(unit >= 0 && unit <= depth_, Error, "mlp: no unit {} (it has {})", unit,
+                 depth_ + 1);
   const auto modules = net_->begin();
   const int64_t n = static_cast<int64_t>(net_->size());
-  for (int64_t i = 0; i < n; i += 2) {
-    x = run_unit1(static_cast<int>(i / 2), [&] {
-      at::Tensor y = modules[i].forward(x);
-      return i + 1 < n ? modules[i + 1].forward(y) : y;
-    });
-  }
-  return {{"y_hat", x}};
+  const int64_t i = 2 * static_cast<int64_t>(unit);
+  at::Tensor y = modules[i].forward(in.at(0));
+  return {i + 1 < n ? modules[i + 1].forward(y) : y};
+}
+
+core::TensorDict MlpModel::chain_end(const core::TensorDict&, const std::vector<at::Tensor>& out) {
+  return {{"y_hat", out.at(0)}};
 }
 
 std::vector<Unit> MlpModel::units() const {

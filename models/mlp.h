@@ -14,6 +14,13 @@ class MlpModel : public Model {
   MlpModel(int64_t in_features, int64_t hidden, int64_t out_features, int64_t depth);
 
   core::TensorDict forward(const core::TensorDict& batch) override;
+  // The chain (models/model.h): begin {x}; one unit per Linear (with its GELU) -> {y_hat}.
+  int chain_length() const override { return static_cast<int>(depth_) + 1; }
+  std::vector<at::Tensor> chain_begin(const core::TensorDict& batch) override;
+  std::vector<at::Tensor> chain_unit(int unit, const core::TensorDict& batch,
+                                     const std::vector<at::Tensor>& in) override;
+  core::TensorDict chain_end(const core::TensorDict& batch,
+                             const std::vector<at::Tensor>& out) override;
   LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) override;
   double forward_flops_per_sample() const override;
   int64_t batch_size(const core::TensorDict& batch) const override;

@@ -110,6 +110,26 @@ class Model : public torch::nn::Module {
   virtual std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow);
   virtual void emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow);
 
+  // The forward as a chain of its units, for pipeline stages (parallel/pipeline/), which run a
+  // contiguous run of units on each rank and pass the tensors between them point-to-point:
+  //   chain_begin(batch)            checks the batch; what unit 0 takes (e.g. {images})
+  //   chain_unit(i, batch, in)      unit i on what unit i - 1 returned; side inputs (the camera
+  //                                 geometry) come from `batch`, which a later stage receives
+  //                                 without "images"
+  //   chain_end(batch, out)         forward()'s predictions from the last unit's outputs
+  // A model that implements them runs forward() as forward_chain(), so a pipeline computes the
+  // same function as one process. chain_length() is the number of units (0: the model cannot be
+  // pipelined; the defaults throw parallax::Error naming it).
+  virtual int chain_length() const { return 0; }
+  virtual std::vector<at::Tensor> chain_begin(const core::TensorDict& batch);
+  virtual std::vector<at::Tensor> chain_unit(int unit, const core::TensorDict& batch,
+                                             const std::vector<at::Tensor>& in);
+  virtual core::TensorDict chain_end(const core::TensorDict& batch,
+                                     const std::vector<at::Tensor>& out);
+  // Units [first, last) of the chain through run_unit (hooks called), on `in`.
+  std::vector<at::Tensor> run_chain(int first, int last, const core::TensorDict& batch,
+                                    std::vector<at::Tensor> in);
+
   // Why a training step of this model cannot be captured into a CUDA graph (train.cuda_graph):
   // a forward or loss that reads device values on the host, or whose shapes depend on the data.
   // Empty: capturable.
@@ -135,6 +155,11 @@ class Model : public torch::nn::Module {
   const ReplicaMean& replica_mean() const { return replica_mean_; }
 
  protected:
+  // chain_end(run_chain(0, chain_length(), chain_begin(batch))): forward() of a chainable model.
+  core::TensorDict forward_chain(const core::TensorDict& batch) {
+    return chain_end(batch, run_chain(0, chain_length(), batch, chain_begin(batch)));
+  }
+
   // Runs `fn` as unit `index`: calls before_unit(index), fn(), after_unit(index, outputs);
   // without hooks it is just fn(). The models' forwards call each unit through it, in unit order.
   std::vector<at::Tensor> run_unit(int index, const std::function<std::vector<at::Tensor>()>& fn);

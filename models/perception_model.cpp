@@ -198,35 +198,51 @@ void PerceptionModel::check_batch(const core::TensorDict& batch) const {
 }
 
 core::TensorDict PerceptionModel::forward(const core::TensorDict& batch) {
+  return forward_chain(batch);
+}
+
+int PerceptionModel::chain_length() const {
+  return static_cast<int>(encoder_->num_units() + 1 + static_cast<int64_t>(bev_blocks_.size()) + 1);
+}
+
+std::vector<at::Tensor> PerceptionModel::chain_begin(const core::TensorDict& batch) {
   check_batch(batch);
-  const at::Tensor& im = batch.at("images");
-  // The units of units(), in order: the image encoder's, the view transformer, each BEV encoder
-  // block, the heads.
-  int unit = 0;
-  at::Tensor x = run_unit1(unit++, [&] {
-    const int64_t b = im.size(0), n = im.size(1);
+  return {batch.at("images")};
+}
+
+// The units of units(), in order: the image encoder's, the view transformer, each BEV encoder
+// block, the heads (three outputs, and the BEV features they read when feature_output_ is set).
+std::vector<at::Tensor> PerceptionModel::chain_unit(int unit, const core::TensorDict& batch,
+                                                    const std::vector<at::Tensor>& in) {
+  const int64_t e = encoder_->num_units();
+  const int64_t nb = static_cast<int64_t>(bev_blocks_.size());
+  const at::Tensor& x = in.at(0);
+  if (unit == 0) {
+    const int64_t b = x.size(0), n = x.size(1);
     // [B, N, H, W, 3] is NCHW in channels-last layout once the camera dim is folded: no copy.
-    const at::Tensor images = im.reshape({b * n, im.size(2), im.size(3), 3}).permute({0, 3, 1, 2});
-    return encoder_->forward_unit(0, normalize_images(images, encoder_->param_dtype()));
-  });
-  for (int64_t i = 1; i < encoder_->num_units(); ++i)
-    x = run_unit1(unit++, [&] { return encoder_->forward_unit(i, x); });
-  x = run_unit1(unit++,
-                [&] { return view_->forward(x, batch.at("intrinsics"), batch.at("cam_to_ego")); });
-  for (const auto& blk : bev_blocks_) x = run_unit1(unit++, [&] { return blk->forward(x); });
-  // Three outputs, so through run_unit itself; the lambda captures two pointers, which
-  // std::function stores inline (no allocation for the hook machinery without hooks).
-  const std::vector<at::Tensor> out = run_unit(unit, [this, &x] {
-    core::TensorDict heads = heads_->forward(x);
-    at::Tensor seg = heads.at("seg");
-    const BevGrid lg = spec_.label_grid();
-    if (seg.size(2) != lg.nx || seg.size(3) != lg.ny) {
-      seg = at::upsample_bilinear2d(seg, {lg.nx, lg.ny}, /*align_corners=*/false);
-    }
-    return std::vector<at::Tensor>{seg, heads.at("heatmap"), heads.at("box_reg")};
-  });
-  core::TensorDict pred{{"bev_logits", out[0]}, {"heatmap", out[1]}, {"box_reg", out[2]}};
-  if (feature_output_) pred["bev_features"] = x;
+    const at::Tensor images = x.reshape({b * n, x.size(2), x.size(3), 3}).permute({0, 3, 1, 2});
+    return {encoder_->forward_unit(0, normalize_images(images, encoder_->param_dtype()))};
+  }
+  if (unit < e) return {encoder_->forward_unit(unit, x)};
+  if (unit == e) return {view_->forward(x, batch.at("intrinsics"), batch.at("cam_to_ego"))};
+  if (unit <= e + nb) return {bev_blocks_[static_cast<std::size_t>(unit - e - 1)]->forward(x)};
+  PARALLAX_CHECK(unit == e + nb + 1, Error, "model 'bev': no unit {} (it has {})", unit,
+                 chain_length());
+  core::TensorDict heads = heads_->forward(x);
+  at::Tensor seg = heads.at("seg");
+  const BevGrid lg = spec_.label_grid();
+  if (seg.size(2) != lg.nx || seg.size(3) != lg.ny) {
+    seg = at::upsample_bilinear2d(seg, {lg.nx, lg.ny}, /*align_corners=*/false);
+  }
+  std::vector<at::Tensor> out{seg, heads.at("heatmap"), heads.at("box_reg")};
+  if (feature_output_) out.push_back(x);
+  return out;
+}
+
+core::TensorDict PerceptionModel::chain_end(const core::TensorDict&,
+                                            const std::vector<at::Tensor>& out) {
+  core::TensorDict pred{{"bev_logits", out.at(0)}, {"heatmap", out.at(1)}, {"box_reg", out.at(2)}};
+  if (out.size() > 3) pred["bev_features"] = out[3];
   return pred;
 }
 

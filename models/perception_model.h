@@ -81,6 +81,14 @@ class PerceptionModel : public Model {
                            parallel::tensor::TpPtr tp = nullptr);
 
   core::TensorDict forward(const core::TensorDict& batch) override;
+  // The chain (models/model.h): begin {images}; the units of units() in order; the heads unit
+  // returns {seg, heatmap, box_reg} (and the BEV features with set_feature_output).
+  int chain_length() const override;
+  std::vector<at::Tensor> chain_begin(const core::TensorDict& batch) override;
+  std::vector<at::Tensor> chain_unit(int unit, const core::TensorDict& batch,
+                                     const std::vector<at::Tensor>& in) override;
+  core::TensorDict chain_end(const core::TensorDict& batch,
+                             const std::vector<at::Tensor>& out) override;
   LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) override;
   double forward_flops_per_sample() const override;
   // Every residual/transformer block: image backbone blocks, then BEV encoder blocks.

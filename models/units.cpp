@@ -67,4 +67,36 @@ std::vector<at::Tensor> Model::run_unit(int index,
   return outputs;
 }
 
+namespace {
+[[noreturn]] void not_chainable() {
+  throw_error<Error>(
+      "pipeline: this model does not expose its forward as a chain of units (Model::chain_unit); "
+      "it cannot be split into pipeline stages");
+}
+}  // namespace
+
+std::vector<at::Tensor> Model::chain_begin(const core::TensorDict&) { not_chainable(); }
+std::vector<at::Tensor> Model::chain_unit(int, const core::TensorDict&,
+                                          const std::vector<at::Tensor>&) {
+  not_chainable();
+}
+core::TensorDict Model::chain_end(const core::TensorDict&, const std::vector<at::Tensor>&) {
+  not_chainable();
+}
+
+std::vector<at::Tensor> Model::run_chain(int first, int last, const core::TensorDict& batch,
+                                         std::vector<at::Tensor> in) {
+  PARALLAX_CHECK(0 <= first && first <= last && last <= chain_length(), Error,
+                 "pipeline: units [{}, {}) are not a run of this model's {} units", first, last,
+                 chain_length());
+  for (int i = first; i < last; ++i) {
+    if (unit_hooks_ == nullptr) {
+      in = chain_unit(i, batch, in);
+    } else {
+      in = run_unit(i, [&] { return chain_unit(i, batch, in); });
+    }
+  }
+  return in;
+}
+
 }  // namespace parallax::models

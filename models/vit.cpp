@@ -292,19 +292,31 @@ VitClassifier::VitClassifier(const VitSpec& spec, int64_t image_size, int64_t nu
 }
 
 core::TensorDict VitClassifier::forward(const core::TensorDict& batch) {
+  return forward_chain(batch);
+}
+
+std::vector<at::Tensor> VitClassifier::chain_begin(const core::TensorDict& batch) {
   const at::Tensor& images = batch.at("images");
   PARALLAX_CHECK(images.dim() == 4 && images.size(1) == 3 && images.size(2) == image_size_ &&
                      images.size(3) == image_size_,
                  Error, "vit_cls: batch 'images' must be [B, 3, {}, {}], got {}", image_size_,
                  image_size_, fmt::format("{}", images.sizes()));
-  // The units of units(), in order: the embedding, each block, the final norm with the head.
-  at::Tensor x =
-      run_unit1(0, [&] { return vit_->embed(normalize_images(images, vit_->param_dtype())); });
-  int unit = 1;
-  for (const auto& blk : vit_->blocks()) x = run_unit1(unit++, [&] { return blk->forward(x); });
-  return {{"logits", run_unit1(unit, [&] {
-             return head_.forward<at::Tensor>(vit_->final_norm(x).select(1, 0));
-           })}};
+  return {images};
+}
+
+// The units of units(), in order: the embedding, each block, the final norm with the head.
+std::vector<at::Tensor> VitClassifier::chain_unit(int unit, const core::TensorDict&,
+                                                  const std::vector<at::Tensor>& in) {
+  const int nb = static_cast<int>(vit_->blocks().size());
+  if (unit == 0) return {vit_->embed(normalize_images(in.at(0), vit_->param_dtype()))};
+  if (unit <= nb) return {vit_->blocks()[static_cast<std::size_t>(unit - 1)]->forward(in.at(0))};
+  PARALLAX_CHECK(unit == nb + 1, Error, "vit_cls: no unit {} (it has {})", unit, nb + 2);
+  return {head_.forward<at::Tensor>(vit_->final_norm(in.at(0)).select(1, 0))};
+}
+
+core::TensorDict VitClassifier::chain_end(const core::TensorDict&,
+                                          const std::vector<at::Tensor>& out) {
+  return {{"logits", out.at(0)}};
 }
 
 std::vector<Unit> VitClassifier::units() const {

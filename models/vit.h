@@ -150,6 +150,13 @@ class VitClassifier : public Model {
                 LinearFactory linear = dense_linear, parallel::tensor::TpPtr tp = nullptr);
 
   core::TensorDict forward(const core::TensorDict& batch) override;
+  // The chain (models/model.h): begin {images}; "vit.embed", each block, "head" -> {logits}.
+  int chain_length() const override { return static_cast<int>(vit_->blocks().size()) + 2; }
+  std::vector<at::Tensor> chain_begin(const core::TensorDict& batch) override;
+  std::vector<at::Tensor> chain_unit(int unit, const core::TensorDict& batch,
+                                     const std::vector<at::Tensor>& in) override;
+  core::TensorDict chain_end(const core::TensorDict& batch,
+                             const std::vector<at::Tensor>& out) override;
   LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) override;
   double forward_flops_per_sample() const override { return cost().flops; }
   std::vector<std::shared_ptr<torch::nn::Module>> checkpointable_blocks() override;
