@@ -82,4 +82,8 @@ int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
   return bytes;
 }
 
+void Engine::forward_backward_stages(int, const StageFns&, bool) {
+  throw_error<Error>("engine '{}': not a pipeline engine (parallel.pp = 1)", describe());
+}
+
 }  // namespace parallax::parallel

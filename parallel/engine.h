@@ -99,6 +99,19 @@ struct EngineMemory {
 using OptimizerFactory =
     std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
 
+// What one pipeline stage computes, given by the trainer to a pipelined engine
+// (parallel/pipeline/pipeline_engine.h); parallel/ sees no model type.
+struct StageFns {
+  // The first stage: what unit 0 takes for micro-batch `micro`.
+  std::function<std::vector<at::Tensor>(int micro)> begin;
+  // Units [first, last) of micro-batch `micro` on `in` (side inputs from the micro-batch).
+  std::function<std::vector<at::Tensor>(int micro, int first, int last,
+                                        const std::vector<at::Tensor>& in)>
+      run;
+  // The last stage: the (scaled) loss to backpropagate from the last unit's outputs.
+  std::function<at::Tensor(int micro, const std::vector<at::Tensor>& out)> finish;
+};
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -113,6 +126,10 @@ class Engine {
   // once before the graph).
   virtual void forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
                                 bool sync_buffers) = 0;
+  // A pipelined engine (pp > 1) runs stages instead: forward_backward_stages with the model's
+  // chain (Model::chain_begin / run_chain / chain_end and the loss). The others throw.
+  virtual bool pipelined() const { return false; }
+  virtual void forward_backward_stages(int micro_steps, const StageFns& fns, bool sync_buffers);
   // The gradients the optimizer steps on (after forward_backward), with their layout.
   virtual std::vector<optim::GradGroup> grads() = 0;
   // The optimizer update with learning rate `lr`, then the parameters are made whole again.

@@ -6,6 +6,7 @@
 #include "core/config.h"
 
 #include <string>
+#include <vector>
 
 namespace parallax::parallel {
 
@@ -63,6 +64,9 @@ struct ParallelConfig {
   int dp = 0;  // 0: world / (tp * pp)
   int tp = 1;
   int pp = 1;
+  std::string pp_schedule = "1f1b";
+  int pp_virtual_stages = 1;
+  std::vector<int> pp_layout;  // units per stage; empty: balanced
   bool sequence_parallel = false;
   std::string backend = "auto";
   std::string allreduce = "native";
@@ -82,6 +86,16 @@ struct ParallelConfig {
     v("dp", dp, "data-parallel degree (0: world / (tp * pp))", core::Check::at_least(0));
     v("tp", tp, "tensor-parallel degree (innermost, contiguous ranks)", core::Check::at_least(1));
     v("pp", pp, "pipeline-parallel degree (outermost)", core::Check::at_least(1));
+    v("pp_schedule", pp_schedule,
+      "pipeline schedule over the step's micro-batches (train.grad_accum of them): gpipe, 1f1b, "
+      "interleaved (with pp_virtual_stages), zb (ZB-H1 zero bubble: backward split into input "
+      "and weight passes)",
+      core::Check::one_of({"gpipe", "1f1b", "interleaved", "zb"}));
+    v("pp_virtual_stages", pp_virtual_stages,
+      "interleaved schedule: model chunks per pipeline rank (stages = pp x this)",
+      core::Check::at_least(1));
+    v("pp_layout", pp_layout,
+      "units per pipeline stage, in order (e.g. [5, 7]); empty: balanced by the units' cost");
     v("sequence_parallel", sequence_parallel,
       "with tp > 1: shard LayerNorm, dropout and residual regions along the tokens (all-gather "
       "before each column-parallel layer, reduce-scatter after each row-parallel one)");

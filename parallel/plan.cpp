@@ -13,10 +13,30 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
   plan.zero_stage = p.zero.stage;
   plan.activation_checkpointing = activation_checkpointing;
   plan.cuda_graph = cuda_graph;
+  plan.pp_schedule = p.pp_schedule;
+  plan.pp_virtual_stages = p.pp_virtual_stages;
+  plan.pp_layout = p.pp_layout;
+  PARALLAX_CHECK(p.pp_virtual_stages == 1 || p.pp_schedule == "interleaved", ConfigError,
+                 "keys 'parallel.pp_virtual_stages' and 'parallel.pp_schedule': {} virtual stages "
+                 "per rank need pp_schedule=interleaved, not '{}'",
+                 p.pp_virtual_stages, p.pp_schedule);
   if (plan.layout.pp > 1) {
-    throw_error<LayoutError>(
-        "layout {}: pipeline parallelism is not available in this version; use parallel.pp=1",
-        plan.layout.to_string());
+    PARALLAX_CHECK(p.zero.stage <= 1, ConfigError,
+                   "keys 'parallel.pp' and 'parallel.zero.stage': ZeRO-{} under pipeline "
+                   "parallelism is not available in this version (it reduce-scatters every "
+                   "backward, and a pipeline runs a stage's backwards interleaved with other "
+                   "micro-batches' forwards; DeepSpeed refuses it too); use "
+                   "parallel.zero.stage=0 or 1",
+                   p.zero.stage);
+    PARALLAX_CHECK(!cuda_graph, ConfigError,
+                   "keys 'parallel.pp' and 'train.cuda_graph': a pipeline step (point-to-point "
+                   "messages whose order the schedule fixes on the host) cannot be captured into "
+                   "a CUDA graph in this version; set train.cuda_graph=false");
+    PARALLAX_CHECK(p.pp_schedule != "zb" || activation_checkpointing == "none", ConfigError,
+                   "keys 'parallel.pp_schedule' and 'train.activation_checkpointing': zb splits "
+                   "each backward into an input pass and a weight pass, and a checkpointed block "
+                   "recomputes its whole backward in the first; use another schedule or "
+                   "activation_checkpointing=none");
   }
   plan.sequence_parallel = p.sequence_parallel;
   PARALLAX_CHECK(!p.sequence_parallel || plan.layout.tp > 1, ConfigError,
@@ -54,11 +74,17 @@ std::string Plan::engine_name() const {
 }
 
 std::string Plan::describe() const {
-  return fmt::format("{}, {}{}, activation checkpointing {}", layout.to_string(), engine_name(),
-                     layout.tp > 1 ? (sequence_parallel ? ", tensor parallel + sequence parallel"
-                                                        : ", tensor parallel")
-                                   : "",
-                     activation_checkpointing);
+  return fmt::format(
+      "{}, {}{}{}, activation checkpointing {}", layout.to_string(), engine_name(),
+      layout.tp > 1 ? (sequence_parallel ? ", tensor parallel + sequence parallel"
+                                         : ", tensor parallel")
+                    : "",
+      layout.pp > 1 ? fmt::format(", pipeline {}{}", pp_schedule,
+                                  pp_virtual_stages > 1
+                                      ? fmt::format(" x{} virtual stages", pp_virtual_stages)
+                                      : "")
+                    : "",
+      activation_checkpointing);
 }
 
 }  // namespace parallax::parallel

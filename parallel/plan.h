@@ -31,10 +31,13 @@ struct Plan {
   bool zero_prefetch = true;                      // ZeRO-3: gather the next unit ahead
   std::string activation_checkpointing = "none";  // none | selective | full
   bool cuda_graph = false;
+  std::string pp_schedule = "1f1b";  // pp > 1
+  int pp_virtual_stages = 1;
+  std::vector<int> pp_layout;
 
   // Validates `p` for a world of `world` ranks with `gpus_per_node` GPUs (0: CPU ranks). Throws
-  // LayoutError / ConfigError naming the key: pp > 1 (not available yet), tp that does not divide
-  // the world, sequence parallelism without tp, tp or ZeRO with CUDA graphs, ZeRO with a
+  // LayoutError / ConfigError naming the key: tp that does not divide the world, pp with ZeRO-3
+  // or CUDA graphs, virtual stages without the interleaved schedule, sequence parallelism without tp, tp or ZeRO with CUDA graphs, ZeRO with a
   // reduced-precision gradient reduction.
   static Plan from(const ParallelConfig& p, const std::string& activation_checkpointing,
                    bool cuda_graph, int world, int gpus_per_node);

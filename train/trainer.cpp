@@ -24,6 +24,7 @@
 #include "parallel/comm/factory.h"
 #include "parallel/comm/topology.h"
 #include "parallel/comm/world.h"
+#include "parallel/pipeline/pipeline_engine.h"
 #include "parallel/tensor/tensor_parallel.h"
 #include "train/batch_source.h"
 #include "train/cuda_graph.h"
@@ -52,6 +53,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <cstring>
 #include <vector>
 
 namespace fs = std::filesystem;
@@ -349,6 +351,9 @@ class TrainerImpl {
   // The parallel engine (parallel/engine.h): owns the optimizer, the micro-batch loop and the
   // layout of parameters, gradients and optimizer state across ranks.
   std::unique_ptr<parallel::Engine> engine_;
+  // Pipeline parallelism: the loss terms' names, as the last stage sends them once.
+  std::vector<std::string> pp_term_keys_;
+  void sync_terms_over_pipeline(std::map<std::string, at::Tensor>& terms);
   // Mean over the data-parallel group, installed on the model around each training step (empty
   // with one data-parallel rank); see models::Model::set_replica_mean.
   models::ReplicaMean replica_mean_;
@@ -544,6 +549,18 @@ void TrainerImpl::setup() {
   }
   // Identical initialisation on every rank (DDP also broadcasts from rank 0).
   core::seed_all(seed);
+  if (layout.pp > 1) {
+    for (const auto& [on, key, what] :
+         {std::make_tuple(cfg_.lora.rank > 0, "lora.rank", "LoRA"),
+          std::make_tuple(cfg_.qat.enabled, "qat.enabled", "QAT"),
+          std::make_tuple(!cfg_.distill.teacher.empty(), "distill.teacher", "distillation")}) {
+      PARALLAX_CHECK(!on, ConfigError,
+                     "keys '{}' and 'parallel.pp': the {} trainer does not run under pipeline "
+                     "parallelism in this version; use parallel.pp=1 (data, tensor parallel or "
+                     "ZeRO)",
+                     key, what);
+    }
+  }
   // Plan step 1: tensor-parallel layers come from the model's factory.
   if (layout.tp > 1) {
     PARALLAX_CHECK(cfg_.lora.rank == 0, ConfigError,
@@ -655,15 +672,49 @@ void TrainerImpl::setup() {
     tp_info.tp = topo_->tp();
     for (const auto& [name, l] : tp_layouts_) tp_info.sharded.insert(name);
   }
-  optim::NamedParams named;
-  for (const auto& item : model_->named_parameters()) named.emplace_back(item.key(), item.value());
   const optim::OptimConfig optim_cfg = cfg_.optim;
-  engine_ = parallel::build_engine(
-      plan_, model_, optim::make_param_groups(named, cfg_.optim.weight_decay),
-      [optim_cfg](std::vector<optim::ParamGroup> groups) {
-        return optim::build_optimizer(optim_cfg, std::move(groups));
-      },
-      topo_->dp(), o, model_->units(), std::move(tp_info));
+  const auto make_engine = [&] {
+    // The trainable parameters as they are now (under pipeline parallelism: this rank's stages').
+    optim::NamedParams trainable;
+    for (const auto& item : model_->named_parameters())
+      trainable.emplace_back(item.key(), item.value());
+    return parallel::build_engine(
+        plan_, model_, optim::make_param_groups(trainable, cfg_.optim.weight_decay),
+        [optim_cfg](std::vector<optim::ParamGroup> groups) {
+          return optim::build_optimizer(optim_cfg, std::move(groups));
+        },
+        topo_->dp(), o, model_->units(), tp_info);
+  };
+  if (layout.pp > 1) {
+    // Plan step 3: this rank's stages of the model's chain of units; the other units' parameters
+    // are released, and the data-parallel engine is built on the stage's parameters only.
+    PARALLAX_CHECK(model_->chain_length() > 0, ConfigError,
+                   "key 'parallel.pp': model '{}' does not expose its forward as a chain of "
+                   "units, so it cannot be split into pipeline stages",
+                   cfg_.model.name);
+    const std::vector<models::Unit> units = model_->units();
+    PARALLAX_CHECK(static_cast<int>(units.size()) == model_->chain_length(), Error,
+                   "model '{}': {} units but a chain of {}", cfg_.model.name, units.size(),
+                   model_->chain_length());
+    // Stage balance by parameters per unit (+1 so a unit without many still counts).
+    std::map<std::string, int64_t> numel;
+    for (const auto& item : model_->named_parameters()) numel[item.key()] = item.value().numel();
+    std::vector<double> costs;
+    for (const auto& u : units) {
+      double c = 1;
+      for (const auto& n : u.param_names) c += static_cast<double>(numel.at(n));
+      costs.push_back(c);
+    }
+    parallel::pipeline::PipelineOptions po;
+    po.schedule = plan_.pp_schedule;
+    po.virtual_stages = plan_.pp_virtual_stages;
+    po.layout = plan_.pp_layout;
+    engine_ = std::make_unique<parallel::pipeline::PipelineEngine>(
+        model_, units, costs, topo_->pp(), cfg_.train.grad_accum, po,
+        [&]() -> std::unique_ptr<parallel::Engine> { return make_engine(); });
+  } else {
+    engine_ = make_engine();
+  }
   // ZeRO-3 gathers and frees parameters around each unit of the model's forward.
   model_->set_unit_hooks(engine_->unit_hooks());
   core::log::info("parallel plan: {}; engine: {}", plan_.describe(), engine_->describe());
@@ -903,6 +954,48 @@ std::map<std::string, at::Tensor> TrainerImpl::compute_step(
     ~ReplicaMeanScope() { model.set_replica_mean({}); }
   } replica_mean_scope(*model_, replica_mean_);
   std::map<std::string, at::Tensor> terms;
+  const auto add_terms = [&](const models::LossOutput& loss) {
+    terms["loss"] = terms.count("loss") ? terms["loss"] + loss.total.detach() / accum
+                                        : loss.total.detach() / accum;
+    for (const auto& [k, v] : loss.terms) {
+      const std::string key = "loss_" + k;
+      terms[key] = terms.count(key) ? terms[key] + v.detach().to(at::kFloat) / accum
+                                    : v.detach().to(at::kFloat) / accum;
+    }
+  };
+  if (engine_->pipelined()) {
+    // Each stage reads its side inputs from the micro-batch: every rank of a pipeline draws the
+    // same batches (the data stream follows the dp coordinate); later stages do not see the images.
+    std::vector<core::TensorDict> batches;
+    for (int i = 0; i < accum; ++i) batches.push_back(batch_of(i));
+    std::vector<core::TensorDict> side(batches);
+    for (auto& b : side) b.erase("images");
+    parallel::StageFns fns;
+    fns.begin = [&](int micro) {
+      optim::AutocastGuard autocast(precision_);
+      return model_->chain_begin(batches[static_cast<std::size_t>(micro)]);
+    };
+    fns.run = [&](int micro, int first, int last, const std::vector<at::Tensor>& in) {
+      optim::AutocastGuard autocast(precision_);
+      return model_->run_chain(first, last,
+                               first == 0 ? batches[static_cast<std::size_t>(micro)]
+                                          : side[static_cast<std::size_t>(micro)],
+                               in);
+    };
+    fns.finish = [&](int micro, const std::vector<at::Tensor>& out) {
+      const core::TensorDict& batch = side[static_cast<std::size_t>(micro)];
+      models::LossOutput loss;
+      {
+        optim::AutocastGuard autocast(precision_);
+        loss = model_->loss(batch, model_->chain_end(batch, out));
+        if (hooks_.task_loss_weight != 1.0) loss.total = loss.total * hooks_.task_loss_weight;
+      }
+      add_terms(loss);
+      return scaler_->scale_loss(loss.total / static_cast<double>(accum));
+    };
+    engine_->forward_backward_stages(accum, fns, /*sync_buffers=*/!graph_);
+    sync_terms_over_pipeline(terms);
+  } else
   // The engine owns the micro-batch loop (no-sync accumulation, reductions); this returns
   // micro-step i's loss to backpropagate. graph_step broadcasts buffers once before the graph.
   engine_->forward_backward(
@@ -924,13 +1017,7 @@ std::map<std::string, at::Tensor> TrainerImpl::compute_step(
             }
           }
         }
-        terms["loss"] = terms.count("loss") ? terms["loss"] + loss.total.detach() / accum
-                                            : loss.total.detach() / accum;
-        for (const auto& [k, v] : loss.terms) {
-          const std::string key = "loss_" + k;
-          terms[key] = terms.count(key) ? terms[key] + v.detach().to(at::kFloat) / accum
-                                        : v.detach().to(at::kFloat) / accum;
-        }
+        add_terms(loss);
         return scaler_->scale_loss(loss.total / static_cast<double>(accum));
       },
       /*sync_buffers=*/!graph_);
@@ -952,6 +1039,52 @@ std::map<std::string, at::Tensor> TrainerImpl::compute_step(
   if (!found_inf_) engine_->step(lr);
   scaler_->update(found_inf_);
   return terms;
+}
+
+void TrainerImpl::sync_terms_over_pipeline(std::map<std::string, at::Tensor>& terms) {
+  // The loss lives on the last stage: it sends the terms' names once, then their values each step,
+  // so every rank logs and checks the same loss.
+  const comm::CommPtr pp = topo_->pp();
+  const int root = pp->size() - 1;
+  const bool is_root = pp->rank() == root;
+  const c10::Device dev = pp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
+  if (pp_term_keys_.empty()) {
+    std::string joined;
+    if (is_root)
+      for (const auto& [k, v] : terms) joined += k + "\n";
+    at::Tensor len = at::full({1}, static_cast<int64_t>(joined.size()), at::kLong).to(dev);
+    pp->broadcast(len, root);
+    const int64_t n = len.cpu().item<int64_t>();
+    at::Tensor chars = at::zeros({n}, at::kByte);
+    if (is_root) std::memcpy(chars.data_ptr(), joined.data(), joined.size());
+    chars = chars.to(dev);
+    pp->broadcast(chars, root);
+    chars = chars.cpu();
+    const std::string text(static_cast<const char*>(chars.data_ptr()), static_cast<std::size_t>(n));
+    std::size_t at = 0;
+    while (at < text.size()) {
+      const std::size_t nl = text.find('\n', at);
+      pp_term_keys_.push_back(text.substr(at, nl - at));
+      at = nl + 1;
+    }
+  }
+  at::Tensor vals = at::zeros({static_cast<int64_t>(pp_term_keys_.size())}, at::kFloat).to(dev);
+  if (is_root) {
+    std::vector<at::Tensor> v;
+    for (const auto& k : pp_term_keys_) {
+      const auto it = terms.find(k);
+      PARALLAX_CHECK(it != terms.end(), Error, "pipeline: loss term '{}' missing on the last stage",
+                     k);
+      v.push_back(it->second.to(at::kFloat).reshape({1}));
+    }
+    vals = at::cat(v).to(dev);
+  }
+  pp->broadcast(vals, root);
+  if (!is_root) {
+    terms.clear();
+    for (std::size_t i = 0; i < pp_term_keys_.size(); ++i)
+      terms[pp_term_keys_[i]] = vals[static_cast<int64_t>(i)].to(device_);
+  }
 }
 
 void TrainerImpl::save_checkpoint(int64_t step) {

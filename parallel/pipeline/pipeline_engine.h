@@ -1,0 +1,109 @@
+// The pipeline-parallel engine (plan step 3, parallel/plan.h): each pipeline rank holds a
+// contiguous run of the model's units per virtual stage, runs a checked global schedule
+// (parallel/pipeline/schedule.h) over the step's micro-batches, and moves activations and their
+// gradients point-to-point between neighbouring stages. Data parallelism (DDP or ZeRO-1/2) over the
+// dp group of each stage is the inner engine, built on the stage's parameters only.
+//
+// Stages. partition() cuts the units; PipelineEngine freezes every parameter of the units this
+// rank does not hold (requires_grad false, storage released), so the inner engine buckets and the
+// optimizer steps on exactly the stage's parameters. gather_full_params() brings the others back
+// (broadcast from their owners over the pp group) for evaluation and export.
+//
+// Messages. Each activation or gradient message is a header (int64[64]: a magic number, the
+// producing stage, the micro-batch, the tensor count, each tensor's dtype and shape) and then the
+// tensors, each with its own tag. The receiver checks the header against the plan: a stage or
+// micro-batch mismatch, or a shape other than the one the gradient is for, is an error naming both
+// stages (Megatron-LM PR #5271: a silent swap trained on the wrong activations).
+//
+// Gradient reduction. The schedule's backwards accumulate locally (the inner engine's hooks are
+// outside a synced backward); then the inner engine runs one synced backward of a zero loss over
+// the stage's parameters (an empty slice of each: exactly zero gradients), which reduces the
+// accumulated sums through its own buckets (DDP all-reduce, ZeRO reduce-scatter).
+//
+// Thread-safety: one training thread. Errors: parallax::Error / CommError / TimeoutError naming
+// the stage, rank and micro-batch.
+#pragma once
+
+#include "parallel/engine.h"
+#include "parallel/pipeline/schedule.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace parallax::parallel::pipeline {
+
+// The stages' unit ranges: stage s runs units [bounds[s], bounds[s + 1]). `costs[u]`: unit u's
+// cost (any positive measure); `explicit_counts` (parallel.pp_layout), when not empty, gives the
+// number of units of each stage. ConfigError naming the keys and numbers: fewer units than stages,
+// a layout of the wrong length, a stage of no units, counts that do not sum to the units.
+std::vector<int> partition(const std::vector<double>& costs, int stages,
+                           const std::vector<int>& explicit_counts = {});
+
+using parallel::StageFns;
+
+struct PipelineOptions {
+  std::string schedule = "1f1b";
+  int virtual_stages = 1;
+  std::vector<int> layout;  // units per stage; empty: balanced by unit cost
+};
+
+class PipelineEngine : public Engine {
+ public:
+  // `module`: the whole model (every rank builds it); `units`: its ordered units with `costs`;
+  // `pp`: the pipeline group; `micro_batches`: per step. `make_inner` builds the data-parallel
+  // engine on the module once the stage's parameters are the only trainable ones.
+  PipelineEngine(std::shared_ptr<torch::nn::Module> module, std::vector<core::Unit> units,
+                 const std::vector<double>& costs, comm::CommPtr pp, int micro_batches,
+                 const PipelineOptions& options,
+                 const std::function<std::unique_ptr<Engine>()>& make_inner);
+
+  std::string describe() const override;
+  void broadcast_buffers() override { inner_->broadcast_buffers(); }
+  // Not available: a pipeline runs stages (forward_backward_stages).
+  void forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
+                        bool sync_buffers) override;
+  bool pipelined() const override { return true; }
+  void forward_backward_stages(int micro_steps, const StageFns& fns, bool sync_buffers) override;
+  std::vector<optim::GradGroup> grads() override;
+  void step(double lr) override { inner_->step(lr); }
+  void zero_grad() override { inner_->zero_grad(); }
+  optim::Optimizer& optimizer() override { return inner_->optimizer(); }
+  std::vector<int> model_replicas() const override { return inner_->model_replicas(); }
+  std::vector<StatePiece> optimizer_state() override { return inner_->optimizer_state(); }
+  void optimizer_state_loaded() override { inner_->optimizer_state_loaded(); }
+  // The stage's parameters (whole, replicated over the dp group), and on pipeline rank 0 the
+  // buffers (identical on every stage).
+  std::vector<StatePiece> model_state() override;
+  void gather_full_params() override;
+  void release_full_params() override;
+  EngineMemory memory() override { return inner_->memory(); }
+
+  const Schedule& schedule() const { return schedule_; }
+  // Units [first, last) of each global stage.
+  const std::vector<int>& bounds() const { return bounds_; }
+  // Compute time (forward, backward, weight passes) of this rank in the last step, ms: the bubble
+  // measurement compares it with the step's wall time.
+  double last_compute_ms() const { return compute_ms_; }
+
+ private:
+  struct Slot;  // one (micro-batch, stage)'s live tensors
+  std::vector<at::Tensor> recv_message(const Op& op, bool header_phase, std::vector<int64_t>& hdr);
+  int tag(const Op& op, int k) const;
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::vector<core::Unit> units_;
+  comm::CommPtr pp_;
+  Schedule schedule_;
+  std::vector<int> bounds_;
+  std::vector<int> my_stages_;
+  std::vector<std::string> stage_params_;                // trainable names of this rank's stages
+  std::map<std::string, std::vector<int64_t>> foreign_;  // released parameters -> their shapes
+  std::map<std::string, int> owner_;                     // parameter -> pipeline rank holding it
+  std::unique_ptr<Engine> inner_;
+  bool full_ = false;
+  double compute_ms_ = 0;
+};
+
+}  // namespace parallax::parallel::pipeline

@@ -1,0 +1,494 @@
+#include "parallel/pipeline/schedule.h"
+
+#include "core/error.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <tuple>
+
+namespace parallax::parallel::pipeline {
+
+namespace {
+
+const char* kind_name(OpKind k) {
+  switch (k) {
+    case OpKind::kForward: return "F";
+    case OpKind::kBackward: return "B";
+    case OpKind::kWeight: return "W";
+    case OpKind::kSendAct: return "send act";
+    case OpKind::kRecvAct: return "recv act";
+    case OpKind::kSendGrad: return "send grad";
+    case OpKind::kRecvGrad: return "recv grad";
+  }
+  return "?";
+}
+
+// The compute order of one rank, before the communication is inserted.
+using Order = std::vector<Op>;
+
+Op compute(OpKind k, int micro, int stage) { return Op{k, micro, stage, -1}; }
+
+std::vector<Order> gpipe_order(int p, int m) {
+  std::vector<Order> out(static_cast<std::size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    for (int i = 0; i < m; ++i) out[r].push_back(compute(OpKind::kForward, i, r));
+    for (int i = 0; i < m; ++i) out[r].push_back(compute(OpKind::kBackward, i, r));
+  }
+  return out;
+}
+
+std::vector<Order> one_f_one_b_order(int p, int m) {
+  std::vector<Order> out(static_cast<std::size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    const int warm = std::min(p - r - 1, m);
+    for (int i = 0; i < warm; ++i) out[r].push_back(compute(OpKind::kForward, i, r));
+    for (int i = 0; i < m - warm; ++i) {
+      out[r].push_back(compute(OpKind::kForward, warm + i, r));
+      out[r].push_back(compute(OpKind::kBackward, i, r));
+    }
+    for (int i = m - warm; i < m; ++i) out[r].push_back(compute(OpKind::kBackward, i, r));
+  }
+  return out;
+}
+
+// Megatron-LM's interleaved 1F1B (forward_backward_pipelining_with_interleaving): the k-th
+// forward of every rank is micro-batch (k / (p v)) p + k % p of chunk (k / p) % v; backwards walk
+// the chunks in reverse. Warm-up: 2 (p - r - 1) + (v - 1) p forwards (all of them when m == p).
+std::vector<Order> interleaved_order(int p, int m, int v, std::vector<std::vector<bool>>& joined) {
+  std::vector<Order> out(static_cast<std::size_t>(p));
+  joined.assign(static_cast<std::size_t>(p), {});
+  const int total = m * v;
+  const auto micro_of = [&](int k) { return (k / (p * v)) * p + k % p; };
+  const auto chunk_of = [&](int k, bool fwd) {
+    const int c = (k % (p * v)) / p;
+    return fwd ? c : v - 1 - c;
+  };
+  for (int r = 0; r < p; ++r) {
+    int warm = m == p ? total : std::min(total, 2 * (p - r - 1) + (v - 1) * p);
+    const auto f = [&](int k) {
+      return compute(OpKind::kForward, micro_of(k), chunk_of(k, true) * p + r);
+    };
+    const auto b = [&](int k) {
+      return compute(OpKind::kBackward, micro_of(k), chunk_of(k, false) * p + r);
+    };
+    for (int k = 0; k < warm; ++k) out[r].push_back(f(k));
+    joined[r].assign(static_cast<std::size_t>(2 * total), false);
+    for (int k = 0; k < total - warm; ++k) {
+      // A steady-state pair: no communication between its F and B (module comment of with_comm).
+      joined[r][out[r].size()] = true;
+      out[r].push_back(f(warm + k));
+      out[r].push_back(b(k));
+    }
+    for (int k = total - warm; k < total; ++k) out[r].push_back(b(k));
+  }
+  return out;
+}
+
+// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): 1F1B's order of F and B (B being
+// the input-gradient pass only), with each W deferred while the rank has work that others wait
+// for, and run in the slots where it would otherwise wait (the cool-down bubble). At most
+// p - r - 1 W's are pending on rank r, which keeps its live activations at 1F1B's bound. The
+// placement comes from a simulation with F = B = W = 1, so the plan is static.
+std::vector<Order> zb_h1_order(int p, int m) {
+  const std::vector<Order> base = one_f_one_b_order(p, m);
+  std::vector<Order> out(static_cast<std::size_t>(p));
+  std::vector<std::size_t> next(static_cast<std::size_t>(p), 0);
+  std::vector<double> clock(static_cast<std::size_t>(p), 0);
+  std::vector<std::vector<int>> pending(static_cast<std::size_t>(p));  // micro-batches awaiting W
+  std::map<std::pair<int, int>, double> f_end, b_end;                 // (micro, stage) -> time
+  const auto ready_at = [&](const Op& op) -> double {                 // < 0: unknown yet
+    if (op.kind == OpKind::kForward) {
+      if (op.stage == 0) return 0;
+      const auto it = f_end.find({op.micro, op.stage - 1});
+      return it == f_end.end() ? -1 : it->second;
+    }
+    const auto own = f_end.find({op.micro, op.stage});
+    if (own == f_end.end()) return -1;
+    if (op.stage == p - 1) return own->second;
+    const auto it = b_end.find({op.micro, op.stage + 1});
+    return it == b_end.end() ? -1 : std::max(own->second, it->second);
+  };
+  const auto done = [&](int r) {
+    return next[r] == base[r].size() && pending[r].empty();
+  };
+  for (int guard = 0; guard < 16 * p * m + 16; ++guard) {
+    // The rank that decides next: the earliest clock among those with work left.
+    int r = -1;
+    for (int q = 0; q < p; ++q)
+      if (!done(q) && (r < 0 || clock[q] < clock[r])) r = q;
+    if (r < 0) return out;
+    const int limit = p - r - 1;
+    if (next[r] == base[r].size() || static_cast<int>(pending[r].size()) > limit) {
+      // Nothing left but W's, or more pending than the bound: run the oldest W now.
+      const int micro = pending[r].front();
+      pending[r].erase(pending[r].begin());
+      out[r].push_back(compute(OpKind::kWeight, micro, r));
+      clock[r] += 1;
+      continue;
+    }
+    const Op& op = base[r][next[r]];
+    const double ready = ready_at(op);
+    if (ready >= 0 && ready <= clock[r]) {
+      out[r].push_back(op);
+      clock[r] += 1;
+      (op.kind == OpKind::kForward ? f_end : b_end)[{op.micro, op.stage}] = clock[r];
+      if (op.kind == OpKind::kBackward) pending[r].push_back(op.micro);
+      ++next[r];
+    } else if (!pending[r].empty()) {
+      // Waiting for a neighbour (an unknown time is later than this clock: every other rank's
+      // clock is at least this one): fill the wait with a deferred W.
+      const int micro = pending[r].front();
+      pending[r].erase(pending[r].begin());
+      out[r].push_back(compute(OpKind::kWeight, micro, r));
+      clock[r] += 1;
+    } else {
+      // Idle until the input arrives, or until the next rank's clock moves past this one.
+      double t = ready >= 0 ? ready : -1;
+      if (t < 0) {
+        for (int q = 0; q < p; ++q)
+          if (q != r && !done(q) && clock[q] > clock[r] && (t < 0 || clock[q] < t)) t = clock[q];
+      }
+      clock[r] = t > clock[r] ? t : clock[r] + 1;
+    }
+  }
+  throw_error<Error>("pipeline plan 'zb': the placement of the W passes did not converge for pp={}, "
+                     "{} micro-batches (a bug: please report it)",
+                     p, m);
+}
+
+// The communication around the compute ops. Batches sit at the boundaries between consecutive
+// compute ops (boundary j: right before op j; n: after the last), except where `joined[j]` says op
+// j and op j + 1 run back to back. A receive goes into the last batch before the op that needs it,
+// a send into the first batch after the op that produced it. With every boundary open this is
+// Megatron's 1F1B pairing (send_forward_recv_backward, send_backward_recv_forward); interleaving
+// joins each steady-state F with its B, so the four transfers of the pair go in one batch after
+// it (Megatron's send_forward_backward_recv_forward_backward): with separate batches two
+// neighbours each wait inside a batch for the other's next one, a deadlock under rendezvous.
+std::vector<Op> with_comm(const Schedule& s, const Order& order, const std::vector<bool>& joined) {
+  const int last = s.stages() - 1;
+  const int n = static_cast<int>(order.size());
+  const auto open = [&](int b) {  // boundary b (0..n) can hold a batch
+    return b == 0 || b == n || joined.empty() || !joined[static_cast<std::size_t>(b - 1)];
+  };
+  std::vector<std::vector<Op>> sends(static_cast<std::size_t>(n) + 1),
+      recvs(static_cast<std::size_t>(n) + 1);
+  for (int j = 0; j < n; ++j) {
+    const Op& op = order[j];
+    int before = j;
+    while (!open(before)) --before;
+    int after = j + 1;
+    while (!open(after)) ++after;
+    if (op.kind == OpKind::kForward) {
+      if (op.stage > 0)
+        recvs[before].push_back({OpKind::kRecvAct, op.micro, op.stage - 1, s.rank_of(op.stage - 1)});
+      if (op.stage < last)
+        sends[after].push_back({OpKind::kSendAct, op.micro, op.stage, s.rank_of(op.stage + 1)});
+    } else if (op.kind == OpKind::kBackward) {
+      if (op.stage < last)
+        recvs[before].push_back({OpKind::kRecvGrad, op.micro, op.stage + 1, s.rank_of(op.stage + 1)});
+      if (op.stage > 0)
+        sends[after].push_back({OpKind::kSendGrad, op.micro, op.stage, s.rank_of(op.stage - 1)});
+    }
+  }
+  std::vector<Op> out;
+  for (int b = 0; b <= n; ++b) {
+    out.insert(out.end(), sends[b].begin(), sends[b].end());
+    out.insert(out.end(), recvs[b].begin(), recvs[b].end());
+    if (b < n) out.push_back(order[b]);
+  }
+  return out;
+}
+
+// A message: (act or grad, micro, producing stage).
+using MsgKey = std::tuple<int, int, int>;
+MsgKey msg_key(const Op& op) {
+  const int dir = op.kind == OpKind::kSendAct || op.kind == OpKind::kRecvAct ? 0 : 1;
+  return {dir, op.micro, op.stage};
+}
+
+std::string where(const Schedule& s, int r, std::size_t i) {
+  return fmt::format("pipeline plan '{}': rank {} op {} ({})", s.kind, r, i, to_string(s.ops[r][i]));
+}
+
+}  // namespace
+
+std::string to_string(const Op& op) {
+  switch (op.kind) {
+    case OpKind::kForward:
+    case OpKind::kBackward:
+    case OpKind::kWeight:
+      return fmt::format("{}{}s{}", kind_name(op.kind), op.micro, op.stage);
+    case OpKind::kSendAct:
+    case OpKind::kSendGrad:
+      return fmt::format("{} m{} s{} -> r{}", kind_name(op.kind), op.micro, op.stage, op.peer);
+    default:
+      return fmt::format("{} m{} s{} <- r{}", kind_name(op.kind), op.micro, op.stage, op.peer);
+  }
+}
+
+Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtual_stages) {
+  PARALLAX_CHECK(ranks >= 2, ConfigError,
+                 "key 'parallel.pp': a pipeline schedule needs at least 2 stages, got {}", ranks);
+  PARALLAX_CHECK(micro >= 1, ConfigError,
+                 "key 'train.grad_accum': the pipeline needs at least one micro-batch, got {}",
+                 micro);
+  PARALLAX_CHECK(virtual_stages >= 1, ConfigError,
+                 "key 'parallel.pp_virtual_stages': {} must be at least 1", virtual_stages);
+  PARALLAX_CHECK(virtual_stages == 1 || kind == "interleaved", ConfigError,
+                 "keys 'parallel.pp_virtual_stages' and 'parallel.pp_schedule': {} virtual stages "
+                 "per rank need pp_schedule=interleaved, not '{}'",
+                 virtual_stages, kind);
+  Schedule s;
+  s.kind = kind;
+  s.ranks = ranks;
+  s.virtual_stages = virtual_stages;
+  s.micro_batches = micro;
+  std::vector<Order> orders;
+  std::vector<std::vector<bool>> joined(static_cast<std::size_t>(ranks));
+  if (kind == "gpipe") {
+    orders = gpipe_order(ranks, micro);
+  } else if (kind == "1f1b") {
+    orders = one_f_one_b_order(ranks, micro);
+  } else if (kind == "interleaved") {
+    PARALLAX_CHECK(micro % ranks == 0, ConfigError,
+                   "keys 'train.grad_accum' and 'parallel.pp': the interleaved schedule runs the "
+                   "micro-batches in groups of pp, so their number ({}) must be a multiple of pp "
+                   "({}); use pp_schedule=1f1b for {} micro-batches",
+                   micro, ranks, micro);
+    orders = interleaved_order(ranks, micro, virtual_stages, joined);
+  } else if (kind == "zb") {
+    orders = zb_h1_order(ranks, micro);
+    // A W needs no message: the batch after it moves before it (the next op's receive is posted
+    // before the W runs, and the previous B's send is not held back by it).
+    for (int r = 0; r < ranks; ++r) {
+      joined[r].assign(orders[r].size(), false);
+      for (std::size_t j = 0; j + 1 < orders[r].size(); ++j)
+        joined[r][j] = orders[r][j].kind == OpKind::kWeight;
+    }
+  } else {
+    throw_error<ConfigError>(
+        "key 'parallel.pp_schedule': unknown schedule '{}' (gpipe, 1f1b, interleaved, zb)", kind);
+  }
+  for (int r = 0; r < ranks; ++r) s.ops.push_back(with_comm(s, orders[r], joined[r]));
+  return s;
+}
+
+void check(const Schedule& s) {
+  const int S = s.stages(), last = S - 1;
+  PARALLAX_CHECK(static_cast<int>(s.ops.size()) == s.ranks, Error,
+                 "pipeline plan '{}': {} rank lists for {} ranks", s.kind, s.ops.size(), s.ranks);
+  // 1. Each compute op on its stage's rank, once; its inputs earlier on the same rank.
+  std::map<std::tuple<int, int, int>, std::pair<int, std::size_t>> seen;  // (kind, m, s) -> where
+  std::map<MsgKey, std::pair<int, std::size_t>> sends, recvs;
+  for (int r = 0; r < s.ranks; ++r) {
+    std::set<std::tuple<int, int, int>> done;  // (kind, micro, stage) already on this rank
+    const auto has = [&](OpKind k, int m, int st) {
+      return done.count({static_cast<int>(k), m, st}) != 0;
+    };
+    for (std::size_t i = 0; i < s.ops[r].size(); ++i) {
+      const Op& op = s.ops[r][i];
+      PARALLAX_CHECK(op.micro >= 0 && op.micro < s.micro_batches && op.stage >= 0 && op.stage < S,
+                     Error, "{}: micro-batch or stage out of range ({} micro-batches, {} stages)",
+                     where(s, r, i), s.micro_batches, S);
+      if (op.is_comm()) {
+        const bool act = op.kind == OpKind::kSendAct || op.kind == OpKind::kRecvAct;
+        // The producing stage and the consuming one.
+        const int from = op.stage, to = act ? op.stage + 1 : op.stage - 1;
+        PARALLAX_CHECK(to >= 0 && to <= last, Error, "{}: stage {} has no {} neighbour",
+                       where(s, r, i), from, act ? "next" : "previous");
+        const int self = op.is_send() ? from : to, other = op.is_send() ? to : from;
+        PARALLAX_CHECK(s.rank_of(self) == r && s.rank_of(other) == op.peer, Error,
+                       "{}: the message goes from stage {} (rank {}) to stage {} (rank {})",
+                       where(s, r, i), from, s.rank_of(from), to, s.rank_of(to));
+        if (op.is_send()) {
+          PARALLAX_CHECK(has(act ? OpKind::kForward : OpKind::kBackward, op.micro, op.stage),
+                         Error, "{}: sent before its {} ran on this rank", where(s, r, i),
+                         act ? "forward" : "backward");
+        }
+        auto& book = op.is_send() ? sends : recvs;
+        const auto [it, fresh] = book.emplace(msg_key(op), std::make_pair(r, i));
+        PARALLAX_CHECK(fresh, Error, "{}: the same message is {} twice (first as rank {} op {})",
+                       where(s, r, i), op.is_send() ? "sent" : "received", it->second.first,
+                       it->second.second);
+        done.insert({static_cast<int>(op.kind), op.micro, op.stage});
+        continue;
+      }
+      PARALLAX_CHECK(s.rank_of(op.stage) == r, Error, "{}: stage {} lives on rank {}",
+                     where(s, r, i), op.stage, s.rank_of(op.stage));
+      PARALLAX_CHECK(op.kind != OpKind::kWeight || s.split_backward(), Error,
+                     "{}: a W pass in a schedule without a split backward", where(s, r, i));
+      const auto [it, fresh] =
+          seen.emplace(std::make_tuple(static_cast<int>(op.kind), op.micro, op.stage),
+                       std::make_pair(r, i));
+      PARALLAX_CHECK(fresh, Error, "{}: runs twice (first as rank {} op {})", where(s, r, i),
+                     it->second.first, it->second.second);
+      if (op.kind == OpKind::kForward) {
+        PARALLAX_CHECK(op.stage == 0 || has(OpKind::kRecvAct, op.micro, op.stage - 1), Error,
+                       "{}: no earlier receive of its input from stage {} on rank {}",
+                       where(s, r, i), op.stage - 1, s.rank_of(op.stage - 1));
+      } else if (op.kind == OpKind::kBackward) {
+        PARALLAX_CHECK(has(OpKind::kForward, op.micro, op.stage), Error,
+                       "{}: runs before its forward", where(s, r, i));
+        PARALLAX_CHECK(op.stage == last || has(OpKind::kRecvGrad, op.micro, op.stage + 1), Error,
+                       "{}: no earlier receive of its output gradient from stage {} on rank {}",
+                       where(s, r, i), op.stage + 1, s.rank_of(op.stage + 1));
+      } else {
+        PARALLAX_CHECK(has(OpKind::kBackward, op.micro, op.stage), Error,
+                       "{}: runs before its input-gradient pass B", where(s, r, i));
+      }
+      done.insert({static_cast<int>(op.kind), op.micro, op.stage});
+    }
+  }
+  // 2. Every (micro-batch, stage) computed once per pass.
+  for (int m = 0; m < s.micro_batches; ++m) {
+    for (int st = 0; st < S; ++st) {
+      for (OpKind k : {OpKind::kForward, OpKind::kBackward, OpKind::kWeight}) {
+        if (k == OpKind::kWeight && !s.split_backward()) continue;
+        PARALLAX_CHECK(seen.count({static_cast<int>(k), m, st}) != 0, Error,
+                       "pipeline plan '{}': rank {} never runs {}", s.kind, s.rank_of(st),
+                       to_string(compute(k, m, st)));
+      }
+    }
+  }
+  // 3. Sends and receives pair up.
+  for (const auto& [key, at] : recvs) {
+    PARALLAX_CHECK(sends.count(key) != 0, Error, "{} has no matching send on rank {}",
+                   where(s, at.first, at.second), s.ops[at.first][at.second].peer);
+  }
+  for (const auto& [key, at] : sends) {
+    PARALLAX_CHECK(recvs.count(key) != 0, Error, "{} has no matching receive on rank {}",
+                   where(s, at.first, at.second), s.ops[at.first][at.second].peer);
+  }
+  // 4. No rank waits forever (the simulation throws naming the stuck ops).
+  simulate(s, 1, 2, 1);
+}
+
+Timeline simulate(const Schedule& s, double fc, double bc, double wc) {
+  if (s.split_backward() && wc == 0) {
+    wc = bc / 2;
+    bc = bc / 2;
+  }
+  const int p = s.ranks;
+  std::vector<std::size_t> idx(static_cast<std::size_t>(p), 0);
+  std::vector<double> clock(static_cast<std::size_t>(p), 0);
+  std::vector<bool> posted(static_cast<std::size_t>(p), false);
+  std::map<MsgKey, double> send_post, recv_post;
+  Timeline t;
+  const auto batch_end = [&](int r) {
+    std::size_t j = idx[r];
+    while (j < s.ops[r].size() && s.ops[r][j].is_comm()) ++j;
+    return j;
+  };
+  for (;;) {
+    bool progress = false, finished = true;
+    for (int r = 0; r < p; ++r) {
+      while (idx[r] < s.ops[r].size()) {
+        const Op& op = s.ops[r][idx[r]];
+        if (!op.is_comm()) {
+          const double cost = op.kind == OpKind::kForward    ? fc
+                              : op.kind == OpKind::kBackward ? bc
+                                                             : wc;
+          t.slots.push_back({r, op, clock[r], clock[r] + cost});
+          clock[r] += cost;
+          ++idx[r];
+          progress = true;
+          continue;
+        }
+        const std::size_t end = batch_end(r);
+        if (!posted[r]) {
+          for (std::size_t j = idx[r]; j < end; ++j) {
+            const Op& c = s.ops[r][j];
+            (c.is_send() ? send_post : recv_post)[msg_key(c)] = clock[r];
+          }
+          posted[r] = true;
+          progress = true;
+        }
+        // The batch completes when every op's peer posted its side; the data of a receive is
+        // there when its send was posted (sends do not hold the sender's clock).
+        bool all = true;
+        double ready = clock[r];
+        for (std::size_t j = idx[r]; j < end; ++j) {
+          const Op& c = s.ops[r][j];
+          const auto& other = c.is_send() ? recv_post : send_post;
+          const auto it = other.find(msg_key(c));
+          if (it == other.end()) {
+            all = false;
+            break;
+          }
+          if (!c.is_send()) ready = std::max(ready, it->second);
+        }
+        if (!all) break;
+        clock[r] = ready;
+        idx[r] = end;
+        posted[r] = false;
+        progress = true;
+      }
+      if (idx[r] < s.ops[r].size()) finished = false;
+    }
+    if (finished) break;
+    if (!progress) {
+      std::string stuck;
+      for (int r = 0; r < p; ++r) {
+        if (idx[r] >= s.ops[r].size()) continue;
+        for (std::size_t j = idx[r]; j < batch_end(r); ++j) {
+          const Op& c = s.ops[r][j];
+          const auto& other = c.is_send() ? recv_post : send_post;
+          if (other.count(msg_key(c)) == 0) {
+            stuck += fmt::format("; rank {} op {} ({}) waits for rank {}", r, j, to_string(c),
+                                 c.peer);
+            break;
+          }
+        }
+      }
+      throw_error<Error>("pipeline plan '{}' deadlocks{}", s.kind, stuck);
+    }
+  }
+  for (double c : clock) t.makespan = std::max(t.makespan, c);
+  double busy0 = 0;
+  for (const auto& slot : t.slots)
+    if (slot.rank == 0) busy0 += slot.end - slot.start;
+  t.busy_per_rank = busy0;
+  return t;
+}
+
+double formula_bubble(const Schedule& s) {
+  const double p = s.ranks, m = s.micro_batches, v = s.virtual_stages;
+  if (s.kind == "interleaved") return (p - 1) / (m * v);
+  if (s.kind == "zb") return (p - 1) / (3 * m);
+  return (p - 1) / m;
+}
+
+std::string render(const Schedule& s) {
+  const Timeline t = simulate(s);
+  const int cols = static_cast<int>(std::ceil(t.makespan));
+  std::vector<std::vector<std::string>> grid(static_cast<std::size_t>(s.ranks),
+                                             std::vector<std::string>(cols, "."));
+  for (const auto& slot : t.slots) {
+    std::string cell = fmt::format("{}{}", kind_name(slot.op.kind), slot.op.micro);
+    if (s.virtual_stages > 1) cell += fmt::format(".c{}", s.chunk_of(slot.op.stage));
+    for (int c = static_cast<int>(std::lround(slot.start)); c < std::lround(slot.end); ++c)
+      grid[slot.rank][c] = c == std::lround(slot.start) ? cell : "-";
+  }
+  std::size_t width = 1;
+  for (const auto& row : grid)
+    for (const auto& cell : row) width = std::max(width, cell.size());
+  std::string out = fmt::format(
+      "pipeline schedule '{}': pp={}, {} micro-batches{}; F = 1, B = {} time units{}\n", s.kind,
+      s.ranks, s.micro_batches,
+      s.virtual_stages > 1 ? fmt::format(", {} virtual stages per rank", s.virtual_stages) : "",
+      s.split_backward() ? "1, W = 1" : "2", "; '.' idle, '-' the op goes on");
+  for (int r = 0; r < s.ranks; ++r) {
+    out += fmt::format("rank {:>2} |", r);
+    for (const auto& cell : grid[r]) out += fmt::format(" {:<{}}", cell, width);
+    out += "\n";
+  }
+  out += fmt::format("bubble (idle / compute per rank): {:.3f}; formula {:.3f}\n", t.bubble(),
+                     formula_bubble(s));
+  return out;
+}
+
+}  // namespace parallax::parallel::pipeline

@@ -1,0 +1,103 @@
+// Pipeline schedules as global plans (parallel.pp_schedule): for every pipeline rank, the ordered
+// list of what it does in one training step, compute and communication alike. A plan is built,
+// checked (every send has its receive, every compute op has its inputs, no rank waits forever),
+// and only then executed (parallel/pipeline/pipeline_engine.h); `parallax train
+// --print-pp-schedule` prints it as a timeline.
+//
+// Stages. The model's units are cut into S = pp * v contiguous stages (v = virtual stages per
+// rank, 1 except for the interleaved schedule). Stage s lives on pipeline rank s % pp as its chunk
+// s / pp (Megatron's interleaved placement: rank r holds stages r, r + pp, r + 2 pp, ...).
+//
+// Ops. F(m, s): the forward of micro-batch m through stage s. B(m, s): its backward (the whole
+// backward; under zb only the gradient of the stage's input). W(m, s): zb's deferred
+// weight-gradient pass. SendAct/RecvAct (m, s) move stage s's output to stage s + 1, and
+// SendGrad/RecvGrad (m, s) the gradient of stage s's input to stage s - 1: a message is named by
+// the stage that produces it. The communication ops between two compute
+// ops of a rank form one batch, issued together (batch_isend_irecv: a rank that sends to and
+// receives from the same neighbour never waits on itself); the rank moves past a batch when all
+// of its ops completed.
+//
+// Thread-safety: plain values. Errors: ConfigError naming the keys and numbers for a schedule the
+// layout cannot run; parallax::Error naming the rank, op and peer for a plan that fails check().
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace parallax::parallel::pipeline {
+
+enum class OpKind { kForward, kBackward, kWeight, kSendAct, kRecvAct, kSendGrad, kRecvGrad };
+
+struct Op {
+  OpKind kind;
+  int micro = 0;  // micro-batch
+  int stage = 0;  // global stage (for messages: the stage that produced them)
+  int peer = -1;  // communication: the other pipeline rank
+  bool is_comm() const { return kind >= OpKind::kSendAct; }
+  bool is_send() const { return kind == OpKind::kSendAct || kind == OpKind::kSendGrad; }
+};
+
+// "F3s1", "B0s2", "W1s0", "send act m3 s1 -> r2", ...
+std::string to_string(const Op& op);
+
+struct Schedule {
+  std::string kind;           // gpipe | 1f1b | interleaved | zb
+  int ranks = 1;              // pp
+  int virtual_stages = 1;     // v (chunks per rank)
+  int micro_batches = 1;      // m
+  std::vector<std::vector<Op>> ops;  // ops[r]: pipeline rank r's step, in order
+
+  int stages() const { return ranks * virtual_stages; }
+  int rank_of(int stage) const { return stage % ranks; }
+  int chunk_of(int stage) const { return stage / ranks; }
+  bool split_backward() const { return kind == "zb"; }
+};
+
+// The plan of `kind` for `ranks` pipeline ranks, `micro` micro-batches and `virtual_stages`
+// chunks per rank. ConfigError naming the keys and numbers: an unknown kind, virtual stages with a
+// schedule other than interleaved, interleaved with micro-batches not a multiple of the ranks
+// (Megatron's constraint: the warm-up walks the chunks in groups of pp micro-batches), fewer
+// micro-batches than 1. Fewer micro-batches than stages is allowed (gpipe, 1f1b, zb): the plan is
+// just mostly bubble.
+Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtual_stages = 1);
+
+// Checks the plan before the first step, by running it with rendezvous semantics (an op completes
+// when its peer posted the matching op; nothing is buffered): every F, B and W of every
+// (micro-batch, stage) appears exactly once on the stage's rank; every F(m, s > 0) follows its
+// RecvAct, every B follows its F and, on all but the last stage, its RecvGrad; every W follows its
+// B; every send has exactly one matching receive on the right peer and vice versa; and no rank
+// waits forever. Throws parallax::Error naming the first rank, op and peer that break a rule
+// ("pipeline plan '1f1b': rank 1 op 7 (recv act m2 s0 <- r0) has no matching send on rank 0").
+void check(const Schedule& s);
+
+// The plan's timeline with nominal op costs (F = 1, B = 2, or under zb B = 1 and W = 1;
+// communication free), from the same rendezvous simulation check() runs.
+struct Timeline {
+  struct Slot {
+    int rank;
+    Op op;
+    double start, end;
+  };
+  std::vector<Slot> slots;  // compute ops only
+  double makespan = 0;
+  double busy_per_rank = 0;  // compute time of one rank (equal on every rank)
+  // Idle time over compute time, the bubble fraction of the pipeline literature: (p - 1) / m for
+  // 1F1B with uniform stages.
+  double bubble() const {
+    return busy_per_rank > 0 ? (makespan - busy_per_rank) / busy_per_rank : 0;
+  }
+};
+Timeline simulate(const Schedule& s, double forward_cost = 1, double backward_cost = 2,
+                  double weight_cost = 0);
+
+// The timeline as text: one row per rank, one column per time unit, "F3" / "B3" / "W3" cells
+// (with ".c<chunk>" under interleaving), "." for idle; then the bubble fraction against its
+// formula.
+std::string render(const Schedule& s);
+
+// The formula's bubble fraction: (p - 1) / m (gpipe, 1f1b), (p - 1) / (m v) (interleaved), and
+// for zb (ZB-H1, Qi et al. 2024) (p - 1)(F + B - W) / (m (F + B + W)) with F = B = W = 1:
+// (p - 1) / (3 m).
+double formula_bubble(const Schedule& s);
+
+}  // namespace parallax::parallel::pipeline

@@ -1,0 +1,201 @@
+// Pipeline schedules as global plans (parallel/pipeline/schedule.h): every schedule passes its
+// check over a grid of (pp, micro-batches, virtual stages); broken plans (a missing receive, a
+// send to the wrong rank, an order that deadlocks, a missing backward) are caught before any step
+// and named; the simulated bubble equals its formula where the formula is exact; the partition.
+#include "parallel/pipeline/pipeline_engine.h"
+#include "parallel/pipeline/schedule.h"
+#include "parallel/plan.h"
+
+#include "core/error.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+using namespace parallax;
+namespace pl = parallax::parallel::pipeline;
+namespace par = parallax::parallel;
+
+namespace {
+
+std::string error_of(const pl::Schedule& s) {
+  try {
+    pl::check(s);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(PipelineSchedule, EveryScheduleChecksOverAGridOfShapes) {
+  for (const char* kind : {"gpipe", "1f1b", "zb"}) {
+    for (int p : {2, 3, 4, 8}) {
+      for (int m : {1, 2, 3, 4, 5, 8, 16}) {
+        const pl::Schedule s = pl::build_schedule(kind, p, m);
+        EXPECT_NO_THROW(pl::check(s)) << kind << " pp=" << p << " m=" << m;
+      }
+    }
+  }
+  for (int p : {2, 3, 4}) {
+    for (int v : {1, 2, 3}) {
+      for (int k : {1, 2, 3}) {
+        const pl::Schedule s = pl::build_schedule("interleaved", p, k * p, v);
+        EXPECT_NO_THROW(pl::check(s)) << "interleaved pp=" << p << " m=" << k * p << " v=" << v;
+      }
+    }
+  }
+}
+
+TEST(PipelineSchedule, BubbleMatchesTheFormula) {
+  // Uniform stages, F = 1, B = 2: 1F1B and GPipe idle (p - 1)(F + B) per rank over m (F + B) of
+  // work; interleaving divides it by v (Narayanan et al. 2021). Exact in the simulation.
+  for (int p : {2, 4, 8}) {
+    for (int m : {4, 8, 16}) {
+      for (const char* kind : {"gpipe", "1f1b"}) {
+        const pl::Schedule s = pl::build_schedule(kind, p, m);
+        EXPECT_NEAR(pl::simulate(s).bubble(), pl::formula_bubble(s), 1e-12)
+            << kind << " pp=" << p << " m=" << m;
+      }
+      if (m % p == 0) {
+        for (int v : {2, 4}) {
+          const pl::Schedule s = pl::build_schedule("interleaved", p, m, v);
+          EXPECT_NEAR(pl::simulate(s).bubble(), pl::formula_bubble(s), 1e-12)
+              << "interleaved pp=" << p << " m=" << m << " v=" << v;
+        }
+      }
+      // ZB-H1 (F = B = W = 1): at most 1F1B's bubble, and at least the paper's (p - 1) / (3 m).
+      const pl::Schedule zb = pl::build_schedule("zb", p, m);
+      const double b = pl::simulate(zb).bubble();
+      EXPECT_LE(b, pl::formula_bubble(pl::build_schedule("1f1b", p, m)) + 1e-12);
+      EXPECT_GE(b, pl::formula_bubble(zb) - 1e-12) << "pp=" << p << " m=" << m;
+    }
+  }
+}
+
+TEST(PipelineSchedule, AMissingReceiveIsCaughtBeforeTheFirstStep) {
+  pl::Schedule s = pl::build_schedule("1f1b", 4, 8);
+  auto& ops = s.ops[2];
+  const auto it = std::find_if(ops.begin(), ops.end(), [](const pl::Op& op) {
+    return op.kind == pl::OpKind::kRecvAct && op.micro == 3;
+  });
+  ASSERT_NE(it, ops.end());
+  ops.erase(it);
+  const std::string e = error_of(s);
+  EXPECT_NE(e.find("rank 2"), std::string::npos) << e;
+  EXPECT_NE(e.find("F3s2"), std::string::npos) << e;
+  EXPECT_NE(e.find("receive"), std::string::npos) << e;
+}
+
+TEST(PipelineSchedule, AnUnmatchedSendAndAWrongPeerAreNamed) {
+  {
+    pl::Schedule s = pl::build_schedule("gpipe", 2, 2);
+    // Rank 1 receives micro-batch 1's activations under micro-batch 0's name twice.
+    for (auto& op : s.ops[1])
+      if (op.kind == pl::OpKind::kRecvAct && op.micro == 1) op.micro = 0;
+    EXPECT_NE(error_of(s).find("received twice"), std::string::npos) << error_of(s);
+  }
+  {
+    pl::Schedule s = pl::build_schedule("1f1b", 3, 3);
+    for (auto& op : s.ops[0])
+      if (op.kind == pl::OpKind::kSendAct) op.peer = 2;
+    EXPECT_NE(error_of(s).find("goes from stage 0 (rank 0) to stage 1 (rank 1)"), std::string::npos)
+        << error_of(s);
+  }
+}
+
+TEST(PipelineSchedule, AnOrderThatDeadlocksIsCaught) {
+  // Rank 0 waits for micro-batch 0's gradient before sending micro-batch 1's activations, which
+  // rank 1 needs before it can run... its forward of micro-batch 1, ahead of the backward of 0 in
+  // GPipe: a cycle.
+  pl::Schedule s = pl::build_schedule("gpipe", 2, 2);
+  auto& r0 = s.ops[0];
+  // Move rank 0's B0 (with its receive) right after F0's send, before F1.
+  std::vector<pl::Op> reordered;
+  std::vector<pl::Op> b0;
+  for (const auto& op : r0) {
+    if (op.micro == 0 && (op.kind == pl::OpKind::kRecvGrad || op.kind == pl::OpKind::kBackward))
+      b0.push_back(op);
+  }
+  for (const auto& op : r0) {
+    if (op.micro == 0 && (op.kind == pl::OpKind::kRecvGrad || op.kind == pl::OpKind::kBackward))
+      continue;
+    reordered.push_back(op);
+    if (op.kind == pl::OpKind::kSendAct && op.micro == 0)
+      reordered.insert(reordered.end(), b0.begin(), b0.end());
+  }
+  r0 = reordered;
+  const std::string e = error_of(s);
+  EXPECT_NE(e.find("deadlocks"), std::string::npos) << e;
+  EXPECT_NE(e.find("rank 0"), std::string::npos) << e;
+}
+
+TEST(PipelineSchedule, AMissingBackwardIsNamed) {
+  pl::Schedule s = pl::build_schedule("1f1b", 2, 4);
+  auto& ops = s.ops[1];
+  ops.erase(std::find_if(ops.begin(), ops.end(), [](const pl::Op& op) {
+    return op.kind == pl::OpKind::kBackward && op.micro == 2;
+  }));
+  const std::string e = error_of(s);
+  EXPECT_FALSE(e.empty());
+  EXPECT_NE(e.find("rank 1"), std::string::npos) << e;
+}
+
+TEST(PipelineSchedule, ImpossibleSettingsAreConfigErrors) {
+  EXPECT_THROW(pl::build_schedule("interleaved", 4, 6, 2), ConfigError);  // 6 % 4
+  EXPECT_THROW(pl::build_schedule("1f1b", 2, 4, 2), ConfigError);         // v without interleaved
+  EXPECT_THROW(pl::build_schedule("bogus", 2, 4), ConfigError);
+  EXPECT_THROW(pl::build_schedule("1f1b", 1, 4), ConfigError);
+  try {
+    pl::build_schedule("interleaved", 4, 6, 2);
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("(6)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("(4)"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PipelineSchedule, RenderShowsEveryRankAndTheBubble) {
+  const std::string t = pl::render(pl::build_schedule("1f1b", 4, 8));
+  for (const char* s : {"rank  0", "rank  3", "F0", "B7", "bubble", "formula 0.375"})
+    EXPECT_NE(t.find(s), std::string::npos) << s << "\n" << t;
+}
+
+TEST(PipelinePartition, BalancedExplicitAndRefused) {
+  // Costs 1 2 3 4 5 6 over 3 stages: [1 2 3 4] [5] [6] has max 10; [1 2 3] [4 5] [6] max 9.
+  EXPECT_EQ(pl::partition({1, 2, 3, 4, 5, 6}, 3), (std::vector<int>{0, 3, 5, 6}));
+  EXPECT_EQ(pl::partition({1, 1, 1, 1}, 2), (std::vector<int>{0, 2, 4}));
+  EXPECT_EQ(pl::partition({1, 1, 1, 1}, 2, {1, 3}), (std::vector<int>{0, 1, 4}));
+  EXPECT_THROW(pl::partition({1, 1}, 3), ConfigError);
+  EXPECT_THROW(pl::partition({1, 1, 1}, 2, {1, 1}), ConfigError);
+  EXPECT_THROW(pl::partition({1, 1, 1}, 2, {3, 0}), ConfigError);
+}
+
+TEST(PipelinePlan, LayoutsThePipelineCannotRunAreRefusedNamingTheKeys) {
+  par::ParallelConfig p;
+  p.pp = 2;
+  const auto refused = [&](const std::string& acp, bool graph, const std::string& needle) {
+    try {
+      par::Plan::from(p, acp, graph, 4, 0);
+      ADD_FAILURE() << "accepted: " << needle;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  p.zero.stage = 2;
+  refused("none", false, "parallel.zero.stage");
+  p.zero.stage = 3;
+  refused("none", false, "parallel.zero.stage");
+  p.zero.stage = 1;
+  refused("none", true, "train.cuda_graph");
+  p.pp_schedule = "zb";
+  refused("full", false, "train.activation_checkpointing");
+  p.pp_schedule = "1f1b";
+  p.pp_virtual_stages = 2;
+  refused("none", false, "parallel.pp_virtual_stages");
+  p.pp_schedule = "interleaved";
+  const par::Plan plan = par::Plan::from(p, "none", false, 4, 0);
+  EXPECT_EQ(plan.describe(),
+            "dp=2 x tp=1 x pp=2, ZeRO-1, pipeline interleaved x2 virtual stages, activation "
+            "checkpointing none");
+}
