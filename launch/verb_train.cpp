@@ -4,6 +4,7 @@
 #include "launch/exit_codes.h"
 #include "launch/verbs.h"
 #include "parallel/comm/world.h"
+#include "parallel/pipeline/schedule.h"
 #include "train/preemption.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -19,13 +20,18 @@ int verb_train(const std::vector<std::string>& argv) {
                      "mpirun, srun or torchrun --no-python; the rank layout comes from the launcher.");
   args.option("config", "FILE", "YAML config (may extend others through `_base_`)")
       .flag("print-config", "print the resolved config (defaults, bases and overrides applied) and exit")
+      .flag("print-pp-schedule",
+            "print the pipeline schedule (parallel.pp stages, train.grad_accum micro-batches) as a "
+            "checked timeline with its bubble, and exit")
       .flag("help-config", "list every config key with its type, default and meaning, and exit")
       .overrides("config overrides, Hydra style: optim.lr=3e-4 parallel.dp=2 model.img_size[0]=224 ~key")
       .epilog(
           "examples:\n"
           "  parallax train --config configs/bev_tiny.yaml\n"
           "  parallax train --config configs/bev_tiny.yaml optim.lr=3e-4 train.steps=200 --print-config\n"
-          "  mpirun -np 2 parallax train --config configs/bev_tiny.yaml");
+          "  mpirun -np 2 parallax train --config configs/bev_tiny.yaml\n"
+          "  parallax train --config configs/bev_tiny.yaml parallel.pp=4 train.grad_accum=8 "
+          "--print-pp-schedule");
   args.parse(argv);
   if (args.help_requested()) {
     std::fputs(args.help_text().c_str(), stdout);
@@ -45,6 +51,14 @@ int verb_train(const std::vector<std::string>& argv) {
   train::RunConfig cfg = train::load_run_config(args.get("config"), args.override_args());
   if (args.flag_set("print-config")) {
     std::fputs(train::resolved_yaml(cfg).c_str(), stdout);
+    return 0;
+  }
+  if (args.flag_set("print-pp-schedule")) {
+    const auto schedule = parallel::pipeline::build_schedule(
+        cfg.parallel.pp_schedule, cfg.parallel.pp, cfg.train.grad_accum,
+        cfg.parallel.pp_virtual_stages);
+    parallel::pipeline::check(schedule);
+    std::fputs(parallel::pipeline::render(schedule).c_str(), stdout);
     return 0;
   }
   // The World (MPI or TCPStore rendezvous, device selection) lives for the whole run and is

@@ -11,6 +11,7 @@
 #include <limits>
 #include <numeric>
 #include <set>
+#include <tuple>
 
 namespace parallax::parallel::pipeline {
 
@@ -135,6 +136,23 @@ PipelineEngine::PipelineEngine(std::shared_ptr<torch::nn::Module> module,
     p.set_data(at::empty({0}, p.options()));
   }
   inner_ = make_inner();
+  // The optimizer's step counter is one value on every stage: its replicas are every stage's
+  // data-parallel ranks (gathered over the pipeline).
+  const std::vector<int> mine = inner_->model_replicas();
+  at::Tensor local = at::tensor(std::vector<int64_t>(mine.begin(), mine.end()), at::kLong);
+  if (pp_->device_type() != c10::kCPU) local = local.to(c10::Device(pp_->device_type(), 0));
+  at::Tensor all = at::empty({static_cast<int64_t>(mine.size()) * pp_->size()}, local.options());
+  pp_->all_gather_async(local, all)->wait();
+  all = all.cpu();
+  for (int64_t k = 0; k < all.numel(); ++k) step_replicas_.push_back(static_cast<int>(all[k].item<int64_t>()));
+  std::sort(step_replicas_.begin(), step_replicas_.end());
+}
+
+std::vector<StatePiece> PipelineEngine::optimizer_state() {
+  std::vector<StatePiece> pieces = inner_->optimizer_state();
+  for (auto& p : pieces)
+    if (p.name == "step") p.replicas = step_replicas_;
+  return pieces;
 }
 
 std::string PipelineEngine::describe() const {
@@ -194,13 +212,85 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
     }
   }
   compute_ms_ = 0;
-  // Posted sends (with the buffers they read), waited for at the end of the step; the header
-  // receives of the current batch.
-  std::vector<std::pair<comm::WorkPtr, at::Tensor>> pending, sends;
+  // Posted sends (with the buffers they read), waited for at the end of the step; posted receives
+  // by message (act 0 / grad 1, micro-batch, producing stage): the header's work and buffer, and
+  // the op's index in the plan.
+  std::vector<std::pair<comm::WorkPtr, at::Tensor>> pending;
+  struct PostedRecv {
+    comm::WorkPtr work;
+    at::Tensor header;
+    std::size_t index;
+  };
+  std::map<std::tuple<int, int, int>, PostedRecv> posted;
+  // Completes the receive of message `key`: its header, then the tensors the header describes,
+  // into the slot of the stage that consumes them.
+  const auto complete = [&](const std::tuple<int, int, int>& key) {
+    const auto it = posted.find(key);
+    PARALLAX_CHECK(it != posted.end(), Error,
+                   "pipeline: rank {} needs the {} of micro-batch {} from stage {} but its plan "
+                   "posted no receive for it",
+                   pp_->rank(), std::get<0>(key) == 0 ? "activations" : "gradients",
+                   std::get<1>(key), std::get<2>(key));
+    it->second.work->wait();
+    const Op& c = ops[it->second.index];
+    const at::Tensor header = it->second.header;
+    posted.erase(it);
+    const at::Tensor hdr = header.cpu();
+    auto h = hdr.accessor<int64_t, 1>();
+    const bool act = c.kind == OpKind::kRecvAct;
+    const int consumer = act ? c.stage + 1 : c.stage - 1;
+    PARALLAX_CHECK(h[0] == kMagic && h[1] == c.stage && h[2] == c.micro && h[3] >= 0 &&
+                       h[3] <= kMaxTensors,
+                   Error,
+                   "pipeline: stage {} (rank {}) expected the {} of micro-batch {} from stage {} "
+                   "(pipeline rank {}) and received {} (a plan mismatch between the ranks)",
+                   consumer, pp_->rank(), act ? "activations" : "gradients", c.micro, c.stage,
+                   c.peer,
+                   h[0] != kMagic ? std::string("a message that is no pipeline header")
+                                  : fmt::format("stage {}'s message for micro-batch {}", h[1], h[2]));
+    std::vector<at::Tensor> got;
+    std::vector<comm::WorkPtr> works;
+    for (int64_t k = 0; k < h[3]; ++k) {
+      std::vector<int64_t> shape;
+      for (int64_t d = 0; d < h[5 + 8 * k]; ++d) shape.push_back(h[6 + 8 * k + d]);
+      at::Tensor t =
+          at::empty(shape, header.options().dtype(static_cast<at::ScalarType>(h[4 + 8 * k])));
+      got.push_back(t);
+      works.push_back(pp_->recv_async(t, c.peer, tag(c, static_cast<int>(k) + 1)));
+    }
+    for (auto& w : works) w->wait();
+    for (auto& t : got)
+      if (t.device() != model_device) t = t.to(model_device);
+    if (act) {
+      Slot& slot = slots[{c.micro, c.stage + 1}];
+      for (auto& t : got)
+        if (at::isFloatingType(t.scalar_type())) t.set_requires_grad(true);
+      slot.inputs = std::move(got);
+      return;
+    }
+    Slot& slot = slots.at({c.micro, c.stage - 1});
+    PARALLAX_CHECK(got.size() == slot.outputs.size(), Error,
+                   "pipeline: stage {} returned {} gradients for the {} outputs of stage {} "
+                   "(micro-batch {})",
+                   c.stage, got.size(), slot.outputs.size(), c.stage - 1, c.micro);
+    for (std::size_t k = 0; k < got.size(); ++k) {
+      const at::Tensor& o = slot.outputs[k];
+      PARALLAX_CHECK(!o.requires_grad() || (got[k].sizes() == o.sizes()), Error,
+                     "pipeline: the gradient of output {} of stage {} (micro-batch {}) from stage "
+                     "{} has shape {}, the output {}",
+                     k, c.stage - 1, c.micro, c.stage, fmt::format("{}", got[k].sizes()),
+                     fmt::format("{}", o.sizes()));
+      if (o.requires_grad() && got[k].scalar_type() != o.scalar_type())
+        got[k] = got[k].to(o.scalar_type());
+    }
+    slot.out_grads = std::move(got);
+  };
   std::size_t i = 0;
   while (i < ops.size()) {
     const Op& op = ops[i];
     if (!op.is_comm()) {
+      if (op.kind == OpKind::kForward && op.stage > 0) complete({0, op.micro, op.stage - 1});
+      if (op.kind == OpKind::kBackward && op.stage < last) complete({1, op.micro, op.stage + 1});
       core::Stopwatch clock;
       Slot& slot = slots[{op.micro, op.stage}];
       if (op.kind == OpKind::kForward) {
@@ -251,21 +341,17 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
       ++i;
       continue;
     }
-    // One batch of communication. Every send (its header, then its tensors) is posted at once and
-    // waited for at the end of the step; the receives wait for their headers, then post the
-    // tensors the headers describe and wait for them. A rank thus never waits on its own sends
-    // inside a batch: the plan's rendezvous check (schedule.h) is the stricter model.
-    std::size_t end = i;
-    while (end < ops.size() && ops[end].is_comm()) ++end;
-    std::vector<std::pair<std::size_t, at::Tensor>> hdr_in;  // (op index, header buffer)
-    for (std::size_t j = i; j < end; ++j) {
-      const Op& c = ops[j];
-      if (!c.is_send()) {
-        at::Tensor hdr = to_comm(at::zeros({kHeader}, at::kLong));
-        sends.push_back({pp_->recv_async(hdr, c.peer, tag(c, 0)), {}});
-        hdr_in.emplace_back(j, hdr);
-        continue;
-      }
+    // A communication op: a send posts its header and tensors at once (waited for at the end of
+    // the step); a receive posts its header and completes right before the op that consumes it.
+    if (!op.is_send()) {
+      at::Tensor hdr = to_comm(at::zeros({kHeader}, at::kLong));
+      posted[{op.kind == OpKind::kRecvAct ? 0 : 1, op.micro, op.stage}] = {
+          pp_->recv_async(hdr, op.peer, tag(op, 0)), hdr, i};
+      ++i;
+      continue;
+    }
+    {
+      const Op& c = op;
       Slot& slot = slots.at({c.micro, c.stage});
       std::vector<at::Tensor> payload;
       if (c.kind == OpKind::kSendAct) {
@@ -303,64 +389,8 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
         pending.push_back(
             {pp_->send_async(payload[k], c.peer, tag(c, static_cast<int>(k) + 1)), payload[k]});
     }
-    for (auto& w : sends) w.first->wait();  // the headers of this batch's receives
-    sends.clear();
-    std::vector<comm::WorkPtr> payload_in;
-    std::map<std::size_t, std::vector<at::Tensor>> incoming;
-    for (const auto& [j, header] : hdr_in) {
-      const Op& c = ops[j];
-      const at::Tensor hdr = header.cpu();
-      auto h = hdr.accessor<int64_t, 1>();
-      const bool act = c.kind == OpKind::kRecvAct;
-      const int consumer = act ? c.stage + 1 : c.stage - 1;
-      PARALLAX_CHECK(h[0] == kMagic && h[1] == c.stage && h[2] == c.micro && h[3] >= 0 &&
-                         h[3] <= kMaxTensors,
-                     Error,
-                     "pipeline: stage {} (rank {}) expected the {} of micro-batch {} from stage {} "
-                     "(pipeline rank {}) and received {} (a plan mismatch between the ranks)",
-                     consumer, pp_->rank(), act ? "activations" : "gradients", c.micro, c.stage,
-                     c.peer,
-                     h[0] != kMagic ? std::string("a message that is no pipeline header")
-                                    : fmt::format("stage {}'s message for micro-batch {}", h[1], h[2]));
-      for (int64_t k = 0; k < h[3]; ++k) {
-        std::vector<int64_t> shape;
-        for (int64_t d = 0; d < h[5 + 8 * k]; ++d) shape.push_back(h[6 + 8 * k + d]);
-        at::Tensor t = at::empty(shape, header.options().dtype(
-                                            static_cast<at::ScalarType>(h[4 + 8 * k])));
-        incoming[j].push_back(t);
-        payload_in.push_back(pp_->recv_async(t, c.peer, tag(c, static_cast<int>(k) + 1)));
-      }
-    }
-    for (auto& w : payload_in) w->wait();
-    for (auto& [j, got] : incoming) {
-      const Op& c = ops[j];
-      for (auto& t : got)
-        if (t.device() != model_device) t = t.to(model_device);
-      if (c.kind == OpKind::kRecvAct) {
-        Slot& slot = slots[{c.micro, c.stage + 1}];
-        for (auto& t : got)
-          if (at::isFloatingType(t.scalar_type())) t.set_requires_grad(true);
-        slot.inputs = std::move(got);
-      } else {
-        Slot& slot = slots.at({c.micro, c.stage - 1});
-        PARALLAX_CHECK(got.size() == slot.outputs.size(), Error,
-                       "pipeline: stage {} returned {} gradients for the {} outputs of stage {} "
-                       "(micro-batch {})",
-                       c.stage, got.size(), slot.outputs.size(), c.stage - 1, c.micro);
-        for (std::size_t k = 0; k < got.size(); ++k) {
-          const at::Tensor& o = slot.outputs[k];
-          PARALLAX_CHECK(!o.requires_grad() || (got[k].sizes() == o.sizes()), Error,
-                         "pipeline: the gradient of output {} of stage {} (micro-batch {}) from "
-                         "stage {} has shape {}, the output {}",
-                         k, c.stage - 1, c.micro, c.stage, fmt::format("{}", got[k].sizes()),
-                         fmt::format("{}", o.sizes()));
-          if (o.requires_grad() && got[k].scalar_type() != o.scalar_type())
-            got[k] = got[k].to(o.scalar_type());
-        }
-        slot.out_grads = std::move(got);
-      }
-    }
-    i = end;
+    ++i;
+    continue;
   }
   for (auto& w : pending) w.first->wait();
   pending.clear();

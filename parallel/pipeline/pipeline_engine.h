@@ -71,7 +71,8 @@ class PipelineEngine : public Engine {
   void zero_grad() override { inner_->zero_grad(); }
   optim::Optimizer& optimizer() override { return inner_->optimizer(); }
   std::vector<int> model_replicas() const override { return inner_->model_replicas(); }
-  std::vector<StatePiece> optimizer_state() override { return inner_->optimizer_state(); }
+  // The inner engine's, with the step counter replicated over every stage.
+  std::vector<StatePiece> optimizer_state() override;
   void optimizer_state_loaded() override { inner_->optimizer_state_loaded(); }
   // The stage's parameters (whole, replicated over the dp group), and on pipeline rank 0 the
   // buffers (identical on every stage).
@@ -102,6 +103,7 @@ class PipelineEngine : public Engine {
   std::map<std::string, std::vector<int64_t>> foreign_;  // released parameters -> their shapes
   std::map<std::string, int> owner_;                     // parameter -> pipeline rank holding it
   std::unique_ptr<Engine> inner_;
+  std::vector<int> step_replicas_;
   bool full_ = false;
   double compute_ms_ = 0;
 };

@@ -372,59 +372,42 @@ Timeline simulate(const Schedule& s, double fc, double bc, double wc) {
     wc = bc / 2;
     bc = bc / 2;
   }
-  const int p = s.ranks;
+  const int p = s.ranks, last = s.stages() - 1;
   std::vector<std::size_t> idx(static_cast<std::size_t>(p), 0);
   std::vector<double> clock(static_cast<std::size_t>(p), 0);
-  std::vector<bool> posted(static_cast<std::size_t>(p), false);
-  std::map<MsgKey, double> send_post, recv_post;
+  std::map<MsgKey, double> send_post;  // message -> when its send was posted
   Timeline t;
-  const auto batch_end = [&](int r) {
-    std::size_t j = idx[r];
-    while (j < s.ops[r].size() && s.ops[r][j].is_comm()) ++j;
-    return j;
+  // The message a compute op waits for (dir < 0: none).
+  const auto needs = [&](const Op& op) -> MsgKey {
+    if (op.kind == OpKind::kForward && op.stage > 0) return {0, op.micro, op.stage - 1};
+    if (op.kind == OpKind::kBackward && op.stage < last) return {1, op.micro, op.stage + 1};
+    return {-1, 0, 0};
   };
   for (;;) {
     bool progress = false, finished = true;
     for (int r = 0; r < p; ++r) {
       while (idx[r] < s.ops[r].size()) {
         const Op& op = s.ops[r][idx[r]];
-        if (!op.is_comm()) {
-          const double cost = op.kind == OpKind::kForward    ? fc
-                              : op.kind == OpKind::kBackward ? bc
-                                                             : wc;
-          t.slots.push_back({r, op, clock[r], clock[r] + cost});
-          clock[r] += cost;
+        if (op.is_comm()) {
+          // Posting never blocks: a send is buffered, a receive waits where its data is used.
+          if (op.is_send()) send_post[msg_key(op)] = clock[r];
           ++idx[r];
           progress = true;
           continue;
         }
-        const std::size_t end = batch_end(r);
-        if (!posted[r]) {
-          for (std::size_t j = idx[r]; j < end; ++j) {
-            const Op& c = s.ops[r][j];
-            (c.is_send() ? send_post : recv_post)[msg_key(c)] = clock[r];
-          }
-          posted[r] = true;
-          progress = true;
+        double start = clock[r];
+        const MsgKey need = needs(op);
+        if (std::get<0>(need) >= 0) {
+          const auto it = send_post.find(need);
+          if (it == send_post.end()) break;  // waits for a neighbour
+          start = std::max(start, it->second);
         }
-        // The batch completes when every op's peer posted its side; the data of a receive is
-        // there when its send was posted (sends do not hold the sender's clock).
-        bool all = true;
-        double ready = clock[r];
-        for (std::size_t j = idx[r]; j < end; ++j) {
-          const Op& c = s.ops[r][j];
-          const auto& other = c.is_send() ? recv_post : send_post;
-          const auto it = other.find(msg_key(c));
-          if (it == other.end()) {
-            all = false;
-            break;
-          }
-          if (!c.is_send()) ready = std::max(ready, it->second);
-        }
-        if (!all) break;
-        clock[r] = ready;
-        idx[r] = end;
-        posted[r] = false;
+        const double cost = op.kind == OpKind::kForward    ? fc
+                            : op.kind == OpKind::kBackward ? bc
+                                                           : wc;
+        t.slots.push_back({r, op, start, start + cost});
+        clock[r] = start + cost;
+        ++idx[r];
         progress = true;
       }
       if (idx[r] < s.ops[r].size()) finished = false;
@@ -434,15 +417,10 @@ Timeline simulate(const Schedule& s, double fc, double bc, double wc) {
       std::string stuck;
       for (int r = 0; r < p; ++r) {
         if (idx[r] >= s.ops[r].size()) continue;
-        for (std::size_t j = idx[r]; j < batch_end(r); ++j) {
-          const Op& c = s.ops[r][j];
-          const auto& other = c.is_send() ? recv_post : send_post;
-          if (other.count(msg_key(c)) == 0) {
-            stuck += fmt::format("; rank {} op {} ({}) waits for rank {}", r, j, to_string(c),
-                                 c.peer);
-            break;
-          }
-        }
+        const Op& op = s.ops[r][idx[r]];
+        stuck += fmt::format("; rank {} op {} ({}) waits for the {} of stage {}", r, idx[r],
+                             to_string(op), op.kind == OpKind::kForward ? "activations" : "gradient",
+                             op.kind == OpKind::kForward ? op.stage - 1 : op.stage + 1);
       }
       throw_error<Error>("pipeline plan '{}' deadlocks{}", s.kind, stuck);
     }

@@ -12,10 +12,9 @@
 // backward; under zb only the gradient of the stage's input). W(m, s): zb's deferred
 // weight-gradient pass. SendAct/RecvAct (m, s) move stage s's output to stage s + 1, and
 // SendGrad/RecvGrad (m, s) the gradient of stage s's input to stage s - 1: a message is named by
-// the stage that produces it. The communication ops between two compute
-// ops of a rank form one batch, issued together (batch_isend_irecv: a rank that sends to and
-// receives from the same neighbour never waits on itself); the rank moves past a batch when all
-// of its ops completed.
+// the stage that produces it. The engine posts each communication op where the plan lists it
+// (at the places Megatron-LM puts them: schedule.cpp, with_comm), never waits for a send before
+// the end of the step, and waits for a receive right before the compute op that consumes it.
 //
 // Thread-safety: plain values. Errors: ConfigError naming the keys and numbers for a schedule the
 // layout cannot run; parallax::Error naming the rank, op and peer for a plan that fails check().
@@ -61,8 +60,8 @@ struct Schedule {
 // just mostly bubble.
 Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtual_stages = 1);
 
-// Checks the plan before the first step, by running it with rendezvous semantics (an op completes
-// when its peer posted the matching op; nothing is buffered): every F, B and W of every
+// Checks the plan before the first step by running it as the engine does: posting a send or a
+// receive never blocks, a compute op waits for the message it consumes. Every F, B and W of every
 // (micro-batch, stage) appears exactly once on the stage's rank; every F(m, s > 0) follows its
 // RecvAct, every B follows its F and, on all but the last stage, its RecvGrad; every W follows its
 // B; every send has exactly one matching receive on the right peer and vice versa; and no rank
@@ -71,7 +70,7 @@ Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtu
 void check(const Schedule& s);
 
 // The plan's timeline with nominal op costs (F = 1, B = 2, or under zb B = 1 and W = 1;
-// communication free), from the same rendezvous simulation check() runs.
+// communication free), from the same simulation check() runs.
 struct Timeline {
   struct Slot {
     int rank;
