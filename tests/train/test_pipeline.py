@@ -4,9 +4,10 @@
 - `mpirun -np 2 parallax train --config configs/bev_tiny.yaml model.backbone=vit parallel.pp=2
   parallel.pp_schedule=1f1b train.grad_accum=4` matches `-np 1` with the same global batch, per-step
   losses within RTOL (see there), under every schedule; and dp 2 x pp 2 on 4 ranks;
-- the reshard matrix: a pp 2 checkpoint resumes under pp 1 and a pp 4 one under dp 2 x pp 2 (the
-  optimizer state and the step counter included), each continuing the uninterrupted run; the pp
+- the reshard matrix: pp 2 -> pp 1 -> pp 4 -> dp 2 x pp 2 -> tp 2 x pp 2 (the optimizer state and
+  the step counter included), each continuing the uninterrupted run; the pp
   checkpoint exports whole (weights.h5 with every tensor of the single-process model);
+- real HDF5 data, evaluation and activation checkpointing under pp 2 match one process;
 - bf16 autocast and fp16 loss scaling run under pp 2 and stay within their precision of pp 1;
 - `--print-pp-schedule` prints the checked timeline with its bubble;
 - impossible layouts are one `parallax: error:` line naming the keys and numbers.
@@ -69,14 +70,17 @@ class PipelineTest(tt.RunDirTest):
         # pp 2 (global batch 4 per micro-batch on one pipeline) for 2 steps, then one process.
         self.vit("a", 2, "train.steps=2", "checkpoint.every=2", "parallel.pp=2", "data.batch_size=4")
         self.vit("a", 1, "train.steps=3", "checkpoint.every=3", "train.resume=auto", "data.batch_size=4")
-        # Then pp 4 for a step, then dp 2 x pp 2 (2 samples per dp rank) to the end.
+        # Then pp 4 for a step, then dp 2 x pp 2 (2 samples per dp rank).
         self.vit("a", 4, "train.steps=4", "checkpoint.every=4", "train.resume=auto", "parallel.pp=4",
                  "data.batch_size=4")
-        self.vit("a", 4, "train.steps=6", "train.resume=auto", "parallel.pp=2", "parallel.dp=2",
-                 "data.batch_size=2", "checkpoint.every=6")
+        self.vit("a", 4, "train.steps=5", "train.resume=auto", "parallel.pp=2", "parallel.dp=2",
+                 "data.batch_size=2", "checkpoint.every=5")
+        # Then tp 2 x pp 2 (the ViT's linears split inside each stage).
+        self.vit("a", 4, "train.steps=6", "train.resume=auto", "parallel.pp=2", "parallel.tp=2",
+                 "data.batch_size=4", "checkpoint.every=6")
         got = losses(os.path.join(self.d, "a"))
         self.assert_close(got, want, range(1, 7))
-        # The last checkpoint (written by dp 2 x pp 2 ranks, each stage its own tensors) exports
+        # The last checkpoint (written by tp 2 x pp 2 ranks, each stage its own tensors) exports
         # whole: every tensor of the single-process model, with its values. AdamW moves a weight by
         # up to lr = 3e-3 per step whatever its gradient's size, so a gradient near zero whose
         # rounding differs (clipping's norm, summed in another order) can move it the other way:
@@ -104,6 +108,31 @@ class PipelineTest(tt.RunDirTest):
                 a, b = losses(os.path.join(self.d, f"{mode}1")), losses(os.path.join(self.d, f"{mode}2"))
                 for s in [1, 2, 3]:
                     self.assertAlmostEqual(b[s], a[s], delta=2e-2 * abs(a[s]), msg=f"{mode} step {s}")
+
+    def test_dataset_evaluation_and_activation_checkpointing_under_pipeline(self):
+        # Real HDF5 data (the side inputs reach the later stages from the loader), evaluation with
+        # the stages gathered on every rank, and activation checkpointing per stage: the same
+        # losses and evaluation as one process within RTOL.
+        data = os.path.join(self.d, "data")
+        tt.run(["datagen", "--out", data, "--scenes", "8", "--val-scenes", "2", "--threads", "2",
+                "--samples-per-pixel", "1"])
+        common = ["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", "model.backbone=vit",
+                  f"data.path={data}", "data.batch_size=1", "train.steps=2", "train.eval_every=2",
+                  "train.activation_checkpointing=full", *self.COMMON]
+        tt.run([*common, "experiment.name=one"])
+        tt.run([*common, "experiment.name=pp", "parallel.pp=2"], 2)
+        one, pp = os.path.join(self.d, "one"), os.path.join(self.d, "pp")
+        self.assert_close(losses(pp), losses(one), [1, 2])
+        # Evaluation after 2 AdamW steps: AdamW moves a weight by up to lr whatever its gradient's
+        # size, so rounding differences in near-zero gradients become lr-sized weight differences
+        # (measured: val_loss 1.1e-4 relative apart); 1e-3. A wrong gather of the stages (a stage's
+        # weights missing or stale) moves val_loss by more than 1e-1.
+        e1, e2 = tt.metrics(one, "eval")[-1], tt.metrics(pp, "eval")[-1]
+        # mAP of an untrained detector (~1e-3) flips with single detections near the score
+        # threshold: only present.
+        for k in ("val_loss", "miou"):
+            self.assertAlmostEqual(e2[k], e1[k], delta=1e-3 * max(abs(e1[k]), 1e-2), msg=k)
+        self.assertIn("map", e2)
 
     def test_print_schedule(self):
         p = tt.run(["train", "--config", tt.BEV, "parallel.pp=4", "train.grad_accum=8", "--print-pp-schedule"])
