@@ -1,10 +1,12 @@
 // The pipeline bubble measured on CPU ranks (mpirun, one thread per rank), per schedule, against
 // the formula: an mlp of S equal layers (width W, S = pp x virtual stages, one unit per stage) is
 // trained by the pipeline engine on m micro-batches of R rows; per step, each rank's bubble is
-// (step wall time - its compute time) / its compute time (the engine times its F, B and W passes),
-// and the reported value is the median over the timed steps of the mean over ranks. One JSON line
-// from rank 0 per schedule. The formula assumes B = 2 F and no communication time; the line also
-// gives the measured B / F ratio's effect through the plan simulated with F = 1, B = 2.
+// (step wall time - its compute time) / its compute time (the engine times its F, B and W passes).
+// Reported (medians over the timed steps): bubble_mean_rank, the mean over ranks, and
+// bubble_bottleneck, the same for the rank with the most compute (the critical path; the formula's
+// quantity). The stages are not equal: the first computes no input gradient (its input is the
+// data), so its backward is about F where the others' is 2 F, and it waits more. The formula
+// assumes B = 2 F everywhere and free communication; bubble_plan is the plan simulated that way.
 // Usage: mpirun -np P pp_bubble [--micro M] [--width W] [--rows R] [--steps N]
 //        [--schedules gpipe,1f1b,interleaved,zb] [--virtual V]
 #include "core/log.h"
@@ -84,7 +86,7 @@ int main(int argc, char** argv) {
     fns.finish = [&](int i, const std::vector<at::Tensor>& out) {
       return model->loss(batches[i], model->chain_end(batches[i], out)).total / micro;
     };
-    std::vector<double> bubbles;
+    std::vector<double> bubbles, bottleneck;
     for (int step = 0; step < steps + 2; ++step) {
       comm->barrier();
       core::Stopwatch clock;
@@ -96,15 +98,22 @@ int main(int argc, char** argv) {
       at::Tensor b = at::full({1}, (wall - engine.last_compute_ms()) / engine.last_compute_ms(),
                               at::kDouble);
       comm->all_reduce(b, par::comm::ReduceOp::kAvg);
-      if (step >= 2) bubbles.push_back(b.item<double>());
+      at::Tensor c = at::full({1}, engine.last_compute_ms(), at::kDouble);
+      comm->all_reduce(c, par::comm::ReduceOp::kMax);
+      if (step >= 2) {
+        bubbles.push_back(b.item<double>());
+        bottleneck.push_back((wall - c.item<double>()) / c.item<double>());
+      }
     }
     std::sort(bubbles.begin(), bubbles.end());
+    std::sort(bottleneck.begin(), bottleneck.end());
     if (comm->rank() == 0) {
       fmt::print(
           "{{\"schedule\": \"{}\", \"pp\": {}, \"virtual_stages\": {}, \"micro_batches\": {}, "
-          "\"width\": {}, \"rows\": {}, \"bubble_measured\": {:.4f}, \"bubble_formula\": {:.4f}, "
-          "\"bubble_plan\": {:.4f}}}\n",
+          "\"width\": {}, \"rows\": {}, \"bubble_mean_rank\": {:.4f}, \"bubble_bottleneck\": {:.4f}, "
+          "\"bubble_formula\": {:.4f}, \"bubble_plan\": {:.4f}}}\n",
           kind, p, v, micro, width, rows, bubbles[bubbles.size() / 2],
+          bottleneck[bottleneck.size() / 2],
           pl::formula_bubble(engine.schedule()), pl::simulate(engine.schedule()).bubble());
     }
   }
