@@ -411,8 +411,13 @@ struct Checkpointer::Impl {
         }
       }
       if (rank == 0) {
-        // The result first: a rank whose writes fail once the directory is gone finds it.
-        if (multi) publish_result(job, std::string("error: ") + e.what());
+        // The result first: a rank whose writes fail once the directory is gone finds it. The
+        // directory goes once every rank stopped writing into it (or the deadline passed): a rank
+        // still creating its file while remove_all walks the directory would leave it behind.
+        if (multi) {
+          publish_result(job, std::string("error: ") + e.what());
+          wait_writers_finished(job);
+        }
         std::error_code ec;
         fs::remove_all(tmp, ec);
       } else if (multi) {
@@ -450,7 +455,10 @@ struct Checkpointer::Impl {
       if (multi) gather(job, indexes);
       st.path = commit(job, tmp, std::move(indexes));
     } catch (const std::exception& e) {
-      if (multi) publish_result(job, std::string("error: ") + e.what());
+      if (multi) {
+        publish_result(job, std::string("error: ") + e.what());
+        wait_writers_finished(job);
+      }
       std::error_code ec;
       fs::remove_all(tmp, ec);
       throw;
@@ -477,6 +485,24 @@ struct Checkpointer::Impl {
         "{}; a checkpoint never commits non-finite parameters or optimizer state, so the "
         "previous checkpoints are kept (the run diverged: lower optim.lr or check the data)",
         group.rank, job.step, e.name, c.nan, c.inf, e.tensor.numel());
+  }
+
+  // Waits until every other rank finished (index written) or failed its write, or the checkpoint
+  // deadline passes (a dead rank never reports); never throws.
+  void wait_writers_finished(const Job& job) {
+    const auto deadline =
+        Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts.timeout_s * 1000));
+    auto sleep = std::chrono::milliseconds(1);
+    try {
+      while (store->add(key(job, "ndone"), 0) + store->add(key(job, "nfail"), 0) <
+                 group.world - 1 &&
+             Clock::now() < deadline) {
+        std::this_thread::sleep_for(sleep);
+        sleep = std::min(sleep * 2, std::chrono::milliseconds(50));
+      }
+    } catch (const std::exception& e) {
+      core::log::warn("checkpoint: waiting for the other ranks of step {}: {}", job.step, e.what());
+    }
   }
 
   void publish_result(const Job& job, const std::string& result) {
