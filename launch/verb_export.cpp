@@ -14,6 +14,7 @@
 #include "models/model.h"
 #include "models/perception_model.h"
 #include "train/lora.h"
+#include "train/qat.h"
 #include "train/run_config.h"
 
 #ifdef PARALLAX_WITH_ONNX
@@ -194,16 +195,26 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
       args.has("out") ? args.get("out") : (fs::path(run) / "export" / "model.onnx").string();
   checkpoint::exporter::prepare_output_dir(out);
 
-  PARALLAX_CHECK(!cfg->qat.enabled, ConfigError,
-                 "export: run '{}' is a QAT run (qat.enabled): its ONNX export needs "
-                 "QuantizeLinear/DequantizeLinear nodes, which this version does not write yet; "
-                 "export --format weights (the fp32 weights and the amax buffers) instead",
-                 run);
   const core::SceneSpec scene = train::run_scene(*cfg);
-  // A LoRA run: the base with its adapters merged in (no adapter nodes in the graph).
+  // A LoRA run: the base with its adapters merged in (no adapter nodes in the graph). A QAT run:
+  // the model fake-quantized with the checkpoint's amax, exported with QuantizeLinear /
+  // DequantizeLinear pairs on the inputs and weights of its Linear and Conv layers.
   std::shared_ptr<models::Model> model;
+  std::unique_ptr<models::onnx::EmitHooks> qdq;
   if (cfg->lora.rank > 0) {
     model = train::lora::merged_model(*cfg, scene, reader);
+  } else if (cfg->qat.enabled) {
+    model = models::build_model(cfg->model, scene);
+    const std::vector<train::qat::Layer> quantized = train::qat::apply(*model, cfg->qat);
+    checkpoint::load_weights(reader, *model);
+    train::qat::set_state(quantized, models::QuantState::kQuantizing);
+    qdq = train::qat::export_hooks(quantized);
+    o.hooks = qdq.get();
+    o.gate = checkpoint::exporter::qat_parity_gate();
+    PARALLAX_CHECK(o.dtype == at::kFloat, ConfigError,
+                   "export: run '{}' is a QAT run: its Q/DQ graph is written in fp32 (QuantizeLinear "
+                   "of float16 needs opset 19; this exporter writes opset 17); drop --dtype fp16",
+                   run);
   } else {
     model = models::build_model(cfg->model, scene);
     checkpoint::load_weights(reader, *model);

@@ -379,4 +379,56 @@ TrainerHooks hooks(const RunConfig& cfg) {
   return h;
 }
 
+namespace {
+
+class QdqHooks : public models::onnx::EmitHooks {
+ public:
+  explicit QdqHooks(const std::vector<Layer>& layers) {
+    for (const auto& l : layers) by_path_[l.path] = l;
+  }
+  models::onnx::Value layer_input(models::onnx::Emitter& e, const std::string& layer,
+                                  const models::onnx::Value& x) override {
+    const auto it = by_path_.find(layer);
+    if (it == by_path_.end() || !it->second.input) return x;
+    e.mark_read(layer + ".input_quantizer.amax");
+    return qdq(e, layer, "input", x, *it->second.input);
+  }
+  models::onnx::Value layer_weight(models::onnx::Emitter& e, const std::string& layer,
+                                   const models::onnx::Value& w) override {
+    const auto it = by_path_.find(layer);
+    if (it == by_path_.end() || !it->second.weight) return w;
+    e.mark_read(layer + ".weight_quantizer.amax");
+    return qdq(e, layer, "weight", w, *it->second.weight);
+  }
+
+ private:
+  static models::onnx::Value qdq(models::onnx::Emitter& e, const std::string& layer,
+                                 const char* what, const models::onnx::Value& x,
+                                 const models::TensorQuantizerImpl& q) {
+    PARALLAX_CHECK(q.state() == models::QuantState::kQuantizing, Error,
+                   "QAT export: the {} quantizer of layer '{}' is not calibrated (frozen)", what,
+                   layer);
+    PARALLAX_CHECK(e.dtype() == at::kFloat, ConfigError,
+                   "key 'export.dtype': a QAT model exports in fp32 (QuantizeLinear of float16 "
+                   "needs opset 19; this exporter writes opset 17)");
+    const at::Tensor scale = q.scale().detach().to(at::kCPU, at::kFloat).contiguous();
+    const bool per_channel = q.per_channel();
+    const models::onnx::Value s = per_channel ? e.constant(scale) : e.constant(scale.reshape({}));
+    const models::onnx::Value zp = per_channel ? e.constant(at::zeros({scale.numel()}, at::kChar))
+                                               : e.constant(at::zeros({}, at::kChar));
+    std::vector<models::onnx::Attr> attrs;
+    if (per_channel) attrs.push_back({"axis", int64_t{0}});
+    const models::onnx::Value qx = e.op("QuantizeLinear", {x, s, zp}, attrs);
+    return e.op("DequantizeLinear", {qx, s, zp}, attrs);
+  }
+
+  std::map<std::string, Layer> by_path_;
+};
+
+}  // namespace
+
+std::unique_ptr<models::onnx::EmitHooks> export_hooks(const std::vector<Layer>& layers) {
+  return std::make_unique<QdqHooks>(layers);
+}
+
 }  // namespace parallax::train::qat

@@ -110,6 +110,13 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& layers, const 
 int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& layers,
                            const TrainingStart& start);
 
+// The ONNX export of a quantized model (docs/export.md, "QAT models"): emitter hooks that put
+// QuantizeLinear -> DequantizeLinear (int8, zero point 0, scale = max(amax, kMinAmax) / 127) on
+// the input of every Linear and Conv layer with quantizers (one scale per tensor) and on its
+// weight (one scale per output channel, axis 0), where TensorRT fuses them into INT8 kernels. The
+// layers must be quantizing (frozen amax). The hooks keep pointers to the quantizers.
+std::unique_ptr<models::onnx::EmitHooks> export_hooks(const std::vector<Layer>& layers);
+
 // The Trainer's hooks for a QAT run of `cfg` (cfg.qat.enabled). ConfigError without
 // train.load_from. The hooks keep a pointer to `cfg`, which must outlive the Trainer.
 TrainerHooks hooks(const RunConfig& cfg);

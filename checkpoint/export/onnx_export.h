@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,9 @@ struct ParityGate {
 
 // The gate for a graph computing in `dtype` (float32 or float16).
 ParityGate parity_gate(at::ScalarType dtype);
+// The gate for a fake-quantized model against its QuantizeLinear/DequantizeLinear graph (float32):
+// docs/export.md derives it.
+ParityGate qat_parity_gate();
 
 struct OnnxExportOptions {
   int opset = 17;
@@ -49,6 +53,9 @@ struct OnnxExportOptions {
   std::string external_data = "auto";        // auto: when the weights pass 2 GB | always
   bool allow_non_finite = false;             // export NaN/inf weights instead of failing
   models::onnx::EmitHooks* hooks = nullptr;  // LoRA merge / QAT (models/onnx/emitter.h)
+  // The parity gate; unset: parity_gate(dtype). A QAT model's Q/DQ graph has its own
+  // (qat_parity_gate()).
+  std::optional<ParityGate> gate;
   // ONNX Runtime's batch for a dynamic-batch model (a fixed batch uses that batch); frames are fed
   // in batches of this size, so the dynamic axis is exercised with a size other than 1.
   int64_t parity_batch = 2;

@@ -75,6 +75,12 @@ void Emitter::not_exported(const std::string& leaf, const std::string& why) {
   skipped_.emplace(path(leaf), why);
 }
 
+void Emitter::mark_read(const std::string& name) {
+  PARALLAX_CHECK(tensors_.count(name) != 0, Error, "ONNX export: the model has no tensor '{}'",
+                 name);
+  emitted_set_.insert(name);
+}
+
 std::vector<std::string> Emitter::unaccounted() const {
   std::vector<std::string> out;
   for (const auto& [name, t] : tensors_) {

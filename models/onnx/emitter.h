@@ -145,6 +145,10 @@ class Emitter {
   // Declares model tensor path(leaf) as not read by the forward (e.g. a loss-only buffer); `why`
   // goes to the model's metadata ("parallax.not_exported": "name: why; ..."), so it has no ';'.
   void not_exported(const std::string& leaf, const std::string& why);
+  // Declares model tensor `name` (a full path, not under the current scope) as read by the graph
+  // through other nodes than its own initializer (a QAT quantizer's amax becomes the constant scale
+  // of its QuantizeLinear). Throws Error for a name the model does not have.
+  void mark_read(const std::string& name);
   // Emitted initializer names, in emission order.
   const std::vector<std::string>& weight_names() const { return emitted_; }
   // Declared not_exported() names with their reasons.

@@ -87,10 +87,31 @@ class QatTest(tt.RunDirTest):
         p = tt.run(["eval", "--config", tt.BEV, "--checkpoint", ck, f"data.path={data}", "train.device=cpu",
                     "data.batch_size=2", "qat.enabled=true"])
         self.assertIn("miou", p.stdout)
-        # The ONNX export of a QAT run is refused until Q/DQ export exists.
-        p = tt.run(["export", "--run", run_dir, "--format", "onnx", "--parity-frames", "0"], check=False)
+        # The ONNX export writes QuantizeLinear/DequantizeLinear on the input (per tensor) and the
+        # weight (per output channel, axis 0) of every quantized layer, and passes the QAT parity
+        # gate against the fake-quantized LibTorch forward (ONNX Runtime, 4 frames).
+        p = tt.run(["export", "--run", run_dir, "--format", "onnx", "--parity-frames", "4"])
+        self.assertIn("PASS", p.stdout)
+        import onnx
+        g = onnx.load(os.path.join(run_dir, "export", "model.onnx")).graph
+        q = [n for n in g.node if n.op_type == "QuantizeLinear"]
+        dq = [n for n in g.node if n.op_type == "DequantizeLinear"]
+        self.assertEqual(len(q), prep[0]["calib_quantizers"])
+        self.assertEqual(len(dq), len(q))
+        axis = [n for n in q if any(a.name == "axis" and a.i == 0 for a in n.attribute)]
+        self.assertEqual(len(axis), prep[0]["calib_layers"])  # the weights
+        # Every Conv / MatMul / Gemm of a quantized layer reads a DequantizeLinear output.
+        produced_by = {o: n.op_type for n in g.node for o in n.output}
+        convs = [n for n in g.node if n.op_type == "Conv"]
+        self.assertTrue(convs)
+        for n in convs:
+            self.assertEqual(produced_by.get(n.input[0]), "DequantizeLinear", n.name)
+            self.assertEqual(produced_by.get(n.input[1]), "DequantizeLinear", n.name)
+        # fp16 Q/DQ needs opset 19: refused naming the key.
+        p = tt.run(["export", "--run", run_dir, "--format", "onnx", "--dtype", "fp16",
+                    "--parity-frames", "0"], check=False)
         self.assertNotEqual(p.returncode, 0)
-        self.assertIn("QAT run", p.stderr)
+        self.assertIn("fp32", p.stderr)
 
     def test_qat_on_two_ranks_agrees_on_amax_and_resumes_bitwise(self):
         load = self.base("data.synthetic=true")
