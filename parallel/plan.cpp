@@ -21,13 +21,11 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
                  "per rank need pp_schedule=interleaved, not '{}'",
                  p.pp_virtual_stages, p.pp_schedule);
   if (plan.layout.pp > 1) {
-    PARALLAX_CHECK(p.zero.stage <= 1, ConfigError,
-                   "keys 'parallel.pp' and 'parallel.zero.stage': ZeRO-{} under pipeline "
-                   "parallelism is not available in this version (it reduce-scatters every "
-                   "backward, and a pipeline runs a stage's backwards interleaved with other "
-                   "micro-batches' forwards; DeepSpeed refuses it too); use "
-                   "parallel.zero.stage=0 or 1",
-                   p.zero.stage);
+    PARALLAX_CHECK(p.zero.stage != 3, ConfigError,
+                   "keys 'parallel.pp' and 'parallel.zero.stage': ZeRO-3 under pipeline "
+                   "parallelism is not available in this version (each stage holds only its own "
+                   "units already; ZeRO-3 would gather them per micro-batch); use "
+                   "parallel.zero.stage=0, 1 or 2");
     PARALLAX_CHECK(!cuda_graph, ConfigError,
                    "keys 'parallel.pp' and 'train.cuda_graph': a pipeline step (point-to-point "
                    "messages whose order the schedule fixes on the host) cannot be captured into "

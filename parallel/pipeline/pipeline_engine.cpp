@@ -185,19 +185,9 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
                  "pipeline: the schedule was planned for {} micro-batches, the step has {}",
                  schedule_.micro_batches, micro_steps);
   if (sync_buffers) inner_->broadcast_buffers();
-  const int S = schedule_.stages(), last = S - 1;
+  const int last = schedule_.stages() - 1;
   const std::vector<Op>& ops = schedule_.ops[pp_->rank()];
   std::map<std::pair<int, int>, Slot> slots;  // (micro, stage)
-  // Parameters of each of this rank's stages (zb's weight pass).
-  std::map<int, std::vector<at::Tensor>> params_of;
-  if (schedule_.split_backward()) {
-    std::map<std::string, at::Tensor> by_name;
-    for (const auto& item : module_->named_parameters()) by_name[item.key()] = item.value();
-    for (int s : my_stages_)
-      for (int u = bounds_[s]; u < bounds_[s + 1]; ++u)
-        for (const auto& n : units_[u].param_names)
-          if (by_name.at(n).requires_grad()) params_of[s].push_back(by_name.at(n));
-  }
   const c10::DeviceType comm_dev = pp_->device_type();
   const auto to_comm = [&](const at::Tensor& t) {
     at::Tensor c = t.detach();
@@ -285,12 +275,30 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
     }
     slot.out_grads = std::move(got);
   };
+  // The parameters of each of this rank's stages that train (the weight-gradient targets).
+  std::map<int, std::vector<at::Tensor>> trainable_of;
+  {
+    std::map<std::string, at::Tensor> by_name;
+    for (const auto& item : module_->named_parameters()) by_name[item.key()] = item.value();
+    for (int s : my_stages_)
+      for (int u = bounds_[s]; u < bounds_[s + 1]; ++u)
+        for (const auto& n : units_[u].param_names)
+          if (by_name.at(n).requires_grad()) trainable_of[s].push_back(by_name.at(n));
+  }
+  const bool split = schedule_.split_backward();
+  // The ops that produce parameter gradients: B, or W under zb. Each runs as one micro-step of the
+  // inner engine (see the file comment of pipeline_engine.h).
+  const auto param_op = [&](const Op& op) {
+    return split ? op.kind == OpKind::kWeight : op.kind == OpKind::kBackward;
+  };
   std::size_t i = 0;
+  // Runs the plan from op i up to the next parameter-gradient op (left at i; true) or its end.
+  const auto advance = [&]() -> bool {
   while (i < ops.size()) {
     const Op& op = ops[i];
     if (!op.is_comm()) {
+      if (param_op(op)) return true;
       if (op.kind == OpKind::kForward && op.stage > 0) complete({0, op.micro, op.stage - 1});
-      if (op.kind == OpKind::kBackward && op.stage < last) complete({1, op.micro, op.stage + 1});
       core::Stopwatch clock;
       Slot& slot = slots[{op.micro, op.stage}];
       if (op.kind == OpKind::kForward) {
@@ -305,37 +313,20 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
                          op.stage, out.size(), kMaxTensors);
           slot.outputs = std::move(out);
         }
-      } else if (op.kind == OpKind::kBackward) {
+      } else {
+        // zb's B: the input gradient only; the graph stays for W.
+        if (op.stage < last) complete({1, op.micro, op.stage + 1});
         const std::vector<at::Tensor> roots = slot.roots();
-        const std::vector<at::Tensor> grads = slot.root_grads();
         std::vector<at::Tensor> leaves;
         for (const auto& x : slot.inputs)
           if (x.defined() && x.requires_grad()) leaves.push_back(x);
-        if (schedule_.split_backward()) {
-          // B: the input gradient only; the graph stays for W.
-          std::vector<at::Tensor> g;
-          if (!leaves.empty() && !roots.empty())
-            g = torch::autograd::grad(roots, leaves, grads, /*retain_graph=*/true,
-                                      /*create_graph=*/false, /*allow_unused=*/true);
-          std::size_t k = 0;
-          for (const auto& x : slot.inputs)
-            slot.in_grads.push_back(x.defined() && x.requires_grad() ? g.at(k++) : at::Tensor());
-        } else {
-          if (!roots.empty()) torch::autograd::backward(roots, grads);
-          for (const auto& x : slot.inputs)
-            slot.in_grads.push_back(x.defined() && x.requires_grad() ? x.grad() : at::Tensor());
-          slot.outputs.clear();
-          slot.loss = at::Tensor();
-          if (op.stage == 0) slots.erase({op.micro, op.stage});  // nothing to send back
-        }
-      } else {
-        // W: the weight gradient of the stage's parameters, from the graph B kept.
-        const std::vector<at::Tensor> roots = slot.roots();
-        if (!roots.empty() && !params_of[op.stage].empty()) {
-          torch::autograd::backward(roots, slot.root_grads(), /*retain_graph=*/false,
-                                    /*create_graph=*/false, params_of[op.stage]);
-        }
-        slots.erase({op.micro, op.stage});
+        std::vector<at::Tensor> g;
+        if (!leaves.empty() && !roots.empty())
+          g = torch::autograd::grad(roots, leaves, slot.root_grads(), /*retain_graph=*/true,
+                                    /*create_graph=*/false, /*allow_unused=*/true);
+        std::size_t k = 0;
+        for (const auto& x : slot.inputs)
+          slot.in_grads.push_back(x.defined() && x.requires_grad() ? g.at(k++) : at::Tensor());
       }
       compute_ms_ += clock.elapsed_ms();
       ++i;
@@ -392,26 +383,74 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
     ++i;
     continue;
   }
-  for (auto& w : pending) w.first->wait();
-  pending.clear();
-  PARALLAX_CHECK(slots.empty() || !schedule_.split_backward(), Error,
-                 "pipeline: {} (micro-batch, stage) states left after the step", slots.size());
-  // Reduce the accumulated gradients over dp through the inner engine: one synced backward of a
-  // zero loss (an empty slice of every stage parameter gives exactly zero gradients).
-  std::vector<at::Tensor> mine;
-  for (const auto& item : module_->named_parameters())
-    if (item.value().requires_grad()) mine.push_back(item.value());
+  return false;
+  };
+  // Each parameter-gradient op as one micro-step of the inner engine (DDP, ZeRO-1/2): its
+  // gradients G_p are computed with autograd::grad, and the micro-step's loss is
+  // sum_p <p, G_p> over the op's stage parameters plus an empty slice of every other stage
+  // parameter, whose backward accumulates exactly G_p (and zeros) through the inner engine's
+  // hooks: no-sync accumulation in all but the last micro-step for DDP and ZeRO-1, a
+  // reduce-scatter per micro-step for ZeRO-2, as without a pipeline.
+  int param_ops = 0;
+  for (const Op& op : ops)
+    if (param_op(op)) ++param_ops;
+  std::vector<at::Tensor> all_mine;
+  for (const auto& [st, ps] : trainable_of) all_mine.insert(all_mine.end(), ps.begin(), ps.end());
   inner_->forward_backward(
-      1,
-      [&](int) {
-        at::Tensor zero;
-        for (const auto& p : mine) {
-          at::Tensor z = p.reshape({-1}).narrow(0, 0, 0).sum();
-          zero = zero.defined() ? zero + z : z;
+      param_ops,
+      [&](int) -> at::Tensor {
+        PARALLAX_CHECK(advance(), Error,
+                       "pipeline: rank {}'s plan has fewer backward ops than counted", pp_->rank());
+        const Op& op = ops[i];
+        if (!split && op.stage < last) complete({1, op.micro, op.stage + 1});
+        core::Stopwatch clock;
+        Slot& slot = slots.at({op.micro, op.stage});
+        const std::vector<at::Tensor> roots = slot.roots();
+        const std::vector<at::Tensor>& params = trainable_of[op.stage];
+        std::vector<at::Tensor> targets(params);
+        std::vector<at::Tensor> leaves;
+        if (!split)
+          for (const auto& x : slot.inputs)
+            if (x.defined() && x.requires_grad()) leaves.push_back(x);
+        targets.insert(targets.end(), leaves.begin(), leaves.end());
+        std::vector<at::Tensor> g;
+        if (!roots.empty() && !targets.empty())
+          g = torch::autograd::grad(roots, targets, slot.root_grads(), /*retain_graph=*/false,
+                                    /*create_graph=*/false, /*allow_unused=*/true);
+        if (!split) {
+          std::size_t k = params.size();
+          for (const auto& x : slot.inputs)
+            slot.in_grads.push_back(x.defined() && x.requires_grad() && !g.empty() ? g.at(k++)
+                                                                                   : at::Tensor());
+          slot.outputs.clear();
+          slot.loss = at::Tensor();
+          if (op.stage == 0) slots.erase({op.micro, op.stage});  // nothing to send back
+        } else {
+          slots.erase({op.micro, op.stage});
         }
-        return zero;
+        std::set<const void*> done;
+        at::Tensor total;
+        const auto add = [&](const at::Tensor& t) { total = total.defined() ? total + t : t; };
+        for (std::size_t k = 0; k < params.size(); ++k) {
+          done.insert(params[k].unsafeGetTensorImpl());
+          if (!g.empty() && g[k].defined()) {
+            add((params[k] * g[k].detach()).sum());
+          } else {
+            add(params[k].reshape({-1}).narrow(0, 0, 0).sum());
+          }
+        }
+        for (const auto& p : all_mine)
+          if (!done.count(p.unsafeGetTensorImpl())) add(p.reshape({-1}).narrow(0, 0, 0).sum());
+        ++i;
+        compute_ms_ += clock.elapsed_ms();
+        return total;
       },
       /*sync_buffers=*/false);
+  advance();  // the sends after the last backward
+  for (auto& w : pending) w.first->wait();
+  pending.clear();
+  PARALLAX_CHECK(slots.empty() || !split, Error,
+                 "pipeline: {} (micro-batch, stage) states left after the step", slots.size());
 }
 
 std::vector<optim::GradGroup> PipelineEngine::grads() {

@@ -15,10 +15,13 @@
 // micro-batch mismatch, or a shape other than the one the gradient is for, is an error naming both
 // stages (Megatron-LM PR #5271: a silent swap trained on the wrong activations).
 //
-// Gradient reduction. The schedule's backwards accumulate locally (the inner engine's hooks are
-// outside a synced backward); then the inner engine runs one synced backward of a zero loss over
-// the stage's parameters (an empty slice of each: exactly zero gradients), which reduces the
-// accumulated sums through its own buckets (DDP all-reduce, ZeRO reduce-scatter).
+// Gradient reduction. Every op that produces parameter gradients (B, or W under zb) runs as one
+// micro-step of the inner engine: the op's gradients G_p come from torch::autograd::grad, and the
+// micro-step's loss is sum_p <p, G_p> over the stage's parameters (plus an empty slice of each
+// other parameter of this rank), whose backward accumulates exactly G_p through the inner
+// engine's hooks. So DDP and ZeRO-1 accumulate locally and reduce in the last micro-step, ZeRO-2
+// reduce-scatters every micro-step, exactly as they do for gradient accumulation without a
+// pipeline.
 //
 // Thread-safety: one training thread. Errors: parallax::Error / CommError / TimeoutError naming
 // the stage, rank and micro-batch.

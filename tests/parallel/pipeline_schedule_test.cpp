@@ -182,8 +182,6 @@ TEST(PipelinePlan, LayoutsThePipelineCannotRunAreRefusedNamingTheKeys) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
-  p.zero.stage = 2;
-  refused("none", false, "parallel.zero.stage");
   p.zero.stage = 3;
   refused("none", false, "parallel.zero.stage");
   p.zero.stage = 1;

@@ -1,18 +1,20 @@
 // The pipeline engine (parallel/pipeline/pipeline_engine.h) against the single-process model on
 // the same micro-batches and initial weights, under mpirun (MPI on CPU tensors): every schedule
 // (gpipe, 1f1b, interleaved, zb) at pp = world for vit_cls and bev with the ViT backbone; and, on
-// 4 and 8 ranks, dp x pp with DDP and ZeRO-1 and dp x tp x pp. fp32, TF32 off.
+// 4 and 8 ranks, dp x pp with DDP and ZeRO-1/2 and dp x tp x pp. fp32, TF32 off.
 //
 // Tolerances (tests/TOLERANCES.md, "pipeline parallel"):
 // - pp alone: exact. Each stage runs the same units in the same order on the same tensors; the
 //   gradient that crosses a stage boundary is the one autograd would have passed there, and every
 //   schedule runs each stage's backwards in micro-batch order, so the accumulation order of every
-//   parameter gradient is the single process's. The dp reduction's zero backward adds exact zeros.
+//   parameter gradient is the single process's. Each backward's gradient G reaches the parameters
+//   as the gradient of <p, G> (exactly G) or of an empty slice (exact zeros).
 // - with dp: the single process averages the per-sample gradients of the whole micro-batch in
 //   one sum, DDP averages the dp halves' means: both are within gamma_n sum|g_i| of the exact mean
 //   (n <= 4 samples), so they differ by at most 2 gamma_4 max|g| per step: with SGD (lr 0.05,
 //   momentum 0.9: at most 1 / (1 - 0.9) = 10 x the update) over 2 steps, parameters agree within
-//   2 * 10 * lr * 2 gamma_4 |g|max <= 1e-6 for |g| <= 1; we allow 1e-5 (1 + |p|).
+//   2 * 10 * lr * 2 gamma_4 |g|max <= 1e-6 for |g| <= 1; we allow 1e-5 (1 + |p|). ZeRO-2 sums the
+//   micro-batches' reduce-scattered gradients in another order: the same bound.
 // - with tp: tests/parallel/tensor_parallel_test.cpp's GEMM-order bound (kGrad there), times the
 //   same SGD factor.
 #include "parallel/pipeline/pipeline_engine.h"
@@ -262,13 +264,23 @@ TEST_F(PipelineTest, BevWithVitBackboneEverySchedule) {
   compare(world_, self_, c);
 }
 
-TEST_F(PipelineTest, DataParallelTimesPipelineWithDdpAndZero1) {
+TEST_F(PipelineTest, DataParallelTimesPipelineWithDdpAndZero12) {
   if (world_->size() != 4) GTEST_SKIP() << "dp 2 x pp 2 runs on 4 ranks";
-  for (int zero : {0, 1}) {
+  for (int zero : {0, 1, 2}) {
     SCOPED_TRACE(zero);
     Case c{vit_cls_config()};
     c.dp = 2;
     c.zero = zero;
+    compare(world_, self_, c);
+  }
+  // ZeRO-2 under zb (the W passes are the micro-steps) and interleaved (two chunks per rank).
+  for (const char* s : {"zb", "interleaved"}) {
+    SCOPED_TRACE(s);
+    Case c{vit_cls_config()};
+    c.dp = 2;
+    c.zero = 2;
+    c.schedule = s;
+    if (std::string(s) == "interleaved") c.virtual_stages = 2;
     compare(world_, self_, c);
   }
 }
