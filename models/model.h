@@ -121,6 +121,9 @@ class Model : public torch::nn::Module {
   // same function as one process. chain_length() is the number of units (0: the model cannot be
   // pipelined; the defaults throw parallax::Error naming it).
   virtual int chain_length() const { return 0; }
+  // Forward FLOPs per sample of each unit, in chain order (what pipeline stages are balanced by);
+  // empty: not broken down (the pipeline then balances by parameters).
+  virtual std::vector<double> unit_flops() const { return {}; }
   virtual std::vector<at::Tensor> chain_begin(const core::TensorDict& batch);
   virtual std::vector<at::Tensor> chain_unit(int unit, const core::TensorDict& batch,
                                              const std::vector<at::Tensor>& in);

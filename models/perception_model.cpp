@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numbers>
 
 namespace parallax::models {
@@ -203,6 +204,28 @@ core::TensorDict PerceptionModel::forward(const core::TensorDict& batch) {
 
 int PerceptionModel::chain_length() const {
   return static_cast<int>(encoder_->num_units() + 1 + static_cast<int64_t>(bev_blocks_.size()) + 1);
+}
+
+std::vector<double> PerceptionModel::unit_flops() const {
+  const std::vector<ModuleCost> c = analytic_cost(spec_);
+  const std::vector<Unit> u = units();
+  const int64_t e = encoder_->num_units(), nb = static_cast<int64_t>(bev_blocks_.size());
+  std::map<std::string, int64_t> numel;
+  for (const auto& item : named_parameters()) numel[item.key()] = item.value().numel();
+  std::vector<double> enc_params;
+  double enc_total = 0;
+  for (int64_t i = 0; i < e; ++i) {
+    double n = 0;
+    for (const auto& name : u[static_cast<std::size_t>(i)].param_names) n += static_cast<double>(numel.at(name));
+    enc_params.push_back(n);
+    enc_total += n;
+  }
+  std::vector<double> out;
+  for (double n : enc_params) out.push_back(c[0].flops * (enc_total > 0 ? n / enc_total : 1.0 / e));
+  out.push_back(c[1].flops);
+  for (int64_t i = 0; i < nb; ++i) out.push_back(c[2].flops / static_cast<double>(nb));
+  out.push_back(c[3].flops);
+  return out;
 }
 
 std::vector<at::Tensor> PerceptionModel::chain_begin(const core::TensorDict& batch) {

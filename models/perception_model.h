@@ -84,6 +84,11 @@ class PerceptionModel : public Model {
   // The chain (models/model.h): begin {images}; the units of units() in order; the heads unit
   // returns {seg, heatmap, box_reg} (and the BEV features with set_feature_output).
   int chain_length() const override;
+  // analytic_cost()'s components over the units: the backbone's FLOPs shared by the encoder's
+  // units in proportion to their parameters (a ViT's embedding and blocks are GEMMs over the same
+  // tokens), the view transformer's to its unit, the BEV encoder's equally over its blocks, the
+  // heads' to theirs.
+  std::vector<double> unit_flops() const override;
   std::vector<at::Tensor> chain_begin(const core::TensorDict& batch) override;
   std::vector<at::Tensor> chain_unit(int unit, const core::TensorDict& batch,
                                      const std::vector<at::Tensor>& in) override;

@@ -442,3 +442,47 @@ TEST(UnitsTest, DefaultIsOneUnitHoldingEveryParameter) {
 
 }  // namespace
 }  // namespace parallax::models
+
+namespace parallax::models {
+namespace {
+
+// The chain (pipeline stages) has one link per unit, and forward() is that chain: the same outputs
+// bitwise as running chain_begin / run_chain / chain_end by hand, in two halves.
+TEST(UnitsTest, TheChainHasOneLinkPerUnitAndIsTheForward) {
+  for (const auto& c : kTiny) {
+    SCOPED_TRACE(label(c));
+    auto model = build(c);
+    model->eval();
+    const int n = model->chain_length();
+    ASSERT_EQ(n, static_cast<int>(model->units().size()));
+    at::manual_seed(3);
+    const core::TensorDict batch = model->example_batch(2);
+    const core::TensorDict whole = model->forward(batch);
+    const int cut = n / 2;
+    std::vector<at::Tensor> mid = model->run_chain(0, cut, batch, model->chain_begin(batch));
+    for (auto& t : mid) t = t.detach().clone();  // as a stage boundary passes it
+    const core::TensorDict split = model->chain_end(batch, model->run_chain(cut, n, batch, mid));
+    ASSERT_EQ(whole.size(), split.size());
+    for (const auto& [k, v] : whole) EXPECT_TRUE(at::equal(v, split.at(k))) << k;
+    EXPECT_THROW(model->run_chain(0, n + 1, batch, {}), Error);
+  }
+}
+
+// The bev model's FLOPs per unit (pipeline balance) cover its forward FLOPs exactly.
+TEST(UnitsTest, BevUnitFlopsSumToTheForwardFlops) {
+  for (const char* backbone : {"vit", "conv"}) {
+    SCOPED_TRACE(backbone);
+    auto model = build({"bev", "tiny", backbone, 0.0});
+    const std::vector<double> f = model->unit_flops();
+    ASSERT_EQ(f.size(), model->units().size());
+    double sum = 0;
+    for (double x : f) {
+      EXPECT_GT(x, 0);
+      sum += x;
+    }
+    EXPECT_NEAR(sum, model->forward_flops_per_sample(), 1e-9 * sum);
+  }
+}
+
+}  // namespace
+}  // namespace parallax::models
