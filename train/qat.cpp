@@ -388,20 +388,27 @@ class QdqHooks : public models::onnx::EmitHooks {
   }
   models::onnx::Value layer_input(models::onnx::Emitter& e, const std::string& layer,
                                   const models::onnx::Value& x) override {
-    const auto it = by_path_.find(layer);
-    if (it == by_path_.end() || !it->second.input) return x;
-    e.mark_read(layer + ".input_quantizer.amax");
-    return qdq(e, layer, "input", x, *it->second.input);
+    return wrap(e, layer, "input", x);
   }
   models::onnx::Value layer_weight(models::onnx::Emitter& e, const std::string& layer,
                                    const models::onnx::Value& w) override {
-    const auto it = by_path_.find(layer);
-    if (it == by_path_.end() || !it->second.weight) return w;
-    e.mark_read(layer + ".weight_quantizer.amax");
-    return qdq(e, layer, "weight", w, *it->second.weight);
+    return wrap(e, layer, "weight", w);
   }
 
  private:
+  // `x` through the layer's `what` ("input" / "weight") quantizer, if it has one; its amax buffer
+  // is read through the pair's scale.
+  models::onnx::Value wrap(models::onnx::Emitter& e, const std::string& layer, const char* what,
+                           const models::onnx::Value& x) const {
+    const auto it = by_path_.find(layer);
+    if (it == by_path_.end()) return x;
+    const bool input = std::string(what) == "input";
+    const auto& q = input ? it->second.input : it->second.weight;
+    if (!q) return x;
+    e.mark_read(layer + (input ? ".input_quantizer.amax" : ".weight_quantizer.amax"));
+    return qdq(e, layer, what, x, *q);
+  }
+
   static models::onnx::Value qdq(models::onnx::Emitter& e, const std::string& layer,
                                  const char* what, const models::onnx::Value& x,
                                  const models::TensorQuantizerImpl& q) {

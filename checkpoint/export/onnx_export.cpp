@@ -187,10 +187,11 @@ ParityGate qat_parity_gate() {
   // boundary the graphs differ by one step s there, and the next quantized layer spreads the step
   // to its neighbours, where more values cross boundaries. Over the ~20 quantized layers of
   // bev_tiny (PTQ of a 2-step run) the outputs differ by up to 4.6% of their range (box_reg; cosine
-  // >= 0.99972). Not a derived bound: an empirical gate with 1.7x margin. The same graph without
-  // its Q/DQ nodes is 2-4x further from the fake-quantized model per output channel (max-abs 0.18
-  // of a range of 1.55 on box_reg) and fails it.
-  return {0.9995, 8e-2};
+  // >= 0.99972). Not a derived bound: an empirical gate with ~2x margin for other CPUs' summation
+  // orders (the flips are where they land, not how many). The same graph without its Q/DQ nodes
+  // is 2-4x further from the fake-quantized model per output channel (max-abs 0.18 of a range of
+  // 1.55 on box_reg) and fails it.
+  return {0.9995, 0.1};
 }
 
 void validate(const OnnxExportOptions& o) {

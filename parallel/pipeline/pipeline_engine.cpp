@@ -483,13 +483,15 @@ void PipelineEngine::gather_full_params() {
   if (full_) return;
   at::NoGradGuard no_grad;
   const c10::DeviceType dev = pp_->device_type();
+  auto params = module_->named_parameters();
   for (const auto& unit : units_) {
     for (const auto& name : unit.param_names) {
-      at::Tensor p = module_->named_parameters()[name];
+      at::Tensor p = params[name];
       const auto it = foreign_.find(name);
       if (it != foreign_.end()) p.set_data(at::empty(it->second, p.options()));
       at::Tensor buf = p.detach();
-      if (buf.device().type() != dev) buf = buf.to(dev == c10::kCPU ? c10::Device(c10::kCPU) : c10::Device(dev, 0));
+      if (buf.device().type() != dev)
+        buf = buf.to(dev == c10::kCPU ? c10::Device(c10::kCPU) : c10::Device(dev, 0));
       pp_->broadcast_async(buf, owner_.at(name))->wait();
       if (buf.data_ptr() != p.data_ptr()) p.detach().copy_(buf);
     }
@@ -500,8 +502,9 @@ void PipelineEngine::gather_full_params() {
 void PipelineEngine::release_full_params() {
   if (!full_) return;
   at::NoGradGuard no_grad;
+  auto params = module_->named_parameters();
   for (const auto& [name, shape] : foreign_) {
-    at::Tensor p = module_->named_parameters()[name];
+    at::Tensor p = params[name];
     p.set_data(at::empty({0}, p.options()));
   }
   full_ = false;

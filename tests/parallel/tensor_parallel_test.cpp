@@ -26,6 +26,7 @@
 #include "parallel/comm/factory.h"
 #include "parallel/comm/topology.h"
 #include "parallel/comm/world.h"
+#include "tests/common/model_parallel.h"
 #include "tests/common/no_tf32.h"
 #include "tests/common/tolerance.h"
 
@@ -40,6 +41,12 @@ namespace tol = parallax::testing;
 
 namespace {
 
+using parallax::testing::bev_vit_config;
+using parallax::testing::groups_of;
+using parallax::testing::local_part;
+using parallax::testing::sgd;
+using parallax::testing::vit_cls_config;
+
 std::string test_backend() {
   const char* b = std::getenv("PARALLAX_TEST_BACKEND");
   return b && *b ? b : "mpi";
@@ -53,53 +60,11 @@ constexpr double kGamma = 2.3e-5;                // gamma_384 in fp32 (the wides
 constexpr double kForward = 4 * 2 * 2 * kGamma;  // 4 GEMMs per block, 2 blocks, 2 orders
 constexpr double kGrad = 2 * kForward;
 
-// This rank's part of the whole single-process tensor `full`, as `layout` splits it (local shape
-// `local`): the boxes of split_boxes, taken out of `full` and stacked along the split dimension.
-at::Tensor local_part(const at::Tensor& full, const tensor::ParamLayout& layout,
-                      const at::Tensor& local) {
-  std::vector<at::Tensor> parts;
-  for (const auto& box : tensor::split_boxes(local, layout)) {
-    at::Tensor p = full;
-    for (int64_t d = 0; d < box.local.dim(); ++d)
-      p = p.narrow(d, box.offsets[static_cast<std::size_t>(d)], box.local.size(d));
-    parts.push_back(p);
-  }
-  return at::cat(parts, layout.dim);
-}
-
 // What the split model's tensor `name` should hold: `full` sliced by its layout, or whole.
 at::Tensor expected(const std::map<std::string, tensor::ParamLayout>& layouts,
                     const std::string& name, const at::Tensor& full, const at::Tensor& local) {
   const auto it = layouts.find(name);
   return it == layouts.end() ? full : local_part(full, it->second, local);
-}
-
-std::vector<optim::ParamGroup> groups_of(torch::nn::Module& m) {
-  optim::NamedParams named;
-  for (const auto& it : m.named_parameters()) named.emplace_back(it.key(), it.value());
-  return optim::make_param_groups(named, 0.0);
-}
-
-par::OptimizerFactory sgd() {
-  return [](std::vector<optim::ParamGroup> g) {
-    return std::make_unique<optim::Sgd>(std::move(g), 0.9, false, true);
-  };
-}
-
-models::ModelConfig vit_cls_config() {
-  models::ModelConfig cfg;
-  cfg.name = "vit_cls";
-  cfg.size = "tiny";
-  cfg.num_classes = 8;
-  return cfg;
-}
-
-models::ModelConfig bev_vit_config() {
-  models::ModelConfig cfg;
-  cfg.name = "bev";
-  cfg.size = "tiny";
-  cfg.backbone = "vit";
-  return cfg;
 }
 
 class TensorParallelTest : public ::testing::Test {
