@@ -69,6 +69,20 @@ struct LossOutput {
   core::TensorDict terms;  // each named term (detached or not), for metrics
 };
 
+// The planner's activation model (train/planner.h, docs/planning.md): what one sample's forward
+// keeps for its backward, per unit of the chain, computed from the model's own shapes (nothing runs).
+struct ActivationQuery {
+  int compute_bytes = 4;  // bytes of the autocast dtype (bf16/fp16: 2); 4 without autocast
+  bool cuda = false;      // fused CUDA paths keep different tensors (e.g. bev sampling)
+  int tp = 1;             // tensor-parallel ranks (the layers' shards)
+  bool sequence_parallel = false;
+};
+struct UnitActivation {
+  double saved = 0;             // bytes per sample kept from this unit's forward to its backward
+  double output = 0;            // bytes per sample of the unit's outputs (a pipeline message)
+  bool checkpointable = false;  // one of checkpointable_blocks(): recomputed under checkpointing
+};
+
 class Model : public torch::nn::Module {
  public:
   // Predictions for a batch (keys are model-specific, e.g. "bev_logits", "heatmap").
@@ -124,6 +138,9 @@ class Model : public torch::nn::Module {
   // Forward FLOPs per sample of each unit, in chain order (what pipeline stages are balanced by);
   // empty: not broken down (the pipeline then balances by parameters).
   virtual std::vector<double> unit_flops() const { return {}; }
+  // Activation bytes per sample of each unit, in chain order (empty: the model has no
+  // activation model; the planner then cannot estimate it). See ActivationQuery.
+  virtual std::vector<UnitActivation> unit_activations(const ActivationQuery&) const { return {}; }
   virtual std::vector<at::Tensor> chain_begin(const core::TensorDict& batch);
   virtual std::vector<at::Tensor> chain_unit(int unit, const core::TensorDict& batch,
                                              const std::vector<at::Tensor>& in);

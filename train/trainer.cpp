@@ -353,6 +353,7 @@ class TrainerImpl {
   std::unique_ptr<parallel::Engine> engine_;
   // Pipeline parallelism: the loss terms' names, as the last stage sends them once.
   std::vector<std::string> pp_term_keys_;
+  void record_engine_memory(int64_t step);
   void sync_terms_over_pipeline(std::map<std::string, at::Tensor>& terms);
   // Mean over the data-parallel group, installed on the model around each training step (empty
   // with one data-parallel rank); see models::Model::set_replica_mean.
@@ -818,6 +819,9 @@ std::map<std::string, at::Tensor> TrainerImpl::train_step(int64_t step, double l
   // bucket) and become the bucket views again, as PyTorch's reducer does with
   // gradient_as_bucket_view: half the bytes of a zero fill plus an accumulate. With grouped
   // buckets the new gradients are reduced where autograd wrote them.
+  // The first step of a fresh run records what every rank's engine holds with the gradients still
+  // there (a resumed run's rows continue the first run's).
+  if (step == 1 && start_step_ == 0) record_engine_memory(step);
   engine_->zero_grad();
   return terms;
 }
@@ -1045,6 +1049,26 @@ std::map<std::string, at::Tensor> TrainerImpl::compute_step(
   return terms;
 }
 
+// After the first step (gradients exist): what every rank's engine holds, as one metrics row of
+// kind "memory" (params_r<i>, grads_r<i>, optimizer_r<i>, bytes), which `parallax plan` predicts
+// exactly (tests/train/test_planner.py). Collective over the world.
+void TrainerImpl::record_engine_memory(int64_t step) {
+  const parallel::EngineMemory m = engine_->memory();
+  const c10::Device dev =
+      world_comm_->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
+  at::Tensor mine = at::tensor(std::vector<int64_t>{m.params, m.grads, m.optimizer}, at::kLong).to(dev);
+  at::Tensor all = at::empty({3 * world_comm_->size()}, mine.options());
+  world_comm_->all_gather_async(mine, all)->wait();
+  const at::Tensor host = all.cpu();
+  std::map<std::string, double> row;
+  for (int r = 0; r < world_comm_->size(); ++r) {
+    row[fmt::format("params_r{}", r)] = static_cast<double>(host[3 * r].item<int64_t>());
+    row[fmt::format("grads_r{}", r)] = static_cast<double>(host[3 * r + 1].item<int64_t>());
+    row[fmt::format("optimizer_r{}", r)] = static_cast<double>(host[3 * r + 2].item<int64_t>());
+  }
+  metrics_->write("memory", step, row);
+}
+
 void TrainerImpl::sync_terms_over_pipeline(std::map<std::string, at::Tensor>& terms) {
   // The loss lives on the last stage: it sends the terms' names once, then their values each step,
   // so every rank logs and checks the same loss.
@@ -1235,7 +1259,9 @@ TrainSummary TrainerImpl::fit() {
     profiler.after(step);
     ++interval_steps;
     if (checkpointer_) checkpointer_->poll();  // surfaces a failed background save
-    if (step == start_step_ + 1) first_step_s = run_clock.elapsed_s();
+    if (step == start_step_ + 1) {
+      first_step_s = run_clock.elapsed_s();
+    }
     // A checkpoint of step S is saved after S's metrics rows (save_checkpoint makes them durable
     // first), so that resuming from S never loses nor repeats a row (metrics.h).
     const bool save_now =

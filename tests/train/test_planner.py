@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""`parallax plan` against real runs (issue 23):
+
+- for every layout the CPU tests train (one process, dp DDP, ZeRO-1/2/3, tp, pp, dp x pp, dp x tp,
+  and dp 2 x tp 2 x pp 2 on 8 ranks), the planner's parameter, gradient and optimizer bytes of
+  every rank equal what that rank's engine reports after the first step (the trainer's "memory"
+  metrics row, Engine::memory()) exactly;
+- the CLI ranks layouts, marks the config's own, writes JSON, and names why a layout cannot run;
+- bad input is one `parallax: error:` line.
+
+The activation model is held to 15% of a real forward in planner_tests (C++).
+
+Usage: test_planner.py <parallax binary> <mpirun>
+"""
+import json
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_train as tt  # noqa: E402  (shared helpers: run, metrics)
+
+
+class PlannerTest(tt.RunDirTest):
+    COMMON = ["train.device=cpu", "train.benchmark=true", "train.steps=1", "train.log_every=1",
+              "model.backbone=vit", "data.batch_size=1"]
+
+    def check_layout(self, name, ranks, *extra):
+        """Trains one step of `extra` on `ranks` CPU ranks and compares every rank's engine memory
+        with the planner's prediction for the same config."""
+        args = ["--config", tt.BEV, f"experiment.output_dir={self.d}", f"experiment.name={name}",
+                *self.COMMON, *extra]
+        tt.run(["train", *args], ranks)
+        rows = tt.metrics(os.path.join(self.d, name), kind="memory")
+        self.assertEqual(len(rows), 1, name)
+        measured = rows[0]
+        out = os.path.join(self.d, f"{name}.json")
+        tt.run(["plan", *args, "--device", "cpu", "--gpus", str(ranks), "--only-config", "--json", out])
+        with open(out) as f:
+            doc = json.load(f)
+        predicted = doc["engine_memory"]
+        self.assertEqual(len(predicted), ranks)
+        for r, p in enumerate(predicted):
+            for key in ("params", "grads", "optimizer"):
+                self.assertEqual(p[key], measured[f"{key}_r{r}"], f"{name}: rank {r} {key}")
+        # The table's row for the same layout reports one of those ranks (the one with the most
+        # memory in all).
+        row = doc["layouts"][0]
+        self.assertTrue(row["configured"])
+        peak = (row["peak"]["params"], row["peak"]["grads"], row["peak"]["optimizer"])
+        self.assertIn(peak, [(p["params"], p["grads"], p["optimizer"]) for p in predicted])
+        return predicted
+
+    def test_one_process_and_data_parallel(self):
+        self.check_layout("one", 1)
+        self.check_layout("ddp", 2)
+        self.check_layout("z1", 2, "parallel.zero.stage=1")
+        # Stage 2 with several micro-steps keeps a shard accumulator.
+        self.check_layout("z2", 2, "parallel.zero.stage=2", "train.grad_accum=2")
+        z3 = self.check_layout("z3", 2, "parallel.zero.stage=3")
+        # ZeRO-3's shards: each rank holds about half the parameters of one process.
+        one = self.check_layout("one_again", 1)
+        self.assertLess(z3[0]["params"], one[0]["params"] * 0.6)
+
+    def test_tensor_and_pipeline_parallel(self):
+        self.check_layout("tp2", 2, "parallel.tp=2")
+        self.check_layout("pp2", 2, "parallel.pp=2", "train.grad_accum=2")
+        self.check_layout("dp2pp2", 4, "parallel.pp=2", "parallel.zero.stage=1", "train.grad_accum=2")
+        self.check_layout("dp2tp2", 4, "parallel.tp=2", "parallel.zero.stage=2",
+                          "parallel.sequence_parallel=true")
+
+    def test_3d(self):
+        self.check_layout("3d", 8, "parallel.tp=2", "parallel.pp=2", "parallel.zero.stage=1",
+                          "train.grad_accum=2")
+
+    def test_cli_ranks_and_rejects(self):
+        out = os.path.join(self.d, "plan.json")
+        p = tt.run(["plan", "--config", tt.BEV, "--gpus", "8", "--gpu-mem", "80", "--json", out,
+                    *self.COMMON])
+        self.assertIn("<- the config's layout", p.stdout)
+        self.assertIn("rejected:", p.stdout)
+        with open(out) as f:
+            rows = json.load(f)["layouts"]
+        fits = [r for r in rows if r["fits"]]
+        self.assertTrue(fits)
+        speeds = [r["time"]["samples_per_s"] for r in fits]
+        self.assertEqual(speeds, sorted(speeds, reverse=True))
+        reasons = " ".join(r["reason"] for r in rows if not r["fits"])
+        self.assertIn("attention heads", reasons)  # tp 8 does not divide bev tiny's 4 heads
+        self.assertIn("ZeRO-3", reasons)           # refused under pp
+        for r in fits:
+            self.assertEqual(r["dp"] * r["tp"] * r["pp"], 8)
+            self.assertGreater(r["peak"]["total"], r["peak"]["params"])
+        # Bad input: one error line.
+        for extra, needle in [(["--gpus", "3", "--nodes", "2"], "--gpus 3"),
+                              (["--device", "tpu"], "--device 'tpu'"),
+                              (["model.size=huge"], "model.size")]:
+            p = tt.run(["plan", "--config", tt.BEV, *extra, *self.COMMON], check=False)
+            self.assertNotEqual(p.returncode, 0, extra)
+            errors = [line for line in p.stderr.splitlines() if line.startswith("parallax: error:")]
+            self.assertEqual(len(errors), 1, p.stderr[-2000:])
+            self.assertIn(needle, errors[0])
+
+
+if __name__ == "__main__":
+    tt.PARALLAX, tt.MPIRUN = sys.argv[1], sys.argv[2]
+    unittest.main(argv=sys.argv[:1], verbosity=2)

@@ -1,0 +1,891 @@
+#include "train/planner.h"
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/timer.h"
+#include "models/model.h"
+#include "optim/optimizer.h"
+#include "optim/param_groups.h"
+#include "optim/precision.h"
+#include "parallel/ddp/ddp.h"
+#include "parallel/pipeline/pipeline_engine.h"
+#include "parallel/pipeline/schedule.h"
+#include "parallel/plan.h"
+#include "parallel/tensor/tensor_parallel.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+
+namespace parallax::train::planner {
+
+namespace comm = parallel::comm;
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// A group that has a size and a rank and nothing else: the model's tensor-parallel layers take
+// their shard shapes from it at construction (as PyTorch's FakeProcessGroup serves shape-only
+// tracing). Any collective is an error: the planner never runs the model it builds this way.
+class ShapeOnlyGroup : public comm::Communicator {
+ public:
+  ShapeOnlyGroup(int size, int rank) : size_(size), rank_(rank), ranks_(static_cast<std::size_t>(size)) {
+    for (int i = 0; i < size; ++i) ranks_[static_cast<std::size_t>(i)] = i;
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+  const std::vector<int>& world_ranks() const override { return ranks_; }
+  std::string backend() const override { return "shape-only"; }
+  c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
+  const comm::CommOptions& options() const override { return options_; }
+  const comm::CommStats& stats() const override { return stats_; }
+  comm::WorkPtr all_reduce_async(at::Tensor&, comm::ReduceOp, comm::CallSite) override { fail(); }
+  comm::WorkPtr all_reduce_async(at::Tensor&, comm::ReduceOp, comm::AllReduceAlgo,
+                                 comm::CallSite) override {
+    fail();
+  }
+  comm::WorkPtr reduce_scatter_async(const at::Tensor&, at::Tensor&, comm::ReduceOp,
+                                     comm::CallSite) override {
+    fail();
+  }
+  comm::WorkPtr all_gather_async(const at::Tensor&, at::Tensor&, comm::CallSite) override { fail(); }
+  comm::WorkPtr all_gather_async(const at::Tensor&, std::vector<at::Tensor>&,
+                                 comm::CallSite) override {
+    fail();
+  }
+  comm::WorkPtr broadcast_async(at::Tensor&, int, comm::CallSite) override { fail(); }
+  comm::WorkPtr send_async(const at::Tensor&, int, int, comm::CallSite) override { fail(); }
+  comm::WorkPtr recv_async(at::Tensor&, int, int, comm::CallSite) override { fail(); }
+  comm::WorkPtr barrier_async(comm::BarrierKind, comm::CallSite) override { fail(); }
+  std::shared_ptr<comm::Communicator> split(int, int, const std::string&, comm::CallSite) override {
+    fail();
+  }
+
+ private:
+  [[noreturn]] static void fail() {
+    throw_error<Error>("planner: the shape-only tensor-parallel group runs no collective");
+  }
+  int size_, rank_;
+  std::vector<int> ranks_;
+  std::string name_ = "tp (shape only)";
+  comm::CommOptions options_;
+  comm::CommStats stats_;
+};
+
+// The model as one tp rank builds it: its parameters (registration order), units, costs.
+struct Param {
+  std::string name;
+  int64_t numel = 0;
+  int dim = 0;
+  int unit = 0;
+  bool tp_sharded = false;
+};
+struct Built {
+  std::string error;  // why the model cannot be built at this tp
+  std::vector<Param> params;
+  std::vector<core::Unit> units;
+  std::vector<double> unit_flops;  // per sample
+  std::vector<double> pp_costs;    // what the trainer balances pipeline stages by
+  int chain = 0;
+  double flops_per_sample = 0;
+  std::shared_ptr<models::Model> model;
+};
+
+class Inventory {
+ public:
+  explicit Inventory(const RunConfig& cfg) : cfg_(cfg), scene_(run_scene(cfg)) {}
+
+  const Built& at_tp(int tp, bool sp) {
+    const auto key = std::make_pair(tp, sp && tp > 1);
+    auto it = cache_.find(key);
+    if (it != cache_.end()) return it->second;
+    Built b;
+    try {
+      at::NoGradGuard ng;
+      if (tp > 1) {
+        auto group = std::make_shared<parallel::tensor::TpGroup>(
+            std::make_shared<ShapeOnlyGroup>(tp, 0), key.second);
+        b.model = models::build_model(cfg_.model, scene_, group);
+      } else {
+        b.model = models::build_model(cfg_.model, scene_);
+      }
+    } catch (const ConfigError& e) {
+      b.error = e.what();
+      return cache_.emplace(key, std::move(b)).first->second;
+    }
+    const auto layouts = parallel::tensor::param_layouts(*b.model);
+    b.units = b.model->units();
+    std::map<std::string, int> unit_of;
+    for (std::size_t u = 0; u < b.units.size(); ++u)
+      for (const auto& n : b.units[u].param_names) unit_of[n] = static_cast<int>(u);
+    for (const auto& item : b.model->named_parameters()) {
+      Param p;
+      p.name = item.key();
+      p.numel = item.value().numel();
+      p.dim = static_cast<int>(item.value().dim());
+      p.unit = unit_of.count(p.name) ? unit_of.at(p.name) : 0;
+      p.tp_sharded = layouts.count(p.name) != 0;
+      b.params.push_back(std::move(p));
+    }
+    b.chain = b.model->chain_length();
+    b.flops_per_sample = b.model->forward_flops_per_sample();
+    b.unit_flops = b.model->unit_flops();
+    // The trainer's stage costs: FLOPs per unit, or parameters + 1 (train/trainer.cpp).
+    b.pp_costs = b.unit_flops;
+    if (b.pp_costs.size() != b.units.size()) {
+      b.pp_costs.assign(b.units.size(), 1.0);
+      for (const auto& p : b.params) b.pp_costs[static_cast<std::size_t>(p.unit)] += static_cast<double>(p.numel);
+    }
+    if (b.unit_flops.size() != b.units.size()) {
+      // Spread by parameters, as the trainer balances such models (+1 per unit).
+      std::vector<double> w(b.units.size(), 1.0);
+      double total = 0;
+      for (const auto& p : b.params) w[static_cast<std::size_t>(p.unit)] += static_cast<double>(p.numel);
+      for (double x : w) total += x;
+      b.unit_flops.clear();
+      for (double x : w) b.unit_flops.push_back(b.flops_per_sample * x / total);
+    }
+    // The model's parameters are not needed any more: free them (a 3b model is 12 GB).
+    for (auto& p : b.model->parameters()) p.set_data(at::empty({0}, p.options()));
+    return cache_.emplace(key, std::move(b)).first->second;
+  }
+
+ private:
+  const RunConfig& cfg_;
+  core::SceneSpec scene_;
+  std::map<std::pair<int, bool>, Built> cache_;
+};
+
+// The pipeline stages of `b` for `layout`: stage_of[u], and the schedule.
+struct Stages {
+  std::vector<int> bounds;  // stage s: units [bounds[s], bounds[s + 1])
+  parallel::pipeline::Schedule schedule;
+  std::vector<int> rank_of_unit;
+  std::vector<int> stage_of_unit;
+};
+
+Stages make_stages(const Built& b, const Layout& l, const RunConfig& cfg) {
+  Stages s;
+  const int stages = l.pp * l.virtual_stages;
+  if (l.pp == 1) {
+    s.bounds = {0, static_cast<int>(b.units.size())};
+  } else {
+    const std::vector<double>& costs = b.pp_costs;
+    s.bounds = parallel::pipeline::partition(costs, stages, cfg.parallel.pp_layout);
+    s.schedule = parallel::pipeline::build_schedule(l.schedule, l.pp, l.micro_batches, l.virtual_stages);
+  }
+  s.rank_of_unit.assign(b.units.size(), 0);
+  s.stage_of_unit.assign(b.units.size(), 0);
+  for (int st = 0; st + 1 < static_cast<int>(s.bounds.size()); ++st) {
+    for (int u = s.bounds[static_cast<std::size_t>(st)]; u < s.bounds[static_cast<std::size_t>(st) + 1]; ++u) {
+      s.stage_of_unit[static_cast<std::size_t>(u)] = st;
+      s.rank_of_unit[static_cast<std::size_t>(u)] = l.pp == 1 ? 0 : st % l.pp;
+    }
+  }
+  return s;
+}
+
+// The trainer's DdpOptions decisions that change memory.
+struct BucketRules {
+  bool flat = true;  // DDP buckets are flat (grads are views of them)
+  int64_t first_cap = 0, cap = 0;
+};
+
+BucketRules bucket_rules(const RunConfig& cfg, bool cuda) {
+  const auto& d = cfg.parallel.ddp;
+  BucketRules r;
+  const auto mode = parallel::ddp::parse_bucket_mode(d.bucket_mode);
+  const bool native = cfg.parallel.allreduce == "native";
+  const bool reduce_dtype = parallel::ddp::parse_reduce_dtype(d.reduce_dtype).has_value();
+  if (mode == parallel::ddp::BucketMode::kAuto)
+    r.flat = !(cuda && native && !reduce_dtype);
+  else
+    r.flat = mode == parallel::ddp::BucketMode::kFlat;
+  r.first_cap = static_cast<int64_t>(d.first_bucket_mb * 1024.0 * 1024.0);
+  r.cap = static_cast<int64_t>(d.bucket_mb * 1024.0 * 1024.0);
+  return r;
+}
+
+double optimizer_bytes_per_element(const RunConfig& cfg) {
+  if (cfg.optim.name == "adamw") return 8;  // exp_avg + exp_avg_sq, fp32 (parameters are fp32)
+  return cfg.optim.momentum != 0 ? 4 : 0;   // sgd: the momentum buffer
+}
+
+// Exact engine memory of the rank at (dp_rank, pp_rank) (every tp rank of an even split holds the
+// same shapes).
+parallel::EngineMemory engine_bytes(const Built& b, const Stages& st, const Layout& l, int dp_rank,
+                                    int pp_rank, const RunConfig& cfg, bool cuda) {
+  parallel::EngineMemory m;
+  constexpr int64_t kF32 = 4;
+  // This rank's trainable parameters, registration order (the others: released under pp).
+  std::vector<const Param*> mine;
+  for (const auto& p : b.params)
+    if (st.rank_of_unit[static_cast<std::size_t>(p.unit)] == pp_rank) mine.push_back(&p);
+  // The trainer's parameter groups: decay (dim > 1) first, then no_decay; empty ones dropped.
+  std::vector<const Param*> decay, no_decay;
+  for (const Param* p : mine) (p->dim <= 1 ? no_decay : decay).push_back(p);
+  std::map<std::string, int> group_of;
+  int g = 0;
+  for (const auto* list : {&decay, &no_decay}) {
+    if (list->empty()) continue;
+    for (const Param* p : *list) group_of[p->name] = g;
+    ++g;
+  }
+  const int n_groups = g + 1;
+  const double opt_per = optimizer_bytes_per_element(cfg);
+  const int64_t n = l.dp;
+  const BucketRules rules = bucket_rules(cfg, cuda);
+  std::vector<int64_t> sizes;
+  std::vector<at::ScalarType> dtypes;
+  std::vector<int> keys;
+  for (const Param* p : mine) {
+    sizes.push_back(p->numel * kF32);
+    dtypes.push_back(at::kFloat);
+    if (l.zero == 0) {
+      keys.push_back(0);
+      continue;
+    }
+    const int grp = group_of.at(p->name), tp_bit = l.tp > 1 && p->tp_sharded ? 1 : 0;
+    if (l.zero == 3) {
+      const int n_units = static_cast<int>(b.units.size());
+      keys.push_back(2 * ((n_units - 1 - p->unit) * n_groups + grp + 1) + tp_bit);
+    } else {
+      keys.push_back(2 * grp + tp_bit);
+    }
+  }
+  int64_t total_numel = 0;
+  for (const Param* p : mine) total_numel += p->numel;
+  if (l.zero == 0) {
+    m.params = total_numel * kF32;
+    // One rank: no DDP, autograd's own gradients; flat buckets hold exactly the parameters.
+    m.grads = total_numel * kF32;
+    m.optimizer = static_cast<int64_t>(opt_per) * total_numel;
+    return m;
+  }
+  const int64_t first_cap = l.zero == 3 ? static_cast<int64_t>(1e9 * 1024.0 * 1024.0) : rules.first_cap;
+  const int64_t cap = l.zero == 3 ? first_cap : rules.cap;
+  const auto buckets = parallel::ddp::assign_buckets(sizes, dtypes, keys, first_cap, cap);
+  const bool reduce_each_micro = l.zero >= 2 && n > 1;
+  int64_t mine_elems = 0;
+  for (const auto& members : buckets) {
+    int64_t numel = 0;
+    std::vector<int64_t> offsets;
+    for (int64_t i : members) {
+      offsets.push_back(numel);
+      numel += mine[static_cast<std::size_t>(i)]->numel;
+    }
+    const int64_t padded = (numel + n - 1) / n * n, shard = padded / n;
+    const int64_t lo = dp_rank * shard, hi = lo + shard;
+    for (std::size_t k = 0; k < members.size(); ++k) {
+      const int64_t off = offsets[k], len = mine[static_cast<std::size_t>(members[k])]->numel;
+      const int64_t bb = std::max(off, lo), ee = std::min(off + len, hi);
+      if (len > 0 && bb < ee) mine_elems += ee - bb;
+    }
+    // Parameters: the flat buffer (stages 1, 2), this rank's shard of it (stage 3; the gathered
+    // buffer is freed between units).
+    m.params += (l.zero == 3 && n > 1 ? shard : padded) * kF32;
+    // Gradients: stage 1 (and any stage over one rank) the flat buffer, whose reduce-scatter shard
+    // is a second buffer over several ranks; stages 2 and 3 only the shard, plus its accumulator
+    // with several micro-steps.
+    if (!reduce_each_micro) {
+      m.grads += padded * kF32 + (n > 1 ? shard * kF32 : 0);
+    } else {
+      m.grads += shard * kF32 * (l.micro_batches > 1 ? 2 : 1);
+    }
+  }
+  m.optimizer = static_cast<int64_t>(opt_per) * mine_elems;
+  return m;
+}
+
+// The activation model of `b` under `l` on pipeline rank `pp_rank`: the peak of saved bytes over
+// the schedule, and the largest transient.
+struct Activations {
+  double peak = 0, transient = 0, boundary = 0;  // boundary: a pipeline message, bytes
+  double recompute_fraction = 0;                 // forward FLOPs recomputed / forward FLOPs
+};
+
+models::ActivationQuery query(const RunConfig& cfg, const Layout& l, bool cuda) {
+  models::ActivationQuery q;
+  q.compute_bytes = cfg.precision.mode == "fp32" ? 4 : 2;
+  q.cuda = cuda;
+  q.tp = l.tp;
+  q.sequence_parallel = l.sequence_parallel && l.tp > 1;
+  return q;
+}
+
+Activations activations(const Built& b, const Stages& st, const Layout& l, int pp_rank,
+                        const RunConfig& cfg, bool cuda) {
+  Activations a;
+  const auto units = b.model->unit_activations(query(cfg, l, cuda));
+  if (units.size() != b.units.size()) return a;
+  const double mb = static_cast<double>(l.micro_batch);
+  // Checkpointing: the trainer wraps every checkpointable block (full) or every other one
+  // (selective: blocks 0, 2, 4, ...); a wrapped block keeps only its input.
+  std::vector<double> saved(units.size());
+  int idx = 0;
+  double fwd_flops = 0, recomputed = 0;
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    saved[u] = units[u].saved;
+    if (!units[u].checkpointable) continue;
+    const bool on = l.checkpointing == "full" || (l.checkpointing == "selective" && idx % 2 == 0);
+    ++idx;
+    if (!on) continue;
+    const double input = u > 0 ? units[u - 1].output : 0;
+    a.transient = std::max(a.transient, units[u].saved * mb);  // one block recomputed at a time
+    saved[u] = input;
+    recomputed += b.unit_flops[u];
+  }
+  for (double f : b.unit_flops) fwd_flops += f;
+  a.recompute_fraction = fwd_flops > 0 ? recomputed / fwd_flops : 0;
+  // Per stage (chunk) of this rank: bytes per micro-batch.
+  const int stages = static_cast<int>(st.bounds.size()) - 1;
+  std::vector<double> per_stage(static_cast<std::size_t>(stages), 0.0);
+  double largest_unit = 0;
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    per_stage[static_cast<std::size_t>(st.stage_of_unit[u])] += saved[u] * mb;
+    if (st.rank_of_unit[u] == pp_rank) largest_unit = std::max(largest_unit, units[u].saved * mb);
+  }
+  // Backward temporaries: the first unit this rank's backward runs (its last) makes gradients of
+  // about the size of what it saved, while every other activation is still alive.
+  for (std::size_t u = units.size(); u-- > 0;) {
+    if (st.rank_of_unit[u] != pp_rank) continue;
+    a.transient = std::max(a.transient, units[u].saved * mb);
+    break;
+  }
+  (void)largest_unit;
+  if (l.pp == 1) {
+    a.peak = per_stage[0];
+    return a;
+  }
+  // In flight: walk this rank's ops; F adds its stage's activations, B (zb: W, whose weight pass
+  // still reads them) frees them.
+  const bool split = st.schedule.split_backward();
+  double live = 0;
+  for (const auto& op : st.schedule.ops[static_cast<std::size_t>(pp_rank)]) {
+    const double bytes = per_stage[static_cast<std::size_t>(op.stage)];
+    if (op.kind == parallel::pipeline::OpKind::kForward) live += bytes;
+    if ((op.kind == parallel::pipeline::OpKind::kBackward && !split) ||
+        (op.kind == parallel::pipeline::OpKind::kWeight && split))
+      live -= bytes;
+    a.peak = std::max(a.peak, live);
+  }
+  // The message between stages: the last unit of stage 0's output.
+  const int last0 = st.bounds[1] - 1;
+  a.boundary = units[static_cast<std::size_t>(last0)].output * mb;
+  return a;
+}
+
+double bus_factor_all_reduce(int n) { return n > 1 ? 2.0 * (n - 1) / n : 0; }
+double bus_factor_gather(int n) { return n > 1 ? static_cast<double>(n - 1) / n : 0; }
+
+}  // namespace
+
+std::string Layout::overrides() const {
+  std::string s = fmt::format("parallel.dp={} parallel.tp={} parallel.pp={} parallel.zero.stage={}",
+                              dp, tp, pp, zero);
+  if (tp > 1) s += fmt::format(" parallel.sequence_parallel={}", sequence_parallel ? "true" : "false");
+  if (pp > 1) s += fmt::format(" parallel.pp_schedule={}", schedule);
+  if (virtual_stages > 1) s += fmt::format(" parallel.pp_virtual_stages={}", virtual_stages);
+  s += fmt::format(" data.batch_size={} train.grad_accum={} train.activation_checkpointing={}",
+                   micro_batch, micro_batches, checkpointing);
+  return s;
+}
+
+Layout configured_layout(const RunConfig& cfg, int world) {
+  const auto& p = cfg.parallel;
+  Layout l;
+  l.tp = p.tp;
+  l.pp = p.pp;
+  l.dp = p.dp > 0 ? p.dp : std::max(1, world / (p.tp * p.pp));
+  l.zero = p.zero.stage;
+  l.sequence_parallel = p.sequence_parallel;
+  l.micro_batch = cfg.data.batch_size;
+  l.micro_batches = cfg.train.grad_accum;
+  l.schedule = p.pp > 1 ? p.pp_schedule : "";
+  l.virtual_stages = p.pp_virtual_stages;
+  l.checkpointing = cfg.train.activation_checkpointing;
+  return l;
+}
+
+namespace {
+
+void check_supported(const RunConfig& cfg) {
+  PARALLAX_CHECK(cfg.lora.rank == 0 && !cfg.qat.enabled && cfg.distill.teacher.empty(), ConfigError,
+                 "parallax plan models plain training; keys 'lora.rank', 'qat.enabled' and "
+                 "'distill.teacher' must be off in this version");
+}
+
+Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Hardware& hw) {
+  Row row;
+  row.layout = l;
+  const int world = l.dp * l.tp * l.pp;
+  // The trainer's own validation of the combination (keys and numbers in the message).
+  try {
+    parallel::ParallelConfig p = cfg.parallel;
+    p.dp = l.dp;
+    p.tp = l.tp;
+    p.pp = l.pp;
+    p.zero.stage = l.zero;
+    p.sequence_parallel = l.sequence_parallel;
+    if (l.pp > 1) p.pp_schedule = l.schedule;
+    p.pp_virtual_stages = l.virtual_stages;
+    (void)parallel::Plan::from(p, l.checkpointing, cfg.train.cuda_graph, world,
+                               hw.cuda ? hw.gpus_per_node() : 0);
+  } catch (const Error& e) {
+    row.reason = e.what();
+    return row;
+  }
+  const Built& b = inv.at_tp(l.tp, l.sequence_parallel);
+  if (!b.error.empty()) {
+    row.reason = b.error;
+    return row;
+  }
+  if (l.pp > 1 && b.chain == 0) {
+    row.reason = fmt::format("model '{}' cannot be split into pipeline stages", cfg.model.name);
+    return row;
+  }
+  Stages st;
+  try {
+    st = make_stages(b, l, cfg);
+  } catch (const Error& e) {
+    row.reason = e.what();
+    return row;
+  }
+  const bool bf = cfg.precision.mode != "fp32";
+  const double step_flops_unit = 1e3 / (hw.peak_tflops * 1e12 * hw.efficiency);  // ms per FLOP
+  const double mb = static_cast<double>(l.micro_batch), m = l.micro_batches;
+  double worst_stage_fwd_ms = 0;
+  std::vector<double> stage_fwd_ms(st.bounds.size() - 1, 0.0);
+  for (std::size_t u = 0; u < b.units.size(); ++u)
+    stage_fwd_ms[static_cast<std::size_t>(st.stage_of_unit[u])] += b.unit_flops[u] * mb / l.tp * step_flops_unit;
+  for (double x : stage_fwd_ms) worst_stage_fwd_ms = std::max(worst_stage_fwd_ms, x);
+
+  const auto query_units = b.model->unit_activations(query(cfg, l, hw.cuda));
+  double max_peak = -1;
+  for (int r = 0; r < l.pp; ++r) {
+    RankMemory rm;
+    rm.rank = r * l.dp * l.tp;
+    // The dp rank with the largest optimizer piece (ZeRO shards are uneven by a few elements).
+    parallel::EngineMemory em;
+    for (int d = 0; d < l.dp; ++d) {
+      const auto x = engine_bytes(b, st, l, d, r, cfg, hw.cuda);
+      if (d == 0 || x.total() > em.total()) em = x;
+      if (l.zero == 0) break;
+    }
+    rm.params = em.params;
+    rm.grads = em.grads;
+    rm.optimizer = em.optimizer;
+    // Autograd's own gradients (one rank, or grouped DDP buckets on GPUs) are dropped after each
+    // step; flat buckets and ZeRO's shards persist.
+    const bool autograd_grads = l.zero == 0 && (l.dp == 1 || !bucket_rules(cfg, hw.cuda).flat);
+    rm.grads_at_backward = autograd_grads ? 0 : em.grads;
+    const Activations a = activations(b, st, l, r, cfg, hw.cuda);
+    rm.activations = a.peak;
+    rm.transient = a.transient;
+    double stage_params = 0, largest_unit_params = 0;
+    std::vector<double> unit_params(b.units.size(), 0.0);
+    for (const auto& p : b.params) {
+      if (st.rank_of_unit[static_cast<std::size_t>(p.unit)] != r) continue;
+      stage_params += static_cast<double>(p.numel);
+      unit_params[static_cast<std::size_t>(p.unit)] += static_cast<double>(p.numel);
+    }
+    for (double x : unit_params) largest_unit_params = std::max(largest_unit_params, x);
+    // Autocast keeps one low-precision copy of every weight the step uses (its cast cache).
+    if (bf) rm.autocast_copies = 2 * stage_params;
+    // ZeRO-3 gathers a unit (and prefetches the next) in fp32.
+    if (l.zero == 3 && l.dp > 1) rm.comm_buffers = 2 * 4 * largest_unit_params;
+    rm.context = hw.cuda ? hw.context_gib * kGiB : 0;
+    row.ranks.push_back(rm);
+    if (rm.total() > max_peak) {
+      max_peak = rm.total();
+      row.peak = rm;
+    }
+  }
+
+  // ---- time ----
+  StepTime& t = row.time;
+  const Activations a0 = activations(b, st, l, 0, cfg, hw.cuda);
+  const double recompute = 1.0 + a0.recompute_fraction;  // forward passes per micro-batch
+  double rank_fwd_ms = 0;
+  for (std::size_t s = 0; s < stage_fwd_ms.size(); ++s)
+    if (static_cast<int>(s) % l.pp == 0 || l.pp == 1) rank_fwd_ms += stage_fwd_ms[s];
+  if (l.pp > 1) {
+    // The schedule simulated with the slowest stage's costs (F, B = 2F; zb: B = W = F).
+    const bool split = st.schedule.split_backward();
+    const double f = worst_stage_fwd_ms, bw = split ? f * recompute : 2 * f + (recompute - 1) * f;
+    const auto tl = parallel::pipeline::simulate(st.schedule, f, bw, split ? f : 0);
+    t.compute_ms = tl.busy_per_rank;
+    t.bubble_ms = tl.makespan - tl.busy_per_rank;
+  } else {
+    t.compute_ms = m * rank_fwd_ms * (2.0 + recompute);
+  }
+  const int gpn = hw.cuda ? hw.gpus_per_node() : world;
+  const auto bw_of = [&](int span) { return (span <= gpn ? hw.intra_node_gbps : hw.inter_node_gbps) * 1e9; };
+  const double lat = hw.latency_us * 1e-3;
+  // Tensor parallel: the blocks' all-reduces (or SP's all-gather + reduce-scatter, the same
+  // bytes), two per block forward and two backward, on the critical path.
+  if (l.tp > 1) {
+    double bytes = 0;
+    int collectives = 0;
+    for (std::size_t u = 0; u < query_units.size(); ++u) {
+      if (!query_units[u].checkpointable || st.rank_of_unit[u] != 0) continue;
+      const double msg = query_units[u].output * mb * (l.sequence_parallel ? l.tp : 1);
+      bytes += 4 * msg;
+      collectives += 4;
+    }
+    t.tp_comm_ms = m * (bytes * bus_factor_all_reduce(l.tp) / bw_of(l.tp) * 1e3 + collectives * lat);
+  }
+  if (l.pp > 1) {
+    const double span = static_cast<double>(world);
+    t.pp_comm_ms = 2 * (m + l.pp - 1) * (a0.boundary / bw_of(static_cast<int>(span)) * 1e3 + lat);
+  }
+  // Data parallel: gradient bytes of the largest stage.
+  double grad_bytes = 0;
+  for (const auto& rm : row.ranks) grad_bytes = std::max(grad_bytes, static_cast<double>(rm.params));
+  if (l.zero == 3 && l.dp > 1) grad_bytes *= l.dp;  // params are shards there: the whole stage
+  if (l.dp > 1) {
+    const double bw = bw_of(l.dp * l.tp);
+    const double backward_ms = t.compute_ms / m * (1.0 + recompute) / (2.0 + recompute);
+    if (l.zero == 0) {
+      t.dp_comm_ms = grad_bytes * bus_factor_all_reduce(l.dp) / bw * 1e3;
+      t.dp_exposed_ms = std::max(0.0, t.dp_comm_ms - backward_ms) + lat;
+    } else {
+      const double rs = grad_bytes * bus_factor_gather(l.dp) / bw * 1e3;
+      const double ag = grad_bytes * bus_factor_gather(l.dp) / bw * 1e3;
+      if (l.zero == 1) {
+        t.dp_comm_ms = rs + ag;
+        t.dp_exposed_ms = std::max(0.0, rs - backward_ms) + ag;
+      } else if (l.zero == 2) {
+        t.dp_comm_ms = m * rs + ag;
+        t.dp_exposed_ms = std::max(0.0, m * rs - m * backward_ms) + ag;
+      } else {
+        // Stage 3: per micro-batch, gathers before forward and backward (prefetched), and the
+        // gradients' reduce-scatter.
+        t.dp_comm_ms = m * (2 * ag + rs);
+        t.dp_exposed_ms = std::max(0.0, t.dp_comm_ms - t.compute_ms);
+      }
+    }
+  }
+  // The optimizer update: ~8 fp32 reads/writes per element of this rank's optimizer piece.
+  double opt_elems = 0;
+  for (const auto& rm : row.ranks) opt_elems = std::max(opt_elems, static_cast<double>(rm.params) / 4.0);
+  if (l.zero >= 1 && l.dp > 1) opt_elems /= (l.zero == 3 ? 1 : l.dp);
+  const double hbm = hw.cuda ? 2500e9 : 10e9;
+  t.optimizer_ms = opt_elems * 32 / hbm * 1e3;
+  t.compute_ms += m * hw.overhead_ms;
+  t.step_ms = t.compute_ms + t.bubble_ms + t.tp_comm_ms + t.pp_comm_ms + t.dp_exposed_ms + t.optimizer_ms;
+  t.samples_per_s = static_cast<double>(l.micro_batch) * l.micro_batches * l.dp / (t.step_ms / 1e3);
+
+  const double limit = hw.gpu_mem_gib * kGiB;
+  row.fits = row.peak.total() <= limit;
+  if (!row.fits) {
+    row.reason = fmt::format("needs {:.1f} GiB on rank {} (params {:.1f}, grads {:.1f}, optimizer {:.1f}, "
+                             "activations {:.1f}, other {:.1f}) > {:.0f} GiB",
+                             row.peak.total() / kGiB, row.peak.rank, row.peak.params / kGiB,
+                             row.peak.grads / kGiB, row.peak.optimizer / kGiB,
+                             row.peak.activations / kGiB,
+                             (row.peak.autocast_copies + row.peak.transient + row.peak.comm_buffers +
+                              row.peak.context) / kGiB,
+                             hw.gpu_mem_gib);
+  }
+  return row;
+}
+
+std::vector<int> divisors(int n) {
+  std::vector<int> d;
+  for (int i = 1; i <= n; ++i)
+    if (n % i == 0) d.push_back(i);
+  return d;
+}
+
+}  // namespace
+
+Row predict(const RunConfig& cfg, const Layout& layout, const Hardware& hw) {
+  check_supported(cfg);
+  Inventory inv(cfg);
+  return predict_with(inv, cfg, layout, hw);
+}
+
+std::vector<parallel::EngineMemory> engine_memory(const RunConfig& cfg, int world, bool cuda) {
+  check_supported(cfg);
+  const Layout l = configured_layout(cfg, world);
+  PARALLAX_CHECK(l.dp * l.tp * l.pp == world, ConfigError,
+                 "planner: dp {} x tp {} x pp {} is not the world of {} ranks", l.dp, l.tp, l.pp, world);
+  Inventory inv(cfg);
+  const Built& b = inv.at_tp(l.tp, l.sequence_parallel);
+  PARALLAX_CHECK(b.error.empty(), ConfigError, "{}", b.error);
+  const Stages st = make_stages(b, l, cfg);
+  std::vector<parallel::EngineMemory> out(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    const int dp_rank = (r / l.tp) % l.dp, pp_rank = r / (l.tp * l.dp);
+    out[static_cast<std::size_t>(r)] = engine_bytes(b, st, l, dp_rank, pp_rank, cfg, cuda);
+  }
+  return out;
+}
+
+double activation_bytes(const RunConfig& cfg, int tp, bool sequence_parallel, int64_t micro_batch,
+                        bool cuda) {
+  Layout l;
+  l.tp = tp;
+  l.sequence_parallel = sequence_parallel;
+  l.micro_batch = micro_batch;
+  Inventory inv(cfg);
+  const Built& b = inv.at_tp(tp, sequence_parallel);
+  PARALLAX_CHECK(b.error.empty(), ConfigError, "{}", b.error);
+  const Stages st = make_stages(b, l, cfg);
+  return activations(b, st, l, 0, cfg, cuda).peak;
+}
+
+std::vector<Row> plan(const RunConfig& cfg, const Request& req) {
+  check_supported(cfg);
+  const Hardware& hw = req.hw;
+  const int n = hw.gpus;
+  PARALLAX_CHECK(n >= 1 && hw.nodes >= 1 && n % hw.nodes == 0, UsageError,
+                 "plan: --gpus {} must be a positive multiple of --nodes {}", n, hw.nodes);
+  const Layout cfg_layout = configured_layout(cfg, n);
+  int64_t global = req.global_batch;
+  if (global <= 0) {
+    global = static_cast<int64_t>(cfg.data.batch_size) * cfg.train.grad_accum *
+             std::max(1, n / (cfg.parallel.tp * cfg.parallel.pp));
+  }
+  Inventory inv(cfg);
+  std::vector<Row> rows;
+  const std::vector<std::string> ckpts =
+      req.all_checkpointing ? std::vector<std::string>{"none", "selective", "full"}
+                            : std::vector<std::string>{cfg.train.activation_checkpointing};
+  for (int tp : divisors(n)) {
+    for (int pp : divisors(n / tp)) {
+      const int dp = n / (tp * pp);
+      if (global % dp != 0) {
+        Row r;
+        r.layout.dp = dp;
+        r.layout.tp = tp;
+        r.layout.pp = pp;
+        r.reason = fmt::format("global batch {} is not divisible by dp {}", global, dp);
+        rows.push_back(r);
+        continue;
+      }
+      const int64_t per_dp = global / dp;
+      std::vector<int64_t> micro;
+      for (int64_t mb = 1; mb <= per_dp; mb *= 2)
+        if (per_dp % mb == 0) micro.push_back(mb);
+      if (std::find(micro.begin(), micro.end(), per_dp) == micro.end()) micro.push_back(per_dp);
+      std::vector<std::pair<std::string, int>> schedules{{"", 1}};
+      if (pp > 1) schedules = {{"1f1b", 1}, {"gpipe", 1}, {"interleaved", 2}, {"zb", 1}};
+      for (int zero : {0, 1, 2, 3}) {
+        if (dp == 1 && zero > 0) continue;  // ZeRO over one rank is DDP's memory
+        for (bool sp : tp > 1 ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+          for (const auto& [sched, v] : schedules) {
+            for (int64_t mb : micro) {
+              const int m = static_cast<int>(per_dp / mb);
+              // With pp = 1 more micro-batches only cost time: keep the largest that fits (the
+              // ranking keeps the best); with pp they fill the pipeline.
+              for (const auto& ck : ckpts) {
+                Layout l;
+                l.dp = dp;
+                l.tp = tp;
+                l.pp = pp;
+                l.zero = zero;
+                l.sequence_parallel = sp;
+                l.micro_batch = mb;
+                l.micro_batches = m;
+                l.schedule = sched;
+                l.virtual_stages = v;
+                l.checkpointing = ck;
+                Row r = predict_with(inv, cfg, l, hw);
+                r.configured = l.dp == cfg_layout.dp && l.tp == cfg_layout.tp && l.pp == cfg_layout.pp &&
+                               l.zero == cfg_layout.zero && l.micro_batch == cfg_layout.micro_batch &&
+                               l.micro_batches == cfg_layout.micro_batches &&
+                               l.checkpointing == cfg_layout.checkpointing &&
+                               (pp == 1 || l.schedule == cfg_layout.schedule) &&
+                               (tp == 1 || sp == cfg_layout.sequence_parallel);
+                rows.push_back(std::move(r));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
+    if (a.fits != b.fits) return a.fits;
+    if (a.fits) return a.time.samples_per_s > b.time.samples_per_s;
+    return a.reason.empty() < b.reason.empty();
+  });
+  return rows;
+}
+
+Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps, int64_t batch) {
+  if (batch <= 0) batch = cfg.data.batch_size;
+  check_supported(cfg);
+  const bool cuda = hw.cuda && at::hasCUDA();
+  PARALLAX_CHECK(!hw.cuda || cuda, UsageError,
+                 "plan --calibrate: planning for GPUs but this machine has none; use --device cpu "
+                 "or calibrate on the GPU machine");
+  const c10::Device device = cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+  const auto sync = [&] {
+    if (cuda) at::empty({1}, at::TensorOptions().device(device)).cpu();
+  };
+  if (!cuda) {
+    // The CPU's own peak: a large fp32 GEMM.
+    const int64_t k = 1024;
+    at::Tensor x = at::randn({k, k}), y = at::randn({k, k});
+    (void)at::mm(x, y);
+    core::Stopwatch w;
+    const int reps = 8;
+    for (int i = 0; i < reps; ++i) (void)at::mm(x, y);
+    hw.peak_tflops = 2.0 * k * k * k * reps / w.elapsed_s() / 1e12;
+  }
+  auto model = models::build_model(cfg.model, run_scene(cfg));
+  model->to(device);
+  model->train();
+  std::vector<at::Tensor> params = model->parameters();
+  optim::NamedParams named;
+  for (const auto& it : model->named_parameters()) named.emplace_back(it.key(), it.value());
+  auto opt = optim::build_optimizer(cfg.optim, optim::make_param_groups(named, cfg.optim.weight_decay));
+  const optim::PrecisionPolicy policy = optim::make_precision_policy(cfg.precision, device.type());
+  const auto one = [&](const core::TensorDict& inputs) {
+    {
+      optim::AutocastGuard guard(policy);
+      const auto pred = model->forward(inputs);
+      at::Tensor loss = model->loss(inputs, pred).total;
+      loss.backward();
+    }
+    opt->step(1e-6);
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+  };
+  // Two micro-batch sizes, b and 2b: the slope is the compute (FLOPs over the efficiency), the
+  // intercept the fixed cost of a step (kernel launches, the optimizer).
+  const auto timed = [&](int64_t n) {
+    core::TensorDict inputs = model->example_batch(n);
+    for (auto& [k, v] : inputs) v = v.to(device);
+    one(inputs);
+    one(inputs);
+    sync();
+    core::Stopwatch w;
+    for (int i = 0; i < steps; ++i) one(inputs);
+    sync();
+    return w.elapsed_s() * 1e3 / steps;
+  };
+  const double t1 = timed(batch), t2 = timed(2 * batch);
+  const double per_sample = std::max((t2 - t1) / static_cast<double>(batch), 1e-9);
+  const double flops = 3.0 * model->forward_flops_per_sample();
+  hw.efficiency = std::min(1.0, flops / (per_sample / 1e3) / (hw.peak_tflops * 1e12));
+  hw.overhead_ms = std::max(0.0, t1 - per_sample * static_cast<double>(batch));
+  hw.source = fmt::format(
+      "calibrated on this machine ({}): {}/{} steps of batch {} and {}: {:.1f} and {:.1f} ms, "
+      "{:.2f} ms fixed",
+      cuda ? "cuda" : "cpu", cfg.model.name, cfg.model.size, batch, 2 * batch, t1, t2,
+      hw.overhead_ms);
+  return hw;
+}
+
+std::string render_table(const std::vector<Row>& rows, const Hardware& hw, int max_rows) {
+  std::ostringstream o;
+  o << fmt::format("{} x {} ({:.0f} GiB each, {} node(s)); {:.3g} TFLOP/s peak x {:.2f} efficiency; "
+                   "{:.0f} GB/s in a node, {:.0f} GB/s across ({})\n",
+                   hw.gpus, hw.name, hw.gpu_mem_gib, hw.nodes, hw.peak_tflops, hw.efficiency,
+                   hw.intra_node_gbps, hw.inter_node_gbps, hw.source);
+  o << fmt::format("{:>3} {:<34} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>9} {:>7} {:>7}\n", "#",
+                   "layout (dp tp pp zero sp mb x m sched ckpt)", "mem GiB", "params", "grads",
+                   "optim", "activ", "other", "step ms", "samples/s", "bubble", "comm");
+  int shown = 0;
+  for (const auto& r : rows) {
+    if (!r.fits) continue;
+    if (shown >= max_rows) break;
+    const Layout& l = r.layout;
+    const std::string lay = fmt::format(
+        "{} {} {} z{} {} {}x{} {} {}", l.dp, l.tp, l.pp, l.zero, l.sequence_parallel ? "sp" : "-",
+        l.micro_batch, l.micro_batches,
+        l.pp > 1 ? (l.virtual_stages > 1 ? fmt::format("{}v{}", l.schedule, l.virtual_stages) : l.schedule) : "-",
+        l.checkpointing);
+    const RankMemory& p = r.peak;
+    o << fmt::format(
+        "{:>3} {:<34} {:>8.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>9.1f} {:>9.1f} {:>7.3f} {:>7.1f}{}\n",
+        ++shown, lay, p.total() / kGiB, p.params / kGiB, p.grads / kGiB, p.optimizer / kGiB,
+        p.activations / kGiB,
+        (p.autocast_copies + p.transient + p.comm_buffers + p.context) / kGiB, r.time.step_ms,
+        r.time.samples_per_s, r.time.compute_ms > 0 ? r.time.bubble_ms / r.time.compute_ms : 0,
+        r.time.tp_comm_ms + r.time.pp_comm_ms + r.time.dp_exposed_ms,
+        r.configured ? "  <- the config's layout" : "");
+  }
+  if (shown == 0) o << "    no layout fits\n";
+  // The rejected ones, one line per distinct reason (the first layout it hit).
+  std::map<std::string, std::pair<int, std::string>> reasons;
+  for (const auto& r : rows) {
+    if (r.fits) continue;
+    std::string key = r.reason.substr(0, r.reason.find(" on rank"));
+    if (key.rfind("needs ", 0) == 0) key = "does not fit in memory";
+    auto& e = reasons[key];
+    if (e.first++ == 0)
+      e.second = fmt::format("dp {} tp {} pp {} zero {}: {}", r.layout.dp, r.layout.tp, r.layout.pp,
+                             r.layout.zero, r.reason);
+  }
+  if (!reasons.empty()) o << "rejected:\n";
+  for (const auto& [key, e] : reasons) o << fmt::format("  {:>4} layouts, e.g. {}\n", e.first, e.second);
+  return o.str();
+}
+
+namespace {
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    if (c == '\n') {
+      o += "\\n";
+      continue;
+    }
+    o += c;
+  }
+  return o;
+}
+std::string mem_json(const RankMemory& m) {
+  return fmt::format(
+      "{{\"rank\": {}, \"params\": {}, \"grads\": {}, \"optimizer\": {}, \"activations\": {:.0f}, "
+      "\"autocast_copies\": {:.0f}, \"transient\": {:.0f}, \"comm_buffers\": {:.0f}, \"context\": {:.0f}, "
+      "\"allocated\": {:.0f}, \"total\": {:.0f}}}",
+      m.rank, m.params, m.grads, m.optimizer, m.activations, m.autocast_copies, m.transient,
+      m.comm_buffers, m.context, m.allocated(), m.total());
+}
+}  // namespace
+
+std::string render_json(const std::vector<Row>& rows, const Hardware& hw) {
+  std::ostringstream o;
+  o << fmt::format(
+      "{{\"hardware\": {{\"name\": \"{}\", \"gpus\": {}, \"nodes\": {}, \"gpu_mem_gib\": {}, "
+      "\"peak_tflops\": {}, \"efficiency\": {}, \"intra_node_gbps\": {}, \"inter_node_gbps\": {}, "
+      "\"source\": \"{}\"}},\n \"layouts\": [\n",
+      json_escape(hw.name), hw.gpus, hw.nodes, hw.gpu_mem_gib, hw.peak_tflops, hw.efficiency,
+      hw.intra_node_gbps, hw.inter_node_gbps, json_escape(hw.source));
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    const Layout& l = r.layout;
+    std::string ranks;
+    for (const auto& m : r.ranks) ranks += (ranks.empty() ? "" : ", ") + mem_json(m);
+    o << fmt::format(
+        "  {{\"dp\": {}, \"tp\": {}, \"pp\": {}, \"zero\": {}, \"sequence_parallel\": {}, "
+        "\"micro_batch\": {}, \"micro_batches\": {}, \"schedule\": \"{}\", \"virtual_stages\": {}, "
+        "\"checkpointing\": \"{}\", \"fits\": {}, \"configured\": {}, \"reason\": \"{}\", "
+        "\"overrides\": \"{}\", \"peak\": {}, \"ranks\": [{}], \"time\": {{\"compute_ms\": {:.3f}, "
+        "\"bubble_ms\": {:.3f}, \"tp_comm_ms\": {:.3f}, \"pp_comm_ms\": {:.3f}, \"dp_comm_ms\": {:.3f}, "
+        "\"dp_exposed_ms\": {:.3f}, \"optimizer_ms\": {:.3f}, \"step_ms\": {:.3f}, \"samples_per_s\": {:.3f}}}}}{}\n",
+        l.dp, l.tp, l.pp, l.zero, l.sequence_parallel ? "true" : "false", l.micro_batch,
+        l.micro_batches, l.schedule, l.virtual_stages, l.checkpointing, r.fits ? "true" : "false",
+        r.configured ? "true" : "false", json_escape(r.reason), l.overrides(),
+        r.ranks.empty() ? "null" : mem_json(r.peak), ranks, r.time.compute_ms, r.time.bubble_ms,
+        r.time.tp_comm_ms, r.time.pp_comm_ms, r.time.dp_comm_ms, r.time.dp_exposed_ms,
+        r.time.optimizer_ms, r.time.step_ms, r.time.samples_per_s, i + 1 < rows.size() ? "," : "");
+  }
+  o << " ]}\n";
+  return o.str();
+}
+
+}  // namespace parallax::train::planner
