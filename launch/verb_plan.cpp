@@ -4,6 +4,7 @@
 #include "core/log.h"
 #include "launch/args.h"
 #include "launch/verbs.h"
+#include "parallel/comm/world.h"
 #include "train/planner.h"
 #include "train/run_config.h"
 
@@ -96,7 +97,10 @@ int verb_plan(const std::vector<std::string>& argv) {
   PARALLAX_CHECK(req.hw.gpu_mem_gib > 0 && req.hw.efficiency > 0 && req.hw.efficiency <= 1,
                  UsageError, "plan: --gpu-mem must be positive and --efficiency in (0, 1]");
   if (args.flag_set("calibrate")) {
-    req.hw = train::planner::calibrate(cfg, req.hw, 4,
+    parallel::comm::World world;  // the calibration runs the trainer in this process
+    PARALLAX_CHECK(world.size() == 1, UsageError,
+                   "plan --calibrate runs one process; start it without mpirun or torchrun");
+    req.hw = train::planner::calibrate(cfg, req.hw, 12,
                                        args.has("calibrate-batch") ? args.get_int("calibrate-batch") : 0);
   }
 

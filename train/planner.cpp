@@ -1,5 +1,7 @@
 #include "train/planner.h"
 
+#include "train/trainer.h"
+
 #include "core/error.h"
 #include "core/log.h"
 #include "core/timer.h"
@@ -16,8 +18,13 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <regex>
 #include <map>
 #include <memory>
 #include <set>
@@ -723,17 +730,56 @@ std::vector<Row> plan(const RunConfig& cfg, const Request& req) {
   return rows;
 }
 
+namespace {
+
+// The median step time of `steps` steps of the real training loop (benchmark mode: synthetic
+// batches, no evaluation or checkpoints) of cfg's model in this one process, at micro-batch
+// `batch`: the trainer's own optimizer, kernels and (if configured) CUDA graph, which a bare loop
+// here would not reproduce. The run goes to a temporary directory, removed afterwards.
+double trainer_step_ms(RunConfig cfg, int64_t batch, int steps, bool cuda) {
+  namespace fs = std::filesystem;
+  cfg.train.benchmark = true;
+  cfg.train.steps = steps;
+  cfg.train.log_every = 1;
+  cfg.train.eval_every = 0;
+  cfg.train.grad_accum = 1;
+  cfg.train.device = cuda ? "cuda" : "cpu";
+  cfg.data.batch_size = static_cast<int>(batch);
+  cfg.parallel.dp = 0;
+  cfg.parallel.tp = 1;
+  cfg.parallel.pp = 1;
+  cfg.parallel.zero.stage = 0;
+  cfg.parallel.sequence_parallel = false;
+  const fs::path dir = fs::temp_directory_path() / fmt::format("parallax_calibrate_{}", ::getpid());
+  cfg.experiment.output_dir = dir.string();
+  cfg.experiment.name = fmt::format("batch_{}", batch);
+  (void)run_training(cfg);
+  std::vector<double> ms;
+  {
+    std::ifstream f(dir / cfg.experiment.name / "metrics.jsonl");
+    const std::regex kind("\"kind\": *\"train\""), step_ms("\"step_ms\": *([-0-9.eE+]+)");
+    std::string line;
+    std::smatch m;
+    while (std::getline(f, line))
+      if (std::regex_search(line, kind) && std::regex_search(line, m, step_ms)) ms.push_back(std::stod(m[1]));
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  PARALLAX_CHECK(ms.size() >= 3, Error, "plan --calibrate: the calibration run logged {} steps", ms.size());
+  ms.erase(ms.begin(), ms.begin() + static_cast<std::ptrdiff_t>(ms.size() / 3));  // warm-up
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace
+
 Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps, int64_t batch) {
-  if (batch <= 0) batch = cfg.data.batch_size;
   check_supported(cfg);
+  if (batch <= 0) batch = cfg.data.batch_size;
   const bool cuda = hw.cuda && at::hasCUDA();
   PARALLAX_CHECK(!hw.cuda || cuda, UsageError,
                  "plan --calibrate: planning for GPUs but this machine has none; use --device cpu "
                  "or calibrate on the GPU machine");
-  const c10::Device device = cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
-  const auto sync = [&] {
-    if (cuda) at::empty({1}, at::TensorOptions().device(device)).cpu();
-  };
   if (!cuda) {
     // The CPU's own peak: a large fp32 GEMM.
     const int64_t k = 1024;
@@ -744,46 +790,19 @@ Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps, int64_t batch) 
     for (int i = 0; i < reps; ++i) (void)at::mm(x, y);
     hw.peak_tflops = 2.0 * k * k * k * reps / w.elapsed_s() / 1e12;
   }
-  auto model = models::build_model(cfg.model, run_scene(cfg));
-  model->to(device);
-  model->train();
-  std::vector<at::Tensor> params = model->parameters();
-  optim::NamedParams named;
-  for (const auto& it : model->named_parameters()) named.emplace_back(it.key(), it.value());
-  auto opt = optim::build_optimizer(cfg.optim, optim::make_param_groups(named, cfg.optim.weight_decay));
-  const optim::PrecisionPolicy policy = optim::make_precision_policy(cfg.precision, device.type());
-  const auto one = [&](const core::TensorDict& inputs) {
-    {
-      optim::AutocastGuard guard(policy);
-      const auto pred = model->forward(inputs);
-      at::Tensor loss = model->loss(inputs, pred).total;
-      loss.backward();
-    }
-    opt->step(1e-6);
-    for (auto& p : params) p.mutable_grad() = at::Tensor();
-  };
   // Two micro-batch sizes, b and 2b: the slope is the compute (FLOPs over the efficiency), the
   // intercept the fixed cost of a step (kernel launches, the optimizer).
-  const auto timed = [&](int64_t n) {
-    core::TensorDict inputs = model->example_batch(n);
-    for (auto& [k, v] : inputs) v = v.to(device);
-    one(inputs);
-    one(inputs);
-    sync();
-    core::Stopwatch w;
-    for (int i = 0; i < steps; ++i) one(inputs);
-    sync();
-    return w.elapsed_s() * 1e3 / steps;
-  };
-  const double t1 = timed(batch), t2 = timed(2 * batch);
+  const double t1 = trainer_step_ms(cfg, batch, steps, cuda);
+  const double t2 = trainer_step_ms(cfg, 2 * batch, steps, cuda);
   const double per_sample = std::max((t2 - t1) / static_cast<double>(batch), 1e-9);
+  const auto model = models::build_model(cfg.model, run_scene(cfg));
   const double flops = 3.0 * model->forward_flops_per_sample();
   hw.efficiency = std::min(1.0, flops / (per_sample / 1e3) / (hw.peak_tflops * 1e12));
   hw.overhead_ms = std::max(0.0, t1 - per_sample * static_cast<double>(batch));
   hw.source = fmt::format(
-      "calibrated on this machine ({}): {}/{} steps of batch {} and {}: {:.1f} and {:.1f} ms, "
-      "{:.2f} ms fixed",
-      cuda ? "cuda" : "cpu", cfg.model.name, cfg.model.size, batch, 2 * batch, t1, t2,
+      "calibrated on this machine ({}): {} training steps of {}/{} at batch {} and {}: median "
+      "{:.1f} and {:.1f} ms, {:.2f} ms fixed",
+      cuda ? "cuda" : "cpu", steps, cfg.model.name, cfg.model.size, batch, 2 * batch, t1, t2,
       hw.overhead_ms);
   return hw;
 }

@@ -131,10 +131,11 @@ std::vector<parallel::EngineMemory> engine_memory(const RunConfig& cfg, int worl
 double activation_bytes(const RunConfig& cfg, int tp, bool sequence_parallel, int64_t micro_batch,
                         bool cuda);
 
-// Measures this machine: a few training steps of cfg's model (one process, micro-batch `batch`;
-// 0: data.batch_size) give the compute efficiency against `hw.peak_tflops`. On the CPU the peak
-// itself is measured with a GEMM.
-Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps = 4, int64_t batch = 0);
+// Measures this machine: `steps` steps of the real training loop (one process, benchmark mode) at
+// micro-batches `batch` and 2 `batch` (0: data.batch_size) give the compute efficiency against
+// `hw.peak_tflops` (the slope) and the fixed cost per micro-batch (the intercept). On the CPU the
+// peak itself is measured with a GEMM. Needs the process's comm::World (the trainer runs on it).
+Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps = 12, int64_t batch = 0);
 
 // The ranked table (fitting layouts first) and the JSON document (one object per row).
 std::string render_table(const std::vector<Row>& rows, const Hardware& hw, int max_rows);

@@ -227,6 +227,10 @@ class CliTest(unittest.TestCase):
             self.assertEqual([r["step"] for r in rows if r["kind"] == "train"], [2, 4, 6])
             self.assertEqual(rows[-1]["kind"], "summary")
             for r in rows[:-1]:
+                if r["kind"] == "memory":  # after step 1: each rank's engine bytes (docs/training.md)
+                    self.assertEqual(r["step"], 1)
+                    self.assertGreater(r["params_r0"], 0)
+                    continue
                 for k in ("loss", "lr", "step_ms", "img_per_s"):
                     self.assertIn(k, r)
 

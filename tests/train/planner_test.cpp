@@ -177,7 +177,9 @@ TEST(PlannerLayouts, RejectsWithReasonsAndRanksTheRest) {
   req.hw.gpu_mem_gib = 1e-4;
   for (const auto& r : train::planner::plan(cfg, req)) {
     EXPECT_FALSE(r.fits);
-    if (!r.ranks.empty()) EXPECT_NE(r.reason.find("GiB"), std::string::npos) << r.reason;
+    if (!r.ranks.empty()) {
+      EXPECT_NE(r.reason.find("GiB"), std::string::npos) << r.reason;
+    }
   }
 }
 
