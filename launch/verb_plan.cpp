@@ -100,7 +100,7 @@ int verb_plan(const std::vector<std::string>& argv) {
     parallel::comm::World world;  // the calibration runs the trainer in this process
     PARALLAX_CHECK(world.size() == 1, UsageError,
                    "plan --calibrate runs one process; start it without mpirun or torchrun");
-    req.hw = train::planner::calibrate(cfg, req.hw, 12,
+    req.hw = train::planner::calibrate(cfg, req.hw, 20,
                                        args.has("calibrate-batch") ? args.get_int("calibrate-batch") : 0);
   }
 

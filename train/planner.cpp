@@ -792,9 +792,15 @@ Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps, int64_t batch) 
   }
   // Two micro-batch sizes, b and 2b: the slope is the compute (FLOPs over the efficiency), the
   // intercept the fixed cost of a step (kernel launches, the optimizer).
+  // A first run warms the device (clocks, cuDNN/cuBLAS autotuning, the caching allocator) and
+  // is discarded: measured first, the small batch came out slower than twice its size on an H100.
+  (void)trainer_step_ms(cfg, batch, std::max(4, steps / 2), cuda);
   const double t1 = trainer_step_ms(cfg, batch, steps, cuda);
   const double t2 = trainer_step_ms(cfg, 2 * batch, steps, cuda);
-  const double per_sample = std::max((t2 - t1) / static_cast<double>(batch), 1e-9);
+  // A noisy pair (2b not slower than b) says nothing about the slope: all of 2b's time is then
+  // taken as compute (no fixed cost), which over-predicts rather than under-predicts.
+  const double per_sample = t2 > t1 ? (t2 - t1) / static_cast<double>(batch)
+                                    : t2 / static_cast<double>(2 * batch);
   const auto model = models::build_model(cfg.model, run_scene(cfg));
   const double flops = 3.0 * model->forward_flops_per_sample();
   hw.efficiency = std::min(1.0, flops / (per_sample / 1e3) / (hw.peak_tflops * 1e12));
