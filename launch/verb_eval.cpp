@@ -3,6 +3,7 @@
 // world), and optionally its detections and the ground truth in the nuScenes detection submission
 // format, for external scorers (tools/nuscenes_score.py).
 #include "checkpoint/format.h"
+#include "checkpoint/reader.h"
 #include "checkpoint/weights.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -15,6 +16,7 @@
 #include "parallel/comm/factory.h"
 #include "parallel/comm/world.h"
 #include "train/evaluate.h"
+#include "train/lora.h"
 #include "train/qat.h"
 #include "train/run_config.h"
 
@@ -174,12 +176,22 @@ int verb_eval(const std::vector<std::string>& argv) {
 
   const core::SceneSpec scene = info.scene_spec(cfg.data.max_boxes);
   core::seed_all(static_cast<uint64_t>(cfg.experiment.seed));
-  auto model = models::build_model(cfg.model, scene);
-  // A QAT run's checkpoints hold the quantizers' amax: the model is evaluated fake-quantized.
-  std::vector<train::qat::Layer> quantized;
-  if (cfg.qat.enabled) quantized = train::qat::apply(*model, cfg.qat);
-  const auto report = checkpoint::load_weights(*model, source);
-  train::qat::set_state(quantized, models::QuantState::kQuantizing);
+  std::shared_ptr<models::Model> model;
+  std::string loaded;
+  if (cfg.lora.rank > 0 && !checkpoint::is_weights_file(source)) {
+    // A LoRA run's checkpoints hold its adapters: the base (lora.base or train.load_from, checked
+    // against the fingerprint the run saved) with the adapters merged in, as export does.
+    checkpoint::CheckpointReader reader(source);
+    model = train::lora::merged_model(cfg, scene, reader);
+    loaded = fmt::format("LoRA adapters merged into base {}", train::lora::base_path(cfg));
+  } else {
+    model = models::build_model(cfg.model, scene);
+    // A QAT run's checkpoints hold the quantizers' amax: the model is evaluated fake-quantized.
+    std::vector<train::qat::Layer> quantized;
+    if (cfg.qat.enabled) quantized = train::qat::apply(*model, cfg.qat);
+    loaded = checkpoint::load_weights(*model, source).summary();
+    train::qat::set_state(quantized, models::QuantState::kQuantizing);
+  }
   model->to(device);
   const auto precision = optim::make_precision_policy(cfg.precision, device.type());
   train::EvalDetections det;
@@ -191,7 +203,7 @@ int verb_eval(const std::vector<std::string>& argv) {
   if (rank != 0) return 0;
 
   std::printf("eval of %s on split '%s' of %s (%d rank(s), %s)\n", source.c_str(), split.c_str(),
-              cfg.data.path.c_str(), world.size(), report.summary().c_str());
+              cfg.data.path.c_str(), world.size(), loaded.c_str());
   std::string json = fmt::format(
       "{{\"checkpoint\": {}, \"split\": {}, \"dataset\": {}, \"ranks\": {}, \"metrics\": {{",
       core::json_quote(source), core::json_quote(split), core::json_quote(cfg.data.path),
