@@ -1,5 +1,6 @@
 #include "train/planner.h"
 
+#include "train/lora.h"
 #include "train/trainer.h"
 
 #include "core/error.h"
@@ -94,6 +95,7 @@ struct Param {
   int dim = 0;
   int unit = 0;
   bool tp_sharded = false;
+  bool trainable = true;  // false: a frozen LoRA base weight
 };
 struct Built {
   std::string error;  // why the model cannot be built at this tp
@@ -124,6 +126,13 @@ class Inventory {
       } else {
         b.model = models::build_model(cfg_.model, scene_);
       }
+      // LoRA: the adapters on the base, which is frozen (train/lora.h); its values do not matter.
+      if (cfg_.lora.rank > 0) {
+        PARALLAX_CHECK(tp == 1, ConfigError,
+                       "keys 'lora.rank' and 'parallel.tp': LoRA adapts dense linear layers; use "
+                       "parallel.tp=1 for LoRA in this version");
+        (void)lora::apply(*b.model, cfg_.lora);
+      }
     } catch (const ConfigError& e) {
       b.error = e.what();
       return cache_.emplace(key, std::move(b)).first->second;
@@ -140,6 +149,7 @@ class Inventory {
       p.dim = static_cast<int>(item.value().dim());
       p.unit = unit_of.count(p.name) ? unit_of.at(p.name) : 0;
       p.tp_sharded = layouts.count(p.name) != 0;
+      p.trainable = item.value().requires_grad();
       b.params.push_back(std::move(p));
     }
     b.chain = b.model->chain_length();
@@ -232,10 +242,22 @@ parallel::EngineMemory engine_bytes(const Built& b, const Stages& st, const Layo
                                     int pp_rank, const RunConfig& cfg, bool cuda) {
   parallel::EngineMemory m;
   constexpr int64_t kF32 = 4;
-  // This rank's trainable parameters, registration order (the others: released under pp).
-  std::vector<const Param*> mine;
-  for (const auto& p : b.params)
-    if (st.rank_of_unit[static_cast<std::size_t>(p.unit)] == pp_rank) mine.push_back(&p);
+  // This rank's trainable parameters, registration order (the others: released under pp), and
+  // its frozen ones (a LoRA base: whole under DDP and ZeRO-1/2, sharded per unit under ZeRO-3).
+  std::vector<const Param*> mine, frozen;
+  for (const auto& p : b.params) {
+    if (st.rank_of_unit[static_cast<std::size_t>(p.unit)] != pp_rank) continue;
+    (p.trainable ? mine : frozen).push_back(&p);
+  }
+  int64_t frozen_bytes = 0;
+  if (l.zero == 3 && l.dp > 1) {
+    std::map<int, int64_t> per_unit;
+    for (const Param* p : frozen) per_unit[p->unit] += p->numel;
+    for (const auto& [u, numel] : per_unit) frozen_bytes += (numel + l.dp - 1) / l.dp * kF32;
+  } else {
+    for (const Param* p : frozen) frozen_bytes += p->numel * kF32;
+  }
+  m.params = frozen_bytes;
   // The trainer's parameter groups: decay (dim > 1) first, then no_decay; empty ones dropped.
   std::vector<const Param*> decay, no_decay;
   for (const Param* p : mine) (p->dim <= 1 ? no_decay : decay).push_back(p);
@@ -271,7 +293,7 @@ parallel::EngineMemory engine_bytes(const Built& b, const Stages& st, const Layo
   int64_t total_numel = 0;
   for (const Param* p : mine) total_numel += p->numel;
   if (l.zero == 0) {
-    m.params = total_numel * kF32;
+    m.params += total_numel * kF32;
     // One rank: no DDP, autograd's own gradients; flat buckets hold exactly the parameters.
     m.grads = total_numel * kF32;
     m.optimizer = static_cast<int64_t>(opt_per) * total_numel;
@@ -425,9 +447,10 @@ Layout configured_layout(const RunConfig& cfg, int world) {
 namespace {
 
 void check_supported(const RunConfig& cfg) {
-  PARALLAX_CHECK(cfg.lora.rank == 0 && !cfg.qat.enabled && cfg.distill.teacher.empty(), ConfigError,
-                 "parallax plan models plain training; keys 'lora.rank', 'qat.enabled' and "
-                 "'distill.teacher' must be off in this version");
+  PARALLAX_CHECK(!cfg.qat.enabled && cfg.distill.teacher.empty(), ConfigError,
+                 "parallax plan models plain and LoRA training; keys 'qat.enabled' and "
+                 "'distill.teacher' must be off in this version (their fake-quantizers and teacher "
+                 "are not in its memory model)");
 }
 
 Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Hardware& hw) {
@@ -455,6 +478,10 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     row.reason = b.error;
     return row;
   }
+  if (l.pp > 1 && cfg.lora.rank > 0) {
+    row.reason = "keys 'lora.rank' and 'parallel.pp': LoRA under pipeline parallelism is not available in this version";
+    return row;
+  }
   if (l.pp > 1 && b.chain == 0) {
     row.reason = fmt::format("model '{}' cannot be split into pipeline stages", cfg.model.name);
     return row;
@@ -476,7 +503,7 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
   for (double x : stage_fwd_ms) worst_stage_fwd_ms = std::max(worst_stage_fwd_ms, x);
 
   const auto query_units = b.model->unit_activations(query(cfg, l, hw.cuda));
-  double max_peak = -1;
+  double max_peak = -1, max_stage_elems = 0, max_trainable_elems = 0;
   for (int r = 0; r < l.pp; ++r) {
     RankMemory rm;
     rm.rank = r * l.dp * l.tp;
@@ -497,13 +524,16 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     const Activations a = activations(b, st, l, r, cfg, hw.cuda);
     rm.activations = a.peak;
     rm.transient = a.transient;
-    double stage_params = 0, largest_unit_params = 0;
+    double stage_params = 0, largest_unit_params = 0, stage_trainable = 0;
     std::vector<double> unit_params(b.units.size(), 0.0);
     for (const auto& p : b.params) {
       if (st.rank_of_unit[static_cast<std::size_t>(p.unit)] != r) continue;
       stage_params += static_cast<double>(p.numel);
+      if (p.trainable) stage_trainable += static_cast<double>(p.numel);
       unit_params[static_cast<std::size_t>(p.unit)] += static_cast<double>(p.numel);
     }
+    max_stage_elems = std::max(max_stage_elems, stage_params);
+    max_trainable_elems = std::max(max_trainable_elems, stage_trainable);
     for (double x : unit_params) largest_unit_params = std::max(largest_unit_params, x);
     // Autocast keeps one low-precision copy of every weight the step uses (its cast cache).
     if (bf) rm.autocast_copies = 2 * stage_params;
@@ -554,10 +584,10 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     const double span = static_cast<double>(world);
     t.pp_comm_ms = 2 * (m + l.pp - 1) * (a0.boundary / bw_of(static_cast<int>(span)) * 1e3 + lat);
   }
-  // Data parallel: gradient bytes of the largest stage.
-  double grad_bytes = 0;
-  for (const auto& rm : row.ranks) grad_bytes = std::max(grad_bytes, static_cast<double>(rm.params));
-  if (l.zero == 3 && l.dp > 1) grad_bytes *= l.dp;  // params are shards there: the whole stage
+  // Data parallel: the largest stage's trainable gradients (reduced) and parameters (gathered:
+  // the trainable flat buffers after the step under ZeRO-1/2, every parameter under ZeRO-3).
+  const double grad_bytes = 4 * max_trainable_elems;
+  const double gather_bytes = 4 * (l.zero == 3 ? max_stage_elems : max_trainable_elems);
   if (l.dp > 1) {
     const double bw = bw_of(l.dp * l.tp);
     const double backward_ms = t.compute_ms / m * (1.0 + recompute) / (2.0 + recompute);
@@ -566,7 +596,7 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
       t.dp_exposed_ms = std::max(0.0, t.dp_comm_ms - backward_ms) + lat;
     } else {
       const double rs = grad_bytes * bus_factor_gather(l.dp) / bw * 1e3;
-      const double ag = grad_bytes * bus_factor_gather(l.dp) / bw * 1e3;
+      const double ag = gather_bytes * bus_factor_gather(l.dp) / bw * 1e3;
       if (l.zero == 1) {
         t.dp_comm_ms = rs + ag;
         t.dp_exposed_ms = std::max(0.0, rs - backward_ms) + ag;
@@ -582,9 +612,8 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     }
   }
   // The optimizer update: ~8 fp32 reads/writes per element of this rank's optimizer piece.
-  double opt_elems = 0;
-  for (const auto& rm : row.ranks) opt_elems = std::max(opt_elems, static_cast<double>(rm.params) / 4.0);
-  if (l.zero >= 1 && l.dp > 1) opt_elems /= (l.zero == 3 ? 1 : l.dp);
+  double opt_elems = max_trainable_elems;
+  if (l.zero >= 1 && l.dp > 1) opt_elems /= l.dp;
   const double hbm = hw.cuda ? 2500e9 : 10e9;
   t.optimizer_ms = opt_elems * 32 / hbm * 1e3;
   t.compute_ms += m * hw.overhead_ms;

@@ -2,7 +2,8 @@
 """`parallax plan` against real runs (issue 23):
 
 - for every layout the CPU tests train (one process, dp DDP, ZeRO-1/2/3, tp, pp, dp x pp, dp x tp,
-  and dp 2 x tp 2 x pp 2 on 8 ranks), the planner's parameter, gradient and optimizer bytes of
+  dp 2 x tp 2 x pp 2 on 8 ranks, and LoRA under DDP and ZeRO-3), the planner's parameter, gradient
+  and optimizer bytes of
   every rank equal what that rank's engine reports after the first step (the trainer's "memory"
   metrics row, Engine::memory()) exactly;
 - the CLI ranks layouts, marks the config's own, writes JSON, and names why a layout cannot run;
@@ -68,6 +69,17 @@ class PlannerTest(tt.RunDirTest):
         self.check_layout("dp2pp2", 4, "parallel.pp=2", "parallel.zero.stage=1", "train.grad_accum=2")
         self.check_layout("dp2tp2", 4, "parallel.tp=2", "parallel.zero.stage=2",
                           "parallel.sequence_parallel=true")
+
+    def test_lora(self):
+        # A frozen base and trainable adapters: the base is whole under DDP and ZeRO-1, sharded
+        # per unit under ZeRO-3; only the adapters have gradients and optimizer state.
+        tt.run(["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", "experiment.name=base",
+                *self.COMMON, "train.benchmark=false", "data.synthetic=true"])  # with a checkpoint
+        lora = ["lora.rank=2", f"lora.base={os.path.join(self.d, 'base')}"]
+        one = self.check_layout("lora1", 1, *lora)
+        self.assertLess(one[0]["grads"], one[0]["params"] / 10)
+        self.check_layout("lora_ddp", 2, *lora)
+        self.check_layout("lora_z3", 2, *lora, "parallel.zero.stage=3")
 
     def test_3d(self):
         self.check_layout("3d", 8, "parallel.tp=2", "parallel.pp=2", "parallel.zero.stage=1",
