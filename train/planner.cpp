@@ -562,7 +562,9 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     t.compute_ms = tl.busy_per_rank;
     t.bubble_ms = tl.makespan - tl.busy_per_rank;
   } else {
-    t.compute_ms = m * rank_fwd_ms * (2.0 + recompute);
+    // A micro-batch costs its compute plus the fixed cost, but never less than the host floor
+    // (the launches of a step whose kernels finish faster than the host issues them).
+    t.compute_ms = m * std::max(hw.host_floor_ms, rank_fwd_ms * (2.0 + recompute) + hw.overhead_ms);
   }
   const int gpn = hw.cuda ? hw.gpus_per_node() : world;
   const auto bw_of = [&](int span) { return (span <= gpn ? hw.intra_node_gbps : hw.inter_node_gbps) * 1e9; };
@@ -616,7 +618,7 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
   if (l.zero >= 1 && l.dp > 1) opt_elems /= l.dp;
   const double hbm = hw.cuda ? 2500e9 : 10e9;
   t.optimizer_ms = opt_elems * 32 / hbm * 1e3;
-  t.compute_ms += m * hw.overhead_ms;
+  if (l.pp > 1) t.compute_ms += m * hw.overhead_ms;
   t.step_ms = t.compute_ms + t.bubble_ms + t.tp_comm_ms + t.pp_comm_ms + t.dp_exposed_ms + t.optimizer_ms;
   t.samples_per_s = static_cast<double>(l.micro_batch) * l.micro_batches * l.dp / (t.step_ms / 1e3);
 
@@ -819,26 +821,46 @@ Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps, int64_t batch) 
     for (int i = 0; i < reps; ++i) (void)at::mm(x, y);
     hw.peak_tflops = 2.0 * k * k * k * reps / w.elapsed_s() / 1e12;
   }
-  // Two micro-batch sizes, b and 2b: the slope is the compute (FLOPs over the efficiency), the
-  // intercept the fixed cost of a step (kernel launches, the optimizer).
   // A first run warms the device (clocks, cuDNN/cuBLAS autotuning, the caching allocator) and
   // is discarded: measured first, the small batch came out slower than twice its size on an H100.
   (void)trainer_step_ms(cfg, batch, std::max(4, steps / 2), cuda);
-  const double t1 = trainer_step_ms(cfg, batch, steps, cuda);
-  const double t2 = trainer_step_ms(cfg, 2 * batch, steps, cuda);
-  // A noisy pair (2b not slower than b) says nothing about the slope: all of 2b's time is then
-  // taken as compute (no fixed cost), which over-predicts rather than under-predicts.
-  const double per_sample = t2 > t1 ? (t2 - t1) / static_cast<double>(batch)
-                                    : t2 / static_cast<double>(2 * batch);
+  // Pairs b and 2b, doubling while the step does not grow by half: below that the step is
+  // host-bound (the same launches whatever the batch; ViT-B/16 on an H100 takes ~23 ms at both 32
+  // and 64), and the pair shows no slope. The smallest step is the host floor; the first pair
+  // whose time grows gives the slope (the compute: FLOPs over the efficiency) and the intercept
+  // (the fixed cost of a step). Up to 4 doublings; a batch that does not fit ends the search.
+  const double floor_ms = trainer_step_ms(cfg, batch, steps, cuda);
+  double t1 = floor_ms, t2 = 0;
+  int64_t b1 = batch;
+  for (int k = 0; k < 4; ++k) {
+    try {
+      t2 = trainer_step_ms(cfg, 2 * b1, steps, cuda);
+    } catch (const std::exception& e) {
+      core::log::warn("plan --calibrate: batch {} did not run ({}); calibrating on batch {}", 2 * b1,
+                      e.what(), b1);
+      t2 = 0;
+      break;
+    }
+    if (t2 >= 1.5 * t1) break;
+    if (k == 3) break;
+    b1 *= 2;
+    t1 = t2;
+  }
+  // No pair grew: all of the largest batch's time is taken as compute (no fixed cost), which
+  // over-predicts rather than under-predicts.
+  const bool sloped = t2 >= 1.2 * t1;
+  const double per_sample = sloped ? (t2 - t1) / static_cast<double>(b1)
+                                   : std::max(t1, t2) / static_cast<double>(t2 > 0 ? 2 * b1 : b1);
   const auto model = models::build_model(cfg.model, run_scene(cfg));
   const double flops = 3.0 * model->forward_flops_per_sample();
   hw.efficiency = std::min(1.0, flops / (per_sample / 1e3) / (hw.peak_tflops * 1e12));
-  hw.overhead_ms = std::max(0.0, t1 - per_sample * static_cast<double>(batch));
+  hw.overhead_ms = sloped ? std::max(0.0, t1 - per_sample * static_cast<double>(b1)) : 0.0;
+  hw.host_floor_ms = floor_ms;
   hw.source = fmt::format(
-      "calibrated on this machine ({}): {} training steps of {}/{} at batch {} and {}: median "
-      "{:.1f} and {:.1f} ms, {:.2f} ms fixed",
-      cuda ? "cuda" : "cpu", steps, cfg.model.name, cfg.model.size, batch, 2 * batch, t1, t2,
-      hw.overhead_ms);
+      "calibrated on this machine ({}): {} training steps of {}/{} from batch {}: {:.1f} ms at {}, "
+      "{:.1f} ms at {}: {:.2f} ms fixed, host floor {:.1f} ms",
+      cuda ? "cuda" : "cpu", steps, cfg.model.name, cfg.model.size, batch, t1, b1, t2, 2 * b1,
+      hw.overhead_ms, hw.host_floor_ms);
   return hw;
 }
 

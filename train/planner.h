@@ -44,6 +44,7 @@ struct Hardware {
   double context_gib = 0.55;     // CUDA context, cuBLAS workspace: outside the allocator
   double latency_us = 15;        // per collective or point-to-point message
   double overhead_ms = 0;        // fixed cost of one micro-batch's forward + backward (launches)
+  double host_floor_ms = 0;      // the shortest step the host can issue (calibrated)
   std::string source = "defaults";  // "defaults" | "calibrated on ..."
   int gpus_per_node() const { return gpus / nodes; }
 };
@@ -132,9 +133,10 @@ double activation_bytes(const RunConfig& cfg, int tp, bool sequence_parallel, in
                         bool cuda);
 
 // Measures this machine: `steps` steps of the real training loop (one process, benchmark mode) at
-// micro-batches `batch` and 2 `batch` (0: data.batch_size) give the compute efficiency against
-// `hw.peak_tflops` (the slope) and the fixed cost per micro-batch (the intercept). On the CPU the
-// peak itself is measured with a GEMM. Needs the process's comm::World (the trainer runs on it).
+// micro-batch `batch` (0: data.batch_size) and doublings of it until the step time grows give the
+// compute efficiency against `hw.peak_tflops` (the slope), the fixed cost per micro-batch (the
+// intercept) and the host floor (the smallest batch's step). On the CPU the peak itself is
+// measured with a GEMM. Needs the process's comm::World (the trainer runs on it).
 Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps = 12, int64_t batch = 0);
 
 // The ranked table (fitting layouts first) and the JSON document (one object per row).

@@ -103,6 +103,15 @@ class PlannerTest(tt.RunDirTest):
         for r in fits:
             self.assertEqual(r["dp"] * r["tp"] * r["pp"], 8)
             self.assertGreater(r["peak"]["total"], r["peak"]["params"])
+        # --calibrate runs the trainer (one process) and measures the efficiency and host floor.
+        out = os.path.join(self.d, "calibrated.json")
+        p = tt.run(["plan", "--config", tt.BEV, "--device", "cpu", "--calibrate", "--calibrate-batch", "1",
+                    "--only-config", "--json", out, *self.COMMON])
+        self.assertIn("calibrated on this machine (cpu)", p.stdout)
+        with open(out) as f:
+            hw = json.load(f)["hardware"]
+        self.assertGreater(hw["efficiency"], 0)
+        self.assertLessEqual(hw["efficiency"], 1)
         # Bad input: one error line.
         for extra, needle in [(["--gpus", "3", "--nodes", "2"], "--gpus 3"),
                               (["--device", "tpu"], "--device 'tpu'"),
