@@ -5,11 +5,9 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/strings.h"
 #include "core/timer.h"
 #include "models/model.h"
-#include "optim/optimizer.h"
-#include "optim/param_groups.h"
-#include "optim/precision.h"
 #include "parallel/ddp/ddp.h"
 #include "parallel/pipeline/pipeline_engine.h"
 #include "parallel/pipeline/schedule.h"
@@ -377,10 +375,8 @@ Activations activations(const Built& b, const Stages& st, const Layout& l, int p
   // Per stage (chunk) of this rank: bytes per micro-batch.
   const int stages = static_cast<int>(st.bounds.size()) - 1;
   std::vector<double> per_stage(static_cast<std::size_t>(stages), 0.0);
-  double largest_unit = 0;
   for (std::size_t u = 0; u < units.size(); ++u) {
     per_stage[static_cast<std::size_t>(st.stage_of_unit[u])] += saved[u] * mb;
-    if (st.rank_of_unit[u] == pp_rank) largest_unit = std::max(largest_unit, units[u].saved * mb);
   }
   // Backward temporaries: the first unit this rank's backward runs (its last) makes gradients of
   // about the size of what it saved, while every other activation is still alive.
@@ -389,7 +385,6 @@ Activations activations(const Built& b, const Stages& st, const Layout& l, int p
     a.transient = std::max(a.transient, units[u].saved * mb);
     break;
   }
-  (void)largest_unit;
   if (l.pp == 1) {
     a.peak = per_stage[0];
     return a;
@@ -911,18 +906,6 @@ std::string render_table(const std::vector<Row>& rows, const Hardware& hw, int m
 }
 
 namespace {
-std::string json_escape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '"' || c == '\\') o += '\\';
-    if (c == '\n') {
-      o += "\\n";
-      continue;
-    }
-    o += c;
-  }
-  return o;
-}
 std::string mem_json(const RankMemory& m) {
   return fmt::format(
       "{{\"rank\": {}, \"params\": {}, \"grads\": {}, \"optimizer\": {}, \"activations\": {:.0f}, "
@@ -936,11 +919,11 @@ std::string mem_json(const RankMemory& m) {
 std::string render_json(const std::vector<Row>& rows, const Hardware& hw) {
   std::ostringstream o;
   o << fmt::format(
-      "{{\"hardware\": {{\"name\": \"{}\", \"gpus\": {}, \"nodes\": {}, \"gpu_mem_gib\": {}, "
+      "{{\"hardware\": {{\"name\": {}, \"gpus\": {}, \"nodes\": {}, \"gpu_mem_gib\": {}, "
       "\"peak_tflops\": {}, \"efficiency\": {}, \"intra_node_gbps\": {}, \"inter_node_gbps\": {}, "
-      "\"source\": \"{}\"}},\n \"layouts\": [\n",
-      json_escape(hw.name), hw.gpus, hw.nodes, hw.gpu_mem_gib, hw.peak_tflops, hw.efficiency,
-      hw.intra_node_gbps, hw.inter_node_gbps, json_escape(hw.source));
+      "\"source\": {}}},\n \"layouts\": [\n",
+      core::json_quote(hw.name), hw.gpus, hw.nodes, hw.gpu_mem_gib, hw.peak_tflops, hw.efficiency,
+      hw.intra_node_gbps, hw.inter_node_gbps, core::json_quote(hw.source));
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     const Layout& l = r.layout;
@@ -949,13 +932,13 @@ std::string render_json(const std::vector<Row>& rows, const Hardware& hw) {
     o << fmt::format(
         "  {{\"dp\": {}, \"tp\": {}, \"pp\": {}, \"zero\": {}, \"sequence_parallel\": {}, "
         "\"micro_batch\": {}, \"micro_batches\": {}, \"schedule\": \"{}\", \"virtual_stages\": {}, "
-        "\"checkpointing\": \"{}\", \"fits\": {}, \"configured\": {}, \"reason\": \"{}\", "
-        "\"overrides\": \"{}\", \"peak\": {}, \"ranks\": [{}], \"time\": {{\"compute_ms\": {:.3f}, "
+        "\"checkpointing\": \"{}\", \"fits\": {}, \"configured\": {}, \"reason\": {}, "
+        "\"overrides\": {}, \"peak\": {}, \"ranks\": [{}], \"time\": {{\"compute_ms\": {:.3f}, "
         "\"bubble_ms\": {:.3f}, \"tp_comm_ms\": {:.3f}, \"pp_comm_ms\": {:.3f}, \"dp_comm_ms\": {:.3f}, "
         "\"dp_exposed_ms\": {:.3f}, \"optimizer_ms\": {:.3f}, \"step_ms\": {:.3f}, \"samples_per_s\": {:.3f}}}}}{}\n",
         l.dp, l.tp, l.pp, l.zero, l.sequence_parallel ? "true" : "false", l.micro_batch,
         l.micro_batches, l.schedule, l.virtual_stages, l.checkpointing, r.fits ? "true" : "false",
-        r.configured ? "true" : "false", json_escape(r.reason), l.overrides(),
+        r.configured ? "true" : "false", core::json_quote(r.reason), core::json_quote(l.overrides()),
         r.ranks.empty() ? "null" : mem_json(r.peak), ranks, r.time.compute_ms, r.time.bubble_ms,
         r.time.tp_comm_ms, r.time.pp_comm_ms, r.time.dp_comm_ms, r.time.dp_exposed_ms,
         r.time.optimizer_ms, r.time.step_ms, r.time.samples_per_s, i + 1 < rows.size() ? "," : "");
