@@ -138,6 +138,10 @@ class Model : public torch::nn::Module {
   // Forward FLOPs per sample of each unit, in chain order (what pipeline stages are balanced by);
   // empty: not broken down (the pipeline then balances by parameters).
   virtual std::vector<double> unit_flops() const { return {}; }
+  // What pipeline stages are balanced by, one value per unit: unit_flops(), or where the model
+  // does not break its FLOPs down, each unit's parameter count + 1 (so a unit without many still
+  // counts). The trainer partitions by it, and `parallax plan` predicts that partition.
+  std::vector<double> stage_costs() const;
   // Activation bytes per sample of each unit, in chain order (empty: the model has no
   // activation model; the planner then cannot estimate it). See ActivationQuery.
   virtual std::vector<UnitActivation> unit_activations(const ActivationQuery&) const { return {}; }

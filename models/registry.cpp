@@ -41,6 +41,21 @@ VitSpec vit_cls_spec(const ModelConfig& cfg) {
 
 }  // namespace
 
+std::vector<double> Model::stage_costs() const {
+  std::vector<double> costs = unit_flops();
+  const std::vector<Unit> u = units();
+  if (costs.size() == u.size()) return costs;
+  std::map<std::string, int64_t> numel;
+  for (const auto& item : named_parameters()) numel[item.key()] = item.value().numel();
+  costs.clear();
+  for (const auto& unit : u) {
+    double c = 1;
+    for (const auto& n : unit.param_names) c += static_cast<double>(numel.at(n));
+    costs.push_back(c);
+  }
+  return costs;
+}
+
 int64_t Model::parameter_count() const {
   int64_t n = 0;
   for (const auto& p : parameters()) n += p.numel();

@@ -153,12 +153,7 @@ class Inventory {
     b.chain = b.model->chain_length();
     b.flops_per_sample = b.model->forward_flops_per_sample();
     b.unit_flops = b.model->unit_flops();
-    // The trainer's stage costs: FLOPs per unit, or parameters + 1 (train/trainer.cpp).
-    b.pp_costs = b.unit_flops;
-    if (b.pp_costs.size() != b.units.size()) {
-      b.pp_costs.assign(b.units.size(), 1.0);
-      for (const auto& p : b.params) b.pp_costs[static_cast<std::size_t>(p.unit)] += static_cast<double>(p.numel);
-    }
+    b.pp_costs = b.model->stage_costs();  // what the trainer partitions by
     if (b.unit_flops.size() != b.units.size()) {
       // Spread by parameters, as the trainer balances such models (+1 per unit).
       std::vector<double> w(b.units.size(), 1.0);

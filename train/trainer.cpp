@@ -697,19 +697,8 @@ void TrainerImpl::setup() {
     PARALLAX_CHECK(static_cast<int>(units.size()) == model_->chain_length(), Error,
                    "model '{}': {} units but a chain of {}", cfg_.model.name, units.size(),
                    model_->chain_length());
-    // Stage balance by the model's forward FLOPs per unit, or by parameters per unit where the
-    // model does not break its FLOPs down (+1 so a unit without many still counts).
-    std::vector<double> costs = model_->unit_flops();
-    if (costs.size() != units.size()) {
-      costs.clear();
-      std::map<std::string, int64_t> numel;
-      for (const auto& item : model_->named_parameters()) numel[item.key()] = item.value().numel();
-      for (const auto& u : units) {
-        double c = 1;
-        for (const auto& n : u.param_names) c += static_cast<double>(numel.at(n));
-        costs.push_back(c);
-      }
-    }
+    // Stage balance (Model::stage_costs): FLOPs per unit, or parameters per unit.
+    const std::vector<double> costs = model_->stage_costs();
     parallel::pipeline::PipelineOptions po;
     po.schedule = plan_.pp_schedule;
     po.virtual_stages = plan_.pp_virtual_stages;
