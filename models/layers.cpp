@@ -129,7 +129,14 @@ ResidualConvBlock::ResidualConvBlock(int64_t channels, int64_t h, int64_t w)
 }
 
 at::Tensor ResidualConvBlock::forward_impl(const at::Tensor& x) {
-  return (conv2_->forward(conv1_->forward(x)) + x).relu_();
+  const at::Tensor y = conv2_->forward(conv1_->forward(x));
+  if (quantized()) return (add_quantizer->forward(y) + add_quantizer->forward(x)).relu_();
+  return (y + x).relu_();
+}
+
+void ResidualConvBlock::add_quantizers() {
+  PARALLAX_CHECK(!quantized(), Error, "ResidualConvBlock: quantizers added twice");
+  add_quantizer = register_module("add_quantizer", TensorQuantizer(0));
 }
 
 Cost ResidualConvBlock::analytic_cost(int64_t channels, int64_t h, int64_t w) {

@@ -143,6 +143,12 @@ class ConvNormActImpl : public torch::nn::Module {
 TORCH_MODULE(ConvNormAct);
 
 // Two 3x3 ConvNormAct at `channels` with an identity skip, ReLU after the sum (ResNet basic block).
+//
+// QAT (train/qat.h): add_quantizers() registers "add_quantizer", one per-tensor quantizer shared
+// by both inputs of the residual Add (the skip x and the conv branch), so the two summands sit on
+// one INT8 grid: the Add's inputs then carry Q/DQ pairs with one scale, which TensorRT needs to run
+// the Add in INT8 instead of falling back to the higher precision around it (the GroupNorm between
+// conv2 and the Add rules out fusing it into the conv). Empty without QAT.
 class ResidualConvBlock : public Block {
  public:
   ResidualConvBlock(int64_t channels, int64_t h, int64_t w);
@@ -150,6 +156,11 @@ class ResidualConvBlock : public Block {
   onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& x) override;
   Cost cost() const override { return analytic_cost(channels_, h_, w_); }
   static Cost analytic_cost(int64_t channels, int64_t h, int64_t w);
+  // parallax::Error when it has them already.
+  void add_quantizers();
+  bool quantized() const { return !add_quantizer.is_empty(); }
+
+  TensorQuantizer add_quantizer{nullptr};
 
  private:
   int64_t channels_, h_, w_;

@@ -83,6 +83,12 @@ struct UnitActivation {
   bool checkpointable = false;  // one of checkpointable_blocks(): recomputed under checkpointing
 };
 
+// Whether activation checkpointing `mode` (none | selective | full) wraps checkpointable block
+// `index` (0-based): full wraps every block, selective blocks 0, 2, 4, ... (the trainer's rule).
+inline bool checkpointed_block(const std::string& mode, int index) {
+  return mode == "full" || (mode == "selective" && index % 2 == 0);
+}
+
 class Model : public torch::nn::Module {
  public:
   // Predictions for a batch (keys are model-specific, e.g. "bev_logits", "heatmap").
@@ -145,6 +151,13 @@ class Model : public torch::nn::Module {
   // Activation bytes per sample of each unit, in chain order (empty: the model has no
   // activation model; the planner then cannot estimate it). See ActivationQuery.
   virtual std::vector<UnitActivation> unit_activations(const ActivationQuery&) const { return {}; }
+  // Bytes per sample each unit keeps from its forward to its backward under activation
+  // checkpointing `mode` (train.activation_checkpointing: none | selective | full, wrapped as
+  // checkpointed_block() says): a wrapped block keeps only its input. Empty where the model has no
+  // activation model. `checkpointed`, if given, receives which units are recomputed. The pipeline
+  // partition (second criterion) and `parallax plan` both use it.
+  std::vector<double> saved_activations(const ActivationQuery& q, const std::string& mode,
+                                        std::vector<bool>* checkpointed = nullptr) const;
   virtual std::vector<at::Tensor> chain_begin(const core::TensorDict& batch);
   virtual std::vector<at::Tensor> chain_unit(int unit, const core::TensorDict& batch,
                                              const std::vector<at::Tensor>& in);

@@ -56,6 +56,21 @@ std::vector<double> Model::stage_costs() const {
   return costs;
 }
 
+std::vector<double> Model::saved_activations(const ActivationQuery& q, const std::string& mode,
+                                             std::vector<bool>* checkpointed) const {
+  const std::vector<UnitActivation> units = unit_activations(q);
+  std::vector<double> saved(units.size(), 0.0);
+  if (checkpointed) checkpointed->assign(units.size(), false);
+  int block = 0;
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    saved[u] = units[u].saved;
+    if (!units[u].checkpointable || !checkpointed_block(mode, block++)) continue;
+    saved[u] = u > 0 ? units[u - 1].output : 0;  // a wrapped block keeps only its input
+    if (checkpointed) (*checkpointed)[u] = true;
+  }
+  return saved;
+}
+
 int64_t Model::parameter_count() const {
   int64_t n = 0;
   for (const auto& p : parameters()) n += p.numel();

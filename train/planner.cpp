@@ -182,15 +182,28 @@ struct Stages {
   std::vector<int> stage_of_unit;
 };
 
-Stages make_stages(const Built& b, const Layout& l, const RunConfig& cfg) {
+models::ActivationQuery query(const RunConfig& cfg, const Layout& l, bool cuda) {
+  models::ActivationQuery q;
+  q.compute_bytes = cfg.precision.mode == "fp32" ? 4 : 2;
+  q.cuda = cuda;
+  q.tp = l.tp;
+  q.sequence_parallel = l.sequence_parallel && l.tp > 1;
+  return q;
+}
+
+Stages make_stages(const Built& b, const Layout& l, const RunConfig& cfg, bool cuda) {
   Stages s;
   const int stages = l.pp * l.virtual_stages;
   if (l.pp == 1) {
     s.bounds = {0, static_cast<int>(b.units.size())};
   } else {
     const std::vector<double>& costs = b.pp_costs;
-    s.bounds = parallel::pipeline::partition(costs, stages, cfg.parallel.pp_layout);
     s.schedule = parallel::pipeline::build_schedule(l.schedule, l.pp, l.micro_batches, l.virtual_stages);
+    // The trainer's partition: costs, then activation bytes x in-flight micro-batches.
+    s.bounds = parallel::pipeline::partition(
+        costs, stages, cfg.parallel.pp_layout,
+        b.model->saved_activations(query(cfg, l, cuda), l.checkpointing),
+        parallel::pipeline::in_flight_per_stage(s.schedule));
   }
   s.rank_of_unit.assign(b.units.size(), 0);
   s.stage_of_unit.assign(b.units.size(), 0);
@@ -334,14 +347,6 @@ struct Activations {
   double recompute_fraction = 0;                 // forward FLOPs recomputed / forward FLOPs
 };
 
-models::ActivationQuery query(const RunConfig& cfg, const Layout& l, bool cuda) {
-  models::ActivationQuery q;
-  q.compute_bytes = cfg.precision.mode == "fp32" ? 4 : 2;
-  q.cuda = cuda;
-  q.tp = l.tp;
-  q.sequence_parallel = l.sequence_parallel && l.tp > 1;
-  return q;
-}
 
 Activations activations(const Built& b, const Stages& st, const Layout& l, int pp_rank,
                         const RunConfig& cfg, bool cuda) {
@@ -349,20 +354,14 @@ Activations activations(const Built& b, const Stages& st, const Layout& l, int p
   const auto units = b.model->unit_activations(query(cfg, l, cuda));
   if (units.size() != b.units.size()) return a;
   const double mb = static_cast<double>(l.micro_batch);
-  // Checkpointing: the trainer wraps every checkpointable block (full) or every other one
-  // (selective: blocks 0, 2, 4, ...); a wrapped block keeps only its input.
-  std::vector<double> saved(units.size());
-  int idx = 0;
+  // Checkpointing (Model::saved_activations, the trainer's rule): a wrapped block keeps only its
+  // input and recomputes the rest in its backward, one block at a time.
+  std::vector<bool> wrapped;
+  const std::vector<double> saved = b.model->saved_activations(query(cfg, l, cuda), l.checkpointing, &wrapped);
   double fwd_flops = 0, recomputed = 0;
   for (std::size_t u = 0; u < units.size(); ++u) {
-    saved[u] = units[u].saved;
-    if (!units[u].checkpointable) continue;
-    const bool on = l.checkpointing == "full" || (l.checkpointing == "selective" && idx % 2 == 0);
-    ++idx;
-    if (!on) continue;
-    const double input = u > 0 ? units[u - 1].output : 0;
-    a.transient = std::max(a.transient, units[u].saved * mb);  // one block recomputed at a time
-    saved[u] = input;
+    if (!wrapped[u]) continue;
+    a.transient = std::max(a.transient, units[u].saved * mb);
     recomputed += b.unit_flops[u];
   }
   for (double f : b.unit_flops) fwd_flops += f;
@@ -478,7 +477,7 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
   }
   Stages st;
   try {
-    st = make_stages(b, l, cfg);
+    st = make_stages(b, l, cfg, hw.cuda);
   } catch (const Error& e) {
     row.reason = e.what();
     return row;
@@ -650,7 +649,7 @@ std::vector<parallel::EngineMemory> engine_memory(const RunConfig& cfg, int worl
   Inventory inv(cfg);
   const Built& b = inv.at_tp(l.tp, l.sequence_parallel);
   PARALLAX_CHECK(b.error.empty(), ConfigError, "{}", b.error);
-  const Stages st = make_stages(b, l, cfg);
+  const Stages st = make_stages(b, l, cfg, cuda);
   std::vector<parallel::EngineMemory> out(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) {
     const int dp_rank = (r / l.tp) % l.dp, pp_rank = r / (l.tp * l.dp);
@@ -668,7 +667,7 @@ double activation_bytes(const RunConfig& cfg, int tp, bool sequence_parallel, in
   Inventory inv(cfg);
   const Built& b = inv.at_tp(tp, sequence_parallel);
   PARALLAX_CHECK(b.error.empty(), ConfigError, "{}", b.error);
-  const Stages st = make_stages(b, l, cfg);
+  const Stages st = make_stages(b, l, cfg, cuda);
   return activations(b, st, l, 0, cfg, cuda).peak;
 }
 

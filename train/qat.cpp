@@ -41,6 +41,11 @@ bool quantizable(torch::nn::Module* module, Layer* out) {
     out->weight = c->weight_quantizer.is_empty() ? nullptr : c->weight_quantizer.ptr();
     return true;
   }
+  if (auto* r = dynamic_cast<models::ResidualConvBlock*>(module)) {
+    out->input = r->add_quantizer.is_empty() ? nullptr : r->add_quantizer.ptr();
+    out->weight = nullptr;
+    return true;
+  }
   return false;
 }
 
@@ -70,6 +75,7 @@ std::string amax_fingerprint(const std::vector<Layer>& ls) {
   uLong crc = ::crc32(0L, Z_NULL, 0);
   for (const auto& l : ls) {
     for (const auto& q : {l.input, l.weight}) {
+      if (!q) continue;
       const at::Tensor c = q->amax.detach().to(at::kCPU).contiguous();
       crc = ::crc32(crc, static_cast<const Bytef*>(c.data_ptr()), static_cast<uInt>(c.nbytes()));
     }
@@ -109,8 +115,10 @@ std::vector<Layer> apply(models::Model& model, const QatConfig& cfg, int64_t* sk
     }
     if (auto* d = dynamic_cast<models::DenseLinearImpl*>(item.value().get())) {
       d->add_quantizers();
+    } else if (auto* c = dynamic_cast<models::QuantConv2dImpl*>(item.value().get())) {
+      c->add_quantizers();
     } else {
-      dynamic_cast<models::QuantConv2dImpl*>(item.value().get())->add_quantizers();
+      dynamic_cast<models::ResidualConvBlock*>(item.value().get())->add_quantizers();
     }
   }
   for (std::size_t g = 0; g < cfg.skip.size(); ++g) {
@@ -137,7 +145,7 @@ std::vector<Layer> apply(models::Model& model, const QatConfig& cfg, int64_t* sk
 void set_state(const std::vector<Layer>& ls, QuantState state) {
   for (const auto& l : ls) {
     l.input->set_state(state);
-    l.weight->set_state(state);
+    if (l.weight) l.weight->set_state(state);
   }
 }
 
@@ -152,7 +160,7 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatC
   for (int64_t i = 0; i < cfg.calib_batches; ++i) batches.push_back(start.next_batch());
   const auto n = static_cast<int64_t>(ls.size());
   for (const auto& l : ls) {
-    l.weight->set_state(QuantState::kDisabled);
+    if (l.weight) l.weight->set_state(QuantState::kDisabled);
     l.input->begin_pass(CalibPass::kMax);
   }
   for (const auto& b : batches) start.forward(b);
@@ -193,12 +201,15 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatC
   for (int64_t i = 0; i < n; ++i) {
     const Layer& l = ls[static_cast<std::size_t>(i)];
     l.input->freeze(amax[i]);
-    l.weight->set_state(QuantState::kQuantizing);
+    if (l.weight) l.weight->set_state(QuantState::kQuantizing);
   }
   if (was_training) start.model.train();
   std::map<std::string, double> m;
   m["calib_layers"] = static_cast<double>(n);
-  m["calib_quantizers"] = static_cast<double>(2 * n);
+  int64_t adds = 0;
+  for (const auto& l : ls) adds += l.is_add();
+  m["calib_adds"] = static_cast<double>(adds);
+  m["calib_quantizers"] = static_cast<double>(2 * n - adds);
   m["calib_batches"] = static_cast<double>(cfg.calib_batches);
   m["calib_unseen"] = (maxes <= 0).sum().item<double>();
   const at::Tensor seen = amax.masked_select(maxes > 0);
@@ -206,7 +217,8 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatC
   m["calib_amax_max"] = seen.numel() > 0 ? seen.max().item<double>() : NAN;
   m["calib_amax_mean"] = seen.numel() > 0 ? seen.mean().item<double>() : NAN;
   double wmax = 0;
-  for (const auto& l : ls) wmax = std::max(wmax, l.weight->amax.max().item<double>());
+  for (const auto& l : ls)
+    if (l.weight) wmax = std::max(wmax, l.weight->amax.max().item<double>());
   m["calib_weight_amax_max"] = wmax;
   m["calib_s"] = clock.elapsed_s();
   return m;
@@ -250,11 +262,12 @@ int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& ls,
     const std::set<std::string> params(unit.param_names.begin(), unit.param_names.end());
     Row row{unit.name, 0, {}};
     for (const auto& l : ls) {
-      const bool mine = params.count(l.path + ".weight") > 0;
+      // A residual Add belongs to the unit of its block's first conv.
+      const bool mine = params.count(l.path + (l.is_add() ? ".conv1.conv.weight" : ".weight")) > 0;
       row.layers += mine;
       const QuantState s = mine ? QuantState::kQuantizing : QuantState::kDisabled;
       l.input->set_state(s);
-      l.weight->set_state(s);
+      if (l.weight) l.weight->set_state(s);
     }
     if (row.layers == 0) continue;  // nothing of this unit is quantized: no drop to measure
     row.metrics = run_eval();
@@ -394,6 +407,10 @@ class QdqHooks : public models::onnx::EmitHooks {
                                    const models::onnx::Value& w) override {
     return wrap(e, layer, "weight", w);
   }
+  models::onnx::Value add_input(models::onnx::Emitter& e, const std::string& block,
+                                const models::onnx::Value& x) override {
+    return wrap(e, block, "add", x);
+  }
 
  private:
   // `x` through the layer's `what` ("input" / "weight") quantizer, if it has one; its amax buffer
@@ -402,10 +419,11 @@ class QdqHooks : public models::onnx::EmitHooks {
                            const models::onnx::Value& x) const {
     const auto it = by_path_.find(layer);
     if (it == by_path_.end()) return x;
-    const bool input = std::string(what) == "input";
-    const auto& q = input ? it->second.input : it->second.weight;
+    const std::string kind = what;
+    if ((kind == "add") != it->second.is_add()) return x;
+    const auto& q = kind == "weight" ? it->second.weight : it->second.input;
     if (!q) return x;
-    e.mark_read(layer + (input ? ".input_quantizer.amax" : ".weight_quantizer.amax"));
+    e.mark_read(layer + "." + kind + "_quantizer.amax");
     return qdq(e, layer, what, x, *q);
   }
 

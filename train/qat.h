@@ -1,7 +1,8 @@
 // Quantization-aware training and post-training quantization (`qat` config section,
 // docs/trainers.md "QAT"): symmetric INT8 fake quantization (models/quant.h) on the input (per
 // tensor) and weight (per output channel) of every linear layer (models::DenseLinear) and
-// convolution (models::QuantConv2d) of the model but those `qat.skip` names, calibrated over
+// convolution (models::QuantConv2d), and on the two inputs of every residual Add
+// (models::ResidualConvBlock, one shared per-tensor quantizer), of the model but those `qat.skip` names, calibrated over
 // `qat.calib_batches` training batches before the first step. Built on the Trainer's extension
 // points (train/trainer.h): a model transform (the quantizers), prepare (the calibration) and
 // extra checkpoint entries.
@@ -72,17 +73,20 @@ struct QatConfig {
 
 namespace qat {
 
-// A quantized layer: its module path and its two quantizers.
+// A quantized layer: its module path and its quantizers. A Linear or Conv has `input` (per tensor)
+// and `weight` (per output channel); a residual Add (models::ResidualConvBlock) has only `input`,
+// the quantizer its two summands share (`weight` null).
 struct Layer {
   std::string path;
   std::shared_ptr<models::TensorQuantizerImpl> input, weight;
+  bool is_add() const { return !weight; }
 };
 
 // Every layer of `model` with quantizers, in module order.
 std::vector<Layer> layers(torch::nn::Module& model);
 
-// Adds quantizers (disabled) to every DenseLinear and QuantConv2d of `model` but those `cfg.skip`
-// names; returns the layers quantized and, in `skipped`, how many were skipped. ConfigError naming
+// Adds quantizers (disabled) to every DenseLinear, QuantConv2d and residual Add
+// (ResidualConvBlock) of `model` but those `cfg.skip` names; returns the layers quantized and, in `skipped`, how many were skipped. ConfigError naming
 // the key when a skip glob matches no layer (listing some that exist), or when no layer is left.
 std::vector<Layer> apply(models::Model& model, const QatConfig& cfg, int64_t* skipped = nullptr);
 
@@ -112,8 +116,9 @@ int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& layer
 
 // The ONNX export of a quantized model (docs/export.md, "QAT models"): emitter hooks that put
 // QuantizeLinear -> DequantizeLinear (int8, zero point 0, scale = max(amax, kMinAmax) / 127) on
-// the input of every Linear and Conv layer with quantizers (one scale per tensor) and on its
-// weight (one scale per output channel, axis 0), where TensorRT fuses them into INT8 kernels. The
+// the input of every Linear and Conv layer with quantizers (one scale per tensor), on its weight
+// (one scale per output channel, axis 0), and on both inputs of every quantized residual Add (one
+// shared scale), where TensorRT fuses them into INT8 kernels. The
 // layers must be quantizing (frozen amax). The hooks keep pointers to the quantizers.
 std::unique_ptr<models::onnx::EmitHooks> export_hooks(const std::vector<Layer>& layers);
 

@@ -642,8 +642,7 @@ void TrainerImpl::setup() {
     int idx = 0, wrapped = 0;
     for (auto& block : model_->checkpointable_blocks()) {
       auto cb = std::dynamic_pointer_cast<models::CheckpointableBlock>(block);
-      const bool on =
-          cfg_.train.activation_checkpointing == "full" || idx % 2 == 0;  // selective: every other
+      const bool on = models::checkpointed_block(cfg_.train.activation_checkpointing, idx);
       if (cb && on) {
         cb->set_checkpointing(true);
         ++wrapped;
@@ -703,6 +702,14 @@ void TrainerImpl::setup() {
     po.schedule = plan_.pp_schedule;
     po.virtual_stages = plan_.pp_virtual_stages;
     po.layout = plan_.pp_layout;
+    // Second criterion: activation bytes per unit as this run keeps them (precision, device, tp,
+    // checkpointing), which `parallax plan` predicts from the same function.
+    models::ActivationQuery q;
+    q.compute_bytes = cfg_.precision.mode == "fp32" ? 4 : 2;
+    q.cuda = device_.is_cuda();
+    q.tp = layout.tp;
+    q.sequence_parallel = plan_.sequence_parallel && layout.tp > 1;
+    po.activation_bytes = model_->saved_activations(q, cfg_.train.activation_checkpointing);
     engine_ = std::make_unique<parallel::pipeline::PipelineEngine>(
         model_, units, costs, topo_->pp(), cfg_.train.grad_accum, po,
         [&]() -> std::unique_ptr<parallel::Engine> { return make_engine(); });

@@ -7,6 +7,8 @@
 // quantity). The stages are not equal: the first computes no input gradient (its input is the
 // data), so its backward is about F where the others' is 2 F, and it waits more. The formula
 // assumes B = 2 F everywhere and free communication; bubble_plan is the plan simulated that way.
+// step_ms: the median wall time of the forward-backward (what the schedules compete on: zb's W
+// re-walks the stage's graph, so its compute is larger than the others').
 // Usage: mpirun -np P pp_bubble [--micro M] [--width W] [--rows R] [--steps N]
 //        [--schedules gpipe,1f1b,interleaved,zb] [--virtual V]
 #include "core/log.h"
@@ -86,7 +88,7 @@ int main(int argc, char** argv) {
     fns.finish = [&](int i, const std::vector<at::Tensor>& out) {
       return model->loss(batches[i], model->chain_end(batches[i], out)).total / micro;
     };
-    std::vector<double> bubbles, bottleneck;
+    std::vector<double> bubbles, bottleneck, walls;
     for (int step = 0; step < steps + 2; ++step) {
       comm->barrier();
       core::Stopwatch clock;
@@ -103,18 +105,21 @@ int main(int argc, char** argv) {
       if (step >= 2) {
         bubbles.push_back(b.item<double>());
         bottleneck.push_back((wall - c.item<double>()) / c.item<double>());
+        walls.push_back(wall);
       }
     }
     std::sort(bubbles.begin(), bubbles.end());
     std::sort(bottleneck.begin(), bottleneck.end());
+    std::sort(walls.begin(), walls.end());
     if (comm->rank() == 0) {
       fmt::print(
           "{{\"schedule\": \"{}\", \"pp\": {}, \"virtual_stages\": {}, \"micro_batches\": {}, "
           "\"width\": {}, \"rows\": {}, \"bubble_mean_rank\": {:.4f}, \"bubble_bottleneck\": {:.4f}, "
-          "\"bubble_formula\": {:.4f}, \"bubble_plan\": {:.4f}}}\n",
+          "\"bubble_formula\": {:.4f}, \"bubble_plan\": {:.4f}, \"step_ms\": {:.2f}}}\n",
           kind, p, v, micro, width, rows, bubbles[bubbles.size() / 2],
           bottleneck[bottleneck.size() / 2],
-          pl::formula_bubble(engine.schedule()), pl::simulate(engine.schedule()).bubble());
+          pl::formula_bubble(engine.schedule()), pl::simulate(engine.schedule()).bubble(),
+          walls[walls.size() / 2]);
     }
   }
   return 0;

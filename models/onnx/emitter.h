@@ -97,6 +97,9 @@ class EmitHooks {
   // dtype). A QAT run inserts QuantizeLinear -> DequantizeLinear with the layer's learned scales.
   virtual Value layer_input(Emitter& e, const std::string& layer, const Value& x) { return x; }
   virtual Value layer_weight(Emitter& e, const std::string& layer, const Value& w) { return w; }
+  // Each input `x` of the residual Add of block `block` (module path). A QAT run inserts the
+  // block's shared Q/DQ pair (models::ResidualConvBlock::add_quantizer).
+  virtual Value add_input(Emitter& e, const std::string& block, const Value& x) { return x; }
 };
 
 struct EmitOptions {

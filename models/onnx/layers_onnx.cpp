@@ -54,7 +54,8 @@ onnx::Value ResidualConvBlock::emit_onnx(onnx::Emitter& e, const onnx::Value& x)
     auto s = e.scope("conv2");
     y = conv2_->emit_onnx(e, y);
   }
-  return e.relu(e.add(y, x));
+  const std::string block = e.path();
+  return e.relu(e.add(e.hooks().add_input(e, block, y), e.hooks().add_input(e, block, x)));
 }
 
 }  // namespace parallax::models

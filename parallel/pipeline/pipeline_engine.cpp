@@ -27,7 +27,9 @@ int64_t dtype_code(at::ScalarType t) { return static_cast<int64_t>(t); }
 }  // namespace
 
 std::vector<int> partition(const std::vector<double>& costs, int stages,
-                           const std::vector<int>& explicit_counts) {
+                           const std::vector<int>& explicit_counts,
+                           const std::vector<double>& activation_bytes,
+                           const std::vector<int>& in_flight) {
   const int n = static_cast<int>(costs.size());
   PARALLAX_CHECK(n >= stages, ConfigError,
                  "keys 'parallel.pp' and 'parallel.pp_virtual_stages': {} pipeline stages but the "
@@ -65,6 +67,27 @@ std::vector<int> partition(const std::vector<double>& costs, int stages,
         if (c < best[s][i]) {
           best[s][i] = c;
           cut[s][i] = j;
+        }
+      }
+    }
+  }
+  if (activation_bytes.size() == costs.size() && static_cast<int>(in_flight.size()) == stages) {
+    // Second criterion: every stage within the optimum's largest cost (up to rounding), the
+    // largest in_flight x activation bytes as small as it can be.
+    const double cap = best[stages][n] * (1 + 1e-9);
+    std::vector<double> act(static_cast<std::size_t>(n) + 1, 0);
+    for (int i = 0; i < n; ++i) act[i + 1] = act[i] + std::max(activation_bytes[i], 0.0);
+    std::vector<std::vector<double>> mem(stages + 1, std::vector<double>(n + 1, inf));
+    mem[0][0] = 0;
+    for (int s = 1; s <= stages; ++s) {
+      for (int i = s; i <= n; ++i) {
+        for (int j = s - 1; j < i; ++j) {
+          if (mem[s - 1][j] == inf || prefix[i] - prefix[j] > cap) continue;
+          const double c = std::max(mem[s - 1][j], in_flight[s - 1] * (act[i] - act[j]));
+          if (c < mem[s][i]) {
+            mem[s][i] = c;
+            cut[s][i] = j;
+          }
         }
       }
     }
@@ -114,7 +137,8 @@ PipelineEngine::PipelineEngine(std::shared_ptr<torch::nn::Module> module,
                  S, micro_batches);
   PARALLAX_CHECK(costs.size() == units_.size(), Error,
                  "pipeline: {} unit costs for {} units", costs.size(), units_.size());
-  bounds_ = partition(costs, S, options.layout);
+  bounds_ = partition(costs, S, options.layout, options.activation_bytes,
+                      in_flight_per_stage(schedule_));
   for (int s = 0; s < S; ++s) {
     if (schedule_.rank_of(s) == pp_->rank()) my_stages_.push_back(s);
     for (int u = bounds_[s]; u < bounds_[s + 1]; ++u)

@@ -39,10 +39,18 @@ namespace parallax::parallel::pipeline {
 
 // The stages' unit ranges: stage s runs units [bounds[s], bounds[s + 1]). `costs[u]`: unit u's
 // cost (any positive measure); `explicit_counts` (parallel.pp_layout), when not empty, gives the
-// number of units of each stage. ConfigError naming the keys and numbers: fewer units than stages,
-// a layout of the wrong length, a stage of no units, counts that do not sum to the units.
+// number of units of each stage. Otherwise the split is contiguous and minimises the largest
+// stage cost (the step's critical path); among the splits that reach that minimum, it takes the
+// one whose largest activation footprint, in_flight[s] x the sum of `activation_bytes` over
+// stage s's units, is smallest (when both are given: one value per unit, one per stage, e.g.
+// Model::saved_activations and in_flight_per_stage: under 1F1B the first stage holds pp
+// micro-batches and the last one, so heavy units move towards the end where that costs no time).
+// ConfigError naming the keys and numbers: fewer units than stages, a layout of the wrong length,
+// a stage of no units, counts that do not sum to the units.
 std::vector<int> partition(const std::vector<double>& costs, int stages,
-                           const std::vector<int>& explicit_counts = {});
+                           const std::vector<int>& explicit_counts = {},
+                           const std::vector<double>& activation_bytes = {},
+                           const std::vector<int>& in_flight = {});
 
 using parallel::StageFns;
 
@@ -50,6 +58,9 @@ struct PipelineOptions {
   std::string schedule = "1f1b";
   int virtual_stages = 1;
   std::vector<int> layout;  // units per stage; empty: balanced by unit cost
+  // Activation bytes per unit (Model::saved_activations; any scale): the partition's second
+  // criterion, weighted by the schedule's in-flight micro-batches per stage. Empty: costs only.
+  std::vector<double> activation_bytes;
 };
 
 class PipelineEngine : public Engine {

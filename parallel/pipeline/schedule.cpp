@@ -89,10 +89,14 @@ std::vector<Order> interleaved_order(int p, int m, int v, std::vector<std::vecto
 }
 
 // ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): 1F1B's order of F and B (B being
-// the input-gradient pass only), with each W deferred while the rank has work that others wait
-// for, and run in the slots where it would otherwise wait (the cool-down bubble). At most
-// p - r - 1 W's are pending on rank r, which keeps its live activations at 1F1B's bound. The
-// placement comes from a simulation with F = B = W = 1, so the plan is static.
+// the input-gradient pass only), with W's deferred. Rank r keeps up to r W's pending (the paper's
+// shifted W start: the first rank runs each W right after its B, the last defers pp - 1 of them)
+// and runs a pending W whenever its next F or B is not ready, so the W's fill the warm-up and
+// cool-down waits and the critical path (the F's down, the B's up) never waits for a W. The plan's
+// bubble with F = B = W = 1 is then the paper's (p - 1) / (3 m) for m >= p. Memory: rank r holds
+// at most pp - r micro-batches between F and B (1F1B's) plus r + 1 awaiting W, so pp micro-batches
+// at most on every rank: the first rank's 1F1B bound, which is 1F1B's peak. The placement comes
+// from a simulation with F = B = W = 1, so the plan is static.
 std::vector<Order> zb_h1_order(int p, int m) {
   const std::vector<Order> base = one_f_one_b_order(p, m);
   std::vector<Order> out(static_cast<std::size_t>(p));
@@ -121,7 +125,7 @@ std::vector<Order> zb_h1_order(int p, int m) {
     for (int q = 0; q < p; ++q)
       if (!done(q) && (r < 0 || clock[q] < clock[r])) r = q;
     if (r < 0) return out;
-    const int limit = p - r - 1;
+    const int limit = r;
     if (next[r] == base[r].size() || static_cast<int>(pending[r].size()) > limit) {
       // Nothing left but W's, or more pending than the bound: run the oldest W now.
       const int micro = pending[r].front();
@@ -365,6 +369,18 @@ void check(const Schedule& s) {
   }
   // 4. No rank waits forever (the simulation throws naming the stuck ops).
   simulate(s, 1, 2, 1);
+}
+
+std::vector<int> in_flight_per_stage(const Schedule& s) {
+  std::vector<int> live(static_cast<std::size_t>(s.stages()), 0), most = live;
+  for (const auto& ops : s.ops) {
+    for (const Op& op : ops) {
+      const auto st = static_cast<std::size_t>(op.stage);
+      if (op.kind == OpKind::kForward) most[st] = std::max(most[st], ++live[st]);
+      if (op.kind == (s.split_backward() ? OpKind::kWeight : OpKind::kBackward)) --live[st];
+    }
+  }
+  return most;
 }
 
 Timeline simulate(const Schedule& s, double fc, double bc, double wc) {

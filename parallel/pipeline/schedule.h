@@ -69,6 +69,11 @@ Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtu
 // ("pipeline plan '1f1b': rank 1 op 7 (recv act m2 s0 <- r0) has no matching send on rank 0").
 void check(const Schedule& s);
 
+// For each stage, the most micro-batches whose activations it holds at once under the plan: from
+// their F to their B (under zb, to their W, whose weight pass still reads them). 1F1B: pp - r on
+// rank r; GPipe: m.
+std::vector<int> in_flight_per_stage(const Schedule& s);
+
 // The plan's timeline with nominal op costs (F = 1, B = 2, or under zb B = 1 and W = 1;
 // communication free), from the same simulation check() runs.
 struct Timeline {

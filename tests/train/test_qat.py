@@ -55,7 +55,10 @@ class QatTest(tt.RunDirTest):
         self.assertEqual(len(prep), 1)
         self.assertEqual(prep[0]["step"], 0)
         self.assertGreater(prep[0]["calib_layers"], 10)
-        self.assertEqual(prep[0]["calib_quantizers"], 2 * prep[0]["calib_layers"])
+        # Linear/Conv layers have an input and a weight quantizer, residual Adds one shared one.
+        adds = prep[0]["calib_adds"]
+        self.assertGreater(adds, 0)  # bev_tiny's conv backbone and BEV encoder blocks
+        self.assertEqual(prep[0]["calib_quantizers"], 2 * prep[0]["calib_layers"] - adds)
         self.assertEqual(prep[0]["calib_unseen"], 0)
         self.assertGreater(prep[0]["calib_amax_min"], 0)
         self.assertLessEqual(prep[0]["calib_amax_min"], prep[0]["calib_amax_max"])
@@ -96,10 +99,10 @@ class QatTest(tt.RunDirTest):
         g = onnx.load(os.path.join(run_dir, "export", "model.onnx")).graph
         q = [n for n in g.node if n.op_type == "QuantizeLinear"]
         dq = [n for n in g.node if n.op_type == "DequantizeLinear"]
-        self.assertEqual(len(q), prep[0]["calib_quantizers"])
+        self.assertEqual(len(q), prep[0]["calib_quantizers"] + adds)  # an Add's quantizer: 2 pairs
         self.assertEqual(len(dq), len(q))
         axis = [n for n in q if any(a.name == "axis" and a.i == 0 for a in n.attribute)]
-        self.assertEqual(len(axis), prep[0]["calib_layers"])  # the weights
+        self.assertEqual(len(axis), prep[0]["calib_layers"] - adds)  # the weights
         # Every Conv / MatMul / Gemm of a quantized layer reads a DequantizeLinear output.
         produced_by = {o: n.op_type for n in g.node for o in n.output}
         convs = [n for n in g.node if n.op_type == "Conv"]
@@ -107,6 +110,19 @@ class QatTest(tt.RunDirTest):
         for n in convs:
             self.assertEqual(produced_by.get(n.input[0]), "DequantizeLinear", n.name)
             self.assertEqual(produced_by.get(n.input[1]), "DequantizeLinear", n.name)
+        # Every residual Add reads two DequantizeLinear outputs of one scale (TensorRT's INT8 Add).
+        from onnx import numpy_helper
+        consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        consts.update({n.output[0]: numpy_helper.to_array(a.t) for n in g.node if n.op_type == "Constant"
+                       for a in n.attribute if a.name == "value"})
+        node_of = {o: n for n in g.node for o in n.output}
+        q_adds = [n for n in g.node if n.op_type == "Add"
+                  and all(produced_by.get(i) == "DequantizeLinear" for i in n.input)]
+        self.assertEqual(len(q_adds), adds)
+        for n in q_adds:
+            a, b = (consts[node_of[i].input[1]] for i in n.input)
+            self.assertEqual(a.shape, ())
+            self.assertEqual(float(a), float(b), n.name)
         # fp16 Q/DQ needs opset 19: refused naming the key.
         p = tt.run(["export", "--run", run_dir, "--format", "onnx", "--dtype", "fp16",
                     "--parity-frames", "0"], check=False)
