@@ -7,8 +7,9 @@ failures gives the losses and final weights that a restarted or preempted-and-re
 match exactly (same arithmetic by construction: same world, same backend, bitwise resume).
 
 Usage: test_launch.py <parallax binary> [<mpirun>]
-PARALLAX_LAUNCH_TEST_DEVICE=cuda runs the same tests on GPUs (nccl; 2 GPUs; node r of the two-node
-test sees GPU r only, as two hosts would).
+PARALLAX_LAUNCH_TEST_DEVICE=cuda runs the same tests on GPUs (nccl; node r of the two-node test sees
+GPU r only, as two hosts would, so that test needs 2 GPUs). PARALLAX_LAUNCH_TEST_NPROC sets the
+workers per job (default 2; 1 runs the GPU mode on a single GPU: NCCL at world size 1).
 """
 import json
 import os
@@ -30,6 +31,28 @@ CKPT_EVERY = 50
 
 EXIT_DETERMINISTIC, EXIT_EXHAUSTED, EXIT_PREEMPTED = 3, 4, 143
 DEVICE = os.environ.get("PARALLAX_LAUNCH_TEST_DEVICE", "cpu")
+NPROC = int(os.environ.get("PARALLAX_LAUNCH_TEST_NPROC", "2"))
+LAST = NPROC - 1  # the worker the kill test kills
+
+
+def clean_env():
+    """os.environ without what would make a child believe it is a rank of some launch (mpirun's
+    OMPI_COMM_WORLD_*, ess/orte settings and PMIx identity, torchrun's RANK and MASTER_*). MPI's
+    own settings stay: the GPU image's OMPI_MCA_plm=isolated is what lets a lone process start MPI
+    as a singleton (without it, as root, "Unable to start a daemon on the local node")."""
+    keep = ("OMPI_MCA_", "PMIX_MCA_", "OMPI_ALLOW_")
+    drop = ("OMPI_", "PMIX_", "RANK", "MASTER_")
+    launch = ("OMPI_MCA_ess", "OMPI_MCA_orte", "OMPI_MCA_pmix")
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(drop) or (k.startswith(keep) and not k.startswith(launch))}
+
+
+def gpu_count():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 DEVICE_ARGS = (["train.device=cuda", "parallel.backend=nccl"] if DEVICE == "cuda"
                else ["parallel.backend=gloo", "train.threads=1"])
 
@@ -124,7 +147,7 @@ class LaunchTest(unittest.TestCase):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.d = cls.tmp.name
         # The reference: the same job without failures.
-        p = cls.launch_cls("ref", ["--nproc-per-node", "2", "--standalone"])
+        p = cls.launch_cls("ref", ["--nproc-per-node", str(NPROC), "--standalone"])
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-4000:]
         cls.ref = {r["step"]: r["loss"] for r in rows(os.path.join(cls.d, "ref"))}
@@ -146,7 +169,7 @@ class LaunchTest(unittest.TestCase):
     @classmethod
     def launch_cls(cls, name, launcher_args, *extra, gpus=None):
         cmd = [PARALLAX, "launch", *launcher_args, "--", "parallax", *cls.train_args(name, *extra)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "MASTER_"))}
+        env = clean_env()
         if gpus is not None and DEVICE == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = gpus
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -189,25 +212,26 @@ class LaunchTest(unittest.TestCase):
             self.assertEqual(w[k].tobytes(), self.ref_weights[k].tobytes(), f"tensor {k} differs")
 
     def test_sigkill_of_a_worker_restarts_the_group_and_matches_an_uninterrupted_run(self):
-        p = self.launch("kill", ["--nproc-per-node", "2", "--standalone", "--max-restarts", "2",
+        p = self.launch("kill", ["--nproc-per-node", str(NPROC), "--standalone", "--max-restarts", "2",
                                  "--grace-period", "5"])
         self.wait_rows(p, "kill", CKPT_EVERY + 10)
         pids = worker_pids(p.pid)
-        self.assertEqual(sorted(pids), [0, 1])
-        os.kill(pids[1], signal.SIGKILL)
+        self.assertEqual(sorted(pids), list(range(NPROC)))
+        os.kill(pids[LAST], signal.SIGKILL)
         rc, err = self.finish(p)
         self.assertEqual(rc, 0, err[-4000:])
-        self.assertRegex(err, r"worker failed: node 0 rank 1 \(local rank 1, pid \d+\) died on signal 9 \(SIGKILL\)")
+        self.assertRegex(err, rf"worker failed: node 0 rank {LAST} \(local rank {LAST}, pid \d+\) died on signal 9 "
+                              r"\(SIGKILL\)")
         self.assertIn("restarting all 1 node(s): restart 1 of 2", err)
         self.assertIn("resuming from", err)  # rank 0's output on the console
         self.check_exactly_once_and_equal("kill")
-        with open(os.path.join(self.d, "kill", "logs", "rank_1.log")) as f:
+        with open(os.path.join(self.d, "kill", "logs", f"rank_{LAST}.log")) as f:
             log = f.read()
-        self.assertIn("attempt 0, rank 1", log)
-        self.assertIn("attempt 1, rank 1", log)
+        self.assertIn(f"attempt 0, rank {LAST}", log)
+        self.assertIn(f"attempt 1, rank {LAST}", log)
 
     def test_restart_budget_exhausted_exits_4_naming_it(self):
-        p = self.launch("nan", ["--nproc-per-node", "2", "--standalone", "--max-restarts", "1"],
+        p = self.launch("nan", ["--nproc-per-node", str(NPROC), "--standalone", "--max-restarts", "1"],
                         "train.steps=5", "optim.lr=1e30", "optim.grad_clip=0")
         rc, err = self.finish(p)
         self.assertEqual(rc, EXIT_EXHAUSTED, err[-4000:])
@@ -216,8 +240,8 @@ class LaunchTest(unittest.TestCase):
         self.assertEqual(err.count("restarting all"), 1)
 
     def test_config_error_in_a_worker_is_not_restarted(self):
-        # dp=3 on 2 workers: a LayoutError inside the workers (the launcher's config load passes).
-        p = self.launch("layout", ["--nproc-per-node", "2", "--standalone", "--max-restarts", "3"],
+        # dp=3 on 1 or 2 workers: a LayoutError inside the workers (the launcher's config load passes).
+        p = self.launch("layout", ["--nproc-per-node", str(NPROC), "--standalone", "--max-restarts", "3"],
                         "parallel.dp=3")
         rc, err = self.finish(p)
         self.assertEqual(rc, EXIT_DETERMINISTIC, err[-4000:])
@@ -227,13 +251,13 @@ class LaunchTest(unittest.TestCase):
             log = f.read()
         self.assertNotIn("attempt 1", log)
         # A config error the launcher sees itself: nothing is started.
-        p = self.launch("badkey", ["--nproc-per-node", "2", "--standalone"], "train.no_such_key=1")
+        p = self.launch("badkey", ["--nproc-per-node", str(NPROC), "--standalone"], "train.no_such_key=1")
         rc, err = self.finish(p)
         self.assertEqual(rc, EXIT_DETERMINISTIC, err[-4000:])
         self.assertRegex(err, r"parallax: error: .*no_such_key")
 
     def test_sigterm_to_the_launcher_checkpoints_and_the_resumed_run_continues_bitwise(self):
-        p = self.launch("pre", ["--nproc-per-node", "2", "--standalone"])
+        p = self.launch("pre", ["--nproc-per-node", str(NPROC), "--standalone"])
         self.wait_rows(p, "pre", 30)
         os.kill(p.pid, signal.SIGTERM)
         rc, err = self.finish(p)
@@ -245,7 +269,7 @@ class LaunchTest(unittest.TestCase):
         self.assertTrue(ckpt.endswith(f"step_{last:08d}"), (ckpt, last))
         self.assertIn("preempted", err)
         # Resumed (train.resume=auto is added by the launcher): continues bitwise.
-        p = self.launch("pre", ["--nproc-per-node", "2", "--standalone"])
+        p = self.launch("pre", ["--nproc-per-node", str(NPROC), "--standalone"])
         rc, err = self.finish(p)
         self.assertEqual(rc, 0, err[-4000:])
         self.check_exactly_once_and_equal("pre")
@@ -253,7 +277,7 @@ class LaunchTest(unittest.TestCase):
     def test_sigint_to_a_lone_train_process_checkpoints_and_exits_143(self):
         """Ctrl-C without any launcher: one process, the vote without peers."""
         cmd = [PARALLAX, *self.train_args("alone", "parallel.backend=auto")]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "MASTER_"))}
+        env = clean_env()
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=self.d,
                              start_new_session=True)
         self.wait_rows(p, "alone", 20)
@@ -268,10 +292,10 @@ class LaunchTest(unittest.TestCase):
         self.assertTrue(w)
 
     def test_a_killed_launcher_takes_its_workers_with_it(self):
-        p = self.launch("orphans", ["--nproc-per-node", "2", "--standalone"])
+        p = self.launch("orphans", ["--nproc-per-node", str(NPROC), "--standalone"])
         self.wait_rows(p, "orphans", 5)
         pids = worker_pids(p.pid)
-        self.assertEqual(sorted(pids), [0, 1])
+        self.assertEqual(sorted(pids), list(range(NPROC)))
         os.kill(p.pid, signal.SIGKILL)
         p.communicate()
         deadline = time.time() + 10
@@ -312,6 +336,10 @@ class LaunchTest(unittest.TestCase):
         self.check_exactly_once_and_equal("mpi")
 
     def test_two_nodes_on_one_machine_restart_together(self):
+        if NPROC != 2:
+            self.skipTest("two nodes of one worker each match the reference of 2 workers only")
+        if DEVICE == "cuda" and gpu_count() < 2:
+            self.skipTest("each node takes its own GPU: needs 2")
         port = free_port()
         common = ["--nproc-per-node", "1", "--nnodes", "2", "--master", f"127.0.0.1:{port}", "--max-restarts", "1",
                   "--grace-period", "5"]
