@@ -23,6 +23,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <optional>
 #include <thread>
 
@@ -157,10 +158,32 @@ class Agent {
  private:
   // ---- store ---------------------------------------------------------------------------------
   void open_store();
+  // Runs the store call `f` (which must own what it uses: it is copied into a helper thread) with
+  // a deadline of --rdzv-timeout: c10d's client calls have none, and a store host that is stopped
+  // (SIGSTOP, a hung node), not dead, would otherwise keep this launcher waiting forever. On the
+  // deadline the helper thread is left blocked (detached; it owns its copies) and the error names
+  // the store and the call.
   template <class F>
-  auto store_call(const char* what, F&& f) -> decltype(f()) {
+  auto store_call(const char* what, F f) -> decltype(f()) {
+    using R = decltype(f());
+    auto done = std::make_shared<std::promise<R>>();
+    std::future<R> result = done->get_future();
+    std::thread([f = std::move(f), done]() mutable {
+      try {
+        done->set_value(f());
+      } catch (...) {
+        done->set_exception(std::current_exception());
+      }
+    }).detach();
+    if (result.wait_for(std::chrono::duration<double>(o_.rdzv_timeout_s)) !=
+        std::future_status::ready) {
+      throw_error<CommError>(
+          "launch: node {}: the launcher store at {}:{} did not answer within {:.0f} s "
+          "(--rdzv-timeout) during {}: is node 0's launcher stopped or its host hung?",
+          o_.node_rank, o_.master_addr, port_, o_.rdzv_timeout_s, what);
+    }
     try {
-      return f();
+      return result.get();
     } catch (const std::exception& e) {
       throw_error<CommError>(
           "launch: node {}: the launcher store at {}:{} failed during {} (did node 0's launcher "
@@ -169,7 +192,7 @@ class Agent {
     }
   }
   int64_t counter(const std::string& key, int64_t add) {
-    return store_call("a counter update", [&] { return store_->add(key, add); });
+    return store_call("a counter update", [s = store_, key, add] { return s->add(key, add); });
   }
   // Waits until counter `key` reaches `target`; false on `deadline`, or when `stop()` is true.
   template <class Stop>
@@ -236,8 +259,10 @@ void Agent::open_store() {
 
 std::optional<Failure> Agent::read_failure(int attempt) {
   const std::string key = fmt::format("launch/failed/{}", attempt);
-  if (!store_call("a failure check", [&] { return store_->check({key}); })) return std::nullopt;
-  const std::string v = bytes_str(store_call("a failure read", [&] { return store_->get(key); }));
+  if (!store_call("a failure check", [s = store_, key] { return s->check({key}); }))
+    return std::nullopt;
+  const std::string v =
+      bytes_str(store_call("a failure read", [s = store_, key] { return s->get(key); }));
   const auto parts = core::split(v, '|');
   Failure f;
   if (parts.size() >= 3) {
@@ -254,7 +279,8 @@ std::pair<Failure, bool> Agent::record_failure(int attempt, const Failure& f) {
   const std::string key = fmt::format("launch/failed/{}", attempt);
   const std::string mine = fmt::format("{}|{}|{}", kind_name(f.kind), o_.node_rank, f.text);
   const std::string now = bytes_str(store_call(
-      "recording a failure", [&] { return store_->compareSet(key, {}, str_bytes(mine)); }));
+      "recording a failure",
+      [s = store_, key, v = str_bytes(mine)] { return s->compareSet(key, {}, v); }));
   if (now == mine) return {f, true};
   return {*read_failure(attempt), false};
 }

@@ -362,6 +362,36 @@ class LaunchTest(unittest.TestCase):
         self.assertIn("restarting all 2 node(s): restart 1 of 1", err1)
         self.check_exactly_once_and_equal("nodes")
 
+    def test_a_stopped_store_host_ends_the_other_node_within_the_rdzv_timeout(self):
+        """Node 0's launcher (the store host) is stopped, not dead: c10d's client calls have no
+        deadline, so node 1's launcher bounds each store call by --rdzv-timeout and ends its job with
+        one error naming the store."""
+        if DEVICE == "cuda" and gpu_count() < 2:
+            self.skipTest("each node takes its own GPU: needs 2")
+        port = free_port()
+        common = ["--nproc-per-node", "1", "--nnodes", "2", "--master", f"127.0.0.1:{port}", "--rdzv-timeout", "10",
+                  "--grace-period", "2"]
+        n0 = self.launch("stopped", [*common, "--node-rank", "0"], gpus="0")
+        n1 = self.launch("stopped", [*common, "--node-rank", "1"], gpus="1")
+        try:
+            self.wait_rows(n0, "stopped", 5)
+            os.kill(n0.pid, signal.SIGSTOP)
+            start = time.time()
+            rc1, err1 = self.finish(n1, timeout=120)
+            took = time.time() - start
+        finally:
+            for p in (n0, n1):
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.communicate()
+        self.assertNotEqual(rc1, 0, err1[-3000:])
+        errors = [line for line in err1.splitlines() if line.startswith("parallax: error:")]
+        self.assertEqual(len(errors), 1, err1[-3000:])
+        self.assertIn("store at 127.0.0.1", errors[0])
+        self.assertIn("did not answer within 10 s (--rdzv-timeout)", errors[0])
+        # The deadline, the workers' grace period, and slack for a loaded 2-core machine.
+        self.assertLess(took, 10 + 2 + 20)
+
 
 if __name__ == "__main__":
     PARALLAX = os.path.abspath(sys.argv.pop(1))
