@@ -2,16 +2,27 @@
 // memory per rank and step time, ranked (train/planner.h, docs/planning.md).
 #include "core/error.h"
 #include "core/log.h"
+#include "core/timer.h"
+#include "launch/agent.h"
 #include "launch/args.h"
+#include "launch/exit_codes.h"
 #include "launch/verbs.h"
+#include "parallel/comm/factory.h"
 #include "parallel/comm/world.h"
 #include "train/planner.h"
 #include "train/run_config.h"
 
+#include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <regex>
+#include <sstream>
 
 namespace parallax::launch {
 
@@ -41,6 +52,96 @@ train::planner::Hardware hardware_for(const std::string& device) {
   throw_error<UsageError>("plan: --device '{}': expected h100, h200 or cpu", device);
 }
 
+// `plan --measure-bandwidth FILE` (the workers that `plan --calibrate` starts through the
+// launcher, one per local GPU or CPU rank): the bus bandwidth of an all-reduce of `mib` MiB of
+// float32 over this world (NCCL on GPUs, gloo on CPUs), 2 warm-up calls then `reps` timed ones,
+// each waited for; busbw = 2 (n-1)/n x bytes / time (nccl-tests' definition), the slowest rank's
+// time. The buffer holds ones and is averaged, so it must stay all ones: a wrong reduction is an
+// error rather than a number. Rank 0 writes one JSON object to FILE.
+int measure_bandwidth(const std::string& file, bool cuda, int64_t mib) {
+  parallel::comm::World world;
+  parallel::comm::CommOptions o;
+  o.timeout_s = 120;
+  const auto comm = parallel::comm::make_world_communicator(world, cuda ? "nccl" : "gloo", o);
+  const int n = comm->size();
+  at::TensorOptions opts = at::TensorOptions().dtype(at::kFloat);
+  if (cuda) opts = opts.device(*world.device());
+  const int64_t elements = mib * (1 << 20) / 4;
+  at::Tensor buf = at::ones({elements}, opts);
+  using parallel::comm::ReduceOp;
+  for (int i = 0; i < 2; ++i) comm->all_reduce_async(buf, ReduceOp::kAvg)->wait();
+  const int reps = 5;
+  core::Stopwatch w;
+  for (int i = 0; i < reps; ++i) comm->all_reduce_async(buf, ReduceOp::kAvg)->wait();
+  const bool ones = buf.min().item<float>() == 1.0f && buf.max().item<float>() == 1.0f;
+  at::Tensor t = at::full({1}, w.elapsed_s() / reps, opts.dtype(at::kDouble));
+  comm->all_reduce_async(t, ReduceOp::kMax)->wait();
+  const double s = t.cpu().item<double>();
+  PARALLAX_CHECK(ones, CommError,
+                 "plan --measure-bandwidth: rank {}: the averaged buffer is not all ones",
+                 comm->rank());
+  const double bytes = static_cast<double>(elements) * 4.0;
+  const double busbw = 2.0 * (n - 1) / n * bytes / s / 1e9;
+  if (comm->rank() == 0) {
+    std::ofstream f(file);
+    f << fmt::format(
+        "{{\"busbw_gbps\": {:.3f}, \"ranks\": {}, \"bytes\": {:.0f}, \"backend\": \"{}\", "
+        "\"seconds\": {:.6f}}}\n",
+        busbw, n, bytes, comm->backend(), s);
+    PARALLAX_CHECK(f.good(), IoError, "plan --measure-bandwidth: cannot write '{}'", file);
+  }
+  return 0;
+}
+
+std::string self_exe() {
+  char buf[PATH_MAX] = {};
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  PARALLAX_CHECK(n > 0, Error,
+                 "plan: cannot resolve /proc/self/exe to start the bandwidth workers");
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+// --calibrate's bandwidth step: `ranks` workers of this binary on this node through the launcher's
+// agent (standalone store, a deadline on every wait), each running measure_bandwidth(). Returns
+// the measured bus bandwidth in GB/s; throws naming the launcher's exit code and the log folder.
+double calibrate_bandwidth(int ranks, bool cuda, int64_t mib) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / fmt::format("parallax_bandwidth_{}", ::getpid());
+  fs::create_directories(dir);
+  const fs::path out = dir / "bandwidth.json";
+  AgentOptions a;
+  a.nproc_per_node = ranks;
+  a.master_port = 0;
+  a.rdzv_timeout_s = 120;
+  a.grace_period_s = 5;
+  a.log_dir = (dir / "logs").string();
+  a.exe = self_exe();
+  a.worker_args = {"plan",
+                   "--measure-bandwidth",
+                   out.string(),
+                   "--device",
+                   cuda ? "h100" : "cpu",
+                   "--bandwidth-mib",
+                   std::to_string(mib)};
+  const int rc = run_agent(a);
+  PARALLAX_CHECK(
+      rc == kExitOk, Error,
+      "plan --calibrate: the bandwidth measurement over {} local ranks failed (launcher exit "
+      "code {}); the workers' logs are in {}",
+      ranks, rc, a.log_dir);
+  std::ifstream f(out);
+  std::stringstream text;
+  text << f.rdbuf();
+  std::smatch m;
+  const std::string doc = text.str();
+  PARALLAX_CHECK(std::regex_search(doc, m, std::regex("\"busbw_gbps\": *([0-9.eE+-]+)")), Error,
+                 "plan --calibrate: the bandwidth workers wrote no result to {}", out.string());
+  const double gbps = std::stod(m[1]);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  return gbps;
+}
+
 }  // namespace
 
 int verb_plan(const std::vector<std::string>& argv) {
@@ -55,30 +156,47 @@ int verb_plan(const std::vector<std::string>& argv) {
       .option("gpus", "N", "GPUs (or CPU ranks) in all", "1")
       .option("nodes", "M", "nodes (the GPUs are split evenly)", "1")
       .option("gpu-mem", "GiB", "memory per GPU (default: the device's)")
-      .option("device", "NAME", "h100 | h200 | cpu: the default peak, bandwidths and memory", "h100")
+      .option("device", "NAME", "h100 | h200 | cpu: the default peak, bandwidths and memory",
+              "h100")
       .option("global-batch", "B",
               "samples per optimizer step (default: data.batch_size x train.grad_accum x gpus / "
               "(tp x pp) of the config)")
       .option("inter-node-gbps", "Gbit/s", "network bandwidth per GPU across nodes", "400")
-      .option("efficiency", "F", "achieved fraction of the peak FLOP/s (default 0.45; see --calibrate)")
+      .option("efficiency", "F",
+              "achieved fraction of the peak FLOP/s (default 0.45; see --calibrate)")
       .flag("calibrate",
             "measure the compute efficiency with a few training steps of the model on this "
-            "machine (one process) instead of the documented default")
+            "machine (one process), and the all-reduce bandwidth in a node over min(GPUs per "
+            "node, this machine's GPUs) ranks, instead of the documented defaults")
       .option("calibrate-batch", "N", "--calibrate's micro-batch (default: data.batch_size)")
+      .option("bandwidth-mib", "MiB",
+              "--calibrate's all-reduce size for the bandwidth in a node (default: 256 on GPUs, 16 "
+              "on CPU ranks)")
+      .option("measure-bandwidth", "FILE",
+              "internal: the bandwidth workers that --calibrate starts (one all-reduce measurement "
+              "over this world, written to FILE)")
       .option("top", "K", "rows of the table", "15")
-      .option("json", "FILE", "also write every layout (fitting and rejected) as JSON ('-': stdout)")
+      .option("json", "FILE",
+              "also write every layout (fitting and rejected) as JSON ('-': stdout)")
       .flag("only-config", "predict only the config's own layout (its parallel keys) on --gpus")
       .overrides("config overrides, e.g. model.size=3b data.batch_size=8")
       .epilog(
           "examples:\n"
           "  parallax plan --config configs/bench/w2_bev_base.yaml --gpus 8 --gpu-mem 80\n"
-          "  parallax plan --config configs/bench/w2_bev_base.yaml --gpus 16 --nodes 2 model.size=3b\n"
+          "  parallax plan --config configs/bench/w2_bev_base.yaml --gpus 16 --nodes 2 "
+          "model.size=3b\n"
           "  parallax plan --config configs/bench/w1_vit_b16.yaml --gpus 1 --calibrate\n"
           "  parallax plan --config configs/bev_tiny.yaml --device cpu --gpus 4 --json plan.json");
   args.parse(argv);
   if (args.help_requested()) {
     std::fputs(args.help_text().c_str(), stdout);
     return 0;
+  }
+  if (args.has("measure-bandwidth")) {
+    const bool cuda = args.get("device") != "cpu";
+    const int64_t mib =
+        args.has("bandwidth-mib") ? args.get_int("bandwidth-mib") : (cuda ? 256 : 16);
+    return measure_bandwidth(args.get("measure-bandwidth"), cuda, mib);
   }
   PARALLAX_CHECK(args.has("config"), UsageError, "plan: --config FILE is required");
   core::log::set_level(core::log::Level::kWarn);
@@ -100,24 +218,46 @@ int verb_plan(const std::vector<std::string>& argv) {
     parallel::comm::World world;  // the calibration runs the trainer in this process
     PARALLAX_CHECK(world.size() == 1, UsageError,
                    "plan --calibrate runs one process; start it without mpirun or torchrun");
-    req.hw = train::planner::calibrate(cfg, req.hw, 20,
-                                       args.has("calibrate-batch") ? args.get_int("calibrate-batch") : 0);
+    req.hw = train::planner::calibrate(
+        cfg, req.hw, 20, args.has("calibrate-batch") ? args.get_int("calibrate-batch") : 0);
+    // The bandwidth in a node: one all-reduce over as many local ranks as a node of the plan
+    // has, up to this machine's GPUs (CPU ranks: any number). Across nodes stays
+    // --inter-node-gbps: one machine cannot measure the network.
+    const int local = req.hw.cuda ? world.cuda_device_count() : req.hw.gpus_per_node();
+    const int ranks = std::min(req.hw.gpus_per_node(), local);
+    const int64_t mib =
+        args.has("bandwidth-mib") ? args.get_int("bandwidth-mib") : (req.hw.cuda ? 256 : 16);
+    PARALLAX_CHECK(mib >= 1, UsageError, "plan: --bandwidth-mib {} must be at least 1", mib);
+    if (ranks >= 2) {
+      req.hw.intra_node_gbps = calibrate_bandwidth(ranks, req.hw.cuda, mib);
+      req.hw.source +=
+          fmt::format("; all-reduce bus bandwidth {:.2f} GB/s over {} local ranks ({} MiB)",
+                      req.hw.intra_node_gbps, ranks, mib);
+    } else {
+      req.hw.source += fmt::format(
+          "; bandwidth in a node: the default (a node of {} rank(s) on a "
+          "machine with {} has no all-reduce to measure)",
+          req.hw.gpus_per_node(), local);
+    }
   }
 
   std::vector<train::planner::Row> rows;
   if (args.flag_set("only-config")) {
-    auto row = train::planner::predict(cfg, train::planner::configured_layout(cfg, req.hw.gpus), req.hw);
+    auto row =
+        train::planner::predict(cfg, train::planner::configured_layout(cfg, req.hw.gpus), req.hw);
     row.configured = true;
     rows.push_back(row);
   } else {
     rows = train::planner::plan(cfg, req);
   }
-  std::fputs(train::planner::render_table(rows, req.hw, static_cast<int>(args.get_int("top"))).c_str(),
-             stdout);
+  std::fputs(
+      train::planner::render_table(rows, req.hw, static_cast<int>(args.get_int("top"))).c_str(),
+      stdout);
   if (args.has("json")) {
     std::string doc = train::planner::render_json(rows, req.hw);
     if (args.flag_set("only-config")) {
-      // Every world rank's exact Engine::memory() (what the trainer's "memory" metrics row reports).
+      // Every world rank's exact Engine::memory() (what the trainer's "memory" metrics row
+      // reports).
       std::string ranks;
       for (const auto& m : train::planner::engine_memory(cfg, req.hw.gpus, req.hw.cuda)) {
         ranks += fmt::format("{}{{\"params\": {}, \"grads\": {}, \"optimizer\": {}}}",

@@ -8,10 +8,32 @@ inside a window, and the median over the windows. Synchronising after every step
 leave the GPU idle while the host launches the next step's first kernels, charging the reference
 for a gap Parallax does not pay.
 """
+import os
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
+
+
+def init_process(device):
+    """This process's device ("cuda": cuda:LOCAL_RANK, made current; "cpu") and, under torchrun
+    (RANK set), its process group (NCCL on GPUs, gloo on CPUs). Returns (device, distributed,
+    rank, world, local_rank)."""
+    distributed = "RANK" in os.environ
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if not distributed:
+        return dev, False, 0, 1, local_rank
+    if dev.type == "cuda":
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dist.init_process_group("gloo")
+    return dev, True, dist.get_rank(), dist.get_world_size(), local_rank
 
 
 def median_step_ms(step, iters, window, cuda):

@@ -34,13 +34,32 @@ count matches what `parallax train` logged.
   python3 bench/train/torch_bev_ref.py --batch 32 --mode eager
   python3 bench/train/torch_bev_ref.py --batch 32 --mode compile
   torchrun --nproc-per-node 2 bench/train/torch_bev_ref.py --batch 32 --mode eager
+  torchrun --nproc-per-node 2 bench/train/torch_bev_ref.py --size large --batch 8 --tp 2 [--sp]
   python3 bench/train/torch_bev_ref.py --device cpu --size tiny --batch 2 --warmup 1 --iters 3
   python3 bench/train/torch_bev_ref.py --size base --params-only   # parameters / FLOPs per module
+
+Tensor parallelism (`--tp N`, `--sp`; issue 24 row 3): PyTorch DTensor TP as its documentation
+and torchtitan apply it (`parallelize_module` over a 1-D device mesh of the N ranks; every rank
+sees the same batch): in every ViT block `qkv` and `fc1` ColwiseParallel, `proj` and `fc2`
+RowwiseParallel; with `--sp` also the LayerNorms SequenceParallel (tokens sharded along dim 1
+between the blocks), each sub-block's input gathered by PrepareModuleInput, the row layers'
+outputs reduce-scattered to Shard(1), the first block's input sharded and the final norm's output
+gathered before the neck. The layers Parallax keeps replicated (patch embedding, neck, view
+transformer, BEV encoder, heads) stay replicated here too. The fused qkv weight's rows are
+reordered once at setup into [q, k, v] blocks per rank, so DTensor's contiguous Colwise shard gives
+each rank whole heads (Parallax's per-part split, Megatron's `stride`): the reordered model
+computes the same function as the dense one. `--check` prints the first two losses (the second
+after one SGD step at lr 1e-3 instead of AdamW, so it checks the gradients too); on CPU in float32, bev/small, one scene,
+`--tp 2` and `--tp 2 --sp` give the one-process losses within 1e-6 relative (2026-11-28):
+  python3 bench/train/torch_bev_ref.py --device cpu --size small --scene default --batch 1 \
+      --warmup 0 --iters 2 --window 1 --check
+  torchrun --nproc-per-node 2 bench/train/torch_bev_ref.py <the same> --tp 2 [--sp]
+DTensor shards the tokens evenly only when tp divides them (the benchmark scene's 16 x 44 = 704
+tokens: tp 2 and 4); an uneven split failed on gloo here.
 """
 import argparse
 import json
 import math
-import os
 import resource
 from dataclasses import dataclass, field
 
@@ -49,7 +68,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from step_timing import median_step_ms, wrap_ddp  # same folder: python puts the script's folder on sys.path
+from step_timing import init_process, median_step_ms, wrap_ddp  # same folder: python puts the script's folder on sys.path
 
 PEAK_BF16 = 989e12  # H100/H200 dense bf16, as Parallax's trainer (train/trainer.cpp)
 BOX_CODE_SIZE = 8
@@ -207,16 +226,18 @@ def norm_groups(channels):
     return 1
 
 
-class DenseLinear(nn.Module):
-    """y = x W^T + b (at::linear), weight N(0, 0.02), bias 0."""
+class DenseLinear(nn.Linear):
+    """y = x W^T + b (at::linear), weight N(0, 0.02), bias 0. An nn.Linear (DTensor's Colwise and
+    Rowwise styles take only those) without nn.Linear's own initialisation."""
 
     def __init__(self, i, o, bias=True):
-        super().__init__()
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = i, o
         self.weight = nn.Parameter(torch.randn(o, i) * 0.02)
-        self.bias = nn.Parameter(torch.zeros(o)) if bias else None
-
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(o))
+        else:
+            self.register_parameter("bias", None)
 
 
 class Attention(nn.Module):
@@ -710,6 +731,70 @@ def cost_report(spec, model):
             "fwd_gflops_per_sample": round(sum(r[2] for r in analytic) / 1e9, 6), "groups": rows}
 
 
+def reorder_qkv_for_tp(model, tp):
+    """Rows of every fused qkv [3 D, D] (and its bias) from [q; k; v] to [q_0 k_0 v_0; q_1 k_1 v_1; ...]
+    (q_r: rank r's D/tp rows of q), so that a contiguous split into tp chunks gives each rank its own
+    heads' q, k and v in the [3, H/tp, hd] order Attention.forward views them in."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Attention):
+                d3 = m.qkv.weight.shape[0]
+                d = d3 // 3
+                if d % (tp * m.head_dim):
+                    raise SystemExit(f"torch_bev_ref: {d // m.head_dim} heads are not divisible by tp {tp}")
+                idx = torch.arange(d3).view(3, tp, d // tp).transpose(0, 1).reshape(-1)
+                m.qkv.weight.copy_(m.qkv.weight[idx])
+                if m.qkv.bias is not None:
+                    m.qkv.bias.copy_(m.qkv.bias[idx])
+
+
+def apply_dtensor_tp(model, mesh, sp):
+    """DTensor tensor (and sequence) parallelism on the ViT blocks of `model` (see the module doc)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    vit = model.encoder.vit
+    for name in vit.block_names:
+        block = getattr(vit, name)
+        if sp:
+            plan = {
+                "norm1": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attn.qkv": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+                "norm2": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp.fc1": ColwiseParallel(),
+                "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        else:
+            plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                    "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+        parallelize_module(block, mesh, plan)
+    if sp:
+        # Into the sequence-parallel region before the first block, out of it after the final norm.
+        parallelize_module(getattr(vit, vit.block_names[0]), mesh,
+                           PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True))
+        parallelize_module(vit.norm, mesh, SequenceParallel())
+        parallelize_module(model.encoder.neck, mesh,
+                           PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                              use_local_output=True))
+
+
+def split_dtensor_groups(groups):
+    """Each optimizer group split into its DTensor and plain-tensor parameters: the fused AdamW
+    kernel takes one kind per call."""
+    from torch.distributed.tensor import DTensor
+    out = []
+    for g in groups:
+        for want in (True, False):
+            ps = [p for p in g["params"] if isinstance(p, DTensor) == want]
+            if ps:
+                out.append({**g, "params": ps})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=32, help="samples (6-camera scenes) per GPU")
@@ -732,6 +817,12 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--params-only", action="store_true", help="print parameters / FLOPs per module and exit")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="DTensor tensor parallelism over all ranks (torchrun; tp = world size, one batch)")
+    ap.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism (DTensor SequenceParallel)")
+    ap.add_argument("--check", action="store_true",
+                    help="print the first two steps' losses (the second after one SGD step: the "
+                         "gradients; float32 on CPU: compare --tp N [--sp] with one process)")
     a = ap.parse_args()
 
     if a.params_only:
@@ -739,41 +830,47 @@ def main():
         print(json.dumps(cost_report(spec, model)), flush=True)
         return
 
-    distributed = "RANK" in os.environ
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = a.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
-    if distributed:
-        if cuda:
-            dist.init_process_group("nccl", device_id=dev)
-        else:
-            dist.init_process_group("gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = 0, 1
+    dev, distributed, rank, world, local_rank = init_process(a.device)
+    cuda = dev.type == "cuda"
     spec, model = build(a.size, a.scene, seed=0)
     model = model.to(dev)
     n_params = sum(p.numel() for p in model.parameters())
     analytic_flops = sum(r[2] for r in analytic_cost(spec))
     fwd_flops = a.fwd_gflops_per_sample * 1e9 if a.fwd_gflops_per_sample > 0 else analytic_flops
-    opt = torch.optim.AdamW(param_groups(model, a.weight_decay), lr=a.lr, fused=cuda)
-    variant = ""  # "+bf16grads" with --grad-dtype bf16
-    if distributed:
+    variant = ""  # "+bf16grads" with --grad-dtype bf16, "-dtensor-tpN[-sp]" with --tp N
+    if a.sp and a.tp < 2:
+        raise SystemExit("torch_bev_ref: --sp needs --tp >= 2")
+    if a.tp > 1:
+        if world != a.tp:
+            raise SystemExit(f"torch_bev_ref: --tp {a.tp} runs on exactly {a.tp} ranks (torchrun "
+                             f"--nproc-per-node {a.tp}), not {world}")
+        from torch.distributed.device_mesh import init_device_mesh
+        reorder_qkv_for_tp(model, a.tp)
+        apply_dtensor_tp(model, init_device_mesh(dev.type, (a.tp,)), a.sp)
+        variant = f"-dtensor-tp{a.tp}" + ("-sp" if a.sp else "")
+        groups = split_dtensor_groups(param_groups(model, a.weight_decay))
+    else:
+        groups = param_groups(model, a.weight_decay)
+    # --check: SGD, whose step is linear in the gradient (AdamW's first step is lr x sign(g), blind to
+    # a gradient's size), so the second loss shows a wrong gradient.
+    opt = torch.optim.SGD(groups, lr=1e-3) if a.check else torch.optim.AdamW(groups, lr=a.lr, fused=cuda)
+    if distributed and a.tp == 1:
         model, variant = wrap_ddp(model, [local_rank] if cuda else None, a.grad_dtype)
     fwd = torch.compile(model) if a.mode == "compile" else model
-    gen = torch.Generator().manual_seed(1000 + rank)  # each data-parallel rank draws its own batches
+    dp_rank = rank // a.tp  # the tp ranks of a model replica see the same batches
+    gen = torch.Generator().manual_seed(1000 + dp_rank)  # each data-parallel rank draws its own batches
     batches = [{k: v.to(dev) for k, v in example_batch(spec, a.batch, gen).items()} for _ in range(a.distinct)]
     counter = [0]
+
+    first_loss = []
 
     def step():
         batch = batches[counter[0] % len(batches)]
         counter[0] += 1
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             loss, _ = bev_loss(spec, batch, fwd(batch))
+        if a.check and len(first_loss) < 2:
+            first_loss.append(float(loss.detach()))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -784,8 +881,8 @@ def main():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     step_ms = median_step_ms(step, a.iters, a.window, cuda)
-    img_s = a.batch * world * 1000.0 / step_ms
-    tflops = 3 * fwd_flops * a.batch / (step_ms / 1000.0) / 1e12
+    img_s = a.batch * (world // a.tp) * 1000.0 / step_ms  # a tp group trains one batch
+    tflops = 3 * fwd_flops * a.batch / a.tp / (step_ms / 1000.0) / 1e12
     if cuda:
         peak_gb = torch.cuda.max_memory_allocated() / 2**30
         device_name = torch.cuda.get_device_name()
@@ -794,8 +891,11 @@ def main():
         device_name = "cpu"
     if rank == 0:
         sc = spec.scene
+        extra = {"tp": a.tp, "sp": a.sp} if a.tp > 1 else {}
+        if a.check:
+            extra["first_losses"] = first_loss
         print(json.dumps({"impl": f"torch-{a.mode}{variant}", "workload": f"W2 bev_{a.size}", "gpus": world,
-                          "batch_per_gpu": a.batch, "sample": f"one {sc.num_cameras}-camera scene",
+                          "batch_per_gpu" if a.tp == 1 else "batch_per_tp_group": a.batch, **extra, "sample": f"one {sc.num_cameras}-camera scene",
                           "scene": f"{sc.num_cameras} x {sc.image_height}x{sc.image_width}, BEV "
                                    f"{spec.query.nx}x{spec.query.ny}",
                           "step_ms": round(step_ms, 2), "img_per_s": round(img_s, 1),

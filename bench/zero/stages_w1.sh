@@ -9,6 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# mpirun as root (the GPU images run commands as root):
+if [[ $(id -u) == 0 ]]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 GPUS=${1:-1} REPS=${2:-3} STAGES=${3:-"0 3"}
 shift $(( $# >= 3 ? 3 : $# ))
 [[ "${1:-}" == "--" ]] && shift

@@ -164,7 +164,7 @@ PipelineEngine::PipelineEngine(std::shared_ptr<torch::nn::Module> module,
   // data-parallel ranks (gathered over the pipeline).
   const std::vector<int> mine = inner_->model_replicas();
   at::Tensor local = at::tensor(std::vector<int64_t>(mine.begin(), mine.end()), at::kLong);
-  if (pp_->device_type() != c10::kCPU) local = local.to(c10::Device(pp_->device_type(), 0));
+  if (pp_->device_type() != c10::kCPU) local = local.to(comm_device());
   at::Tensor all = at::empty({static_cast<int64_t>(mine.size()) * pp_->size()}, local.options());
   pp_->all_gather_async(local, all)->wait();
   all = all.cpu();
@@ -197,6 +197,14 @@ void PipelineEngine::forward_backward(int, const std::function<at::Tensor(int)>&
       "parallel.pp > 1; the trainer runs forward_backward_stages()");
 }
 
+c10::Device PipelineEngine::comm_device() const {
+  const c10::DeviceType type = pp_->device_type();
+  if (type == c10::kCPU) return c10::Device(c10::kCPU);
+  for (const auto& p : module_->parameters())
+    if (p.device().type() == type) return p.device();
+  return c10::Device(type);
+}
+
 int PipelineEngine::tag(const Op& op, int k) const {
   const bool act = op.kind == OpKind::kSendAct || op.kind == OpKind::kRecvAct;
   const int S = schedule_.stages(), m = schedule_.micro_batches;
@@ -213,9 +221,10 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
   const std::vector<Op>& ops = schedule_.ops[pp_->rank()];
   std::map<std::pair<int, int>, Slot> slots;  // (micro, stage)
   const c10::DeviceType comm_dev = pp_->device_type();
+  const c10::Device comm_target = comm_device();
   const auto to_comm = [&](const at::Tensor& t) {
     at::Tensor c = t.detach();
-    if (c.device().type() != comm_dev) c = c.to(comm_dev == c10::kCPU ? c10::Device(c10::kCPU) : c10::Device(comm_dev, 0));
+    if (c.device().type() != comm_dev) c = c.to(comm_target);
     return c.contiguous();
   };
   c10::Device model_device(c10::kCPU);
@@ -507,6 +516,7 @@ void PipelineEngine::gather_full_params() {
   if (full_) return;
   at::NoGradGuard no_grad;
   const c10::DeviceType dev = pp_->device_type();
+  const c10::Device target = comm_device();
   auto params = module_->named_parameters();
   for (const auto& unit : units_) {
     for (const auto& name : unit.param_names) {
@@ -515,7 +525,7 @@ void PipelineEngine::gather_full_params() {
       if (it != foreign_.end()) p.set_data(at::empty(it->second, p.options()));
       at::Tensor buf = p.detach();
       if (buf.device().type() != dev)
-        buf = buf.to(dev == c10::kCPU ? c10::Device(c10::kCPU) : c10::Device(dev, 0));
+        buf = buf.to(target);
       pp_->broadcast_async(buf, owner_.at(name))->wait();
       if (buf.data_ptr() != p.data_ptr()) p.detach().copy_(buf);
     }

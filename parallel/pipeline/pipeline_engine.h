@@ -106,6 +106,10 @@ class PipelineEngine : public Engine {
   struct Slot;  // one (micro-batch, stage)'s live tensors
   std::vector<at::Tensor> recv_message(const Op& op, bool header_phase, std::vector<int64_t>& hdr);
   int tag(const Op& op, int k) const;
+  // Where the pipeline communicator's buffers live: the model's device when it is of the
+  // communicator's type (each rank's own GPU, cuda:local_rank), else the current device of that
+  // type (World made it local_rank's), never a fixed index.
+  c10::Device comm_device() const;
 
   std::shared_ptr<torch::nn::Module> module_;
   std::vector<core::Unit> units_;

@@ -23,6 +23,9 @@ import unittest
 
 import h5py
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "train"))
+import test_train as tt  # noqa: E402  (shared helpers: gpu_count)
+
 PARALLAX = MPIRUN = None
 SRC = os.environ.get("PARALLAX_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 MLP = os.path.join(SRC, "configs", "mlp_demo.yaml")
@@ -47,12 +50,7 @@ def clean_env():
             if not k.startswith(drop) or (k.startswith(keep) and not k.startswith(launch))}
 
 
-def gpu_count():
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+gpu_count = tt.gpu_count
 DEVICE_ARGS = (["train.device=cuda", "parallel.backend=nccl"] if DEVICE == "cuda"
                else ["parallel.backend=gloo", "train.threads=1"])
 

@@ -35,16 +35,10 @@ BEV = tt.BEV
 W1 = os.path.join(SRC, "configs", "bench", "w1_vit_b16.yaml")
 
 
-def gpu_count():
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+gpu_count = tt.gpu_count
 
 
-def losses(run_dir):
-    return {r["step"]: r["loss"] for r in tt.metrics(run_dir)}
+losses = tt.losses
 
 
 class CudaGraphTest(tt.RunDirTest):

@@ -32,8 +32,7 @@ from test_zero_checkpoint import assemble, metadata  # noqa: E402
 U = 2.0 ** -24
 
 
-def losses(run_dir):
-    return {r["step"]: r["loss"] for r in tt.metrics(run_dir)}
+losses = tt.losses
 
 
 class LoraTest(tt.RunDirTest):

@@ -24,8 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train as tt  # noqa: E402  (shared helpers: run, metrics)
 
 
-def losses(run_dir):
-    return {r["step"]: r["loss"] for r in tt.metrics(run_dir)}
+losses = tt.losses
 
 
 # Per-step losses of a pipelined run against the single-process one. The pipeline computes the same

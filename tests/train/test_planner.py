@@ -103,15 +103,19 @@ class PlannerTest(tt.RunDirTest):
         for r in fits:
             self.assertEqual(r["dp"] * r["tp"] * r["pp"], 8)
             self.assertGreater(r["peak"]["total"], r["peak"]["params"])
-        # --calibrate runs the trainer (one process) and measures the efficiency and host floor.
+        # --calibrate runs the trainer (one process) and measures the efficiency and host floor, then
+        # the all-reduce bandwidth in a node over 2 CPU ranks started through the launcher (gloo).
         out = os.path.join(self.d, "calibrated.json")
-        p = tt.run(["plan", "--config", tt.BEV, "--device", "cpu", "--calibrate", "--calibrate-batch", "1",
-                    "--only-config", "--json", out, *self.COMMON])
+        p = tt.run(["plan", "--config", tt.BEV, "--device", "cpu", "--gpus", "2", "--calibrate",
+                    "--calibrate-batch", "1", "--bandwidth-mib", "4", "--only-config", "--json", out, *self.COMMON])
         self.assertIn("calibrated on this machine (cpu)", p.stdout)
+        self.assertIn("all-reduce bus bandwidth", p.stdout)
         with open(out) as f:
             hw = json.load(f)["hardware"]
         self.assertGreater(hw["efficiency"], 0)
         self.assertLessEqual(hw["efficiency"], 1)
+        self.assertGreater(hw["intra_node_gbps"], 0)
+        self.assertIn(f"all-reduce bus bandwidth {hw['intra_node_gbps']:.2f} GB/s over 2 local ranks", hw["source"])
         # Bad input: one error line.
         for extra, needle in [(["--gpus", "3", "--nodes", "2"], "--gpus 3"),
                               (["--device", "tpu"], "--device 'tpu'"),

@@ -50,8 +50,7 @@ def assemble(ckpt, name):
     return out
 
 
-def losses(run_dir):
-    return {r["step"]: r["loss"] for r in tt.metrics(run_dir)}
+losses = tt.losses
 
 
 # Per-step losses of a split run against the single-process one. Not a rounding bound: the models

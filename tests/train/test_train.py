@@ -43,6 +43,20 @@ def metrics(run_dir, kind="train"):
         return [r for r in map(json.loads, filter(str.strip, f)) if r["kind"] == kind]
 
 
+def losses(run_dir):
+    """Per-step training losses of a run: {step: loss}."""
+    return {r["step"]: r["loss"] for r in metrics(run_dir)}
+
+
+def gpu_count():
+    """GPUs `nvidia-smi -L` lists (0 without a GPU or without nvidia-smi)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
 def weights(run_dir):
     run(["export", "--run", run_dir, "--format", "weights"])
     with h5py.File(os.path.join(run_dir, "export", "weights.h5"), "r") as f:

@@ -39,8 +39,7 @@ import test_train as tt  # noqa: E402  (shared helpers: run, metrics, weights)
 GLOBAL_BATCH = 48  # divisible by 1, 2, 3 and 4 ranks
 
 
-def losses(run_dir):
-    return {r["step"]: r["loss"] for r in tt.metrics(run_dir)}
+losses = tt.losses
 
 
 def metadata(ckpt):
