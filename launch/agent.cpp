@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -668,6 +669,13 @@ int Agent::run() {
 }
 
 }  // namespace
+
+std::string self_exe() {
+  char buf[PATH_MAX] = {};
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  PARALLAX_CHECK(n > 0, Error, "launch: cannot resolve /proc/self/exe to start the workers");
+  return std::string(buf, static_cast<size_t>(n));
+}
 
 int run_agent(const AgentOptions& options) {
 #ifndef C10_USE_GFLAGS

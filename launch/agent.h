@@ -44,4 +44,7 @@ struct AgentOptions {
 // store cannot be hosted or reached, or a worker cannot be spawned.
 int run_agent(const AgentOptions& options);
 
+// This binary's path (/proc/self/exe): what the agent starts as its workers (AgentOptions::exe).
+std::string self_exe();
+
 }  // namespace parallax::launch

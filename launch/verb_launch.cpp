@@ -20,13 +20,6 @@ namespace fs = std::filesystem;
 namespace parallax::launch {
 namespace {
 
-std::string self_exe() {
-  char buf[PATH_MAX] = {};
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  PARALLAX_CHECK(n > 0, Error, "launch: cannot resolve /proc/self/exe to start the workers");
-  return std::string(buf, static_cast<size_t>(n));
-}
-
 // The run directory of a `train` command: its config loaded as `parallax train` loads it.
 // Throws ConfigError as the workers would (then nothing is started: exit 3, no restart).
 fs::path train_run_dir(const std::vector<std::string>& cmd) {

@@ -17,12 +17,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <climits>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <regex>
-#include <sstream>
 
 namespace parallax::launch {
 
@@ -57,7 +54,7 @@ train::planner::Hardware hardware_for(const std::string& device) {
 // float32 over this world (NCCL on GPUs, gloo on CPUs), 2 warm-up calls then `reps` timed ones,
 // each waited for; busbw = 2 (n-1)/n x bytes / time (nccl-tests' definition), the slowest rank's
 // time. The buffer holds ones and is averaged, so it must stay all ones: a wrong reduction is an
-// error rather than a number. Rank 0 writes one JSON object to FILE.
+// error rather than a number. Rank 0 writes the bandwidth in GB/s to FILE (and logs the figures).
 int measure_bandwidth(const std::string& file, bool cuda, int64_t mib) {
   parallel::comm::World world;
   parallel::comm::CommOptions o;
@@ -84,21 +81,13 @@ int measure_bandwidth(const std::string& file, bool cuda, int64_t mib) {
   const double busbw = 2.0 * (n - 1) / n * bytes / s / 1e9;
   if (comm->rank() == 0) {
     std::ofstream f(file);
-    f << fmt::format(
-        "{{\"busbw_gbps\": {:.3f}, \"ranks\": {}, \"bytes\": {:.0f}, \"backend\": \"{}\", "
-        "\"seconds\": {:.6f}}}\n",
-        busbw, n, bytes, comm->backend(), s);
+    f << fmt::format("{}\n", busbw);  // shortest round-trip form: read back exactly
     PARALLAX_CHECK(f.good(), IoError, "plan --measure-bandwidth: cannot write '{}'", file);
+    core::log::info(
+        "plan --measure-bandwidth: {} over {} ranks, {:.0f} bytes in {:.6f} s: {:.2f} GB/s",
+        comm->backend(), n, bytes, s, busbw);
   }
   return 0;
-}
-
-std::string self_exe() {
-  char buf[PATH_MAX] = {};
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  PARALLAX_CHECK(n > 0, Error,
-                 "plan: cannot resolve /proc/self/exe to start the bandwidth workers");
-  return std::string(buf, static_cast<size_t>(n));
 }
 
 // --calibrate's bandwidth step: `ranks` workers of this binary on this node through the launcher's
@@ -129,14 +118,10 @@ double calibrate_bandwidth(int ranks, bool cuda, int64_t mib) {
       "plan --calibrate: the bandwidth measurement over {} local ranks failed (launcher exit "
       "code {}); the workers' logs are in {}",
       ranks, rc, a.log_dir);
+  double gbps = 0;
   std::ifstream f(out);
-  std::stringstream text;
-  text << f.rdbuf();
-  std::smatch m;
-  const std::string doc = text.str();
-  PARALLAX_CHECK(std::regex_search(doc, m, std::regex("\"busbw_gbps\": *([0-9.eE+-]+)")), Error,
+  PARALLAX_CHECK(f >> gbps && gbps > 0, Error,
                  "plan --calibrate: the bandwidth workers wrote no result to {}", out.string());
-  const double gbps = std::stod(m[1]);
   std::error_code ec;
   fs::remove_all(dir, ec);
   return gbps;
