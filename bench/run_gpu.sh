@@ -9,7 +9,8 @@
 #   --pp    every schedule's bubble at pp = N against torch.distributed.pipelining
 #           (bench/pipeline/compare_gpu.sh)
 #   --3d    dp 2 x tp 2 x pp 2 on the 3b model against the planner (bench/train/run_3d.sh; 8 GPUs)
-# Writes bench_gpu.jsonl (one JSON line per run) and prints a Markdown table of it. The rows with
+# Writes bench_gpu.jsonl (one JSON line per run, each written as soon as its run ends, so a run cut
+# short keeps the lines before it) and prints a Markdown table of it. The rows with
 # gradients all-reduced in bf16 on both sides come from bench/train/run_w1.sh --bf16-grads (and
 # run_w2.sh --bf16-grads), outside this command's 10 minutes.
 set -euo pipefail
@@ -34,11 +35,11 @@ done
 [[ -x "$BUILD/bin/parallax" ]] || scripts/gpu_build.sh -R NONE >/dev/null
 echo "[run_gpu] $(date -u +%Y-%m-%dT%H:%M:%SZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
 : > bench_gpu.jsonl
-bench/train/run_w1.sh "${ARGS[@]}" "${COMPILE[@]}" | grep '^{' | tee -a bench_gpu.jsonl
-bench/train/run_w2.sh "${ARGS[@]}" "${COMPILE[@]}" | grep '^{' | tee -a bench_gpu.jsonl
+bench/train/run_w1.sh "${ARGS[@]}" "${COMPILE[@]}" | grep --line-buffered '^{' | tee -a bench_gpu.jsonl
+bench/train/run_w2.sh "${ARGS[@]}" "${COMPILE[@]}" | grep --line-buffered '^{' | tee -a bench_gpu.jsonl
 python3 bench/train/table.py bench_gpu.jsonl
 N=${GPUS:-$(nvidia-smi -L | wc -l)}
-if ((ZERO)); then bench/zero/compare_w1.sh "$N" | grep '^{' | tee -a bench_gpu.jsonl; fi
-if ((TP)); then bench/tensor/compare_dtensor.sh "$N" | grep '^{' | tee -a bench_gpu.jsonl; fi
-if ((PP)); then bench/pipeline/compare_gpu.sh "$N" | grep '^{' | tee -a bench_gpu.jsonl; fi
-if ((THREED)); then bench/train/run_3d.sh 2 2 2 | grep '^{' | tee -a bench_gpu.jsonl; fi
+if ((ZERO)); then bench/zero/compare_w1.sh "$N" | grep --line-buffered '^{' | tee -a bench_gpu.jsonl; fi
+if ((TP)); then bench/tensor/compare_dtensor.sh "$N" | grep --line-buffered '^{' | tee -a bench_gpu.jsonl; fi
+if ((PP)); then bench/pipeline/compare_gpu.sh "$N" | grep --line-buffered '^{' | tee -a bench_gpu.jsonl; fi
+if ((THREED)); then bench/train/run_3d.sh 2 2 2 | grep --line-buffered '^{' | tee -a bench_gpu.jsonl; fi

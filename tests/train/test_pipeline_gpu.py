@@ -5,7 +5,8 @@ the same global batch and micro-batches:
 
 - vit_cls (fp32) under 1f1b and zb: per-step losses within RTOL;
 - the BEV model with the ViT backbone (bf16 autocast, the side inputs on the second stage) under
-  1f1b: within the bf16 bound of tests/train/test_pipeline.py.
+  1f1b: within the bf16 bound of tests/train/test_pipeline.py;
+- on four GPUs (skipped with fewer): vit_cls pp 4 and dp 2 x pp 2 within RTOL.
 
 Exits 77 (ctest: skipped) on a node with fewer than two GPUs.
 
@@ -52,6 +53,21 @@ class PipelineGpuTest(tt.RunDirTest):
             with self.subTest(sched):
                 tt.run(self.common(sched, *vit, "parallel.pp=2", f"parallel.pp_schedule={sched}"), 2)
                 self.assert_close(losses(os.path.join(self.d, sched)), want, RTOL, f"vit pp2 {sched}")
+
+    def test_vit_pipeline_on_four_gpus_matches_one_gpu(self):
+        # pp 4 (vit_cls tiny: 4 units, one per stage) and dp 2 x pp 2 (2 samples per dp rank, the
+        # gradients all-reduced over NCCL between the stage replicas; ZeRO-2 as in test_pipeline.py).
+        if gpu_count() < 4:
+            self.skipTest("needs four GPUs")
+        vit = ["model.name=vit_cls", "model.size=tiny", "model.num_classes=8"]
+        tt.run(self.common("one", *vit, "data.batch_size=4"))
+        want = losses(os.path.join(self.d, "one"))
+        for name, extra in [("pp4", ["parallel.pp=4", "data.batch_size=4"]),
+                            ("dp2pp2", ["parallel.pp=2", "parallel.dp=2", "parallel.zero.stage=2",
+                                        "data.batch_size=2"])]:
+            with self.subTest(name):
+                tt.run(self.common(name, *vit, *extra), 4)
+                self.assert_close(losses(os.path.join(self.d, name)), want, RTOL, f"vit {name}")
 
     def test_bev_bf16_pipeline_on_two_gpus_matches_one_gpu(self):
         bev = ["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", "model.backbone=vit",
