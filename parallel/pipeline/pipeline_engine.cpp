@@ -130,6 +130,8 @@ PipelineEngine::PipelineEngine(std::shared_ptr<torch::nn::Module> module,
     : module_(std::move(module)), units_(std::move(units)), pp_(std::move(pp)) {
   schedule_ = build_schedule(options.schedule, pp_->size(), micro_batches, options.virtual_stages);
   check(schedule_);
+  ordered_ = options.ordered_p2p || pp_->device_type() != c10::kCPU;
+  if (ordered_) check_ordered(schedule_);
   const int S = schedule_.stages();
   PARALLAX_CHECK(2 * S * micro_batches * (kMaxTensors + 1) < comm::kMaxUserTag, ConfigError,
                  "keys 'parallel.pp' and 'train.grad_accum': {} stages x {} micro-batches is "
@@ -206,6 +208,7 @@ c10::Device PipelineEngine::comm_device() const {
 }
 
 int PipelineEngine::tag(const Op& op, int k) const {
+  if (ordered_) return 1;  // one tag: the transport's order is the message order
   const bool act = op.kind == OpKind::kSendAct || op.kind == OpKind::kRecvAct;
   const int S = schedule_.stages(), m = schedule_.micro_batches;
   return 1 + (((act ? 0 : 1) * S + op.stage) * m + op.micro) * (kMaxTensors + 1) + k;
@@ -254,8 +257,12 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
                    "posted no receive for it",
                    pp_->rank(), std::get<0>(key) == 0 ? "activations" : "gradients",
                    std::get<1>(key), std::get<2>(key));
-    it->second.work->wait();
     const Op& c = ops[it->second.index];
+    if (!it->second.work) {  // ordered: the header is received only now, in the sender's order
+      it->second.header = to_comm(at::zeros({kHeader}, at::kLong));
+      it->second.work = pp_->recv_async(it->second.header, c.peer, tag(c, 0));
+    }
+    it->second.work->wait();
     const at::Tensor header = it->second.header;
     posted.erase(it);
     const at::Tensor hdr = header.cpu();
@@ -368,9 +375,13 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
     // A communication op: a send posts its header and tensors at once (waited for at the end of
     // the step); a receive posts its header and completes right before the op that consumes it.
     if (!op.is_send()) {
-      at::Tensor hdr = to_comm(at::zeros({kHeader}, at::kLong));
-      posted[{op.kind == OpKind::kRecvAct ? 0 : 1, op.micro, op.stage}] = {
-          pp_->recv_async(hdr, op.peer, tag(op, 0)), hdr, i};
+      const std::tuple<int, int, int> key{op.kind == OpKind::kRecvAct ? 0 : 1, op.micro, op.stage};
+      if (ordered_) {
+        posted[key] = {nullptr, at::Tensor(), i};  // posted by complete(), in the sender's order
+      } else {
+        at::Tensor hdr = to_comm(at::zeros({kHeader}, at::kLong));
+        posted[key] = {pp_->recv_async(hdr, op.peer, tag(op, 0)), hdr, i};
+      }
       ++i;
       continue;
     }

@@ -13,7 +13,10 @@
 // producing stage, the micro-batch, the tensor count, each tensor's dtype and shape) and then the
 // tensors, each with its own tag. The receiver checks the header against the plan: a stage or
 // micro-batch mismatch, or a shape other than the one the gradient is for, is an error naming both
-// stages (Megatron-LM PR #5271: a silent swap trained on the wrong activations).
+// stages (Megatron-LM PR #5271: a silent swap trained on the wrong activations). On a transport
+// that matches messages by order (NCCL; PipelineOptions::ordered_p2p) every message has one tag
+// and the receiver posts a header only when its consumer runs, in the order check_ordered() proves
+// to be the sender's.
 //
 // Gradient reduction. Every op that produces parameter gradients (B, or W under zb) runs as one
 // micro-step of the inner engine: the op's gradients G_p come from torch::autograd::grad, and the
@@ -61,6 +64,12 @@ struct PipelineOptions {
   // Activation bytes per unit (Model::saved_activations; any scale): the partition's second
   // criterion, weighted by the schedule's in-flight micro-batches per stage. Empty: costs only.
   std::vector<double> activation_bytes;
+  // Receive every message in its sender's order, each with one tag: its header is posted when the
+  // consumer runs rather than where the plan lists the receive (check_ordered() proves the plans
+  // consume each peer's messages in its send order). NCCL matches point-to-point messages by
+  // order, so the engine sets this itself on a device group; on CPU groups (MPI, gloo: matched by
+  // tag) it is a test switch that runs the NCCL order through MPI's non-overtaking rule.
+  bool ordered_p2p = false;
 };
 
 class PipelineEngine : public Engine {
@@ -106,6 +115,7 @@ class PipelineEngine : public Engine {
   struct Slot;  // one (micro-batch, stage)'s live tensors
   std::vector<at::Tensor> recv_message(const Op& op, bool header_phase, std::vector<int64_t>& hdr);
   int tag(const Op& op, int k) const;
+  bool ordered_ = false;  // PipelineOptions::ordered_p2p, or a device group
   // Where the pipeline communicator's buffers live: the model's device when it is of the
   // communicator's type (each rank's own GPU, cuda:local_rank), else the current device of that
   // type (World made it local_rank's), never a fixed index.

@@ -371,6 +371,49 @@ void check(const Schedule& s) {
   simulate(s, 1, 2, 1);
 }
 
+void check_ordered(const Schedule& s) {
+  // A message: (gradient?, micro-batch, producing stage). Per ordered pair (from, to): the
+  // messages in the sender's order, and in the order the receiver's compute ops consume them.
+  using Msg = std::tuple<int, int, int>;
+  std::map<std::pair<int, int>, std::vector<std::pair<Msg, int>>> sent, consumed;
+  const int last = s.stages() - 1;
+  for (int r = 0; r < s.ranks; ++r) {
+    const auto& ops = s.ops[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const Op& op = ops[i];
+      if (op.kind == OpKind::kSendAct || op.kind == OpKind::kSendGrad) {
+        sent[{r, op.peer}].push_back(
+            {Msg{op.kind == OpKind::kSendGrad ? 1 : 0, op.micro, op.stage}, static_cast<int>(i)});
+      } else if (op.kind == OpKind::kForward && op.stage > 0) {
+        const int from = s.rank_of(op.stage - 1);
+        if (from != r) consumed[{from, r}].push_back({Msg{0, op.micro, op.stage - 1}, static_cast<int>(i)});
+      } else if (op.kind == OpKind::kBackward && op.stage < last) {
+        const int from = s.rank_of(op.stage + 1);
+        if (from != r) consumed[{from, r}].push_back({Msg{1, op.micro, op.stage + 1}, static_cast<int>(i)});
+      }
+    }
+  }
+  const auto name = [](const Msg& m) {
+    return fmt::format("the {} of micro-batch {} from stage {}", std::get<0>(m) ? "gradient" : "activations",
+                       std::get<1>(m), std::get<2>(m));
+  };
+  for (const auto& [pair, out] : sent) {
+    const auto& in = consumed[pair];
+    PARALLAX_CHECK(in.size() == out.size(), Error,
+                   "pipeline plan '{}': rank {} sends {} messages to rank {}, which consumes {}",
+                   s.kind, pair.first, out.size(), pair.second, in.size());
+    for (std::size_t k = 0; k < out.size(); ++k) {
+      if (in[k].first == out[k].first) continue;
+      throw_error<Error>(
+          "pipeline plan '{}' (pp {}, {} micro-batches, {} virtual stages): rank {} consumes {} "
+          "(op {}) as its message #{} from rank {}, but rank {} sends {} (op {}) as its #{}: on a "
+          "transport that matches messages by order (NCCL) they would be swapped",
+          s.kind, s.ranks, s.micro_batches, s.virtual_stages, pair.second, name(in[k].first),
+          in[k].second, k + 1, pair.first, pair.first, name(out[k].first), out[k].second, k + 1);
+    }
+  }
+}
+
 std::vector<int> in_flight_per_stage(const Schedule& s) {
   std::vector<int> live(static_cast<std::size_t>(s.stages()), 0), most = live;
   for (const auto& ops : s.ops) {

@@ -69,6 +69,15 @@ Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtu
 // ("pipeline plan '1f1b': rank 1 op 7 (recv act m2 s0 <- r0) has no matching send on rank 0").
 void check(const Schedule& s);
 
+// For a transport that matches point-to-point messages by order rather than by tag (NCCL: the
+// k-th send from rank a to rank b meets the k-th receive that b posts from a): the engine then
+// receives each message when its consumer runs (the forward of the next stage for activations,
+// the backward of the previous stage for gradients), so the plan must consume every rank's
+// messages from each peer in the order that peer sends them. Throws parallax::Error naming the
+// pair, the two messages and the ops where the orders part ("pipeline plan 'interleaved': rank 1
+// consumes ... before ..., but rank 0 sends them the other way round").
+void check_ordered(const Schedule& s);
+
 // For each stage, the most micro-batches whose activations it holds at once under the plan: from
 // their F to their B (under zb, to their W, whose weight pass still reads them). 1F1B: pp - r on
 // rank r; GPipe: m.

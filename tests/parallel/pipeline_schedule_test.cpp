@@ -48,6 +48,46 @@ TEST(PipelineSchedule, EveryScheduleChecksOverAGridOfShapes) {
   }
 }
 
+// NCCL matches point-to-point messages by order: every plan must consume each peer's messages in
+// the order the peer sends them (the engine receives a message when its consumer runs).
+TEST(PipelineSchedule, EveryPlanConsumesEachPeersMessagesInItsSendOrder) {
+  for (const char* kind : {"gpipe", "1f1b", "zb"}) {
+    for (int p : {2, 3, 4, 8}) {
+      for (int m : {1, 2, 3, 4, 5, 8, 16}) {
+        EXPECT_NO_THROW(pl::check_ordered(pl::build_schedule(kind, p, m))) << kind << " pp=" << p << " m=" << m;
+      }
+    }
+  }
+  for (int p : {2, 3, 4}) {
+    for (int v : {1, 2, 3}) {
+      for (int k : {1, 2, 3}) {
+        const pl::Schedule s = pl::build_schedule("interleaved", p, k * p, v);
+        EXPECT_NO_THROW(pl::check_ordered(s)) << "interleaved pp=" << p << " m=" << k * p << " v=" << v;
+      }
+    }
+  }
+}
+
+TEST(PipelineSchedule, AConsumptionOrderThatDiffersFromTheSendOrderIsNamed) {
+  // 1f1b over 2 ranks, 2 micro-batches; rank 1's two forwards swapped (with their receives, so the
+  // plan still passes check(): only the order of consumption differs from rank 0's sends).
+  pl::Schedule s = pl::build_schedule("1f1b", 2, 2);
+  auto& ops = s.ops[1];
+  std::vector<std::size_t> fwd;
+  for (std::size_t i = 0; i < ops.size(); ++i)
+    if (ops[i].kind == pl::OpKind::kForward || ops[i].kind == pl::OpKind::kRecvAct) fwd.push_back(i);
+  // Relabel micro-batches 0 <-> 1 on rank 1's receives and forwards.
+  for (std::size_t i : fwd) ops[i].micro = 1 - ops[i].micro;
+  try {
+    pl::check_ordered(s);
+    FAIL() << "expected an error";
+  } catch (const parallax::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rank 1 consumes the activations of micro-batch 1 from stage 0"), std::string::npos) << what;
+    EXPECT_NE(what.find("rank 0 sends the activations of micro-batch 0 from stage 0"), std::string::npos) << what;
+  }
+}
+
 TEST(PipelineSchedule, BubbleMatchesTheFormula) {
   // Uniform stages, F = 1, B = 2: 1F1B and GPipe idle (p - 1)(F + B) per rank over m (F + B) of
   // work; interleaving divides it by v (Narayanan et al. 2021). Exact in the simulation.
