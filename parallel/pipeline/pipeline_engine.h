@@ -113,7 +113,6 @@ class PipelineEngine : public Engine {
 
  private:
   struct Slot;  // one (micro-batch, stage)'s live tensors
-  std::vector<at::Tensor> recv_message(const Op& op, bool header_phase, std::vector<int64_t>& hdr);
   int tag(const Op& op, int k) const;
   bool ordered_ = false;  // PipelineOptions::ordered_p2p, or a device group
   // Where the pipeline communicator's buffers live: the model's device when it is of the

@@ -74,8 +74,9 @@ void check(const Schedule& s);
 // receives each message when its consumer runs (the forward of the next stage for activations,
 // the backward of the previous stage for gradients), so the plan must consume every rank's
 // messages from each peer in the order that peer sends them. Throws parallax::Error naming the
-// pair, the two messages and the ops where the orders part ("pipeline plan 'interleaved': rank 1
-// consumes ... before ..., but rank 0 sends them the other way round").
+// pair, the two messages and the ops where the orders part ("pipeline plan '1f1b' (...): rank 1
+// consumes the activations of micro-batch 1 from stage 0 (op 1) as its message #1 from rank 0, but
+// rank 0 sends the activations of micro-batch 0 from stage 0 (op 1) as its #1 ...").
 void check_ordered(const Schedule& s);
 
 // For each stage, the most micro-batches whose activations it holds at once under the plan: from
