@@ -15,9 +15,15 @@
 //   or blocking may be chosen, another summation order), and tp sums partial products. Each dot
 //   product of K <= 384 terms is within gamma_K S of the exact one in any order, so the two differ
 //   by 2 gamma_384 S; tests/parallel/tensor_parallel_test.cpp's kForward (loss, relative to
-//   1 + |loss|) and kGrad (gradients and their norm, relative) bound that through the model, and
-//   parameters after T SGD steps (momentum 0.9: at most 10x an update) move apart by at most
-//   10 lr T kGrad (1 + |p|).
+//   1 + |loss|) and kGrad (gradients and their norm, relative to the largest) bound that through
+//   the model at the first step. Trajectories only under SGD with momentum 0.9 (tests/TOLERANCES.md,
+//   "Equivalence tests"): a step's gradient difference enters the updates with weights summing to
+//   at most lr / (1 - 0.9), so parameters after T steps move apart by at most
+//   sum_t 10 lr kGrad max|g_t| per element (g_t the reference's gradient of the tensor at step t;
+//   to first order, the curvature's feedback left out, as in tensor_parallel_test.cpp). Later
+//   steps' losses are held to the first step's forward bound: their parameters differ by that
+//   bound (observed ~1e-8), whose effect on the loss is measured far below it (kind N for the
+//   steps after the first; printed as "tolerance:" lines).
 #include "parallel/pipeline/pipeline_engine.h"
 
 #include "models/model.h"
@@ -34,6 +40,10 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
 
 using namespace parallax;
 namespace comm = parallax::parallel::comm;
@@ -127,6 +137,7 @@ void compare(const comm::CommPtr& world, const comm::CommPtr& self, const Case& 
   };
   const double lr = 0.05;
   const bool last_stage = topo.coord().pp == topo.layout().pp - 1;
+  std::map<std::string, double> moved;  // the parameters' bound after the steps so far (above)
   for (int step = 0; step < c.steps; ++step) {
     pipe_loss = at::Tensor();
     engine.forward_backward_stages(c.micro, fns, false);
@@ -159,6 +170,10 @@ void compare(const comm::CommPtr& world, const comm::CommPtr& self, const Case& 
     const double norm_tol = dp == 1 && c.tp == 1 ? kNormExact : kGrad;
     EXPECT_TRUE(tol::within(norm, ref_norm, norm_tol * ref_norm.item<double>()))
         << "grad norm " << norm.item<double>() << " vs " << ref_norm.item<double>();
+    for (const auto& it : dense->named_parameters()) {
+      if (it.value().grad().defined())
+        moved[it.key()] += 10 * lr * kGrad * (it.value().grad().abs().max().item<double>() + 1e-6);
+    }
     engine.step(lr);
     reference->step(lr);
     engine.zero_grad();
@@ -166,6 +181,7 @@ void compare(const comm::CommPtr& world, const comm::CommPtr& self, const Case& 
   }
   par::FullParams full(engine);  // every stage's parameters on every rank
   const auto ref = dense->named_parameters();
+  double worst = 0;
   for (const auto& it : split->named_parameters()) {
     const auto lay = layouts.find(it.key());
     const at::Tensor want =
@@ -174,10 +190,13 @@ void compare(const comm::CommPtr& world, const comm::CommPtr& self, const Case& 
     if (dp == 1 && c.tp == 1) {
       EXPECT_TRUE(at::equal(it.value(), want)) << it.key() << " after " << c.steps << " steps";
     } else {
-      const double t = 10 * lr * c.steps * kGrad * (1 + want.abs().max().item<double>());
-      EXPECT_TRUE(tol::within(it.value(), want, t)) << it.key();
+      EXPECT_TRUE(tol::within(it.value(), want, moved[it.key()])) << it.key();
+      worst = std::max(worst, (it.value() - want).abs().max().item<double>() / moved[it.key()]);
     }
   }
+  if (world->rank() == 0 && (dp > 1 || c.tp > 1))
+    std::printf("tolerance: dp %d tp %d zero %d %s: parameters after %d SGD steps, worst ratio %.3g\n", dp,
+                c.tp, c.zero, c.schedule.c_str(), c.steps, worst);
 }
 
 class PipelineTest : public ::testing::Test {

@@ -13,8 +13,14 @@
 // block adds up 4 such GEMMs and the LayerNorms normalise the activations to O(1), so the
 // outputs (logits of magnitude ~1) agree within a few 1e-5 absolute; we allow 4 GEMMs x 2 blocks x
 // 2 gamma_384 x scale, scale = 1 + |ref|. Gradients go through the same GEMMs twice (backward):
-// bound 2x that, relative to the largest gradient of the tensor. Parameters after T SGD steps of
-// learning rate lr differ by at most lr T times the gradient bound.
+// bound 2x that, relative to the largest gradient of the tensor. Trajectories are compared under
+// SGD with momentum beta = 0.9 only (tests/TOLERANCES.md, "Equivalence tests"; AdamW's normalised
+// update turns a rounding difference in a near-zero gradient into a full step): a step's gradient
+// difference enters that step's update and the later ones with weights lr beta^k, lr / (1 - beta)
+// = 10 lr in all, so the parameters after T steps differ by at most sum_t 10 lr kGrad max|g_t| per
+// element, g_t the tensor's gradient at step t -- to first order: the curvature's feedback of the
+// parameters' difference into later gradients (lr H dx, below dx for a stable step) is left out,
+// and the observed differences are below 5e-2 of the bound (printed as "tolerance:" lines).
 #include "parallel/tensor/tensor_parallel.h"
 
 #include "models/model.h"
@@ -32,6 +38,10 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
 
 using namespace parallax;
 namespace comm = parallax::parallel::comm;
@@ -142,6 +152,7 @@ void compare_with_single_process(const comm::CommPtr& world, const comm::CommPtr
   auto dense_engine = par::build_engine(one, dense, groups_of(*dense), sgd(), self, o);
 
   const double lr = 0.05;
+  std::map<std::string, double> moved;  // the parameters' bound after the steps so far (above)
   for (int step = 0; step < steps; ++step) {
     at::Tensor loss_split, loss_dense;
     split_engine->forward_backward(
@@ -181,17 +192,26 @@ void compare_with_single_process(const comm::CommPtr& world, const comm::CommPtr
       EXPECT_TRUE(tol::within(norm_split, norm_dense, kGrad * norm_dense.item<double>()))
           << "grad norm";
     }
+    for (const auto& it : dense->named_parameters()) {
+      if (it.value().grad().defined())
+        moved[it.key()] += 10 * lr * kGrad * (it.value().grad().abs().max().item<double>() + 1e-6);
+    }
     split_engine->step(lr);
     dense_engine->step(lr);
     split_engine->zero_grad();
     dense_engine->zero_grad();
   }
   par::FullParams whole(*split_engine);  // ZeRO-3: the parameters are shards between units
+  double worst = 0;
   for (const auto& it : split->named_parameters()) {
     const at::Tensor want = expected(layouts, it.key(), dense_params[it.key()], it.value());
-    EXPECT_TRUE(tol::within(it.value(), want, lr * steps * kGrad * 10))
+    EXPECT_TRUE(tol::within(it.value(), want, moved[it.key()]))
         << it.key() << " after " << steps << " steps";
+    worst = std::max(worst, (it.value() - want).abs().max().item<double>() / moved[it.key()]);
   }
+  if (world->rank() == 0)
+    std::printf("tolerance: tp %d sp %d zero %d: parameters after %d SGD steps, worst ratio %.3g\n", tp,
+                sp ? 1 : 0, zero, steps, worst);
 }
 
 }  // namespace

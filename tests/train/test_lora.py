@@ -10,8 +10,9 @@
   fp32 rounding of the float64 value (bound below);
 - a target glob that matches nothing is refused naming the key;
 - ZeRO-3 (frozen base weights and adapters share each unit) gives DDP's losses: step 1 bitwise,
-  steps 2-4 within 1e-5 relative (tests/TOLERANCES.md, the ZeRO rows); with the base given as
-  train.load_from, a ZeRO-3 resume is bitwise.
+  step 2 (after one AdamW step) within 1e-5 relative (tests/TOLERANCES.md, the ZeRO rows and
+  "Equivalence tests": at most 2 AdamW steps are compared); with the base given as
+  train.load_from, a ZeRO-3 resume is bitwise (steps 3-4).
 
 Merge bound: the export computes W + s (B A) in fp32: B A is a sum of r products (r roundings and
 the product's), the scaling and the addition one each: |merged - exact| <= gamma(r + 3) (|W| +
@@ -23,6 +24,7 @@ import os
 import sys
 import unittest
 
+import h5py
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -103,6 +105,26 @@ class LoraTest(tt.RunDirTest):
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("key 'lora.targets': '*.nothing' matches no linear layer", p.stderr)
 
+    def test_a_base_holding_nan_is_named_at_load_time(self):
+        # Through either key, a NaN in the base is the tensor's name and the file, before any step
+        # (it used to surface as "loss is NaN at step 1 ... lower optim.lr").
+        tt.run(self.common("base", "train.steps=1"))
+        tt.run(["export", "--run", os.path.join(self.d, "base"), "--format", "weights"])
+        w = os.path.join(self.d, "base", "export", "weights.h5")
+        with h5py.File(w, "r+") as f:
+            name = sorted(k for k in f if k.endswith("qkv.weight"))[0]
+            a = f[name][()]
+            a.flat[3] = np.nan
+            f[name][...] = a
+        for key in ("train.load_from", "lora.base"):
+            p = tt.run(self.common(f"nan_{key}", "train.steps=2", "lora.rank=4", f"{key}={w}"), check=False)
+            self.assertNotEqual(p.returncode, 0, key)
+            errors = [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")]
+            self.assertEqual(len(errors), 1, p.stderr[-2000:])
+            self.assertIn(f"LoRA base '{w}' ({key}): tensor '{name}' holds 1 NaN and 0 infinite value(s)",
+                          errors[0])
+            self.assertNotIn("at step", p.stderr)
+
     def test_lora_under_zero3_gives_ddp_losses_and_resumes_from_train_load_from(self):
         # The base through train.load_from (which the trainer loads, resume included).
         tt.run(self.common("base", "train.steps=2"))
@@ -113,8 +135,13 @@ class LoraTest(tt.RunDirTest):
                                f"parallel.zero.stage={stage}"), ranks=2)
             out[stage] = losses(os.path.join(self.d, f"z{stage}"))
         self.assertEqual(out[3][1], out[0][1])
-        for s in (2, 3, 4):
-            np.testing.assert_allclose(out[3][s], out[0][s], rtol=1e-5, err_msg=f"step {s}")
+        # Step 2, after one AdamW step from the same state: the pieces' updates may round some
+        # elements differently (tests/parallel/zero_test.cpp: 16 u (|p| + lr)), and an adapter
+        # element whose gradient is within rounding of 0 may step by +-lr, which moves the step-2
+        # loss only through that element's own near-zero gradient; 1e-5, kind N (measured 0 on an
+        # Intel Xeon over the kernel variants of TOLERANCES.md). Later steps are not compared:
+        # AdamW amplifies such differences chaotically (steps 3-4 serve the bitwise resume below).
+        self.assert_losses(out[3], out[0], [2], 1e-5, "ZeRO-3 vs DDP")
         step2 = os.path.join(self.d, "z3", "checkpoints", "step_00000002")
         tt.run(self.common("z3r", "lora.rank=4", base, "train.steps=4", "parallel.zero.stage=3",
                            f"train.resume={step2}"), ranks=2)

@@ -2,21 +2,30 @@
 """ZeRO-1/2/3 through the real `parallax` binary under mpirun (issue 18):
 
 - `parallel.zero.stage=1|2|3` gives the per-step losses of stage 0 (DDP) on the same data and
-  initial weights. Step 1 is bitwise: the same parameters and data, and with 2 ranks the average
-  of two gradients is the same single addition whether all-reduced or reduce-scattered. Later
-  steps: the parameters may differ by the optimizer's contraction choices on pieces vs whole
-  tensors (at most 16 u (|p| + lr) per element per step, tests/parallel/zero_test.cpp), which the
-  loss's curvature amplifies over the steps; we allow 1e-5 relative over these 6 steps (measured
-  differences are below 1e-6; a ZeRO that skipped weight decay, or averaged over the wrong number
-  of ranks, is off by more than 1e-3 by step 3).
+  initial weights, under SGD with momentum (tests/TOLERANCES.md, "Equivalence tests": AdamW
+  trajectories are not compared). Step 1 is bitwise: the same parameters and data, and with 2
+  ranks the average of two gradients is the same single addition whether all-reduced or
+  reduce-scattered. Later steps: the parameters may differ by the optimizer's contraction choices
+  on pieces vs whole tensors (an SGD step is 3 roundings per element; a vector body and a scalar
+  tail may fuse them differently: 1 ulp of |p| + lr |buf|), which the loss's curvature carries
+  into later steps; we allow 1e-5 relative over these 6 steps, a measured margin (kind N:
+  measured bitwise equal over the kernel variants of TOLERANCES.md's Verification section; a run
+  without weight decay is off by 6e-5 at step 2 and 2.7e-4 at step 3, one whose momentum buffers
+  were dropped after step 2 by 2.3e-3 at step 3, measured as stage-0 runs at weight_decay 0 and
+  momentum 0).
 - activation checkpointing (vit_cls tiny, full) under ZeRO-1 and ZeRO-3 gives stage 0's step-1
-  loss (ZeRO-3 re-gathers each unit before its backward, which the recomputation runs inside).
+  loss (ZeRO-3 re-gathers each unit before its backward, which the recomputation runs inside),
+  and its step-2 loss after one AdamW step (2 AdamW steps at most: the second step's loss moves
+  with a weight that the first step's lr sign(g) flipped only through that weight's own, near-zero,
+  gradient).
 - ZeRO-3 on the BEV model with the ViT backbone, bf16 autocast, activation checkpointing, gradient
-  accumulation and evaluation (which gathers the whole model): step 1 is bitwise stage 0's; later
-  steps within 1e-3 relative (bf16 autocast: a parameter that differs by one fp32 ulp, see above,
-  can round a bf16 matmul input to the neighbouring bf16 value, 2^-8 relative, on some elements;
-  measured 5e-6 at step 3), and evaluation runs and logs its metrics.
-- resume under the same layout is bitwise (losses and exported weights).
+  accumulation and evaluation (which gathers the whole model): step 1 is bitwise stage 0's; step 2,
+  after one AdamW step, within 1e-3 relative (bf16 autocast: a parameter that differs by one fp32
+  ulp, see above, can round a bf16 matmul input to the neighbouring bf16 value, 2^-8 relative, on
+  some elements; measured bitwise over the kernel variants of TOLERANCES.md, 5e-6 at step 3
+  before), and evaluation runs and logs its metrics.
+- resume under the same layout is bitwise (losses and exported weights; AdamW: the same
+  arithmetic).
 
 Usage: test_zero.py <parallax binary> <mpirun>
 """
@@ -32,6 +41,10 @@ import test_train as tt  # noqa: E402
 
 losses = tt.losses
 
+# SGD's rate for the mlp tiny (gradient norm ~0.1, below the clip): large enough that the update
+# moves the loss (steps 2-6 differ by ~1e-2 from a run at 3e-3), so a wrong update shows.
+SGD_LR = 0.1
+
 
 class ZeroCliTest(tt.RunDirTest):
     COMMON = ["model.size=tiny", "train.log_every=1", "schedule.warmup_steps=2", "train.device=cpu",
@@ -41,14 +54,13 @@ class ZeroCliTest(tt.RunDirTest):
         curves = {}
         for stage in (0, 1, 2, 3):
             name = f"s{stage}"
-            tt.run(self.common(name, "train.steps=6", "train.grad_accum=2", f"parallel.zero.stage={stage}"), ranks=2)
+            tt.run(self.common(name, "train.steps=6", "train.grad_accum=2", f"parallel.zero.stage={stage}",
+                               *tt.sgd(SGD_LR)), ranks=2)
             curves[stage] = losses(os.path.join(self.d, name))
             self.assertEqual(sorted(curves[stage]), list(range(1, 7)))
         for stage in (1, 2, 3):
             self.assertEqual(curves[stage][1], curves[0][1], f"stage {stage}: step-1 loss differs from stage 0")
-            a = np.array([curves[0][s] for s in range(1, 7)])
-            b = np.array([curves[stage][s] for s in range(1, 7)])
-            np.testing.assert_allclose(b, a, rtol=1e-5, err_msg=f"stage {stage} vs stage 0")
+            self.assert_losses(curves[stage], curves[0], range(2, 7), 1e-5, f"stage {stage} vs stage 0")
         self.assertLess(curves[1][6], curves[1][1], "ZeRO-1 did not learn")
 
     def test_activation_checkpointing_under_zero1(self):
@@ -61,7 +73,8 @@ class ZeroCliTest(tt.RunDirTest):
             out[stage] = losses(os.path.join(self.d, name))
         for stage in (1, 3):
             self.assertEqual(out[stage][1], out[0][1], f"stage {stage}")
-            np.testing.assert_allclose(out[stage][2], out[0][2], rtol=1e-5, err_msg=f"stage {stage}")
+            # Kind N: measured within 1.0e-7 over the kernel variants of TOLERANCES.md.
+            self.assert_losses(out[stage], out[0], [2], 1e-5, f"stage {stage}")
 
     def test_zero3_bev_vit_bf16_checkpointing_accumulation_and_eval(self):
         data = os.path.join(self.d, "data")
@@ -71,17 +84,16 @@ class ZeroCliTest(tt.RunDirTest):
         for stage in (0, 3):
             name = f"bev{stage}"
             tt.run(["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", f"experiment.name={name}",
-                    "model.backbone=vit", f"data.path={data}", "data.batch_size=2", "train.steps=3",
+                    "model.backbone=vit", f"data.path={data}", "data.batch_size=2", "train.steps=2",
                     "train.log_every=1", "train.eval_every=2", "train.activation_checkpointing=full",
                     "precision.mode=bf16", "schedule.warmup_steps=1", "train.grad_accum=2", "train.device=cpu",
                     f"parallel.zero.stage={stage}"], ranks=2)
             out[stage] = losses(os.path.join(self.d, name))
             evals = tt.metrics(os.path.join(self.d, name), "eval")
-            self.assertEqual([r["step"] for r in evals], [2, 3], name)
+            self.assertEqual([r["step"] for r in evals], [2], name)
             self.assertTrue(all(np.isfinite(r["val_loss"]) for r in evals), name)
         self.assertEqual(out[3][1], out[0][1])
-        for s in (2, 3):
-            np.testing.assert_allclose(out[3][s], out[0][s], rtol=1e-3, err_msg=f"step {s}")
+        self.assert_losses(out[3], out[0], [2], 1e-3, "bf16 ZeRO-3 vs stage 0")
 
     def test_resume_under_zero2_is_bitwise(self):
         full = os.path.join(self.d, "full")

@@ -10,6 +10,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -148,9 +151,12 @@ TEST_F(TrainerHooksTest, TransformFrozenModelExtraLossAndExtraCheckpointEntries)
 
 // LoRA's layout under ZeRO-3: a frozen weight and a trainable bias in one unit (the mlp's first
 // layer), so the unit's frozen flat parameter is gathered and freed beside its trainable one (the
-// FSDP1 failure of pytorch#104690). Same per-step losses as stage 0: step 1 bitwise, later steps
-// within 1e-5 relative (the pieces-vs-whole AdamW margin of tests/train/test_zero.py). Under
-// mpirun -np 2 (trainer_hooks_np2) as well as alone.
+// FSDP1 failure of pytorch#104690). Same per-step losses as stage 0, under SGD with momentum
+// (tests/TOLERANCES.md, "Equivalence tests": AdamW trajectories are not compared): step 1 bitwise
+// (the same weights, data and, on 2 ranks, one addition per averaged element), later steps within
+// 1e-5 relative, the pieces-vs-whole margin of tests/train/test_zero.py (kind N: measured bitwise
+// equal over the kernel variants of TOLERANCES.md). Under mpirun -np 2 (trainer_hooks_np2) as well
+// as alone.
 TEST_F(TrainerHooksTest, Zero3WithAFrozenWeightBesideATrainableBiasMatchesStage0) {
   const auto& world = parallax::parallel::comm::World::current();
   // One directory for every rank of the job (they share the launcher as parent).
@@ -166,7 +172,8 @@ TEST_F(TrainerHooksTest, Zero3WithAFrozenWeightBesideATrainableBiasMatchesStage0
     const std::string name = "z3_" + std::to_string(stage);
     auto cfg = config(dir, name,
                       {"parallel.zero.stage=" + std::to_string(stage), "train.steps=4",
-                       "checkpoint.every=0", "data.batch_size=8"});
+                       "checkpoint.every=0", "data.batch_size=8", "optim.name=sgd", "optim.lr=0.1",
+                       "optim.momentum=0.9"});
     train::Trainer t(cfg, h);
     t.fit();
     if (world.rank() == 0) rows[stage] = train_rows(dir / name / "metrics.jsonl");
@@ -175,8 +182,14 @@ TEST_F(TrainerHooksTest, Zero3WithAFrozenWeightBesideATrainableBiasMatchesStage0
     ASSERT_EQ(rows[0].size(), 4u);
     ASSERT_EQ(rows[3].size(), 4u);
     EXPECT_EQ(rows[3][0].at("loss"), rows[0][0].at("loss"));
-    for (std::size_t s = 1; s < 4; ++s)
+    double worst = 0;
+    for (std::size_t s = 1; s < 4; ++s) {
       EXPECT_NEAR(rows[3][s].at("loss"), rows[0][s].at("loss"), 1e-5 * rows[0][s].at("loss")) << s;
+      worst = std::max(worst, std::abs(rows[3][s].at("loss") - rows[0][s].at("loss")) /
+                                  (1e-5 * rows[0][s].at("loss")));
+    }
+    std::printf("tolerance: ZeRO-3 with a frozen weight vs stage 0: steps 2-4 loss, worst ratio %.3g\n",
+                worst);
     fs::remove_all(dir);
   }
 }
