@@ -130,7 +130,13 @@ ResidualConvBlock::ResidualConvBlock(int64_t channels, int64_t h, int64_t w)
 
 at::Tensor ResidualConvBlock::forward_impl(const at::Tensor& x) {
   const at::Tensor y = conv2_->forward(conv1_->forward(x));
-  if (quantized()) return (add_quantizer->forward(y) + add_quantizer->forward(x)).relu_();
+  if (quantized()) {
+    // The conv branch, then the skip: the order of the exported graph's two Q/DQ pairs
+    // (layers_onnx.cpp), which the export's parity reference relies on.
+    const at::Tensor qy = add_quantizer->forward(y);
+    const at::Tensor qx = add_quantizer->forward(x);
+    return (qy + qx).relu_();
+  }
   return (y + x).relu_();
 }
 

@@ -3,6 +3,7 @@
 #include "core/error.h"
 
 #include <ATen/ATen.h>
+#include <torch/autograd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -56,18 +57,56 @@ at::Tensor TensorQuantizerImpl::forward(const at::Tensor& x) {
     }
     return x;
   }
-  // Quantizing. ATen's kernels take float32 (the scale is a float32 tensor, so no host sync).
+  // Quantizing, in float32 (the scale is a float32 tensor on x's device, so no host sync).
   const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor s = scale();
-  at::Tensor y;
+  at::Tensor s = scale();
   if (per_channel()) {
-    y = at::fake_quantize_per_channel_affine(xf, s, at::zeros_like(s, s.options().dtype(at::kInt)),
-                                             0, kQuantMin, kQuantMax);
+    std::vector<int64_t> shape(static_cast<std::size_t>(std::max<int64_t>(xf.dim(), 1)), 1);
+    shape[0] = s.numel();
+    s = s.reshape(shape);
   } else {
-    y = at::fake_quantize_per_tensor_affine(
-        xf, s.reshape({1}), at::zeros({1}, s.options().dtype(at::kInt)), kQuantMin, kQuantMax);
+    s = s.reshape({});  // broadcasts to any x without changing its shape
   }
-  return y.to(x.scalar_type());
+  if (observer_) {
+    at::NoGradGuard no_grad;
+    observer_(at::div(xf.detach(), s));
+  }
+  return fake_quantize(xf, s).to(x.scalar_type());
+}
+
+namespace {
+
+// ONNX's QuantizeLinear -> DequantizeLinear (int8, zero point 0) on float32 `x` with the scale
+// `s` (float32, broadcastable to x): q = saturate(round_half_to_even(x / s)), y = q * s. The
+// quotient is a true division, as the ONNX spec defines it and ONNX Runtime computes it: ATen's
+// fake_quantize_per_{tensor,channel}_affine multiply by a float reciprocal instead, and
+// x * (1 / s) rounds to another float than x / s for some x, which then lands on the other side
+// of a rounding boundary (a one-step difference that the layers after it spread).
+// Backward: the straight-through estimator clipped to the range (models/quant.h).
+struct FakeQuantize : public torch::autograd::Function<FakeQuantize> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& s) {
+    const at::Tensor q = at::div(x, s).round_();  // round half to even (nearbyint)
+    at::Tensor y = q.clamp(static_cast<double>(kQuantMin), static_cast<double>(kQuantMax));
+    ctx->save_for_backward({y.eq(q)});  // inside the range: the gradient passes
+    return y.mul_(s);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor inside = ctx->get_saved_variables()[0];
+    return {grads[0].masked_fill(inside.logical_not(), 0), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor fake_quantize(const at::Tensor& x, const at::Tensor& scale) {
+  if (at::GradMode::is_enabled() && x.requires_grad())
+    return FakeQuantize::apply(x, scale.detach());
+  return at::div(x, scale)
+      .round_()
+      .clamp_(static_cast<double>(kQuantMin), static_cast<double>(kQuantMax))
+      .mul_(scale);
 }
 
 at::Tensor weight_amax(const at::Tensor& w) {

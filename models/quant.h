@@ -2,13 +2,15 @@
 // TensorQuantizer module, the quantizable convolution (QuantConv2d), and the calibrators that
 // turn collected statistics into an amax.
 //
-// Arithmetic (symmetric INT8, as ONNX QuantizeLinear with an int8 zero point of 0): scale =
-// amax / 127, q = clamp(nearbyint(x * (1 / scale)), -128, 127), y = q * scale, through ATen's
-// fake_quantize_per_tensor_affine / fake_quantize_per_channel_affine (their reciprocal is a float:
-// the reference in tests/models/quant_test.cpp computes the same). Their backward is the
-// straight-through estimator clipped to the range: the gradient passes where -128 <= q <= 127
-// before clamping, and is zero elsewhere. Activations (a layer's input) use one amax per tensor;
-// weights one per output channel (axis 0).
+// Arithmetic (symmetric INT8, exactly ONNX QuantizeLinear -> DequantizeLinear with an int8 zero
+// point of 0, so that the exported Q/DQ graph computes the same function): scale = amax / 127 (in
+// float32), q = clamp(nearbyint(x / scale), -128, 127) (a true float32 division, rounding half to
+// even), y = q * scale (fake_quantize() below; the reference in tests/train/qat_test.cpp computes
+// the same). Not ATen's fake_quantize_per_*_affine: they multiply by a float reciprocal, which
+// rounds some x to the other side of a rounding boundary than ONNX Runtime does. The backward is
+// the straight-through estimator clipped to the range: the gradient passes where
+// -128 <= q <= 127 before clamping, and is zero elsewhere. Activations (a layer's input) use one
+// amax per tensor; weights one per output channel (axis 0).
 //
 // A quantizer is disabled (pass-through), calibrating (pass-through while collecting the
 // statistics its calibrator needs) or quantizing (frozen amax). Its amax is the buffer "amax"
@@ -24,6 +26,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <functional>
 
 namespace parallax::models {
 
@@ -73,9 +76,16 @@ class TensorQuantizerImpl : public torch::nn::Module {
   // The scale the forward uses: max(amax, kMinAmax) / 127 (float32, the shape of amax).
   at::Tensor scale() const;
 
+  // Called by every quantizing forward with the quotient x / scale (float32, x's shape; the level
+  // the call takes is its nearbyint clamped to [-128, 127]). For the ONNX export's parity reference
+  // (launch/verb_export.cpp: the rounding ties), not for training; null (the default): none.
+  using Observer = std::function<void(const at::Tensor& quotient)>;
+  void set_observer(Observer observer) { observer_ = std::move(observer); }
+
   at::Tensor amax;  // buffer "amax"
 
  private:
+  Observer observer_;
   int64_t channels_;
   QuantState state_ = QuantState::kDisabled;
   CalibPass pass_ = CalibPass::kMax;
@@ -83,6 +93,11 @@ class TensorQuantizerImpl : public torch::nn::Module {
   at::Tensor calib_max_, hist_;
 };
 TORCH_MODULE(TensorQuantizer);
+
+// clamp(nearbyint(x / scale), -128, 127) * scale for float32 `x` and a float32 `scale`
+// broadcastable to it (per tensor: [1]; per channel: [C, 1, ...]), with the clipped
+// straight-through gradient for x (none for the scale). What a quantizing TensorQuantizer computes.
+at::Tensor fake_quantize(const at::Tensor& x, const at::Tensor& scale);
 
 // The per-output-channel max of |w| (axis 0), float32 [out]: a weight quantizer's amax.
 at::Tensor weight_amax(const at::Tensor& w);

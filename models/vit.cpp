@@ -228,15 +228,16 @@ at::Tensor VisionTransformerImpl::embed(const at::Tensor& images) {
                      images.size(3) == opts_.image_w,
                  Error, "ViT: expected images [B, {}, {}, {}], got {}", channels, opts_.image_h,
                  opts_.image_w, fmt::format("{}", images.sizes()));
-  const at::Tensor rows = images.reshape({b, c, grid_h(), p, grid_w(), p})
+  // Under QAT the images are the convolution's input: quantized per tensor before they become rows
+  // (elementwise, so the rows hold the same values either way; in the images' layout, the one the
+  // exported graph's QuantizeLinear sees), and the weight per output channel, as the conv's would.
+  const at::Tensor src =
+      patch_embed_->quantized() ? patch_embed_->input_quantizer->forward(images) : images;
+  const at::Tensor rows = src.reshape({b, c, grid_h(), p, grid_w(), p})
                               .permute({0, 2, 4, 1, 3, 5})
                               .reshape({-1, c * p * p});
-  // Under QAT the patch rows are the convolution's input (one per-tensor quantizer sees the same
-  // values either way) and the weight is quantized per output channel, as the conv would be.
   const at::Tensor w = patch_embed_->effective_weight();
-  const at::Tensor in =
-      patch_embed_->quantized() ? patch_embed_->input_quantizer->forward(rows) : rows;
-  at::Tensor x = at::linear(in, w.view({w.size(0), -1}), patch_embed_->bias)
+  at::Tensor x = at::linear(rows, w.view({w.size(0), -1}), patch_embed_->bias)
                      .view({b, grid_h() * grid_w(), -1});
   const at::ScalarType dt = opts_.spec.fp32_residual ? at::kFloat : stream_dtype(x);
   x = x.to(dt);

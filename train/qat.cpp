@@ -8,6 +8,7 @@
 #include "core/timer.h"
 #include "models/layers.h"
 #include "train/lora.h"
+#include "train/preemption.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
 
@@ -20,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <set>
 
 namespace parallax::train::qat {
@@ -68,6 +70,41 @@ at::Tensor reduce(at::Tensor t, parallel::comm::ReduceOp op, const parallel::com
   dp->all_reduce(x, op);
   return x.to(t.device());
 }
+
+// Preemption during the calibration (train/preemption.h): check() before every batch. Under a
+// data-parallel group and `parallax train`'s signal handler, every rank contributes to a
+// PreemptionVote, so all ranks stop before the same batch (one batch after the signal, the vote's
+// lag); alone, the local flag. Every rank calls check() the same number of times (the same
+// calib_batches). Stopping throws PreemptedError: the model is left in training mode as found
+// (its quantizers calibrating, of no use: nothing is saved, the run starts again from
+// train.load_from).
+class CalibrationStop {
+ public:
+  CalibrationStop(const TrainingStart& start, int64_t batches)
+      : model_(start.model), was_training_(start.model.is_training()), batches_(batches) {
+    if (start.dp && start.dp->size() > 1 && PreemptionSignals::installed())
+      vote_.emplace(*start.dp, start.device, kVoteTimeoutS);
+  }
+  void check(int pass, int64_t batch) {
+    const bool stop = vote_ ? vote_->should_stop() : PreemptionSignals::requested();
+    if (!stop) return;
+    vote_.reset();  // should_stop() returned true: no vote is outstanding
+    if (was_training_) model_.train();
+    throw PreemptedError(fmt::format(
+        "preempted during the QAT calibration (pass {}, before batch {} of {}): nothing was "
+        "trained or saved; run the same command again to calibrate from train.load_from",
+        pass, batch + 1, batches_));
+  }
+  // The vote's last round is waited for (its result is for the trainer's own vote to see).
+  void finish() { vote_.reset(); }
+
+ private:
+  static constexpr double kVoteTimeoutS = 300;
+  models::Model& model_;
+  bool was_training_;
+  int64_t batches_;
+  std::optional<PreemptionVote> vote_;
+};
 
 }  // namespace
 
@@ -155,15 +192,23 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatC
   const bool was_training = start.model.is_training();
   start.model.eval();
   at::NoGradGuard no_grad;
-  // The batches, kept for the second pass (the histograms' range is pass 1's max).
+  CalibrationStop stop(start, cfg.calib_batches);
+  const bool histogram = cfg.calibrator != "max";
+  // The batches, kept for the second pass only (the histograms' range is pass 1's max): drawn and
+  // run one at a time, so the max calibrator holds one batch whatever calib_batches is.
   std::vector<core::TensorDict> batches;
-  for (int64_t i = 0; i < cfg.calib_batches; ++i) batches.push_back(start.next_batch());
   const auto n = static_cast<int64_t>(ls.size());
   for (const auto& l : ls) {
     if (l.weight) l.weight->set_state(QuantState::kDisabled);
     l.input->begin_pass(CalibPass::kMax);
   }
-  for (const auto& b : batches) start.forward(b);
+  for (int64_t i = 0; i < cfg.calib_batches; ++i) {
+    stop.check(1, i);
+    core::TensorDict b = start.next_batch();
+    start.forward(b);
+    if (histogram) batches.push_back(std::move(b));
+  }
+  if (!histogram) stop.finish();
   // Pass 1: max |x| per input quantizer, the max over the data-parallel group.
   at::Tensor maxes = at::zeros({n}, at::kFloat);
   for (int64_t i = 0; i < n; ++i) {
@@ -172,7 +217,7 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatC
   }
   maxes = reduce(maxes, parallel::comm::ReduceOp::kMax, start.dp, start.device);
   at::Tensor amax = maxes.clone();
-  if (cfg.calibrator != "max") {
+  if (histogram) {
     // Pass 2: histograms of |x| over [0, max], summed over the group bin by bin.
     for (int64_t i = 0; i < n; ++i) {
       const double range = maxes[i].item<double>();
@@ -183,7 +228,11 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatC
         q->set_state(QuantState::kDisabled);  // never reached: nothing to histogram
       }
     }
-    for (const auto& b : batches) start.forward(b);
+    for (std::size_t i = 0; i < batches.size(); ++i) {
+      stop.check(2, static_cast<int64_t>(i));
+      start.forward(batches[i]);
+    }
+    stop.finish();
     at::Tensor hist = at::zeros({n, models::kHistogramBins}, at::kDouble);
     for (int64_t i = 0; i < n; ++i) {
       const at::Tensor& h = ls[static_cast<std::size_t>(i)].input->histogram();
@@ -403,6 +452,7 @@ class QdqHooks : public models::onnx::EmitHooks {
                                   const models::onnx::Value& x) override {
     return wrap(e, layer, "input", x);
   }
+  const std::vector<ActivationQdq>& activations() const { return activations_; }
   models::onnx::Value layer_weight(models::onnx::Emitter& e, const std::string& layer,
                                    const models::onnx::Value& w) override {
     return wrap(e, layer, "weight", w);
@@ -424,12 +474,20 @@ class QdqHooks : public models::onnx::EmitHooks {
     const auto& q = kind == "weight" ? it->second.weight : it->second.input;
     if (!q) return x;
     e.mark_read(layer + "." + kind + "_quantizer.amax");
-    return qdq(e, layer, what, x, *q);
+    std::string q_output;
+    const models::onnx::Value y = qdq(e, layer, what, x, *q, &q_output);
+    if (kind != "weight") {
+      auto a = std::find_if(activations_.begin(), activations_.end(),
+                            [&](const ActivationQdq& r) { return r.quantizer == q; });
+      if (a == activations_.end()) a = activations_.insert(activations_.end(), {layer, q, {}});
+      a->outputs.push_back(q_output);
+    }
+    return y;
   }
 
   static models::onnx::Value qdq(models::onnx::Emitter& e, const std::string& layer,
                                  const char* what, const models::onnx::Value& x,
-                                 const models::TensorQuantizerImpl& q) {
+                                 const models::TensorQuantizerImpl& q, std::string* q_output) {
     PARALLAX_CHECK(q.state() == models::QuantState::kQuantizing, Error,
                    "QAT export: the {} quantizer of layer '{}' is not calibrated (frozen)", what,
                    layer);
@@ -444,16 +502,25 @@ class QdqHooks : public models::onnx::EmitHooks {
     std::vector<models::onnx::Attr> attrs;
     if (per_channel) attrs.push_back({"axis", int64_t{0}});
     const models::onnx::Value qx = e.op("QuantizeLinear", {x, s, zp}, attrs);
+    *q_output = qx.name;
     return e.op("DequantizeLinear", {qx, s, zp}, attrs);
   }
 
   std::map<std::string, Layer> by_path_;
+  // `wrap` is const (called from the emitters through the hooks); what it wrote is recorded here.
+  mutable std::vector<ActivationQdq> activations_;
 };
 
 }  // namespace
 
 std::unique_ptr<models::onnx::EmitHooks> export_hooks(const std::vector<Layer>& layers) {
   return std::make_unique<QdqHooks>(layers);
+}
+
+std::vector<ActivationQdq> activation_qdq(const models::onnx::EmitHooks& hooks) {
+  const auto* h = dynamic_cast<const QdqHooks*>(&hooks);
+  PARALLAX_CHECK(h != nullptr, Error, "QAT export: hooks not made by qat::export_hooks()");
+  return h->activations();
 }
 
 }  // namespace parallax::train::qat

@@ -16,11 +16,14 @@
 // same amax from the same numbers. All quantizers then quantize with frozen amax. Mode qat trains
 // as usual (the straight-through estimator carries the gradients); mode ptq takes no optimizer
 // step: it evaluates and saves the calibrated model at step 0. Checkpoints hold the amax buffers
-// with the weights; a resume loads them and does not calibrate again.
+// with the weights; a resume loads them and does not calibrate again. A preemption signal during
+// the calibration stops it before the next batch on every rank (PreemptionVote over the group):
+// calibrate() throws train::PreemptedError, and the trainer exits kExitPreempted with nothing
+// saved (nothing was trained; the run starts again from train.load_from).
 //
 // Limits: tensor parallelism (parallel.tp > 1) is refused; LoRA and distillation do not combine
-// with QAT in this version; the attention matmuls are not quantized; the Q/DQ ONNX export is not
-// written yet (parallax export refuses a QAT run).
+// with QAT in this version; the attention matmuls are not quantized. `parallax export` writes the
+// Q/DQ ONNX graph (export_hooks()).
 #pragma once
 
 #include "core/config.h"
@@ -98,7 +101,8 @@ std::string amax_fingerprint(const std::vector<Layer>& layers);
 void set_state(const std::vector<Layer>& layers, models::QuantState state);
 
 // Calibrates the activation quantizers over `cfg.calib_batches` batches of `start` (see the file
-// comment; collective over start.dp) and leaves every quantizer quantizing. Returns the statistics
+// comment; collective over start.dp) and leaves every quantizer quantizing. Throws
+// train::PreemptedError on every rank alike when a preemption signal arrived (train/preemption.h). Returns the statistics
 // logged: calib_quantizers, calib_layers, calib_amax_min, calib_amax_max, calib_amax_mean (over the
 // input quantizers), calib_weight_amax_max, calib_unseen (layers whose input the forward never
 // reached: amax 0, they quantize everything to 0), calib_s.
@@ -121,6 +125,18 @@ int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& layer
 // shared scale), where TensorRT fuses them into INT8 kernels. The
 // layers must be quantizing (frozen amax). The hooks keep pointers to the quantizers.
 std::unique_ptr<models::onnx::EmitHooks> export_hooks(const std::vector<Layer>& layers);
+
+// The activation QuantizeLinear nodes that hooks made by export_hooks() wrote, one entry per
+// activation quantizer (a layer's input, a residual Add's shared one), in emission order: the
+// graph tensor names of their outputs, in the order the forward calls the quantizer (a Linear or
+// Conv input: one; a residual Add: the conv branch's, then the skip's). Empty before the emit.
+// Error for hooks of another kind.
+struct ActivationQdq {
+  std::string layer;
+  std::shared_ptr<models::TensorQuantizerImpl> quantizer;
+  std::vector<std::string> outputs;
+};
+std::vector<ActivationQdq> activation_qdq(const models::onnx::EmitHooks& hooks);
 
 // The Trainer's hooks for a QAT run of `cfg` (cfg.qat.enabled). ConfigError without
 // train.load_from. The hooks keep a pointer to `cfg`, which must outlive the Trainer.

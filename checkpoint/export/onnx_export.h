@@ -7,14 +7,18 @@
 //     parity.json                      ONNX Runtime against LibTorch per output: max-abs, max-rel,
 //                                      cosine (worst frame of each), the gate and the verdict
 //
-// Procedure: everything is written into a staging folder beside the model file; the graph is
-// built, shape-inferred (strict) and checked by ONNX's checker; LibTorch's forward runs on each
-// frame (batch 1, eval mode, float32); tools/onnx_parity.py (run with PARALLAX_PYTHON or the
-// build's Python, under a deadline) checks the file again with onnx.checker(full_check=True) and
-// shape inference and runs it in ONNX Runtime (CPU). Only when the gate passes are the files
-// renamed into place, model.onnx last: an existing model.onnx is replaced whole or not at all, and
-// an error never leaves a partial one. A model that fails the gate is kept in
-// `model.onnx.rejected/` beside it for inspection; parity.json then records the failure.
+// Procedure: everything is written into a staging folder beside the model file
+// (".<name>.staging-*", locked by its export while it runs; the next export into that folder
+// removes those whose export is gone, e.g. killed); the graph is built, shape-inferred (strict) and
+// checked by ONNX's checker; LibTorch's forward runs on each frame (batch 1, eval mode, float32),
+// the frames streamed one at a time into parity.h5 (memory bounded whatever their number; the disk
+// must hold parity.h5, checked after the first frame); tools/onnx_parity.py (run with
+// PARALLAX_PYTHON or the build's Python, under a deadline) checks the file again with
+// onnx.checker(full_check=True) and shape inference and runs it in ONNX Runtime (CPU). Only when
+// the gate passes are the files renamed into place, model.onnx last: an existing model.onnx is
+// replaced whole or not at all, and an error never leaves a partial one. A model that fails the
+// gate is kept in `model.onnx.rejected/` beside it for inspection; parity.json then records the
+// failure.
 //
 // The gate (parity_gate()): for every output and every frame, cosine similarity with LibTorch
 // >= min_cosine and max |onnx - torch| <= max_abs_rel * max(1, max |torch|). docs/export.md derives
@@ -28,9 +32,11 @@
 #include "models/onnx/emitter.h"
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace parallax::checkpoint::exporter {
@@ -45,6 +51,45 @@ ParityGate parity_gate(at::ScalarType dtype);
 // The gate for a fake-quantized model against its QuantizeLinear/DequantizeLinear graph (float32):
 // docs/export.md derives it.
 ParityGate qat_parity_gate();
+
+// The rounding ties of a quantized model (QAT), for its parity gate (docs/export.md "QAT models").
+// The Q/DQ graph and the fake-quantized forward compute the same function, but each side computes
+// the values it quantizes with its own float kernels (other summation orders): a value within float
+// noise of a rounding boundary may round up on one side and down on the other, and every quantized
+// layer after it spreads that one-step difference (a layer turns a share p of differing inputs into
+// about sqrt(p) of differing outputs), until the outputs differ by the quantization noise itself
+// (bev_tiny ViT: cosine 0.9992 on box_reg from ~25 such roundings per frame). The parity reference
+// therefore records, for every activation QuantizeLinear of the graph, the elements whose quotient
+// x / scale lies within kQuantTieMargin of a rounding boundary and the level LibTorch took there;
+// the parity tool makes ONNX Runtime take the same levels at those elements (and counts where its
+// own rounding differed) and applies the unchanged gate to the outputs. A rounding that differs
+// anywhere else, a wrong scale, zero point, axis or saturation, or any other wrong op, still shows.
+class QuantTies {
+ public:
+  virtual ~QuantTies() = default;
+  // Per activation QuantizeLinear of the emitted graph (called after the emit): its output's name.
+  virtual std::vector<std::string> tensors() = 0;
+  // One tensor's ties in one frame: flat indices (int32) into the quantized tensor of the frame's
+  // batch of 1 (its shape), and LibTorch's levels there (int8).
+  struct Frame {
+    at::Tensor index, level;
+    std::vector<int64_t> shape;
+  };
+  // Around each frame's LibTorch forward; end_frame() gives every name of tensors().
+  virtual void begin_frame() = 0;
+  virtual std::map<std::string, Frame> end_frame() = 0;
+};
+
+// Where a rounding counts as a tie, in steps of the scale: |frac(x / scale) - 0.5| < this. The
+// two sides' quotients differ by at most 4.3e-4 of a step on bev_tiny (the attention output, the
+// longest float path between two quantizers), so 0.01 leaves 23x for longer reductions and other
+// CPUs; it marks ~2% of the elements.
+inline constexpr double kQuantTieMargin = 0.01;
+
+// The ties of one quantizer call: the flat indices (int32) of `quotient` (x / scale, float32)
+// within `margin` of a boundary between two levels of [-128, 127], and the levels nearbyint gives
+// there (int8).
+std::pair<at::Tensor, at::Tensor> rounding_ties(const at::Tensor& quotient, double margin);
 
 struct OnnxExportOptions {
   int opset = 17;
@@ -64,6 +109,20 @@ struct OnnxExportOptions {
   std::string tool;           // "" : $PARALLAX_SOURCE_DIR/tools/onnx_parity.py (build's source dir)
   std::string frames_source;  // where the frames came from, for parity.json
   std::map<std::string, std::string> metadata;  // extra metadata_props (run, checkpoint, step, ...)
+  // A quantized model's rounding ties (QAT; null otherwise): recorded with the parity reference
+  // and imposed on ONNX Runtime's run by the parity tool (QuantTies). Not owned.
+  QuantTies* quant_ties = nullptr;
+  // Called between parity frames and while the parity tool runs (optional). It stops the export by
+  // throwing (e.g. train::PreemptedError on SIGTERM): the staging folder is removed, the tool's
+  // process stopped, and nothing is published.
+  std::function<void()> interruption;
+};
+
+// The parity frames, produced one at a time: frame(i) for i = 0 .. count - 1, in order, each
+// holding every graph input with a leading batch dimension of 1 (CPU).
+struct ParityFrames {
+  int64_t count = 0;
+  std::function<core::TensorDict(int64_t index)> frame;
 };
 
 struct OnnxExportResult {
@@ -103,7 +162,16 @@ void prepare_output_dir(const std::string& model_file);
 // `frames` is not empty, gates it against LibTorch on them. Each frame holds every graph input
 // with a leading batch dimension of 1 (CPU). Throws Error naming the layer, tensor, output or frame
 // (see the file comment); nothing is left at `model_file` unless everything passed.
+OnnxExportResult export_onnx(models::Model& model, const ParityFrames& frames,
+                             const std::string& model_file, const OnnxExportOptions& options);
+// The same with frames held in memory.
 OnnxExportResult export_onnx(models::Model& model, const std::vector<core::TensorDict>& frames,
                              const std::string& model_file, const OnnxExportOptions& options);
+
+// Removes the staging folders of exports to `model_file` whose export no longer runs (killed
+// before it could clean up): ".<name>.staging-*" beside it whose lock can be taken. Folders of a
+// running export are kept. Returns how many were removed; never throws (a folder it cannot
+// remove is left for the next export).
+int remove_stale_staging(const std::string& model_file);
 
 }  // namespace parallax::checkpoint::exporter

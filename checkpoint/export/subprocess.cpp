@@ -48,9 +48,30 @@ bool wait_until(pid_t pid, Clock::time_point deadline, int& status) {
   }
 }
 
+// Stops the child: SIGTERM, then SIGKILL after 5 s; returns its status.
+int stop_child(pid_t pid) {
+  int status = 0;
+  ::kill(pid, SIGTERM);
+  if (!wait_until(pid, Clock::now() + std::chrono::seconds(5), status)) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);  // SIGKILL cannot be ignored: this returns
+  }
+  return status;
+}
+
+// The running child: stopped and reaped on scope exit unless reaped already (an exception from
+// the interruption callback, or any other, never leaves it running).
+struct Child {
+  pid_t pid = -1;
+  ~Child() {
+    if (pid > 0) stop_child(pid);
+  }
+};
+
 }  // namespace
 
-ProcessResult run_process(const std::vector<std::string>& argv, double timeout_s) {
+ProcessResult run_process(const std::vector<std::string>& argv, double timeout_s,
+                          const std::function<void()>& interruption) {
   PARALLAX_CHECK(!argv.empty(), Error, "run_process: empty command");
   int fds[2];
   PARALLAX_CHECK(::pipe2(fds, O_CLOEXEC) == 0, Error, "cannot create a pipe for '{}': {}", argv[0],
@@ -67,6 +88,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, double timeout_s
   const int rc = ::posix_spawnp(&pid, argv[0].c_str(), &actions, nullptr, args.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
   PARALLAX_CHECK(rc == 0, Error, "cannot run '{}': {}", argv[0], std::strerror(rc));
+  Child child{pid};
   ::close(write_end.fd);
   write_end.fd = -1;
 
@@ -76,11 +98,12 @@ ProcessResult run_process(const std::vector<std::string>& argv, double timeout_s
   char buf[4096];
   bool open = true;
   while (open && Clock::now() < deadline) {
+    if (interruption) interruption();
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     pollfd p{read_end.fd, POLLIN, 0};
     const int n =
-        ::poll(&p, 1, static_cast<int>(std::min<int64_t>(std::max<int64_t>(left, 1), 1000)));
+        ::poll(&p, 1, static_cast<int>(std::min<int64_t>(std::max<int64_t>(left, 1), 100)));
     if (n < 0 && errno != EINTR) break;
     if (n <= 0) continue;
     const ssize_t got = ::read(read_end.fd, buf, sizeof(buf));
@@ -91,17 +114,20 @@ ProcessResult run_process(const std::vector<std::string>& argv, double timeout_s
     }
   }
   int status = 0;
-  if (wait_until(pid, deadline, status)) {
-    result.exit_code = status_code(status);
-    return result;
+  // The output is closed (normally: the child exited); wait for it in slices, still interruptible.
+  while (true) {
+    if (interruption) interruption();
+    const auto slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
+    if (wait_until(pid, slice, status)) {
+      child.pid = -1;
+      result.exit_code = status_code(status);
+      return result;
+    }
+    if (Clock::now() >= deadline) break;
   }
   result.timed_out = true;
-  ::kill(pid, SIGTERM);
-  if (!wait_until(pid, Clock::now() + std::chrono::seconds(5), status)) {
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, &status, 0);  // SIGKILL cannot be ignored: this returns
-  }
-  result.exit_code = status_code(status);
+  child.pid = -1;
+  result.exit_code = status_code(stop_child(pid));
   return result;
 }
 

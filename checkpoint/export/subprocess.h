@@ -3,6 +3,7 @@
 // (SIGTERM, then SIGKILL after 5 s) when the deadline passes.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -15,8 +16,11 @@ struct ProcessResult {
 };
 
 // Runs argv[0] (looked up on PATH) with argv[1..] and waits at most `timeout_s` seconds. Throws
-// parallax::Error when the program cannot be started (naming it and strerror).
-ProcessResult run_process(const std::vector<std::string>& argv, double timeout_s);
+// parallax::Error when the program cannot be started (naming it and strerror). `interruption`
+// (optional) is called about every 100 ms while the program runs: when it throws (e.g. on
+// preemption), the program is stopped as at the deadline and the exception propagates.
+ProcessResult run_process(const std::vector<std::string>& argv, double timeout_s,
+                          const std::function<void()>& interruption = {});
 
 // The last non-empty line of `text` ("" if none).
 std::string last_line(const std::string& text);

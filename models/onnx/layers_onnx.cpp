@@ -54,8 +54,11 @@ onnx::Value ResidualConvBlock::emit_onnx(onnx::Emitter& e, const onnx::Value& x)
     auto s = e.scope("conv2");
     y = conv2_->emit_onnx(e, y);
   }
+  // The conv branch's pair first, then the skip's: the order in which the forward quantizes them.
   const std::string block = e.path();
-  return e.relu(e.add(e.hooks().add_input(e, block, y), e.hooks().add_input(e, block, x)));
+  const onnx::Value qy = e.hooks().add_input(e, block, y);
+  const onnx::Value qx = e.hooks().add_input(e, block, x);
+  return e.relu(e.add(qy, qx));
 }
 
 }  // namespace parallax::models

@@ -5,6 +5,7 @@
 // a parity gate that fails on one frame (the real ONNX Runtime tool, naming output and frame).
 // None of them leaves a model file, a partial file or a staging folder behind.
 #include "checkpoint/export/onnx_export.h"
+#include "checkpoint/export/subprocess.h"
 #include "core/error.h"
 #include "models/mlp.h"
 #include "models/model.h"
@@ -19,16 +20,24 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
 #include <set>
+#include <sstream>
 
 namespace fs = std::filesystem;
 
 namespace parallax::checkpoint::exporter {
 namespace {
+
+const std::vector<core::TensorDict> kNoFrames;  // export without the parity gate
 
 struct ScratchDir {
   fs::path path;
@@ -96,7 +105,7 @@ TEST(OnnxExportTest, InitializersAreTheModuleTensorsByPathForEveryFamily) {
     SCOPED_TRACE(cfg.name + "/" + cfg.backbone);
     ScratchDir tmp;
     auto model = models::build_model(cfg, core::SceneSpec{});
-    const auto r = export_onnx(*model, {}, (tmp.path / "model.onnx").string(), no_gate());
+    const auto r = export_onnx(*model, kNoFrames, (tmp.path / "model.onnx").string(), no_gate());
     const ::onnx::ModelProto m = load(r.model_file);
     std::set<std::string> init, want;
     for (const auto& t : m.graph().initializer()) {
@@ -129,7 +138,7 @@ TEST(OnnxExportTest, ForcedExternalDataHoldsTheLargeInitializers) {
   auto model = models::build_model(config("bev", "tiny", "conv"), core::SceneSpec{});
   OnnxExportOptions o;
   o.external_data = "always";
-  const auto r = export_onnx(*model, {}, (tmp.path / "model.onnx").string(), o);
+  const auto r = export_onnx(*model, kNoFrames, (tmp.path / "model.onnx").string(), o);
   ASSERT_EQ(r.data_file, (tmp.path / "model.onnx.data").string());
   const ::onnx::ModelProto m = load(r.model_file);
   int64_t external = 0, external_bytes = 0;
@@ -229,8 +238,8 @@ class InputsOnlyModel : public TanhModel {
 TEST(OnnxExportTest, TheUnitWalkNamesAUnitWithoutAnEmitter) {
   ScratchDir tmp;
   InputsOnlyModel model;
-  const std::string m =
-      expect_error<Error>([&] { export_onnx(model, {}, (tmp.path / "model.onnx").string(), {}); });
+  const std::string m = expect_error<Error>(
+      [&] { export_onnx(model, kNoFrames, (tmp.path / "model.onnx").string(), {}); });
   EXPECT_TRUE(contains(m, "unit 0 ('model')") && contains(m, "no ONNX emitter")) << m;
   EXPECT_TRUE(entries(tmp.path).empty());
 }
@@ -238,15 +247,15 @@ TEST(OnnxExportTest, TheUnitWalkNamesAUnitWithoutAnEmitter) {
 TEST(OnnxExportTest, ALayerWithoutAnEmitterIsNamedAndNothingIsWritten) {
   ScratchDir tmp;
   TanhModel model;
-  const std::string m =
-      expect_error<Error>([&] { export_onnx(model, {}, (tmp.path / "model.onnx").string(), {}); });
+  const std::string m = expect_error<Error>(
+      [&] { export_onnx(model, kNoFrames, (tmp.path / "model.onnx").string(), {}); });
   EXPECT_TRUE(contains(m, "layer 'net.1'") && contains(m, "TanhImpl") &&
               contains(m, "no ONNX emitter"))
       << m;
   EXPECT_TRUE(entries(tmp.path).empty());
   SilentModel silent;
-  const std::string m2 =
-      expect_error<Error>([&] { export_onnx(silent, {}, (tmp.path / "model.onnx").string(), {}); });
+  const std::string m2 = expect_error<Error>(
+      [&] { export_onnx(silent, kNoFrames, (tmp.path / "model.onnx").string(), {}); });
   EXPECT_TRUE(contains(m2, "has no ONNX emitter")) << m2;
   EXPECT_TRUE(entries(tmp.path).empty());
 }
@@ -268,8 +277,8 @@ TEST(OnnxExportTest, AnUnknownLinearFromTheFactoryIsNamedByItsPath) {
   auto model = models::build_model(
       config("bev", "tiny", "vit"), core::SceneSpec{},
       [](const models::LinearSpec& s) { return torch::nn::AnyModule(ShardedLinear(s)); });
-  const std::string m =
-      expect_error<Error>([&] { export_onnx(*model, {}, (tmp.path / "model.onnx").string(), {}); });
+  const std::string m = expect_error<Error>(
+      [&] { export_onnx(*model, kNoFrames, (tmp.path / "model.onnx").string(), {}); });
   EXPECT_TRUE(contains(m, "layer 'encoder.vit.block0.attn.qkv'") &&
               contains(m, "ShardedLinearImpl"))
       << m;
@@ -293,7 +302,8 @@ TEST(OnnxExportTest, NonFiniteWeightsAreNamedAndAnOlderModelStays) {
     std::ofstream old(file);
     old << "an older export";
   }
-  const std::string m = expect_error<Error>([&] { export_onnx(model, {}, file.string(), {}); });
+  const std::string m =
+      expect_error<Error>([&] { export_onnx(model, kNoFrames, file.string(), {}); });
   EXPECT_TRUE(contains(m, "weight 'net.2.weight' has 2 non-finite value(s)")) << m;
   EXPECT_EQ(entries(tmp.path), std::set<std::string>{"model.onnx"});
   std::ifstream in(file);
@@ -301,7 +311,7 @@ TEST(OnnxExportTest, NonFiniteWeightsAreNamedAndAnOlderModelStays) {
   EXPECT_EQ(text, "an older export");
   OnnxExportOptions o;
   o.allow_non_finite = true;  // the explicit escape hatch exports them as they are
-  EXPECT_NO_THROW(export_onnx(model, {}, file.string(), o));
+  EXPECT_NO_THROW(export_onnx(model, kNoFrames, file.string(), o));
 }
 
 TEST(OnnxExportTest, OnlyOpset17IsWritten) {
@@ -324,7 +334,7 @@ TEST(OnnxExportTest, AnUnwritableOutputFolderIsAnIoError) {
   }
   models::MlpModel model(8, 16, 4, 1);
   const std::string target = (tmp.path / "file" / "export" / "model.onnx").string();
-  const std::string m = expect_error<IoError>([&] { export_onnx(model, {}, target, {}); });
+  const std::string m = expect_error<IoError>([&] { export_onnx(model, kNoFrames, target, {}); });
   EXPECT_TRUE(contains(m, "cannot create the output folder") && contains(m, "file/export")) << m;
 }
 
@@ -340,8 +350,8 @@ class WrongShapeModel : public TanhModel {
 TEST(OnnxExportTest, AnOutputShapeThatInferenceDoesNotGiveIsAnError) {
   ScratchDir tmp;
   WrongShapeModel model;
-  const std::string m =
-      expect_error<Error>([&] { export_onnx(model, {}, (tmp.path / "model.onnx").string(), {}); });
+  const std::string m = expect_error<Error>(
+      [&] { export_onnx(model, kNoFrames, (tmp.path / "model.onnx").string(), {}); });
   EXPECT_TRUE(contains(m, "shape inference gives output 'y' the shape [batch, 4], expected [B, 5]"))
       << m;
   EXPECT_TRUE(entries(tmp.path).empty());
@@ -398,6 +408,108 @@ TEST(OnnxExportTest, AFailingGateNamesTheOutputAndFrameAndLeavesNoModel) {
   const auto r = export_onnx(model, frames, (tmp.path / "model.onnx").string(), {});
   EXPECT_TRUE(contains(r.parity_summary, "PASS")) << r.parity_summary;
   EXPECT_EQ(entries(tmp.path), (std::set<std::string>{"model.onnx", "parity.h5", "parity.json"}));
+}
+
+// Issue 35: a killed export leaves its staging folder; the next export into that folder removes it,
+// but not the staging folder of an export that still runs (it holds the folder's flock).
+TEST(OnnxExportTest, StaleStagingFoldersAreRemovedAndARunningExportsIsKept) {
+  ScratchDir tmp;
+  const fs::path dead = tmp.path / ".model.onnx.staging-deadbeef";
+  const fs::path live = tmp.path / ".model.onnx.staging-0badf00d";
+  const fs::path other = tmp.path / ".other.onnx.staging-12345678";  // another model's
+  for (const auto& d : {dead, live, other}) {
+    fs::create_directories(d);
+    std::ofstream(d / "parity.h5") << "partial";
+  }
+  const int fd = ::open(live.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  models::MlpModel model(8, 16, 4, 1);
+  export_onnx(model, kNoFrames, (tmp.path / "model.onnx").string(), {});
+  EXPECT_EQ(entries(tmp.path), (std::set<std::string>{"model.onnx", live.filename().string(),
+                                                      other.filename().string()}));
+  ::close(fd);  // the "running" export ends without cleaning up: now it is stale too
+  EXPECT_EQ(remove_stale_staging((tmp.path / "model.onnx").string()), 1);
+  EXPECT_EQ(entries(tmp.path), (std::set<std::string>{"model.onnx", other.filename().string()}));
+}
+
+// Issue 35: the interruption callback (preemption) stops the parity frames, streamed one at a time,
+// and the parity tool's process; nothing is left behind.
+TEST(OnnxExportTest, AnInterruptionStopsTheFramesAndTheToolLeavingNothing) {
+  struct Stop {};
+  ScratchDir tmp;
+  models::MlpModel model(8, 16, 4, 1);
+  at::manual_seed(3);
+  ParityFrames frames;
+  frames.count = 10'000'000;  // never all made: they stream, and the export is stopped
+  int64_t made = 0;
+  frames.frame = [&](int64_t) {
+    ++made;
+    return model.example_batch(1);
+  };
+  ScratchDir aux;
+  std::ofstream(aux.path / "tool.py") << "never run\n";
+  OnnxExportOptions o;
+  o.python = "/bin/true";  // the runtime probe passes; the tool is never reached
+  o.tool = (aux.path / "tool.py").string();
+  o.interruption = [&] {
+    if (made >= 50) throw Stop{};
+  };
+  bool stopped = false;
+  try {
+    export_onnx(model, frames, (tmp.path / "model.onnx").string(), o);
+  } catch (const Stop&) {
+    stopped = true;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << e.what();
+  }
+  EXPECT_TRUE(stopped);
+  EXPECT_EQ(made, 50);
+  EXPECT_TRUE(entries(tmp.path).empty()) << *entries(tmp.path).begin();
+
+  // The tool's process: stopped with the exception, not left running to its deadline.
+  const auto start = std::chrono::steady_clock::now();
+  const auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  stopped = false;
+  try {
+    run_process({"sleep", "30.5"}, 60, [&] {
+      if (elapsed() > 0.3) throw Stop{};
+    });
+  } catch (const Stop&) {
+    stopped = true;
+  }
+  EXPECT_TRUE(stopped);
+  EXPECT_LT(elapsed(), 5.0);
+  int running = 0;  // a `sleep 30.5` child of this process
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    std::ifstream stat(e.path() / "stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;
+    std::istringstream fields(line.substr(line.rfind(')') + 2));
+    std::string state;
+    int ppid = 0;
+    fields >> state >> ppid;
+    std::ifstream cmd(e.path() / "cmdline");
+    std::string argv((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
+    running += ppid == ::getpid() && contains(argv, "30.5") && state != "Z";
+  }
+  EXPECT_EQ(running, 0);
+}
+
+// The ties of a quantized model's parity reference (QuantTies): within the margin of a boundary
+// between two levels of [-128, 127], with the level nearbyint takes there.
+TEST(OnnxExportTest, RoundingTiesAreTheQuotientsNearABoundaryBetweenTwoLevels) {
+  const at::Tensor q =
+      at::tensor({0.5f, 0.504f, 0.511f, 1.5f, -127.5f, -128.5f, 126.5f, 127.5f, 3.2f, -0.497f},
+                 at::kFloat)
+          .reshape({2, 5});
+  const auto [index, level] = rounding_ties(q, 0.01);
+  ASSERT_EQ(index.scalar_type(), at::kInt);
+  ASSERT_EQ(level.scalar_type(), at::kChar);
+  EXPECT_TRUE(at::equal(index, at::tensor({0, 1, 3, 4, 6, 9}, at::kInt)));
+  EXPECT_TRUE(at::equal(level, at::tensor({0, 1, 2, -128, 126, 0}, at::kChar)));
 }
 
 }  // namespace

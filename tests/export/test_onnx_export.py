@@ -10,16 +10,26 @@
   defaults and the command line overrides them;
 - bad input, one `parallax: error:` line each and no model.onnx: no checkpoint in the run, an
   opset below 17, an unwritable output folder, ONNX Runtime not installed, no config.yaml.
+- issue 35: the QAT export of a ViT model passes its parity gate, freshly initialised and after 4
+  QAT steps (the Q/DQ graph and the fake quantization both divide by the scale; the rounding ties
+  are imposed on ONNX Runtime); SIGTERM stops a long export within seconds (exit 143, nothing written), the staging
+  folder of a SIGKILLed export is removed by the next export while a running export's is kept, the
+  parity frames stream (2e9 frames are refused at the first, for want of disk, naming the flag), and
+  --parity-frames out of range is reported as such.
 (Non-finite weights, layers without emitters and a failing gate are covered by export_tests.)
 
 usage: test_onnx_export.py PARALLAX
 """
+import fcntl
+import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 try:
@@ -203,6 +213,123 @@ class ExportTest(unittest.TestCase):
         exp = os.path.join(d, "export")
         self.assertEqual(sorted(os.listdir(exp)), ["model.onnx"])
         os.remove(os.path.join(exp, "model.onnx"))
+
+    def test_the_qat_export_of_a_vit_model_passes_its_parity_gate_fresh_and_trained(self):
+        """Issue 35 item 2. The repro: a 4-step ViT run, 4 QAT steps from it, export with 2 parity
+        frames: 'parity gate failed: output box_reg frame 0: cosine 0.999486 < 0.9995' (0.99919
+        here). The Q/DQ graph and the fake-quantized forward now compute the same function (x / s
+        rounded half to even; ATen's fake_quantize multiplied by 1 / s), and the values that lie within
+        float noise of a rounding boundary round as LibTorch rounded them in ONNX Runtime's run too, so
+        their one-step differences no longer spread through the later quantized layers. Also on a freshly
+        initialised model (lr 1e-30 for its one step: the initial weights, bitwise; PTQ-calibrated)."""
+        vit = ["model.backbone=vit", "data.synthetic=true", "data.batch_size=1", "train.device=cpu"]
+        fresh = train("vit_fresh", BEV, *vit, "train.steps=1", "optim.lr=1e-30")
+        base = train("vit_base", BEV, *vit, "train.steps=4")
+        runs = [train("vit_fresh_ptq", BEV, *vit, f"train.load_from={fresh}", "qat.enabled=true", "qat.mode=ptq",
+                      "qat.calib_batches=1"),
+                train("vit_trained_qat", BEV, *vit, f"train.load_from={base}", "qat.enabled=true", "qat.mode=qat",
+                      "train.steps=4")]
+        for run_dir in runs:
+            p = run(["export", "--run", run_dir, "--format", "onnx", "--parity-frames", "2"], check=False)
+            self.assertEqual(p.returncode, 0, f"{run_dir}: {p.stderr[-3000:]}")
+            with open(os.path.join(run_dir, "export", "parity.json")) as f:
+                rep = json.load(f)
+            self.assertEqual(rep["verdict"], "pass", rep["failures"])
+            self.assertEqual(rep["gate"]["min_cosine"], 0.9995)  # the QAT gate, unchanged
+            for out in rep["outputs"].values():
+                self.assertGreaterEqual(out["min_cosine"], 0.9995)
+            # Every activation QuantizeLinear (the weights' are constants) has its ties, ~2% of its
+            # elements; ONNX Runtime rounded a few of them the other way.
+            ties = rep["ties"]
+            self.assertEqual(ties["margin"], 0.01)
+            g = onnx.load(os.path.join(run_dir, "export", "model.onnx")).graph
+            consts = {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
+            acts = [n for n in g.node if n.op_type == "QuantizeLinear" and n.input[0] not in consts]
+            self.assertEqual(ties["tensors"], len(acts))
+            self.assertGreater(ties["ties"], 0.01 * ties["elements"])
+            self.assertLess(ties["ties"], 0.03 * ties["elements"])
+            self.assertLess(ties["ort_rounded_otherwise"], ties["ties"])
+            # The model as written also ran, free, and is reported (not gated) for every output.
+            free = rep["free_running"]
+            self.assertFalse(free["gated"])
+            self.assertEqual(sorted(free["outputs"]), sorted(rep["outputs"]))
+            for o in free["outputs"].values():
+                self.assertGreater(o["min_cosine"], 0.99)  # quantization noise, not a broken graph
+
+    def wait_for(self, what, proc, timeout=120):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if what():
+                return
+            if proc.poll() is not None:
+                self.fail(f"exited {proc.returncode} first: {proc.stderr.read()[-3000:]}")
+            time.sleep(0.02)
+        self.fail("timed out")
+
+    def test_sigterm_stops_an_export_and_the_next_export_removes_a_killed_ones_staging(self):
+        """Issue 35: an export with many parity frames is stopped by SIGTERM between two frames within
+        seconds (exit 143, its staging folder removed, no model.onnx); a SIGKILLed export's staging
+        folder (.model.onnx.staging-*) is removed by the next export, but not one that a running export
+        holds locked."""
+        out_dir = os.path.join(TMP, "preempted")
+        out = os.path.join(out_dir, "model.onnx")
+        args = [PARALLAX, "export", "--run", RUNS["mlp"], "--out", out, "--parity-frames", "1000000"]
+
+        def staging():
+            return sorted(glob.glob(os.path.join(out_dir, ".model.onnx.staging-*")))
+
+        def streaming(exclude=()):
+            return lambda: any(os.path.exists(os.path.join(d, "parity.h5")) for d in staging() if d not in exclude)
+
+        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.wait_for(streaming(), p)
+        p.kill()
+        p.communicate()
+        killed = staging()
+        self.assertEqual(len(killed), 1)
+        live = os.path.join(out_dir, ".model.onnx.staging-0000live")  # a running export's: locked
+        os.mkdir(live)
+        fd = os.open(live, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.wait_for(lambda: not os.path.exists(killed[0]) and streaming(exclude=(live,))(), p)
+            t0 = time.time()
+            p.send_signal(signal.SIGTERM)
+            _, err = p.communicate(timeout=30)
+            took = time.time() - t0
+            self.assertEqual(p.returncode, 143, err[-3000:])
+            self.assertLess(took, 10)
+            self.assertIn("parallax: export stopped by SIGTERM", err)
+            self.assertIn("nothing was written", err)
+            self.assertEqual(staging(), [live])
+            self.assertFalse(os.path.exists(out))
+        finally:
+            os.close(fd)  # that export "ended" without cleaning up: now the next one removes it
+        run(["export", "--run", RUNS["mlp"], "--out", out, "--parity-frames", "2"])
+        self.assertEqual(staging(), [])
+        self.assertEqual(sorted(os.listdir(out_dir)), ["model.onnx", "parity.h5", "parity.json"])
+
+    def test_parity_frames_stream_and_their_count_is_bounded(self):
+        """Issue 35: --parity-frames 100000 grew to 13 GB (every frame and output held in memory) and
+        was OOM-killed; 99999999999999999999 said '-1 must not be negative'. The frames now stream one
+        at a time (LibTorch, parity.h5, ONNX Runtime in batches), so memory stays at one frame; parity.h5
+        keeps them all, and a count the disk cannot hold is refused at the first frame."""
+        d = RUNS["bev_vit"]
+        for value, words in (("99999999999999999999", ["--parity-frames", "out of range"]),
+                             ("5000000000", ["--parity-frames", "0..2147483647"]),
+                             ("-3", ["--parity-frames", "0..2147483647"])):
+            line = self.expect_error(["export", "--run", RUNS["errors"], "--parity-frames", value], *words)
+            self.assertNotIn("negative", line)
+        out_dir = os.path.join(TMP, "many_frames")
+        t0 = time.time()
+        p = run(["export", "--run", d, "--out", os.path.join(out_dir, "model.onnx"), "--parity-frames",
+                 "2000000000"], check=False, timeout=120)
+        self.assertEqual(p.returncode, 1, p.stderr[-3000:])
+        self.assertLess(time.time() - t0, 60)
+        self.assertIn("2000000000 parity frames (--parity-frames / export.parity_frames) need", p.stderr)
+        self.assertIn("free", p.stderr)
+        self.assertEqual(os.listdir(out_dir), [])  # the staging folder is gone too
 
 
 if __name__ == "__main__":

@@ -14,25 +14,26 @@
 
 #include <cmath>
 #include <set>
+#include <vector>
 
 using namespace parallax;
 using models::QuantState;
 
 namespace {
 
-// The reference arithmetic, element by element in float32 as ATen's kernels compute it: the scale
-// amax / 127 rounded to float, its float reciprocal, nearbyint (ties to even, the default rounding
-// mode), the clamp to [-128, 127], and the product with the scale.
+// The reference arithmetic, element by element in float32 as ONNX QuantizeLinear /
+// DequantizeLinear define it (and ONNX Runtime computes it): the scale amax / 127 rounded to float,
+// the float quotient x / s, nearbyint (ties to even, the default rounding mode), the clamp to
+// [-128, 127], and the product with the scale.
 float reference_fq(float x, float amax) {
   const float s = amax / 127.0f;
-  const float inv = 1.0f / s;
-  const float q = std::fmin(std::fmax(std::nearbyint(x * inv), -128.0f), 127.0f);
+  const float q = std::fmin(std::fmax(std::nearbyint(x / s), -128.0f), 127.0f);
   return q * s;
 }
 
 bool inside(float x, float amax) {
   const float s = amax / 127.0f;
-  const float q = std::nearbyint(x * (1.0f / s));
+  const float q = std::nearbyint(x / s);
   return q >= -128.0f && q <= 127.0f;
 }
 
@@ -68,6 +69,36 @@ TEST(QatTest, PerTensorFakeQuantEqualsTheReferenceMathExactly) {
   // The extremes: -128 s and 127 s.
   EXPECT_EQ(q->forward(at::full({1}, -10.f)).item<float>(), -128.0f * s);
   EXPECT_EQ(q->forward(at::full({1}, 10.f)).item<float>(), 127.0f * s);
+}
+
+// ATen's fake_quantize_per_tensor_affine multiplies by the float reciprocal of the scale; for some
+// x, x * (1 / s) rounds to a float on the other side of a rounding boundary than x / s, and the
+// quantizer then differed by one step from ONNX Runtime's QuantizeLinear (the QAT export's parity
+// gate failed on such flips, spread by the layers after them). The quantizer must divide.
+TEST(QatTest, FakeQuantDividesByTheScaleAsOnnxQuantizeLinear) {
+  const float amax = 1.7f, s = amax / 127.0f, inv = 1.0f / s;
+  // Values a few ulps around every half-step: where the two roundings can disagree.
+  std::vector<float> xs;
+  for (int k = -128; k < 127; ++k) {
+    float x = (static_cast<float>(k) + 0.5f) * s;
+    for (int u = 0; u < 4; ++u) x = std::nextafter(x, -INFINITY);
+    for (int u = 0; u < 9; ++u, x = std::nextafter(x, INFINITY)) {
+      if (std::nearbyint(x * inv) != std::nearbyint(x / s)) xs.push_back(x);
+    }
+  }
+  ASSERT_GT(xs.size(), 10u) << "no value where x * (1 / s) and x / s round apart";
+  models::TensorQuantizer q(0);
+  q->freeze(at::full({}, amax));
+  const at::Tensor x = at::tensor(xs, at::kFloat);
+  const at::Tensor y = q->forward(x);
+  for (int64_t i = 0; i < x.numel(); ++i)
+    ASSERT_EQ(y[i].item<float>(), reference_fq(xs[static_cast<size_t>(i)], amax))
+        << "x = " << xs[static_cast<size_t>(i)];
+  // The same values per channel (a weight quantizer) and through the autograd path.
+  models::TensorQuantizer qc(1);
+  qc->freeze(at::full({1}, amax));
+  const at::Tensor yc = qc->forward(x.view({1, -1}).clone().requires_grad_(true)).detach();
+  EXPECT_TRUE(at::equal(yc.view({-1}), y));
 }
 
 TEST(QatTest, PerChannelFakeQuantUsesOneScalePerOutputChannel) {
@@ -242,7 +273,7 @@ TEST(QatTest, AResidualAddQuantizesBothInputsWithOneSharedScale) {
   block.add_quantizer->freeze(block.add_quantizer->calib_max().clone());
   const float a = static_cast<float>(block.add_quantizer->amax.item<double>());
   const float s = a / 127.0f;
-  auto fq = [&](const at::Tensor& t) { return (t * (1.0f / s)).round().clamp(-128, 127) * s; };
+  auto fq = [&](const at::Tensor& t) { return (t / s).round().clamp(-128, 127) * s; };
   EXPECT_TRUE(at::equal(block.forward_impl(x), (fq(y) + fq(x)).relu()));
   EXPECT_FALSE(at::equal(block.forward_impl(x), (y + x).relu())) << "quantization changed nothing";
 }

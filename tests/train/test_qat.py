@@ -11,14 +11,22 @@
   repeats steps 3-4 bitwise without calibrating again; under ZeRO-3 the calibration gives the same
   amax;
 - bad inputs (unknown calibrator, a skip glob matching nothing, no train.load_from, tp > 1) are
-  each one `parallax: error:` line naming the key.
+  each one `parallax: error:` line naming the key;
+- issue 35: SIGTERM during a long calibration (1 rank, and to one of 2 ranks) and during the
+  evaluation (`parallax train` ptq and its training loop, `parallax eval`) stops within seconds with
+  exit 143 (the QAT export of a ViT model passing its parity gate is in
+  tests/export/test_onnx_export.py).
 
 Usage: test_qat.py <parallax binary> <mpirun>
 """
+import glob
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 import unittest
 
 import numpy as np
@@ -26,6 +34,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train as tt  # noqa: E402
 from test_zero_checkpoint import metadata  # noqa: E402
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
 
 
 class QatTest(tt.RunDirTest):
@@ -171,6 +184,137 @@ class QatTest(tt.RunDirTest):
         # The skipped layer has no quantizer.
         self.assertFalse(any(k.startswith("heads.seg_out.") and "quantizer" in k for k in wa))
         self.assertTrue(any(k.startswith("heads.heat_out.input_quantizer") for k in wa))
+
+    def popen(self, args, ranks=1):
+        """`parallax args` in the background, its output in files; returns (process, log path)."""
+        cmd = [tt.PARALLAX, *args]
+        if ranks > 1:
+            cmd = [tt.MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(ranks), *cmd]
+        log = os.path.join(self.d, f"log{len(os.listdir(self.d))}.txt")
+        out = open(log, "w")
+        self.addCleanup(out.close)
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.addCleanup(lambda: p.poll() is None and os.killpg(p.pid, signal.SIGKILL))
+        return p, log
+
+    def wait_for(self, what, timeout=120):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if what():
+                return
+            time.sleep(0.05)
+        self.fail("timed out")
+
+    @staticmethod
+    def rank_pids(mpirun_pid):
+        """world rank -> pid of the parallax processes under mpirun."""
+        def children(pid):
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                return []
+            return kids + [g for k in kids for g in children(k)]
+        out = {}
+        for pid in children(mpirun_pid):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+            except OSError:
+                continue
+            if exe == "parallax" and b"OMPI_COMM_WORLD_RANK" in env:
+                out[int(env[b"OMPI_COMM_WORLD_RANK"])] = pid
+        return out
+
+    def stop_and_time(self, p, pid, log, timeout=20):
+        """SIGTERM to `pid`; (seconds until `p` exited, its exit code, the log)."""
+        t0 = time.time()
+        os.kill(pid, signal.SIGTERM)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.fail(f"still running {timeout} s after SIGTERM:\n" + read(log)[-3000:])
+        return time.time() - t0, rc, read(log)
+
+    def test_sigterm_during_a_long_calibration_stops_it_within_seconds(self):
+        """Issue 35 item 3: qat.calib_batches=1000000 ignored the first SIGTERM (the trainer only looked
+        at it between training steps). Now the calibration stops before its next batch (under mpirun
+        every rank, when one rank is signalled: a vote over the group), nothing is saved, exit 143."""
+        load = self.base("data.synthetic=true")
+        for ranks in (1, 2):
+            name = f"calib{ranks}"
+            p, log = self.popen(["train", "--config", tt.BEV, f"experiment.output_dir={self.d}",
+                                 f"experiment.name={name}", *self.COMMON, "data.synthetic=true", load,
+                                 "qat.enabled=true", "qat.mode=ptq", "qat.calib_batches=1000000"], ranks)
+            self.wait_for(lambda: "INT8 fake quantization" in read(log))
+            time.sleep(2)  # into the calibration
+            pid = p.pid if ranks == 1 else self.rank_pids(p.pid)[1]
+            took, rc, out = self.stop_and_time(p, pid, log)
+            self.assertEqual(rc, 143, out[-3000:])
+            self.assertLess(took, 10, out[-3000:])
+            self.assertIn("preempted during the QAT calibration", out)
+            self.assertEqual(glob.glob(os.path.join(self.d, name, "checkpoints", "step_*")), [])
+            self.assertEqual(tt.metrics(os.path.join(self.d, name), "prepare"), [])
+
+    def test_sigterm_during_an_evaluation_stops_it_within_seconds(self):
+        """Issue 35 item 3: evaluation (the trainer's and `parallax eval`) stops before its next batch.
+        The ptq run's calibrated model is saved at step 0 first (nothing lost), then exit 143; a
+        training run evaluating at step 2 saves step 2 and exits 143; `parallax eval` writes no
+        metrics and exits 143."""
+        data = os.path.join(self.d, "data")
+        tt.run(["datagen", "--out", data, "--scenes", "2", "--val-scenes", "30", "--threads", "2",
+                "--samples-per-pixel", "1"])
+        load = self.base("data.synthetic=true")  # no evaluation of its own
+        val = os.path.realpath(os.path.join(data, "val_00000.h5"))
+
+        def evaluating(pid):
+            """The process has the val shard open: evaluate() runs (nothing else opens it)."""
+            def check():
+                try:
+                    return any(os.path.realpath(os.path.join(f"/proc/{pid}/fd", fd)) == val
+                               for fd in os.listdir(f"/proc/{pid}/fd"))
+                except OSError:
+                    return False
+            return check
+
+        p, log = self.popen(["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", "experiment.name=ev",
+                             *self.COMMON, "data.batch_size=1", f"data.path={data}", load, "qat.enabled=true",
+                             "qat.mode=ptq", "qat.calib_batches=1"])
+        self.wait_for(evaluating(p.pid))
+        took, rc, out = self.stop_and_time(p, p.pid, log)
+        self.assertEqual(rc, 143, out[-3000:])
+        self.assertLess(took, 10, out[-3000:])
+        self.assertIn("preempted during the evaluation", out)
+        run_dir = os.path.join(self.d, "ev")
+        self.assertEqual(tt.metrics(run_dir, "eval"), [])
+        self.assertEqual(len(tt.metrics(run_dir, "prepare")), 1)
+        ck = os.path.join(run_dir, "checkpoints", "step_00000000")
+        self.assertTrue(os.path.isfile(os.path.join(ck, "metadata.json")), out[-3000:])
+
+        # The training loop's evaluation (train.eval_every): step 2 is saved, no eval row, exit 143.
+        p, log = self.popen(["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", "experiment.name=loop",
+                             *self.COMMON, "data.batch_size=1", f"data.path={data}", "train.steps=6",
+                             "train.eval_every=2"])
+        self.wait_for(evaluating(p.pid))
+        took, rc, out = self.stop_and_time(p, p.pid, log)
+        self.assertEqual(rc, 143, out[-3000:])
+        self.assertLess(took, 10, out[-3000:])
+        self.assertIn("preempted during the evaluation", out)
+        loop = os.path.join(self.d, "loop")
+        self.assertEqual([r["step"] for r in tt.metrics(loop)], [1, 2])
+        self.assertEqual(tt.metrics(loop, "eval"), [])
+        self.assertTrue(os.path.isfile(os.path.join(loop, "checkpoints", "step_00000002", "metadata.json")))
+
+        metrics = os.path.join(self.d, "eval.json")
+        p, log = self.popen(["eval", "--config", tt.BEV, "--checkpoint", ck, f"data.path={data}", "train.device=cpu",
+                             "data.batch_size=1", "qat.enabled=true", "--out", metrics])
+        self.wait_for(evaluating(p.pid))
+        took, rc, out = self.stop_and_time(p, p.pid, log)
+        self.assertEqual(rc, 143, out[-3000:])
+        self.assertLess(took, 10, out[-3000:])
+        self.assertIn("preempted during the evaluation", out)
+        self.assertFalse(os.path.exists(metrics))
 
     def test_bad_inputs_are_one_clear_error_line(self):
         load = self.base("data.synthetic=true")
