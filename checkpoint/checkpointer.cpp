@@ -9,7 +9,9 @@
 #include "core/log.h"
 #include "core/strings.h"
 #include "core/timer.h"
+#include "parallel/comm/deadline_call.h"
 #include "parallel/comm/world.h"
+#include "parallel/comm/world_context.h"
 
 #include <ATen/ATen.h>
 #include <ATen/DeviceAccelerator.h>
@@ -19,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <functional>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -184,6 +187,109 @@ std::vector<uint8_t> to_bytes(const std::string& s) {
 
 using Clock = std::chrono::steady_clock;
 
+Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
+// The out-of-band store of a save, every call with a deadline. c10d's TCPStore client calls have
+// none of their own: a store whose host is stopped (SIGSTOP, a hung node) keeps a call waiting
+// forever. So each call runs on a helper thread that owns copies of what it uses, and is given up
+// after its deadline (the helper is left behind, detached). The first call that times out or
+// fails marks the store lost: later calls fail at once instead of each waiting out a deadline
+// (and never share the connection with the abandoned helper), and `on_lost` runs once.
+class BoundedStore {
+ public:
+  BoundedStore() = default;
+  BoundedStore(c10::intrusive_ptr<c10d::Store> store, int rank, std::string host,
+               double timeout_s, std::function<void()> on_lost)
+      : store_(std::move(store)),
+        rank_(rank),
+        host_(std::move(host)),
+        timeout_s_(timeout_s),
+        on_lost_(std::move(on_lost)) {}
+
+  void set(const std::string& k, const std::string& v, const std::string& what) {
+    run(what, timeout_s_, [s = store_, k, v = to_bytes(v)] {
+      s->set(k, v);
+      return 0;
+    });
+  }
+  std::string get(const std::string& k, const std::string& what) {
+    return run(what, timeout_s_, [s = store_, k] { return to_string(s->get(k)); });
+  }
+  int64_t add(const std::string& k, int64_t n, const std::string& what) {
+    return run(what, timeout_s_, [s = store_, k, n] { return s->add(k, n); });
+  }
+  bool check(const std::string& k, const std::string& what) {
+    return run(what, timeout_s_, [s = store_, k] { return s->check({k}); });
+  }
+  void remove(const std::string& k, const std::string& what) {
+    run(what, timeout_s_, [s = store_, k] { return s->deleteKey(k); });
+  }
+  // Waits up to `timeout_s` for `k` to exist. A store that answers "not yet" at the timeout throws
+  // a CommError carrying its text; one that does not answer at all, a TimeoutError (see run()).
+  void wait(const std::string& k, double timeout_s, const std::string& what) {
+    const auto t = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+    // The store's own timeout first; ours only catches a store that stopped answering.
+    run(what, timeout_s + std::min(10.0, 1.0 + timeout_s / 10), [s = store_, k, t] {
+      s->wait({k}, t);
+      return 0;
+    });
+  }
+  c10::intrusive_ptr<c10d::Store> clone(const std::string& what) {
+    return run(what, timeout_s_, [s = store_] { return s->clone(); });
+  }
+
+ private:
+  template <class F>
+  auto run(const std::string& what, double deadline_s, F f) -> decltype(f()) {
+    using R = decltype(f());
+    if (lost_) {
+      throw_error<CommError>("rank {}: the checkpoint store ({}) is unusable since an earlier "
+                             "call: {} (during {})",
+                             rank_, host_, *lost_, what);
+    }
+    std::optional<R> r;
+    try {
+      r = parallel::comm::call_with_deadline(std::move(f), Clock::now() + seconds(deadline_s));
+    } catch (const std::exception& e) {
+      const std::string text = parallel::comm::one_line_what(e);
+      lose(text);
+      throw_error<CommError>("rank {}: the checkpoint store ({}) failed during {}: {}", rank_,
+                             host_, what, text);
+    }
+    if (!r) {
+      lose(fmt::format("no answer within {:.0f} s", deadline_s));
+      throw_error<TimeoutError>(
+          "rank {}: the checkpoint store ({}) did not answer within the checkpoint timeout "
+          "({:.0f} s, parallel.checkpoint_timeout_s) during {}: {}",
+          rank_, host_, timeout_s_, what, absent_host());
+    }
+    return std::move(*r);
+  }
+
+  // Who did not arrive when the store does not answer: the rank whose process hosts it, if any.
+  std::string absent_host() const {
+    const std::string tag = "hosted by ";
+    if (core::starts_with(host_, tag))
+      return host_.substr(tag.size()) + " did not arrive (stopped, hung or dead)";
+    return "its host is stopped, hung or dead";
+  }
+
+  void lose(const std::string& why) {
+    if (lost_) return;
+    lost_ = why;
+    if (on_lost_) on_lost_();
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_ = 0;
+  std::string host_;
+  double timeout_s_ = 1800;
+  std::function<void()> on_lost_;
+  std::optional<std::string> lost_;
+};
+
 }  // namespace
 
 CommitGroup CommitGroup::from_world() {
@@ -200,7 +306,7 @@ struct Checkpointer::Impl {
   std::string dir;
   CheckpointerOptions opts;
   CommitGroup group;
-  c10::intrusive_ptr<c10d::Store> store;  // this Checkpointer's own connection (the writer's)
+  BoundedStore store;  // this Checkpointer's own connection (the writer's), every call bounded
   std::string instance;                   // store key prefix of this Checkpointer
   int64_t seq = 0;
 
@@ -226,19 +332,44 @@ struct Checkpointer::Impl {
   std::string key(const Job& job, const std::string& what) const {
     return fmt::format("{}/{}/{}", instance, job.seq, what);
   }
-  void store_set(const std::string& k, const std::string& v) { store->set(k, to_bytes(v)); }
+  // What a store call of `job` does, for messages.
+  static std::string doing(const Job& job, const std::string& what) {
+    return fmt::format("save of step {}: {}", job.step, what);
+  }
+  void store_set(const Job& job, const std::string& k, const std::string& v,
+                 const std::string& what) {
+    store.set(k, v, doing(job, what));
+  }
+  int64_t store_add(const Job& job, const std::string& k, int64_t n, const std::string& what) {
+    return store.add(k, n, doing(job, what));
+  }
+  // Rank 0's word `k` (the temporary directory, the commit's result), within the timeout.
   std::string store_wait_get(const Job& job, const std::string& k, const std::string& what) {
+    const auto start = Clock::now();
     try {
-      store->wait({k}, std::chrono::milliseconds(static_cast<int64_t>(opts.timeout_s * 1000)));
-      return to_string(store->get(k));
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
+      store.wait(k, opts.timeout_s, doing(job, "waiting for " + what));
+    } catch (const TimeoutError&) {
+      throw;  // the store itself stopped answering: its message names its host
+    } catch (const CommError& e) {
+      peer_lost();
+      // Before the timeout: the store failed (its host died), which its message says.
+      if (Clock::now() - start < seconds(opts.timeout_s * 0.9)) throw;
       throw_error<TimeoutError>(
           "rank {}: save of step {}: no word from rank 0 ({}) within {:.0f} s "
-          "(checkpoint timeout): {}",
-          group.rank, job.step, what, opts.timeout_s, std::string(e.what()).substr(0, 200));
+          "(parallel.checkpoint_timeout_s): world rank 0 did not arrive ({})",
+          group.rank, job.step, what, opts.timeout_s, e.what());
     }
+    return store.get(k, doing(job, "reading " + what));
+  }
+
+  // A rank of the save did not arrive in time, or the store is gone: the World must not wait for
+  // its peers at exit (World::~World's barrier would wait out the init timeout for a stopped
+  // rank), so it is marked failed, as a timed-out collective marks it.
+  void peer_lost() const {
+    if (!parallel::comm::World::exists()) return;
+    auto& w = parallel::comm::World::current();
+    if (!group.store || w.store().get() != group.store.get()) return;
+    w.context()->failed = true;
   }
 
   // ---- directory maintenance (rank 0) ----
@@ -288,7 +419,8 @@ struct Checkpointer::Impl {
   }
 
   // ---- the commit (rank 0) ----
-  std::string commit(const Job& job, const fs::path& tmp, std::vector<RankIndex> indexes) {
+  std::string commit(const Job& job, const fs::path& tmp, std::vector<RankIndex> indexes,
+                     Clock::time_point commit_by) {
     Metadata m;
     m.step = job.step;
     m.layout = opts.layout;
@@ -347,10 +479,23 @@ struct Checkpointer::Impl {
     }
     files::write_durable((tmp / kMetadataFile).string(), m.to_json());
     files::fsync_path(tmp.string(), true);
+    // Rank 0 held up past the deadline (stopped, starved): the other ranks may have reported the
+    // save as failed, so it must not become `latest` (checked again right before `latest` moves).
+    const auto check_deadline = [&] {
+      if (Clock::now() <= commit_by) return;
+      peer_lost();
+      throw_error<TimeoutError>(
+          "save of step {}: not committed: rank 0 was held up (stopped or starved) past the "
+          "deadline of the other ranks ({:.0f} s, parallel.checkpoint_timeout_s); the last "
+          "committed checkpoint stays latest",
+          job.step, opts.timeout_s);
+    };
+    check_deadline();
     const fs::path final_dir = fs::path(dir) / step_dir_name(job.step);
     const bool replaced = files::move_into_place(tmp.string(), final_dir.string());
     files::fsync_path(dir, true);
-    files::write_atomic((fs::path(dir) / kLatestFile).string(), step_dir_name(job.step) + "\n");
+    files::write_atomic((fs::path(dir) / kLatestFile).string(), step_dir_name(job.step) + "\n",
+                        check_deadline);
     if (replaced) {
       std::error_code ec;
       fs::remove_all(tmp, ec);  // the replaced checkpoint of the same step
@@ -381,10 +526,12 @@ struct Checkpointer::Impl {
           throw_error<IoError>("cannot create '{}': {}", (fs::path(dir) / tmp_name).string(),
                                ec.message());
       } catch (const std::exception& e) {
-        if (multi) store_set(key(job, "dir"), std::string("!") + e.what());
+        if (multi)
+          store_set(job, key(job, "dir"), std::string("!") + e.what(),
+                    "publishing its failure");
         throw;
       }
-      if (multi) store_set(key(job, "dir"), tmp_name);
+      if (multi) store_set(job, key(job, "dir"), tmp_name, "publishing the temporary directory");
     } else {
       tmp_name = store_wait_get(job, key(job, "dir"), "the temporary directory");
       if (!tmp_name.empty() && tmp_name[0] == '!') {
@@ -405,8 +552,12 @@ struct Checkpointer::Impl {
     } catch (const std::exception& e) {
       if (multi) {
         try {
-          store_set(key(job, fmt::format("error/{}", rank)), e.what());
-          store->add(key(job, "nfail"), 1);
+          store_set(job, key(job, fmt::format("error/{}", rank)), e.what(),
+                    "publishing this rank's failure");
+          // Rank 0 does not count itself: nfail counts the writers rank 0 waits for (see
+          // wait_writers_finished), and counting rank 0's own failure there let it remove the
+          // temporary directory while another rank was still writing into it.
+          if (rank != 0) store_add(job, key(job, "nfail"), 1, "counting this rank's failure");
         } catch (const std::exception&) {
         }
       }
@@ -425,8 +576,8 @@ struct Checkpointer::Impl {
         // directory under this rank's writes: report its error, the cause, rather than ours.
         std::string result;
         try {
-          if (store->check({key(job, "result")}))
-            result = to_string(store->get(key(job, "result")));
+          if (store.check(key(job, "result"), doing(job, "looking for rank 0's result")))
+            result = store.get(key(job, "result"), doing(job, "reading rank 0's result"));
         } catch (const std::exception&) {
         }
         if (core::starts_with(result, "error: ")) {
@@ -437,10 +588,11 @@ struct Checkpointer::Impl {
       throw;
     }
     if (multi && rank != 0) {
-      store_set(key(job, fmt::format("index/{}", rank)), mine.serialize());
-      store->add(key(job, "ndone"), 1);
+      store_set(job, key(job, fmt::format("index/{}", rank)), mine.serialize(),
+                "publishing this rank's shard index");
+      store_add(job, key(job, "ndone"), 1, "counting this rank's file as written");
       const std::string result = store_wait_get(job, key(job, "result"), "the commit");
-      store->add(key(job, "nack"), 1);
+      store_add(job, key(job, "nack"), 1, "acknowledging the commit");
       if (result.rfind("ok ", 0) != 0) {
         throw_error<CheckpointError>("rank {}: save of step {} was not committed: {}", rank,
                                      job.step, result.substr(std::min<size_t>(result.size(), 7)));
@@ -452,8 +604,10 @@ struct Checkpointer::Impl {
     // rank 0: gather, commit, publish.
     try {
       std::vector<RankIndex> indexes{std::move(mine)};
-      if (multi) gather(job, indexes);
-      st.path = commit(job, tmp, std::move(indexes));
+      // The other ranks wait for the commit for timeout_s from about now: past that, no commit.
+      const auto commit_by = multi ? Clock::now() + seconds(opts.timeout_s) : Clock::time_point::max();
+      if (multi) gather(job, indexes, commit_by);
+      st.path = commit(job, tmp, std::move(indexes), commit_by);
     } catch (const std::exception& e) {
       if (multi) {
         publish_result(job, std::string("error: ") + e.what());
@@ -494,12 +648,14 @@ struct Checkpointer::Impl {
         Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts.timeout_s * 1000));
     auto sleep = std::chrono::milliseconds(1);
     try {
-      while (store->add(key(job, "ndone"), 0) + store->add(key(job, "nfail"), 0) <
+      while (store_add(job, key(job, "ndone"), 0, "counting the written files") +
+                     store_add(job, key(job, "nfail"), 0, "counting the failed ranks") <
                  group.world - 1 &&
              Clock::now() < deadline) {
         std::this_thread::sleep_for(sleep);
         sleep = std::min(sleep * 2, std::chrono::milliseconds(50));
       }
+      if (Clock::now() >= deadline) peer_lost();  // a rank never reported: do not wait at exit
     } catch (const std::exception& e) {
       core::log::warn("checkpoint: waiting for the other ranks of step {}: {}", job.step, e.what());
     }
@@ -507,45 +663,60 @@ struct Checkpointer::Impl {
 
   void publish_result(const Job& job, const std::string& result) {
     try {
-      store_set(key(job, "result"), result);
+      store_set(job, key(job, "result"), result, "publishing the result");
     } catch (const std::exception& e) {
       core::log::warn("checkpoint: cannot publish the result of step {}: {}", job.step, e.what());
     }
   }
 
-  void gather(const Job& job, std::vector<RankIndex>& indexes) {
-    const auto deadline =
-        Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts.timeout_s * 1000));
+  // Waits until `deadline` for the other ranks' shard indexes. Past the deadline it never
+  // accepts them, even when they are all there: the other ranks wait for the commit from about
+  // when this wait began, so they may have given up (and reported the save as failed) already
+  // (rank 0 held up, e.g. stopped, while they waited).
+  void gather(const Job& job, std::vector<RankIndex>& indexes, Clock::time_point deadline) {
     auto sleep = std::chrono::milliseconds(1);
     for (;;) {
-      const int64_t failed = store->add(key(job, "nfail"), 0);
+      const int64_t failed = store_add(job, key(job, "nfail"), 0, "counting the failed ranks");
       if (failed > 0) {
         std::vector<std::string> errs;
         for (int r = 1; r < group.world; ++r) {
           const std::string k = key(job, fmt::format("error/{}", r));
-          if (store->check({k})) errs.push_back(to_string(store->get(k)));
+          if (store.check(k, doing(job, "looking for the errors")))
+            errs.push_back(store.get(k, doing(job, "reading the errors")));
         }
         throw_error<CheckpointError>("save of step {} failed on {} rank(s): {}", job.step, failed,
                                      core::join(errs, " | "));
       }
-      if (store->add(key(job, "ndone"), 0) >= group.world - 1) break;
+      const bool all = store_add(job, key(job, "ndone"), 0, "counting the written files") >=
+                       group.world - 1;
       if (Clock::now() > deadline) {
         std::vector<int> missing;
         for (int r = 1; r < group.world; ++r) {
-          if (!store->check({key(job, fmt::format("index/{}", r))})) missing.push_back(r);
+          if (!store.check(key(job, fmt::format("index/{}", r)),
+                           doing(job, "looking for the missing ranks")))
+            missing.push_back(r);
+        }
+        peer_lost();
+        if (missing.empty()) {
+          throw_error<TimeoutError>(
+              "save of step {}: not committed: rank 0 was held up (stopped or starved) for more "
+              "than {:.0f} s (parallel.checkpoint_timeout_s) while the other ranks waited for the "
+              "commit, so they may have given up; the last committed checkpoint stays latest",
+              job.step, opts.timeout_s);
         }
         throw_error<TimeoutError>(
-            "save of step {}: rank(s) {} did not finish their shard files within {:.0f} s "
-            "(checkpoint timeout)",
+            "save of step {}: rank(s) {} did not arrive: no shard file within {:.0f} s "
+            "(parallel.checkpoint_timeout_s); the last committed checkpoint stays latest",
             job.step, missing, opts.timeout_s);
       }
+      if (all) break;
       std::this_thread::sleep_for(sleep);
       sleep = std::min(sleep * 2, std::chrono::milliseconds(50));
     }
     for (int r = 1; r < group.world; ++r) {
       const std::string k = key(job, fmt::format("index/{}", r));
-      indexes.push_back(RankIndex::parse(to_string(store->get(k)), r));
-      store->deleteKey(k);
+      indexes.push_back(RankIndex::parse(store.get(k, doing(job, "reading a shard index")), r));
+      store.remove(k, doing(job, "removing a shard index"));
     }
   }
 
@@ -618,14 +789,26 @@ Checkpointer::Checkpointer(std::string checkpoints_dir, CheckpointerOptions opti
                    I.group.rank, I.group.world);
     std::error_code ec;
     const std::string abs = fs::absolute(I.dir, ec).lexically_normal().string();
-    const int64_t n = I.group.store->add(
-        fmt::format("pxckpt/instance/{}/{}", core::stable_hash(abs), I.group.rank), 1);
+    // Where the store lives, for messages: the World's store is rank 0's (MPI, torchrun) or a
+    // launcher's (an agent store: torchrun's or `parallax launch`'s).
+    std::string host = "the checkpoint store";
+    if (parallel::comm::World::exists() &&
+        parallel::comm::World::current().store().get() == I.group.store.get()) {
+      host = parallel::comm::World::current().launch().agent_store ? "the launcher's store"
+                                                                    : "hosted by world rank 0";
+    }
+    auto on_lost = [impl = &I] { impl->peer_lost(); };
+    BoundedStore world_store(I.group.store, I.group.rank, host, I.opts.timeout_s, on_lost);
+    const int64_t n =
+        world_store.add(fmt::format("pxckpt/instance/{}/{}", core::stable_hash(abs), I.group.rank),
+                        1, fmt::format("the set-up of checkpoints in '{}'", I.dir));
     I.instance = fmt::format("pxckpt/{}/{}", core::stable_hash(abs), n);
     // A TCPStore connection of its own for the writer; other stores (HashStore in tests) are
     // in-process and thread-safe, and their clone() may not share the data.
-    I.store = I.group.store;
+    c10::intrusive_ptr<c10d::Store> own = I.group.store;
     if (dynamic_cast<c10d::TCPStore*>(I.group.store.get()) != nullptr)
-      I.store = I.group.store->clone();
+      own = world_store.clone(fmt::format("the set-up of checkpoints in '{}'", I.dir));
+    I.store = BoundedStore(own, I.group.rank, host, I.opts.timeout_s, on_lost);
   }
 }
 

@@ -10,9 +10,18 @@
 //   3. rank 0 waits (up to `timeout_s`) for every index, writes config.yaml and metadata.json,
 //      fsyncs the directory, renames it to `step_XXXXXXXX/`, fsyncs the parent, atomically replaces
 //      `latest` (temp file + fsync + rename + directory fsync), prunes to `keep_last` and publishes
-//      "ok";
-//   4. the other ranks wait for that result. A rank that fails publishes its error instead; rank 0
-//      then aborts the save (removing the temporary directory) and every rank reports the error.
+//      "ok". Past that deadline (rank 0 held up: stopped, starved) it commits nothing, not even
+//      with every index there: the others may have given up on it;
+//   4. the other ranks wait (up to `timeout_s`) for that result. A rank that fails publishes its
+//      error instead; rank 0 then aborts the save (removing the temporary directory once every
+//      other rank stopped writing into it, or the deadline passed) and every rank reports the
+//      error.
+// Every store call has a deadline (`timeout_s`): c10d's TCPStore client calls have none, and the
+// store lives in rank 0's process (or a launcher's), which may be stopped. A call runs on a helper
+// thread that is given up at the deadline (left behind, detached); the save then fails with a
+// TimeoutError naming the store's host ("world rank 0 did not arrive"), later calls fail at once,
+// and the World is marked failed (as by a timed-out collective) so that its shutdown does not wait
+// for the missing rank.
 // Non-finite state is such a failure: a rank whose owned tensors hold a NaN or an infinity refuses
 // the save (CheckpointError naming the step, the tensor and the rank), so no rank commits it, the
 // previous checkpoints stay as they were and nothing is pruned. Every committed checkpoint is
@@ -35,7 +44,8 @@
 // checkpoints directory. Destroy Checkpointers before the World. Not thread-safe: call from the
 // training thread. Errors: CheckpointError (bad entries, inconsistent shards, non-finite tensors),
 // IoError (filesystem:
-// cannot create, write, rename; disk full), TimeoutError (a rank did not finish within timeout_s).
+// cannot create, write, rename; disk full), TimeoutError (a rank or the store did not answer
+// within timeout_s), CommError (the store failed, e.g. its host died); messages are one line.
 #pragma once
 
 #include "checkpoint/save_state.h"

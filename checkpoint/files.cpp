@@ -12,6 +12,7 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <random>
 
 namespace fs = std::filesystem;
@@ -71,11 +72,13 @@ void write_durable(const std::string& path, const std::string& text) {
     throw_error<IoError>("cannot close '{}': {}", path, errno_text(errno));
 }
 
-void write_atomic(const std::string& path, const std::string& text) {
+void write_atomic(const std::string& path, const std::string& text,
+                  const std::function<void()>& before_rename) {
   const fs::path p(path);
   const std::string tmp = path + ".tmp-" + random_hex(6);
   try {
     write_durable(tmp, text);
+    if (before_rename) before_rename();
   } catch (...) {
     std::error_code ec;
     fs::remove(tmp, ec);

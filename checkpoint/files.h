@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace parallax::checkpoint::files {
@@ -12,8 +13,10 @@ void fsync_path(const std::string& path, bool directory);
 // Writes `text` to `path` (created or truncated), fsyncs and closes it.
 void write_durable(const std::string& path, const std::string& text);
 // Atomically replaces `path` with `text`: a temporary file beside it, fsync, rename over `path`,
-// fsync of the directory. A crash leaves either the old or the new content.
-void write_atomic(const std::string& path, const std::string& text);
+// fsync of the directory. A crash leaves either the old or the new content. `before_rename`, if
+// given, runs once the temporary file is durable; if it throws, `path` is left as it was.
+void write_atomic(const std::string& path, const std::string& text,
+                  const std::function<void()>& before_rename = nullptr);
 // Whole file as a string; throws E-less IoError naming the path.
 std::string read_text(const std::string& path);
 // Moves directory `src` to `dst`. If `dst` exists it is atomically exchanged with `src`

@@ -1,7 +1,10 @@
 #include "checkpoint/finite.h"
 
+#include "core/error.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/nn/module.h>
 
 #include <algorithm>
 #include <atomic>
@@ -143,6 +146,27 @@ NonFiniteCount count_nonfinite(const at::Tensor& t) {
   c.nan = at::isnan(x).sum().item<int64_t>();
   c.inf = at::isinf(x).sum().item<int64_t>();
   return c;
+}
+
+void require_finite(const std::vector<std::pair<std::string, at::Tensor>>& named,
+                    const std::string& source, const std::string& advice) {
+  std::vector<at::Tensor> tensors;
+  tensors.reserve(named.size());
+  for (const auto& [name, t] : named) tensors.push_back(t.detach());
+  const int64_t bad = first_nonfinite(tensors, /*parallel=*/true);
+  if (bad < 0) return;
+  const auto& [name, t] = named[static_cast<size_t>(bad)];
+  const NonFiniteCount c = count_nonfinite(t.detach());
+  throw_error<CheckpointError>("{}: tensor '{}' holds {} NaN and {} infinite value(s) of {}; {}",
+                               source, name, c.nan, c.inf, t.numel(), advice);
+}
+
+void require_finite(const torch::nn::Module& module, const std::string& source,
+                    const std::string& advice) {
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& p : module.named_parameters()) named.emplace_back(p.key(), p.value());
+  for (const auto& b : module.named_buffers()) named.emplace_back(b.key(), b.value());
+  require_finite(named, source, advice);
 }
 
 }  // namespace parallax::checkpoint

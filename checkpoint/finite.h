@@ -14,7 +14,13 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
+
+namespace torch::nn {
+class Module;
+}
 
 namespace parallax::checkpoint {
 
@@ -37,5 +43,15 @@ struct NonFiniteCount {
 // NaN and infinity counts of `t` (any device). Reduces over the whole tensor: meant for messages,
 // after first_nonfinite found a culprit.
 NonFiniteCount count_nonfinite(const at::Tensor& t);
+
+// Weights loaded from `source` into a model must be finite before anything runs on them (a NaN
+// there would otherwise surface as a NaN loss or a zero metric). Throws CheckpointError
+// "<source>: tensor '<name>' holds N NaN and M infinite value(s) of T; <advice>" for the first of
+// `named` (name, tensor: e.g. a module's parameters and buffers) that is not finite.
+void require_finite(const std::vector<std::pair<std::string, at::Tensor>>& named,
+                    const std::string& source, const std::string& advice);
+// The same over `module`'s parameters and buffers (named by their module paths).
+void require_finite(const torch::nn::Module& module, const std::string& source,
+                    const std::string& advice);
 
 }  // namespace parallax::checkpoint

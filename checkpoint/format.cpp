@@ -6,6 +6,7 @@
 #include "core/strings.h"
 #include "parallel/engine.h"
 
+#include <c10/util/accumulate.h>
 #include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 
@@ -86,12 +87,6 @@ class Reader {
   std::string where_;
 };
 
-int64_t volume(const std::vector<int64_t>& v) {
-  int64_t n = 1;
-  for (int64_t x : v) n *= x;
-  return n;
-}
-
 // The checksum line (format.h) must open the file and match every byte after it.
 void verify_checksum(const std::string& text, const std::string& where) {
   const size_t eol = text.find('\n', kChecksumLead.size());
@@ -128,7 +123,7 @@ void verify_checksum(const std::string& text, const std::string& where) {
 }  // namespace
 
 int64_t ShardInfo::numel() const {
-  return flat ? flat->numel() : volume(lengths);
+  return flat ? flat->numel() : c10::multiply_integers(lengths);
 }
 
 std::vector<int64_t> ShardInfo::stored_dims() const {
@@ -155,7 +150,7 @@ std::string piece_dataset(const std::string& name, int piece) {
   return piece == 0 ? name : fmt::format("{}@{}", name, piece);
 }
 int64_t TensorInfo::numel() const {
-  return volume(shape);
+  return c10::multiply_integers(shape);
 }
 int64_t TensorInfo::nbytes() const {
   return numel() * static_cast<int64_t>(c10::elementSize(dtype));
@@ -588,6 +583,15 @@ void validate_tensor_name(const std::string& name) {
 
 std::optional<std::string> latest_checkpoint(const std::string& checkpoints_dir) {
   const fs::path latest = fs::path(checkpoints_dir) / kLatestFile;
+  std::error_code ec;
+  if (fs::is_directory(latest, ec)) {
+    // A symbolic link to a step directory (made by hand; the checkpointer writes a file).
+    if (files::file_size((latest / kMetadataFile).string()) < 0) {
+      throw_error<CheckpointError>("'{}' links to a directory without {}", latest.string(),
+                                   kMetadataFile);
+    }
+    return latest.string();
+  }
   if (files::file_size(latest.string()) < 0) return std::nullopt;
   const std::string target = core::trim(files::read_text(latest.string()));
   if (!parse_step_dir_name(target)) {
@@ -607,10 +611,17 @@ std::string resolve_checkpoint(const std::string& path) {
   std::error_code ec;
   if (!fs::exists(p, ec)) throw_error<CheckpointError>("checkpoint path '{}' does not exist", path);
   if (!fs::is_directory(p, ec)) {
+    // The `latest` pointer itself (users type runs/x/checkpoints/latest): what it names.
+    fs::path named = p.filename();
+    if (named.empty()) named = p.parent_path().filename();
+    if (named == kLatestFile) {
+      const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+      if (auto l = latest_checkpoint(parent.string())) return *l;
+    }
     throw_error<CheckpointError>(
         "'{}' is not a checkpoint directory (expected a step_XXXXXXXX directory, a "
-        "checkpoints directory or a run directory)",
-        path);
+        "checkpoints directory, a run directory or a '{}' file)",
+        path, kLatestFile);
   }
   if (files::file_size((p / kMetadataFile).string()) >= 0) return p.string();
   if (auto l = latest_checkpoint(p.string())) return *l;
@@ -621,13 +632,6 @@ std::string resolve_checkpoint(const std::string& path) {
   throw_error<CheckpointError>(
       "'{}' holds no checkpoint: no {}, no '{}' file and no checkpoints/{}", path, kMetadataFile,
       kLatestFile, kLatestFile);
-}
-
-std::optional<std::string> resume_checkpoint(const std::string& resume,
-                                             const std::string& checkpoints_dir) {
-  if (resume.empty()) return std::nullopt;
-  if (resume == "auto") return latest_checkpoint(checkpoints_dir);
-  return resolve_checkpoint(resume);
 }
 
 bool is_checkpoint_path(const std::string& path) {

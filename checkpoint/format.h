@@ -171,14 +171,14 @@ void validate_tensor_name(const std::string& name);
 std::string piece_dataset(const std::string& name, int piece);
 
 // The committed checkpoint `path` denotes: a checkpoint directory (holds metadata.json), a
-// checkpoints directory (holds `latest`) or a run directory (holds checkpoints/latest). Throws
-// CheckpointError naming the path when it is none of these or `latest` points to nothing.
+// checkpoints directory (holds `latest`), a run directory (holds checkpoints/latest), or the
+// `latest` pointer itself (the file the checkpointer writes, or a symbolic link to a step
+// directory). The one resolution every verb uses for a checkpoint path. Throws CheckpointError
+// naming the path when it is none of these or `latest` points to nothing.
 std::string resolve_checkpoint(const std::string& path);
 // The checkpoint `latest` in `checkpoints_dir` names, or nullopt when there is no `latest`.
 std::optional<std::string> latest_checkpoint(const std::string& checkpoints_dir);
-// The checkpoint a run resumes from, for the trainer's `resume` setting: "" -> none; "auto" -> the
-// `latest` of `checkpoints_dir` if there is one (else none: a fresh start); anything else -> that
-// path through resolve_checkpoint (CheckpointError if it holds no checkpoint).
+// find_resume_point(resume, checkpoints_dir)'s path (checkpoint/resume.h), its warnings logged.
 std::optional<std::string> resume_checkpoint(const std::string& resume,
                                              const std::string& checkpoints_dir);
 // True if resolve_checkpoint(path) would succeed (for `parallax inspect`'s dispatch).

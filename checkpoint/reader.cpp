@@ -3,12 +3,15 @@
 #include "checkpoint/files.h"
 #include "checkpoint/finite.h"
 #include "checkpoint/h5.h"
+#include "checkpoint/resume.h"
 #include "checkpoint/tensor_io.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/strings.h"
 #include "parallel/engine.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
 #include <fmt/ranges.h>
 #include <zlib.h>
 
@@ -99,12 +102,6 @@ bool may_overlap(const TensorInfo& t, const ShardInfo& s, const Box& r) {
     last = last * t.shape[d] + r.offsets[d] + r.lengths[d] - 1;
   }
   return s.flat->begin <= last && first < s.flat->end;
-}
-
-int64_t volume(const std::vector<int64_t>& v) {
-  int64_t n = 1;
-  for (int64_t x : v) n *= x;
-  return n;
 }
 
 }  // namespace
@@ -296,7 +293,7 @@ struct CheckpointReader::Impl {
         if (rc >= 0) rc = H5Dread(d, type, mspace, fspace, H5P_DEFAULT, base);
       }
       if (rc < 0) fail_read(t, s);
-      covered += volume(in.lengths);
+      covered += c10::multiply_integers(in.lengths);
       if (!opt.verify || verified.count(key_of(t, s))) continue;
       const bool whole = in.lengths == s.lengths;
       const int64_t off = whole ? contiguous_offset(sb, r, esize) : -1;
@@ -310,12 +307,12 @@ struct CheckpointReader::Impl {
         verify_shard(t, s, /*extra=*/true);
       }
     }
-    if (covered != volume(r.lengths)) {
+    if (covered != c10::multiply_integers(r.lengths)) {
       throw_error<CheckpointError>(
           "checkpoint '{}': the shards of tensor '{}' cover {} of the {} elements of box {} x {}",
-          dir, t.name, covered, volume(r.lengths), r.offsets, r.lengths);
+          dir, t.name, covered, c10::multiply_integers(r.lengths), r.offsets, r.lengths);
     }
-    stats.bytes_read += volume(r.lengths) * esize;
+    stats.bytes_read += c10::multiply_integers(r.lengths) * esize;
   }
 
   [[noreturn]] void fail_read(const TensorInfo& t, const ShardInfo& s) const {
@@ -379,7 +376,7 @@ struct CheckpointReader::Impl {
         while (q > 0 && ++idx[q - 1] == in.lengths[q - 1]) idx[--q] = 0;
         if (q == 0) break;
       }
-      covered += volume(in.lengths);
+      covered += c10::multiply_integers(in.lengths);
       if (!opt.verify || verified.count(key_of(t, s))) continue;
       FlatCheck& c = flat_checks[key_of(t, s)];
       if (c.crcs.empty()) {
@@ -470,7 +467,7 @@ struct CheckpointReader::Impl {
     Box r;
     r.lengths = tg.dest.sizes().vec();
     r.offsets = tg.offsets.empty() ? std::vector<int64_t>(r.lengths.size(), 0) : tg.offsets;
-    if (volume(r.lengths) == 0) return;
+    if (c10::multiply_integers(r.lengths) == 0) return;
     const bool direct =
         tg.dest.is_cpu() && tg.dest.is_contiguous() && tg.dest.scalar_type() == t.dtype;
     if (direct) {
@@ -489,7 +486,7 @@ std::vector<LoadTarget> flat_load_targets(const std::string& name, const at::Ten
   PARALLAX_CHECK(flat.defined() && flat.dim() == 1, CheckpointError,
                  "tensor '{}': a flat range loads into a 1-D tensor, got {}", name,
                  flat.defined() ? fmt::format("shape {}", flat.sizes().vec()) : "none");
-  const int64_t total = volume(shape);
+  const int64_t total = c10::multiply_integers(shape);
   PARALLAX_CHECK(begin >= 0 && begin + flat.numel() <= total, CheckpointError,
                  "tensor '{}': flat range [{}, {}) lies outside its {} elements (shape {})", name,
                  begin, begin + flat.numel(), total, shape);
@@ -573,7 +570,7 @@ void CheckpointReader::load(const std::vector<LoadTarget>& targets, const ReadOp
     Box r;
     r.lengths = tg.dest.sizes().vec();
     r.offsets = tg.offsets.empty() ? std::vector<int64_t>(r.lengths.size(), 0) : tg.offsets;
-    if (volume(r.lengths) == 0) continue;
+    if (c10::multiply_integers(r.lengths) == 0) continue;
     for (const ShardInfo& s : t.shards) {
       if (may_overlap(t, s, r)) I.dataset(t, s);
     }
@@ -639,6 +636,116 @@ int64_t CheckpointReader::verify_all(const std::function<bool(const TensorInfo&)
     if (nonfinite && (bad.nan > 0 || bad.inf > 0)) nonfinite->push_back(std::move(bad));
   }
   return bytes;
+}
+
+// ---- resume points ----------------------------------------------------------------------------
+
+std::string checkpoint_problem(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return fmt::format("'{}' does not exist", dir);
+  if (files::file_size((fs::path(dir) / kMetadataFile).string()) < 0)
+    return fmt::format("'{}' has no {} (an incomplete or damaged checkpoint)", dir, kMetadataFile);
+  try {
+    CheckpointReader r(dir);  // metadata.json: its checksum, and the step of its directory
+    r.config_text();          // config.yaml against its record
+    for (const FileInfo& f : r.metadata().files) {
+      const std::string path = (fs::path(r.dir()) / f.name).string();
+      const int64_t size = files::file_size(path);
+      if (size < 0)
+        return fmt::format("checkpoint '{}': shard file '{}' (rank {}) is missing", dir, f.name,
+                           f.rank);
+      if (size != f.bytes) {
+        return fmt::format(
+            "checkpoint '{}': shard file '{}' (rank {}) is {}: {} bytes on disk, {} recorded in "
+            "{}",
+            dir, f.name, f.rank, size < f.bytes ? "truncated" : "altered", size, f.bytes,
+            kMetadataFile);
+      }
+    }
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::optional<ResumePoint> find_resume_point(const std::string& resume,
+                                             const std::string& checkpoints_dir) {
+  if (resume.empty()) return std::nullopt;
+  if (resume != "auto") {
+    CheckpointReader r(resume);
+    return ResumePoint{r.dir(), r.metadata().step, {}};
+  }
+  const fs::path dir(checkpoints_dir);
+  const fs::path latest = dir / kLatestFile;
+  std::error_code ec;
+  const bool has_latest = fs::exists(fs::symlink_status(latest, ec));
+  std::string why;                // why `latest` is not resumed from
+  std::optional<int64_t> before;  // the step `latest` names: only older ones are candidates
+  if (has_latest) {
+    std::string target;  // the step directory `latest` names
+    try {
+      target = fs::is_directory(latest, ec) ? fs::canonical(latest).filename().string()
+                                            : core::trim(files::read_text(latest.string()));
+    } catch (const std::exception& e) {
+      why = fmt::format("'{}' cannot be read: {}", latest.string(), e.what());
+    }
+    if (why.empty()) {
+      if (const auto step = parse_step_dir_name(target)) {
+        const std::string path = (dir / target).string();
+        const std::string problem = checkpoint_problem(path);
+        if (problem.empty()) return ResumePoint{path, *step, {}};
+        why = fmt::format("'{}' names {}, which cannot be resumed from: {}", latest.string(),
+                          target, problem);
+        before = *step;
+      } else {
+        why = fmt::format("'{}' holds '{}', not a checkpoint directory name (step_XXXXXXXX)",
+                          latest.string(), core::clip(target, 80));
+      }
+    }
+  }
+  std::vector<std::pair<int64_t, std::string>> steps;  // newest first
+  for (const auto& de : fs::directory_iterator(dir, ec)) {
+    const auto step = parse_step_dir_name(de.path().filename().string());
+    std::error_code e2;
+    if (step && de.is_directory(e2) && (!before || *step < *before))
+      steps.emplace_back(*step, de.path().string());
+  }
+  std::sort(steps.rbegin(), steps.rend());
+  if (!has_latest) {
+    if (steps.empty()) return std::nullopt;  // nothing was ever committed here: a fresh start
+    why = fmt::format("'{}' is missing", latest.string());
+  }
+  std::vector<std::string> skipped;
+  for (const auto& [step, path] : steps) {
+    const std::string problem = checkpoint_problem(path);
+    if (!problem.empty()) {
+      skipped.push_back(fmt::format("step {}: {}", step, problem));
+      continue;
+    }
+    ResumePoint point{path, step, {}};
+    point.warnings.push_back(fmt::format(
+        "train.resume=auto: {}; resuming from '{}' (step {}), the newest {}checkpoint that "
+        "verifies{}",
+        why, path, step, before ? "older " : "",
+        skipped.empty() ? std::string()
+                        : fmt::format(" (skipped: {})", core::join(skipped, "; "))));
+    return point;
+  }
+  throw_error<CheckpointError>(
+      "train.resume=auto: {}; no {}checkpoint in '{}' verifies{}. Not starting over: repair or "
+      "remove the checkpoints, set train.resume to a checkpoint path, or train.resume='' to start "
+      "fresh",
+      why, before ? "older " : "", checkpoints_dir,
+      skipped.empty() ? std::string(" (there is none)")
+                      : fmt::format(": {}", core::join(skipped, "; ")));
+}
+
+std::optional<std::string> resume_checkpoint(const std::string& resume,
+                                             const std::string& checkpoints_dir) {
+  auto point = find_resume_point(resume, checkpoints_dir);
+  if (!point) return std::nullopt;
+  for (const std::string& w : point->warnings) core::log::warn("{}", w);
+  return point->path;
 }
 
 }  // namespace parallax::checkpoint

@@ -3,13 +3,17 @@
 #include "core/error.h"
 #include "core/strings.h"
 #include "launch/exit_codes.h"
+#include "parallel/comm/deadline_call.h"
 
+#include <ATen/Context.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Logging.h>
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -24,7 +28,6 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
-#include <future>
 #include <optional>
 #include <thread>
 
@@ -166,31 +169,20 @@ class Agent {
   // the store and the call.
   template <class F>
   auto store_call(const char* what, F f) -> decltype(f()) {
-    using R = decltype(f());
-    auto done = std::make_shared<std::promise<R>>();
-    std::future<R> result = done->get_future();
-    std::thread([f = std::move(f), done]() mutable {
-      try {
-        done->set_value(f());
-      } catch (...) {
-        done->set_exception(std::current_exception());
-      }
-    }).detach();
-    if (result.wait_for(std::chrono::duration<double>(o_.rdzv_timeout_s)) !=
-        std::future_status::ready) {
-      throw_error<CommError>(
-          "launch: node {}: the launcher store at {}:{} did not answer within {:.0f} s "
-          "(--rdzv-timeout) during {}: is node 0's launcher stopped or its host hung?",
-          o_.node_rank, o_.master_addr, port_, o_.rdzv_timeout_s, what);
-    }
     try {
-      return result.get();
+      const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                               std::chrono::duration<double>(o_.rdzv_timeout_s));
+      if (auto r = parallel::comm::call_with_deadline(std::move(f), deadline)) return *r;
     } catch (const std::exception& e) {
       throw_error<CommError>(
           "launch: node {}: the launcher store at {}:{} failed during {} (did node 0's launcher "
           "end?): {}",
-          o_.node_rank, o_.master_addr, port_, what, core::clip(e.what(), 300));
+          o_.node_rank, o_.master_addr, port_, what, parallel::comm::one_line_what(e));
     }
+    throw_error<CommError>(
+        "launch: node {}: the launcher store at {}:{} did not answer within {:.0f} s "
+        "(--rdzv-timeout) during {}: is node 0's launcher stopped or its host hung?",
+        o_.node_rank, o_.master_addr, port_, o_.rdzv_timeout_s, what);
   }
   int64_t counter(const std::string& key, int64_t add) {
     return store_call("a counter update", [s = store_, key, add] { return s->add(key, add); });
@@ -253,7 +245,7 @@ void Agent::open_store() {
     throw_error<CommError>(
         "launch: node {}: cannot {} the launcher store at {}:{} within {:.0f} s: {}", o_.node_rank,
         so.isServer ? "host" : "reach", o_.master_addr, o_.master_port, o_.rdzv_timeout_s,
-        core::clip(e.what(), 300));
+        parallel::comm::one_line_what(e));
   }
   port_ = store_->getPort();
 }
@@ -675,6 +667,18 @@ std::string self_exe() {
   const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
   PARALLAX_CHECK(n > 0, Error, "launch: cannot resolve /proc/self/exe to start the workers");
   return std::string(buf, static_cast<size_t>(n));
+}
+
+int usable_cpu_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+int visible_cuda_devices() {
+  if (!at::hasCUDA()) return 0;
+  return static_cast<int>(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).deviceCount());
 }
 
 int run_agent(const AgentOptions& options) {

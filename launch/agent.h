@@ -47,4 +47,10 @@ int run_agent(const AgentOptions& options);
 // This binary's path (/proc/self/exe): what the agent starts as its workers (AgentOptions::exe).
 std::string self_exe();
 
+// What this node can run workers on, for the cap on --nproc-per-node (docs/launch.md): the CPU
+// cores this process may run on (its affinity mask: taskset, cgroup cpusets), at least 1, and the
+// CUDA devices it sees (CUDA_VISIBLE_DEVICES applies; 0 without CUDA).
+int usable_cpu_cores();
+int visible_cuda_devices();
+
 }  // namespace parallax::launch

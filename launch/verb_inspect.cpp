@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 
 namespace fs = std::filesystem;
 
@@ -19,7 +20,7 @@ namespace {
 
 enum class PathKind { kDataset, kDataShard, kCheckpoint, kUnknown };
 
-PathKind kind_of(const std::string& path) {
+PathKind path_kind_of(const std::string& path) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
     if (fs::exists(fs::path(path) / "dataset.json", ec)) return PathKind::kDataset;
@@ -27,6 +28,8 @@ PathKind kind_of(const std::string& path) {
     return PathKind::kUnknown;
   }
   if (fs::is_regular_file(path, ec) && data::is_data_shard(path)) return PathKind::kDataShard;
+  // The `latest` pointer of a checkpoints directory (checkpoint::resolve_checkpoint reads it).
+  if (checkpoint::is_checkpoint_path(path)) return PathKind::kCheckpoint;
   return PathKind::kUnknown;
 }
 
@@ -47,7 +50,7 @@ int verb_inspect(const std::vector<std::string>& argv) {
             "naming the file and the scene or tensor.");
   args.positional("path",
                   "a dataset folder, a data shard (.h5), or a checkpoint (step directory, "
-                  "checkpoints directory or run directory)")
+                  "checkpoints directory, its latest file, or run directory)")
       .flag("quick",
             "skip reading every scene / verifying checksums and finiteness (metadata and shapes "
             "only)")
@@ -69,10 +72,11 @@ int verb_inspect(const std::vector<std::string>& argv) {
   const std::string path = args.positional_value();
   data::InspectOptions opts;
   opts.verify = !args.flag_set("quick");
-  opts.max_scene_lines = args.get_int("scene-lines");
+  opts.max_scene_lines =
+      args.get_int("scene-lines", 0, std::numeric_limits<int64_t>::max(), "0 prints none");
   std::error_code ec;
   if (!fs::exists(path, ec)) throw_error<UsageError>("inspect: '{}' does not exist", path);
-  switch (kind_of(path)) {
+  switch (path_kind_of(path)) {
     case PathKind::kDataset:
       data::inspect_dataset(path, stdout, opts);
       return 0;

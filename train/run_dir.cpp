@@ -1,10 +1,12 @@
 #include "train/run_dir.h"
 
+#include "checkpoint/config_record.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/strings.h"
+#include "parallel/comm/agree.h"
 #include "parallel/comm/communicator.h"
 
-#include <ATen/ATen.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <unistd.h>
@@ -21,10 +23,6 @@ namespace fs = std::filesystem;
 
 namespace parallax::train {
 namespace {
-
-// Room for rank 0's outcome in the broadcast: a kind byte, then the message, NUL-terminated.
-constexpr int64_t kOutcomeBytes = 1024;
-enum Outcome : uint8_t { kOk = 0, kIoError = 1, kConfigError = 2 };
 
 std::string host_name() {
   char buf[256] = {};
@@ -58,6 +56,49 @@ std::string describe_holder(int fd) {
 
 std::string errno_text(int err) {
   return std::strerror(err);
+}
+
+// What a training job writes directly inside its run directory (trainer, checkpointer,
+// config_record, metrics, profiler, plot tool, QAT report).
+const char* const kWrittenEntries[] = {
+    kRunLockFile,    "config.yaml",     checkpoint::kConfigHistoryDir,
+    "metrics.jsonl", "checkpoints",     "plots",
+    "profile",       "sensitivity.json"};
+
+// The run directory itself may be a symbolic link (to a bigger disk, say): a WARN names where the
+// run goes. A symbolic link among what the job writes inside it is refused: writes through it
+// would land elsewhere, silently, in a file that another job or user may own. So is one among the
+// checkpoints (which a resume reads and the retention deletes) that leads out of checkpoints/; a
+// `latest` linked to a step directory beside it is a form checkpoint readers accept.
+void check_links(const fs::path& run) {
+  std::error_code ec;
+  if (fs::is_symlink(run, ec)) {
+    core::log::warn("run directory '{}' is a symbolic link: the run writes to '{}'",
+                    core::clip(run.string(), 300),
+                    core::clip(fs::canonical(run, ec).string(), 300));
+  }
+  auto refuse = [&](const fs::path& link) {
+    std::error_code e;
+    const fs::path target = fs::read_symlink(link, e);
+    throw_error<IoError>(
+        "run directory '{}': '{}' is a symbolic link (to '{}'); a run writes only real files and "
+        "folders inside its run directory: remove the link (or move what it points to there)",
+        core::clip(run.string(), 300), core::clip(link.lexically_relative(run).string(), 200),
+        core::clip(e ? std::string("?") : target.string(), 300));
+  };
+  for (const char* entry : kWrittenEntries) {
+    if (fs::is_symlink(run / entry, ec)) refuse(run / entry);
+  }
+  const fs::path ckpts = run / "checkpoints";
+  if (fs::is_directory(ckpts, ec)) {
+    const fs::path root = fs::canonical(ckpts, ec);
+    for (fs::directory_iterator it(ckpts, ec), end; !ec && it != end; it.increment(ec)) {
+      std::error_code e;
+      if (!it->is_symlink(e)) continue;
+      const fs::path real = fs::weakly_canonical(it->path(), e);
+      if (e || real.parent_path() != root) refuse(it->path());
+    }
+  }
 }
 
 }  // namespace
@@ -94,8 +135,9 @@ RunDirectory RunDirectory::open_local(const ExperimentConfig& cfg) {
   if (ec)
     throw_error<IoError>("cannot create run directory '{}': {}", core::clip(path.string(), 300),
                          ec.message());
+  check_links(path);
   const fs::path lock = path / kRunLockFile;
-  const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) {
     throw_error<IoError>("cannot open the lock file '{}' of the run directory: {}",
                          core::clip(lock.string(), 300), errno_text(errno));
@@ -124,39 +166,13 @@ RunDirectory RunDirectory::open_local(const ExperimentConfig& cfg) {
 RunDirectory RunDirectory::open(const ExperimentConfig& cfg, parallel::comm::Communicator& world,
                                 const c10::Device& device) {
   if (world.size() == 1) return open_local(cfg);
+  // Rank 0 opens (and locks) the directory; every failure of rank 0 reaches the other ranks, as its
+  // own message, before any of them goes on.
   std::optional<RunDirectory> dir;
-  Outcome outcome = kOk;
-  std::string message;
-  if (world.rank() == 0) {
-    // Every failure of rank 0 reaches the other ranks; only then does rank 0 throw it too.
-    try {
-      dir.emplace(open_local(cfg));
-    } catch (const ConfigError& e) {
-      outcome = kConfigError;
-      message = e.what();
-    } catch (const std::exception& e) {
-      outcome = kIoError;
-      message = e.what();
-    }
-  }
-  at::Tensor host = at::zeros({kOutcomeBytes}, at::kByte);
-  if (world.rank() == 0) {
-    const std::string text = core::clip(message, kOutcomeBytes - 32);
-    auto* p = host.data_ptr<uint8_t>();
-    p[0] = outcome;
-    std::memcpy(p + 1, text.data(), std::min<std::size_t>(text.size(), kOutcomeBytes - 2));
-  }
-  at::Tensor buf = host.to(device);
-  world.broadcast_async(buf, 0)->wait();
-  host = buf.cpu();
-  const auto* p = host.data_ptr<uint8_t>();
-  const auto received = static_cast<Outcome>(p[0]);
-  if (received != kOk) {
-    message.assign(reinterpret_cast<const char*>(p + 1),
-                   strnlen(reinterpret_cast<const char*>(p + 1), kOutcomeBytes - 1));
-    if (received == kConfigError) throw ConfigError(message);
-    throw IoError(message);
-  }
+  parallel::comm::agree_on(world, device, "", [&]() -> int64_t {
+    if (world.rank() == 0) dir.emplace(open_local(cfg));
+    return 0;
+  });
   if (dir) return std::move(*dir);
   return RunDirectory(fs::path(cfg.output_dir) / cfg.name, -1);
 }

@@ -15,6 +15,12 @@
 // before any other collective, so every rank returns, or throws the same error, at once: none is
 // left waiting in a later collective for a rank 0 that has stopped.
 //
+// Symbolic links: the run directory itself may be one (to a bigger disk, say), and a WARN names
+// the real path. Among what a job writes inside it (.lock, config.yaml, config_history,
+// metrics.jsonl, checkpoints, plots, profile, sensitivity.json), and among the entries of
+// checkpoints/ when it leads out of that folder, a symbolic link is an IoError naming it and its
+// target: writes (and resumes) through it would reach elsewhere.
+//
 // Readers of a run directory (`parallax export`, `parallax inspect`) take no lock.
 #pragma once
 
@@ -40,8 +46,9 @@ class RunDirectory {
   // it (naming that job's pid, host and start time).
   static RunDirectory open(const ExperimentConfig& cfg, parallel::comm::Communicator& world,
                            const c10::Device& device);
-  // One process: checks experiment.name, creates the directory and takes its lock without
-  // waiting. Throws as open does.
+  // One process: checks experiment.name, creates the directory, checks it for symbolic links (see
+  // the file comment) and takes its lock without waiting. Throws as open does, and IoError for a
+  // symbolic link inside the directory.
   static RunDirectory open_local(const ExperimentConfig& cfg);
 
   RunDirectory(RunDirectory&& other) noexcept;

@@ -4,6 +4,7 @@
 #include "core/log.h"
 #include "core/strings.h"
 #include "parallel/comm/comm_base.h"
+#include "parallel/comm/deadline_call.h"
 #include "parallel/comm/world_context.h"
 
 #include <ATen/Context.h>
@@ -523,7 +524,7 @@ std::vector<uint8_t> WorldContext::broadcast_from_root(std::vector<uint8_t> byte
   } catch (const std::exception& e) {
     throw_error<TimeoutError>(
         "rank {}: waiting for '{}' from rank 0 through the store timed out after {:.1f} s: {}",
-        rank, key, timeout_s, e.what());
+        rank, key, timeout_s, one_line_what(e));
   }
   return store->get(k);
 }
@@ -535,6 +536,20 @@ std::vector<uint8_t> WorldContext::broadcast_from_root(std::vector<uint8_t> byte
 namespace {
 
 World* g_world = nullptr;
+
+// Runs the store call `f` (which owns what it uses) until `deadline` (call_with_deadline): a
+// TimeoutError names `what` when the store does not answer, a CommError carries a failing call's
+// one-line text.
+template <class F>
+auto bounded_store_call(const char* what, detail::Clock::time_point deadline, F f) -> decltype(f()) {
+  try {
+    if (auto r = call_with_deadline(std::move(f), deadline)) return *r;
+  } catch (const std::exception& e) {
+    throw_error<CommError>("the store failed during {}: {}", what, one_line_what(e));
+  }
+  throw_error<TimeoutError>("the store did not answer in time during {} (is its host stopped?)",
+                            what);
+}
 
 std::string host_name() {
   char buf[256] = {0};
@@ -569,7 +584,7 @@ c10::intrusive_ptr<c10d::Store> make_store(detail::WorldContext& ctx) {
       throw_error<CommError>(
           "rank {}: cannot {} the TCPStore at {}:{} within {:.0f} s (init timeout): {}", ctx.rank,
           o.isServer ? "host" : "reach", l.master_addr, l.master_port, ctx.init_timeout_s,
-          std::string(e.what()).substr(0, 300));
+          one_line_what(e));
     }
   }
   // MPI (or a single process): rank 0 hosts the store, its address travels through MPI.
@@ -594,7 +609,7 @@ c10::intrusive_ptr<c10d::Store> make_store(detail::WorldContext& ctx) {
       msg = fmt::format("{}\n{}\n{}", advertised, tcp->getPort(), me);
       store = tcp;
     } catch (const std::exception& e) {
-      msg = fmt::format("!{}", std::string(e.what()).substr(0, 300));
+      msg = fmt::format("!{}", one_line_what(e));
     }
   }
   std::vector<uint8_t> bytes(msg.begin(), msg.end());
@@ -622,7 +637,7 @@ c10::intrusive_ptr<c10d::Store> make_store(detail::WorldContext& ctx) {
     throw_error<CommError>(
         "rank {}: cannot reach rank 0's TCPStore at {}:{} within {:.0f} s (set PARALLAX_STORE_ADDR "
         "to an address of rank 0's host reachable from here): {}",
-        ctx.rank, addr, o.port, ctx.init_timeout_s, std::string(e.what()).substr(0, 300));
+        ctx.rank, addr, o.port, ctx.init_timeout_s, one_line_what(e));
   }
 }
 
@@ -694,7 +709,7 @@ World::World(WorldOptions options) : ctx_(std::make_shared<detail::WorldContext>
       }
       // Under MPI the store only serves hang reports (and gloo/NCCL ids, which then use MPI).
       core::log::warn("no out-of-band store, hang reports will not name missing ranks: {}",
-                      e.what());
+                      one_line_what(e));
       c.store.reset();
     }
   }
@@ -717,23 +732,30 @@ World::~World() {
         detail::mpi_wait_for(&req, c.init_timeout_s, "world shutdown barrier");
       } else if (c.store) {
         // Two phases: everyone arrives, then everyone but rank 0 acknowledges having seen that, so
-        // rank 0 (the store's host) is the last to stop using the store.
+        // rank 0 (the store's host) is the last to stop using the store. Every store call is
+        // bounded by the barrier's deadline (the store's host may be stopped).
         const auto deadline =
             detail::Clock::now() + std::chrono::seconds(static_cast<int64_t>(c.init_timeout_s));
-        c.store->add("pxc/exit", 1);
-        while (c.store->add("pxc/exit", 0) < c.size && detail::Clock::now() < deadline) {
+        auto add = [&](const char* key, int64_t n) {
+          return bounded_store_call("a counter update", deadline,
+                                    [s = c.store, k = std::string(key), n] { return s->add(k, n); });
+        };
+        add("pxc/exit", 1);
+        while (add("pxc/exit", 0) < c.size && detail::Clock::now() < deadline) {
           std::this_thread::sleep_for(std::chrono::milliseconds(2));
         }
         if (c.rank != 0) {
-          c.store->add("pxc/exit_ack", 1);
+          add("pxc/exit_ack", 1);
         } else {
-          while (c.store->add("pxc/exit_ack", 0) < c.size - 1 && detail::Clock::now() < deadline) {
+          while (add("pxc/exit_ack", 0) < c.size - 1 && detail::Clock::now() < deadline) {
             std::this_thread::sleep_for(std::chrono::milliseconds(2));
           }
         }
       }
     } catch (const std::exception& e) {
-      core::log::warn("world shutdown barrier failed: {}", e.what());
+      // One line: the store's host may be gone (it exited first, or died); c10's backtrace is
+      // not for users.
+      core::log::warn("world shutdown barrier failed: {}", one_line_what(e));
     }
   }
   c.store.reset();

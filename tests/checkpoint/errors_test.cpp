@@ -25,6 +25,7 @@ using namespace parallax::checkpoint;
 using parallax::ckpt_test::bitwise_equal;
 using parallax::ckpt_test::random_tensor;
 using parallax::ckpt_test::ScratchDir;
+using parallax::ckpt_test::contains;
 namespace fs = std::filesystem;
 
 namespace {
@@ -79,10 +80,6 @@ std::string expect_error(F&& f) {
   }
   ADD_FAILURE() << "no exception";
   return "";
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
 }
 
 }  // namespace

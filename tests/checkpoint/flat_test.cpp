@@ -11,6 +11,7 @@
 #include "checkpoint/tensor_io.h"
 #include "checkpoint/weights.h"
 #include "core/error.h"
+#include "corrupt.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -34,13 +35,11 @@ using parallax::ckpt_test::bitwise_equal;
 using parallax::ckpt_test::random_tensor;
 using parallax::ckpt_test::run_ranks;
 using parallax::ckpt_test::ScratchDir;
+using parallax::ckpt_test::contains;
+using parallax::ckpt_test::corrupt_dataset_byte;
 namespace fs = std::filesystem;
 
 namespace {
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 // parts + 1 cut points 0 = c_0 <= ... <= c_parts = n at random (so mostly inside rows); with
 // `empty_piece`, one piece is empty.
@@ -142,24 +141,6 @@ std::vector<std::string> try_save(const std::string& dir, const std::vector<Save
     }
   });
   return errors;
-}
-
-// Flips one byte of tensor `name`'s data in rank file `file`.
-void corrupt(const std::string& file, const std::string& name, int64_t byte) {
-  hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
-  hid_t d = H5Dopen2(f, name.c_str(), H5P_DEFAULT);
-  const haddr_t off = H5Dget_offset(d);
-  H5Dclose(d);
-  H5Fclose(f);
-  ASSERT_NE(off, HADDR_UNDEF);
-  std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
-  const auto pos = static_cast<std::streamoff>(off) + static_cast<std::streamoff>(byte);
-  io.seekg(pos);
-  char c = 0;
-  io.read(&c, 1);
-  c = static_cast<char>(c ^ 0x5a);
-  io.seekp(pos);
-  io.write(&c, 1);
 }
 
 TensorInfo tensor_of(std::vector<int64_t> shape, std::vector<ShardInfo> shards) {
@@ -485,7 +466,7 @@ TEST(CheckpointFlatTest, CorruptOrNonFiniteFlatShardIsFoundByTheReaderAndInspect
   EXPECT_TRUE(contains(good.str(), ": OK")) << good.str();
 
   // One byte of rank 1's range of optim/v (elements [501, 1001)).
-  corrupt((fs::path(ckpt) / "rank_00001.h5").string(), "optim/v", 4 * 123 + 1);
+  corrupt_dataset_byte((fs::path(ckpt) / "rank_00001.h5").string(), "optim/v", 4 * 123 + 1);
   auto checksum_error = [](const std::function<void()>& f) {
     try {
       f();

@@ -30,13 +30,10 @@ using namespace parallax;
 using namespace parallax::checkpoint;
 using parallax::ckpt_test::random_tensor;
 using parallax::ckpt_test::ScratchDir;
+using parallax::ckpt_test::contains;
 namespace fs = std::filesystem;
 
 namespace {
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 template <class F>
 std::string checkpoint_error(F&& f) {

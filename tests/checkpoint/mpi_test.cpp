@@ -16,6 +16,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <limits>
@@ -196,6 +197,74 @@ TEST(CheckpointMpiTest, FailureOnOneRankFailsTheSaveEverywhere) {
   EXPECT_EQ(CheckpointReader(root + "/checkpoints").metadata().step, 3);
   env.barrier();
   if (env.rank() == 0) fs::remove_all(root);
+}
+
+// Issue 35, item 3 (the flake of the test below: 1 run in 30 left a `.tmp-step_*`): a save that
+// fails on rank 0 ends there only once every other rank stopped writing into the temporary
+// directory. Rank 0 counted its own failure among the writers it waits for, so it removed the
+// directory at once, while rank 1 might be creating its file in it. Here rank 1 writes a large
+// file (a slow writer) while rank 0 refuses its state at once: rank 0's save() must not return
+// before rank 1 has written its file, i.e. no earlier than halfway through rank 1's save (which is
+// almost all writing: measured on the failing save itself, and on a committed save of the same
+// state, so that a rank 1 held up after its write does not move the bar). Times are on the host's
+// monotonic clock, shared by the ranks.
+TEST(CheckpointMpiTest, ASaveFailingOnRankZeroEndsAfterTheOtherWriters) {
+  MpiEnv& env = MpiEnv::get();
+  if (env.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  const uint64_t seed = env.shared_seed();
+  const std::string dir = shared_scratch(env, "slow_writer") + "/checkpoints";
+  const auto g = make_globals(seed);
+  Checkpointer ck(dir, CheckpointerOptions{});
+  SaveState s = make_state(g, seed, env.rank(), env.size());
+  if (env.rank() > 0) {
+    // 64 MiB that only this rank writes: a write of a hundred ms or more, checked finite first.
+    s.add_rank_local("big", random_tensor(at::kFloat, {16 << 20},
+                                          at::make_generator<at::CPUGeneratorImpl>(seed + 9)));
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto timed_save = [&](int64_t step, const SaveState& state) {
+    env.barrier();
+    const auto begin = Clock::now();
+    try {
+      ck.save(step, state);
+    } catch (const Error&) {
+    }
+    const auto end = Clock::now();
+    const auto secs = [](Clock::time_point t) {
+      return std::chrono::duration<double>(t.time_since_epoch()).count();
+    };
+    at::Tensor mine = at::tensor({secs(begin), secs(end)}, at::kDouble);
+    at::Tensor all = at::empty({2 * env.size()}, at::kDouble);
+    env.comm->all_gather_async(mine, all)->wait();
+    return all;
+  };
+  const at::Tensor committed = timed_save(1, s);
+  ASSERT_TRUE(ck.last_save().has_value());
+  if (env.rank() == 0) {
+    for (auto& e : s.entries()) {
+      if (e.name == "optim/flat.exp_avg") {
+        e.tensor = e.tensor.clone();
+        e.tensor[0] = std::numeric_limits<float>::quiet_NaN();
+      }
+    }
+  }
+  const at::Tensor failed = timed_save(2, s);
+  EXPECT_EQ(ck.last_save()->step, 1);
+  const double rank0_end = failed[1].item<double>();
+  for (int r = 1; r < env.size(); ++r) {
+    const double b = failed[2 * r].item<double>(), e = failed[2 * r + 1].item<double>();
+    const double writing =
+        std::min(e - b, committed[2 * r + 1].item<double>() - committed[2 * r].item<double>());
+    EXPECT_GE(rank0_end - b, 0.5 * writing)
+        << "rank 0's failed save returned " << (rank0_end - b) << " s after rank " << r
+        << " began its save of " << (e - b) << " s (a committed one: " << writing
+        << " s): before rank " << r << " had written its file";
+  }
+  env.barrier();
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_EQ(e.path().filename().string().rfind(".tmp-", 0), std::string::npos) << e.path();
+  env.barrier();
+  if (env.rank() == 0) fs::remove_all(fs::path(dir).parent_path());
 }
 
 TEST(CheckpointMpiTest, NonFiniteStateOnAnyRankIsRefusedByEveryRank) {

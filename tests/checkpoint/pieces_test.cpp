@@ -10,6 +10,7 @@
 #include "checkpoint/reader.h"
 #include "core/error.h"
 #include "parallel/engine.h"
+#include "corrupt.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -35,13 +36,11 @@ using namespace parallax::checkpoint;
 using parallax::ckpt_test::bitwise_equal;
 using parallax::ckpt_test::run_ranks;
 using parallax::ckpt_test::ScratchDir;
+using parallax::ckpt_test::contains;
+using parallax::ckpt_test::corrupt_dataset_byte;
 namespace fs = std::filesystem;
 
 namespace {
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 std::string error_of(const std::function<void()>& f) {
   try {
@@ -62,26 +61,6 @@ void save_all(const std::string& dir, const std::vector<SaveState>& states) {
     Checkpointer ck(dir, o, CommitGroup{r, world, store});
     ck.save(1, states[static_cast<size_t>(r)]);
   });
-}
-
-// Flips one byte of dataset `dataset` in HDF5 file `file`.
-void corrupt(const std::string& file, const std::string& dataset, int64_t byte) {
-  hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
-  ASSERT_GE(f, 0) << file;
-  hid_t d = H5Dopen2(f, dataset.c_str(), H5P_DEFAULT);
-  ASSERT_GE(d, 0) << dataset;
-  const haddr_t off = H5Dget_offset(d);
-  H5Dclose(d);
-  H5Fclose(f);
-  ASSERT_NE(off, HADDR_UNDEF);
-  std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
-  const auto pos = static_cast<std::streamoff>(off) + static_cast<std::streamoff>(byte);
-  io.seekg(pos);
-  char c = 0;
-  io.read(&c, 1);
-  c = static_cast<char>(c ^ 0x5a);
-  io.seekp(pos);
-  io.write(&c, 1);
 }
 
 std::string read_text(const fs::path& p) {
@@ -131,7 +110,7 @@ TEST(CheckpointPiecesTest, CorruptLaterPieceFailsAVerifiedWholeLoad) {
   EXPECT_TRUE(contains(listing.str(), " dataset model/qkv.weight@2\n")) << listing.str();
   EXPECT_TRUE(contains(listing.str(), "verified: 3 shards in 1 files")) << listing.str();
 
-  corrupt((fs::path(ckpt) / "rank_00000.h5").string(), "model/qkv.weight@2", 4 * 7 + 2);
+  corrupt_dataset_byte((fs::path(ckpt) / "rank_00000.h5").string(), "model/qkv.weight@2", 4 * 7 + 2);
   for (const std::string& m : {error_of([&] { CheckpointReader(dir).read("model/qkv.weight"); }),
                                error_of([&] { CheckpointReader(dir).verify_all(); })}) {
     EXPECT_TRUE(contains(m, "checksum mismatch") && contains(m, "rank_00000.h5") &&

@@ -4,6 +4,7 @@
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/files.h"
 #include "checkpoint/reader.h"
+#include "checkpoint/resume.h"
 #include "core/error.h"
 #include "core/strings.h"
 #include "test_util.h"
@@ -271,4 +272,121 @@ TEST(CheckpointAtomicTest, KeepLastPrunesOnlyAfterCommitAndLeftoversAreCleaned) 
   EXPECT_FALSE(resume_checkpoint("", dir.string()));
   EXPECT_FALSE(resume_checkpoint("auto", (tmp / "nothing_yet").string()));
   EXPECT_THROW(resume_checkpoint((tmp / "nothing_yet").string(), dir.string()), CheckpointError);
+}
+
+// Issue 35, item 4: train.resume=auto when `latest` is lost or names a step that does not verify.
+TEST(CheckpointResumeTest, LostOrBrokenLatestFallsBackToTheNewestStepThatVerifies) {
+  ScratchDir tmp("resume_fallback");
+  const fs::path dir = tmp / "checkpoints";
+  CheckpointerOptions o;
+  o.keep_last = 0;
+  Checkpointer ck(dir.string(), o, single());
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(ckpt_test::fresh_seed());
+  for (int64_t step = 10; step <= 40; step += 10) {
+    SaveState s;
+    s.add_replicated("model/w", random_tensor(at::kFloat, {16}, gen));
+    ck.save(step, s);
+  }
+  const auto step_dir = [&](int64_t step) { return (dir / step_dir_name(step)).string(); };
+  // `latest` verifies: it is used, without a warning.
+  auto p = find_resume_point("auto", dir.string());
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->path, step_dir(40));
+  EXPECT_EQ(p->step, 40);
+  EXPECT_TRUE(p->warnings.empty());
+  EXPECT_EQ(checkpoint_problem(step_dir(40)), "");
+  // `latest` lost: the newest step that verifies, with a warning naming it.
+  fs::remove(dir / kLatestFile);
+  p = find_resume_point("auto", dir.string());
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->path, step_dir(40));
+  ASSERT_EQ(p->warnings.size(), 1u);
+  EXPECT_NE(p->warnings[0].find("latest' is missing"), std::string::npos) << p->warnings[0];
+  EXPECT_NE(p->warnings[0].find("step 40"), std::string::npos) << p->warnings[0];
+  // The newest one truncated as well: skipped, with its problem in the warning.
+  const fs::path rank_file = fs::path(step_dir(40)) / rank_file_name(0);
+  fs::resize_file(rank_file, fs::file_size(rank_file) / 2);
+  EXPECT_NE(checkpoint_problem(step_dir(40)).find("truncated"), std::string::npos);
+  p = find_resume_point("auto", dir.string());
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->path, step_dir(30));
+  ASSERT_EQ(p->warnings.size(), 1u);
+  EXPECT_NE(p->warnings[0].find("skipped: step 40"), std::string::npos) << p->warnings[0];
+  // `latest` names a broken step: the newest older step that verifies, never a newer one.
+  files::write_atomic((dir / kLatestFile).string(), step_dir_name(30) + "\n");
+  fs::remove(fs::path(step_dir(30)) / kMetadataFile);
+  fs::resize_file(rank_file, 0);
+  p = find_resume_point("auto", dir.string());
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->path, step_dir(20));
+  ASSERT_EQ(p->warnings.size(), 1u);
+  EXPECT_NE(p->warnings[0].find("names step_00000030, which cannot be resumed from"),
+            std::string::npos)
+      << p->warnings[0];
+  // An edited metadata.json (its checksum no longer matches) does not verify either.
+  {
+    const fs::path meta = fs::path(step_dir(20)) / kMetadataFile;
+    std::string text = files::read_text(meta.string());
+    text.replace(text.find("\"step\": 20"), 10, "\"step\": 21");
+    std::ofstream(meta) << text;
+  }
+  p = find_resume_point("auto", dir.string());
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->path, step_dir(10));
+  // Garbage in `latest`: the newest step that verifies.
+  std::ofstream(dir / kLatestFile) << "not a step\n";
+  p = find_resume_point("auto", dir.string());
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->path, step_dir(10));
+  EXPECT_NE(p->warnings[0].find("not a checkpoint directory name"), std::string::npos);
+  // Nothing verifies: an error naming each step's problem, never a fresh start.
+  fs::remove(fs::path(step_dir(10)) / rank_file_name(0));
+  try {
+    find_resume_point("auto", dir.string());
+    ADD_FAILURE() << "no checkpoint verifies, yet a resume point was found";
+  } catch (const CheckpointError& e) {
+    const std::string m = e.what();
+    for (const char* part : {"Not starting over", "step 10: ", "is missing", "step 40: "})
+      EXPECT_NE(m.find(part), std::string::npos) << part << " not in: " << m;
+  }
+  fs::remove(dir / kLatestFile);
+  EXPECT_THROW(find_resume_point("auto", dir.string()), CheckpointError);
+  // Only a checkpoints directory that never held a step is a fresh start.
+  EXPECT_FALSE(find_resume_point("auto", (tmp / "empty").string()));
+  fs::create_directories(tmp / "empty");
+  EXPECT_FALSE(find_resume_point("auto", (tmp / "empty").string()));
+}
+
+// Issue 35, item 5: the `latest` pointer is a checkpoint path wherever one is accepted.
+TEST(CheckpointResumeTest, TheLatestPointerIsACheckpointPath) {
+  ScratchDir tmp("latest_path");
+  const fs::path dir = tmp / "checkpoints";
+  Checkpointer ck(dir.string(), CheckpointerOptions{}, single());
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(ckpt_test::fresh_seed());
+  const at::Tensor w = random_tensor(at::kFloat, {8}, gen);
+  SaveState s;
+  s.add_replicated("model/w", w);
+  ck.save(7, s);
+  const std::string latest = (dir / kLatestFile).string();
+  EXPECT_TRUE(is_checkpoint_path(latest));
+  EXPECT_EQ(resolve_checkpoint(latest), (dir / step_dir_name(7)).string());
+  EXPECT_TRUE(bitwise_equal(CheckpointReader(latest).read("model/w"), w));
+  EXPECT_EQ(find_resume_point(latest, "")->step, 7);
+  // A symbolic link named latest, to a step directory.
+  fs::create_directories(tmp / "linked");
+  fs::create_directory_symlink(fs::absolute(dir / step_dir_name(7)), tmp / "linked" / kLatestFile);
+  EXPECT_TRUE(is_checkpoint_path((tmp / "linked" / kLatestFile).string()));
+  EXPECT_TRUE(bitwise_equal(CheckpointReader((tmp / "linked").string()).read("model/w"), w));
+  // Any other file is still refused, naming what is expected.
+  std::ofstream(tmp / "notes.txt") << "step_00000007\n";
+  try {
+    resolve_checkpoint((tmp / "notes.txt").string());
+    ADD_FAILURE() << "a plain file was taken for a checkpoint";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a checkpoint directory"), std::string::npos);
+  }
+  // A `latest` naming a missing step is an error naming both.
+  std::ofstream(latest) << "step_00000009\n";
+  EXPECT_FALSE(is_checkpoint_path(latest));
+  EXPECT_THROW(resolve_checkpoint(latest), CheckpointError);
 }

@@ -91,4 +91,9 @@ inline uint64_t fresh_seed() {
   return std::random_device{}() * 0x9E3779B97F4A7C15ULL + std::random_device{}();
 }
 
+// Whether `part` occurs in `s` (error messages name files, tensors and ranks).
+inline bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
 }  // namespace parallax::ckpt_test

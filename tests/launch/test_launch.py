@@ -333,6 +333,38 @@ class LaunchTest(unittest.TestCase):
         self.assertEqual(rc, 0, err[-4000:])
         self.check_exactly_once_and_equal("mpi")
 
+    def test_nproc_per_node_is_capped_at_the_node_unless_forced(self):
+        """Issue 35 item 4: --nproc-per-node 100000 started 347 workers (22.5 GB) before failing. The
+        launcher now refuses more workers than the node's GPUs (CPU workers: cores) in one line
+        naming the flag and the count, before anything starts; --allow-oversubscribe starts them."""
+        limit = gpu_count() if DEVICE == "cuda" else len(os.sched_getaffinity(0))
+        what = "GPU(s)" if DEVICE == "cuda" else "CPU core(s)"
+        for n in (limit + 1, 100000):
+            start = time.time()
+            p = self.launch(f"over{n}", ["--nproc-per-node", str(n), "--standalone"])
+            rc, err = self.finish(p, timeout=60)
+            self.assertLess(time.time() - start, 10)
+            self.assertEqual(rc, 2, err[-2000:])  # a usage error
+            errors = [line for line in err.splitlines() if line.strip()]
+            self.assertEqual(len(errors), 1, err[-2000:])
+            self.assertTrue(errors[0].startswith(f"parallax: error: launch: --nproc-per-node {n} is more than "),
+                            errors[0])
+            self.assertIn(f"{limit} {what}" if n == limit + 1 else "1024 workers per node", errors[0])
+            self.assertFalse(os.path.exists(os.path.join(self.d, f"over{n}")), "nothing started")
+        if DEVICE == "cuda":
+            return  # workers sharing a GPU cannot form an NCCL group: the forced run is CPU only
+        # Forced: limit + 1 CPU workers train together.
+        n = limit + 1
+        cmd = [PARALLAX, "launch", "--nproc-per-node", str(n), "--standalone", "--allow-oversubscribe", "--",
+               "train", "--config", MLP, f"experiment.output_dir={self.d}", "experiment.name=forced",
+               "model.size=tiny", "train.steps=2", "train.log_every=1", *DEVICE_ARGS]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                             cwd=self.d, start_new_session=True)
+        rc, err = self.finish(p, timeout=240)
+        self.assertEqual(rc, 0, err[-3000:])
+        self.assertIn(f"{n} worker(s) of {n}", err)
+        self.assertEqual([r["step"] for r in rows(os.path.join(self.d, "forced"))], [1, 2])
+
     def test_two_nodes_on_one_machine_restart_together(self):
         if NPROC != 2:
             self.skipTest("two nodes of one worker each match the reference of 2 workers only")
@@ -360,20 +392,19 @@ class LaunchTest(unittest.TestCase):
         self.assertIn("restarting all 2 node(s): restart 1 of 1", err1)
         self.check_exactly_once_and_equal("nodes")
 
-    def test_a_stopped_store_host_ends_the_other_node_within_the_rdzv_timeout(self):
-        """Node 0's launcher (the store host) is stopped, not dead: c10d's client calls have no
-        deadline, so node 1's launcher bounds each store call by --rdzv-timeout and ends its job with
-        one error naming the store."""
+    def store_host_fails(self, name, sig, grace_s, extra=()):
+        """Two nodes of one rank each, --rdzv-timeout 10; once node 0 (the store host) has trained 5
+        rows its launcher gets `sig`. Returns node 1's (returncode, stderr, seconds to its end)."""
         if DEVICE == "cuda" and gpu_count() < 2:
             self.skipTest("each node takes its own GPU: needs 2")
         port = free_port()
         common = ["--nproc-per-node", "1", "--nnodes", "2", "--master", f"127.0.0.1:{port}", "--rdzv-timeout", "10",
-                  "--grace-period", "2"]
-        n0 = self.launch("stopped", [*common, "--node-rank", "0"], gpus="0")
-        n1 = self.launch("stopped", [*common, "--node-rank", "1"], gpus="1")
+                  "--grace-period", str(grace_s)]
+        n0 = self.launch(name, [*common, "--node-rank", "0"], *extra, gpus="0")
+        n1 = self.launch(name, [*common, "--node-rank", "1"], *extra, gpus="1")
         try:
-            self.wait_rows(n0, "stopped", 5)
-            os.kill(n0.pid, signal.SIGSTOP)
+            self.wait_rows(n0, name, 5)
+            os.kill(n0.pid, sig)
             start = time.time()
             rc1, err1 = self.finish(n1, timeout=120)
             took = time.time() - start
@@ -382,6 +413,16 @@ class LaunchTest(unittest.TestCase):
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.communicate()
+                for f in (p.stdout, p.stderr):
+                    if f:
+                        f.close()
+        return rc1, err1, took
+
+    def test_a_stopped_store_host_ends_the_other_node_within_the_rdzv_timeout(self):
+        """Node 0's launcher (the store host) is stopped, not dead: c10d's client calls have no
+        deadline, so node 1's launcher bounds each store call by --rdzv-timeout and ends its job with
+        one error naming the store."""
+        rc1, err1, took = self.store_host_fails("stopped", signal.SIGSTOP, grace_s=2)
         self.assertNotEqual(rc1, 0, err1[-3000:])
         errors = [line for line in err1.splitlines() if line.startswith("parallax: error:")]
         self.assertEqual(len(errors), 1, err1[-3000:])
@@ -389,6 +430,19 @@ class LaunchTest(unittest.TestCase):
         self.assertIn("did not answer within 10 s (--rdzv-timeout)", errors[0])
         # The deadline, the workers' grace period, and slack for a loaded 2-core machine.
         self.assertLess(took, 10 + 2 + 20)
+
+    def test_a_killed_store_host_ends_the_other_node_with_one_line_messages(self):
+        """Issue 35, item 6: node 0's launcher (the store host) is killed while the workers checkpoint
+        every step. Node 1's launcher and its worker report the store's failure in one line each:
+        no c10 backtrace ("Exception raised from ... at /__w/pytorch/...", "frame #..." lines)."""
+        rc1, err1, took = self.store_host_fails("killed", signal.SIGKILL, grace_s=5, extra=("checkpoint.every=1",))
+        print("\n  " + "\n  ".join(l for l in err1.splitlines() if "error" in l.lower()), file=sys.stderr)
+        self.assertNotEqual(rc1, 0, err1[-3000:])
+        self.assertNotIn("Exception raised from", err1)
+        self.assertNotRegex(err1, r"frame #\d+")
+        errors = [line for line in err1.splitlines() if line.startswith("parallax: error:")]
+        self.assertTrue(errors, err1[-3000:])
+        self.assertLess(took, 10 + 5 + 30)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 #include "train/run_dir.h"
 
 #include "core/error.h"
+#include "core/log.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -124,6 +125,70 @@ TEST_F(RunDirTest, ALockFileLeftBehindDoesNotBlock) {
   EXPECT_EQ(
       read(out_ / "stale" / parallax::train::kRunLockFile).rfind(std::to_string(getpid()) + " ", 0),
       0u);
+}
+
+TEST_F(RunDirTest, SymbolicLinksAmongWhatARunWritesAreRefusedNamingTheirTarget) {
+  // Pre-planted links to a file and a folder outside the run directory: writing through them
+  // would append metrics to, lock, or checkpoint into someone else's files.
+  const fs::path victim = root_ / "elsewhere" / "victim.txt";
+  fs::create_directories(victim.parent_path());
+  std::ofstream(victim) << "not yours\n";
+  const std::vector<std::pair<std::string, fs::path>> links = {
+      {"metrics.jsonl", victim},
+      {"config.yaml", victim},
+      {parallax::train::kRunLockFile, victim},
+      {"checkpoints", victim.parent_path()},
+      {"checkpoints/latest", victim},
+      {"checkpoints/step_00000004", victim.parent_path()}};
+  int i = 0;
+  for (const auto& [entry, target] : links) {
+    const std::string name = "linked" + std::to_string(i++);
+    const fs::path run = out_ / name;
+    fs::create_directories((run / entry).parent_path());
+    fs::create_symlink(target, run / entry);
+    try {
+      RunDirectory::open_local(experiment(name));
+      ADD_FAILURE() << "a symbolic link at " << entry << " was accepted";
+    } catch (const IoError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("run directory '" + run.string() + "': '" + entry +
+                         "' is a symbolic link (to '" + target.string() + "')"),
+                std::string::npos)
+          << msg;
+    }
+    EXPECT_EQ(read(victim), "not yours\n") << entry;
+  }
+  EXPECT_EQ(std::distance(fs::directory_iterator(victim.parent_path()), fs::directory_iterator()),
+            1);
+  // A `latest` linked to a step directory beside it (a form checkpoint readers accept) is fine.
+  const fs::path ok = out_ / "latest_link" / "checkpoints";
+  fs::create_directories(ok / "step_00000002");
+  fs::create_directory_symlink("step_00000002", ok / "latest");
+  EXPECT_TRUE(RunDirectory::open_local(experiment("latest_link")).locked());
+}
+
+TEST_F(RunDirTest, ASymlinkedRunDirectoryIsUsedAndItsRealPathIsAWarning) {
+  // A run directory linked to a bigger disk is the user's choice: it works, and says where.
+  const fs::path real = root_ / "big_disk" / "run";
+  fs::create_directories(real);
+  fs::create_directory_symlink(real, out_ / "linked");
+  std::vector<std::string> warnings;
+  parallax::core::log::set_sink([&](parallax::core::log::Level level, std::string_view line) {
+    if (level == parallax::core::log::Level::kWarn) warnings.emplace_back(line);
+  });
+  {
+    const RunDirectory dir = RunDirectory::open_local(experiment("linked"));
+    parallax::core::log::set_sink(nullptr);
+    EXPECT_TRUE(dir.locked());
+    EXPECT_TRUE(fs::is_regular_file(real / parallax::train::kRunLockFile));
+  }
+  parallax::core::log::set_sink(nullptr);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("run directory '" + (out_ / "linked").string() +
+                             "' is a symbolic link: the run writes to '" +
+                             fs::canonical(real).string() + "'"),
+            std::string::npos)
+      << warnings[0];
 }
 
 }  // namespace

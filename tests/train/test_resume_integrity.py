@@ -217,7 +217,80 @@ class ResumeIntegrityTest(tt.RunDirTest):
         for args in (["inspect", run_dir], self.common("meta", "train.steps=1000", "train.resume=auto")):
             p = tt.run(args, check=False)
             self.assertNotEqual(p.returncode, 0, args)
-            self.assertRegex(p.stderr, r"parallax: error: '.*step_00000003/metadata\.json': checksum mismatch")
+            self.assertRegex(p.stderr, r"parallax: error: .*'.*step_00000003/metadata\.json': checksum mismatch")
+        self.assertEqual([r["step"] for r in tt.metrics(run_dir)], [1, 2, 3])
+
+    # ---- issue 35, items 4 and 5: a lost or broken `latest` --------------------------------------
+
+    def train_rows(self, run_dir, upto):
+        """The raw lines of metrics.jsonl's train rows of steps <= upto (timings make them unique to
+        the run that logged them: a retrained step never reproduces its line)."""
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [line for line in f if json.loads(line).get("kind") == "train"
+                    and json.loads(line)["step"] <= upto]
+
+    def check_resumes_from(self, name, ranks, step, warning, total=8):
+        run_dir = os.path.join(self.d, name)
+        kept = self.train_rows(run_dir, step)
+        self.assertEqual(len(kept), step)
+        p = tt.run(self.common(name, f"train.steps={total}", "train.resume=auto", "checkpoint.every=2",
+                               "checkpoint.keep_last=4"), ranks)
+        warns = [l for l in p.stderr.splitlines() if "WARN" in l and "train.resume=auto" in l]
+        self.assertEqual(len(warns), 1, p.stderr[-3000:])  # rank 0's, once
+        self.assertRegex(warns[0], warning)
+        self.assertIn(f"resuming from '{os.path.join(run_dir, 'checkpoints', f'step_{step:08d}')}' (step {step})",
+                      warns[0])
+        # The rows of the steps it did not retrain are the first run's, untouched; the others once.
+        self.assertEqual(self.train_rows(run_dir, step), kept)
+        self.assertEqual([r["step"] for r in tt.metrics(run_dir)], list(range(1, total + 1)))
+        return p
+
+    def test_lost_latest_resumes_from_the_newest_step_that_verifies(self):
+        for ranks in (1, 2):
+            name = f"lost{ranks}"
+            run_dir = os.path.join(self.d, name)
+            tt.run(self.common(name, "train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=4"), ranks)
+            self.assertEqual(checkpoints(run_dir), ["latest", "step_00000002", "step_00000004", "step_00000006"])
+            os.remove(os.path.join(run_dir, "checkpoints", "latest"))
+            self.check_resumes_from(name, ranks, 6, r"checkpoints/latest' is missing")
+            with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+                self.assertEqual(f.read().strip(), "step_00000008")
+
+    def test_latest_naming_a_broken_step_falls_back_to_an_older_one_and_never_starts_over(self):
+        name = "broken"
+        run_dir = os.path.join(self.d, name)
+        ckpts = os.path.join(run_dir, "checkpoints")
+        tt.run(self.common(name, "train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=4"))
+        # Step 6 lost a rank file (an interrupted copy, a full disk): the newest older step is used.
+        os.remove(os.path.join(ckpts, "step_00000006", "rank_00000.h5"))
+        self.check_resumes_from(name, 1, 4, r"latest' names step_00000006, which cannot be resumed from: "
+                                            r".*rank_00000\.h5' \(rank 0\) is missing")
+        # Nothing verifies any more: an error naming each step's problem; the run directory as it was.
+        for step in (2, 4, 6, 8):
+            os.remove(os.path.join(ckpts, f"step_{step:08d}", "metadata.json"))
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            before = f.read()
+        p = tt.run(self.common(name, "train.steps=10", "train.resume=auto"), check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertRegex(p.stderr, r"parallax: error: train\.resume=auto: .*latest' names step_00000008, which "
+                                   r"cannot be resumed from: .*no older checkpoint in .* verifies: step 6: .*; "
+                                   r"step 4: .*; step 2: .*Not starting over")
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            self.assertEqual(f.read(), before)
+
+    def test_the_latest_pointer_is_accepted_by_inspect_and_export(self):
+        run_dir = os.path.join(self.d, "ptr")
+        tt.run(self.common("ptr", "train.steps=2", "checkpoint.every=1"))
+        latest = os.path.join(run_dir, "checkpoints", "latest")
+        ins = tt.run(["inspect", latest])
+        self.assertIn("step 2", ins.stdout)
+        self.assertRegex(ins.stdout, r"verified: .*: OK")
+        out = os.path.join(self.d, "ptr_weights.h5")
+        exp = tt.run(["export", "--checkpoint", latest, "--out", out, "--format", "weights"])
+        self.assertIn(os.path.join(run_dir, "checkpoints", "step_00000002"), exp.stdout)
+        self.assertTrue(os.path.exists(out))
+        # A resume from the pointer, as train.resume=<path>.
+        tt.run(self.common("ptr", "train.steps=3", f"train.resume={latest}"))
         self.assertEqual([r["step"] for r in tt.metrics(run_dir)], [1, 2, 3])
 
 

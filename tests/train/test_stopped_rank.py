@@ -14,6 +14,7 @@ import glob
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -87,10 +88,10 @@ class StoppedRankTest(unittest.TestCase):
     def tearDown(self):
         self.tmp.cleanup()
 
-    def launch(self, launcher, name):
+    def launch(self, launcher, name, *extra):
         args = [PARALLAX, "train", "--config", MLP, f"experiment.output_dir={self.d}", f"experiment.name={name}",
                 "model.size=tiny", "train.steps=1000000", "train.log_every=1000", f"parallel.timeout_s={TIMEOUT_S}",
-                "parallel.backend=gloo" if launcher == "torchrun" else "parallel.backend=mpi"]
+                "parallel.backend=gloo" if launcher == "torchrun" else "parallel.backend=mpi", *extra]
         if launcher == "mpirun":
             cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "2", *args]
         else:
@@ -150,17 +151,7 @@ class StoppedRankTest(unittest.TestCase):
             if reported is None:
                 reported = elapsed
         finally:
-            for pid in pids.values():
-                for s in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.kill(pid, s)
-                    except ProcessLookupError:
-                        pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            end_job(proc, pids)
         if launcher == "mpirun" or killed:
             self.assertNotEqual(proc.returncode, 0)
         self.assertLess(reported, TIMEOUT_S + SLACK_S)
@@ -221,6 +212,156 @@ class StoppedRankTest(unittest.TestCase):
 
     def test_torchrun_killed_rank1(self):
         self.check("torchrun", 1, signal.SIGKILL, killed=True)
+
+    # ---- issue 35: the checkpoint path --------------------------------------------------------
+
+    def wait_checkpoints(self, proc, name, count=3):
+        """Waits until the run committed `count` checkpoints; returns {rank: pid}."""
+        ckpts = os.path.join(self.d, name, "checkpoints")
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                self.fail(f"job ended before checkpointing: {self.stderr()[-3000:]}")
+            pids = rank_pids(proc.pid)
+            latest = read_latest(ckpts)
+            if len(pids) == 2 and latest and int(latest[5:]) >= count:
+                return pids
+            time.sleep(0.1)
+        self.fail("no checkpoint within 120 s")
+
+    def test_mpirun_rank0_stopped_while_checkpointing(self):
+        """Rank 0 (the store's host) stopped while every step checkpoints: rank 1 waits in the
+        checkpointer's store calls, which have no deadline of their own in c10d. The job ends within
+        checkpoint_timeout_s + 30 s with one error line from rank 1 naming rank 0, and `latest` is
+        the checkpoint committed before the stop (it verifies)."""
+        name = "ckpt_stopped0"
+        proc = self.launch("mpirun", name, "checkpoint.every=1", "checkpoint.keep_last=2",
+                           f"parallel.checkpoint_timeout_s={TIMEOUT_S}")
+        ckpts = os.path.join(self.d, name, "checkpoints")
+        pids = {}
+        try:
+            pids = self.wait_checkpoints(proc, name)
+            os.kill(pids[0], signal.SIGSTOP)
+            start = time.time()
+            while state(pids[0]) not in ("T", "t", None):
+                time.sleep(0.01)
+            before = read_latest(ckpts)  # rank 0 commits; stopped, it cannot move `latest`
+            end = start + TIMEOUT_S + SLACK_S
+            while time.time() < end and proc.poll() is None:
+                time.sleep(0.2)
+            ended = proc.poll() is not None
+            elapsed = time.time() - start
+        finally:
+            end_job(proc, pids)
+        err = self.stderr()
+        self.assertTrue(ended, f"the job did not end within {TIMEOUT_S + SLACK_S} s after rank 0 was stopped:\n"
+                               f"{err[-3000:]}")
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertNotIn("frame #", err)
+        self.assertNotRegex(err, r"Exception raised from .* at ")
+        # Rank 1's line: from the checkpointer (most stops land in a save), or from a training
+        # collective; either way exactly one, naming rank 0. (mpirun SIGCONTs the stopped rank
+        # before its SIGTERM: rank 0 may report its own failure as it is torn down.)
+        errors = [l for l in err.splitlines() if l.startswith("parallax: error:")]
+        mine = [l for l in errors if re.match(r"parallax: error: rank 1: ", l) or "on world rank 1" in l]
+        self.assertEqual(len(mine), 1, f"expected one error line from rank 1, got:\n{err[-4000:]}")
+        self.assertRegex(mine[0], r"world rank 0 did not arrive|no word from rank 0|never arrived: \[0\]|"
+                                  r"Not responding .*: world rank 0\b|its host, world rank 0\b", mine[0])
+        print(f"\n  mpirun SIGSTOP rank 0 while checkpointing: ended after {elapsed:.1f} s: {mine[0]}",
+              file=sys.stderr)
+        # The previous checkpoint stays latest, whole.
+        self.assertEqual(read_latest(ckpts), before)
+        p = subprocess.run([PARALLAX, "inspect", os.path.join(ckpts, "latest")], capture_output=True, text=True,
+                           timeout=120)
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        self.assertRegex(p.stdout, r"verified: .*: OK")
+
+    def test_killed_store_host_gives_one_line_messages(self):
+        """Rank 0 hosts the store (torchrun-style variables without an agent store) and is killed
+        while the ranks checkpoint every step: rank 1 ends within the timeout, and nothing it prints
+        carries c10's backtrace (the world's shutdown included)."""
+        name = "store_killed"
+        port = free_port()
+        args = [PARALLAX, "train", "--config", MLP, f"experiment.output_dir={self.d}", f"experiment.name={name}",
+                "model.size=tiny", "train.steps=1000000", "train.log_every=1000", f"parallel.timeout_s={TIMEOUT_S}",
+                f"parallel.checkpoint_timeout_s={TIMEOUT_S}", "parallel.backend=gloo", "checkpoint.every=1",
+                "checkpoint.keep_last=2", "train.threads=1"]
+        base = {k: v for k, v in os.environ.items()
+                if not k.startswith(("OMPI_COMM_WORLD", "PMIX_RANK", "TORCHELASTIC", "RANK", "LOCAL_RANK"))}
+        procs, errs = [], []
+        try:
+            for rank in (0, 1):
+                env = dict(base, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                errs.append(os.path.join(self.d, f"{name}.{rank}.stderr"))
+                with open(errs[-1], "w") as err:
+                    procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err, cwd=self.cwd, env=env,
+                                                  start_new_session=True))
+            ckpts = os.path.join(self.d, name, "checkpoints")
+            deadline = time.time() + 120
+            while not (read_latest(ckpts) and int(read_latest(ckpts)[5:]) >= 3):
+                if time.time() > deadline or any(p.poll() is not None for p in procs):
+                    with open(errs[1], errors="replace") as f:
+                        self.fail("no checkpoints: " + f.read()[-3000:])
+                time.sleep(0.1)
+            procs[0].kill()
+            start = time.time()
+            try:
+                rc = procs[1].wait(timeout=TIMEOUT_S + SLACK_S)
+            except subprocess.TimeoutExpired:
+                self.fail(f"rank 1 did not end within {TIMEOUT_S + SLACK_S} s: {open(errs[1]).read()[-3000:]}")
+            took = time.time() - start
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        with open(errs[1], errors="replace") as f:
+            err = f.read()
+        self.assertNotEqual(rc, 0)
+        self.assertNotIn("Exception raised from", err)
+        self.assertNotRegex(err, r"frame #\d+")
+        errors = [l for l in err.splitlines() if l.startswith("parallax: error:")]
+        self.assertEqual(len(errors), 1, err[-4000:])
+        print(f"\n  store host killed: rank 1 ended after {took:.1f} s: {errors[0]}", file=sys.stderr)
+
+
+def end_job(proc, pids):
+    """Resume and kill every rank, then the launcher's process group, and reap it."""
+    for pid in pids.values():
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def state(pid):
+    """The process state letter of `pid` (R, S, T, Z...), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def read_latest(ckpts):
+    try:
+        with open(os.path.join(ckpts, "latest")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
