@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <utility>
 
@@ -444,20 +445,34 @@ std::string scalar_or_fail(const YAML::Node& n, const std::string& path, const C
 template <class Int>
 Int parse_int(const YAML::Node& n, const std::string& path, const ConfigTree& t) {
   const std::string s = trim(scalar_or_fail(n, path, t, "an integer"));
+  constexpr Int kMin = std::numeric_limits<Int>::min(), kMax = std::numeric_limits<Int>::max();
+  // Names the key's own width: an int key overflows at 2^31, an int64_t one at 2^63 (issue 35).
+  const auto out_of_range = [&] {
+    detail::fail_at(t, path,
+                    fmt::format("value '{}' is out of range for a {}-bit integer ({}..{})", clip(s),
+                                8 * sizeof(Int), kMin, kMax));
+  };
   Int v{};
   const char* b = s.data();
   const char* e = s.data() + s.size();
   if (b != e && *b == '+') ++b;
   auto [ptr, ec] = std::from_chars(b, e, v);
-  if (ec == std::errc::result_out_of_range)
-    detail::fail_at(t, path, fmt::format("value '{}' is out of range", clip(s)));
+  if (ec == std::errc::result_out_of_range && ptr == e) out_of_range();
   if (ec != std::errc() || ptr != e || b == e) {
     // Accept integral floats written in scientific notation ("1e6") since YAML users write them.
     char* end = nullptr;
+    errno = 0;
     const double d = std::strtod(s.c_str(), &end);
-    if (end && *end == '\0' && !s.empty() && std::isfinite(d) && d == std::floor(d) &&
-        std::fabs(d) < 9.0e15) {
-      return static_cast<Int>(d);
+    const bool number = end && *end == '\0' && !s.empty();
+    if (number && std::isinf(d) && errno == ERANGE) out_of_range();  // "1e999"
+    if (number && std::isfinite(d) && d == std::floor(d)) {
+      // [kMin, kMax + 1): both bounds are powers of two, exact in a double.
+      if (d < static_cast<double>(kMin) || d >= static_cast<double>(kMax) + 1.0) out_of_range();
+      if (std::fabs(d) < 9.0e15) return static_cast<Int>(d);
+      detail::fail_at(t, path,
+                      fmt::format("'{}' is not exact as a floating-point number; write the "
+                                  "integer's digits",
+                                  clip(s)));
     }
     detail::fail_at(t, path, fmt::format("expects an integer, got '{}'", clip(s)));
   }

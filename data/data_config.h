@@ -56,11 +56,15 @@ struct DataConfig {
   void visit(V& v) {
     v("path", path, "dataset folder (HDF5 shards + dataset.json)");
     v("synthetic", synthetic, "random in-memory batches of the right shapes (benchmarks; no I/O)");
-    v("batch_size", batch_size, "samples per step on each data-parallel rank",
-      core::Check::at_least(1));
-    v("num_workers", num_workers, "loader threads reading and decoding ahead",
-      core::Check::at_least(0));
-    v("prefetch", prefetch, "batches kept ready ahead of the trainer", core::Check::at_least(1));
+    // Upper bounds keep a typo from asking for unbounded memory or threads (issue 35): 65536
+    // samples per rank is beyond any device's memory for these models (bev tiny: ~1 MB a sample).
+    v("batch_size", batch_size,
+      "samples per step on each data-parallel rank (at most 65536; more through train.grad_accum)",
+      core::Check::between(1, 65536));
+    v("num_workers", num_workers, "loader threads reading and decoding ahead (at most 256)",
+      core::Check::between(0, 256));
+    v("prefetch", prefetch, "batches kept ready ahead of the trainer (at most 1024)",
+      core::Check::between(1, 1024));
     v("shuffle", shuffle, "reshuffle every epoch (deterministic by seed and epoch)");
     v("drop_last", drop_last, "drop the last incomplete batch of an epoch");
     v("augment", augment, "photometric and geometric augmentation (train split only)");

@@ -5,7 +5,10 @@
 
 #include <fmt/format.h>
 
+#include <cerrno>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 
 namespace parallax::launch {
 
@@ -121,19 +124,55 @@ std::string Args::get(const std::string& name) const {
 double Args::get_double(const std::string& name) const {
   const std::string v = get(name);
   char* end = nullptr;
+  errno = 0;
   const double d = std::strtod(v.c_str(), &end);
   if (v.empty() || *end != '\0')
-    throw_error<UsageError>("{}: --{} expects a number, got '{}'", verb_, name, v);
+    throw_error<UsageError>("{}: --{} expects a number, got '{}'", verb_, name, core::clip(v));
+  // strtod takes "inf" and "nan", and saturates '1e999' to infinity (ERANGE): none is a usable
+  // bandwidth, size or timeout. Underflow (ERANGE with a tiny result) keeps the tiny value.
+  if (!std::isfinite(d) || (errno == ERANGE && std::fabs(d) > 1.0))
+    throw_error<UsageError>("{}: --{} expects a finite number, got '{}'", verb_, name,
+                            core::clip(v));
   return d;
 }
 
 int64_t Args::get_int(const std::string& name) const {
   const std::string v = get(name);
   char* end = nullptr;
+  errno = 0;
   const long long d = std::strtoll(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0')
-    throw_error<UsageError>("{}: --{} expects an integer, got '{}'", verb_, name, v);
+    throw_error<UsageError>("{}: --{} expects an integer, got '{}'", verb_, name, core::clip(v));
+  // strtoll saturates to LLONG_MIN/MAX with ERANGE; a later cast to int then turned
+  // 99999999999999999999 into -1 ("must not be negative").
+  if (errno == ERANGE)
+    throw_error<UsageError>("{}: --{} value '{}' is out of range for a 64-bit integer ({}..{})",
+                            verb_, name, core::clip(v), std::numeric_limits<int64_t>::min(),
+                            std::numeric_limits<int64_t>::max());
   return d;
+}
+
+int64_t Args::get_int(const std::string& name, int64_t min, int64_t max,
+                      const std::string& why) const {
+  const int64_t v = get_int(name);
+  if (v < min || v > max) {
+    const std::string range = max == std::numeric_limits<int64_t>::max()
+                                  ? fmt::format("at least {}", min)
+                                  : fmt::format("in {}..{}", min, max);
+    throw_error<UsageError>("{}: --{} must be {}, got {}{}", verb_, name, range, v,
+                            why.empty() ? "" : "; " + why);
+  }
+  return v;
+}
+
+double Args::get_double(const std::string& name, double min, double max, bool min_exclusive,
+                        const std::string& why) const {
+  const double v = get_double(name);
+  if (v < min || v > max || (min_exclusive && v == min)) {
+    throw_error<UsageError>("{}: --{} must be {} {} and at most {}, got {}{}", verb_, name,
+                            min_exclusive ? ">" : ">=", min, max, v, why.empty() ? "" : "; " + why);
+  }
+  return v;
 }
 
 std::string Args::help_text() const {

@@ -35,8 +35,19 @@ class Args {
 
   bool has(const std::string& name) const;  // option given or flag set
   std::string get(const std::string& name) const;
-  double get_double(const std::string& name) const;  // throws UsageError on a non-number
+  // UsageError naming the flag for a non-number, an infinite or NaN value, or one that overflows
+  // a double ('1e999').
+  double get_double(const std::string& name) const;
+  // UsageError naming the flag for a non-integer, or one out of range for a 64-bit integer.
   int64_t get_int(const std::string& name) const;
+  // The same, also UsageError when the value is outside [min, max]; `why` (the reason for the
+  // bound) ends the message. Verbs take every integer through this form: no flag then sizes an
+  // allocation, a process count or a loop beyond a stated bound (issue 35).
+  int64_t get_int(const std::string& name, int64_t min, int64_t max,
+                  const std::string& why = "") const;
+  // The same for numbers: `min_exclusive` makes the lower bound strict ("must be > 0").
+  double get_double(const std::string& name, double min, double max, bool min_exclusive,
+                    const std::string& why = "") const;
   bool flag_set(const std::string& name) const { return has(name); }
   const std::vector<std::string>& override_args() const { return overrides_; }
   std::string positional_value() const { return positional_value_; }

@@ -11,6 +11,7 @@
 #include <csignal>
 #include <cstdio>
 #include <exception>
+#include <new>
 
 namespace parallax::launch {
 
@@ -98,6 +99,13 @@ int main(int argc, char** argv) {
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "parallax: error: LibTorch: %s\n", e.what_without_backtrace());
     return 1;
+  } catch (const std::bad_alloc&) {
+    // Deterministic too: the same sizes run out of memory again.
+    std::fprintf(stderr,
+                 "parallax: error: out of host memory (std::bad_alloc); a setting that sizes "
+                 "memory (data.batch_size, data.prefetch, the model size, --parity-frames ...) "
+                 "asks for more than this machine has\n");
+    return parallax::launch::kExitDeterministic;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "parallax: error: %s\n", e.what());
     return 1;

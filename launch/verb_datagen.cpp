@@ -8,9 +8,26 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
+#include <cmath>
 #include <cstdio>
+#include <limits>
+#include <thread>
 
 namespace parallax::launch {
+
+namespace {
+
+// Scenes per split: the generator lists every scene's job before rendering (~50 bytes each);
+// 2^22 is 100x nuScenes' 40k key frames.
+constexpr int64_t kMaxScenes = 1 << 22;
+// Pixels per image side, and BEV cells per grid side.
+constexpr int64_t kMaxPixels = 4096;
+// Render threads.
+constexpr int64_t kMaxThreads = 1024;
+
+}  // namespace
 
 int verb_datagen(const std::vector<std::string>& argv) {
   Args args("datagen",
@@ -46,34 +63,60 @@ int verb_datagen(const std::vector<std::string>& argv) {
   }
   if (!args.has("out"))
     throw_error<UsageError>("datagen: --out DIR is required; see 'parallax datagen --help'");
+  // Every integer through a range before any cast to int (a cast turned --height 4294967424 into
+  // 128), and every size bounded before anything is allocated (docs/data.md, "Limits").
   data::DatagenOptions o;
   o.out = args.get("out");
-  o.train_scenes = args.get_int("scenes");
-  o.val_scenes = args.has("val-scenes") ? args.get_int("val-scenes")
+  const std::string jobs = "every scene's job is listed up front";
+  o.train_scenes = args.get_int("scenes", 1, kMaxScenes, jobs);
+  o.val_scenes = args.has("val-scenes") ? args.get_int("val-scenes", 0, kMaxScenes, jobs)
                                         : std::max<int64_t>(1, (o.train_scenes + 9) / 10);
-  o.gen.cameras = static_cast<int>(args.get_int("cameras"));
-  o.gen.height = static_cast<int>(args.get_int("height"));
-  o.gen.width = static_cast<int>(args.get_int("width"));
-  o.gen.samples_per_pixel = static_cast<int>(args.get_int("samples-per-pixel"));
+  o.gen.cameras = static_cast<int>(args.get_int("cameras", 1, 16));
+  o.gen.height = static_cast<int>(args.get_int("height", 8, kMaxPixels));
+  o.gen.width = static_cast<int>(args.get_int("width", 8, kMaxPixels));
+  o.gen.samples_per_pixel = static_cast<int>(args.get_int("samples-per-pixel", 1, 4));
   if (o.gen.samples_per_pixel != 1 && o.gen.samples_per_pixel != 4) {
     throw_error<UsageError>("datagen: --samples-per-pixel must be 1 or 4, got {}",
                             o.gen.samples_per_pixel);
   }
-  const double range = args.get_double("bev-range"), res = args.get_double("bev-resolution");
-  if (!(range > 0) || !(res > 0) ||
-      std::abs(2 * range / res - std::round(2 * range / res)) > 1e-6) {
+  const double range = args.get_double("bev-range", 0, 1e4, true),
+               res = args.get_double("bev-resolution", 0, 1e4, true);
+  const double cells = 2 * range / res;
+  if (std::abs(cells - std::round(cells)) > 1e-6) {
     throw_error<UsageError>(
         "datagen: --bev-range {} must be a positive whole number of --bev-resolution {} cells (x2)",
         range, res);
   }
+  if (cells > kMaxPixels) {
+    throw_error<UsageError>(
+        "datagen: --bev-range {} / --bev-resolution {} gives a BEV grid of {:.0f} x {:.0f} cells; "
+        "at most {} per side (as images)",
+        range, res, cells, cells, kMaxPixels);
+  }
   o.gen.bev = {-range, range, -range, range, res};
-  const int64_t seed = args.get_int("seed");
-  if (seed < 0) throw_error<UsageError>("datagen: --seed must be >= 0, got {}", seed);
-  o.seed = static_cast<uint64_t>(seed);
-  o.shard_scenes = args.get_int("shard-scenes");
-  o.threads = static_cast<int>(args.get_int("threads"));
-  o.compression = static_cast<int>(args.get_int("compression"));
+  o.seed = static_cast<uint64_t>(args.get_int("seed", 0, std::numeric_limits<int64_t>::max()));
+  o.shard_scenes = args.get_int("shard-scenes", 1, kMaxScenes);
+  o.threads = static_cast<int>(args.get_int(
+      "threads", 0, kMaxThreads, "each render thread is an OS thread holding up to two scenes"));
+  o.compression = static_cast<int>(args.get_int("compression", 0, 9));
   o.overwrite = args.flag_set("overwrite");
+  // Memory: the generator keeps up to 2 scenes per thread in flight (rendered, not yet written),
+  // each of cameras x H x W x 3 image bytes and the BEV grid's cells; they must fit in this
+  // machine's memory.
+  const int threads = o.threads > 0
+                          ? o.threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const double scene_bytes = 3.0 * o.gen.cameras * o.gen.height * o.gen.width + cells * cells;
+  const double in_flight = 2.0 * threads * scene_bytes;
+  const double memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
+                        static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  if (memory > 0 && in_flight > memory) {
+    throw_error<UsageError>(
+        "datagen: --threads {} x 2 scenes in flight x {} per scene ({} cameras of {} x {}) = {}, "
+        "more than this machine's {} of memory; use fewer --threads or smaller images",
+        threads, core::human_bytes(scene_bytes), o.gen.cameras, o.gen.height, o.gen.width,
+        core::human_bytes(in_flight), core::human_bytes(memory));
+  }
   const data::DatagenSummary s = data::generate_dataset(o);
   core::log::info("datagen: wrote {} ({} train + {} val scenes, {}) in {:.1f} s ({:.2f} scenes/s)",
                   o.out, o.train_scenes, o.val_scenes,

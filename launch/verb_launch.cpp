@@ -14,15 +14,30 @@
 #include <climits>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
+#include <optional>
 
 namespace fs = std::filesystem;
 
 namespace parallax::launch {
 namespace {
 
-// The run directory of a `train` command: its config loaded as `parallax train` loads it.
-// Throws ConfigError as the workers would (then nothing is started: exit 3, no restart).
-fs::path train_run_dir(const std::vector<std::string>& cmd) {
+// Workers on one node, whatever --allow-oversubscribe says: each is a LibTorch process of about
+// 65 MB resident before any work (347 workers held 22.5 GB, issue 35), so 1024 are ~65 GB.
+constexpr int64_t kMaxWorkersPerNode = 1024;
+// Ranks in the job (--nproc-per-node x --nnodes): the world size the workers size per-rank tables
+// by, and the store's join counters count to; far beyond any cluster built.
+constexpr int64_t kMaxWorld = 1 << 20;
+// Whole-job restarts: each respawns every worker of every node; a job that fails more often is
+// broken, not unlucky.
+constexpr int64_t kMaxRestarts = 1000;
+// Every wait the launcher has (rendezvous, grace period, preemption) is bounded by its flag; a
+// deadline beyond a day is a hang, not a wait.
+constexpr double kMaxWaitS = 86400;
+
+// The config of a `train` command, loaded as `parallax train` loads it. Throws ConfigError as the
+// workers would (then nothing is started: exit 3, no restart).
+train::RunConfig train_config(const std::vector<std::string>& cmd) {
   Args a("train", "");
   a.option("config", "FILE", "").flag("print-config", "").flag("help-config", "").overrides("");
   std::vector<std::string> rest(cmd.begin() + 1, cmd.end());
@@ -30,8 +45,29 @@ fs::path train_run_dir(const std::vector<std::string>& cmd) {
   PARALLAX_CHECK(a.has("config"), UsageError,
                  "launch: the worker command 'train' needs --config FILE; see 'parallax train "
                  "--help'");
-  train::RunConfig cfg = train::load_run_config(a.get("config"), a.override_args());
-  return fs::path(cfg.experiment.output_dir) / cfg.experiment.name;
+  return train::load_run_config(a.get("config"), a.override_args());
+}
+
+// The cap on --nproc-per-node (docs/launch.md): one worker per GPU on a node with GPUs (unless the
+// worker is a `train` with train.device=cpu), else one per CPU core; --allow-oversubscribe lifts
+// it up to kMaxWorkersPerNode.
+void check_workers(int64_t nproc, bool oversubscribe, bool cpu_worker) {
+  const int gpus = cpu_worker ? 0 : visible_cuda_devices();
+  const int cores = usable_cpu_cores();
+  const std::string what =
+      gpus > 0 ? fmt::format("{} GPU(s)", gpus) : fmt::format("{} CPU core(s)", cores);
+  PARALLAX_CHECK(nproc <= kMaxWorkersPerNode, UsageError,
+                 "launch: --nproc-per-node {} is more than {} workers per node, the limit even "
+                 "with --allow-oversubscribe (this node has {}; each worker is a process of "
+                 "~65 MB before any work)",
+                 nproc, kMaxWorkersPerNode, what);
+  if (oversubscribe) return;
+  PARALLAX_CHECK(
+      nproc <= (gpus > 0 ? gpus : cores), UsageError,
+      "launch: --nproc-per-node {} is more than this node's {} ({}); pass "
+      "--allow-oversubscribe to start them anyway",
+      nproc, what,
+      gpus > 0 ? "one worker per GPU: more would share a GPU" : "one CPU worker per core");
 }
 
 }  // namespace
@@ -46,6 +82,8 @@ int verb_launch(const std::vector<std::string>& argv) {
       .option("node-rank", "R", "this node's rank, 0..M-1 (node 0 hosts the rendezvous store)", "0")
       .option("master", "HOST:PORT", "address of node 0's store (node 0 listens on PORT)")
       .flag("standalone", "one node, the store on 127.0.0.1 at a free port")
+      .flag("allow-oversubscribe",
+            "start more workers than this node has GPUs (CPU workers: cores); at most 1024")
       .option("max-restarts", "K", "restarts of the whole job (all nodes) before giving up", "0")
       .option("monitor-interval", "S", "seconds between checks of the workers and the store", "0.2")
       .option("grace-period", "S", "a failed group's workers get SIGTERM, then SIGKILL after S s",
@@ -91,28 +129,26 @@ int verb_launch(const std::vector<std::string>& argv) {
   PARALLAX_CHECK(cmd[0] != "launch", UsageError, "launch: the worker command cannot be 'launch'");
 
   AgentOptions o;
-  auto positive = [&](const char* name, int64_t min) {
-    const int64_t v = args.get_int(name);
-    PARALLAX_CHECK(v >= min && v <= 1 << 20, UsageError, "launch: --{} must be at least {}, got {}",
-                   name, min, v);
-    return static_cast<int>(v);
-  };
-  o.nproc_per_node = positive("nproc-per-node", 1);
-  o.nnodes = positive("nnodes", 1);
-  o.node_rank = positive("node-rank", 0);
-  o.max_restarts = positive("max-restarts", 0);
+  // Bounded by check_workers() below, which names this node's GPUs or cores.
+  o.nproc_per_node =
+      static_cast<int>(args.get_int("nproc-per-node", 1, std::numeric_limits<int>::max()));
+  o.nnodes = static_cast<int>(args.get_int("nnodes", 1, kMaxWorld));
+  o.node_rank = static_cast<int>(args.get_int("node-rank", 0, kMaxWorld - 1));
+  o.max_restarts = static_cast<int>(args.get_int(
+      "max-restarts", 0, kMaxRestarts,
+      "each restart respawns every worker of every node; a job failing that often is broken"));
   PARALLAX_CHECK(o.node_rank < o.nnodes, UsageError,
                  "launch: --node-rank {} is outside the {} node(s) of --nnodes", o.node_rank,
                  o.nnodes);
-  o.monitor_interval_s = args.get_double("monitor-interval");
-  o.grace_period_s = args.get_double("grace-period");
-  o.preempt_timeout_s = args.get_double("preempt-timeout");
-  o.rdzv_timeout_s = args.get_double("rdzv-timeout");
-  PARALLAX_CHECK(o.monitor_interval_s > 0 && o.grace_period_s >= 0 && o.preempt_timeout_s > 0 &&
-                     o.rdzv_timeout_s > 0,
-                 UsageError,
-                 "launch: --monitor-interval, --preempt-timeout and --rdzv-timeout must be > 0 and "
-                 "--grace-period >= 0");
+  PARALLAX_CHECK(static_cast<int64_t>(o.nproc_per_node) * o.nnodes <= kMaxWorld, UsageError,
+                 "launch: --nproc-per-node {} x --nnodes {} is more than {} ranks in all",
+                 o.nproc_per_node, o.nnodes, kMaxWorld);
+  const std::string day = "a deadline beyond a day is a hang, not a wait";
+  o.monitor_interval_s = args.get_double("monitor-interval", 0, 60, true,
+                                         "the launcher checks its workers this often");
+  o.grace_period_s = args.get_double("grace-period", 0, kMaxWaitS, false, day);
+  o.preempt_timeout_s = args.get_double("preempt-timeout", 0, kMaxWaitS, true, day);
+  o.rdzv_timeout_s = args.get_double("rdzv-timeout", 0, kMaxWaitS, true, day);
   if (args.flag_set("standalone")) {
     PARALLAX_CHECK(o.nnodes == 1 && !args.has("master"), UsageError,
                    "launch: --standalone is one node with its own store: it excludes --nnodes > 1 "
@@ -144,10 +180,14 @@ int verb_launch(const std::vector<std::string>& argv) {
     for (const auto& a : cmd) has_resume = has_resume || core::starts_with(a, "train.resume=");
     if (!has_resume) cmd.push_back("train.resume=auto");
   }
+  std::optional<train::RunConfig> cfg;
+  if (cmd[0] == "train") cfg = train_config(cmd);
+  check_workers(o.nproc_per_node, args.flag_set("allow-oversubscribe"),
+                cfg && cfg->train.device == "cpu");
   if (args.has("log-dir")) {
     o.log_dir = args.get("log-dir");
-  } else if (cmd[0] == "train") {
-    o.log_dir = (train_run_dir(cmd) / "logs").string();
+  } else if (cfg) {
+    o.log_dir = (fs::path(cfg->experiment.output_dir) / cfg->experiment.name / "logs").string();
   } else {
     o.log_dir = "logs";
   }

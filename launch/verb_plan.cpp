@@ -20,10 +20,20 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 namespace parallax::launch {
 
 namespace {
+
+// Bounds of the flags that are not the planner's own (train/planner.h holds those), stated in
+// docs/planning.md, "Limits".
+constexpr double kMaxGpuMemGib = 1 << 20;  // 1 PiB per GPU: any real device is far below
+constexpr double kMaxGbps = 1e6;           // 1 Pbit/s per GPU across nodes
+// --calibrate trains real steps at this batch and doublings of it up to 16x.
+constexpr int64_t kMaxCalibrateBatch = 1 << 16;
+// The calibration all-reduce: each rank holds a buffer of this size.
+constexpr int64_t kMaxBandwidthMib = 1 << 12;
 
 // The documented numbers of the GPUs we measure on (docs/planning.md, "Defaults").
 train::planner::Hardware hardware_for(const std::string& device) {
@@ -160,7 +170,7 @@ int verb_plan(const std::vector<std::string>& argv) {
       .option("measure-bandwidth", "FILE",
               "internal: the bandwidth workers that --calibrate starts (one all-reduce measurement "
               "over this world, written to FILE)")
-      .option("top", "K", "rows of the table", "15")
+      .option("top", "K", "rows of the table (0: every layout that fits)", "15")
       .option("json", "FILE",
               "also write every layout (fitting and rejected) as JSON ('-': stdout)")
       .flag("only-config", "predict only the config's own layout (its parallel keys) on --gpus")
@@ -177,42 +187,55 @@ int verb_plan(const std::vector<std::string>& argv) {
     std::fputs(args.help_text().c_str(), stdout);
     return 0;
   }
+  // Every number is range-checked here, naming its flag (docs/planning.md, "Limits").
+  const auto bandwidth_mib = [&](bool cuda) -> int64_t {
+    return args.has("bandwidth-mib")
+               ? args.get_int("bandwidth-mib", 1, kMaxBandwidthMib,
+                              "each rank holds a buffer of this size; the bus bandwidth "
+                              "saturates well below it")
+               : (cuda ? 256 : 16);
+  };
+  (void)bandwidth_mib(true);  // checked before anything runs, not after the calibration's steps
   if (args.has("measure-bandwidth")) {
     const bool cuda = args.get("device") != "cpu";
-    const int64_t mib =
-        args.has("bandwidth-mib") ? args.get_int("bandwidth-mib") : (cuda ? 256 : 16);
-    return measure_bandwidth(args.get("measure-bandwidth"), cuda, mib);
+    return measure_bandwidth(args.get("measure-bandwidth"), cuda, bandwidth_mib(cuda));
   }
   PARALLAX_CHECK(args.has("config"), UsageError, "plan: --config FILE is required");
-  core::log::set_level(core::log::Level::kWarn);
-  train::RunConfig cfg = train::load_run_config(args.get("config"), args.override_args());
   train::planner::Request req;
   req.hw = hardware_for(args.get("device"));
-  req.hw.gpus = static_cast<int>(args.get_int("gpus"));
-  req.hw.nodes = static_cast<int>(args.get_int("nodes"));
-  PARALLAX_CHECK(req.hw.gpus >= 1 && req.hw.nodes >= 1 && req.hw.gpus % req.hw.nodes == 0,
-                 UsageError, "plan: --gpus {} must be a positive multiple of --nodes {}",
-                 req.hw.gpus, req.hw.nodes);
-  if (args.has("gpu-mem")) req.hw.gpu_mem_gib = args.get_double("gpu-mem");
-  if (args.has("efficiency")) req.hw.efficiency = args.get_double("efficiency");
-  req.hw.inter_node_gbps = args.get_double("inter-node-gbps") / 8.0;
-  if (args.has("global-batch")) req.global_batch = args.get_int("global-batch");
-  PARALLAX_CHECK(req.hw.gpu_mem_gib > 0 && req.hw.efficiency > 0 && req.hw.efficiency <= 1,
-                 UsageError, "plan: --gpu-mem must be positive and --efficiency in (0, 1]");
+  req.hw.gpus = static_cast<int>(args.get_int("gpus", 1, train::planner::kMaxGpus,
+                                              "the largest clusters built have ~100k GPUs"));
+  req.hw.nodes =
+      static_cast<int>(args.get_int("nodes", 1, req.hw.gpus, "one GPU per node at least"));
+  PARALLAX_CHECK(req.hw.gpus % req.hw.nodes == 0, UsageError,
+                 "plan: --gpus {} must be a positive multiple of --nodes {}", req.hw.gpus,
+                 req.hw.nodes);
+  if (args.has("gpu-mem")) req.hw.gpu_mem_gib = args.get_double("gpu-mem", 0, kMaxGpuMemGib, true);
+  if (args.has("efficiency")) req.hw.efficiency = args.get_double("efficiency", 0, 1, true);
+  req.hw.inter_node_gbps = args.get_double("inter-node-gbps", 0, kMaxGbps, true) / 8.0;
+  if (args.has("global-batch")) {
+    req.global_batch = args.get_int("global-batch", 1, train::planner::kMaxGlobalBatch,
+                                    "a layout's micro-batch size and count are 32-bit keys");
+  }
+  // 0: every fitting layout.
+  const int top =
+      static_cast<int>(args.get_int("top", 0, std::numeric_limits<int>::max(), "0 shows all"));
+  const int64_t calibrate_batch =
+      args.has("calibrate-batch") ? args.get_int("calibrate-batch", 1, kMaxCalibrateBatch) : 0;
+  core::log::set_level(core::log::Level::kWarn);
+  train::RunConfig cfg = train::load_run_config(args.get("config"), args.override_args());
   if (args.flag_set("calibrate")) {
     parallel::comm::World world;  // the calibration runs the trainer in this process
     PARALLAX_CHECK(world.size() == 1, UsageError,
                    "plan --calibrate runs one process; start it without mpirun or torchrun");
-    req.hw = train::planner::calibrate(
-        cfg, req.hw, 20, args.has("calibrate-batch") ? args.get_int("calibrate-batch") : 0);
+    req.hw = train::planner::calibrate(cfg, req.hw, 20, calibrate_batch);
     // The bandwidth in a node: one all-reduce over as many local ranks as a node of the plan
     // has, up to this machine's GPUs (CPU ranks: any number). Across nodes stays
-    // --inter-node-gbps: one machine cannot measure the network.
-    const int local = req.hw.cuda ? world.cuda_device_count() : req.hw.gpus_per_node();
+    // --inter-node-gbps: one machine cannot measure the network. CPU ranks: up to this
+    // machine's cores (the launcher's own cap: one CPU worker per core).
+    const int local = req.hw.cuda ? world.cuda_device_count() : usable_cpu_cores();
     const int ranks = std::min(req.hw.gpus_per_node(), local);
-    const int64_t mib =
-        args.has("bandwidth-mib") ? args.get_int("bandwidth-mib") : (req.hw.cuda ? 256 : 16);
-    PARALLAX_CHECK(mib >= 1, UsageError, "plan: --bandwidth-mib {} must be at least 1", mib);
+    const int64_t mib = bandwidth_mib(req.hw.cuda);
     if (ranks >= 2) {
       req.hw.intra_node_gbps = calibrate_bandwidth(ranks, req.hw.cuda, mib);
       req.hw.source +=
@@ -235,9 +258,7 @@ int verb_plan(const std::vector<std::string>& argv) {
   } else {
     rows = train::planner::plan(cfg, req);
   }
-  std::fputs(
-      train::planner::render_table(rows, req.hw, static_cast<int>(args.get_int("top"))).c_str(),
-      stdout);
+  std::fputs(train::planner::render_table(rows, req.hw, top).c_str(), stdout);
   if (args.has("json")) {
     std::string doc = train::planner::render_json(rows, req.hw);
     if (args.flag_set("only-config")) {

@@ -1,5 +1,6 @@
 #include "train/lora.h"
 
+#include "checkpoint/finite.h"
 #include "checkpoint/save_state.h"
 #include "checkpoint/weights.h"
 #include "core/error.h"
@@ -69,6 +70,7 @@ Applied apply(models::Model& model, const LoraConfig& cfg) {
                  "key 'lora.targets': empty (name the linear layers to adapt, e.g. '*.qkv')");
   Applied a;
   std::vector<std::string> linears;
+  std::vector<std::pair<std::string, models::DenseLinearImpl*>> matched;
   std::vector<int> hits(cfg.targets.size(), 0);
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     const std::string& path = item.key();
@@ -85,9 +87,7 @@ Applied apply(models::Model& model, const LoraConfig& cfg) {
                    "key 'lora.targets': module '{}' matches but is not a linear layer (LoRA adapts "
                    "the models' linear layers only)",
                    path);
-    dense->add_lora(cfg.rank, cfg.alpha, cfg.dropout);
-    ++a.layers;
-    a.adapter_params += dense->lora_a.numel() + dense->lora_b.numel();
+    matched.emplace_back(path, dense);
   }
   for (std::size_t g = 0; g < cfg.targets.size(); ++g) {
     if (hits[g] > 0) continue;
@@ -99,6 +99,32 @@ Applied apply(models::Model& model, const LoraConfig& cfg) {
         linears.empty() ? " (it has none)"
                         : fmt::format(" (its linear layers are e.g. {}{})", core::join(some, ", "),
                                       linears.size() > some.size() ? ", ..." : ""));
+  }
+  // The update B A (A [r, in], B [out, r]) has rank at most min(in, out): a larger r only adds
+  // parameters (and r = 10^9 allocates without bound), so it is refused before any adapter
+  // exists, naming the smallest targeted layer.
+  const std::pair<std::string, models::DenseLinearImpl*>* smallest = nullptr;
+  int64_t smallest_dim = 0;
+  for (const auto& m : matched) {
+    const at::Tensor& w = m.second->weight;  // [out, in]
+    const int64_t dim = std::min(w.size(0), w.size(1));
+    if (smallest == nullptr || dim < smallest_dim) {
+      smallest = &m;
+      smallest_dim = dim;
+    }
+  }
+  if (smallest != nullptr) {
+    const at::Tensor& w = smallest->second->weight;
+    PARALLAX_CHECK(cfg.rank <= smallest_dim, ConfigError,
+                   "key 'lora.rank': {} is more than {}, min(in, out) of the smallest layer that "
+                   "lora.targets adapts, '{}' ({} -> {} features); an adapter's rank is at most "
+                   "that",
+                   cfg.rank, smallest_dim, smallest->first, w.size(1), w.size(0));
+  }
+  for (const auto& m : matched) {
+    m.second->add_lora(cfg.rank, cfg.alpha, cfg.dropout);
+    ++a.layers;
+    a.adapter_params += m.second->lora_a.numel() + m.second->lora_b.numel();
   }
   std::vector<int> trainable_hits(cfg.trainable.size(), 0);
   for (auto& it : model.named_parameters()) {
@@ -140,6 +166,11 @@ TrainerHooks hooks(const RunConfig& cfg) {
       const auto report = checkpoint::load_weights(m, state->base);
       core::log::info("lora.base={}: {}", state->base, report.summary());
     }
+    // A NaN in the base would only show as a NaN loss at step 1: named here, at load time.
+    const char* key = c.lora.base.empty() ? "train.load_from" : "lora.base";
+    checkpoint::require_finite(
+        m, fmt::format("LoRA base '{}' ({})", state->base, key),
+        fmt::format("a LoRA run adapts a finite base; point {} at an earlier checkpoint", key));
     state->fingerprint = fingerprint(m);
     const Applied a = apply(m, c.lora);
     core::log::info(
@@ -183,6 +214,8 @@ std::shared_ptr<models::Model> merged_model(const RunConfig& cfg, const core::Sc
   auto model = models::build_model(cfg.model, scene);
   const std::string base = base_path(cfg);
   checkpoint::load_weights(*model, base);
+  checkpoint::require_finite(*model, fmt::format("LoRA base '{}'", base),
+                             "the adapters cannot be merged into non-finite weights");
   const std::string fp = fingerprint(*model);
   const auto& meta = reader.metadata();
   PARALLAX_CHECK(meta.has_extra("lora.base_fingerprint"), CheckpointError,

@@ -106,9 +106,53 @@ struct Built {
   std::shared_ptr<models::Model> model;
 };
 
+// A built pipeline schedule and what the partition reads from it.
+struct BuiltSchedule {
+  parallel::pipeline::Schedule schedule;
+  std::vector<int> in_flight;  // in_flight_per_stage(schedule)
+};
+
+// Schedules, and their simulated timelines, shared by the layouts of one (tp, pp) that differ
+// only in ZeRO stage, sequence parallelism or checkpointing: the same (kind, pp, micro-batches,
+// virtual stages) is the same schedule, and the same stage costs give the same timeline. Without
+// it a plan's time at large --gpus went into rebuilding and re-simulating them (issue 35).
+// clear() between (tp, pp) pairs keeps it to one pair's schedules (each at most
+// kMaxPipelineSlots compute slots per pass kind).
+class ScheduleCache {
+ public:
+  std::shared_ptr<const BuiltSchedule> get(const Layout& l) {
+    const auto key = std::make_tuple(l.schedule, l.pp, l.micro_batches, l.virtual_stages);
+    if (auto it = schedules_.find(key); it != schedules_.end()) return it->second;
+    auto b = std::make_shared<BuiltSchedule>();
+    b->schedule =
+        parallel::pipeline::build_schedule(l.schedule, l.pp, l.micro_batches, l.virtual_stages);
+    b->in_flight = parallel::pipeline::in_flight_per_stage(b->schedule);
+    return schedules_.emplace(key, std::move(b)).first->second;
+  }
+  // simulate()'s makespan and busy time per rank.
+  std::pair<double, double> simulate(const std::shared_ptr<const BuiltSchedule>& s, double f,
+                                     double b, double w) {
+    const auto key = std::make_tuple(s.get(), f, b, w);
+    if (auto it = timelines_.find(key); it != timelines_.end()) return it->second;
+    const auto tl = parallel::pipeline::simulate(s->schedule, f, b, w);
+    return timelines_.emplace(key, std::make_pair(tl.makespan, tl.busy_per_rank)).first->second;
+  }
+  void clear() {
+    schedules_.clear();
+    timelines_.clear();
+  }
+
+ private:
+  std::map<std::tuple<std::string, int, int, int>, std::shared_ptr<const BuiltSchedule>> schedules_;
+  std::map<std::tuple<const BuiltSchedule*, double, double, double>, std::pair<double, double>>
+      timelines_;
+};
+
 class Inventory {
  public:
   explicit Inventory(const RunConfig& cfg) : cfg_(cfg), scene_(run_scene(cfg)) {}
+
+  ScheduleCache& schedules() { return schedules_; }
 
   const Built& at_tp(int tp, bool sp) {
     const auto key = std::make_pair(tp, sp && tp > 1);
@@ -172,14 +216,16 @@ class Inventory {
   const RunConfig& cfg_;
   core::SceneSpec scene_;
   std::map<std::pair<int, bool>, Built> cache_;
+  ScheduleCache schedules_;
 };
 
-// The pipeline stages of `b` for `layout`: stage_of[u], and the schedule.
+// The pipeline stages of `b` for `layout`: stage_of[u], and the schedule (pp > 1).
 struct Stages {
   std::vector<int> bounds;  // stage s: units [bounds[s], bounds[s + 1])
-  parallel::pipeline::Schedule schedule;
+  std::shared_ptr<const BuiltSchedule> built;
   std::vector<int> rank_of_unit;
   std::vector<int> stage_of_unit;
+  const parallel::pipeline::Schedule& schedule() const { return built->schedule; }
 };
 
 models::ActivationQuery query(const RunConfig& cfg, const Layout& l, bool cuda) {
@@ -191,19 +237,31 @@ models::ActivationQuery query(const RunConfig& cfg, const Layout& l, bool cuda) 
   return q;
 }
 
-Stages make_stages(const Built& b, const Layout& l, const RunConfig& cfg, bool cuda) {
+Stages make_stages(const Built& b, const Layout& l, const RunConfig& cfg, bool cuda,
+                   ScheduleCache& cache) {
   Stages s;
   const int stages = l.pp * l.virtual_stages;
   if (l.pp == 1) {
     s.bounds = {0, static_cast<int>(b.units.size())};
   } else {
     const std::vector<double>& costs = b.pp_costs;
-    s.schedule = parallel::pipeline::build_schedule(l.schedule, l.pp, l.micro_batches, l.virtual_stages);
+    // partition()'s own first check, made before the schedule is built: a schedule of pp 65536
+    // took seconds to build for a model of 10 units (issue 35).
+    PARALLAX_CHECK(static_cast<int>(costs.size()) >= stages, ConfigError,
+                   "keys 'parallel.pp' and 'parallel.pp_virtual_stages': {} pipeline stages but "
+                   "the model has only {} units to spread over them",
+                   stages, costs.size());
+    const int64_t slots = static_cast<int64_t>(stages) * l.micro_batches;
+    PARALLAX_CHECK(slots <= kMaxPipelineSlots, ConfigError,
+                   "keys 'train.grad_accum' and 'parallel.pp': {} micro-batches x {} pipeline "
+                   "stages = {} slots, more than the {} a pipeline schedule is built and "
+                   "simulated for; raise data.batch_size to use fewer, larger micro-batches",
+                   l.micro_batches, stages, slots, kMaxPipelineSlots);
+    s.built = cache.get(l);
     // The trainer's partition: costs, then activation bytes x in-flight micro-batches.
     s.bounds = parallel::pipeline::partition(
         costs, stages, cfg.parallel.pp_layout,
-        b.model->saved_activations(query(cfg, l, cuda), l.checkpointing),
-        parallel::pipeline::in_flight_per_stage(s.schedule));
+        b.model->saved_activations(query(cfg, l, cuda), l.checkpointing), s.built->in_flight);
   }
   s.rank_of_unit.assign(b.units.size(), 0);
   s.stage_of_unit.assign(b.units.size(), 0);
@@ -385,9 +443,9 @@ Activations activations(const Built& b, const Stages& st, const Layout& l, int p
   }
   // In flight: walk this rank's ops; F adds its stage's activations, B (zb: W, whose weight pass
   // still reads them) frees them.
-  const bool split = st.schedule.split_backward();
+  const bool split = st.schedule().split_backward();
   double live = 0;
-  for (const auto& op : st.schedule.ops[static_cast<std::size_t>(pp_rank)]) {
+  for (const auto& op : st.schedule().ops[static_cast<std::size_t>(pp_rank)]) {
     const double bytes = per_stage[static_cast<std::size_t>(op.stage)];
     if (op.kind == parallel::pipeline::OpKind::kForward) live += bytes;
     if ((op.kind == parallel::pipeline::OpKind::kBackward && !split) ||
@@ -477,7 +535,7 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
   }
   Stages st;
   try {
-    st = make_stages(b, l, cfg, hw.cuda);
+    st = make_stages(b, l, cfg, hw.cuda, inv.schedules());
   } catch (const Error& e) {
     row.reason = e.what();
     return row;
@@ -497,12 +555,12 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     RankMemory rm;
     rm.rank = r * l.dp * l.tp;
     // The dp rank with the largest optimizer piece (ZeRO shards are uneven by a few elements).
-    parallel::EngineMemory em;
-    for (int d = 0; d < l.dp; ++d) {
-      const auto x = engine_bytes(b, st, l, d, r, cfg, hw.cuda);
-      if (d == 0 || x.total() > em.total()) em = x;
-      if (l.zero == 0) break;
-    }
+    // That is dp rank 0: every dp rank holds the same parameter and gradient bytes, and its
+    // optimizer piece is the real (unpadded) elements of its shard of each bucket, [d S, (d+1) S)
+    // of [0, n): rank 0 has min(S, n) = S of them, which no rank exceeds (the padding sits at the
+    // end). Evaluating one rank keeps a layout's cost independent of dp (a loop over the dp ranks
+    // ran for minutes at --gpus 10^9; issue 35).
+    const parallel::EngineMemory em = engine_bytes(b, st, l, 0, r, cfg, hw.cuda);
     rm.params = em.params;
     rm.grads = em.grads;
     rm.optimizer = em.optimizer;
@@ -545,11 +603,11 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     if (static_cast<int>(s) % l.pp == 0 || l.pp == 1) rank_fwd_ms += stage_fwd_ms[s];
   if (l.pp > 1) {
     // The schedule simulated with the slowest stage's costs (F, B = 2F; zb: B = W = F).
-    const bool split = st.schedule.split_backward();
+    const bool split = st.schedule().split_backward();
     const double f = worst_stage_fwd_ms, bw = split ? f * recompute : 2 * f + (recompute - 1) * f;
-    const auto tl = parallel::pipeline::simulate(st.schedule, f, bw, split ? f : 0);
-    t.compute_ms = tl.busy_per_rank;
-    t.bubble_ms = tl.makespan - tl.busy_per_rank;
+    const auto [makespan, busy] = inv.schedules().simulate(st.built, f, bw, split ? f : 0);
+    t.compute_ms = busy;
+    t.bubble_ms = makespan - busy;
   } else {
     // A micro-batch costs its compute plus the fixed cost, but never less than the host floor
     // (the launches of a step whose kernels finish faster than the host issues them).
@@ -626,11 +684,43 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
   return row;
 }
 
+// Why no layout of (dp, tp, pp) can run, whatever its ZeRO stage, sequence parallelism, schedule,
+// micro-batches and checkpointing ("" when some may): the topology (a tp group across nodes),
+// a model that cannot be built at this tp with or without SP, or fewer units than pipeline
+// stages. The reasons are the ones predict_with() would give each of its layouts.
+std::string pair_rejection(Inventory& inv, const RunConfig& cfg, const Hardware& hw, int dp, int tp,
+                           int pp) {
+  try {
+    (void)comm::resolve_layout(dp * tp * pp, dp, tp, pp, hw.cuda ? hw.gpus_per_node() : 0);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  const Built& plain = inv.at_tp(tp, false);
+  const Built* b = &plain;
+  if (!plain.error.empty()) {
+    if (tp == 1) return plain.error;
+    b = &inv.at_tp(tp, true);
+    if (!b->error.empty()) return plain.error;
+  }
+  if (pp > 1 && cfg.lora.rank == 0 && b->chain != 0 && static_cast<int>(b->pp_costs.size()) < pp) {
+    return fmt::format(
+        "keys 'parallel.pp' and 'parallel.pp_virtual_stages': {} pipeline stages but the model "
+        "has only {} units to spread over them",
+        pp, b->pp_costs.size());
+  }
+  return "";
+}
+
+// Ascending; O(sqrt n).
 std::vector<int> divisors(int n) {
-  std::vector<int> d;
-  for (int i = 1; i <= n; ++i)
-    if (n % i == 0) d.push_back(i);
-  return d;
+  std::vector<int> lo, hi;
+  for (int i = 1; static_cast<int64_t>(i) * i <= n; ++i) {
+    if (n % i != 0) continue;
+    lo.push_back(i);
+    if (i != n / i) hi.push_back(n / i);
+  }
+  lo.insert(lo.end(), hi.rbegin(), hi.rend());
+  return lo;
 }
 
 }  // namespace
@@ -649,7 +739,7 @@ std::vector<parallel::EngineMemory> engine_memory(const RunConfig& cfg, int worl
   Inventory inv(cfg);
   const Built& b = inv.at_tp(l.tp, l.sequence_parallel);
   PARALLAX_CHECK(b.error.empty(), ConfigError, "{}", b.error);
-  const Stages st = make_stages(b, l, cfg, cuda);
+  const Stages st = make_stages(b, l, cfg, cuda, inv.schedules());
   std::vector<parallel::EngineMemory> out(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) {
     const int dp_rank = (r / l.tp) % l.dp, pp_rank = r / (l.tp * l.dp);
@@ -667,7 +757,7 @@ double activation_bytes(const RunConfig& cfg, int tp, bool sequence_parallel, in
   Inventory inv(cfg);
   const Built& b = inv.at_tp(tp, sequence_parallel);
   PARALLAX_CHECK(b.error.empty(), ConfigError, "{}", b.error);
-  const Stages st = make_stages(b, l, cfg, cuda);
+  const Stages st = make_stages(b, l, cfg, cuda, inv.schedules());
   return activations(b, st, l, 0, cfg, cuda).peak;
 }
 
@@ -677,19 +767,36 @@ std::vector<Row> plan(const RunConfig& cfg, const Request& req) {
   const int n = hw.gpus;
   PARALLAX_CHECK(n >= 1 && hw.nodes >= 1 && n % hw.nodes == 0, UsageError,
                  "plan: --gpus {} must be a positive multiple of --nodes {}", n, hw.nodes);
+  PARALLAX_CHECK(n <= kMaxGpus, UsageError,
+                 "plan: --gpus {} is more than {} (the largest clusters built have ~100k GPUs)", n,
+                 kMaxGpus);
+  PARALLAX_CHECK(req.global_batch >= 0 && req.global_batch <= kMaxGlobalBatch, UsageError,
+                 "plan: --global-batch {} must be in 1..{}", req.global_batch, kMaxGlobalBatch);
   const Layout cfg_layout = configured_layout(cfg, n);
   int64_t global = req.global_batch;
   if (global <= 0) {
-    global = static_cast<int64_t>(cfg.data.batch_size) * cfg.train.grad_accum *
-             std::max(1, n / (cfg.parallel.tp * cfg.parallel.pp));
+    // In double first: data.batch_size x train.grad_accum x dp overflows int64 for int keys.
+    const int dp = std::max(1, n / (cfg.parallel.tp * cfg.parallel.pp));
+    const double g = static_cast<double>(cfg.data.batch_size) * cfg.train.grad_accum * dp;
+    PARALLAX_CHECK(g <= static_cast<double>(kMaxGlobalBatch), ConfigError,
+                   "keys 'data.batch_size' and 'train.grad_accum': the global batch {} x {} x {} "
+                   "data-parallel ranks = {:.0f} samples is more than {} (a layout's micro-batch "
+                   "size and count are 32-bit keys); pass a smaller --global-batch",
+                   cfg.data.batch_size, cfg.train.grad_accum, dp, g, kMaxGlobalBatch);
+    global = static_cast<int64_t>(g);
   }
   Inventory inv(cfg);
+  // A model that cannot be built even without tensor parallelism (a LoRA rank above its layers,
+  // a target that matches nothing) is the config's error, not every layout's reason.
+  if (const Built& plain = inv.at_tp(1, false); !plain.error.empty())
+    throw_error<ConfigError>("{}", plain.error);
   std::vector<Row> rows;
   const std::vector<std::string> ckpts =
       req.all_checkpointing ? std::vector<std::string>{"none", "selective", "full"}
                             : std::vector<std::string>{cfg.train.activation_checkpointing};
   for (int tp : divisors(n)) {
     for (int pp : divisors(n / tp)) {
+      inv.schedules().clear();
       const int dp = n / (tp * pp);
       if (global % dp != 0) {
         Row r;
@@ -698,6 +805,18 @@ std::vector<Row> plan(const RunConfig& cfg, const Request& req) {
         r.layout.pp = pp;
         r.reason = fmt::format("global batch {} is not divisible by dp {}", global, dp);
         rows.push_back(r);
+        continue;
+      }
+      // A (dp, tp, pp) that no choice of the other knobs can run is one row, not one per ZeRO
+      // stage, schedule, micro-batch and checkpointing: otherwise the rows grow with the divisor
+      // pairs of --gpus times ~10^3 (--gpus 110880: 10^6 rows, 2 GB, 11 s; issue 35).
+      if (std::string why = pair_rejection(inv, cfg, hw, dp, tp, pp); !why.empty()) {
+        Row r;
+        r.layout.dp = dp;
+        r.layout.tp = tp;
+        r.layout.pp = pp;
+        r.reason = std::move(why);
+        rows.push_back(std::move(r));
         continue;
       }
       const int64_t per_dp = global / dp;
@@ -797,6 +916,17 @@ Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps, int64_t batch) 
   check_supported(cfg);
   if (batch <= 0) batch = cfg.data.batch_size;
   const bool cuda = hw.cuda && at::hasCUDA();
+  // The calibration trains real steps: a batch whose activations alone exceed the device's memory
+  // (the planner's own arithmetic) is refused before anything is allocated, and the doublings
+  // below stop before such a batch (data.batch_size=10^9 ended in std::bad_alloc; issue 35).
+  const double memory = hw.gpu_mem_gib * kGiB;
+  const double act_per_sample = activation_bytes(cfg, 1, false, 1, cuda);  // linear in the batch
+  const auto activations_of = [&](int64_t b) { return act_per_sample * static_cast<double>(b); };
+  PARALLAX_CHECK(activations_of(batch) <= memory, UsageError,
+                 "plan --calibrate: micro-batch {} (--calibrate-batch, else data.batch_size) keeps "
+                 "{:.1f} GiB of activations, more than the {:.0f} GiB of --gpu-mem; calibrate on a "
+                 "smaller batch",
+                 batch, activations_of(batch) / kGiB, hw.gpu_mem_gib);
   PARALLAX_CHECK(!hw.cuda || cuda, UsageError,
                  "plan --calibrate: planning for GPUs but this machine has none; use --device cpu "
                  "or calibrate on the GPU machine");
@@ -822,6 +952,13 @@ Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps, int64_t batch) 
   double t1 = floor_ms, t2 = 0;
   int64_t b1 = batch;
   for (int k = 0; k < 4; ++k) {
+    if (activations_of(2 * b1) > memory) {
+      core::log::warn(
+          "plan --calibrate: batch {} would not fit in {:.0f} GiB; calibrating on batch {}", 2 * b1,
+          hw.gpu_mem_gib, b1);
+      t2 = 0;
+      break;
+    }
     try {
       t2 = trainer_step_ms(cfg, 2 * b1, steps, cuda);
     } catch (const std::exception& e) {
@@ -865,7 +1002,7 @@ std::string render_table(const std::vector<Row>& rows, const Hardware& hw, int m
   int shown = 0;
   for (const auto& r : rows) {
     if (!r.fits) continue;
-    if (shown >= max_rows) break;
+    if (max_rows > 0 && shown >= max_rows) break;
     const Layout& l = r.layout;
     const std::string lay = fmt::format(
         "{} {} {} z{} {} {}x{} {} {}", l.dp, l.tp, l.pp, l.zero, l.sequence_parallel ? "sp" : "-",

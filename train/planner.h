@@ -29,6 +29,20 @@
 
 namespace parallax::train::planner {
 
+// The planner's bounds (docs/planning.md, "Limits"). Beyond them plan() and predict() refuse the
+// request (UsageError naming the flag, or a rejected layout naming the keys) instead of running
+// for minutes or allocating without bound (issue 35).
+// Ranks in all: beyond the largest clusters built (~100k GPUs). The enumeration is over the
+// divisor pairs (tp, pp) of --gpus, never over the ranks themselves.
+constexpr int kMaxGpus = 1 << 17;
+// Samples per optimizer step: the micro-batch size and count of a layout are int keys
+// (data.batch_size, train.grad_accum).
+constexpr int64_t kMaxGlobalBatch = 2147483647;
+// A pipeline layout's schedule is built and simulated op by op, pp x virtual stages x micro-batches
+// compute passes of each kind: at most this many (e.g. pp 64 x 1024 micro-batches), so a layout
+// costs milliseconds and kilobytes, not the minutes and gigabytes that 10^9 micro-batches took.
+constexpr int64_t kMaxPipelineSlots = 1 << 16;
+
 // What the layouts run on. Defaults: the documented H100 SXM numbers (docs/planning.md);
 // calibrate() replaces efficiency (and peak, on the CPU) with measured ones.
 struct Hardware {
@@ -139,7 +153,8 @@ double activation_bytes(const RunConfig& cfg, int tp, bool sequence_parallel, in
 // measured with a GEMM. Needs the process's comm::World (the trainer runs on it).
 Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps = 12, int64_t batch = 0);
 
-// The ranked table (fitting layouts first) and the JSON document (one object per row).
+// The ranked table (fitting layouts first; at most `max_rows` of them, every one when
+// max_rows <= 0) and the JSON document (one object per row).
 std::string render_table(const std::vector<Row>& rows, const Hardware& hw, int max_rows);
 std::string render_json(const std::vector<Row>& rows, const Hardware& hw);
 

@@ -56,7 +56,8 @@ struct TrainConfig {
     v("steps", steps, "optimizer steps to run", core::Check::at_least(0));
     v("epochs", epochs, "if > 0, train this many epochs instead of `steps`",
       core::Check::at_least(0));
-    v("grad_accum", grad_accum, "micro-steps per optimizer step", core::Check::at_least(1));
+    v("grad_accum", grad_accum, "micro-steps per optimizer step (at most 65536, as parallax plan)",
+      core::Check::between(1, 65536));
     v("eval_every", eval_every, "evaluate every N steps (0: only at the end)",
       core::Check::at_least(0));
     v("log_every", log_every, "log metrics every N steps", core::Check::at_least(1));

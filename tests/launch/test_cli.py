@@ -205,6 +205,73 @@ class CliTest(unittest.TestCase):
             self.assertEqual(rc, 0, err)
             self.assertTrue(os.path.isfile(os.path.join(out, "ok", "config.yaml")))
 
+    def test_numbers_that_would_be_unbounded_are_one_error_line_at_once(self):
+        """Issue 35 item 4: each of these started hundreds of workers, ran for minutes, ended in
+        std::bad_alloc, or was accepted (or said "-1 must not be negative" for an overflow). Each is
+        now one error line naming the flag or key and its bound, within a few seconds, before any
+        worker, thread or file exists."""
+        mlp = os.path.join(SRC, "configs", "mlp_demo.yaml")
+        bev = [os.path.join(SRC, "configs", "bev_tiny.yaml"), "data.synthetic=true"]
+        big = "99999999999999999999"
+        worker = ["--", "train", "--config", mlp]
+        cases = [
+            (["launch", "--nproc-per-node", "100000", *worker], ["--nproc-per-node 100000", "1024 workers"]),
+            (["launch", "--nproc-per-node", "100000", "--allow-oversubscribe", *worker], ["1024 workers"]),
+            (["launch", "--max-restarts", big, *worker], ["--max-restarts", "out of range for a 64-bit integer"]),
+            (["launch", "--max-restarts", "100000", *worker], ["--max-restarts must be in 0..1000"]),
+            (["launch", "--nnodes", "5000000", "--master", "127.0.0.1:1", *worker], ["--nnodes must be in"]),
+            (["launch", "--grace-period", "inf", *worker], ["--grace-period expects a finite number"]),
+            (["launch", "--rdzv-timeout", "1e300", *worker], ["--rdzv-timeout must be > 0 and at most 86400"]),
+            (["plan", "--config", *bev, "--gpus", "1000000000"], ["--gpus must be in 1..131072"]),
+            (["plan", "--config", *bev, "--top", "-1"], ["--top must be in 0.."]),
+            (["plan", "--config", *bev, "--inter-node-gbps", "-5"], ["--inter-node-gbps must be > 0"]),
+            (["plan", "--config", *bev, "--global-batch", "0"], ["--global-batch must be in 1.."]),
+            (["plan", "--config", *bev, "--gpu-mem", "nan"], ["--gpu-mem expects a finite number"]),
+            (["plan", "--config", *bev, "--efficiency", "0"], ["--efficiency must be > 0 and at most 1"]),
+            (["plan", "--config", *bev, "--bandwidth-mib", "1000000000"], ["--bandwidth-mib must be in 1..4096"]),
+            (["plan", "--config", *bev, "--calibrate", "--calibrate-batch", "0"], ["--calibrate-batch must be in"]),
+            (["plan", "--config", *bev, "--gpus", "131072", "data.batch_size=65536"],
+             ["'data.batch_size'", "8589934592 samples is more than 2147483647"]),
+            (["plan", "--config", *bev, "--device", "cpu", "--calibrate", "data.batch_size=65536"],
+             ["plan --calibrate: micro-batch 65536", "GiB of activations"]),
+            # Config keys that size memory, threads or a step's length.
+            (["train", "--config", mlp, "data.batch_size=1000000000", "--print-config"],
+             ["key 'data.batch_size'", "must be <= 65536"]),
+            (["train", "--config", mlp, "train.grad_accum=1000000000", "--print-config"],
+             ["key 'train.grad_accum'", "must be <= 65536"]),
+            (["train", "--config", mlp, "data.num_workers=100000", "--print-config"],
+             ["key 'data.num_workers'", "must be <= 256"]),
+            (["train", "--config", mlp, "data.prefetch=100000", "--print-config"],
+             ["key 'data.prefetch'", "must be <= 1024"]),
+            (["plan", "--config", *bev, "model.backbone=vit", "lora.rank=100000", "lora.base=base"],
+             ["key 'lora.rank': 100000 is more than 96, min(in, out) of the smallest layer",
+              "'encoder.vit.block0.attn.qkv' (96 -> 288 features)"]),
+            (["export", "--parity-frames", big], ["--parity-frames value '" + big + "' is out of range for a 64-bit"]),
+            (["inspect", "--scene-lines", "-1", SRC], ["--scene-lines must be at least 0"]),
+            (["datagen", "--out", "OUT", "--scenes", big], ["--scenes value", "out of range for a 64-bit integer"]),
+            (["datagen", "--out", "OUT", "--scenes", "100000000"], ["--scenes must be in 1..4194304"]),
+            # 2^32 + 128: a cast to int made it 128.
+            (["datagen", "--out", "OUT", "--height", "4294967424"], ["--height must be in 8..4096"]),
+            (["datagen", "--out", "OUT", "--threads", "100000"], ["--threads must be in 0..1024"]),
+            (["datagen", "--out", "OUT", "--bev-range", "5000", "--bev-resolution", "0.01"],
+             ["BEV grid of 1000000 x 1000000 cells"]),
+            (["datagen", "--out", "OUT", "--threads", "1000", "--cameras", "16", "--height", "4096", "--width",
+              "4096"], ["--threads 1000 x 2 scenes in flight", "of memory"]),
+            (["train", "--config", mlp, "train.steps=" + big, "--print-config"],
+             ["key 'train.steps' value '" + big + "' is out of range for a 64-bit integer"]),
+            (["train", "--config", mlp, "data.batch_size=1e12", "--print-config"],
+             ["key 'data.batch_size' value '1e12' is out of range for a 32-bit integer"]),
+        ]
+        with tempfile.TemporaryDirectory() as d:
+            for args, needles in cases:
+                args = [os.path.join(d, "out") if a == "OUT" else a for a in args]
+                start = time.monotonic()
+                rc, _, err = run(*args, cwd=d, timeout=60)
+                took = time.monotonic() - start
+                self.assert_one_error_line(rc, err, *needles)
+                self.assertLess(took, 10, args)  # ~0.5 s each; slack for a loaded 2-core machine
+            self.assertEqual(os.listdir(d), [], "nothing written: no logs, dataset or run folder")
+
     def test_help_config_lists_keys(self):
         rc, out, _ = run("train", "--help-config")
         self.assertEqual(rc, 0)

@@ -131,6 +131,45 @@ TEST(LoraTest, AGlobThatMatchesNothingIsAConfigErrorNamingTheKey) {
   EXPECT_THROW(train::lora::apply(*fresh, c), ConfigError);
 }
 
+// Issue 35: lora.rank=100000 was accepted (and 10^9 allocates without bound). The update B A has
+// rank at most min(in, out), so a rank above that of the smallest targeted layer is refused,
+// naming the key, the rank and the layer, before any adapter exists; the bound itself is taken.
+TEST(LoraTest, ARankAboveTheSmallestTargetedLayerIsRefusedNamingIt) {
+  auto model = vit_tiny();
+  train::LoraConfig c;
+  c.targets = {"*.attn.qkv", "*.mlp.fc2"};
+  std::string smallest;
+  int64_t bound = -1;
+  for (const auto& item : model->named_modules("", false)) {
+    auto* d = dynamic_cast<models::DenseLinearImpl*>(item.value().get());
+    if (d == nullptr || !(train::lora::glob_match(c.targets[0], item.key()) ||
+                          train::lora::glob_match(c.targets[1], item.key())))
+      continue;
+    const int64_t dim = std::min(d->weight.size(0), d->weight.size(1));
+    if (bound < 0 || dim < bound) {
+      bound = dim;
+      smallest = item.key();
+    }
+  }
+  ASSERT_GT(bound, 1);
+  for (const int64_t rank : {bound + 1, int64_t{100000}}) {
+    c.rank = rank;
+    try {
+      train::lora::apply(*model, c);
+      ADD_FAILURE() << "rank " << rank << " accepted";
+    } catch (const ConfigError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("key 'lora.rank': " + std::to_string(rank)), std::string::npos) << what;
+      EXPECT_NE(what.find("'" + smallest + "'"), std::string::npos) << what;
+      EXPECT_NE(what.find(std::to_string(bound)), std::string::npos) << what;
+    }
+    for (const auto& it : model->named_parameters())
+      EXPECT_FALSE(train::lora::is_adapter(it.key())) << it.key();
+  }
+  c.rank = bound;
+  EXPECT_GT(train::lora::apply(*model, c).layers, 0);
+}
+
 TEST(LoraTest, TheFingerprintSeesEveryBaseByteAndIgnoresAdapters) {
   at::manual_seed(7);
   models::DenseLinear layer(6, 4, true);

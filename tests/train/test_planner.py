@@ -15,11 +15,42 @@ Usage: test_planner.py <parallax binary> <mpirun>
 """
 import json
 import os
+import re
+import resource
+import subprocess
 import sys
+import tempfile
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train as tt  # noqa: E402  (shared helpers: run, metrics)
+
+
+def run_bounded(args, timeout=120, limit_gib=6):
+    """`parallax <args>` under a `limit_gib` address-space limit (a plan that allocates by the batch
+    fails fast instead of swapping a shared machine). Returns (exit code, stdout, stderr, seconds,
+    peak RSS in MiB)."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (limit_gib << 30, limit_gib << 30))
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.monotonic()
+        p = subprocess.Popen([tt.PARALLAX, *args], stdout=out, stderr=err, preexec_fn=limit)
+        while True:
+            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() - start > timeout:
+                p.kill()
+                _, status, usage = os.wait4(p.pid, 0)
+                break
+            time.sleep(0.05)
+        took = time.monotonic() - start
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return p.returncode, out.read().decode(), err.read().decode(), took, usage.ru_maxrss / 1024
 
 
 class PlannerTest(tt.RunDirTest):
@@ -125,6 +156,53 @@ class PlannerTest(tt.RunDirTest):
             errors = [line for line in p.stderr.splitlines() if line.startswith("parallax: error:")]
             self.assertEqual(len(errors), 1, p.stderr[-2000:])
             self.assertIn(needle, errors[0])
+
+    def test_the_search_is_arithmetic_in_the_batch_and_scales_with_divisors(self):
+        """Issue 35 item 4. A billion-sample batch is arithmetic (the pipeline layouts' schedules,
+        built op by op, are bounded and rejected with the reason), and a GPU count with many
+        divisors gives one row per impossible (dp, tp, pp) rather than ~10^3: before, --gpus 110880
+        took 2 GB and 11 s, and data.batch_size=10^8 on 8 GPUs built schedules of 10^8 micro-batches."""
+        bev = ["--config", tt.BEV, "data.synthetic=true"]
+        out = os.path.join(self.d, "big_batch.json")
+        # data.batch_size is capped at 65536 per rank (data/data_config.h); --global-batch is not.
+        rc, stdout, err, took, rss = run_bounded(["plan", *bev, "--gpus", "8", "--global-batch", "800000000",
+                                                  "--json", out])
+        self.assertEqual(rc, 0, err[-2000:])
+        self.assertLess(took, 60)
+        self.assertLess(rss, 1024)
+        with open(out) as f:
+            rows = json.load(f)["layouts"]
+        self.assertTrue(any(r["fits"] for r in rows))
+        pipeline = [r for r in rows if r["pp"] > 1]
+        self.assertTrue(pipeline)
+        beyond = [r for r in pipeline if r["micro_batches"] * r["pp"] * r["virtual_stages"] > 65536]
+        self.assertTrue(beyond and not any(r["fits"] for r in beyond))
+        self.assertIn("more than the 65536 a pipeline schedule is built and simulated for",
+                      " ".join(r["reason"] for r in beyond))
+        big = [r for r in rows if r["micro_batch"] == 100000000]
+        self.assertTrue(big and all(not r["fits"] and "GiB" in r["reason"] for r in big))
+
+        out = os.path.join(self.d, "many_gpus.json")
+        rc, stdout, err, took, rss = run_bounded(["plan", *bev, "--gpus", "110880", "--json", out])
+        self.assertEqual(rc, 0, err[-2000:])
+        self.assertLess(rss, 1024)
+        with open(out) as f:
+            rows = json.load(f)["layouts"]
+        self.assertTrue(any(r["fits"] for r in rows))
+        # 110880 has 120 divisors: 3402 (tp, pp) pairs, one row each for those that cannot run.
+        self.assertLess(len(rows), 20000)
+        reasons = " ".join(r["reason"] for r in rows)
+        self.assertTrue("units to spread over them" in reasons)  # pp > units: one row per (tp, pp)
+        self.assertTrue("no tensor-parallel layers" in reasons)  # bev_tiny's conv backbone at tp > 1
+
+        # --top 0: every layout that fits.
+        out = os.path.join(self.d, "top0.json")
+        p = tt.run(["plan", *bev, "--gpus", "8", "--top", "0", "--json", out])
+        with open(out) as f:
+            fits = sum(1 for r in json.load(f)["layouts"] if r["fits"])
+        self.assertGreater(fits, 15)
+        table = p.stdout.split("rejected:")[0]
+        self.assertEqual(len(re.findall(r"^ *\d+ \d+ \d+ \d+ z\d ", table, re.M)), fits)
 
 
 if __name__ == "__main__":
