@@ -13,7 +13,7 @@
 namespace parallax::data {
 namespace {
 
-constexpr double kDeg = geom::kPi / 180.0;
+using geom::kDeg;
 
 // Rounds half up after clamping (the same as std::round for the non-negative values left).
 uint8_t to_byte(double v) {

@@ -15,6 +15,7 @@
 namespace parallax::data::geom {
 
 inline constexpr double kPi = 3.14159265358979323846;
+inline constexpr double kDeg = kPi / 180.0;  // one degree in radians
 
 struct Vec3 {
   double x = 0, y = 0, z = 0;

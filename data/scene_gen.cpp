@@ -14,7 +14,7 @@ namespace {
 using geom::Box;
 using geom::kPi;
 
-constexpr double kDeg = kPi / 180.0;
+using geom::kDeg;
 
 Rgb hsv(double h_deg, double s, double v) {
   h_deg = std::fmod(h_deg, 360.0);

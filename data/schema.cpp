@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -120,6 +121,39 @@ void check_dataset_folder(const std::string& dir) {
   throw_error<DataError>("'{}' is not a dataset folder (not a directory)", shown);
 }
 
+// Throws unless shard entry `entry` (key `key` of dataset.json `file`) names a file inside the
+// dataset folder `dir`: relative, and resolving ('..' and symlinks followed) strictly below the
+// folder's canonical path. So a crafted or careless dataset.json cannot make train, eval or
+// inspect read files elsewhere.
+void check_shard_inside(const std::string& file, const std::string& dir, const std::string& key,
+                        const std::string& entry) {
+  const std::string shown = core::clip(entry, 200);
+  if (entry.empty())
+    throw_error<DataError>("'{}': key '{}' is empty (a shard file name)", file, key);
+  if (fs::path(entry).is_absolute()) {
+    throw_error<DataError>(
+        "'{}': key '{}' is the absolute path '{}'; shards are files inside the dataset folder, "
+        "named relative to it",
+        file, key, shown);
+  }
+  std::error_code ec;
+  const fs::path root = fs::canonical(dir, ec);
+  if (ec) throw_error<DataError>("dataset folder '{}' cannot be resolved: {}", dir, ec.message());
+  const fs::path real = fs::weakly_canonical(root / entry, ec);
+  if (ec) {
+    throw_error<DataError>("'{}': key '{}' ('{}') cannot be resolved: {}", file, key, shown,
+                           ec.message());
+  }
+  // Component-wise prefix: '/data/ds' does not contain '/data/ds2/x'.
+  const auto ends = std::mismatch(root.begin(), root.end(), real.begin(), real.end());
+  if (ends.first != root.end() || ends.second == real.end()) {
+    throw_error<DataError>(
+        "'{}': key '{}' is '{}', which resolves to '{}', outside the dataset folder '{}'; shards "
+        "must be files inside the dataset folder",
+        file, key, shown, core::clip(real.string(), 300), core::clip(root.string(), 300));
+  }
+}
+
 }  // namespace
 
 DatasetInfo read_dataset_info(const std::string& dir) {
@@ -189,6 +223,8 @@ DatasetInfo read_dataset_info(const std::string& dir) {
     const std::string path = "splits." + name;
     SplitInfo s;
     s.shards = r.strings(kv.second, "shards", path + ".shards");
+    for (size_t i = 0; i < s.shards.size(); ++i)
+      check_shard_inside(file, dir, fmt::format("{}.shards[{}]", path, i), s.shards[i]);
     s.scenes = r.scalar<int64_t>(kv.second, "scenes", path + ".scenes", "an integer");
     if (s.scenes < 0) throw_error<DataError>("'{}': key '{}.scenes' must be >= 0", file, path);
     info.splits[name] = std::move(s);

@@ -64,7 +64,9 @@ struct DatasetInfo {
 };
 
 // Reads and validates `<dir>/dataset.json`. Throws DataError for a missing or malformed file, a
-// schema version other than kSchemaVersion, or missing/invalid fields (naming the key).
+// schema version other than kSchemaVersion, missing/invalid fields (naming the key), or a shard
+// entry that is not a file inside `dir` (an absolute path, or one resolving outside the folder
+// through '..' or a symlink; naming the key, the entry and where it resolves).
 DatasetInfo read_dataset_info(const std::string& dir);
 // Writes `<dir>/dataset.json` (atomically). Throws IoError.
 void write_dataset_json(const std::string& dir, const DatasetInfo& info);

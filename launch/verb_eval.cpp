@@ -2,6 +2,8 @@
 // any number of ranks (alone, or under mpirun / srun / torchrun; the data-parallel group is the
 // world), and optionally its detections and the ground truth in the nuScenes detection submission
 // format, for external scorers (tools/nuscenes_score.py).
+#include "checkpoint/files.h"
+#include "checkpoint/finite.h"
 #include "checkpoint/format.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/weights.h"
@@ -10,6 +12,7 @@
 #include "core/strings.h"
 #include "data/schema.h"
 #include "launch/args.h"
+#include "launch/exit_codes.h"
 #include "launch/verbs.h"
 #include "models/model.h"
 #include "optim/precision.h"
@@ -17,17 +20,21 @@
 #include "parallel/comm/world.h"
 #include "train/evaluate.h"
 #include "train/lora.h"
+#include "train/preemption.h"
 #include "train/qat.h"
 #include "train/run_config.h"
 
 #include <ATen/Parallel.h>
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <thread>
 
 namespace fs = std::filesystem;
@@ -42,23 +49,61 @@ std::string json_number(double v) {
   return std::isfinite(v) ? fmt::format("{}", v) : "null";
 }
 
-// Writes `text` to `file` through a temporary file and a rename. Throws IoError naming the file.
+// Closes a descriptor on every path.
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Writes all of `text` to `fd`; false with errno set on a failure (ENOSPC, EIO ...).
+bool write_all(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return ::fsync(fd) == 0;
+}
+
+// Writes `text` to `file` as a whole or not at all, and leaves no temporary file behind on any
+// failure (unwritable folder, full disk, a directory in the way) nor, where the file system has
+// O_TMPFILE (Linux: ext4, xfs, btrfs, tmpfs), when the process is killed: the content goes into an
+// unnamed file in the target's folder, which is named only once complete (linked at `file`, or,
+// when `file` exists, at a temporary name renamed over it at once). Elsewhere a named temporary
+// file, removed on every error. Throws IoError naming the file and the cause.
 void write_file(const fs::path& file, const std::string& text) {
-  if (file.has_parent_path()) {
-    std::error_code ec;
-    fs::create_directories(file.parent_path(), ec);
-  }
-  const fs::path tmp = file.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.close();
-    PARALLAX_CHECK(out.good(), IoError, "eval: cannot write '{}'", tmp.string());
-  }
+  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
   std::error_code ec;
-  fs::rename(tmp, file, ec);
-  PARALLAX_CHECK(!ec, IoError, "eval: cannot rename '{}' to '{}': {}", tmp.string(), file.string(),
-                 ec.message());
+  fs::create_directories(dir, ec);
+  const std::string tmp = file.string() + ".tmp-" + checkpoint::files::random_hex(4);
+  auto fail = [&](const std::string& what, int err) {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);
+    throw_error<IoError>("eval: cannot write '{}': {}: {}", file.string(), what,
+                         std::strerror(err));
+  };
+  Fd out;
+#ifdef O_TMPFILE
+  out.fd = ::open(dir.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0644);
+#endif
+  if (out.fd >= 0) {
+    if (!write_all(out.fd, text)) fail("writing", errno);
+    const std::string proc = fmt::format("/proc/self/fd/{}", out.fd);
+    if (::linkat(AT_FDCWD, proc.c_str(), AT_FDCWD, file.c_str(), AT_SYMLINK_FOLLOW) == 0) return;
+    if (errno != EEXIST) fail("linking", errno);
+    // `file` exists: replaced atomically through a name that lives only until the rename.
+    if (::linkat(AT_FDCWD, proc.c_str(), AT_FDCWD, tmp.c_str(), AT_SYMLINK_FOLLOW) != 0)
+      fail("linking", errno);
+  } else {
+    out.fd = ::open(tmp.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
+    if (out.fd < 0) fail(fmt::format("creating '{}'", tmp), errno);
+    if (!write_all(out.fd, text)) fail(fmt::format("writing '{}'", tmp), errno);
+  }
+  if (::rename(tmp.c_str(), file.c_str()) != 0) fail(fmt::format("renaming '{}'", tmp), errno);
 }
 
 // `rows` (train::EvalDetections) as the nuScenes detection submission JSON: every scene of the
@@ -105,8 +150,8 @@ int verb_eval(const std::vector<std::string>& argv) {
             "Works alone or under mpirun, srun or torchrun, on any number of ranks.");
   args.option("config", "FILE", "YAML config of the run (its model and data sections)")
       .option("checkpoint", "PATH",
-              "a checkpoint directory, a run's checkpoints/ (its latest), a run directory, or an "
-              "exported weights.h5")
+              "a checkpoint directory, a run's checkpoints/ or checkpoints/latest (its latest), a "
+              "run directory, or an exported weights.h5")
       .option("split", "NAME", "dataset split to evaluate (default: data.val_split, val)")
       .option("dump-predictions", "FILE",
               "write the detections as nuScenes submission JSON to FILE and the ground truth to "
@@ -155,6 +200,10 @@ int verb_eval(const std::vector<std::string>& argv) {
   // The world, the device and the communicator, as the trainer picks them (train/trainer.cpp).
   comm::WorldOptions wopts;
   wopts.init_timeout_s = cfg.parallel.init_timeout_s;
+  // The first SIGTERM / SIGINT stops the evaluation before its next batch on every rank (exit 143,
+  // nothing written); a second one exits at once (train/preemption.h). Installed before the
+  // rendezvous, as `parallax train` does.
+  train::PreemptionSignals signals("stopping the evaluation (no metrics are written; exit 143)");
   comm::World world(wopts);
   c10::Device device(c10::kCPU);
   if (cfg.train.device != "cpu" && world.device()) device = *world.device();
@@ -192,12 +241,22 @@ int verb_eval(const std::vector<std::string>& argv) {
     loaded = checkpoint::load_weights(*model, source).summary();
     train::qat::set_state(quantized, models::QuantState::kQuantizing);
   }
+  // Weights holding NaN or inf (a diverged run's, or a hand-made file) would score a NaN loss and
+  // zero metrics with rc 0: refused, as export and inspect refuse them.
+  checkpoint::require_finite(*model, fmt::format("eval: checkpoint '{}'", source),
+                             "refusing to evaluate non-finite weights; evaluate an earlier "
+                             "checkpoint");
   model->to(device);
   const auto precision = optim::make_precision_policy(cfg.precision, device.type());
   train::EvalDetections det;
-  const auto metrics =
-      train::evaluate(*model, cfg.data, scene, static_cast<uint64_t>(cfg.experiment.seed), *dp,
-                      device, precision, &det);
+  std::map<std::string, double> metrics;
+  try {
+    metrics = train::evaluate(*model, cfg.data, scene, static_cast<uint64_t>(cfg.experiment.seed),
+                              *dp, device, precision, &det);
+  } catch (const train::PreemptedError& e) {
+    std::fprintf(stderr, "parallax: %s\n", e.what());
+    return kExitPreempted;
+  }
   const int rank = world.rank();
   dp->barrier();
   if (rank != 0) return 0;

@@ -1,5 +1,6 @@
 #include "train/distill.h"
 
+#include "checkpoint/finite.h"
 #include "checkpoint/weights.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -65,6 +66,10 @@ std::shared_ptr<models::Model> build_teacher(const RunConfig& cfg, const core::S
   checkpoint::WeightsOptions w;
   w.strict = true;
   const auto report = checkpoint::load_weights(*teacher, path, w);
+  // A NaN in the teacher would only show as a NaN loss at step 1: named here, at load time.
+  checkpoint::require_finite(*teacher, fmt::format("distill.teacher '{}'", path),
+                             "distillation needs a finite teacher; point distill.teacher at an "
+                             "earlier checkpoint");
   core::log::info("distill.teacher={} ({}/{}{}): {}", path, tc.name, tc.size,
                   tc.name == "bev" ? "/" + tc.backbone : "", report.summary());
   teacher->eval();

@@ -6,6 +6,7 @@
 #include "data/loader.h"
 #include "data/metrics.h"
 #include "data/schema.h"
+#include "train/preemption.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -85,6 +86,15 @@ void append_rows(const at::Tensor& det_in, const at::Tensor& scores_in, const at
   }
 }
 
+// Sample `b` of a batch of `batch` samples: every tensor of `d` whose first dimension is the
+// batch, narrowed to that sample (kept 4-D etc.); any other tensor whole.
+core::TensorDict sample_of(const core::TensorDict& d, int64_t b, int64_t batch) {
+  core::TensorDict out;
+  for (const auto& [k, t] : d)
+    out.emplace(k, t.dim() > 0 && t.size(0) == batch ? t.narrow(0, b, 1) : t);
+  return out;
+}
+
 at::Tensor rows_tensor(std::vector<double>& rows, int64_t cols) {
   const auto n = static_cast<int64_t>(rows.size()) / cols;
   if (n == 0) return at::empty({0, cols}, at::kDouble);
@@ -107,20 +117,33 @@ std::map<std::string, double> evaluate(models::Model& model, const data::DataCon
   std::vector<double> pred_rows, gt_rows;
   const bool was_training = model.is_training();
   model.eval();
-  double loss_sum = 0;
-  int64_t batches = 0;
+  // val_loss is the mean over the split's samples of each sample's own loss: the model's loss
+  // normalises by counts in its batch (class frequencies, positives), so a batch's loss is not
+  // the mean of its samples' and a mean of batch losses would depend on how the scenes fall into
+  // batches and ranks. The sum stays on the device (one copy at the end), in float64.
+  const c10::Device dev = dp.device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device;
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+  int64_t samples = 0, batches = 0;
+  bool stopped = false;  // preemption (train/preemption.h): this rank stopped before the end
   {
     at::NoGradGuard no_grad;
     while (auto batch = loader.next()) {
+      if (PreemptionSignals::requested()) {
+        stopped = true;
+        break;
+      }
       const core::TensorDict b = core::to_device(*batch, device);
+      const int64_t n = batch->at("scene_index").size(0);
       core::TensorDict pred;
-      models::LossOutput loss;
       {
         optim::AutocastGuard autocast(precision);
         pred = model.forward(b);
-        loss = model.loss(b, pred);
+        for (int64_t i = 0; i < n; ++i) {
+          const models::LossOutput loss = model.loss(sample_of(b, i, n), sample_of(pred, i, n));
+          loss_sum += loss.total.detach().to(at::kDouble);
+        }
       }
-      loss_sum += loss.total.item<double>();
+      samples += n;
       ++batches;
       const core::TensorDict post = model.postprocess(pred);
       iou.update(post.at("bev_labels").cpu(), batch->at("bev_semantics"));
@@ -130,13 +153,28 @@ std::map<std::string, double> evaluate(models::Model& model, const data::DataCon
     }
   }
   if (was_training) model.train();
+  // Every rank reaches this collective, stopped early or not, and all learn whether one stopped.
+  {
+    at::Tensor stop = at::full({1}, stopped ? 1.0f : 0.0f,
+                               at::TensorOptions().dtype(at::kFloat).device(
+                                   dp.device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device));
+    dp.all_reduce(stop, comm::ReduceOp::kMax);
+    if (stop.item<float>() > 0) {
+      throw PreemptedError(fmt::format(
+          "preempted during the evaluation on '{}' (rank {}: {}): no eval metrics were written",
+          cfg.val_split, dp.rank(),
+          stopped ? fmt::format("stopped after {} batches", batches) : "another rank stopped"));
+    }
+  }
 
-  // Sums across ranks: IoU counts and the loss.
-  const c10::Device dev = dp.device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device;
+  // Sums across ranks: IoU counts, and the loss sum with the sample count in float64 (exact
+  // counts; each rank's float64 sum rounded once more in the reduction, never to float32).
   at::Tensor counts = iou.counts().to(dev);
   dp.all_reduce(counts, comm::ReduceOp::kSum);
   iou.set_counts(counts.cpu());
-  at::Tensor loss_t = at::tensor({loss_sum, static_cast<double>(batches)}, at::kFloat).to(dev);
+  at::Tensor loss_t =
+      at::stack({loss_sum.to(dev), at::full({}, static_cast<double>(samples),
+                                            at::TensorOptions().dtype(at::kDouble).device(dev))});
   dp.all_reduce(loss_t, comm::ReduceOp::kSum);
   loss_t = loss_t.cpu();
   // Detections: every rank gathers every rank's rows and computes the same AP and errors. The
@@ -180,10 +218,9 @@ std::map<std::string, double> evaluate(models::Model& model, const data::DataCon
              10;
   m["eval_s"] = clock.elapsed_s();
   core::log::info(
-      "eval on '{}' ({} batches/rank): val_loss {:.4f} | mIoU {:.3f} | vehicle IoU {:.3f} | mAP "
-      "{:.3f} | "
-      "mAP@2m {:.3f} | {:.1f}s",
-      cfg.val_split, batches, m["val_loss"], m["miou"],
+      "eval on '{}' ({} samples in {} batches on rank {}): val_loss {:.4f} | mIoU {:.3f} | "
+      "vehicle IoU {:.3f} | mAP {:.3f} | mAP@2m {:.3f} | {:.1f}s",
+      cfg.val_split, samples, batches, dp.rank(), m["val_loss"], m["miou"],
       m.count("iou_vehicle") ? m["iou_vehicle"] : NAN, m["map"],
       m.count("map_2m") ? m["map_2m"] : NAN, m["eval_s"]);
   return m;

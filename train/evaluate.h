@@ -4,7 +4,13 @@
 //   val_loss, miou, iou_<bev class>, map, map_0.5m, map_1m, map_2m, map_4m, ap_<box class> (over
 //   the thresholds), ap_2m_<box class>, ate, ase, aoe (true-positive errors at 2 m, means over
 //   classes), ate_/ase_/aoe_<box class>, nds.
+// val_loss is the mean over the split's samples of each sample's own loss (the model's loss of a
+// batch of that one sample), summed and counted in float64 across ranks: the same on any number of
+// ranks and any batch size, up to the order of the float64 sum (and to any rounding the forward
+// pass of a sample takes from its batch's shape: none on the CPU with one thread).
 // Collective: every rank of `dp` must call it. The model is put in eval mode and back.
+// Preemption (train/preemption.h): a rank that sees the signal stops before its next batch; the
+// ranks learn it together in a collective after the loop and all throw train::PreemptedError.
 // The split is `cfg.val_split`.
 #pragma once
 

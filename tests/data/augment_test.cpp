@@ -15,7 +15,7 @@ namespace {
 
 using testing::project;
 namespace tol = parallax::testing;
-constexpr double u = tol::kFp32Unit;
+using tol::u;
 
 // The augmented rig is computed in double and stored as float: every entry of K' and cam_to_ego'
 // within u of its exact value. Projecting points p through the stored rig in double (the test's

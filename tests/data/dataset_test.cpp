@@ -333,5 +333,46 @@ TEST_F(BadDataTest, SceneCountDisagreesWithDatasetJson) {
                     {"scene 000007", "in none of the split's shards"});
 }
 
+TEST_F(BadDataTest, ShardEntriesResolvingOutsideTheFolderAreRefused) {
+  // A shard outside the dataset folder, named by '..', by its absolute path, and reached through
+  // a symlink inside the folder: each is refused naming dataset.json, the key, the entry and
+  // where it resolves, before any shard is opened (train and inspect open datasets this way).
+  TempDir elsewhere("elsewhere");
+  const fs::path moved = elsewhere.file("train_00001.h5");
+  fs::rename(dir_->file("train_00001.h5"), moved);
+  const std::string json = read_bytes(dir_->file("dataset.json"));
+  const std::string quoted = "\"train_00001.h5\"";
+  ASSERT_NE(json.find(quoted), std::string::npos);
+  auto write_entry = [&](const std::string& entry) {
+    std::string j = json;
+    j.replace(j.find(quoted), quoted.size(), "\"" + entry + "\"");
+    std::ofstream(dir_->file("dataset.json"), std::ios::trunc) << j;
+  };
+  const std::string real = fs::canonical(moved).string();
+  const std::string up = fs::relative(moved, dir_->str()).string();
+  ASSERT_EQ(up.rfind("../", 0), 0u) << up;
+  write_entry(up);
+  expect_data_error([&] { Dataset::open(dir_->str(), "train"); },
+                    {dir_->file("dataset.json"), "key 'splits.train.shards[1]' is '" + up + "'",
+                     "resolves to '" + real + "', outside the dataset folder '" +
+                         fs::canonical(dir_->str()).string() + "'"});
+  write_entry(moved.string());
+  expect_data_error([&] { Dataset::open(dir_->str(), "train"); },
+                    {dir_->file("dataset.json"), "key 'splits.train.shards[1]'",
+                     "absolute path '" + moved.string() + "'"});
+  write_entry("train_00001.h5");
+  fs::create_symlink(moved, dir_->file("train_00001.h5"));
+  expect_data_error([&] { read_dataset_info(dir_->str()); },
+                    {dir_->file("dataset.json"), "key 'splits.train.shards[1]' is 'train_00001.h5'",
+                     "resolves to '" + real + "', outside the dataset folder"});
+  // Inside the folder, '..' and symlinks are fine.
+  fs::remove(dir_->file("train_00001.h5"));
+  fs::create_directories(dir_->file("sub"));
+  fs::rename(moved, dir_->file("sub/shard.h5"));
+  fs::create_symlink("sub/shard.h5", dir_->file("train_00001.h5"));
+  write_entry("sub/../train_00001.h5");
+  EXPECT_EQ(Dataset::open(dir_->str(), "train")->size(), 7);
+}
+
 }  // namespace
 }  // namespace parallax::data

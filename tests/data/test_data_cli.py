@@ -10,6 +10,7 @@ import tempfile
 import unittest
 
 PARALLAX = None
+SRC = os.environ.get("PARALLAX_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 SMALL = ["--cameras", "3", "--height", "40", "--width", "64", "--samples-per-pixel", "1", "--threads", "2"]
 
 
@@ -118,6 +119,47 @@ class DataCliTest(unittest.TestCase):
         self.assert_one_error_line(rc, err, "does not exist")
         rc, _, err = run("inspect", self.tmp)
         self.assert_one_error_line(rc, err, "cannot tell what")
+
+    def test_shard_entries_outside_the_dataset_folder_are_refused_by_inspect_and_train(self):
+        # dataset.json naming a shard outside its folder ('..', an absolute path, a symlink inside
+        # the folder pointing out): nothing is read from there, and the one error line names
+        # dataset.json, the entry and where it resolves.
+        root = os.path.join(self.tmp, "escape")
+        ds, outside = os.path.join(root, "ds"), os.path.join(root, "outside")
+        shutil.copytree(self.ds, ds)
+        os.makedirs(outside)
+        shard = os.path.join(outside, "train_00001.h5")
+        shutil.move(os.path.join(ds, "train_00001.h5"), shard)
+        meta_file = os.path.join(ds, "dataset.json")
+        with open(meta_file) as f:
+            meta = json.load(f)
+
+        def entry(name):
+            meta["splits"]["train"]["shards"][1] = name
+            with open(meta_file, "w") as f:
+                json.dump(meta, f)
+
+        real = os.path.realpath(shard)
+        entry("../outside/train_00001.h5")
+        needles = [meta_file, "key 'splits.train.shards[1]' is '../outside/train_00001.h5'",
+                   f"resolves to '{real}', outside the dataset folder"]
+        rc, _, err = run("inspect", ds)
+        self.assert_one_error_line(rc, err, *needles)
+        rc, _, err = run("train", "--config", os.path.join(SRC, "configs", "bev_tiny.yaml"), f"data.path={ds}",
+                         f"experiment.output_dir={root}", "train.steps=1", "train.device=cpu",
+                         "data.num_workers=0")
+        self.assertNotEqual(rc, 0)
+        self.assertIn(f"parallax: error: '{meta_file}': key", err)
+        for n in needles:
+            self.assertIn(n, err)
+        entry(shard)
+        rc, _, err = run("inspect", ds)
+        self.assert_one_error_line(rc, err, meta_file, "key 'splits.train.shards[1]'", f"absolute path '{shard}'")
+        entry("train_00001.h5")
+        os.symlink(shard, os.path.join(ds, "train_00001.h5"))
+        rc, _, err = run("inspect", ds)
+        self.assert_one_error_line(rc, err, meta_file, "key 'splits.train.shards[1]' is 'train_00001.h5'",
+                                   f"resolves to '{real}', outside the dataset folder")
 
     def test_datagen_errors_are_one_line(self):
         rc, _, err = run("datagen", "--scenes", "2")

@@ -16,6 +16,7 @@ import shutil
 import sys
 import unittest
 
+import h5py
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -75,6 +76,17 @@ class DistillTest(tt.RunDirTest):
             ([f"distill.teacher={self.teacher}", "distill.teacher_backbone=conv"], "encoder."),
             ([*self.distill, "lora.rank=4"], "lora.rank"),
         ]
+        # A teacher holding NaN is named at load time (it used to surface as "loss is NaN at step
+        # 1 ... lower optim.lr").
+        w = os.path.join(self.teacher, "export", "weights.h5")
+        tt.run(["export", "--run", self.teacher, "--format", "weights"])
+        with h5py.File(w, "r+") as f:
+            name = sorted(k for k in f if k.endswith(".weight"))[0]
+            a = f[name][()]
+            a.flat[0] = np.inf
+            f[name][...] = a
+        cases.append(([f"distill.teacher={w}", "distill.teacher_backbone=vit"],
+                      f"distill.teacher '{w}': tensor '{name}' holds 0 NaN and 1 infinite value(s)"))
         for extra, needle in cases:
             p = self.bev("bad", 1, "train.steps=1", *extra, check=False)
             self.assertNotEqual(p.returncode, 0, extra)
