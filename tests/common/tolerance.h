@@ -23,6 +23,8 @@ inline constexpr double kFp64Unit = 0x1p-53;
 inline constexpr double kFp32Unit = 0x1p-24;
 inline constexpr double kFp16Unit = 0x1p-11;
 inline constexpr double kBf16Unit = 0x1p-8;
+// fp32's unit roundoff under the name the derivations use (`using tol::u;` in a test file).
+inline constexpr double u = kFp32Unit;
 
 inline double unit_roundoff(at::ScalarType t) {
   switch (t) {

@@ -14,7 +14,7 @@ namespace parallax::models {
 namespace {
 
 namespace tol = parallax::testing;
-constexpr double u = tol::kFp32Unit;
+using tol::u;
 
 const BevGrid kGrid{-25, -25, 1.0, 50, 50};
 

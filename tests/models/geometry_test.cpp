@@ -13,7 +13,7 @@ namespace parallax::models {
 namespace {
 
 namespace tol = parallax::testing;
-constexpr double u = tol::kFp32Unit;
+using tol::u;
 
 // Running error bounds of the fp32 projection of ego points [P, 3] (exact: as given, in double)
 // through one camera (K [3, 3], E cam_to_ego [4, 4], both fp32): M = K [R^T | -R^T t] (invert_rigid
