@@ -10,10 +10,12 @@
 #include "data/datagen.h"
 #include "data/dataset.h"
 #include "launch/args.h"
+#include "launch/exit_codes.h"
 #include "launch/verbs.h"
 #include "models/model.h"
 #include "models/perception_model.h"
 #include "train/lora.h"
+#include "train/preemption.h"
 #include "train/qat.h"
 #include "train/run_config.h"
 
@@ -21,8 +23,10 @@
 #include "checkpoint/export/onnx_export.h"
 #endif
 
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 
@@ -45,10 +49,14 @@ Settings resolve_settings(const Args& args, const std::optional<train::RunConfig
   if (run_cfg) s.cfg = run_cfg->export_;
   if (args.has("format")) s.cfg.format = args.get("format");
   if (args.has("dtype")) s.cfg.dtype = args.get("dtype");
-  if (args.has("opset")) s.cfg.opset = static_cast<int>(args.get_int("opset"));
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  if (args.has("opset")) s.cfg.opset = static_cast<int>(args.get_int("opset", 1, kIntMax));
+  // The frames stream through LibTorch and ONNX Runtime one at a time (memory stays bounded);
+  // parity.h5 keeps them all, which the exporter checks against the free disk space.
   if (args.has("parity-frames"))
-    s.cfg.parity_frames = static_cast<int>(args.get_int("parity-frames"));
-  if (args.has("batch")) s.cfg.batch = args.get("batch") == "dynamic" ? 0 : args.get_int("batch");
+    s.cfg.parity_frames = static_cast<int>(args.get_int("parity-frames", 0, kIntMax));
+  if (args.has("batch"))
+    s.cfg.batch = args.get("batch") == "dynamic" ? 0 : args.get_int("batch", 0, kIntMax);
   if (args.has("external-data")) s.cfg.external_data = args.get("external-data");
   PARALLAX_CHECK(s.cfg.format == "weights" || s.cfg.format == "onnx", UsageError,
                  "export: unknown format '{}' ({}); expected onnx or weights", s.cfg.format,
@@ -106,25 +114,27 @@ int export_weights(const Args& args, const Settings& s, const std::string& run,
 
 #ifdef PARALLAX_WITH_ONNX
 
-// The parity frames, batch 1 each, and where they came from: the val split of the run's dataset
+// The parity frames, batch 1 each, made one at a time as the exporter asks for them (memory holds
+// one frame whatever their number), and where they came from: the val split of the run's dataset
 // (its first scenes, repeated when it has fewer than `count`), else synthetic scenes rendered by
 // the data generator for the model's scene (bev), else the model's own example inputs.
-std::vector<core::TensorDict> parity_frames(models::Model& model, const train::RunConfig& cfg,
-                                            const core::SceneSpec& scene, int64_t count,
-                                            std::string& source) {
-  std::vector<core::TensorDict> frames;
+checkpoint::exporter::ParityFrames parity_frames(models::Model& model, const train::RunConfig& cfg,
+                                                 const core::SceneSpec& scene, int64_t count,
+                                                 std::string& source) {
+  checkpoint::exporter::ParityFrames frames;
+  frames.count = count;
   if (count == 0) return frames;
+  auto scene_frame = [](const data::SceneRecord& r) -> core::TensorDict {
+    return {{"images", r.images.unsqueeze(0)},
+            {"intrinsics", r.intrinsics.unsqueeze(0)},
+            {"cam_to_ego", r.cam_to_ego.unsqueeze(0)}};
+  };
   const bool dataset = !(cfg.data.synthetic || cfg.train.benchmark) && cfg.model.name == "bev";
   if (dataset && data::read_dataset_info(cfg.data.path).splits.count(cfg.data.val_split)) {
-    auto ds = data::Dataset::open(cfg.data.path, cfg.data.val_split);
+    std::shared_ptr<data::Dataset> ds = data::Dataset::open(cfg.data.path, cfg.data.val_split);
     PARALLAX_CHECK(ds->size() > 0, DataError, "export: the val split '{}' of '{}' has no scenes",
                    cfg.data.val_split, cfg.data.path);
-    for (int64_t i = 0; i < count; ++i) {
-      const data::SceneRecord r = ds->read(i % ds->size());
-      frames.push_back({{"images", r.images.unsqueeze(0)},
-                        {"intrinsics", r.intrinsics.unsqueeze(0)},
-                        {"cam_to_ego", r.cam_to_ego.unsqueeze(0)}});
-    }
+    frames.frame = [ds, scene_frame](int64_t i) { return scene_frame(ds->read(i % ds->size())); };
     source = fmt::format("val split '{}' of dataset '{}' (scenes 0..{})", cfg.data.val_split,
                          cfg.data.path, std::min<int64_t>(count, ds->size()) - 1);
     return frames;
@@ -137,22 +147,75 @@ std::vector<core::TensorDict> parity_frames(models::Model& model, const train::R
     g.width = static_cast<int>(scene.image_width);
     g.bev = {scene.x_min, scene.x_max, scene.y_min, scene.y_max, scene.bev_resolution};
     const uint64_t split = data::split_seed(seed, "export-parity");
-    for (int64_t i = 0; i < count; ++i) {
-      const data::SceneRecord r = data::generate_scene(g, split, i).record;
-      frames.push_back({{"images", r.images.unsqueeze(0)},
-                        {"intrinsics", r.intrinsics.unsqueeze(0)},
-                        {"cam_to_ego", r.cam_to_ego.unsqueeze(0)}});
-    }
+    frames.frame = [g, split, scene_frame](int64_t i) {
+      return scene_frame(data::generate_scene(g, split, i).record);
+    };
     source =
         fmt::format("synthetic scenes 0..{} of the data generator (seed {}, split 'export-parity')",
                     count - 1, seed);
     return frames;
   }
+  // Drawn in order from the global generator, seeded here (the eval-mode forward between two
+  // frames draws nothing).
   core::seed_all(seed);
-  for (int64_t i = 0; i < count; ++i) frames.push_back(model.example_batch(1));
+  frames.frame = [&model](int64_t) { return model.example_batch(1); };
   source = fmt::format("example inputs of model '{}' (seed {})", cfg.model.name, seed);
   return frames;
 }
+
+// A QAT model's rounding ties for its parity gate (checkpoint::exporter::QuantTies): every
+// activation quantizer is observed during the reference forward, and the calls of each are matched,
+// in order, with the QuantizeLinear nodes the export hooks wrote for it.
+class QatTies : public checkpoint::exporter::QuantTies {
+ public:
+  QatTies(const models::onnx::EmitHooks& hooks, const std::vector<train::qat::Layer>& layers)
+      : hooks_(hooks) {
+    for (const auto& l : layers) {
+      models::TensorQuantizerImpl* q = l.input.get();
+      observed_.push_back(l.input);
+      calls_[q];
+      q->set_observer([this, q](const at::Tensor& quotient) {
+        auto [index, level] =
+            checkpoint::exporter::rounding_ties(quotient, checkpoint::exporter::kQuantTieMargin);
+        calls_[q].push_back({index, level, quotient.sizes().vec()});
+      });
+    }
+  }
+  ~QatTies() override {
+    for (const auto& q : observed_) q->set_observer(nullptr);
+  }
+  QatTies(const QatTies&) = delete;
+  QatTies& operator=(const QatTies&) = delete;
+
+  std::vector<std::string> tensors() override {
+    nodes_ = train::qat::activation_qdq(hooks_);
+    std::vector<std::string> out;
+    for (const auto& n : nodes_) out.insert(out.end(), n.outputs.begin(), n.outputs.end());
+    return out;
+  }
+  void begin_frame() override {
+    for (auto& [q, c] : calls_) c.clear();
+  }
+  std::map<std::string, Frame> end_frame() override {
+    std::map<std::string, Frame> out;
+    for (const auto& n : nodes_) {
+      const std::vector<Frame>& c = calls_[n.quantizer.get()];
+      PARALLAX_CHECK(c.size() == n.outputs.size(), Error,
+                     "QAT export: the activation quantizer of layer '{}' ran {} time(s) in the "
+                     "parity reference's forward, and the graph has {} QuantizeLinear node(s) for "
+                     "it",
+                     n.layer, c.size(), n.outputs.size());
+      for (std::size_t i = 0; i < c.size(); ++i) out[n.outputs[i]] = c[i];
+    }
+    return out;
+  }
+
+ private:
+  const models::onnx::EmitHooks& hooks_;
+  std::vector<std::shared_ptr<models::TensorQuantizerImpl>> observed_;
+  std::map<const models::TensorQuantizerImpl*, std::vector<Frame>> calls_;
+  std::vector<train::qat::ActivationQdq> nodes_;
+};
 
 int export_onnx(const Args& args, const Settings& s, const std::string& run,
                 const std::optional<train::RunConfig>& cfg) {
@@ -201,6 +264,7 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
   // DequantizeLinear pairs on the inputs and weights of its Linear and Conv layers.
   std::shared_ptr<models::Model> model;
   std::unique_ptr<models::onnx::EmitHooks> qdq;
+  std::unique_ptr<QatTies> ties;
   if (cfg->lora.rank > 0) {
     model = train::lora::merged_model(*cfg, scene, reader);
   } else if (cfg->qat.enabled) {
@@ -210,6 +274,8 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
     train::qat::set_state(quantized, models::QuantState::kQuantizing);
     qdq = train::qat::export_hooks(quantized);
     o.hooks = qdq.get();
+    ties = std::make_unique<QatTies>(*qdq, quantized);
+    o.quant_ties = ties.get();
     o.gate = checkpoint::exporter::qat_parity_gate();
     PARALLAX_CHECK(o.dtype == at::kFloat, ConfigError,
                    "export: run '{}' is a QAT run: its Q/DQ graph is written in fp32 (QuantizeLinear "
@@ -222,8 +288,17 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
   // A fixed batch takes the frames in whole batches.
   const int64_t b = s.cfg.batch;
   const int64_t count = b > 0 ? (s.cfg.parity_frames + b - 1) / b * b : s.cfg.parity_frames;
-  const std::vector<core::TensorDict> frames =
+  const checkpoint::exporter::ParityFrames frames =
       parity_frames(*model, *cfg, scene, count, o.frames_source);
+  // Preemption (train/preemption.h): a SIGTERM or SIGINT stops the export between parity frames or
+  // while ONNX Runtime runs; the staging folder is removed and nothing is published.
+  o.interruption = [] {
+    if (!train::PreemptionSignals::requested()) return;
+    throw train::PreemptedError(fmt::format(
+        "export stopped by {} before it finished: nothing was written (an earlier model.onnx, "
+        "if any, is unchanged)",
+        train::PreemptionSignals::signal_number() == SIGINT ? "SIGINT" : "SIGTERM"));
+  };
 
   const auto& m = reader.metadata();
   o.metadata = {{"parallax.model", fmt::format("{} size={} backbone={}", cfg->model.name,
@@ -239,11 +314,11 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
       static_cast<double>(r.model_bytes + r.data_bytes) / 1e6,
       r.data_file.empty() ? "" : fmt::format(", weights in {}", r.data_file).c_str(),
       reader.dir().c_str(), r.graph_s);
-  if (!frames.empty()) {
+  if (frames.count > 0) {
     std::printf(
-        "parity on %zu frames (%s): %s\nreport: %s (LibTorch %.2f s, ONNX Runtime tool %.2f s)\n",
-        frames.size(), o.frames_source.c_str(), r.parity_summary.c_str(), r.parity_json.c_str(),
-        r.reference_s, r.parity_s);
+        "parity on %lld frames (%s): %s\nreport: %s (LibTorch %.2f s, ONNX Runtime tool %.2f s)\n",
+        static_cast<long long>(frames.count), o.frames_source.c_str(), r.parity_summary.c_str(),
+        r.parity_json.c_str(), r.reference_s, r.parity_s);
   } else {
     std::printf("parity gate skipped (--parity-frames 0)\n");
   }
@@ -274,7 +349,9 @@ int verb_export(const std::vector<std::string>& argv) {
           "onnx (model.onnx + parity gate) | weights (weights.h5) (default: export.format, onnx)")
       .option("dtype", "DTYPE",
               "onnx: fp32 | fp16; weights: fp32 | bf16 (default: export.dtype, fp32)")
-      .option("checkpoint", "DIR", "export this checkpoint instead of the run's latest")
+      .option("checkpoint", "PATH",
+              "export this checkpoint (a step directory, a checkpoints/ directory or its "
+              "latest file) instead of the run's latest")
       .option("out", "FILE",
               "output file (default: <run>/export/model.onnx or <run>/export/weights.h5)")
       .option("opset", "N", "onnx: ONNX opset; 17 is the one written (default: export.opset, 17)")
@@ -322,7 +399,16 @@ int verb_export(const std::vector<std::string>& argv) {
   const std::optional<train::RunConfig> cfg = load_run_config(run);
   const Settings s = resolve_settings(args, cfg);
   if (s.cfg.format == "weights") return export_weights(args, s, run, cfg);
-  return export_onnx(args, s, run, cfg);
+  // The first SIGTERM / SIGINT stops the export at its next frame (or the parity tool) and exits
+  // kExitPreempted with nothing written; a second one exits at once.
+  train::PreemptionSignals signals(
+      "stopping the export (nothing is written, the staging folder is removed; exit 143)");
+  try {
+    return export_onnx(args, s, run, cfg);
+  } catch (const train::PreemptedError& e) {
+    std::fprintf(stderr, "parallax: %s\n", e.what());
+    return kExitPreempted;
+  }
 }
 
 }  // namespace parallax::launch

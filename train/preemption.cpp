@@ -39,6 +39,8 @@ int64_t monotonic_ms() {
 }
 
 std::atomic<int64_t> g_first_ms{0};
+constexpr const char* kTrainAction = "stopping after the current step (checkpoint, then exit 143)";
+std::atomic<const char*> g_action{kTrainAction};  // what the handler says the first signal does
 static_assert(std::atomic<int64_t>::is_always_lock_free);
 
 extern "C" void on_preemption_signal(int sig) {
@@ -54,10 +56,9 @@ extern "C" void on_preemption_signal(int sig) {
     return;
   }
   g_first_ms = monotonic_ms();
-  write_stderr(sig == SIGINT ? "parallax: SIGINT received: stopping after the current step "
-                               "(checkpoint, then exit 143); send it again to exit now\n"
-                             : "parallax: SIGTERM received: stopping after the current step "
-                               "(checkpoint, then exit 143); send it again to exit now\n");
+  write_stderr(sig == SIGINT ? "parallax: SIGINT received: " : "parallax: SIGTERM received: ");
+  write_stderr(g_action.load());
+  write_stderr("; send it again to exit now\n");
 }
 
 }  // namespace
@@ -67,7 +68,8 @@ struct PreemptionSignals::Saved {
   struct sigaction intr {};
 };
 
-PreemptionSignals::PreemptionSignals() : saved_(std::make_unique<Saved>()) {
+PreemptionSignals::PreemptionSignals(const char* action) : saved_(std::make_unique<Saved>()) {
+  g_action = action ? action : kTrainAction;
   g_signal = 0;
   g_preempted = false;
   struct sigaction sa {};

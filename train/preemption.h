@@ -4,12 +4,18 @@
 // srun, mpirun, torchrun or alone.
 //
 // Two parts:
-//  - PreemptionSignals (RAII, one per process, installed by `parallax train`): an async-signal-
-//    safe handler that only sets a process-wide flag and writes one line to stderr; a second
-//    signal restores the default action and re-raises it. A repeat within 2 s of the first counts
-//    as the same one (Slurm signals every process of a step while `parallax launch` forwards its
-//    own copy). The destructor restores the previous
-//    handlers.
+//  - PreemptionSignals (RAII, one per process, installed by `parallax train`, `eval` and
+//    `export`): an async-signal-safe handler that only sets a process-wide flag and writes one line
+//    to stderr; a second signal restores the default action and re-raises it. A repeat within 2 s
+//    of the first counts as the same one (Slurm signals every process of a step while `parallax
+//    launch` forwards its own copy). The destructor restores the previous handlers.
+//  - Other loops (docs/launch.md, "Graceful preemption"): QAT calibration checks the flag before
+//    every batch (agreed over the data-parallel group by a PreemptionVote), evaluation before every
+//    batch (each rank stops where it is; the first collective after the loop tells every rank),
+//    and `parallax export` between parity frames and while ONNX Runtime runs. They stop by
+//    throwing PreemptedError on every rank alike: the trainer then saves what a checkpoint can
+//    hold (nothing, when no step has run) and exits kExitPreempted; `parallax eval` and `parallax
+//    export` write nothing and exit kExitPreempted.
 //  - PreemptionVote: the ranks' agreement on the step to stop at. Signals reach ranks at different
 //    times (or one rank only), yet every rank must leave the loop after the same step, or the
 //    checkpoint save, a collective, would hang. Each step every rank contributes its flag to a
@@ -19,6 +25,8 @@
 //    Every rank reads the same vote at the same step, so all stop after the same step. Cost: one
 //    4-byte all-reduce per step (tens of microseconds on gloo, NCCL or MPI).
 #pragma once
+
+#include "core/error.h"
 
 #include <c10/core/Device.h>
 
@@ -35,9 +43,20 @@ namespace parallax::train {
 // its checkpoint: 128 + SIGTERM, what a shell reports for a job ended by SIGTERM.
 inline constexpr int kExitPreempted = 143;
 
+// A loop other than the training steps (calibration, evaluation, export) stopped for a preemption
+// signal; thrown alike on every rank of the collective it was in. The message says where it
+// stopped and what was (not) saved.
+class PreemptedError : public Error {
+ public:
+  explicit PreemptedError(std::string message) : Error(std::move(message)) {}
+};
+
 class PreemptionSignals {
  public:
-  PreemptionSignals();   // installs the SIGTERM and SIGINT handlers; clears the flag
+  // Installs the SIGTERM and SIGINT handlers and clears the flag. `action`: what the first signal
+  // does, for the line the handler prints ("stopping after the current step (checkpoint, then
+  // exit 143)" when null); a string literal (the handler reads it).
+  explicit PreemptionSignals(const char* action = nullptr);
   ~PreemptionSignals();  // restores the previous handlers
   PreemptionSignals(const PreemptionSignals&) = delete;
   PreemptionSignals& operator=(const PreemptionSignals&) = delete;

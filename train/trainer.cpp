@@ -5,6 +5,7 @@
 #include "checkpoint/finite.h"
 #include "checkpoint/format.h"
 #include "checkpoint/reader.h"
+#include "checkpoint/resume.h"
 #include "checkpoint/training_state.h"
 #include "checkpoint/weights.h"
 #include "core/error.h"
@@ -21,6 +22,7 @@
 #include "optim/precision.h"
 #include "optim/schedule.h"
 #include "parallel/build_engine.h"
+#include "parallel/comm/agree.h"
 #include "parallel/comm/factory.h"
 #include "parallel/comm/topology.h"
 #include "parallel/comm/world.h"
@@ -38,6 +40,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/DeviceAccelerator.h>
+#include <fmt/ranges.h>
 
 #include <sys/resource.h>
 
@@ -296,9 +299,12 @@ class TrainerImpl {
   // to config_history/), trims metrics.jsonl to the rows of steps <= start_step_ and opens it.
   // Other ranks get a disabled metrics writer.
   void open_run_directory(const std::string& config_text);
-  // Evaluates on the validation split (dataset runs of BEV models) and logs "eval" metrics.
+  // Evaluates on the validation split (dataset runs of BEV models) and logs "eval" metrics. A
+  // preemption signal stops it on every rank alike: no row, eval_preempted_ set.
   void run_eval(int64_t step);
-  void prepare();  // TrainerHooks::prepare, then its metrics row
+  // TrainerHooks::prepare, then its metrics row; false (on every rank) when a preemption signal
+  // stopped it (train/preemption.h).
+  bool prepare();
   // Saves model, optimizer, RNG, loss scaler and data position as checkpoint `step`, after making
   // the metrics rows logged so far durable. Call it after step `step`'s rows and evaluation.
   void save_checkpoint(int64_t step);
@@ -366,6 +372,7 @@ class TrainerImpl {
   std::vector<ck::ConfigChange> config_changes_;  // vs the resumed checkpoint's config
   int64_t start_step_ = 0;
   bool resumed_ = false;  // a checkpoint was loaded (its step may be 0: a ptq run)
+  bool eval_preempted_ = false;  // run_eval() stopped for preemption: stop after saving
   bool model_tensors_logged_ = false;
   bool synthetic_ = true;
   core::SceneSpec scene_;
@@ -501,19 +508,44 @@ void TrainerImpl::setup() {
   topo_ = std::make_unique<comm::Topology>(world_comm_, layout);
   rank0_ = world_.rank() == 0;
   world_.set_report_dir(run_dir_.string());  // hang reports (flight recorder JSON) go with the run
-  // Resume: the checkpoint's metadata says where training and the data stream continue.
+  // Resume: the checkpoint's metadata says where training and the data stream continue. Every
+  // rank chooses (train.resume=auto: `latest`, or the newest step that verifies when `latest` is
+  // lost or names a broken step) and opens it; the ranks agree on the outcome and on the step
+  // before any further collective.
   const fs::path ckpt_dir = run_dir_ / "checkpoints";
-  if (auto path = ck::resume_checkpoint(cfg_.train.resume, ckpt_dir.string())) {
-    resume_ = std::make_unique<ck::CheckpointReader>(*path);
-    resumed_ = true;
-    start_step_ = resume_->metadata().step;
-    core::log::info("resuming from {} (step {}, saved with layout {})", *path, start_step_,
-                    resume_->metadata().layout.to_string());
-  } else if (cfg_.train.resume == "auto") {
-    core::log::info("train.resume=auto: no checkpoint in {}, starting fresh", ckpt_dir.string());
-  }
   const std::string config_text = resolved_yaml(cfg_);
-  if (resume_) compare_config(config_text);
+  const std::vector<int64_t> steps = comm::agree_on(
+      *world_comm_, device_, "resume: choosing and opening the checkpoint",
+      [&]() -> int64_t {
+        const auto point = ck::find_resume_point(cfg_.train.resume, ckpt_dir.string());
+        if (!point) {
+          if (cfg_.train.resume == "auto")
+            core::log::info("train.resume=auto: no checkpoint in {}, starting fresh",
+                            ckpt_dir.string());
+          return -1;
+        }
+        if (rank0_) {
+          for (const std::string& w : point->warnings) core::log::warn("{}", w);
+        }
+        resume_ = std::make_unique<ck::CheckpointReader>(point->path);
+        resumed_ = true;
+        start_step_ = resume_->metadata().step;
+        core::log::info("resuming from {} (step {}, saved with layout {})", point->path,
+                        start_step_, resume_->metadata().layout.to_string());
+        compare_config(config_text);
+        return start_step_;
+      });
+  if (std::any_of(steps.begin(), steps.end(), [&](int64_t t) { return t != steps[0]; })) {
+    std::vector<std::string> seen;
+    for (std::size_t r = 0; r < steps.size(); ++r) {
+      seen.push_back(steps[r] < 0 ? fmt::format("rank {}: none", r)
+                                  : fmt::format("rank {}: step {}", r, steps[r]));
+    }
+    throw_error<CheckpointError>(
+        "resume: the ranks disagree on the checkpoint to resume from in '{}' ({}): every rank "
+        "must see the same run directory (experiment.output_dir on a shared filesystem)",
+        ckpt_dir.string(), core::join(seen, ", "));
+  }
   core::log::info(
       "run directory: {} | {} rank(s), layout {}, backend {}, device {}, {} CPU thread(s) per rank",
       run_dir_.string(), world_.size(), layout.to_string(), world_comm_->backend(), device_.str(),
@@ -588,6 +620,13 @@ void TrainerImpl::setup() {
   // loaded after the transform. A checkpoint that holds only some model tensors
   // (TrainerHooks::saves_model_tensor, e.g. LoRA's adapters) needs these weights on resume too.
   if ((!resume_ || hooks_.saves_model_tensor) && !cfg_.train.load_from.empty()) {
+    // A NaN in the loaded weights would only show as a NaN loss at step 1 ("lower optim.lr"):
+    // named here, at load time. LoRA checks its base itself (naming it as the LoRA base).
+    auto require_finite_load = [&](const torch::nn::Module& m) {
+      if (cfg_.lora.rank > 0) return;
+      ck::require_finite(m, fmt::format("train.load_from '{}'", cfg_.train.load_from),
+                         "point train.load_from at an earlier checkpoint");
+    };
     ck::WeightsOptions w;
     w.strict = cfg_.train.strict_load;
     if (tp_) {
@@ -595,10 +634,12 @@ void TrainerImpl::setup() {
       auto dense = models::build_model(cfg_.model, scene_);
       const auto report = ck::load_weights(*dense, cfg_.train.load_from, w);
       core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
+      require_finite_load(*dense);
       copy_dense_into_split(*dense);
     } else {
       const auto report = ck::load_weights(*model_, cfg_.train.load_from, w);
       core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
+      require_finite_load(*model_);
     }
   }
   if (hooks_.transform_model) {
@@ -610,11 +651,19 @@ void TrainerImpl::setup() {
   const bool sharded_model = plan_.zero_stage == 3 && layout.dp > 1;
   if (resume_ && !sharded_model) {
     core::Stopwatch load_clock;
-    if (hooks_.saves_model_tensor || tp_) {
-      with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
-    } else {
-      with_config_hint({"model.", "lora.", "qat."}, [&] { ck::load_weights(*resume_, *model_); });
-    }
+    // Each rank reads its part (tensor or pipeline parallelism: its slices); a rank that fails
+    // alone must not leave the others in the engine's first collective (agree_on).
+    comm::agree_on(
+        *world_comm_, device_, fmt::format("resume from '{}': loading the model", resume_->dir()),
+        [&]() -> int64_t {
+          if (hooks_.saves_model_tensor || tp_) {
+            with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
+          } else {
+            with_config_hint({"model.", "lora.", "qat."},
+                             [&] { ck::load_weights(*resume_, *model_); });
+          }
+          return 0;
+        });
     load_s += load_clock.elapsed_s();
   }
   if (hooks_.frozen_model) {
@@ -746,16 +795,28 @@ void TrainerImpl::setup() {
 
   if (resume_) {
     core::Stopwatch load_clock;
-    if (sharded_model) with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
-    with_config_hint({"optim.", "model.", "lora.", "qat."}, [&] { load_optimizer_state(); });
-    check_resumed_state_finite();
-    ck::load_loss_scaler(resume_->metadata(), *scaler_);
-    if (hooks_.load_extra) hooks_.load_extra(*resume_);
-    // Last: everything above may have drawn random numbers.
-    if (!ck::load_rng(*resume_, world_.rank())) {
-      core::log::warn("checkpoint has no RNG state for rank {} (saved with {} ranks): RNG reseeded",
-                      world_.rank(), resume_->metadata().world);
-    }
+    // Each rank reads its own pieces (ZeRO: its flat ranges; ZeRO-3 over several ranks: its shard
+    // of the model too), which only it checks: the ranks agree on the outcome before any further
+    // collective (agree_on), so a corrupt shard is one error on every rank, not a hang.
+    comm::agree_on(
+        *world_comm_, device_,
+        fmt::format("resume from '{}': loading the {}optimizer state", resume_->dir(),
+                    sharded_model ? "model and " : ""),
+        [&]() -> int64_t {
+          if (sharded_model)
+            with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
+          with_config_hint({"optim.", "model.", "lora.", "qat."}, [&] { load_optimizer_state(); });
+          check_resumed_state_finite();
+          ck::load_loss_scaler(resume_->metadata(), *scaler_);
+          if (hooks_.load_extra) hooks_.load_extra(*resume_);
+          // Last: everything above may have drawn random numbers.
+          if (!ck::load_rng(*resume_, world_.rank())) {
+            core::log::warn(
+                "checkpoint has no RNG state for rank {} (saved with {} ranks): RNG reseeded",
+                world_.rank(), resume_->metadata().world);
+          }
+          return 0;
+        });
     // Every tensor of a replicated (DDP) checkpoint is read by every rank.
     int64_t bytes = 0;
     for (const auto& [name, info] : resume_->metadata().tensors) bytes += info.nbytes();
@@ -1147,7 +1208,7 @@ void TrainerImpl::save_checkpoint(int64_t step) {
   }
 }
 
-void TrainerImpl::prepare() {
+bool TrainerImpl::prepare() {
   // Parameters whole for the call (ZeRO-3), as for evaluation.
   std::map<std::string, double> m;
   {
@@ -1169,11 +1230,17 @@ void TrainerImpl::prepare() {
                                                 *topo_->dp(), device_, precision_);
                               },
                               rank0_ ? run_dir_.string() : std::string()};
-    m = hooks_.prepare(start);
+    try {
+      m = hooks_.prepare(start);
+    } catch (const PreemptedError& e) {
+      core::log::warn("{}", e.what());
+      return false;
+    }
   }
   // A resume's buffers (and the prepared ones) are the same on every rank; DDP's buffer broadcast
   // (parallel.ddp.broadcast_buffers) keeps them so.
   if (!m.empty()) metrics_->write("prepare", start_step_, m);
+  return true;
 }
 
 void TrainerImpl::run_eval(int64_t step) {
@@ -1181,14 +1248,26 @@ void TrainerImpl::run_eval(int64_t step) {
   // Evaluation runs a different number of batches per rank: no collective may happen inside it,
   // so ZeRO-3's parameters are gathered whole for its duration.
   parallel::FullParams whole(*engine_);
-  auto m = evaluate(*model_, cfg_.data, scene_, static_cast<uint64_t>(cfg_.experiment.seed),
-                    *topo_->dp(), device_, precision_);
+  std::map<std::string, double> m;
+  try {
+    m = evaluate(*model_, cfg_.data, scene_, static_cast<uint64_t>(cfg_.experiment.seed),
+                 *topo_->dp(), device_, precision_);
+  } catch (const PreemptedError& e) {
+    core::log::warn("{} (step {})", e.what(), step);
+    eval_preempted_ = true;
+    return;
+  }
   metrics_->write("eval", step, m);
 }
 
 TrainSummary TrainerImpl::fit() {
   setup();
-  if (hooks_.prepare) prepare();
+  if (hooks_.prepare && !prepare()) {
+    // Preempted while preparing (QAT calibration): no step ran and nothing changed that a
+    // checkpoint would hold; the same command starts over.
+    mark_preempted();
+    return TrainSummary{run_dir_.string(), start_step_, NAN, 0};
+  }
   if (!hooks_.trains) {
     // No optimizer step (QAT's ptq mode): the model as prepared, evaluated and saved once.
     core::log::info("train.steps ignored: this trainer takes no optimizer step (step {})",
@@ -1196,6 +1275,10 @@ TrainSummary TrainerImpl::fit() {
     run_eval(start_step_);
     save_checkpoint(start_step_);
     if (checkpointer_) checkpointer_->wait();
+    if (eval_preempted_) {  // the calibrated model is saved; only its eval row is missing
+      mark_preempted();
+      return TrainSummary{run_dir_.string(), start_step_, NAN, 0};
+    }
     metrics_->write("summary", start_step_, {{"loss", NAN}, {"samples_per_s", 0.0}});
     world_comm_->barrier();
     return TrainSummary{run_dir_.string(), start_step_, NAN, 0};
@@ -1241,7 +1324,8 @@ TrainSummary TrainerImpl::fit() {
   if (PreemptionSignals::installed()) vote.emplace(*world_comm_, device_, cfg_.parallel.timeout_s);
   int64_t stopped_after = -1;  // the last step trained when the vote said stop
   for (int64_t step = start_step_ + 1; step <= total; ++step) {
-    if (vote && vote->should_stop()) {
+    // An evaluation stopped by preemption was agreed by every rank: stop here too, with its step.
+    if (eval_preempted_ || (vote && vote->should_stop())) {
       const int64_t done = step - 1;
       const bool saved = cfg_.checkpoint.every > 0 && done % cfg_.checkpoint.every == 0;
       if (done > start_step_ && !saved) save_checkpoint(done);
@@ -1344,6 +1428,14 @@ TrainSummary TrainerImpl::fit() {
   if (total > start_step_) {
     run_eval(total);
     save_checkpoint(total);
+    if (eval_preempted_) {
+      // The last step is saved; only the final evaluation's row is missing.
+      if (graph_) replay_or_abort([&] { graph_->drain(); });
+      if (checkpointer_) checkpointer_->wait();
+      mark_preempted();
+      core::log::warn("preempted during the final evaluation: step {} is saved", total);
+      return summary;
+    }
   }
   if (graph_) replay_or_abort([&] { graph_->drain(); });
   if (checkpointer_) checkpointer_->wait();

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include <csignal>
+#include <string>
 
 using parallax::train::PreemptionSignals;
 
@@ -62,4 +63,38 @@ TEST(PreemptionSignalsTest, TheHandlersAreRestoredWhenTheObjectGoes) {
   });
   ASSERT_TRUE(WIFSIGNALED(status));
   EXPECT_EQ(WTERMSIG(status), SIGTERM);
+}
+
+// Issue 35: `parallax eval` and `parallax export` install the handler with their own action, which
+// the handler's line names (the training one stays the default).
+TEST(PreemptionSignalsTest, TheHandlersLineNamesTheAction) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const int status = run_child([&] {
+    ::dup2(fds[1], STDERR_FILENO);
+    {
+      PreemptionSignals s("stopping the export (nothing is written; exit 143)");
+      ::raise(SIGTERM);
+    }
+    {
+      PreemptionSignals s;  // the default: training's
+      ::raise(SIGINT);
+    }
+    ::_exit(PreemptionSignals::requested() ? 0 : 14);
+  });
+  ::close(fds[1]);
+  std::string out;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) > 0;)
+    out.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_NE(out.find("parallax: SIGTERM received: stopping the export (nothing is written; exit "
+                     "143); send it again to exit now\n"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("parallax: SIGINT received: stopping after the current step (checkpoint, then "
+                     "exit 143); send it again to exit now\n"),
+            std::string::npos)
+      << out;
 }
