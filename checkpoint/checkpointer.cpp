@@ -513,6 +513,7 @@ struct Checkpointer::Impl {
     const int rank = group.rank;
     const bool multi = group.world > 1;
     std::string tmp_name;
+    Clock::time_point published{};  // rank 0: when the temporary directory's name was published
     if (rank == 0) {
       try {
         std::error_code ec;
@@ -532,6 +533,12 @@ struct Checkpointer::Impl {
         throw;
       }
       if (multi) store_set(job, key(job, "dir"), tmp_name, "publishing the temporary directory");
+      // The other ranks start waiting for the commit (for timeout_s) only after they read the
+      // directory's name, so a commit by published + timeout_s is one they still wait for. Anchored
+      // here, not when rank 0 starts gathering: a rank 0 stopped while writing its own file would
+      // otherwise start a fresh deadline when it resumes and commit after the others gave up. (Rank
+      // 0's own file must then be written within timeout_s, 1800 s by default.)
+      published = Clock::now();
     } else {
       tmp_name = store_wait_get(job, key(job, "dir"), "the temporary directory");
       if (!tmp_name.empty() && tmp_name[0] == '!') {
@@ -604,8 +611,10 @@ struct Checkpointer::Impl {
     // rank 0: gather, commit, publish.
     try {
       std::vector<RankIndex> indexes{std::move(mine)};
-      // The other ranks wait for the commit for timeout_s from about now: past that, no commit.
-      const auto commit_by = multi ? Clock::now() + seconds(opts.timeout_s) : Clock::time_point::max();
+      // The other ranks wait for the commit for at least timeout_s from `published`: past that,
+      // no commit.
+      const auto commit_by =
+          multi ? published + seconds(opts.timeout_s) : Clock::time_point::max();
       if (multi) gather(job, indexes, commit_by);
       st.path = commit(job, tmp, std::move(indexes), commit_by);
     } catch (const std::exception& e) {
