@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <list>
 #include <mutex>
 #include <thread>
 
@@ -78,10 +79,14 @@ void divide_avg(at::Tensor& t, int n) {
 }
 
 // Some c10d gloo works (send/recv, reduce-scatter) complete only inside their wait(), and a timed
-// out wait ends a send/recv for good, so they cannot be polled. This thread waits on them in issue
-// order (gloo's transport thread moves the data meanwhile, so the order of the waits never blocks
-// progress) and publishes each completion for the host polls. abort_all() unblocks it (Work::abort)
-// on shutdown.
+// out wait ends a send/recv for good (gloo signals the timeout to the whole context), so they
+// cannot be polled. Each watched work gets a thread of its own that blocks in its wait() and
+// publishes the completion for the host polls. One thread for all, waiting in issue order, is not
+// enough: a completion the host needs could then sit behind a send that completes only once the
+// peer posts a receive, which the peer posts only after a completion of its own that sits behind
+// a send waiting for us (1F1B's crossing messages deadlocked so on gloo, issue 36). Threads are
+// kept for reuse; there are as many as works were ever pending at once. The destructor aborts the
+// pending waits (Work::abort) and joins every thread.
 class P2PWaiter {
  public:
   struct State {
@@ -89,16 +94,16 @@ class P2PWaiter {
     std::exception_ptr error;  // written before done is set
   };
 
-  P2PWaiter() : thread_([this] { run(); }) {}
+  P2PWaiter() = default;
   ~P2PWaiter() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
       for (auto& item : queue_) abort_quietly(item.work);
-      if (active_) abort_quietly(active_);
+      for (auto& w : active_) abort_quietly(w);
     }
     cv_.notify_all();
-    thread_.join();
+    for (auto& t : threads_) t.join();
   }
   P2PWaiter(const P2PWaiter&) = delete;
   P2PWaiter& operator=(const P2PWaiter&) = delete;
@@ -112,8 +117,9 @@ class P2PWaiter {
                         deadline + std::chrono::duration_cast<Clock::duration>(
                                        std::chrono::duration<double>(slack_s)),
                         state});
+      if (idle_ < queue_.size()) threads_.emplace_back([this] { run(); });
     }
-    cv_.notify_all();
+    cv_.notify_one();
     return state;
   }
 
@@ -136,11 +142,13 @@ class P2PWaiter {
   void run() {
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
+      ++idle_;
       cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      --idle_;
       if (queue_.empty()) return;  // stop_ and drained
       Item item = std::move(queue_.front());
       queue_.pop_front();
-      active_ = item.work;
+      const auto mine = active_.insert(active_.end(), item.work);
       lock.unlock();
       try {
         auto left =
@@ -151,16 +159,17 @@ class P2PWaiter {
       }
       item.state->done.store(true, std::memory_order_release);
       lock.lock();
-      active_.reset();
+      active_.erase(mine);
     }
   }
 
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
-  c10::intrusive_ptr<c10d::Work> active_;
+  std::list<c10::intrusive_ptr<c10d::Work>> active_;  // being waited for
+  std::size_t idle_ = 0;                               // threads waiting for an item
   bool stop_ = false;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
 };
 
 bool p2p_done(const std::shared_ptr<P2PWaiter::State>& s) {

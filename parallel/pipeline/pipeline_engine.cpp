@@ -241,7 +241,12 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
   // Posted sends (with the buffers they read), waited for at the end of the step; posted receives
   // by message (act 0 / grad 1, micro-batch, producing stage): the header's work and buffer, and
   // the op's index in the plan.
-  std::vector<std::pair<comm::WorkPtr, at::Tensor>> pending;
+  struct PendingSend {
+    comm::WorkPtr work;
+    at::Tensor buffer;
+    const Op* op;
+  };
+  std::vector<PendingSend> pending;
   struct PostedRecv {
     comm::WorkPtr work;
     at::Tensor header;
@@ -262,13 +267,25 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
       it->second.header = to_comm(at::zeros({kHeader}, at::kLong));
       it->second.work = pp_->recv_async(it->second.header, c.peer, tag(c, 0));
     }
-    it->second.work->wait();
+    const bool act = c.kind == OpKind::kRecvAct;
+    const int consumer = act ? c.stage + 1 : c.stage - 1;
+    // A failed or timed-out receive names the stage, micro-batch and pass that waited for it.
+    const auto where = [&](Error& e) {
+      e.add_context(fmt::format("pipeline stage {} (pipeline rank {}) receiving the {} of micro-batch {} for "
+                                "its {} pass from stage {} (pipeline rank {})",
+                                consumer, pp_->rank(), act ? "activations" : "gradients", c.micro,
+                                act ? "F" : "B", c.stage, c.peer));
+    };
+    try {
+      it->second.work->wait();
+    } catch (Error& e) {
+      where(e);
+      throw;
+    }
     const at::Tensor header = it->second.header;
     posted.erase(it);
     const at::Tensor hdr = header.cpu();
     auto h = hdr.accessor<int64_t, 1>();
-    const bool act = c.kind == OpKind::kRecvAct;
-    const int consumer = act ? c.stage + 1 : c.stage - 1;
     PARALLAX_CHECK(h[0] == kMagic && h[1] == c.stage && h[2] == c.micro && h[3] >= 0 &&
                        h[3] <= kMaxTensors,
                    Error,
@@ -288,7 +305,12 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
       got.push_back(t);
       works.push_back(pp_->recv_async(t, c.peer, tag(c, static_cast<int>(k) + 1)));
     }
-    for (auto& w : works) w->wait();
+    try {
+      for (auto& w : works) w->wait();
+    } catch (Error& e) {
+      where(e);
+      throw;
+    }
     for (auto& t : got)
       if (t.device() != model_device) t = t.to(model_device);
     if (act) {
@@ -419,10 +441,10 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
         for (int64_t d = 0; d < t.dim(); ++d) h[6 + 8 * k + d] = t.size(d);
       }
       hdr = to_comm(hdr);
-      pending.push_back({pp_->send_async(hdr, c.peer, tag(c, 0)), hdr});
+      pending.push_back({pp_->send_async(hdr, c.peer, tag(c, 0)), hdr, &c});
       for (std::size_t k = 0; k < payload.size(); ++k)
         pending.push_back(
-            {pp_->send_async(payload[k], c.peer, tag(c, static_cast<int>(k) + 1)), payload[k]});
+            {pp_->send_async(payload[k], c.peer, tag(c, static_cast<int>(k) + 1)), payload[k], &c});
     }
     ++i;
     continue;
@@ -491,7 +513,18 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
       },
       /*sync_buffers=*/false);
   advance();  // the sends after the last backward
-  for (auto& w : pending) w.first->wait();
+  for (auto& w : pending) {
+    try {
+      w.work->wait();
+    } catch (Error& e) {
+      const bool act = w.op->kind == OpKind::kSendAct;
+      e.add_context(fmt::format("pipeline stage {} (pipeline rank {}) sending the {} of micro-batch {} to stage {} "
+                                "(pipeline rank {})",
+                                w.op->stage, pp_->rank(), act ? "activations" : "gradients", w.op->micro,
+                                act ? w.op->stage + 1 : w.op->stage - 1, w.op->peer));
+      throw;
+    }
+  }
   pending.clear();
   PARALLAX_CHECK(slots.empty() || !split, Error,
                  "pipeline: {} (micro-batch, stage) states left after the step", slots.size());

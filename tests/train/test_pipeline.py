@@ -11,6 +11,7 @@
   checkpoint exports whole (weights.h5 with every tensor of the single-process model);
 - real HDF5 data, evaluation and activation checkpointing under pp 2 match one process;
 - bf16 autocast and fp16 loss scaling run under pp 2 and stay within their precision of pp 1;
+- every schedule trains on MPI and on gloo, through mpirun and `parallax launch` (issue 36);
 - `--print-pp-schedule` prints the checked timeline with its bubble;
 - impossible layouts are one `parallax: error:` line naming the keys and numbers.
 
@@ -77,6 +78,39 @@ class PipelineTest(tt.RunDirTest):
             with self.subTest(sched):
                 self.bev(sched, 2, *run, "parallel.pp=2", f"parallel.pp_schedule={sched}", *extra)
                 self.assert_matches(tt.rows(os.path.join(self.d, sched)), want, sched)
+
+    def launch(self, name, ranks, *extra):
+        """`parallax launch --nproc-per-node ranks -- parallax train ...` of the vit_cls run `name`."""
+        args = ["launch", "--nproc-per-node", str(ranks), "--allow-oversubscribe", "--", "parallax",
+                *self.common(name, "model.name=vit_cls", "model.size=tiny", "model.num_classes=8",
+                             "data.batch_size=2", *extra)]
+        return tt.run(args)
+
+    def test_every_schedule_trains_on_mpi_and_gloo_through_mpirun_and_launch(self):
+        """Issue 36: `mpirun -np 2 parallax train ... parallel.pp=2 parallel.backend=gloo` deadlocked at
+        step 1 under 1f1b (both ranks timed out in recv), and the same under `parallax launch`. Every
+        schedule at pp 2, and 1f1b and zb at pp 4, on MPI and on gloo, started by mpirun and by the
+        launcher, matches one process (gloo's send/recv waiter waited in issue order: tests/parallel
+        pipeline_gloo_np2/np4 send messages of 4 KiB to 64 MiB)."""
+        sgd = tt.sgd(VIT_LR)
+        run = ["train.steps=2", "data.batch_size=4", "parallel.timeout_s=60", *sgd]
+        self.vit("one", 1, *run)
+        want = tt.rows(os.path.join(self.d, "one"))
+        cases = [(pp, sched) for sched in ("gpipe", "1f1b", "zb", "interleaved") for pp in (2,)]
+        cases += [(4, "1f1b"), (4, "zb")]
+        for pp, sched in cases:
+            layout = ["parallel.pp=" + str(pp), "parallel.pp_schedule=" + sched]
+            if sched == "interleaved":
+                layout.append("parallel.pp_virtual_stages=2")
+            for starter, backend in (("mpirun", "mpi"), ("mpirun", "gloo"), ("launch", "gloo")):
+                name = f"{sched}_pp{pp}_{starter}_{backend}"
+                with self.subTest(name):
+                    extra = [*run, *layout, "parallel.backend=" + backend]
+                    if starter == "mpirun":
+                        self.vit(name, pp, *extra)
+                    else:
+                        self.launch(name, pp, *extra)
+                    self.assert_matches(tt.rows(os.path.join(self.d, name)), want, name)
 
     def test_reshard_matrix_and_export(self):
         # vit_cls: 4 units, so pp 4 has a unit per stage. The uninterrupted single-process run:
