@@ -355,15 +355,20 @@ std::string CommBase::peer_report(const Ticket& t) {
       std::this_thread::sleep_for(SeqBoard::kFlushInterval *
                                   5);  // let the peers' last updates land
       auto states = ctx_->board->read(uid_, world_ranks_, kReportStoreDeadline);
+      // Which peers stopped responding at all (their board writer's heartbeat stalled).
+      const auto silent =
+          ctx_->board->unresponsive(world_ranks_, kSilenceWindow, kReportStoreDeadline);
       const int me = ctx_->rank;
       if (is_p2p(t.desc.kind)) {
         const int peer = world_ranks_.at(static_cast<size_t>(t.desc.root));
         const auto& s = states[peer];
+        // Alive only when its heartbeat goes on (a dead peer's last published state stays in the
+        // store).
+        const bool responding = std::find(silent.begin(), silent.end(), peer) == silent.end();
         arrival =
             s.known
-                ? fmt::format(
-                      "Peer world rank {} is alive; its last collective on this group is #{} {}",
-                      peer, s.seq, s.summary)
+                ? fmt::format("Peer world rank {}{}: its last collective on this group was #{} {}",
+                              peer, responding ? " is alive" : "", s.seq, s.summary)
                 : fmt::format("Peer world rank {} never published a state for this group", peer);
       } else {
         std::vector<std::string> missing, ahead;
@@ -396,9 +401,6 @@ std::string CommBase::peer_report(const Ticket& t) {
         }
         if (!ahead.empty()) arrival += fmt::format(" ({})", fmt::join(ahead, "; "));
       }
-      // Which peers stopped responding at all (their board writer's heartbeat stalled).
-      const auto silent =
-          ctx_->board->unresponsive(world_ranks_, kSilenceWindow, kReportStoreDeadline);
       if (!silent.empty()) {
         arrival += fmt::format(
             ". Not responding (no heartbeat for {:.1f} s: stopped, killed or wedged): world rank{} "
