@@ -109,18 +109,23 @@ class StoppedRankTest(unittest.TestCase):
         with open(self.err_path, errors="replace") as f:
             return f.read()
 
-    def wait_training(self, proc, name):
-        """Waits until both ranks exist and the run has logged a step; returns {rank: pid}."""
-        metrics = os.path.join(self.d, name, "metrics.jsonl")
+    def wait_ranks(self, proc, what, ready):
+        """Waits (120 s at most) until both ranks exist and ready() holds; returns {rank: pid}."""
         deadline = time.time() + 120
         while time.time() < deadline:
             if proc.poll() is not None:
-                self.fail(f"job ended before training: {self.stderr()[-3000:]}")
+                self.fail(f"job ended before {what}: {self.stderr()[-3000:]}")
             pids = rank_pids(proc.pid)
-            if len(pids) == 2 and os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+            if len(pids) == 2 and ready():
                 return pids
-            time.sleep(0.2)
-        self.fail("training did not start within 120 s")
+            time.sleep(0.1)
+        self.fail(f"no {what} within 120 s")
+
+    def wait_training(self, proc, name):
+        """Waits until both ranks exist and the run has logged a step; returns {rank: pid}."""
+        metrics = os.path.join(self.d, name, "metrics.jsonl")
+        return self.wait_ranks(proc, "training",
+                               lambda: os.path.exists(metrics) and os.path.getsize(metrics) > 0)
 
     def check(self, launcher, victim, sig, killed=False, extra=(), backend=None,
               op=r"all_reduce|broadcast|all_gather|reduce_scatter|barrier"):
@@ -244,16 +249,11 @@ class StoppedRankTest(unittest.TestCase):
     def wait_checkpoints(self, proc, name, count=3):
         """Waits until the run committed `count` checkpoints; returns {rank: pid}."""
         ckpts = os.path.join(self.d, name, "checkpoints")
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                self.fail(f"job ended before checkpointing: {self.stderr()[-3000:]}")
-            pids = rank_pids(proc.pid)
+
+        def committed():
             latest = read_latest(ckpts)
-            if len(pids) == 2 and latest and int(latest[5:]) >= count:
-                return pids
-            time.sleep(0.1)
-        self.fail("no checkpoint within 120 s")
+            return bool(latest) and int(latest[5:]) >= count
+        return self.wait_ranks(proc, "checkpoint", committed)
 
     def test_mpirun_rank0_stopped_while_checkpointing(self):
         """Rank 0 (the store's host) stopped while every step checkpoints: rank 1 waits in the
