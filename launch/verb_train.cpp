@@ -70,7 +70,14 @@ int verb_train(const std::vector<std::string>& argv) {
   // during start-up is not lost.
   train::PreemptionSignals signals;
   parallel::comm::World world(wopts);
-  train::run_training(cfg);
+  try {
+    train::run_training(cfg);
+  } catch (...) {
+    // Peers may be waiting for this rank inside a step: the error line (printed by main once the
+    // World is gone) must not wait for the exit barrier's full deadline.
+    world.leaving_on_error();
+    throw;
+  }
   return train::preempted() ? kExitPreempted : kExitOk;
 }
 

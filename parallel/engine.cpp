@@ -82,6 +82,18 @@ int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
   return bytes;
 }
 
+void Engine::forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
+                              bool sync_buffers) {
+  at::Tensor loss;
+  forward_backward_split(
+      micro_steps, {[&](int i) { loss = micro(i); },
+                    [&](int) {
+                      at::Tensor l = std::move(loss);
+                      l.backward();
+                    }},
+      sync_buffers);
+}
+
 void Engine::forward_backward_stages(int, const StageFns&, bool) {
   throw_error<Error>("engine '{}': not a pipeline engine (parallel.pp = 1)", describe());
 }

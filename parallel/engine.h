@@ -112,6 +112,12 @@ struct StageFns {
   std::function<at::Tensor(int micro, const std::vector<at::Tensor>& out)> finish;
 };
 
+// One micro-step in two parts (Engine::forward_backward_split).
+struct MicroStepFns {
+  std::function<void(int micro)> forward;
+  std::function<void(int micro)> backward;
+};
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -124,8 +130,17 @@ class Engine {
   // One optimizer step's forwards and backwards over `micro_steps` micro-batches. `sync_buffers`:
   // broadcast buffers before each forward (false under CUDA graph capture: the trainer broadcasts
   // once before the graph).
+  // The default runs forward_backward_split with backward = micro(i).backward().
   virtual void forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
-                                bool sync_buffers) = 0;
+                                bool sync_buffers);
+  // The same, for a caller that runs each micro-step's backward itself (the pipeline: a stage's
+  // backward starts from the output gradients it received, torch::autograd::backward(outputs,
+  // grads), and zb's weight pass from the gradients its input pass kept). fns.forward(i) does
+  // what comes before micro-step i's backward; fns.backward(i) runs one autograd pass that
+  // accumulates into the parameters' .grad through their AccumulateGrad nodes, which the engine
+  // observes (no-sync accumulation, bucket reduction) as it observes loss.backward().
+  virtual void forward_backward_split(int micro_steps, const MicroStepFns& fns,
+                                      bool sync_buffers) = 0;
   // A pipelined engine (pp > 1) runs stages instead: forward_backward_stages with the model's
   // chain (Model::chain_begin / run_chain / chain_end and the loss). The others throw.
   virtual bool pipelined() const { return false; }

@@ -17,6 +17,7 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
@@ -722,20 +723,22 @@ World::~World() {
   c.shut_down = true;
   c.release_all();
   c.board.reset();
-  const bool failed = c.failed.load();
+  bool failed = c.failed.load();
+  const double exit_timeout_s = c.exit_timeout_s >= 0 ? c.exit_timeout_s : c.init_timeout_s;
   if (!failed && c.size > 1) {
     // Exit barrier: rank 0 hosts the store; it must outlive every other rank's use of it.
     try {
       if (c.mpi) {
         MPI_Request req;
         MPI_Ibarrier(MPI_COMM_WORLD, &req);
-        detail::mpi_wait_for(&req, c.init_timeout_s, "world shutdown barrier");
+        detail::mpi_wait_for(&req, exit_timeout_s, "world shutdown barrier");
       } else if (c.store) {
         // Two phases: everyone arrives, then everyone but rank 0 acknowledges having seen that, so
         // rank 0 (the store's host) is the last to stop using the store. Every store call is
         // bounded by the barrier's deadline (the store's host may be stopped).
         const auto deadline =
-            detail::Clock::now() + std::chrono::seconds(static_cast<int64_t>(c.init_timeout_s));
+            detail::Clock::now() +
+            std::chrono::milliseconds(static_cast<int64_t>(exit_timeout_s * 1000));
         auto add = [&](const char* key, int64_t n) {
           return bounded_store_call("a counter update", deadline,
                                     [s = c.store, k = std::string(key), n] { return s->add(k, n); });
@@ -756,20 +759,25 @@ World::~World() {
       // One line: the store's host may be gone (it exited first, or died); c10's backtrace is
       // not for users.
       core::log::warn("world shutdown barrier failed: {}", one_line_what(e));
+      // A peer that never arrived may be inside a collective: MPI_Finalize would wait for it.
+      failed = true;
     }
   }
   c.store.reset();
   if (c.mpi_owned) {
     if (failed) {
       core::log::error(
-          "a communicator timed out or failed on this rank: not finalising MPI (a peer may be "
-          "stuck "
-          "inside a collective); the launcher will terminate the job");
+          "a communicator or the exit barrier timed out or failed on this rank: not finalising "
+          "MPI (a peer may be stuck inside a collective); the launcher will terminate the job");
     } else {
       MPI_Finalize();
     }
   }
   g_world = nullptr;
+}
+
+void World::leaving_on_error(double deadline_s) {
+  ctx_->exit_timeout_s = std::min(deadline_s, ctx_->init_timeout_s);
 }
 
 World& World::current() {

@@ -26,17 +26,17 @@ void DdpEngine::broadcast_buffers() {
   if (ddp_) ddp_->before_forward();
 }
 
-void DdpEngine::forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
-                                 bool sync_buffers) {
+void DdpEngine::forward_backward_split(int micro_steps, const MicroStepFns& fns,
+                                       bool sync_buffers) {
   for (int i = 0; i < micro_steps; ++i) {
     if (ddp_) {
       // Gradients are reduced in the last micro-step only; the others accumulate locally.
       ddp_->set_require_sync(i == micro_steps - 1);
       if (sync_buffers) ddp_->before_forward();
     }
-    at::Tensor loss = micro(i);
+    fns.forward(i);
     if (ddp_) ddp_->before_backward();
-    loss.backward();
+    fns.backward(i);
     if (ddp_) ddp_->finalize_backward();
   }
 }

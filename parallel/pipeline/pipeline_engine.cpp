@@ -2,10 +2,14 @@
 
 #include "core/error.h"
 #include "core/timer.h"
+#include "parallel/pipeline/split_backward.h"
 
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <limits>
@@ -106,6 +110,7 @@ struct PipelineEngine::Slot {
   at::Tensor loss;                    // the last stage
   std::vector<at::Tensor> out_grads;  // received gradient of each output
   std::vector<at::Tensor> in_grads;   // gradient of each input, to send
+  std::unique_ptr<SplitBackward> split;  // zb: between B and W
   std::vector<at::Tensor> roots() const {
     if (loss.defined()) return {loss};
     std::vector<at::Tensor> r;
@@ -131,7 +136,7 @@ PipelineEngine::PipelineEngine(std::shared_ptr<torch::nn::Module> module,
   schedule_ = build_schedule(options.schedule, pp_->size(), micro_batches, options.virtual_stages);
   check(schedule_);
   ordered_ = options.ordered_p2p || pp_->device_type() != c10::kCPU;
-  if (ordered_) check_ordered(schedule_);
+  if (ordered_) check_posting_order(schedule_);
   const int S = schedule_.stages();
   PARALLAX_CHECK(2 * S * micro_batches * (kMaxTensors + 1) < comm::kMaxUserTag, ConfigError,
                  "keys 'parallel.pp' and 'train.grad_accum': {} stages x {} micro-batches is "
@@ -199,6 +204,12 @@ void PipelineEngine::forward_backward(int, const std::function<at::Tensor(int)>&
       "parallel.pp > 1; the trainer runs forward_backward_stages()");
 }
 
+void PipelineEngine::forward_backward_split(int, const MicroStepFns&, bool) {
+  throw_error<Error>(
+      "pipeline engine: forward_backward_split() of the whole model is not available under "
+      "parallel.pp > 1; the trainer runs forward_backward_stages()");
+}
+
 c10::Device PipelineEngine::comm_device() const {
   const c10::DeviceType type = pp_->device_type();
   if (type == c10::kCPU) return c10::Device(c10::kCPU);
@@ -214,20 +225,214 @@ int PipelineEngine::tag(const Op& op, int k) const {
   return 1 + (((act ? 0 : 1) * S + op.stage) * m + op.micro) * (kMaxTensors + 1) + k;
 }
 
+namespace {
+
+bool is_act(const Op& op) { return op.kind == OpKind::kSendAct || op.kind == OpKind::kRecvAct; }
+
+std::string message_name(const Op& op) {
+  return fmt::format("the {} of micro-batch {}", is_act(op) ? "activations" : "gradients",
+                     op.micro);
+}
+
+}  // namespace
+
+const PipelineEngine::Layout& PipelineEngine::layout_of(const Op& op) const {
+  const auto& book = is_act(op) ? act_layout_ : grad_layout_;
+  const auto it = book.find(op.stage);
+  PARALLAX_CHECK(it != book.end(), Error,
+                 "pipeline: rank {} has no shapes for {} from stage {} (the shape pass did not "
+                 "reach it)",
+                 pp_->rank(), message_name(op), op.stage);
+  return it->second;
+}
+
+at::Tensor PipelineEngine::buffer(const std::string& pool, const TensorMeta& meta) {
+  std::string key = fmt::format("{}|{}|", pool, static_cast<int>(meta.dtype));
+  for (int64_t d : meta.shape) key += fmt::format("{},", d);
+  auto& list = pool_[key];
+  for (auto& t : list) {
+    // Free once the pool holds the only reference to the tensor and to its memory.
+    if (t.use_count() == 1 && t.storage().use_count() == 1) {
+      if (t.requires_grad()) t.mutable_grad() = at::Tensor();
+      return t;
+    }
+  }
+  list.push_back(at::empty(meta.shape, at::TensorOptions().dtype(meta.dtype).device(comm_target_)));
+  return list.back();
+}
+
+namespace {
+
+// The header of a message of `layout` from `stage` for micro-batch `micro` (int64[kHeader], CPU).
+template <typename Layout>
+at::Tensor make_header(int stage, int micro, const Layout& layout) {
+  at::Tensor hdr = at::zeros({kHeader}, at::kLong);
+  auto h = hdr.accessor<int64_t, 1>();
+  h[0] = kMagic;
+  h[1] = stage;
+  h[2] = micro;
+  h[3] = static_cast<int64_t>(layout.size());
+  for (std::size_t k = 0; k < layout.size(); ++k) {
+    h[4 + 8 * k] = dtype_code(layout[k].dtype);
+    h[5 + 8 * k] = static_cast<int64_t>(layout[k].shape.size());
+    for (std::size_t d = 0; d < layout[k].shape.size(); ++d) h[6 + 8 * k + d] = layout[k].shape[d];
+  }
+  return hdr;
+}
+
+template <typename Layout>
+std::string layout_string(const Layout& layout) {
+  std::string out;
+  for (const auto& m : layout)
+    out += fmt::format("{}{} [{}]", out.empty() ? "" : ", ", c10::toString(m.dtype),
+                       fmt::join(m.shape, ", "));
+  return out;
+}
+
+// RAII: the random state of the CPU and of `device`, and the module's buffers, put back.
+class SideEffectGuard {
+ public:
+  SideEffectGuard(torch::nn::Module& module, c10::Device device) {
+    gens_.push_back(at::globalContext().defaultGenerator(c10::Device(c10::kCPU)));
+    if (device.type() != c10::kCPU) gens_.push_back(at::globalContext().defaultGenerator(device));
+    for (auto& g : gens_) {
+      std::lock_guard<std::mutex> lock(g.mutex());
+      states_.push_back(g.get_state());
+    }
+    for (auto& item : module.named_buffers()) {
+      if (!item.value().defined()) continue;
+      buffers_.push_back(item.value());
+      saved_.push_back(item.value().clone());
+    }
+  }
+  ~SideEffectGuard() {
+    at::NoGradGuard no_grad;
+    for (std::size_t k = 0; k < gens_.size(); ++k) {
+      std::lock_guard<std::mutex> lock(gens_[k].mutex());
+      gens_[k].set_state(states_[k]);
+    }
+    for (std::size_t k = 0; k < buffers_.size(); ++k) buffers_[k].copy_(saved_[k]);
+  }
+
+ private:
+  std::vector<at::Generator> gens_;
+  std::vector<at::Tensor> states_, buffers_, saved_;
+};
+
+}  // namespace
+
+void PipelineEngine::infer_layouts(const StageFns& fns) {
+  const int last = schedule_.stages() - 1;
+  const int me = pp_->rank();
+  c10::Device model_device(c10::kCPU);
+  for (const auto& p : module_->parameters()) {
+    if (p.numel() > 0) {
+      model_device = p.device();
+      break;
+    }
+  }
+  SideEffectGuard guard(*module_, model_device);
+  at::NoGradGuard no_grad;
+  const auto to_comm = [&](const at::Tensor& t) {
+    at::Tensor c = t.detach();
+    if (c.device() != comm_target_) c = c.to(comm_target_);
+    return c.contiguous();
+  };
+  const auto context = [&](Error& e, int s, bool sending) {
+    e.add_context(fmt::format(
+        "the pipeline's shape pass (micro-batch 0 through every stage, before the first step): "
+        "stage {} (pipeline rank {}) {} the activations of stage {} {} pipeline rank {}",
+        sending ? s : s + 1, me, sending ? "sending" : "receiving", s, sending ? "to" : "from",
+        schedule_.rank_of(sending ? s + 1 : s)));
+  };
+  std::vector<at::Tensor> received;  // the input of this rank's next stage
+  for (int s = 0; s < last; ++s) {
+    if (schedule_.rank_of(s) == me) {
+      std::vector<at::Tensor> in = s == 0 ? fns.begin(0) : received;
+      std::vector<at::Tensor> out = fns.run(0, bounds_[s], bounds_[s + 1], in);
+      PARALLAX_CHECK(!out.empty() && static_cast<int>(out.size()) <= kMaxTensors, Error,
+                     "pipeline: stage {} returned {} tensors (1 to {} cross a stage boundary)", s,
+                     out.size(), kMaxTensors);
+      Layout layout;
+      for (const auto& t : out) {
+        PARALLAX_CHECK(t.defined() && t.dim() <= kMaxDims, Error,
+                       "pipeline: stage {} returns {} (defined tensors of at most {} dimensions "
+                       "cross a stage boundary)",
+                       s, t.defined() ? fmt::format("a {}-d tensor", t.dim()) : "an undefined tensor",
+                       kMaxDims);
+        layout.push_back({t.scalar_type(), t.sizes().vec()});
+      }
+      act_layout_[s] = layout;
+      const int peer = schedule_.rank_of(s + 1);
+      try {
+        at::Tensor hdr = to_comm(make_header(s, 0, layout));
+        pp_->send_async(hdr, peer, 1)->wait();
+        for (std::size_t k = 0; k < out.size(); ++k) {
+          at::Tensor t = to_comm(out[k]);
+          pp_->send_async(t, peer, 2 + static_cast<int>(k))->wait();
+        }
+      } catch (Error& e) {
+        context(e, s, true);
+        throw;
+      }
+      received.clear();
+    }
+    if (schedule_.rank_of(s + 1) == me) {
+      const int peer = schedule_.rank_of(s);
+      Layout layout;
+      received.clear();
+      try {
+        at::Tensor hdr = to_comm(at::zeros({kHeader}, at::kLong));
+        pp_->recv_async(hdr, peer, 1)->wait();
+        const at::Tensor host = hdr.cpu();
+        auto h = host.accessor<int64_t, 1>();
+        PARALLAX_CHECK(h[0] == kMagic && h[1] == s && h[3] >= 1 && h[3] <= kMaxTensors, Error,
+                       "pipeline: stage {} (rank {}) expected the shapes of stage {}'s activations "
+                       "from pipeline rank {} and received something else (a plan mismatch "
+                       "between the ranks)",
+                       s + 1, me, s, peer);
+        for (int64_t k = 0; k < h[3]; ++k) {
+          TensorMeta m{static_cast<at::ScalarType>(h[4 + 8 * k]), {}};
+          for (int64_t d = 0; d < h[5 + 8 * k]; ++d) m.shape.push_back(h[6 + 8 * k + d]);
+          at::Tensor t =
+              at::empty(m.shape, at::TensorOptions().dtype(m.dtype).device(comm_target_));
+          pp_->recv_async(t, peer, 2 + static_cast<int>(k))->wait();
+          received.push_back(t.device() == model_device ? t : t.to(model_device));
+          layout.push_back(std::move(m));
+        }
+      } catch (Error& e) {
+        context(e, s, false);
+        throw;
+      }
+      act_layout_[s] = layout;
+    }
+  }
+  // The gradient of stage s's inputs goes back as stage s - 1's outputs: floating ones in their
+  // dtype and shape, the others as empty float placeholders.
+  for (const auto& [s, layout] : act_layout_) {
+    Layout g;
+    for (const auto& m : layout)
+      g.push_back(at::isFloatingType(m.dtype) ? m : TensorMeta{at::kFloat, {0}});
+    grad_layout_[s + 1] = g;
+  }
+  layouts_known_ = true;
+}
+
 void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fns,
                                              bool sync_buffers) {
   PARALLAX_CHECK(micro_steps == schedule_.micro_batches, Error,
                  "pipeline: the schedule was planned for {} micro-batches, the step has {}",
                  schedule_.micro_batches, micro_steps);
   if (sync_buffers) inner_->broadcast_buffers();
+  comm_target_ = comm_device();
+  if (!layouts_known_) infer_layouts(fns);
   const int last = schedule_.stages() - 1;
   const std::vector<Op>& ops = schedule_.ops[pp_->rank()];
   std::map<std::pair<int, int>, Slot> slots;  // (micro, stage)
-  const c10::DeviceType comm_dev = pp_->device_type();
-  const c10::Device comm_target = comm_device();
+  const bool on_device = pp_->device_type() != c10::kCPU;
   const auto to_comm = [&](const at::Tensor& t) {
     at::Tensor c = t.detach();
-    if (c.device().type() != comm_dev) c = c.to(comm_target);
+    if (c.device() != comm_target_) c = c.to(comm_target_);
     return c.contiguous();
   };
   c10::Device model_device(c10::kCPU);
@@ -238,79 +443,160 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
     }
   }
   compute_ms_ = 0;
-  // Posted sends (with the buffers they read), waited for at the end of the step; posted receives
-  // by message (act 0 / grad 1, micro-batch, producing stage): the header's work and buffer, and
-  // the op's index in the plan.
-  struct PendingSend {
-    comm::WorkPtr work;
-    at::Tensor buffer;
+  // One plan slot's batch: its messages (header and tensors each) and the work moving them (on an
+  // ordered transport one batch for both directions; otherwise the receives apart, so that
+  // waiting for them never waits for this rank's own sends to be taken).
+  struct Message {
     const Op* op;
-  };
-  std::vector<PendingSend> pending;
-  struct PostedRecv {
-    comm::WorkPtr work;
     at::Tensor header;
-    std::size_t index;
+    std::vector<at::Tensor> tensors;
+    int64_t bytes = 0;
   };
-  std::map<std::tuple<int, int, int>, PostedRecv> posted;
-  // Completes the receive of message `key`: its header, then the tensors the header describes,
-  // into the slot of the stage that consumes them.
-  const auto complete = [&](const std::tuple<int, int, int>& key) {
-    const auto it = posted.find(key);
-    PARALLAX_CHECK(it != posted.end(), Error,
+  struct Batch {
+    std::vector<Message> messages;
+    comm::WorkPtr sends, recvs;
+    bool received = false;
+  };
+  std::vector<Batch> batches;
+  std::map<std::tuple<int, int, int>, std::pair<std::size_t, std::size_t>> incoming;
+  std::vector<std::pair<at::Tensor, const Op*>> unchecked;  // device: headers checked at the end
+  const auto batch_text = [&](const Batch& b) {
+    std::string out;
+    for (const auto& m : b.messages) {
+      const Op& c = *m.op;
+      const int other = is_act(c) ? c.stage + 1 : c.stage - 1;
+      out += fmt::format("{}{} {} {} stage {} (pipeline rank {}, {} bytes)",
+                         out.empty() ? "" : "; ", c.is_send() ? "sending" : "receiving",
+                         message_name(c), c.is_send() ? "to" : "from",
+                         c.is_send() ? other : c.stage, c.peer, m.bytes);
+    }
+    return out;
+  };
+  const auto check_header = [&](const at::Tensor& got, const Op& c) {
+    const at::Tensor want = make_header(c.stage, c.micro, layout_of(c));
+    if (at::equal(got, want)) return;
+    auto h = got.accessor<int64_t, 1>();
+    const int consumer = is_act(c) ? c.stage + 1 : c.stage - 1;
+    throw_error<Error>(
+        "pipeline: stage {} (rank {}) expected {} from stage {} (pipeline rank {}) and received "
+        "{} (a plan mismatch between the ranks)",
+        consumer, pp_->rank(), message_name(c), c.stage, c.peer,
+        h[0] != kMagic ? std::string("a message that is no pipeline header")
+                       : fmt::format("stage {}'s message for micro-batch {}", h[1], h[2]));
+  };
+  // Posts plan ops [first, end) (one slot's communication) as one batch.
+  const auto post = [&](std::size_t first, std::size_t end) {
+    Batch b;
+    std::vector<comm::P2POp> sends, recvs;
+    for (std::size_t k = first; k < end; ++k) {
+      const Op& c = ops[k];
+      const Layout& layout = layout_of(c);
+      Message m{&c, at::Tensor(), {}, 0};
+      if (c.is_send()) {
+        Slot& slot = slots.at({c.micro, c.stage});
+        std::vector<at::Tensor> payload;
+        if (c.kind == OpKind::kSendAct) {
+          for (const auto& t : slot.outputs) payload.push_back(to_comm(t));
+        } else {
+          for (std::size_t j = 0; j < slot.inputs.size(); ++j) {
+            const at::Tensor& g = j < slot.in_grads.size() ? slot.in_grads[j] : at::Tensor();
+            const at::Tensor& x = slot.inputs[j];
+            payload.push_back(g.defined() ? to_comm(g)
+                              : at::isFloatingType(x.scalar_type())
+                                  ? to_comm(at::zeros_like(x))
+                                  : to_comm(at::zeros({0}, x.options().dtype(at::kFloat))));
+          }
+          slot.in_grads.clear();
+          if (!schedule_.split_backward()) slots.erase({c.micro, c.stage});
+        }
+        bool same = payload.size() == layout.size();
+        for (std::size_t j = 0; same && j < payload.size(); ++j)
+          same = payload[j].scalar_type() == layout[j].dtype &&
+                 payload[j].sizes().vec() == layout[j].shape;
+        if (!same) {
+          Layout got;
+          for (const auto& t : payload) got.push_back({t.scalar_type(), t.sizes().vec()});
+          throw_error<Error>(
+              "pipeline: stage {} (pipeline rank {}) sends {} as {}, but the shape pass found {} "
+              "(micro-batch 0 before the first step): tensors that cross a stage boundary keep "
+              "their shapes and dtypes in every micro-batch and step (as in Megatron-LM and "
+              "torch.distributed.pipelining); keep the micro-batch size fixed (data.drop_last)",
+              c.stage, pp_->rank(), message_name(c), layout_string(got), layout_string(layout));
+        }
+        m.header = to_comm(make_header(c.stage, c.micro, layout));
+        sends.push_back({comm::P2POp::Kind::kSend, m.header, c.peer, tag(c, 0)});
+        for (std::size_t j = 0; j < payload.size(); ++j) {
+          sends.push_back({comm::P2POp::Kind::kSend, payload[j], c.peer,
+                           tag(c, static_cast<int>(j) + 1)});
+          m.bytes += payload[j].numel() * payload[j].element_size();
+        }
+        m.tensors = std::move(payload);
+      } else {
+        m.header = buffer("header", {at::kLong, {kHeader}});
+        recvs.push_back({comm::P2POp::Kind::kRecv, m.header, c.peer, tag(c, 0)});
+        for (std::size_t j = 0; j < layout.size(); ++j) {
+          at::Tensor t = buffer(is_act(c) ? "act" : "grad", layout[j]);
+          recvs.push_back({comm::P2POp::Kind::kRecv, t, c.peer, tag(c, static_cast<int>(j) + 1)});
+          m.bytes += t.numel() * t.element_size();
+          m.tensors.push_back(t);
+        }
+        incoming[{is_act(c) ? 0 : 1, c.micro, c.stage}] = {batches.size(), b.messages.size()};
+      }
+      b.messages.push_back(std::move(m));
+    }
+    try {
+      if (ordered_) {
+        std::vector<comm::P2POp> all(sends);
+        all.insert(all.end(), recvs.begin(), recvs.end());
+        b.sends = b.recvs = pp_->batch_isend_irecv(all);
+      } else {
+        if (!sends.empty()) b.sends = pp_->batch_isend_irecv(sends);
+        if (!recvs.empty()) b.recvs = pp_->batch_isend_irecv(recvs);
+      }
+    } catch (Error& e) {
+      e.add_context(fmt::format("pipeline rank {} posting: {}", pp_->rank(), batch_text(b)));
+      throw;
+    }
+    batches.push_back(std::move(b));
+  };
+  // Completes the receive of message `key` for the compute op `pass` (F or B) of `consumer`.
+  const auto complete = [&](const std::tuple<int, int, int>& key, const char* pass) {
+    const auto it = incoming.find(key);
+    PARALLAX_CHECK(it != incoming.end(), Error,
                    "pipeline: rank {} needs the {} of micro-batch {} from stage {} but its plan "
                    "posted no receive for it",
                    pp_->rank(), std::get<0>(key) == 0 ? "activations" : "gradients",
                    std::get<1>(key), std::get<2>(key));
-    const Op& c = ops[it->second.index];
-    if (!it->second.work) {  // ordered: the header is received only now, in the sender's order
-      it->second.header = to_comm(at::zeros({kHeader}, at::kLong));
-      it->second.work = pp_->recv_async(it->second.header, c.peer, tag(c, 0));
+    Batch& b = batches[it->second.first];
+    Message& m = b.messages[it->second.second];
+    const Op& c = *m.op;
+    const bool act = is_act(c);
+    if (!b.received) {
+      try {
+        if (on_device) {
+          b.recvs->wait_stream();  // the compute stream waits, the host goes on
+        } else {
+          b.recvs->wait();
+        }
+      } catch (Error& e) {
+        e.add_context(fmt::format(
+            "pipeline stage {} (pipeline rank {}) receiving {} ({} bytes) for its {} pass from "
+            "stage {} (pipeline rank {}), in one batch with: {}",
+            act ? c.stage + 1 : c.stage - 1, pp_->rank(), message_name(c), m.bytes, pass, c.stage,
+            c.peer, batch_text(b)));
+        throw;
+      }
+      b.received = true;
     }
-    const bool act = c.kind == OpKind::kRecvAct;
-    const int consumer = act ? c.stage + 1 : c.stage - 1;
-    // A failed or timed-out receive names the stage, micro-batch and pass that waited for it.
-    const auto where = [&](Error& e) {
-      e.add_context(fmt::format("pipeline stage {} (pipeline rank {}) receiving the {} of micro-batch {} for "
-                                "its {} pass from stage {} (pipeline rank {})",
-                                consumer, pp_->rank(), act ? "activations" : "gradients", c.micro,
-                                act ? "F" : "B", c.stage, c.peer));
-    };
-    try {
-      it->second.work->wait();
-    } catch (Error& e) {
-      where(e);
-      throw;
+    if (on_device) {
+      unchecked.push_back({m.header, &c});
+    } else {
+      check_header(m.header, c);
     }
-    const at::Tensor header = it->second.header;
-    posted.erase(it);
-    const at::Tensor hdr = header.cpu();
-    auto h = hdr.accessor<int64_t, 1>();
-    PARALLAX_CHECK(h[0] == kMagic && h[1] == c.stage && h[2] == c.micro && h[3] >= 0 &&
-                       h[3] <= kMaxTensors,
-                   Error,
-                   "pipeline: stage {} (rank {}) expected the {} of micro-batch {} from stage {} "
-                   "(pipeline rank {}) and received {} (a plan mismatch between the ranks)",
-                   consumer, pp_->rank(), act ? "activations" : "gradients", c.micro, c.stage,
-                   c.peer,
-                   h[0] != kMagic ? std::string("a message that is no pipeline header")
-                                  : fmt::format("stage {}'s message for micro-batch {}", h[1], h[2]));
-    std::vector<at::Tensor> got;
-    std::vector<comm::WorkPtr> works;
-    for (int64_t k = 0; k < h[3]; ++k) {
-      std::vector<int64_t> shape;
-      for (int64_t d = 0; d < h[5 + 8 * k]; ++d) shape.push_back(h[6 + 8 * k + d]);
-      at::Tensor t =
-          at::empty(shape, header.options().dtype(static_cast<at::ScalarType>(h[4 + 8 * k])));
-      got.push_back(t);
-      works.push_back(pp_->recv_async(t, c.peer, tag(c, static_cast<int>(k) + 1)));
-    }
-    try {
-      for (auto& w : works) w->wait();
-    } catch (Error& e) {
-      where(e);
-      throw;
-    }
+    m.header = at::Tensor();
+    std::vector<at::Tensor> got = std::move(m.tensors);
+    m.tensors.clear();
+    incoming.erase(it);
     for (auto& t : got)
       if (t.device() != model_device) t = t.to(model_device);
     if (act) {
@@ -321,17 +607,8 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
       return;
     }
     Slot& slot = slots.at({c.micro, c.stage - 1});
-    PARALLAX_CHECK(got.size() == slot.outputs.size(), Error,
-                   "pipeline: stage {} returned {} gradients for the {} outputs of stage {} "
-                   "(micro-batch {})",
-                   c.stage, got.size(), slot.outputs.size(), c.stage - 1, c.micro);
-    for (std::size_t k = 0; k < got.size(); ++k) {
+    for (std::size_t k = 0; k < got.size() && k < slot.outputs.size(); ++k) {
       const at::Tensor& o = slot.outputs[k];
-      PARALLAX_CHECK(!o.requires_grad() || (got[k].sizes() == o.sizes()), Error,
-                     "pipeline: the gradient of output {} of stage {} (micro-batch {}) from stage "
-                     "{} has shape {}, the output {}",
-                     k, c.stage - 1, c.micro, c.stage, fmt::format("{}", got[k].sizes()),
-                     fmt::format("{}", o.sizes()));
       if (o.requires_grad() && got[k].scalar_type() != o.scalar_type())
         got[k] = got[k].to(o.scalar_type());
     }
@@ -356,176 +633,128 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
   std::size_t i = 0;
   // Runs the plan from op i up to the next parameter-gradient op (left at i; true) or its end.
   const auto advance = [&]() -> bool {
-  while (i < ops.size()) {
-    const Op& op = ops[i];
-    if (!op.is_comm()) {
+    while (i < ops.size()) {
+      const Op& op = ops[i];
+      if (op.is_comm()) {
+        std::size_t end = i;
+        while (end < ops.size() && ops[end].is_comm()) ++end;
+        post(i, end);
+        i = end;
+        continue;
+      }
       if (param_op(op)) return true;
-      if (op.kind == OpKind::kForward && op.stage > 0) complete({0, op.micro, op.stage - 1});
+      if (op.kind == OpKind::kForward && op.stage > 0) complete({0, op.micro, op.stage - 1}, "F");
+      if (op.kind == OpKind::kBackward && op.stage < last)
+        complete({1, op.micro, op.stage + 1}, "B");
       core::Stopwatch clock;
       Slot& slot = slots[{op.micro, op.stage}];
       if (op.kind == OpKind::kForward) {
         std::vector<at::Tensor> in = op.stage == 0 ? fns.begin(op.micro) : slot.inputs;
-        std::vector<at::Tensor> out = fns.run(op.micro, bounds_[op.stage], bounds_[op.stage + 1], in);
+        std::vector<at::Tensor> out =
+            fns.run(op.micro, bounds_[op.stage], bounds_[op.stage + 1], in);
         if (op.stage == 0) slot.inputs = std::move(in);
         if (op.stage == last) {
           slot.loss = fns.finish(op.micro, out);
         } else {
-          PARALLAX_CHECK(!out.empty() && static_cast<int>(out.size()) <= kMaxTensors, Error,
-                         "pipeline: stage {} returned {} tensors (1 to {} cross a stage boundary)",
-                         op.stage, out.size(), kMaxTensors);
           slot.outputs = std::move(out);
         }
       } else {
-        // zb's B: the input gradient only; the graph stays for W.
-        if (op.stage < last) complete({1, op.micro, op.stage + 1});
-        const std::vector<at::Tensor> roots = slot.roots();
-        std::vector<at::Tensor> leaves;
-        for (const auto& x : slot.inputs)
-          if (x.defined() && x.requires_grad()) leaves.push_back(x);
-        std::vector<at::Tensor> g;
-        if (!leaves.empty() && !roots.empty())
-          g = torch::autograd::grad(roots, leaves, slot.root_grads(), /*retain_graph=*/true,
-                                    /*create_graph=*/false, /*allow_unused=*/true);
-        std::size_t k = 0;
-        for (const auto& x : slot.inputs)
-          slot.in_grads.push_back(x.defined() && x.requires_grad() ? g.at(k++) : at::Tensor());
+        // zb's B: the inputs' gradients, keeping what W needs; the graph below stays for W.
+        slot.split = std::make_unique<SplitBackward>(
+            slot.roots(), slot.root_grads(),
+            op.stage == 0 ? std::vector<at::Tensor>{} : slot.inputs, trainable_of[op.stage]);
+        if (op.stage > 0) slot.in_grads = slot.split->input_grads();
+        slot.outputs.clear();
+        slot.loss = at::Tensor();
+        slot.out_grads.clear();
       }
       compute_ms_ += clock.elapsed_ms();
       ++i;
-      continue;
     }
-    // A communication op: a send posts its header and tensors at once (waited for at the end of
-    // the step); a receive posts its header and completes right before the op that consumes it.
-    if (!op.is_send()) {
-      const std::tuple<int, int, int> key{op.kind == OpKind::kRecvAct ? 0 : 1, op.micro, op.stage};
-      if (ordered_) {
-        posted[key] = {nullptr, at::Tensor(), i};  // posted by complete(), in the sender's order
-      } else {
-        at::Tensor hdr = to_comm(at::zeros({kHeader}, at::kLong));
-        posted[key] = {pp_->recv_async(hdr, op.peer, tag(op, 0)), hdr, i};
-      }
-      ++i;
-      continue;
-    }
-    {
-      const Op& c = op;
-      Slot& slot = slots.at({c.micro, c.stage});
-      std::vector<at::Tensor> payload;
-      if (c.kind == OpKind::kSendAct) {
-        for (const auto& t : slot.outputs) payload.push_back(to_comm(t));
-      } else {
-        for (std::size_t k = 0; k < slot.inputs.size(); ++k) {
-          const at::Tensor& g = slot.in_grads.at(k);
-          const at::Tensor& x = slot.inputs[k];
-          payload.push_back(g.defined() ? to_comm(g)
-                            : at::isFloatingType(x.scalar_type())
-                                ? to_comm(at::zeros_like(x))
-                                : to_comm(at::zeros({0}, x.options().dtype(at::kFloat))));
-        }
-        slot.in_grads.clear();
-        if (!schedule_.split_backward()) slots.erase({c.micro, c.stage});
-      }
-      at::Tensor hdr = at::zeros({kHeader}, at::kLong);
-      auto h = hdr.accessor<int64_t, 1>();
-      h[0] = kMagic;
-      h[1] = c.stage;
-      h[2] = c.micro;
-      h[3] = static_cast<int64_t>(payload.size());
-      for (std::size_t k = 0; k < payload.size(); ++k) {
-        const at::Tensor& t = payload[k];
-        PARALLAX_CHECK(t.dim() <= kMaxDims, Error,
-                       "pipeline: stage {} sends a {}-d tensor (at most {} dimensions)", c.stage,
-                       t.dim(), kMaxDims);
-        h[4 + 8 * k] = dtype_code(t.scalar_type());
-        h[5 + 8 * k] = t.dim();
-        for (int64_t d = 0; d < t.dim(); ++d) h[6 + 8 * k + d] = t.size(d);
-      }
-      hdr = to_comm(hdr);
-      pending.push_back({pp_->send_async(hdr, c.peer, tag(c, 0)), hdr, &c});
-      for (std::size_t k = 0; k < payload.size(); ++k)
-        pending.push_back(
-            {pp_->send_async(payload[k], c.peer, tag(c, static_cast<int>(k) + 1)), payload[k], &c});
-    }
-    ++i;
-    continue;
-  }
-  return false;
+    return false;
   };
-  // Each parameter-gradient op as one micro-step of the inner engine (DDP, ZeRO-1/2): its
-  // gradients G_p are computed with autograd::grad, and the micro-step's loss is
-  // sum_p <p, G_p> over the op's stage parameters plus an empty slice of every other stage
-  // parameter, whose backward accumulates exactly G_p (and zeros) through the inner engine's
-  // hooks: no-sync accumulation in all but the last micro-step for DDP and ZeRO-1, a
-  // reduce-scatter per micro-step for ZeRO-2, as without a pipeline.
   int param_ops = 0;
   for (const Op& op : ops)
     if (param_op(op)) ++param_ops;
-  std::vector<at::Tensor> all_mine;
-  for (const auto& [st, ps] : trainable_of) all_mine.insert(all_mine.end(), ps.begin(), ps.end());
-  inner_->forward_backward(
+  // A rank with several stages (interleaved): the inner engine expects every parameter of the
+  // rank in a synced micro-step, so an op's backward also reaches the other stages' parameters
+  // with zero gradients (through an empty slice of each).
+  const auto others_of = [&](int stage) {
+    std::vector<at::Tensor> zero_roots;
+    for (const auto& [st, ps] : trainable_of) {
+      if (st == stage) continue;
+      for (const auto& p : ps) zero_roots.push_back(p.reshape({-1}).narrow(0, 0, 0).sum());
+    }
+    return zero_roots;
+  };
+  inner_->forward_backward_split(
       param_ops,
-      [&](int) -> at::Tensor {
-        PARALLAX_CHECK(advance(), Error,
-                       "pipeline: rank {}'s plan has fewer backward ops than counted", pp_->rank());
-        const Op& op = ops[i];
-        if (!split && op.stage < last) complete({1, op.micro, op.stage + 1});
-        core::Stopwatch clock;
-        Slot& slot = slots.at({op.micro, op.stage});
-        const std::vector<at::Tensor> roots = slot.roots();
-        const std::vector<at::Tensor>& params = trainable_of[op.stage];
-        std::vector<at::Tensor> targets(params);
-        std::vector<at::Tensor> leaves;
-        if (!split)
-          for (const auto& x : slot.inputs)
-            if (x.defined() && x.requires_grad()) leaves.push_back(x);
-        targets.insert(targets.end(), leaves.begin(), leaves.end());
-        std::vector<at::Tensor> g;
-        if (!roots.empty() && !targets.empty())
-          g = torch::autograd::grad(roots, targets, slot.root_grads(), /*retain_graph=*/false,
-                                    /*create_graph=*/false, /*allow_unused=*/true);
-        if (!split) {
-          std::size_t k = params.size();
-          for (const auto& x : slot.inputs)
-            slot.in_grads.push_back(x.defined() && x.requires_grad() && !g.empty() ? g.at(k++)
-                                                                                   : at::Tensor());
-          slot.outputs.clear();
-          slot.loss = at::Tensor();
-          if (op.stage == 0) slots.erase({op.micro, op.stage});  // nothing to send back
-        } else {
-          slots.erase({op.micro, op.stage});
-        }
-        std::set<const void*> done;
-        at::Tensor total;
-        const auto add = [&](const at::Tensor& t) { total = total.defined() ? total + t : t; };
-        for (std::size_t k = 0; k < params.size(); ++k) {
-          done.insert(params[k].unsafeGetTensorImpl());
-          if (!g.empty() && g[k].defined()) {
-            add((params[k] * g[k].detach()).sum());
-          } else {
-            add(params[k].reshape({-1}).narrow(0, 0, 0).sum());
-          }
-        }
-        for (const auto& p : all_mine)
-          if (!done.count(p.unsafeGetTensorImpl())) add(p.reshape({-1}).narrow(0, 0, 0).sum());
-        ++i;
-        compute_ms_ += clock.elapsed_ms();
-        return total;
-      },
+      MicroStepFns{
+          [&](int) {
+            PARALLAX_CHECK(advance(), Error,
+                           "pipeline: rank {}'s plan has fewer backward ops than counted",
+                           pp_->rank());
+            const Op& op = ops[i];
+            if (!split && op.stage < last) complete({1, op.micro, op.stage + 1}, "B");
+          },
+          [&](int) {
+            const Op& op = ops[i];
+            core::Stopwatch clock;
+            Slot& slot = slots.at({op.micro, op.stage});
+            if (split) {
+              PARALLAX_CHECK(slot.split != nullptr, Error,
+                             "pipeline: W of micro-batch {} on stage {} before its B", op.micro,
+                             op.stage);
+              slot.split->weight_pass();
+              slots.erase({op.micro, op.stage});
+            } else {
+              std::vector<at::Tensor> roots = slot.roots(), grads = slot.root_grads();
+              const std::vector<at::Tensor> zeros = others_of(op.stage);
+              if (!zeros.empty()) {
+                if (grads.empty() && !roots.empty()) grads.push_back(at::ones_like(roots[0]));
+                for (const auto& z : zeros) {
+                  roots.push_back(z);
+                  grads.push_back(at::ones_like(z));
+                }
+              }
+              if (!roots.empty()) torch::autograd::backward(roots, grads);
+              if (op.stage > 0) {
+                for (const auto& x : slot.inputs)
+                  slot.in_grads.push_back(x.defined() && x.requires_grad() ? x.grad()
+                                                                           : at::Tensor());
+              }
+              slot.outputs.clear();
+              slot.loss = at::Tensor();
+              slot.out_grads.clear();
+              if (op.stage == 0) slots.erase({op.micro, op.stage});  // nothing to send back
+            }
+            ++i;
+            compute_ms_ += clock.elapsed_ms();
+          }},
       /*sync_buffers=*/false);
   advance();  // the sends after the last backward
-  for (auto& w : pending) {
-    try {
-      w.work->wait();
-    } catch (Error& e) {
-      const bool act = w.op->kind == OpKind::kSendAct;
-      e.add_context(fmt::format("pipeline stage {} (pipeline rank {}) sending the {} of micro-batch {} to stage {} "
-                                "(pipeline rank {})",
-                                w.op->stage, pp_->rank(), act ? "activations" : "gradients", w.op->micro,
-                                act ? w.op->stage + 1 : w.op->stage - 1, w.op->peer));
-      throw;
+  for (auto& b : batches) {
+    for (comm::WorkPtr* w : {&b.sends, &b.recvs}) {
+      if (!*w || (w == &b.recvs && ordered_)) continue;
+      try {
+        (*w)->wait();
+      } catch (Error& e) {
+        e.add_context(fmt::format("pipeline rank {} completing its batch: {}", pp_->rank(),
+                                  batch_text(b)));
+        throw;
+      }
     }
   }
-  pending.clear();
+  batches.clear();
+  PARALLAX_CHECK(incoming.empty(), Error,
+                 "pipeline: rank {} received {} message(s) no compute op consumed",
+                 pp_->rank(), incoming.size());
+  if (!unchecked.empty()) {
+    std::vector<at::Tensor> headers;
+    for (const auto& [h, op] : unchecked) headers.push_back(h);
+    const at::Tensor host = at::stack(headers).cpu();
+    for (std::size_t k = 0; k < unchecked.size(); ++k) check_header(host[k], *unchecked[k].second);
+  }
   PARALLAX_CHECK(slots.empty() || !split, Error,
                  "pipeline: {} (micro-batch, stage) states left after the step", slots.size());
 }

@@ -11,20 +11,33 @@
 //
 // Messages. Each activation or gradient message is a header (int64[64]: a magic number, the
 // producing stage, the micro-batch, the tensor count, each tensor's dtype and shape) and then the
-// tensors, each with its own tag. The receiver checks the header against the plan: a stage or
-// micro-batch mismatch, or a shape other than the one the gradient is for, is an error naming both
-// stages (Megatron-LM PR #5271: a silent swap trained on the wrong activations). On a transport
-// that matches messages by order (NCCL; PipelineOptions::ordered_p2p) every message has one tag
-// and the receiver posts a header only when its consumer runs, in the order check_ordered() proves
-// to be the sender's.
+// tensors. Their shapes are known on both sides before the first step: a shape pass runs
+// micro-batch 0 through the stages in order (no autograd; buffers and random state restored
+// after), as torch.distributed.pipelining's shape inference does, and tensors that cross a stage
+// boundary keep those shapes (a sender whose outputs change shape stops with an error naming the
+// stage, micro-batch and both shapes; Megatron-LM's fixed tensor_shape is the same rule). So every
+// receive is posted with its buffers (reused, per stage and shape, once nothing holds them) where
+// the plan lists it, and all sends and receives of one plan slot (a run of communication ops
+// between two compute ops) go out as one batch_isend_irecv: on NCCL one ncclGroupStart/End on the
+// communicator's stream, Megatron-Core's send_forward_recv_backward pattern, so two neighbours
+// that send to each other at once never wait on each other's buffering (check() proves every plan
+// free of waits under that rule and under independent progress, MPI's and gloo's). A receive is
+// completed right before the compute op that consumes it (on a device: the compute stream waits
+// for it, the host does not); sends at the end of the step. The receiver checks each header
+// against the plan (on a device at the end of the step, in one copy): a stage or micro-batch
+// mismatch is an error naming both stages (Megatron-LM PR #5271: a silent swap trained on the
+// wrong activations). On a transport that matches messages by order (NCCL;
+// PipelineOptions::ordered_p2p) check_posting_order() proves both ends post each pair's messages
+// in the same order.
 //
 // Gradient reduction. Every op that produces parameter gradients (B, or W under zb) runs as one
-// micro-step of the inner engine: the op's gradients G_p come from torch::autograd::grad, and the
-// micro-step's loss is sum_p <p, G_p> over the stage's parameters (plus an empty slice of each
-// other parameter of this rank), whose backward accumulates exactly G_p through the inner
-// engine's hooks. So DDP and ZeRO-1 accumulate locally and reduce in the last micro-step, ZeRO-2
-// reduce-scatters every micro-step, exactly as they do for gradient accumulation without a
-// pipeline.
+// micro-step of the inner engine (Engine::forward_backward_split): B is
+// torch::autograd::backward(outputs, received gradients) (the last stage: from its loss), which
+// accumulates the stage's parameter gradients and its inputs' through the inner engine's hooks.
+// So DDP and ZeRO-1 accumulate locally and reduce in the last micro-step, ZeRO-2 reduce-scatters
+// every micro-step, exactly as they do for gradient accumulation without a pipeline. Under zb, B
+// computes the inputs' gradients only and keeps what the weight pass needs, and W accumulates the
+// parameters' (split_backward.h): each part of the graph runs once.
 //
 // Thread-safety: one training thread. Errors: parallax::Error / CommError / TimeoutError naming
 // the stage, rank and micro-batch.
@@ -64,11 +77,11 @@ struct PipelineOptions {
   // Activation bytes per unit (Model::saved_activations; any scale): the partition's second
   // criterion, weighted by the schedule's in-flight micro-batches per stage. Empty: costs only.
   std::vector<double> activation_bytes;
-  // Receive every message in its sender's order, each with one tag: its header is posted when the
-  // consumer runs rather than where the plan lists the receive (check_ordered() proves the plans
-  // consume each peer's messages in its send order). NCCL matches point-to-point messages by
-  // order, so the engine sets this itself on a device group; on CPU groups (MPI, gloo: matched by
-  // tag) it is a test switch that runs the NCCL order through MPI's non-overtaking rule.
+  // Match messages by their order, each with one tag, and post each slot's sends and receives as
+  // one batch (check_posting_order() proves both ends post each pair's messages in one order).
+  // NCCL matches point-to-point messages by order, so the engine sets this itself on a device
+  // group; on CPU groups (MPI, gloo: matched by tag) it is a test switch that runs the NCCL order
+  // through MPI's non-overtaking rule.
   bool ordered_p2p = false;
 };
 
@@ -87,6 +100,8 @@ class PipelineEngine : public Engine {
   // Not available: a pipeline runs stages (forward_backward_stages).
   void forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
                         bool sync_buffers) override;
+  void forward_backward_split(int micro_steps, const MicroStepFns& fns,
+                              bool sync_buffers) override;
   bool pipelined() const override { return true; }
   void forward_backward_stages(int micro_steps, const StageFns& fns, bool sync_buffers) override;
   std::vector<optim::GradGroup> grads() override;
@@ -113,6 +128,21 @@ class PipelineEngine : public Engine {
 
  private:
   struct Slot;  // one (micro-batch, stage)'s live tensors
+  // The dtype and shape of each tensor of a message.
+  struct TensorMeta {
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    bool operator==(const TensorMeta& o) const { return dtype == o.dtype && shape == o.shape; }
+  };
+  using Layout = std::vector<TensorMeta>;
+  // The shape pass (file comment): fills act_layout_.
+  void infer_layouts(const StageFns& fns);
+  // The message a send or receive op moves: the activations of op.stage, or the gradients of its
+  // inputs (the layout of stage op.stage - 1's outputs, floating ones; int64 placeholders of no
+  // elements for the others).
+  const Layout& layout_of(const Op& op) const;
+  // A receive buffer of `meta` on the communication device, reused once nothing else holds it.
+  at::Tensor buffer(const std::string& pool, const TensorMeta& meta);
   int tag(const Op& op, int k) const;
   bool ordered_ = false;  // PipelineOptions::ordered_p2p, or a device group
   // Where the pipeline communicator's buffers live: the model's device when it is of the
@@ -133,6 +163,11 @@ class PipelineEngine : public Engine {
   std::vector<int> step_replicas_;
   bool full_ = false;
   double compute_ms_ = 0;
+  std::map<int, Layout> act_layout_;   // producing stage -> its outputs
+  std::map<int, Layout> grad_layout_;  // producing stage -> the gradients of its inputs
+  std::map<std::string, std::vector<at::Tensor>> pool_;
+  bool layouts_known_ = false;
+  c10::Device comm_target_{c10::kCPU};  // comm_device() of the current step
 };
 
 }  // namespace parallax::parallel::pipeline

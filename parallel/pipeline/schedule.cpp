@@ -367,49 +367,169 @@ void check(const Schedule& s) {
     PARALLAX_CHECK(recvs.count(key) != 0, Error, "{} has no matching receive on rank {}",
                    where(s, at.first, at.second), s.ops[at.first][at.second].peer);
   }
-  // 4. No rank waits forever (the simulation throws naming the stuck ops).
+  // 4. No rank waits forever under independent progress, nor under NCCL's rule (the simulations
+  // throw naming the stuck ops).
   simulate(s, 1, 2, 1);
+  simulate_nccl(s);
 }
 
-void check_ordered(const Schedule& s) {
-  // A message: (gradient?, micro-batch, producing stage). Per ordered pair (from, to): the
-  // messages in the sender's order, and in the order the receiver's compute ops consume them.
+std::vector<std::pair<std::size_t, std::size_t>> comm_batches(const std::vector<Op>& ops) {
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  for (std::size_t i = 0; i < ops.size();) {
+    if (!ops[i].is_comm()) {
+      ++i;
+      continue;
+    }
+    std::size_t end = i;
+    while (end < ops.size() && ops[end].is_comm()) ++end;
+    out.emplace_back(i, end);
+    i = end;
+  }
+  return out;
+}
+
+void check_posting_order(const Schedule& s) {
+  // Per ordered pair (from, to): the messages in the order the sender posts them, and in the order
+  // the receiver posts their receives.
   using Msg = std::tuple<int, int, int>;
-  std::map<std::pair<int, int>, std::vector<std::pair<Msg, int>>> sent, consumed;
-  const int last = s.stages() - 1;
+  std::map<std::pair<int, int>, std::vector<std::pair<Msg, int>>> sent, received;
   for (int r = 0; r < s.ranks; ++r) {
     const auto& ops = s.ops[static_cast<std::size_t>(r)];
     for (std::size_t i = 0; i < ops.size(); ++i) {
       const Op& op = ops[i];
-      if (op.kind == OpKind::kSendAct || op.kind == OpKind::kSendGrad) {
-        sent[{r, op.peer}].push_back(
-            {Msg{op.kind == OpKind::kSendGrad ? 1 : 0, op.micro, op.stage}, static_cast<int>(i)});
-      } else if (op.kind == OpKind::kForward && op.stage > 0) {
-        const int from = s.rank_of(op.stage - 1);
-        if (from != r) consumed[{from, r}].push_back({Msg{0, op.micro, op.stage - 1}, static_cast<int>(i)});
-      } else if (op.kind == OpKind::kBackward && op.stage < last) {
-        const int from = s.rank_of(op.stage + 1);
-        if (from != r) consumed[{from, r}].push_back({Msg{1, op.micro, op.stage + 1}, static_cast<int>(i)});
+      if (!op.is_comm()) continue;
+      const Msg m{op.kind == OpKind::kSendGrad || op.kind == OpKind::kRecvGrad ? 1 : 0, op.micro,
+                  op.stage};
+      if (op.is_send()) {
+        sent[{r, op.peer}].push_back({m, static_cast<int>(i)});
+      } else {
+        received[{op.peer, r}].push_back({m, static_cast<int>(i)});
       }
     }
   }
   const auto name = [](const Msg& m) {
-    return fmt::format("the {} of micro-batch {} from stage {}", std::get<0>(m) ? "gradient" : "activations",
-                       std::get<1>(m), std::get<2>(m));
+    return fmt::format("the {} of micro-batch {} from stage {}",
+                       std::get<0>(m) ? "gradient" : "activations", std::get<1>(m), std::get<2>(m));
   };
   for (const auto& [pair, out] : sent) {
-    const auto& in = consumed[pair];
+    const auto& in = received[pair];
     PARALLAX_CHECK(in.size() == out.size(), Error,
-                   "pipeline plan '{}': rank {} sends {} messages to rank {}, which consumes {}",
+                   "pipeline plan '{}': rank {} sends {} messages to rank {}, which receives {}",
                    s.kind, pair.first, out.size(), pair.second, in.size());
     for (std::size_t k = 0; k < out.size(); ++k) {
       if (in[k].first == out[k].first) continue;
       throw_error<Error>(
-          "pipeline plan '{}' (pp {}, {} micro-batches, {} virtual stages): rank {} consumes {} "
-          "(op {}) as its message #{} from rank {}, but rank {} sends {} (op {}) as its #{}: on a "
-          "transport that matches messages by order (NCCL) they would be swapped",
+          "pipeline plan '{}' (pp {}, {} micro-batches, {} virtual stages): rank {} posts its "
+          "receive of {} (op {}) as message #{} from rank {}, but rank {} posts {} (op {}) as its "
+          "#{}: on a transport that matches messages by order (NCCL) they would be swapped",
           s.kind, s.ranks, s.micro_batches, s.virtual_stages, pair.second, name(in[k].first),
           in[k].second, k + 1, pair.first, pair.first, name(out[k].first), out[k].second, k + 1);
+    }
+  }
+}
+
+void simulate_nccl(const Schedule& s, bool separate_ops) {
+  const int p = s.ranks, last = s.stages() - 1;
+  struct RankState {
+    std::vector<std::pair<std::size_t, std::size_t>> batches;
+    std::size_t compute = 0;  // next op index whose compute is pending (scans the plan)
+    std::size_t batch = 0;    // the running or next batch
+    std::set<std::size_t> done_ops;  // comm ops completed
+  };
+  std::vector<RankState> st(static_cast<std::size_t>(p));
+  // Where each message's receive lives: (rank, op index), and its send.
+  std::map<MsgKey, std::pair<int, std::size_t>> send_at, recv_at;
+  for (int r = 0; r < p; ++r) {
+    if (separate_ops) {
+      for (std::size_t i = 0; i < s.ops[r].size(); ++i)
+        if (s.ops[r][i].is_comm()) st[r].batches.emplace_back(i, i + 1);
+    } else {
+      st[r].batches = comm_batches(s.ops[r]);
+    }
+    for (std::size_t i = 0; i < s.ops[r].size(); ++i) {
+      const Op& op = s.ops[r][i];
+      if (!op.is_comm()) continue;
+      (op.is_send() ? send_at : recv_at)[msg_key(op)] = {r, i};
+    }
+  }
+  // Compute ops done on each rank: every op before `compute` that is not communication.
+  const auto computed_before = [&](int r, std::size_t i) {
+    // All compute ops listed before op i have run.
+    std::size_t c = st[r].compute;
+    while (c < i && s.ops[r][c].is_comm()) ++c;
+    return c >= i;
+  };
+  const auto running = [&](int r, std::size_t op_index) {
+    const RankState& rs = st[r];
+    if (rs.batch >= rs.batches.size()) return false;
+    const auto [b, e] = rs.batches[rs.batch];
+    return op_index >= b && op_index < e && computed_before(r, b);
+  };
+  for (;;) {
+    bool progress = false, finished = true;
+    for (int r = 0; r < p; ++r) {
+      RankState& rs = st[r];
+      // The compute stream: runs while its inputs have arrived.
+      while (rs.compute < s.ops[r].size()) {
+        const Op& op = s.ops[r][rs.compute];
+        if (op.is_comm()) {
+          ++rs.compute;
+          continue;
+        }
+        MsgKey need{-1, 0, 0};
+        if (op.kind == OpKind::kForward && op.stage > 0) need = {0, op.micro, op.stage - 1};
+        if (op.kind == OpKind::kBackward && op.stage < last) need = {1, op.micro, op.stage + 1};
+        if (std::get<0>(need) >= 0) {
+          const auto it = recv_at.find(need);
+          if (it == recv_at.end() || !rs.done_ops.count(it->second.second)) break;
+        }
+        ++rs.compute;
+        progress = true;
+      }
+      // The communication stream: the running batch's transfers whose other end runs too.
+      while (rs.batch < rs.batches.size()) {
+        const auto [b, e] = rs.batches[rs.batch];
+        if (!computed_before(r, b)) break;
+        bool all = true;
+        for (std::size_t i = b; i < e; ++i) {
+          if (rs.done_ops.count(i)) continue;
+          const Op& op = s.ops[r][i];
+          const auto& other = op.is_send() ? recv_at : send_at;
+          const auto it = other.find(msg_key(op));
+          if (it != other.end() && running(it->second.first, it->second.second)) {
+            rs.done_ops.insert(i);
+            st[it->second.first].done_ops.insert(it->second.second);
+            progress = true;
+          } else {
+            all = false;
+          }
+        }
+        if (!all) break;
+        ++rs.batch;
+        progress = true;
+      }
+      if (rs.compute < s.ops[r].size() || rs.batch < rs.batches.size()) finished = false;
+    }
+    if (finished) return;
+    if (!progress) {
+      std::string stuck;
+      for (int r = 0; r < p; ++r) {
+        const RankState& rs = st[r];
+        if (rs.batch < rs.batches.size()) {
+          const auto [b, e] = rs.batches[rs.batch];
+          std::string ops;
+          for (std::size_t i = b; i < e; ++i)
+            if (!rs.done_ops.count(i)) ops += fmt::format("{}{}", ops.empty() ? "" : ", ", to_string(s.ops[r][i]));
+          stuck += fmt::format("; rank {}'s batch at op {} waits in [{}]", r, b, ops);
+        }
+        if (rs.compute < s.ops[r].size())
+          stuck += fmt::format("; rank {} op {} ({}) waits for its input", r, rs.compute,
+                               to_string(s.ops[r][rs.compute]));
+      }
+      throw_error<Error>(
+          "pipeline plan '{}' (pp {}, {} micro-batches) deadlocks under NCCL's rule (batches in "
+          "order on one stream, no buffering){}",
+          s.kind, s.ranks, s.micro_batches, stuck);
     }
   }
 }

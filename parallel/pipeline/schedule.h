@@ -20,7 +20,9 @@
 // layout cannot run; parallax::Error naming the rank, op and peer for a plan that fails check().
 #pragma once
 
+#include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace parallax::parallel::pipeline {
@@ -60,8 +62,13 @@ struct Schedule {
 // just mostly bubble.
 Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtual_stages = 1);
 
-// Checks the plan before the first step by running it as the engine does: posting a send or a
-// receive never blocks, a compute op waits for the message it consumes. Every F, B and W of every
+// Checks the plan before the first step by running it as the engine does, under each backend's
+// rule. Independent progress (MPI, gloo): posting a send or a receive never blocks, a compute op
+// waits for the message it consumes. NCCL: each rank's batches (comm_batches) run one at a time
+// in plan order on one stream, each after the compute ops listed before it; a transfer moves only
+// while the batches at both of its ends run (no buffering: a large send waits for its receive); a
+// batch ends when all its transfers have; a compute op waits for the batch holding its input.
+// Every F, B and W of every
 // (micro-batch, stage) appears exactly once on the stage's rank; every F(m, s > 0) follows its
 // RecvAct, every B follows its F and, on all but the last stage, its RecvGrad; every W follows its
 // B; every send has exactly one matching receive on the right peer and vice versa; and no rank
@@ -70,14 +77,23 @@ Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtu
 void check(const Schedule& s);
 
 // For a transport that matches point-to-point messages by order rather than by tag (NCCL: the
-// k-th send from rank a to rank b meets the k-th receive that b posts from a): the engine then
-// receives each message when its consumer runs (the forward of the next stage for activations,
-// the backward of the previous stage for gradients), so the plan must consume every rank's
-// messages from each peer in the order that peer sends them. Throws parallax::Error naming the
-// pair, the two messages and the ops where the orders part ("pipeline plan '1f1b' (...): rank 1
-// consumes the activations of micro-batch 1 from stage 0 (op 1) as its message #1 from rank 0, but
-// rank 0 sends the activations of micro-batch 0 from stage 0 (op 1) as its #1 ...").
-void check_ordered(const Schedule& s);
+// k-th send from rank a to rank b meets the k-th receive that b posts from a): the engine posts
+// every message where the plan lists it, so for every ordered pair of ranks the sender's plan must
+// list its sends to the receiver in the order the receiver's plan lists their receives. Throws
+// parallax::Error naming the pair, the two messages and the ops where the orders part ("pipeline
+// plan '1f1b' (...): rank 1 posts its receive of the activations of micro-batch 1 from stage 0
+// (op 1) as message #1 from rank 0, but rank 0 posts the activations of micro-batch 0 ...").
+void check_posting_order(const Schedule& s);
+
+// The plan under NCCL's rule (check()'s comment); throws parallax::Error naming each rank's
+// stuck batch or op if it deadlocks. `separate_ops`: every send and receive its own NCCL call
+// (separate send()/recv() calls on one stream, no batching): 1F1B's steady state then deadlocks,
+// two neighbours each sending before they receive.
+void simulate_nccl(const Schedule& s, bool separate_ops = false);
+
+// The communication batches of a rank's plan: each maximal run of consecutive send and receive
+// ops, as [first, end) op indices. The engine posts each as one batch_isend_irecv.
+std::vector<std::pair<std::size_t, std::size_t>> comm_batches(const std::vector<Op>& ops);
 
 // For each stage, the most micro-batches whose activations it holds at once under the plan: from
 // their F to their B (under zb, to their W, whose weight pass still reads them). 1F1B: pp - r on

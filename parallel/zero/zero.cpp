@@ -203,8 +203,8 @@ std::string ZeroEngine::describe() const {
               : "");
 }
 
-void ZeroEngine::forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
-                                  bool sync_buffers) {
+void ZeroEngine::forward_backward_split(int micro_steps, const MicroStepFns& fns,
+                                        bool sync_buffers) {
   bool first = true;
   if (shards_) shards_->begin_step();
   for (int i = 0; i < micro_steps; ++i) {
@@ -213,9 +213,9 @@ void ZeroEngine::forward_backward(int micro_steps, const std::function<at::Tenso
     const bool sync = reduce_each_micro_ || i == micro_steps - 1;
     ddp_->set_require_sync(sync);
     if (sync_buffers) ddp_->before_forward();
-    at::Tensor loss = micro(i);
+    fns.forward(i);
     ddp_->before_backward();
-    loss.backward();
+    fns.backward(i);
     ddp_->finalize_backward();
     if (shards_) shards_->end_backward();
     if (!sync) continue;

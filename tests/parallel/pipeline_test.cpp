@@ -8,8 +8,10 @@
 // - pp alone: exact. Each stage runs the same units in the same order on the same tensors (same
 //   shapes, so the same kernels); the gradient that crosses a stage boundary is the one autograd
 //   would have passed there; every schedule runs each stage's backwards in micro-batch order, so
-//   every parameter gradient accumulates in the single process's order; each backward's gradient
-//   G reaches the parameters as the gradient of <p, G> (exactly G) or of an empty slice (zeros).
+//   every parameter gradient accumulates in the single process's order; a stage's backward is
+//   autograd's from its outputs with the received gradients (zb: W runs the parameter-side nodes
+//   with the gradients B passed them), so each parameter receives the tensor the single process's
+//   backward computes for it, and a rank's other stages exact zeros (empty slices).
 //   The global gradient norm adds the same per-tensor sums of squares (<= 100 tensors) grouped by
 //   stage: within gamma_100 = 6e-6 relative; allowed 1e-5.
 // - with dp or tp: a dp rank runs its GEMMs on fewer rows than the single process (another kernel

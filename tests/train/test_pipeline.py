@@ -12,6 +12,8 @@
 - real HDF5 data, evaluation and activation checkpointing under pp 2 match one process;
 - bf16 autocast and fp16 loss scaling run under pp 2 and stay within their precision of pp 1;
 - every schedule trains on MPI and on gloo, through mpirun and `parallax launch` (issue 36);
+- a micro-batch whose activations change shape is one error naming the stage and both shapes, and
+  every rank exits within the timeout (issue 36: the shapes are fixed before the first step);
 - `--print-pp-schedule` prints the checked timeline with its bubble;
 - impossible layouts are one `parallax: error:` line naming the keys and numbers.
 
@@ -19,6 +21,7 @@ Usage: test_pipeline.py <parallax binary> <mpirun>
 """
 import os
 import sys
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -111,6 +114,33 @@ class PipelineTest(tt.RunDirTest):
                     else:
                         self.launch(name, pp, *extra)
                     self.assert_matches(tt.rows(os.path.join(self.d, name)), want, name)
+
+    def test_a_micro_batch_that_changes_shape_is_one_error_and_every_rank_exits(self):
+        """Issue 36: receives are posted with their buffers before the header arrives, so the shapes
+        that cross a stage boundary are fixed by the shape pass before the first step. 8 samples in
+        batches of 3 without drop_last give a last micro-batch of 2 in step 1: stage 0 stops with one
+        error naming the stage, the micro-batch and both shapes, and its peer, waiting for those
+        activations, exits within parallel.timeout_s (10 s). The failing rank prints its line at
+        once: its exit barrier waits at most 5 s for peers that may be stuck waiting for it
+        (World::leaving_on_error)."""
+        data = os.path.join(self.d, "data")
+        tt.run(["datagen", "--out", data, "--scenes", "8", "--val-scenes", "1", "--threads", "2",
+                "--samples-per-pixel", "1"])
+        start = time.monotonic()
+        p = tt.run(["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", "experiment.name=ragged",
+                    "model.backbone=vit", f"data.path={data}", "data.batch_size=3", "data.drop_last=false",
+                    "data.shuffle=false", "train.steps=2", "parallel.pp=2", "parallel.timeout_s=10",
+                    *self.COMMON], 2, check=False)
+        elapsed = time.monotonic() - start
+        self.assertNotEqual(p.returncode, 0)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("parallax: error:")]
+        shape = [e for e in errors if "keep their shapes" in e]
+        self.assertTrue(shape, p.stderr[-3000:])
+        self.assertIn("stage 0 (pipeline rank 0) sends the activations of micro-batch 2", shape[0])
+        # The ViT stage's tokens: (samples x 6 cameras) rows; 2 samples now, 3 in the shape pass.
+        self.assertIn("as Float [12, ", shape[0])
+        self.assertIn("found Float [18, ", shape[0])
+        self.assertLess(elapsed, 10 + 40, p.stderr[-3000:])
 
     def test_reshard_matrix_and_export(self):
         # vit_cls: 4 units, so pp 4 has a unit per stage. The uninterrupted single-process run:
