@@ -4,7 +4,7 @@
 #include "checkpoint/tensor_io.h"
 #include "core/error.h"
 #include "core/strings.h"
-#include "parallel/engine.h"
+#include "core/boxes.h"
 
 #include <c10/util/accumulate.h>
 #include <fmt/ranges.h>
@@ -187,25 +187,25 @@ std::string tiling_problem(const TensorInfo& t) {
     // Boxes (flat ranges as theirs), sorted by offsets: a box can only meet the boxes after it
     // that start (in dimension 0) before it ends there.
     struct Part {
-      parallel::Box box;
+      core::Box box;
       size_t shard;
     };
     std::vector<Part> parts;
     for (const size_t i : pieces) {
       const ShardInfo& s = t.shards[i];
       if (!s.flat) {
-        parts.push_back(Part{parallel::Box{s.offsets, s.lengths}, i});
+        parts.push_back(Part{core::Box{s.offsets, s.lengths}, i});
         continue;
       }
-      for (parallel::Box& b : parallel::flat_range_boxes(t.shape, s.flat->begin, s.flat->end))
+      for (core::Box& b : core::flat_range_boxes(t.shape, s.flat->begin, s.flat->end))
         parts.push_back(Part{std::move(b), i});
     }
     std::sort(parts.begin(), parts.end(),
               [](const Part& a, const Part& b) { return a.box.offsets < b.box.offsets; });
     for (size_t a = 0; a < parts.size(); ++a) {
-      const parallel::Box& A = parts[a].box;
+      const core::Box& A = parts[a].box;
       for (size_t b = a + 1; b < parts.size(); ++b) {
-        const parallel::Box& B = parts[b].box;
+        const core::Box& B = parts[b].box;
         if (B.offsets[0] >= A.offsets[0] + A.lengths[0]) break;
         bool meet = true;
         for (size_t d = 1; d < t.shape.size() && meet; ++d) {

@@ -18,7 +18,7 @@
 // order; attributes "dtype", "offsets", "global_shape") or a flat range [begin, end) of the
 // tensor's C-order flattening (a ZeRO rank's piece of a parameter: the dataset is 1-D with
 // end - begin elements; attributes "dtype", "flat" = [begin, end], "global_shape"). A flat range
-// covers up to 2 ndim - 1 boxes (parallel::flat_range_boxes); readers read it through them. A
+// covers up to 2 ndim - 1 boxes (core::flat_range_boxes); readers read it through them. A
 // tensor is stored exactly: floats and integers as HDF5's native types; bfloat16, float16 and
 // float8 as unsigned integers of the same width holding the raw bits; bool as uint8; the exact
 // dtype is the "dtype" attribute and the metadata's "dtype".
@@ -146,7 +146,7 @@ struct Metadata {
 
 // Why the shards of `t` do not tile it exactly, or "" when they do: every element in exactly one
 // shard. Each shard must already lie inside the tensor. Boxes and flat ranges mix (a flat range is
-// checked as its boxes, parallel::flat_range_boxes); when every shard is flat the ranges are
+// checked as its boxes, core::flat_range_boxes); when every shard is flat the ranges are
 // checked as 1-D intervals. O(n log n) in the number of shards plus, for boxes, the pairs whose
 // dimension-0 extents overlap (a sweep along dimension 0); no limit on the number of shards. The
 // text names the two overlapping shards (file and range), or the coverage and the shards.

@@ -8,7 +8,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
-#include "parallel/engine.h"
+#include "core/boxes.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/accumulate.h>
@@ -29,7 +29,7 @@ namespace {
 
 constexpr size_t kMaxOpenFiles = 64;
 
-using parallel::Box;
+using core::Box;
 
 // Intersection of two boxes; false when empty.
 bool intersect(const Box& s, const Box& r, Box& out) {
@@ -70,7 +70,7 @@ int64_t contiguous_offset(const Box& s, const Box& r, int64_t esize) {
 
 // A box of a tensor that one shard's dataset holds contiguously, in C order, from element `at`:
 // a box shard is one part (its dataset has the box's shape, `at` 0); a flat shard is the boxes of
-// its range in order (parallel::flat_range_boxes), each a run of its 1-D dataset.
+// its range in order (core::flat_range_boxes), each a run of its 1-D dataset.
 struct Part {
   Box box;
   int64_t at = 0;
@@ -80,7 +80,7 @@ std::vector<Part> parts_of(const TensorInfo& t, const ShardInfo& s) {
   if (!s.flat) return {Part{Box{s.offsets, s.lengths}, 0}};
   std::vector<Part> out;
   int64_t at = 0;
-  for (Box& b : parallel::flat_range_boxes(t.shape, s.flat->begin, s.flat->end)) {
+  for (Box& b : core::flat_range_boxes(t.shape, s.flat->begin, s.flat->end)) {
     const int64_t n = b.numel();
     out.push_back(Part{std::move(b), at});
     at += n;
@@ -492,7 +492,7 @@ std::vector<LoadTarget> flat_load_targets(const std::string& name, const at::Ten
                  begin, begin + flat.numel(), total, shape);
   std::vector<LoadTarget> out;
   int64_t at = 0;
-  for (const Box& b : parallel::flat_range_boxes(shape, begin, begin + flat.numel())) {
+  for (const Box& b : core::flat_range_boxes(shape, begin, begin + flat.numel())) {
     out.push_back(LoadTarget{name, flat.narrow(0, at, b.numel()).view(b.lengths), b.offsets});
     at += b.numel();
   }

@@ -56,7 +56,7 @@ struct LoadTarget {
 };
 
 // The targets that fill `flat` (1-D) with elements [begin, begin + flat.numel()) of the C-order
-// flattening of tensor `name` of `shape`: one box per part of the range (parallel::
+// flattening of tensor `name` of `shape`: one box per part of the range (core::
 // flat_range_boxes), each `dest` a view of the matching run of `flat`. A ZeRO rank loads its flat
 // piece of a parameter's state with them, whatever layout saved it. Throws CheckpointError when
 // `flat` is not 1-D or the range lies outside the tensor.

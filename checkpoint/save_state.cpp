@@ -2,7 +2,7 @@
 
 #include "checkpoint/h5.h"
 #include "core/error.h"
-#include "parallel/engine.h"
+#include "core/boxes.h"
 
 #include <fmt/ranges.h>
 
@@ -139,12 +139,12 @@ void validate_flat(const TensorEntry& e, const std::string& name, int rank) {
 }  // namespace
 
 // The boxes of the global tensor that entry `e` covers (a flat range: the boxes of its range).
-std::vector<parallel::Box> entry_boxes(const TensorEntry& e) {
-  if (e.flat) return parallel::flat_range_boxes(e.global_shape, e.flat->begin, e.flat->end);
-  return {parallel::Box{e.offsets, e.tensor.sizes().vec()}};
+std::vector<core::Box> entry_boxes(const TensorEntry& e) {
+  if (e.flat) return core::flat_range_boxes(e.global_shape, e.flat->begin, e.flat->end);
+  return {core::Box{e.offsets, e.tensor.sizes().vec()}};
 }
 
-bool boxes_meet(const parallel::Box& a, const parallel::Box& b) {
+bool boxes_meet(const core::Box& a, const core::Box& b) {
   if (a.numel() == 0 || b.numel() == 0) return false;
   for (size_t d = 0; d < a.offsets.size(); ++d) {
     if (a.offsets[d] >= b.offsets[d] + b.lengths[d] || b.offsets[d] >= a.offsets[d] + a.lengths[d])
@@ -266,7 +266,7 @@ std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world
   // This rank's pieces of a tensor in a deterministic order (by where they start), numbered.
   auto start = [](const OwnedEntry& e) -> std::vector<int64_t> {
     if (!e.flat) return e.offsets;
-    const auto boxes = parallel::flat_range_boxes(e.global_shape, e.flat->begin, e.flat->end);
+    const auto boxes = core::flat_range_boxes(e.global_shape, e.flat->begin, e.flat->end);
     return boxes.empty() ? std::vector<int64_t>{} : boxes.front().offsets;
   };
   std::sort(owned.begin(), owned.end(), [&](const OwnedEntry& a, const OwnedEntry& b) {

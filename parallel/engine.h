@@ -30,6 +30,7 @@
 // parallax::Error for misuse (a parameter without a gradient, named).
 #pragma once
 
+#include "core/boxes.h"
 #include "core/unit_hooks.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
@@ -74,16 +75,9 @@ struct StatePiece {
   int64_t flat_begin = -1;
 };
 
-// The boxes that element range [begin, end) of a C-ordered tensor of `shape` covers, in order:
-// at most 2 * ndim - 1 boxes, each contiguous in the flattened tensor (a run of partial rows, full
-// blocks, partial rows). Returned as (offsets, lengths) pairs. A 0-d tensor is one box of no
-// dimensions when the range is [0, 1).
-struct Box {
-  std::vector<int64_t> offsets;
-  std::vector<int64_t> lengths;
-  int64_t numel() const;
-};
-std::vector<Box> flat_range_boxes(const std::vector<int64_t>& shape, int64_t begin, int64_t end);
+// The geometry of pieces (core/boxes.h), named here for the engines.
+using core::Box;
+using core::flat_range_boxes;
 
 // Bytes of the distinct storages of `tensors` (views of one buffer count once, whole).
 int64_t storage_bytes(const std::vector<at::Tensor>& tensors);
