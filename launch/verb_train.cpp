@@ -70,14 +70,7 @@ int verb_train(const std::vector<std::string>& argv) {
   // during start-up is not lost.
   train::PreemptionSignals signals;
   parallel::comm::World world(wopts);
-  try {
-    train::run_training(cfg);
-  } catch (...) {
-    // Peers may be waiting for this rank inside a step: the error line (printed by main once the
-    // World is gone) must not wait for the exit barrier's full deadline.
-    world.leaving_on_error();
-    throw;
-  }
+  train::run_training(cfg);
   return train::preempted() ? kExitPreempted : kExitOk;
 }
 

@@ -9,8 +9,9 @@
 #   bench/pipeline/compare_gpu.sh [GPUS=2] [MICRO=8]          # e.g. bench/pipeline/compare_gpu.sh "2 4" 8
 #   bench/pipeline/compare_gpu.sh --cpu [PROCS=2] [MICRO=4]   # CPU smoke run (gloo/MPI), same as DEVICE=cpu
 #   bench/pipeline/compare_gpu.sh --compute-bound [GPUS] [MICRO]  # WIDTH 8192, ROWS 4096 by default:
-#       a stage's forward is ~0.55 TFLOP per micro-batch (fp32, ~10 ms on an H200) and each message
-#       128 MiB, so the bubble and large-message transfers dominate, not per-message latency
+#       a stage's forward is 2 x 4096 x 8192^2 = 0.55 TFLOP per micro-batch and each message
+#       128 MiB (fp32), sizes where the bubble and large transfers, not per-message latency, should
+#       dominate (not yet run on GPUs)
 # GPUS and MICRO may be lists ("2 4", "8 16"). Environment: BIN (default build-gpu/bin/pp_bubble;
 # build/bin/pp_bubble with --cpu; the default is (re)built first when its build directory exists,
 # so a stale binary without --device cannot run), PYTHON (python3), WIDTH (1024), ROWS (64),

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <exception>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -645,6 +646,7 @@ c10::intrusive_ptr<c10d::Store> make_store(detail::WorldContext& ctx) {
 }  // namespace
 
 World::World(WorldOptions options) : ctx_(std::make_shared<detail::WorldContext>()) {
+  ctx_->uncaught_at_start = std::uncaught_exceptions();
   PARALLAX_CHECK(g_world == nullptr, CommError,
                  "a parallax World already exists in this process (create one, in main)");
 #ifndef C10_USE_GFLAGS
@@ -724,7 +726,13 @@ World::~World() {
   c.release_all();
   c.board.reset();
   bool failed = c.failed.load();
-  const double exit_timeout_s = c.exit_timeout_s >= 0 ? c.exit_timeout_s : c.init_timeout_s;
+  // Destroyed by an exception (this rank leaves with an error): its peers may be waiting for it
+  // inside a step and never reach the exit barrier, so it waits there at most kErrorExitS (ranks
+  // that failed together still meet and finalise MPI) and past that leaves without finalising, so
+  // main prints the error line within that time and the launcher tears the job down.
+  constexpr double kErrorExitS = 5;
+  const bool unwinding = std::uncaught_exceptions() > c.uncaught_at_start;
+  const double exit_timeout_s = unwinding ? std::min(kErrorExitS, c.init_timeout_s) : c.init_timeout_s;
   if (!failed && c.size > 1) {
     // Exit barrier: rank 0 hosts the store; it must outlive every other rank's use of it.
     try {
@@ -774,10 +782,6 @@ World::~World() {
     }
   }
   g_world = nullptr;
-}
-
-void World::leaving_on_error(double deadline_s) {
-  ctx_->exit_timeout_s = std::min(deadline_s, ctx_->init_timeout_s);
 }
 
 World& World::current() {

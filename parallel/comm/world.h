@@ -100,13 +100,6 @@ class World {
   // True once any communicator of this process timed out or failed.
   bool comm_failed() const;
 
-  // This rank is leaving with an error (an exception left the run): its peers may be waiting for
-  // it inside a step and never reach the exit barrier, so ~World waits there at most
-  // `deadline_s` (ranks that failed together still meet and finalise MPI cleanly), and past it
-  // leaves without finalising MPI, so the error line is printed within that time and the launcher
-  // tears the job down.
-  void leaving_on_error(double deadline_s = 5);
-
   // Where communicators write their failure reports (flight recorder JSON): the run directory.
   // $PARALLAX_FLIGHT_DIR, when set, takes precedence; unset, the working directory.
   void set_report_dir(const std::string& dir);

@@ -100,7 +100,7 @@ class WorldContext {
   std::optional<c10::Device> device;
   int cuda_devices = 0;
   double init_timeout_s = 300;
-  double exit_timeout_s = -1;  // the exit barrier's deadline; < 0: init_timeout_s
+  int uncaught_at_start = 0;  // std::uncaught_exceptions() when the World was made
   std::atomic<bool> failed{false};
   std::atomic<bool> shut_down{false};
 

@@ -218,6 +218,18 @@ c10::Device PipelineEngine::comm_device() const {
   return c10::Device(type);
 }
 
+c10::Device PipelineEngine::model_device() const {
+  for (const auto& p : module_->parameters())
+    if (p.numel() > 0) return p.device();
+  return c10::Device(c10::kCPU);
+}
+
+at::Tensor PipelineEngine::to_comm(const at::Tensor& t) const {
+  at::Tensor c = t.detach();
+  if (c.device() != comm_target_) c = c.to(comm_target_);
+  return c.contiguous();
+}
+
 int PipelineEngine::tag(const Op& op, int k) const {
   if (ordered_) return 1;  // one tag: the transport's order is the message order
   const bool act = op.kind == OpKind::kSendAct || op.kind == OpKind::kRecvAct;
@@ -324,20 +336,9 @@ class SideEffectGuard {
 void PipelineEngine::infer_layouts(const StageFns& fns) {
   const int last = schedule_.stages() - 1;
   const int me = pp_->rank();
-  c10::Device model_device(c10::kCPU);
-  for (const auto& p : module_->parameters()) {
-    if (p.numel() > 0) {
-      model_device = p.device();
-      break;
-    }
-  }
+  const c10::Device model_device = this->model_device();
   SideEffectGuard guard(*module_, model_device);
   at::NoGradGuard no_grad;
-  const auto to_comm = [&](const at::Tensor& t) {
-    at::Tensor c = t.detach();
-    if (c.device() != comm_target_) c = c.to(comm_target_);
-    return c.contiguous();
-  };
   const auto context = [&](Error& e, int s, bool sending) {
     e.add_context(fmt::format(
         "the pipeline's shape pass (micro-batch 0 through every stage, before the first step): "
@@ -430,18 +431,7 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
   const std::vector<Op>& ops = schedule_.ops[pp_->rank()];
   std::map<std::pair<int, int>, Slot> slots;  // (micro, stage)
   const bool on_device = pp_->device_type() != c10::kCPU;
-  const auto to_comm = [&](const at::Tensor& t) {
-    at::Tensor c = t.detach();
-    if (c.device() != comm_target_) c = c.to(comm_target_);
-    return c.contiguous();
-  };
-  c10::Device model_device(c10::kCPU);
-  for (const auto& p : module_->parameters()) {
-    if (p.numel() > 0) {
-      model_device = p.device();
-      break;
-    }
-  }
+  const c10::Device model_device = this->model_device();
   compute_ms_ = 0;
   // One plan slot's batch: its messages (header and tensors each) and the work moving them (on an
   // ordered transport one batch for both directions; otherwise the receives apart, so that

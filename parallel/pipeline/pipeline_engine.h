@@ -149,6 +149,10 @@ class PipelineEngine : public Engine {
   // communicator's type (each rank's own GPU, cuda:local_rank), else the current device of that
   // type (World made it local_rank's), never a fixed index.
   c10::Device comm_device() const;
+  // The device of the stage's parameters (the first with storage; the CPU if none).
+  c10::Device model_device() const;
+  // `t` detached, contiguous, on comm_target_.
+  at::Tensor to_comm(const at::Tensor& t) const;
 
   std::shared_ptr<torch::nn::Module> module_;
   std::vector<core::Unit> units_;

@@ -122,7 +122,7 @@ class PipelineTest(tt.RunDirTest):
         error naming the stage, the micro-batch and both shapes, and its peer, waiting for those
         activations, exits within parallel.timeout_s (10 s). The failing rank prints its line at
         once: its exit barrier waits at most 5 s for peers that may be stuck waiting for it
-        (World::leaving_on_error)."""
+        (~World during an exception)."""
         data = os.path.join(self.d, "data")
         tt.run(["datagen", "--out", data, "--scenes", "8", "--val-scenes", "1", "--threads", "2",
                 "--samples-per-pixel", "1"])
