@@ -29,20 +29,11 @@ namespace {
 constexpr std::string_view kChecksumLead = "{\n  \"checksum\": \"crc32:";
 constexpr std::string_view kChecksumTail = "\",";
 
-std::string json_ints(const std::vector<int64_t>& v) {
-  return fmt::format("[{}]", fmt::join(v, ", "));
-}
-
-// Shortest round-trip form, always with a '.' or an exponent so that it reads back as a double.
-std::string json_double(double v) {
-  std::string s = fmt::format("{}", v);
-  if (s.find_first_of(".eE") == std::string::npos) s += ".0";
-  return s;
-}
+using core::json_ints;
 
 std::string json_extra(const ExtraValue& v) {
   if (const auto* i = std::get_if<int64_t>(&v)) return std::to_string(*i);
-  if (const auto* d = std::get_if<double>(&v)) return json_double(*d);
+  if (const auto* d = std::get_if<double>(&v)) return core::json_number(*d);
   return core::json_quote(std::get<std::string>(v));
 }
 

@@ -1,6 +1,7 @@
 #include "core/strings.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cctype>
@@ -116,6 +117,27 @@ std::string json_quote(std::string_view s) {
   }
   out += '"';
   return out;
+}
+
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  std::string s = fmt::format("{}", v);
+  if (s.find_first_of(".eE") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string json_fixed(double v, int decimals) {
+  return std::isfinite(v) ? fmt::format("{:.{}f}", v, decimals) : "null";
+}
+
+std::string json_strings(const std::vector<std::string>& v) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + json_quote(v[i]);
+  return out + "]";
+}
+
+std::string json_ints(const std::vector<int64_t>& v) {
+  return fmt::format("[{}]", fmt::join(v, ", "));
 }
 
 namespace {

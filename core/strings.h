@@ -23,9 +23,20 @@ std::string join(const std::vector<std::string>& parts, std::string_view sep);
 std::string trim(std::string_view s);
 bool starts_with(std::string_view s, std::string_view prefix);
 
+// The JSON writer: the pieces of every JSON document Parallax writes (metrics, checkpoint metadata,
+// export and QAT reports, the planner's --json, flight records), so that each value is written
+// one way. JSON has no NaN or infinity: the number writers give null for them.
+//
 // `s` as a JSON string literal: quoted, with quotes, backslashes and control characters escaped.
-// For the small JSON documents Parallax writes (metrics, metadata, flight records).
 std::string json_quote(std::string_view s);
+// The shortest form that reads back as exactly `v`, always with a '.' or an exponent (so a reader
+// takes it as a double): 1.0, 0.1, 1e+20; null when not finite.
+std::string json_number(double v);
+// `v` with `decimals` digits after the point (a report's rounded value); null when not finite.
+std::string json_fixed(double v, int decimals);
+// ["a", "b"] (each through json_quote) and [1, 2].
+std::string json_strings(const std::vector<std::string>& v);
+std::string json_ints(const std::vector<int64_t>& v);
 
 // `s` made fit for a one-line error message: control characters escaped (\n, \t, \x01) and, when
 // longer than `max_bytes`, the middle cut out and replaced by the total length, e.g.

@@ -18,12 +18,6 @@ namespace fs = std::filesystem;
 namespace parallax::data {
 namespace {
 
-std::string json_string_list(const std::vector<std::string>& v) {
-  std::string out = "[";
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + core::json_quote(v[i]);
-  return out + "]";
-}
-
 // Typed access to dataset.json's fields with messages naming the file and the key.
 class JsonReader {
  public:
@@ -242,13 +236,13 @@ std::string dataset_json(const DatasetInfo& info) {
       "  \"bev\": {{\"x_min\": {}, \"x_max\": {}, \"y_min\": {}, \"y_max\": {}, \"resolution\": "
       "{}}},\n",
       info.bev.x_min, info.bev.x_max, info.bev.y_min, info.bev.y_max, info.bev.resolution);
-  out += fmt::format("  \"bev_classes\": {},\n", json_string_list(info.bev_classes));
-  out += fmt::format("  \"box_classes\": {},\n", json_string_list(info.box_classes));
+  out += fmt::format("  \"bev_classes\": {},\n", core::json_strings(info.bev_classes));
+  out += fmt::format("  \"box_classes\": {},\n", core::json_strings(info.box_classes));
   out += "  \"splits\": {";
   size_t i = 0;
   for (const auto& [name, s] : info.splits) {
     out += fmt::format("{}\n    {}: {{\"shards\": {}, \"scenes\": {}}}", i++ ? "," : "",
-                       core::json_quote(name), json_string_list(s.shards), s.scenes);
+                       core::json_quote(name), core::json_strings(s.shards), s.scenes);
   }
   out += "\n  }\n}\n";
   return out;

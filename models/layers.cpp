@@ -1,6 +1,7 @@
 #include "models/layers.h"
 
 #include "core/error.h"
+#include "core/param_init.h"
 
 #include <ATen/ATen.h>
 
@@ -26,8 +27,8 @@ int64_t count_parameters(const torch::nn::Module& m) {
 }
 
 DenseLinearImpl::DenseLinearImpl(int64_t in_features, int64_t out_features, bool with_bias) {
-  weight = register_parameter("weight", at::randn({out_features, in_features}) * 0.02);
-  if (with_bias) bias = register_parameter("bias", at::zeros({out_features}));
+  weight = register_parameter("weight", core::init_normal({out_features, in_features}, 0.02));
+  if (with_bias) bias = register_parameter("bias", core::init_zeros({out_features}));
 }
 
 void DenseLinearImpl::add_lora(int64_t rank, double alpha, double dropout) {

@@ -11,7 +11,7 @@
 #include "models/checkpointable.h"
 #include "models/onnx/emitter.h"
 #include "models/quant.h"
-#include "parallel/tensor/tensor_parallel.h"
+#include "core/linear_spec.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
@@ -48,6 +48,12 @@ Cost conv_cost(int64_t in, int64_t out, int64_t kernel, bool bias, int64_t out_h
 // Sum of numel() over a module's parameters (recursively).
 int64_t count_parameters(const torch::nn::Module& m);
 
+// The linear layers of attention and MLP blocks are specs built by a factory (core/linear_spec.h):
+// dense_linear below, or tensor parallelism's column- and row-parallel layers.
+using core::LinearFactory;
+using core::LinearRole;
+using core::LinearSpec;
+
 // A residual block of the zoo: one tensor in, one tensor out, so that activation checkpointing
 // (models/checkpointable.h: set_checkpointing(true) makes forward() recompute forward_impl() in
 // backward) and later pipeline stage partitioning can wrap it without knowing its insides.
@@ -58,13 +64,6 @@ class Block : public CheckpointableBlock {
   // throws parallax::Error naming the block: it has no emitter.
   virtual onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& x);
 };
-
-// The linear layers of attention and MLP blocks come from a factory (parallel/tensor: the spec,
-// its role in Megatron's vocabulary, its fused-part layout), so that tensor parallelism swaps in
-// column- and row-parallel layers without forking any model code.
-using parallel::tensor::LinearFactory;
-using parallel::tensor::LinearRole;
-using parallel::tensor::LinearSpec;
 
 // y = x W^T + b through at::linear, which fuses the bias into the GEMM for inputs of any rank
 // (torch::nn::Linear of the C++ frontend runs matmul and a separate broadcast add for 3-D inputs,

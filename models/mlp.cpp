@@ -1,6 +1,7 @@
 #include "models/mlp.h"
 
 #include "core/error.h"
+#include "core/param_init.h"
 
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
@@ -18,7 +19,10 @@ MlpModel::MlpModel(int64_t in_features, int64_t hidden, int64_t out_features, in
   }
   net_->push_back(torch::nn::Linear(width, out_));
   // The target function is part of the model definition (a buffer), so every rank agrees on it.
-  teacher_ = register_buffer("teacher", at::randn({in_, out_}) / std::sqrt(static_cast<double>(in_)));
+  teacher_ = register_buffer(
+      "teacher", core::shape_only()
+                     ? at::empty({in_, out_}, at::TensorOptions().device(at::kMeta))
+                     : at::randn({in_, out_}) / std::sqrt(static_cast<double>(in_)));
 }
 
 core::TensorDict MlpModel::forward(const core::TensorDict& batch) { return forward_chain(batch); }

@@ -24,6 +24,11 @@
 #include <string>
 #include <vector>
 
+namespace parallax::parallel::tensor {
+class TpGroup;  // parallel/tensor/tensor_parallel.h: the ViT's tensor-parallel blocks hold one
+using TpPtr = std::shared_ptr<TpGroup>;
+}  // namespace parallax::parallel::tensor
+
 namespace parallax::models {
 
 // Parameters and forward FLOPs (one sample, multiply-add = 2 FLOPs) of one named component of a

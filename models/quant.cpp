@@ -1,6 +1,7 @@
 #include "models/quant.h"
 
 #include "core/error.h"
+#include "core/param_init.h"
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -14,7 +15,7 @@ namespace parallax::models {
 TensorQuantizerImpl::TensorQuantizerImpl(int64_t channels) : channels_(channels) {
   PARALLAX_CHECK(channels >= 0, Error, "TensorQuantizer: channels {} must be >= 0", channels);
   // [1] rather than a 0-dim tensor per tensor: checkpoints and weights.h5 hold 1-D shapes.
-  amax = register_buffer("amax", at::zeros({channels > 0 ? channels : 1}));
+  amax = register_buffer("amax", core::init_zeros({channels > 0 ? channels : 1}));
 }
 
 void TensorQuantizerImpl::begin_pass(CalibPass pass, double range) {

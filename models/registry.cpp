@@ -1,8 +1,10 @@
 #include "core/error.h"
+#include "core/param_init.h"
 #include "models/mlp.h"
 #include "models/model.h"
 #include "models/perception_model.h"
 #include "models/vit.h"
+#include "parallel/tensor/tensor_parallel.h"
 
 #include <ATen/Context.h>
 #include <ATen/SDPBackend.h>
@@ -111,8 +113,10 @@ void set_attention_backend(const std::string& name) {
   at::globalContext().setSDPPriorityOrder(ids);
 }
 
-std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
-                                   const LinearFactory& linear) {
+namespace {
+
+std::shared_ptr<Model> build_unchecked(const ModelConfig& cfg, const core::SceneSpec& scene,
+                                       const LinearFactory& linear) {
   set_attention_backend(cfg.attention);
   if (cfg.name == "mlp") {
     const MlpShape s = mlp_shape(cfg.size);
@@ -128,6 +132,16 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
   if (cfg.name == "bev")
     return std::make_shared<PerceptionModel>(make_bev_spec(cfg, scene), linear);
   throw_error<ConfigError>("key 'model.name': expected bev|vit_cls|mlp, got '{}'", cfg.name);
+}
+
+}  // namespace
+
+std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
+                                   const LinearFactory& linear) {
+  std::shared_ptr<Model> model = build_unchecked(cfg, scene, linear);
+  // Shape-only construction (core/param_init.h): the LibTorch layers allocated; drop that now.
+  if (core::shape_only()) core::to_meta(*model);
+  return model;
 }
 
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,

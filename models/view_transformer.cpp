@@ -1,6 +1,7 @@
 #include "models/view_transformer.h"
 
 #include "core/error.h"
+#include "core/param_init.h"
 #include "kernels/bev_sample.h"
 #include "models/geometry.h"
 
@@ -15,7 +16,7 @@ ViewTransformerImpl::ViewTransformerImpl(const ViewTransformerOptions& o) : opts
   lift1_ = register_module("lift1", QuantConv2d(torch::nn::Conv2dOptions(z * o.in_channels + z, o.channels, 1)));
   norm_ = register_module("norm", torch::nn::GroupNorm(norm_groups(o.channels), o.channels));
   lift2_ = register_module("lift2", QuantConv2d(torch::nn::Conv2dOptions(o.channels, o.channels, 1)));
-  query_embed_ = register_parameter("query_embed", at::randn({1, o.channels, o.grid.nx, o.grid.ny}) * 0.02);
+  query_embed_ = register_parameter("query_embed", core::init_normal({1, o.channels, o.grid.nx, o.grid.ny}, 0.02));
 }
 
 at::Tensor ViewTransformerImpl::reference_points(const c10::Device& device) const {

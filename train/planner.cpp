@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/param_init.h"
 #include "core/strings.h"
 #include "core/timer.h"
 #include "models/model.h"
@@ -161,6 +162,8 @@ class Inventory {
     Built b;
     try {
       at::NoGradGuard ng;
+      // Shapes, names, units and layouts only: no parameter is materialised (core/param_init.h).
+      core::ShapeOnlyScope shape_only;
       if (tp > 1) {
         auto group = std::make_shared<parallel::tensor::TpGroup>(
             std::make_shared<ShapeOnlyGroup>(tp, 0), key.second);
@@ -207,8 +210,6 @@ class Inventory {
       b.unit_flops.clear();
       for (double x : w) b.unit_flops.push_back(b.flops_per_sample * x / total);
     }
-    // The model's parameters are not needed any more: free them (a 3b model is 12 GB).
-    for (auto& p : b.model->parameters()) p.set_data(at::empty({0}, p.options()));
     return cache_.emplace(key, std::move(b)).first->second;
   }
 
@@ -977,7 +978,10 @@ Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps, int64_t batch) 
   const bool sloped = t2 >= 1.2 * t1;
   const double per_sample = sloped ? (t2 - t1) / static_cast<double>(b1)
                                    : std::max(t1, t2) / static_cast<double>(t2 > 0 ? 2 * b1 : b1);
-  const auto model = models::build_model(cfg.model, run_scene(cfg));
+  const auto model = [&] {
+    core::ShapeOnlyScope shape_only;
+    return models::build_model(cfg.model, run_scene(cfg));
+  }();
   const double flops = 3.0 * model->forward_flops_per_sample();
   hw.efficiency = std::min(1.0, flops / (per_sample / 1e3) / (hw.peak_tflops * 1e12));
   hw.overhead_ms = sloped ? std::max(0.0, t1 - per_sample * static_cast<double>(b1)) : 0.0;
@@ -1038,23 +1042,28 @@ std::string render_table(const std::vector<Row>& rows, const Hardware& hw, int m
 
 namespace {
 std::string mem_json(const RankMemory& m) {
+  using core::json_fixed;
   return fmt::format(
-      "{{\"rank\": {}, \"params\": {}, \"grads\": {}, \"optimizer\": {}, \"activations\": {:.0f}, "
-      "\"autocast_copies\": {:.0f}, \"transient\": {:.0f}, \"comm_buffers\": {:.0f}, \"context\": {:.0f}, "
-      "\"allocated\": {:.0f}, \"total\": {:.0f}}}",
-      m.rank, m.params, m.grads, m.optimizer, m.activations, m.autocast_copies, m.transient,
-      m.comm_buffers, m.context, m.allocated(), m.total());
+      "{{\"rank\": {}, \"params\": {}, \"grads\": {}, \"optimizer\": {}, \"activations\": {}, "
+      "\"autocast_copies\": {}, \"transient\": {}, \"comm_buffers\": {}, \"context\": {}, "
+      "\"allocated\": {}, \"total\": {}}}",
+      m.rank, m.params, m.grads, m.optimizer, json_fixed(m.activations, 0),
+      json_fixed(m.autocast_copies, 0), json_fixed(m.transient, 0), json_fixed(m.comm_buffers, 0),
+      json_fixed(m.context, 0), json_fixed(m.allocated(), 0), json_fixed(m.total(), 0));
 }
 }  // namespace
 
 std::string render_json(const std::vector<Row>& rows, const Hardware& hw) {
+  const auto ms = [](double v) { return core::json_fixed(v, 3); };
   std::ostringstream o;
   o << fmt::format(
       "{{\"hardware\": {{\"name\": {}, \"gpus\": {}, \"nodes\": {}, \"gpu_mem_gib\": {}, "
       "\"peak_tflops\": {}, \"efficiency\": {}, \"intra_node_gbps\": {}, \"inter_node_gbps\": {}, "
       "\"source\": {}}},\n \"layouts\": [\n",
-      core::json_quote(hw.name), hw.gpus, hw.nodes, hw.gpu_mem_gib, hw.peak_tflops, hw.efficiency,
-      hw.intra_node_gbps, hw.inter_node_gbps, core::json_quote(hw.source));
+      core::json_quote(hw.name), hw.gpus, hw.nodes, core::json_number(hw.gpu_mem_gib),
+      core::json_number(hw.peak_tflops), core::json_number(hw.efficiency),
+      core::json_number(hw.intra_node_gbps), core::json_number(hw.inter_node_gbps),
+      core::json_quote(hw.source));
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     const Layout& l = r.layout;
@@ -1062,17 +1071,19 @@ std::string render_json(const std::vector<Row>& rows, const Hardware& hw) {
     for (const auto& m : r.ranks) ranks += (ranks.empty() ? "" : ", ") + mem_json(m);
     o << fmt::format(
         "  {{\"dp\": {}, \"tp\": {}, \"pp\": {}, \"zero\": {}, \"sequence_parallel\": {}, "
-        "\"micro_batch\": {}, \"micro_batches\": {}, \"schedule\": \"{}\", \"virtual_stages\": {}, "
-        "\"checkpointing\": \"{}\", \"fits\": {}, \"configured\": {}, \"reason\": {}, "
-        "\"overrides\": {}, \"peak\": {}, \"ranks\": [{}], \"time\": {{\"compute_ms\": {:.3f}, "
-        "\"bubble_ms\": {:.3f}, \"tp_comm_ms\": {:.3f}, \"pp_comm_ms\": {:.3f}, \"dp_comm_ms\": {:.3f}, "
-        "\"dp_exposed_ms\": {:.3f}, \"optimizer_ms\": {:.3f}, \"step_ms\": {:.3f}, \"samples_per_s\": {:.3f}}}}}{}\n",
+        "\"micro_batch\": {}, \"micro_batches\": {}, \"schedule\": {}, \"virtual_stages\": {}, "
+        "\"checkpointing\": {}, \"fits\": {}, \"configured\": {}, \"reason\": {}, "
+        "\"overrides\": {}, \"peak\": {}, \"ranks\": [{}], \"time\": {{\"compute_ms\": {}, "
+        "\"bubble_ms\": {}, \"tp_comm_ms\": {}, \"pp_comm_ms\": {}, \"dp_comm_ms\": {}, "
+        "\"dp_exposed_ms\": {}, \"optimizer_ms\": {}, \"step_ms\": {}, \"samples_per_s\": {}}}}}{}\n",
         l.dp, l.tp, l.pp, l.zero, l.sequence_parallel ? "true" : "false", l.micro_batch,
-        l.micro_batches, l.schedule, l.virtual_stages, l.checkpointing, r.fits ? "true" : "false",
+        l.micro_batches, core::json_quote(l.schedule), l.virtual_stages,
+        core::json_quote(l.checkpointing), r.fits ? "true" : "false",
         r.configured ? "true" : "false", core::json_quote(r.reason), core::json_quote(l.overrides()),
-        r.ranks.empty() ? "null" : mem_json(r.peak), ranks, r.time.compute_ms, r.time.bubble_ms,
-        r.time.tp_comm_ms, r.time.pp_comm_ms, r.time.dp_comm_ms, r.time.dp_exposed_ms,
-        r.time.optimizer_ms, r.time.step_ms, r.time.samples_per_s, i + 1 < rows.size() ? "," : "");
+        r.ranks.empty() ? "null" : mem_json(r.peak), ranks, ms(r.time.compute_ms),
+        ms(r.time.bubble_ms), ms(r.time.tp_comm_ms), ms(r.time.pp_comm_ms), ms(r.time.dp_comm_ms),
+        ms(r.time.dp_exposed_ms), ms(r.time.optimizer_ms), ms(r.time.step_ms),
+        ms(r.time.samples_per_s), i + 1 < rows.size() ? "," : "");
   }
   o << " ]}\n";
   return o.str();

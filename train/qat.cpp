@@ -275,15 +275,11 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatC
 
 namespace {
 
-std::string json_number(double v) {
-  return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null";
-}
-
 std::string json_metrics(const std::map<std::string, double>& m) {
   std::vector<std::string> items;
   for (const auto& [k, v] : m) {
     if (k == "eval_s") continue;  // timing, not a metric
-    items.push_back(fmt::format("{}: {}", core::json_quote(k), json_number(v)));
+    items.push_back(fmt::format("{}: {}", core::json_quote(k), core::json_number(v)));
   }
   return "{" + core::join(items, ", ") + "}";
 }

@@ -35,39 +35,6 @@ namespace {
 // The levels below the boundaries rounding_ties() looks at (k + 0.5 for k in [-128, 126]).
 constexpr double kQuantTieMin = -128, kQuantTieMax = 126;
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<int>(c));
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
-
-std::string json_strings(const std::vector<std::string>& v) {
-  std::vector<std::string> q;
-  for (const auto& s : v) q.push_back(json_string(s));
-  return fmt::format("[{}]", core::join(q, ", "));
-}
-
 std::string strip_prefix(const std::string& s, const std::string& prefix) {
   return s.rfind(prefix, 0) == 0 ? s.substr(prefix.size()) : s;
 }
@@ -538,13 +505,13 @@ OnnxExportResult export_onnx(models::Model& model, const ParityFrames& frames,
         "max(1, max|torch|)\"}}, "
         "\"reference\": \"LibTorch forward, float32, eval mode, batch 1 per frame\", "
         "\"ties\": {}}}",
-        json_string(name), o.opset, dtype_label(o.dtype),
+        core::json_quote(name), o.opset, dtype_label(o.dtype),
         o.batch > 0 ? std::to_string(o.batch) : "\"dynamic\"", ort_batch, frames.count,
-        json_string(o.frames_source), json_strings(inputs), json_strings(outputs), gate.min_cosine,
+        core::json_quote(o.frames_source), core::json_strings(inputs), core::json_strings(outputs), gate.min_cosine,
         gate.max_abs_rel,
         tie_tensors.empty() ? std::string("null")
                             : fmt::format("{{\"margin\": {}, \"tensors\": {}}}", kQuantTieMargin,
-                                          json_strings(tie_tensors)));
+                                          core::json_strings(tie_tensors)));
     // LibTorch's outputs, frame by frame (batch 1 each), streamed into parity.h5 with the inputs.
     const bool was_training = model.is_training();
     model.eval();

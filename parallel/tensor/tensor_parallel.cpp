@@ -1,6 +1,7 @@
 #include "parallel/tensor/tensor_parallel.h"
 
 #include "core/error.h"
+#include "core/param_init.h"
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -345,10 +346,10 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const LinearSpec& spec, TpPtr
   PARALLAX_CHECK(!(spec.gather_output && spec.parts > 1), Error,
                  "linear layer '{}': gather_output with fused parts is not supported", spec.name);
   // The same draws as the dense layer (models/layers.cpp), then this rank's rows.
-  at::Tensor full = at::randn({spec.out_features, spec.in_features}) * 0.02;
+  at::Tensor full = core::init_normal({spec.out_features, spec.in_features}, 0.02);
   weight = register_parameter("weight", column_slice(full, spec.parts, tp_->rank(), n));
   if (spec.bias) {
-    bias = register_parameter("bias", at::zeros({spec.out_features / n}));
+    bias = register_parameter("bias", core::init_zeros({spec.out_features / n}));
   }
 }
 
@@ -369,10 +370,10 @@ RowParallelLinearImpl::RowParallelLinearImpl(const LinearSpec& spec, TpPtr tp)
     : spec_(spec), tp_(std::move(tp)) {
   const int n = tp_->size();
   check_divides(spec, spec.in_features, n, "inputs");
-  at::Tensor full = at::randn({spec.out_features, spec.in_features}) * 0.02;
+  at::Tensor full = core::init_normal({spec.out_features, spec.in_features}, 0.02);
   weight = register_parameter("weight", row_slice(full, tp_->rank(), n));
   if (spec.bias) {
-    bias = register_parameter("bias", at::zeros({spec.out_features}));
+    bias = register_parameter("bias", core::init_zeros({spec.out_features}));
     if (sequence_parallel()) tp_->mark_sequence_parallel(bias);
   }
 }

@@ -36,6 +36,7 @@
 // (naming both numbers), CommError/TimeoutError from the communicator.
 #pragma once
 
+#include "core/linear_spec.h"
 #include "parallel/comm/communicator.h"
 
 #include <ATen/core/Tensor.h>
@@ -52,32 +53,11 @@
 
 namespace parallax::parallel::tensor {
 
-// Role of a linear layer inside a transformer block, in Megatron's vocabulary: column-parallel
-// layers split along outputs (qkv, fc1), row-parallel layers along inputs (proj, fc2). A dense
-// factory ignores it.
-enum class LinearRole { kColumn, kRow };
-
-struct LinearSpec {
-  int64_t in_features = 0;
-  int64_t out_features = 0;
-  bool bias = true;
-  LinearRole role = LinearRole::kColumn;
-  std::string name;   // the layer's name in its block ("qkv", "fc1"), for messages
-  int64_t parts = 1;  // fused parts along the output (qkv: 3 = q, k, v), each split on its own
-  // Column: all-gather the output so every rank holds all out_features (the consumer is
-  // replicated, e.g. a classification head). Row: the input arrives whole and is split here.
-  bool gather_output = false;
-  bool input_is_parallel = true;
-  // Under sequence parallelism: the layer sits in the sharded region (a column layer's input, a
-  // row layer's output is a row shard of the tokens). false: the layer's input and output are
-  // replicated as without sequence parallelism (a classification head after the region).
-  bool in_sequence_region = true;
-};
-
-// Builds the linear layers of attention and MLP blocks. The returned module maps
-// [..., in_features] to [..., out_features'] where out_features' may be a shard of out_features
-// (column parallel); blocks derive head counts from the actual output width.
-using LinearFactory = std::function<torch::nn::AnyModule(const LinearSpec&)>;
+// The layer spec and the factory interface (core/linear_spec.h); this file implements the factory
+// (parallel_linear_factory).
+using core::LinearFactory;
+using core::LinearRole;
+using core::LinearSpec;
 
 // How a tensor-parallel layer splits one parameter: along `dim` (0: the output features of a
 // column-parallel layer, 1: the input features of a row-parallel weight) into `size` equal pieces

@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <string>
 #include <thread>
 
 using namespace parallax;
@@ -73,6 +75,24 @@ TEST(StringsTest, PathComponentProblemNamesEachUnsafeForm) {
   EXPECT_EQ(core::path_component_problem("a\nb"), "contains a control character");
   EXPECT_NE(core::path_component_problem(std::string(256, 'n')).find("255"), std::string::npos);
   EXPECT_EQ(core::path_component_problem(std::string(255, 'n')), "");
+}
+
+// The JSON writer (core/strings.h): every value one way, and a reader gets back what was written.
+TEST(StringsTest, JsonWriterQuotesEscapesAndWritesNumbersThatReadBack) {
+  EXPECT_EQ(core::json_quote("a\"b\\c\n\x01"), "\"a\\\"b\\\\c\\n\\u0001\"");
+  EXPECT_EQ(core::json_number(1), "1.0");
+  EXPECT_EQ(core::json_number(0.1), "0.1");
+  EXPECT_EQ(core::json_number(-2.5e-300), "-2.5e-300");
+  for (const double v : {0.1, 1.0 / 3.0, 6.02214076e23, -1e-7, 123456789.125}) {
+    EXPECT_EQ(std::stod(core::json_number(v)), v) << core::json_number(v);  // shortest round trip: exact
+  }
+  EXPECT_EQ(core::json_number(std::nan("")), "null");
+  EXPECT_EQ(core::json_number(-INFINITY), "null");
+  EXPECT_EQ(core::json_fixed(2.0 / 3.0, 3), "0.667");
+  EXPECT_EQ(core::json_fixed(INFINITY, 3), "null");
+  EXPECT_EQ(core::json_strings({}), "[]");
+  EXPECT_EQ(core::json_strings({"a", "b\"c"}), "[\"a\", \"b\\\"c\"]");
+  EXPECT_EQ(core::json_ints({3, -1, 0}), "[3, -1, 0]");
 }
 
 TEST(ErrorTest, ContextFramesAppearInWhat) {

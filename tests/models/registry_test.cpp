@@ -1,6 +1,8 @@
 // The registry: every name builds, analytic costs agree with the built models, bad names throw.
 #include "core/error.h"
+#include "core/param_init.h"
 #include "models/model.h"
+#include "models/perception_model.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -83,6 +85,59 @@ TEST(RegistryTest, LinearFactoryReachesEveryTransformerBlock) {
     return dense_linear(s);
   });
   EXPECT_EQ(built, 4 * 12);
+}
+
+// Shape-only construction (core/param_init.h, what `parallax plan` builds): the same parameters and
+// buffers as a full build (names, shapes, dtypes, requires_grad, units, costs), none of them with
+// storage.
+TEST(RegistryTest, AShapeOnlyBuildHasTheFullBuildsTensorsAndHoldsNoStorage) {
+  struct Case {
+    const char* name;
+    const char* size;
+    const char* backbone;
+  };
+  for (const Case c : {Case{"mlp", "tiny", "vit"}, Case{"vit_cls", "tiny", "vit"},
+                       Case{"bev", "tiny", "vit"}, Case{"bev", "tiny", "conv"},
+                       Case{"bev", "small", "vit"}}) {
+    SCOPED_TRACE(std::string(c.name) + "/" + c.size + "/" + c.backbone);
+    ModelConfig cfg;
+    cfg.name = c.name;
+    cfg.size = c.size;
+    cfg.backbone = c.backbone;
+    cfg.num_classes = 10;
+    const core::SceneSpec scene = benchmark_scene(cfg.name == "bev" ? c.size : "tiny");
+    std::shared_ptr<Model> meta;
+    {
+      core::ShapeOnlyScope shape_only;
+      EXPECT_TRUE(core::shape_only());
+      meta = build_model(cfg, scene);
+    }
+    EXPECT_FALSE(core::shape_only());
+    at::manual_seed(52);
+    const auto full = build_model(cfg, scene);
+    EXPECT_TRUE(core::is_shape_only(*meta));
+    EXPECT_FALSE(core::is_shape_only(*full));
+    const auto mp = meta->named_parameters(), fp = full->named_parameters();
+    ASSERT_EQ(mp.size(), fp.size());
+    for (std::size_t i = 0; i < mp.size(); ++i) {
+      EXPECT_EQ(mp[i].key(), fp[i].key());
+      EXPECT_EQ(mp[i].value().sizes(), fp[i].value().sizes()) << fp[i].key();
+      EXPECT_EQ(mp[i].value().scalar_type(), fp[i].value().scalar_type()) << fp[i].key();
+      EXPECT_EQ(mp[i].value().requires_grad(), fp[i].value().requires_grad()) << fp[i].key();
+    }
+    const auto mb = meta->named_buffers(), fb = full->named_buffers();
+    ASSERT_EQ(mb.size(), fb.size());
+    for (std::size_t i = 0; i < mb.size(); ++i) {
+      EXPECT_EQ(mb[i].key(), fb[i].key());
+      EXPECT_EQ(mb[i].value().sizes(), fb[i].value().sizes()) << fb[i].key();
+    }
+    const auto mu = meta->units(), fu = full->units();
+    ASSERT_EQ(mu.size(), fu.size());
+    for (std::size_t i = 0; i < mu.size(); ++i) EXPECT_EQ(mu[i].param_names, fu[i].param_names);
+    EXPECT_EQ(meta->parameter_count(), full->parameter_count());
+    EXPECT_EQ(meta->forward_flops_per_sample(), full->forward_flops_per_sample());
+    EXPECT_EQ(meta->stage_costs(), full->stage_costs());
+  }
 }
 
 }  // namespace
