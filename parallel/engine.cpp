@@ -30,8 +30,31 @@ void Engine::forward_backward(int micro_steps, const std::function<at::Tensor(in
       sync_buffers);
 }
 
-void Engine::forward_backward_stages(int, const StageFns&, bool) {
-  throw_error<Error>("engine '{}': not a pipeline engine (parallel.pp = 1)", describe());
+void add_terms(LossTerms& into, const LossTerms& from) {
+  for (const auto& [k, v] : from) {
+    auto it = into.find(k);
+    if (it == into.end()) {
+      into.emplace(k, v);
+    } else {
+      it->second = it->second + v;
+    }
+  }
+}
+
+LossTerms Engine::step(int micro_batches, const StepFns& fns, bool sync_buffers) {
+  PARALLAX_CHECK(static_cast<bool>(fns.forward_loss), Error,
+                 "engine '{}': step() needs StepFns::forward_loss (the whole model's forward)",
+                 describe());
+  LossTerms terms;
+  forward_backward(
+      micro_batches,
+      [&](int i) {
+        MicroLoss l = fns.forward_loss(i);
+        add_terms(terms, l.terms);
+        return l.backprop;
+      },
+      sync_buffers);
+  return terms;
 }
 
 }  // namespace parallax::parallel

@@ -4,18 +4,18 @@
 //
 // The trainer (train/) builds the model, applies the validated plan (parallel/plan.h) in its
 // fixed order, and hands the model's parameter groups and an optimizer factory to
-// build_engine(). From then on it only talks to the Engine:
+// build_engine(). From then on it only talks to the Engine, the same calls whatever the layout:
 //
-//   engine.forward_backward(K, micro)   K micro-batches; micro(i) runs forward + loss of
-//   micro-batch
-//                                       i and returns the (scaled) loss to backpropagate. The
-//                                       engine owns no-sync accumulation (DDP), gradient reduction
-//                                       (all-reduce or reduce-scatter), and later the pipeline
-//                                       schedule.
+//   engine.step(K, fns)                 one step's forwards and backwards over K micro-batches
+//                                       (StepFns: the model whole and as a chain of units, and the
+//                                       loss); returns the step's loss terms, the same on every
+//                                       rank. The engine owns no-sync accumulation (DDP), gradient
+//                                       reduction (all-reduce or reduce-scatter) and the pipeline
+//                                       schedule with its point-to-point traffic.
 //   engine.grads()                      the gradients the optimizer steps on, each group with the
 //                                       communicators it is sharded over and replicated over, so
 //                                       clipping and the inf check count every element once.
-//   engine.step(lr)                     the optimizer update, then whatever makes the parameters
+//   engine.update(lr)                   the optimizer update, then whatever makes the parameters
 //                                       whole again (ZeRO: all-gather the updated shards).
 //   engine.optimizer_state()            the optimizer state as pieces of per-parameter tensors
 //                                       under their global names and shapes: boxes (DDP: whole
@@ -40,6 +40,7 @@
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -93,18 +94,35 @@ struct EngineMemory {
 using OptimizerFactory =
     std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
 
-// What one pipeline stage computes, given by the trainer to a pipelined engine
-// (parallel/pipeline/pipeline_engine.h); parallel/ sees no model type.
-struct StageFns {
-  // The first stage: what unit 0 takes for micro-batch `micro`.
+// A step's loss terms by name ("loss", "loss_<term>"): detached, each the sum over the step's
+// micro-batches of what the trainer's loss gave for them (the trainer divides by their number).
+using LossTerms = std::map<std::string, at::Tensor>;
+
+// One micro-batch's loss.
+struct MicroLoss {
+  at::Tensor backprop;  // what the backward starts from (scaled for accumulation and the scaler)
+  LossTerms terms;      // detached, to log
+};
+
+// The model of one step, as the trainer hands it to Engine::step(): whole (forward_loss) and as
+// the model's chain of units (begin / run / finish, which a pipelined engine runs stage by stage,
+// parallel/pipeline/pipeline_engine.h). An engine uses the form it needs; the trainer gives both,
+// so it never asks which engine it has. parallel/ sees no model type.
+struct StepFns {
+  // The whole model on micro-batch `micro`: forward and loss.
+  std::function<MicroLoss(int micro)> forward_loss;
+  // What unit 0 takes for micro-batch `micro`.
   std::function<std::vector<at::Tensor>(int micro)> begin;
   // Units [first, last) of micro-batch `micro` on `in` (side inputs from the micro-batch).
   std::function<std::vector<at::Tensor>(int micro, int first, int last,
                                         const std::vector<at::Tensor>& in)>
       run;
-  // The last stage: the (scaled) loss to backpropagate from the last unit's outputs.
-  std::function<at::Tensor(int micro, const std::vector<at::Tensor>& out)> finish;
+  // The loss from the last unit's outputs.
+  std::function<MicroLoss(int micro, const std::vector<at::Tensor>& out)> finish;
 };
+
+// Adds `from` into `into`, term by term.
+void add_terms(LossTerms& into, const LossTerms& from);
 
 // One micro-step in two parts (Engine::forward_backward_split).
 struct MicroStepFns {
@@ -121,10 +139,16 @@ class Engine {
   // Re-broadcasts buffers from the group's rank 0 when the engine keeps them in sync that way
   // (parallel.ddp.broadcast_buffers); forward_backward does it before each forward when asked.
   virtual void broadcast_buffers() {}
-  // One optimizer step's forwards and backwards over `micro_steps` micro-batches. `sync_buffers`:
-  // broadcast buffers before each forward (false under CUDA graph capture: the trainer broadcasts
-  // once before the graph).
-  // The default runs forward_backward_split with backward = micro(i).backward().
+  // One optimizer step's forwards and backwards over `micro_batches` micro-batches: the call the
+  // trainer makes, the same for every engine. Returns the loss terms summed over the micro-batches,
+  // the same on every rank of a model replica (a pipeline sends the last stage's to the others).
+  // `sync_buffers`: broadcast buffers before each forward (false under CUDA graph capture: the
+  // trainer broadcasts once before the graph). The default runs fns.forward_loss through
+  // forward_backward.
+  virtual LossTerms step(int micro_batches, const StepFns& fns, bool sync_buffers);
+  // The whole-model engines' micro-batch loop (DDP, ZeRO): micro(i) runs forward + loss of
+  // micro-batch i and returns the loss to backpropagate. The default runs forward_backward_split
+  // with backward = micro(i).backward(); a pipelined engine refuses it.
   virtual void forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
                                 bool sync_buffers);
   // The same, for a caller that runs each micro-step's backward itself (the pipeline: a stage's
@@ -135,14 +159,10 @@ class Engine {
   // observes (no-sync accumulation, bucket reduction) as it observes loss.backward().
   virtual void forward_backward_split(int micro_steps, const MicroStepFns& fns,
                                       bool sync_buffers) = 0;
-  // A pipelined engine (pp > 1) runs stages instead: forward_backward_stages with the model's
-  // chain (Model::chain_begin / run_chain / chain_end and the loss). The others throw.
-  virtual bool pipelined() const { return false; }
-  virtual void forward_backward_stages(int micro_steps, const StageFns& fns, bool sync_buffers);
   // The gradients the optimizer steps on (after forward_backward), with their layout.
   virtual std::vector<optim::GradGroup> grads() = 0;
   // The optimizer update with learning rate `lr`, then the parameters are made whole again.
-  virtual void step(double lr) = 0;
+  virtual void update(double lr) = 0;
   // Drops the gradients (PyTorch's zero_grad(set_to_none=True)).
   virtual void zero_grad() = 0;
   virtual optim::Optimizer& optimizer() = 0;

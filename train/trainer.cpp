@@ -357,10 +357,7 @@ class TrainerImpl {
   // The parallel engine (parallel/engine.h): owns the optimizer, the micro-batch loop and the
   // layout of parameters, gradients and optimizer state across ranks.
   std::unique_ptr<parallel::Engine> engine_;
-  // Pipeline parallelism: the loss terms' names, as the last stage sends them once.
-  std::vector<std::string> pp_term_keys_;
   void record_engine_memory(int64_t step);
-  void sync_terms_over_pipeline(std::map<std::string, at::Tensor>& terms);
   // Mean over the data-parallel group, installed on the model around each training step (empty
   // with one data-parallel rank); see models::Model::set_replica_mean.
   models::ReplicaMean replica_mean_;
@@ -1018,74 +1015,69 @@ std::map<std::string, at::Tensor> TrainerImpl::compute_step(
     }
     ~ReplicaMeanScope() { model.set_replica_mean({}); }
   } replica_mean_scope(*model_, replica_mean_);
-  std::map<std::string, at::Tensor> terms;
-  const auto add_terms = [&](const models::LossOutput& loss) {
-    terms["loss"] = terms.count("loss") ? terms["loss"] + loss.total.detach() / accum
-                                        : loss.total.detach() / accum;
-    for (const auto& [k, v] : loss.terms) {
-      const std::string key = "loss_" + k;
-      terms[key] = terms.count(key) ? terms[key] + v.detach().to(at::kFloat) / accum
-                                    : v.detach().to(at::kFloat) / accum;
-    }
+  // One micro-batch's loss as the engine takes it: what the backward starts from, and the terms to
+  // log, each divided by the micro-batch count so that the engine's sum over them is the mean.
+  const auto micro_loss = [&](const models::LossOutput& loss) {
+    parallel::MicroLoss m;
+    m.terms["loss"] = loss.total.detach() / accum;
+    for (const auto& [k, v] : loss.terms) m.terms["loss_" + k] = v.detach().to(at::kFloat) / accum;
+    m.backprop = scaler_->scale_loss(loss.total / static_cast<double>(accum));
+    return m;
   };
-  if (engine_->pipelined()) {
-    // Each stage reads its side inputs from the micro-batch: every rank of a pipeline draws the
-    // same batches (the data stream follows the dp coordinate); later stages do not see the images.
-    std::vector<core::TensorDict> batches;
-    for (int i = 0; i < accum; ++i) batches.push_back(batch_of(i));
-    std::vector<core::TensorDict> side(batches);
-    for (auto& b : side) b.erase("images");
-    parallel::StageFns fns;
-    fns.begin = [&](int micro) {
+  // The model whole (forward_loss) and as its chain of units (begin / run / finish, for a
+  // pipeline's stages): the engine runs the form it needs. graph_step broadcasts buffers once
+  // before the graph.
+  parallel::StepFns fns;
+  fns.forward_loss = [&](int micro) {
+    const core::TensorDict batch = batch_of(micro);
+    models::LossOutput loss;
+    {
       optim::AutocastGuard autocast(precision_);
-      return model_->chain_begin(batches[static_cast<std::size_t>(micro)]);
-    };
-    fns.run = [&](int micro, int first, int last, const std::vector<at::Tensor>& in) {
-      optim::AutocastGuard autocast(precision_);
-      return model_->run_chain(first, last,
-                               first == 0 ? batches[static_cast<std::size_t>(micro)]
-                                          : side[static_cast<std::size_t>(micro)],
-                               in);
-    };
-    fns.finish = [&](int micro, const std::vector<at::Tensor>& out) {
-      const core::TensorDict& batch = side[static_cast<std::size_t>(micro)];
-      models::LossOutput loss;
-      {
-        optim::AutocastGuard autocast(precision_);
-        loss = model_->loss(batch, model_->chain_end(batch, out));
-        if (hooks_.task_loss_weight != 1.0) loss.total = loss.total * hooks_.task_loss_weight;
-      }
-      add_terms(loss);
-      return scaler_->scale_loss(loss.total / static_cast<double>(accum));
-    };
-    engine_->forward_backward_stages(accum, fns, /*sync_buffers=*/!graph_);
-    sync_terms_over_pipeline(terms);
-  } else
-  // The engine owns the micro-batch loop (no-sync accumulation, reductions); this returns
-  // micro-step i's loss to backpropagate. graph_step broadcasts buffers once before the graph.
-  engine_->forward_backward(
-      accum,
-      [&](int micro) {
-        const core::TensorDict batch = batch_of(micro);
-        models::LossOutput loss;
-        {
-          optim::AutocastGuard autocast(precision_);
-          const auto pred = model_->forward(batch);
-          loss = model_->loss(batch, pred);
-          if (hooks_.task_loss_weight != 1.0) loss.total = loss.total * hooks_.task_loss_weight;
-          if (hooks_.extra_loss) {
-            // Extra terms (distillation against the frozen model, regularisers): added to the
-            // total, logged as loss_<name>.
-            for (auto& [name, term] : hooks_.extra_loss(batch, pred, frozen_.get())) {
-              loss.total = loss.total + term;
-              loss.terms[name] = term.detach();
-            }
-          }
+      const auto pred = model_->forward(batch);
+      loss = model_->loss(batch, pred);
+      if (hooks_.task_loss_weight != 1.0) loss.total = loss.total * hooks_.task_loss_weight;
+      if (hooks_.extra_loss) {
+        // Extra terms (distillation against the frozen model, regularisers): added to the
+        // total, logged as loss_<name>.
+        for (auto& [name, term] : hooks_.extra_loss(batch, pred, frozen_.get())) {
+          loss.total = loss.total + term;
+          loss.terms[name] = term.detach();
         }
-        add_terms(loss);
-        return scaler_->scale_loss(loss.total / static_cast<double>(accum));
-      },
-      /*sync_buffers=*/!graph_);
+      }
+    }
+    return micro_loss(loss);
+  };
+  // Each stage reads its side inputs from the micro-batch: every rank of a pipeline draws the same
+  // batches (the data stream follows the dp coordinate); later stages do not see the images. The
+  // step's batches are drawn together, in order, at the first use.
+  std::vector<core::TensorDict> whole_batches, side_batches;
+  const auto chain_batch = [&](int micro, bool whole) -> const core::TensorDict& {
+    if (whole_batches.empty()) {
+      for (int i = 0; i < accum; ++i) whole_batches.push_back(batch_of(i));
+      side_batches = whole_batches;
+      for (auto& b : side_batches) b.erase("images");
+    }
+    return (whole ? whole_batches : side_batches).at(static_cast<std::size_t>(micro));
+  };
+  fns.begin = [&](int micro) {
+    optim::AutocastGuard autocast(precision_);
+    return model_->chain_begin(chain_batch(micro, true));
+  };
+  fns.run = [&](int micro, int first, int last, const std::vector<at::Tensor>& in) {
+    optim::AutocastGuard autocast(precision_);
+    return model_->run_chain(first, last, chain_batch(micro, first == 0), in);
+  };
+  fns.finish = [&](int micro, const std::vector<at::Tensor>& out) {
+    const core::TensorDict& batch = chain_batch(micro, false);
+    models::LossOutput loss;
+    {
+      optim::AutocastGuard autocast(precision_);
+      loss = model_->loss(batch, model_->chain_end(batch, out));
+      if (hooks_.task_loss_weight != 1.0) loss.total = loss.total * hooks_.task_loss_weight;
+    }
+    return micro_loss(loss);
+  };
+  std::map<std::string, at::Tensor> terms = engine_->step(accum, fns, /*sync_buffers=*/!graph_);
   comm_ms_ += engine_->last_exposed_comm_ms();
   backward_ms_ += engine_->last_backward_ms();
 
@@ -1101,7 +1093,7 @@ std::map<std::string, at::Tensor> TrainerImpl::compute_step(
   } else {
     grad_norm_ = at::Tensor();
   }
-  if (!found_inf_) engine_->step(lr);
+  if (!found_inf_) engine_->update(lr);
   scaler_->update(found_inf_);
   return terms;
 }
@@ -1124,52 +1116,6 @@ void TrainerImpl::record_engine_memory(int64_t step) {
     row[fmt::format("optimizer_r{}", r)] = static_cast<double>(host[3 * r + 2].item<int64_t>());
   }
   metrics_->write("memory", step, row);
-}
-
-void TrainerImpl::sync_terms_over_pipeline(std::map<std::string, at::Tensor>& terms) {
-  // The loss lives on the last stage: it sends the terms' names once, then their values each step,
-  // so every rank logs and checks the same loss.
-  const comm::CommPtr pp = topo_->pp();
-  const int root = pp->size() - 1;
-  const bool is_root = pp->rank() == root;
-  const c10::Device dev = pp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
-  if (pp_term_keys_.empty()) {
-    std::string joined;
-    if (is_root)
-      for (const auto& [k, v] : terms) joined += k + "\n";
-    at::Tensor len = at::full({1}, static_cast<int64_t>(joined.size()), at::kLong).to(dev);
-    pp->broadcast(len, root);
-    const int64_t n = len.cpu().item<int64_t>();
-    at::Tensor chars = at::zeros({n}, at::kByte);
-    if (is_root) std::memcpy(chars.data_ptr(), joined.data(), joined.size());
-    chars = chars.to(dev);
-    pp->broadcast(chars, root);
-    chars = chars.cpu();
-    const std::string text(static_cast<const char*>(chars.data_ptr()), static_cast<std::size_t>(n));
-    std::size_t at = 0;
-    while (at < text.size()) {
-      const std::size_t nl = text.find('\n', at);
-      pp_term_keys_.push_back(text.substr(at, nl - at));
-      at = nl + 1;
-    }
-  }
-  at::Tensor vals = at::zeros({static_cast<int64_t>(pp_term_keys_.size())}, at::kFloat).to(dev);
-  if (is_root) {
-    std::vector<at::Tensor> v;
-    for (const auto& k : pp_term_keys_) {
-      const auto it = terms.find(k);
-      PARALLAX_CHECK(it != terms.end(), Error, "pipeline: loss term '{}' missing on the last stage",
-                     k);
-      v.push_back(it->second.to(at::kFloat).reshape({1}));
-    }
-    vals = at::cat(v).to(dev);
-  }
-  pp->broadcast(vals, root);
-  if (!is_root) {
-    terms.clear();
-    for (std::size_t i = 0; i < pp_term_keys_.size(); ++i)
-      terms[pp_term_keys_[i]] = vals[static_cast<int64_t>(i)].to(device_);
-  }
 }
 
 void TrainerImpl::save_checkpoint(int64_t step) {

@@ -159,7 +159,7 @@ int run(int argc, char** argv) {
       batches.push_back(model->example_batch(rows));
       if (cuda) batches.back() = core::to_device(batches.back(), device, /*non_blocking=*/false);
     }
-    par::StageFns fns;
+    parallax::parallel::pipeline::StageFns fns;
     fns.begin = [&](int i) { return model->chain_begin(batches[i]); };
     fns.run = [&](int i, int first, int last, const std::vector<at::Tensor>& in) {
       return model->run_chain(first, last, batches[i], in);
@@ -180,7 +180,7 @@ int run(int argc, char** argv) {
       comm->barrier();
       sync_device(device);
       const double wall = clock.elapsed_ms();
-      engine.step(0.0);
+      engine.update(0.0);
       engine.zero_grad();
       at::Tensor b = scalar((wall - engine.last_compute_ms()) / engine.last_compute_ms());
       comm->all_reduce(b, par::comm::ReduceOp::kAvg);

@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
           return model->loss(batch, pred).total;
         },
         true);
-    engine->step(1e-4);
+    engine->update(1e-4);
     const parallel::EngineMemory m = engine->memory();
     model->set_unit_hooks(nullptr);
     const int n = comm->size();

@@ -17,6 +17,10 @@
 // NCCL has no tags: point-to-point messages between two ranks match in issue order. Several
 // sends/receives that must proceed together (exchanges) go through batch_isend_irecv, which puts
 // them in one ncclGroupStart/End.
+//
+// Sources, by concern (nccl_internal.h holds the class they share): nccl_bootstrap.cpp (world and
+// split communicators), nccl_collectives.cpp, nccl_p2p.cpp, nccl_ring.cpp, nccl_watchdog.cpp
+// (watchdog, timeouts, abort, shutdown).
 #pragma once
 
 #include "parallel/comm/communicator.h"

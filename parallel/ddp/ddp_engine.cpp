@@ -60,7 +60,7 @@ std::vector<optim::GradGroup> DdpEngine::grads() {
   return {std::move(whole), std::move(sharded)};
 }
 
-void DdpEngine::step(double lr) {
+void DdpEngine::update(double lr) {
   optimizer_->step(lr);
 }
 

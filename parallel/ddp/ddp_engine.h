@@ -22,7 +22,7 @@ class DdpEngine : public Engine {
   void forward_backward_split(int micro_steps, const MicroStepFns& fns,
                               bool sync_buffers) override;
   std::vector<optim::GradGroup> grads() override;
-  void step(double lr) override;
+  void update(double lr) override;
   void zero_grad() override;
   optim::Optimizer& optimizer() override { return *optimizer_; }
   std::vector<int> model_replicas() const override { return dp_->world_ranks(); }

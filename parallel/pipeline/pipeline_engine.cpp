@@ -12,6 +12,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <set>
@@ -201,13 +202,76 @@ std::string PipelineEngine::describe() const {
 void PipelineEngine::forward_backward(int, const std::function<at::Tensor(int)>&, bool) {
   throw_error<Error>(
       "pipeline engine: forward_backward() of the whole model is not available under "
-      "parallel.pp > 1; the trainer runs forward_backward_stages()");
+      "parallel.pp > 1; run step() with the model's chain of units");
 }
 
 void PipelineEngine::forward_backward_split(int, const MicroStepFns&, bool) {
   throw_error<Error>(
       "pipeline engine: forward_backward_split() of the whole model is not available under "
-      "parallel.pp > 1; the trainer runs forward_backward_stages()");
+      "parallel.pp > 1; run step() with the model's chain of units");
+}
+
+LossTerms PipelineEngine::step(int micro_batches, const StepFns& fns, bool sync_buffers) {
+  PARALLAX_CHECK(fns.begin && fns.run && fns.finish, Error,
+                 "pipeline engine: step() needs the model's chain of units (StepFns::begin, run "
+                 "and finish)");
+  LossTerms terms;
+  StageFns stages;
+  stages.begin = fns.begin;
+  stages.run = fns.run;
+  stages.finish = [&](int micro, const std::vector<at::Tensor>& out) {
+    MicroLoss l = fns.finish(micro, out);
+    add_terms(terms, l.terms);
+    return l.backprop;
+  };
+  forward_backward_stages(micro_batches, stages, sync_buffers);
+  sync_terms(terms);
+  return terms;
+}
+
+void PipelineEngine::sync_terms(LossTerms& terms) {
+  const int root = pp_->size() - 1;
+  const bool is_root = pp_->rank() == root;
+  const c10::Device dev = comm_device();
+  if (term_keys_.empty()) {
+    std::string joined;
+    if (is_root) {
+      for (const auto& [k, v] : terms) joined += k + "\n";
+    }
+    at::Tensor len = at::full({1}, static_cast<int64_t>(joined.size()), at::kLong).to(dev);
+    pp_->broadcast(len, root);
+    const int64_t n = len.cpu().item<int64_t>();
+    at::Tensor chars = at::zeros({n}, at::kByte);
+    if (is_root) std::memcpy(chars.data_ptr(), joined.data(), joined.size());
+    chars = chars.to(dev);
+    pp_->broadcast(chars, root);
+    chars = chars.cpu();
+    const std::string text(static_cast<const char*>(chars.data_ptr()), static_cast<std::size_t>(n));
+    std::size_t at = 0;
+    while (at < text.size()) {
+      const std::size_t nl = text.find('\n', at);
+      term_keys_.push_back(text.substr(at, nl - at));
+      at = nl + 1;
+    }
+  }
+  at::Tensor vals = at::zeros({static_cast<int64_t>(term_keys_.size())}, at::kFloat).to(dev);
+  if (is_root) {
+    std::vector<at::Tensor> v;
+    for (const auto& k : term_keys_) {
+      const auto it = terms.find(k);
+      PARALLAX_CHECK(it != terms.end(), Error,
+                     "pipeline: loss term '{}' missing on the last stage in this step", k);
+      v.push_back(it->second.to(at::kFloat).reshape({1}).to(dev));
+    }
+    if (!v.empty()) vals = at::cat(v);
+  }
+  pp_->broadcast(vals, root);
+  if (!is_root) {
+    terms.clear();
+    const c10::Device to = model_device();
+    for (std::size_t i = 0; i < term_keys_.size(); ++i)
+      terms[term_keys_[i]] = vals[static_cast<int64_t>(i)].to(to);
+  }
 }
 
 c10::Device PipelineEngine::comm_device() const {

@@ -68,7 +68,17 @@ std::vector<int> partition(const std::vector<double>& costs, int stages,
                            const std::vector<double>& activation_bytes = {},
                            const std::vector<int>& in_flight = {});
 
-using parallel::StageFns;
+// What one pipeline stage computes (the chain part of StepFns, with the loss to backpropagate).
+struct StageFns {
+  // The first stage: what unit 0 takes for micro-batch `micro`.
+  std::function<std::vector<at::Tensor>(int micro)> begin;
+  // Units [first, last) of micro-batch `micro` on `in` (side inputs from the micro-batch).
+  std::function<std::vector<at::Tensor>(int micro, int first, int last,
+                                        const std::vector<at::Tensor>& in)>
+      run;
+  // The last stage: the (scaled) loss to backpropagate from the last unit's outputs.
+  std::function<at::Tensor(int micro, const std::vector<at::Tensor>& out)> finish;
+};
 
 struct PipelineOptions {
   std::string schedule = "1f1b";
@@ -97,15 +107,20 @@ class PipelineEngine : public Engine {
 
   std::string describe() const override;
   void broadcast_buffers() override { inner_->broadcast_buffers(); }
-  // Not available: a pipeline runs stages (forward_backward_stages).
+  // The schedule over the chain part of `fns` (begin / run / finish); then the loss terms, which
+  // only the last stage computes, go from it to every stage (broadcast over the pipeline group:
+  // the names once, the values each step), so every rank logs and checks the same loss.
+  LossTerms step(int micro_batches, const StepFns& fns, bool sync_buffers) override;
+  // The schedule alone, on stage functions whose finish() gives the loss to backpropagate (step()
+  // runs this; tests and benchmarks call it directly).
+  void forward_backward_stages(int micro_steps, const StageFns& fns, bool sync_buffers);
+  // Not available: a pipeline runs stages (step()).
   void forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
                         bool sync_buffers) override;
   void forward_backward_split(int micro_steps, const MicroStepFns& fns,
                               bool sync_buffers) override;
-  bool pipelined() const override { return true; }
-  void forward_backward_stages(int micro_steps, const StageFns& fns, bool sync_buffers) override;
   std::vector<optim::GradGroup> grads() override;
-  void step(double lr) override { inner_->step(lr); }
+  void update(double lr) override { inner_->update(lr); }
   void zero_grad() override { inner_->zero_grad(); }
   optim::Optimizer& optimizer() override { return inner_->optimizer(); }
   std::vector<int> model_replicas() const override { return inner_->model_replicas(); }
@@ -172,6 +187,9 @@ class PipelineEngine : public Engine {
   std::map<std::string, std::vector<at::Tensor>> pool_;
   bool layouts_known_ = false;
   c10::Device comm_target_{c10::kCPU};  // comm_device() of the current step
+  // step(): the loss terms' names, sent once by the last stage.
+  void sync_terms(LossTerms& terms);
+  std::vector<std::string> term_keys_;
 };
 
 }  // namespace parallax::parallel::pipeline

@@ -266,7 +266,7 @@ std::vector<optim::GradGroup> ZeroEngine::grads() {
   return {std::move(whole), std::move(sharded)};
 }
 
-void ZeroEngine::step(double lr) {
+void ZeroEngine::update(double lr) {
   optimizer_->step(lr);
   if (shards_) return;  // stage 3: the shards were updated in place; the next forward gathers them
   // Every rank's updated shard into every rank's flat parameter buffers (in place).

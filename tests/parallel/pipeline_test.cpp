@@ -130,36 +130,36 @@ void compare(const comm::CommPtr& world, const comm::CommPtr& self, const Case& 
 
   std::vector<core::TensorDict> side(mine);
   for (auto& b : side) b.erase("images");
-  par::StageFns fns;
-  at::Tensor pipe_loss;
+  // The trainer's one call (Engine::step): the pipeline runs the chain, the reference the whole
+  // model, and each returns the step's loss terms.
+  par::StepFns fns;
+  int finished = 0;  // micro-batches whose loss this rank computed
   fns.begin = [&](int i) { return split->chain_begin(mine[i]); };
   fns.run = [&](int i, int first, int last, const std::vector<at::Tensor>& in) {
     return split->run_chain(first, last, first == 0 ? mine[i] : side[i], in);
   };
   fns.finish = [&](int i, const std::vector<at::Tensor>& out) {
     at::Tensor l = split->loss(side[i], split->chain_end(side[i], out)).total / c.micro;
-    pipe_loss = pipe_loss.defined() ? pipe_loss + l.detach() : l.detach();
-    return l;
+    ++finished;
+    return par::MicroLoss{l, {{"loss", l.detach()}}};
+  };
+  par::StepFns ref_fns;
+  ref_fns.forward_loss = [&](int i) {
+    at::Tensor l = dense->loss(whole[i], dense->forward(whole[i])).total / c.micro;
+    return par::MicroLoss{l, {{"loss", l.detach()}}};
   };
   const double lr = 0.05;
   const bool last_stage = topo.coord().pp == topo.layout().pp - 1;
   std::map<std::string, double> moved;  // the parameters' bound after the steps so far (above)
   for (int step = 0; step < c.steps; ++step) {
-    pipe_loss = at::Tensor();
-    engine.forward_backward_stages(c.micro, fns, false);
-    at::Tensor ref_loss;
-    reference->forward_backward(
-        c.micro,
-        [&](int i) {
-          at::Tensor l = dense->loss(whole[i], dense->forward(whole[i])).total / c.micro;
-          ref_loss = ref_loss.defined() ? ref_loss + l.detach() : l.detach();
-          return l;
-        },
-        false);
-    // The loss exists on the last stage only.
-    EXPECT_EQ(pipe_loss.defined(), last_stage);
-    if (last_stage) {
-      at::Tensor l = pipe_loss.reshape({1}).clone();
+    finished = 0;
+    const par::LossTerms terms = engine.step(c.micro, fns, false);
+    const at::Tensor ref_loss = reference->step(c.micro, ref_fns, false).at("loss");
+    // Only the last stage computes the loss; the engine sends its terms to every stage.
+    EXPECT_EQ(finished, last_stage ? c.micro : 0);
+    ASSERT_EQ(terms.size(), 1u);
+    {
+      at::Tensor l = terms.at("loss").reshape({1}).clone();
       if (dp > 1) topo.dp()->all_reduce(l, comm::ReduceOp::kAvg);
       if (dp == 1 && c.tp == 1) {
         EXPECT_TRUE(at::equal(l, ref_loss.reshape({1}))) << "step " << step << ": " << l.item<double>()
@@ -180,8 +180,8 @@ void compare(const comm::CommPtr& world, const comm::CommPtr& self, const Case& 
       if (it.value().grad().defined())
         moved[it.key()] += 10 * lr * kGrad * (it.value().grad().abs().max().item<double>() + 1e-6);
     }
-    engine.step(lr);
-    reference->step(lr);
+    engine.update(lr);
+    reference->update(lr);
     engine.zero_grad();
     reference->zero_grad();
   }
@@ -352,7 +352,7 @@ void compare_messages(const comm::CommPtr& world, const comm::CommPtr& self, con
                               return par::build_engine(par::Plan{}, split, groups_of(*split), sgd(), self, o);
                             });
   auto reference = par::build_engine(par::Plan{}, dense, groups_of(*dense), sgd(), self, o);
-  par::StageFns fns;
+  pl::StageFns fns;
   fns.begin = [&](int i) { return std::vector<at::Tensor>{inputs[i]}; };
   fns.run = [&](int, int first, int last, const std::vector<at::Tensor>& in) {
     return std::vector<at::Tensor>{split->run(first, last, in.at(0))};
@@ -362,8 +362,8 @@ void compare_messages(const comm::CommPtr& world, const comm::CommPtr& self, con
   reference->forward_backward(
       micro, [&](int i) { return dense->run(0, units, inputs[i]).square().mean() / micro; }, false);
   const double lr = 0.5;
-  engine.step(lr);
-  reference->step(lr);
+  engine.update(lr);
+  reference->update(lr);
   par::FullParams full(engine);
   for (int k = 0; k < units; ++k)
     EXPECT_TRUE(at::equal(split->scales[k], dense->scales[k]))

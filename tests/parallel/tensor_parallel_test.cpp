@@ -196,8 +196,8 @@ void compare_with_single_process(const comm::CommPtr& world, const comm::CommPtr
       if (it.value().grad().defined())
         moved[it.key()] += 10 * lr * kGrad * (it.value().grad().abs().max().item<double>() + 1e-6);
     }
-    split_engine->step(lr);
-    dense_engine->step(lr);
+    split_engine->update(lr);
+    dense_engine->update(lr);
     split_engine->zero_grad();
     dense_engine->zero_grad();
   }

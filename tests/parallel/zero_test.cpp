@@ -294,8 +294,8 @@ TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
       if (step == 0) {
         // One step from a fresh state, elementwise: ZeRO's pieces against DDP's whole tensors.
         const at::Tensor before = flat_params(*net0).to(at::kDouble).cpu();
-        ddp->step(lr);
-        zero->step(lr);
+        ddp->update(lr);
+        zero->update(lr);
         par::FullParams whole(*zero);
         const at::Tensor a = flat_params(*net0).to(at::kDouble).cpu(),
                          b = flat_params(*netz).to(at::kDouble).cpu();
@@ -312,7 +312,7 @@ TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
         EXPECT_GT(ok.sum().item<int64_t>(), g.numel() / 2);
         EXPECT_FALSE(at::equal(before, b)) << "the step did not move the parameters";
       } else {
-        zero->step(lr);
+        zero->update(lr);
       }
       ddp->zero_grad();
       zero->zero_grad();
@@ -333,7 +333,7 @@ TEST_P(ZeroTest, OptimizerStatePiecesTileEveryParameterOnce) {
   auto zero = engine_for(plan(GetParam()), net, world_, bucket_options());
   zero->forward_backward(
       1, [&](int) { return net->forward(global_batch(0, 4).first).pow(2).mean(); }, true);
-  zero->step(1e-3);
+  zero->update(1e-3);
   int scalars = 0;
   std::set<std::string> seen;
   for (const auto& piece : zero->optimizer_state()) {
@@ -374,7 +374,7 @@ TEST_P(ZeroTest, MemoryPerRankFollowsTheFormula) {
   for (auto [net, eng] : {std::pair{net0.get(), ddp.get()}, std::pair{netz.get(), zero.get()}}) {
     eng->forward_backward(
         1, [&](int) { return net->forward(global_batch(0, 4).first).pow(2).mean(); }, true);
-    eng->step(1e-3);
+    eng->update(1e-3);
   }
   const int64_t psi = flat_params(*net0).numel();
   const par::EngineMemory d = ddp->memory(), z = zero->memory();
@@ -441,8 +441,8 @@ TEST_P(ZeroTest, FrozenAndUnusedParametersBehaveAsUnderDdp) {
     if (fc3_has_grad) {
       EXPECT_TRUE(used_somewhere);
     }
-    ddp->step(1e-2);
-    zero->step(1e-2);
+    ddp->update(1e-2);
+    zero->update(1e-2);
     par::FullParams whole(*zero);
     EXPECT_TRUE(at::equal(netz->fc1->weight, fc1_before)) << "frozen parameter moved";
     EXPECT_EQ(at::equal(netz->fc3->weight, fc3_before), !used_somewhere)
@@ -468,7 +468,7 @@ TEST_P(ZeroTest, InfOnOneRankSkipsTheStepOnEveryRank) {
       true);
   const bool found = scaler.unscale_and_check(zero->grads());
   EXPECT_TRUE(found) << "rank " << rank_ << " would step";
-  if (!found) zero->step(1e-2);
+  if (!found) zero->update(1e-2);
   scaler.update(found);
   par::FullParams whole(*zero);
   EXPECT_TRUE(at::equal(flat_params(*net), before));
@@ -487,7 +487,7 @@ TEST_F(Zero3Test, ParametersAreShardsOutsideTheirUnits) {
     zero->forward_backward(
         2, [&](int i) { return net->forward(global_batch(step * 2 + i, 4).first).pow(2).mean(); },
         true);
-    zero->step(1e-3);
+    zero->update(1e-3);
     zero->zero_grad();
   }
   for (const auto& p : net->parameters()) {
@@ -518,7 +518,7 @@ TEST_F(Zero3Test, PrefetchOffGivesBitwiseTheSameWeights) {
                 .mean();
           },
           true);
-      zero->step(1e-2);
+      zero->update(1e-2);
       zero->zero_grad();
     }
     par::FullParams whole(*zero);
@@ -548,7 +548,7 @@ TEST_F(Zero3Test, TheGatherPathGivesBitwiseTheWeightsOfTheOneRankShortcut) {
                 .mean();
           },
           true);
-      zero->step(1e-2);
+      zero->update(1e-2);
       zero->zero_grad();
     }
     if (always || n_ > 1) {
