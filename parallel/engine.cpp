@@ -1,6 +1,7 @@
 #include "parallel/engine.h"
 
 #include "core/error.h"
+#include "parallel/state.h"
 
 #include <functional>
 #include <set>
@@ -39,6 +40,21 @@ void add_terms(LossTerms& into, const LossTerms& from) {
       it->second = it->second + v;
     }
   }
+}
+
+std::vector<StatePiece> Engine::checkpoint_model(const torch::nn::Module& module) {
+  std::vector<StatePiece> pieces = model_state();
+  if (pieces.empty()) pieces = module_pieces(module, model_replicas());
+  return global_pieces(std::move(pieces), tensor_parallel());
+}
+
+std::vector<StatePiece> Engine::checkpoint_optimizer() {
+  return global_pieces(optimizer_state(), tensor_parallel());
+}
+
+const TensorParallelInfo& Engine::tensor_parallel() const {
+  static const TensorParallelInfo kNone;
+  return kNone;
 }
 
 LossTerms Engine::step(int micro_batches, const StepFns& fns, bool sync_buffers) {

@@ -36,6 +36,8 @@
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/comm/topology.h"
+#include "parallel/tensor/tensor_parallel.h"
 
 #include <torch/nn/module.h>
 
@@ -56,6 +58,10 @@ namespace parallax::parallel {
 struct TensorParallelInfo {
   comm::CommPtr tp;               // null or one rank: no tensor parallelism
   std::set<std::string> sharded;  // full parameter names
+  // How each of those is split (tensor::param_layouts of the module), and the run's layout: what
+  // maps the engine's pieces to the single-process tensors a checkpoint holds (parallel/state.h).
+  std::map<std::string, tensor::ParamLayout> layouts;
+  comm::Layout layout;
   bool active() const { return tp != nullptr && tp->size() > 1; }
   bool is_sharded(const std::string& name) const { return sharded.count(name) != 0; }
 };
@@ -189,6 +195,17 @@ class Engine {
   // release_full_params() (evaluation, export, reading weights in tests). No-op where they are.
   virtual void gather_full_params() {}
   virtual void release_full_params() {}
+
+  // What a checkpoint holds, in the single-process names and shapes so that any layout loads any
+  // other (parallel/state.h): of `module` (this engine's model), the engine's pieces where it
+  // shards the model (model_state()) or else the module's tensors whole, replicated over
+  // model_replicas(); of the optimizer, optimizer_state(); under tensor parallelism each piece of a
+  // split tensor as the boxes of the whole tensor it holds. Views of live state: save them, or
+  // load into them (then optimizer_state_loaded()). The trainer sees no layout.
+  std::vector<StatePiece> checkpoint_model(const torch::nn::Module& module);
+  std::vector<StatePiece> checkpoint_optimizer();
+  // The tensor parallelism the engine was built with (none unless given).
+  virtual const TensorParallelInfo& tensor_parallel() const;
 
   // What this rank holds (call after a step: gradients exist only after a backward).
   virtual EngineMemory memory() = 0;

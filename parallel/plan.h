@@ -1,7 +1,7 @@
 // The validated parallel plan of a run: what the `parallel` section (and the settings that
 // interact with it) ask for, checked once against the world, with errors that name the keys and
 // numbers. The trainer applies it in one place and in one fixed order (train/trainer.cpp,
-// Trainer::build_engine), as torchtitan does:
+// TrainerImpl::setup; step 4 through parallel::build_engine), as torchtitan's parallelize does:
 //
 //   1. tensor-parallel layers (built by the model factory): they change the shapes of the
 //      parameters every later step sees, so they come first;

@@ -21,8 +21,9 @@
 // calibrate() throws train::PreemptedError, and the trainer exits kExitPreempted with nothing
 // saved (nothing was trained; the run starts again from train.load_from).
 //
-// Limits: tensor parallelism (parallel.tp > 1) is refused; LoRA and distillation do not combine
-// with QAT in this version; the attention matmuls are not quantized. `parallax export` writes the
+// Limits: tensor and pipeline parallelism (parallel.tp > 1, parallel.pp > 1) are refused; LoRA
+// and distillation do not combine with QAT in this version; the attention matmuls are not
+// quantized. `parallax export` writes the
 // Q/DQ ONNX graph (export_hooks()).
 #pragma once
 

@@ -124,6 +124,7 @@ class PipelineEngine : public Engine {
   void zero_grad() override { inner_->zero_grad(); }
   optim::Optimizer& optimizer() override { return inner_->optimizer(); }
   std::vector<int> model_replicas() const override { return inner_->model_replicas(); }
+  const TensorParallelInfo& tensor_parallel() const override { return inner_->tensor_parallel(); }
   // The inner engine's, with the step counter replicated over every stage.
   std::vector<StatePiece> optimizer_state() override;
   void optimizer_state_loaded() override { inner_->optimizer_state_loaded(); }

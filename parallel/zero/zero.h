@@ -68,6 +68,7 @@ class ZeroEngine : public Engine {
   void zero_grad() override;
   optim::Optimizer& optimizer() override { return *optimizer_; }
   std::vector<int> model_replicas() const override { return dp_->world_ranks(); }
+  const TensorParallelInfo& tensor_parallel() const override { return tp_; }
   std::vector<StatePiece> optimizer_state() override;
   void optimizer_state_loaded() override;
   core::UnitHooks* unit_hooks() override { return shards_.get(); }

@@ -1,0 +1,429 @@
+// The trainer's setup: device, world, run directory, resume, data, model, plan and engine (train/trainer_impl.h has the class).
+#include "train/trainer_impl.h"
+
+namespace parallax::train::detail {
+
+namespace {
+
+c10::Device pick_device(const TrainConfig& cfg, const comm::World& world) {
+  const auto gpu = world.device();
+  if (cfg.device == "cpu") return c10::Device(c10::kCPU);
+  if (cfg.device == "cuda") {
+    PARALLAX_CHECK(
+        gpu.has_value(), ConfigError,
+        "key 'train.device' is 'cuda' but rank {} sees no CUDA device (LibTorch CUDA: {})",
+        world.rank(), at::hasCUDA() ? "yes" : "no");
+    return *gpu;
+  }
+  return gpu.has_value() ? *gpu : c10::Device(c10::kCPU);
+}
+
+}  // namespace
+
+void TrainerImpl::setup() {
+  device_ = pick_device(cfg_.train, world_);
+  // Ranks sharing a node share its cores: without this, every rank would start one intra-op
+  // thread per core and they would all fight over them.
+  const int local_ranks = std::max(1, world_.launch().local_world_size);
+  const int threads =
+      cfg_.train.threads > 0
+          ? cfg_.train.threads
+          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_ranks);
+  at::set_num_threads(threads);
+  const auto& p = cfg_.parallel;
+  comm::CommOptions opts = comm::make_comm_options(
+      p.timeout_s, p.init_timeout_s, p.checkpoint_timeout_s, p.debug_collectives,
+      p.flight_recorder_size, p.allreduce, static_cast<int64_t>(p.ring_chunk_mb * (1 << 20)));
+  opts.nccl_blocking = p.nccl_blocking;
+  std::string backend = p.backend;
+  if (backend == "auto" && device_.is_cpu()) backend = world_.has_mpi() ? "mpi" : "gloo";
+  world_comm_ = comm::make_world_communicator(world_, backend, opts);
+  PARALLAX_CHECK(
+      device_.is_cpu() == (world_comm_->device_type() == c10::kCPU), ConfigError,
+      "key 'parallel.backend': backend '{}' works on {} tensors but the model runs on {}",
+      world_comm_->backend(), c10::DeviceTypeName(world_comm_->device_type()), device_.str());
+  const int gpus =
+      p.gpus_per_node > 0 ? p.gpus_per_node : (device_.is_cuda() ? world_.cuda_device_count() : 0);
+  plan_ = parallel::Plan::from(p, cfg_.train.activation_checkpointing, cfg_.train.cuda_graph,
+                               world_.size(), gpus);
+  const comm::Layout layout = plan_.layout;
+  // First collective on world_comm_: rank 0 checks, creates and locks the run directory for the
+  // whole run, and every rank learns the outcome (a second job on it fails here on every rank).
+  run_directory_.emplace(RunDirectory::open(cfg_.experiment, *world_comm_, device_));
+  run_dir_ = run_directory_->path();
+  topo_ = std::make_unique<comm::Topology>(world_comm_, layout);
+  rank0_ = world_.rank() == 0;
+  world_.set_report_dir(run_dir_.string());  // hang reports (flight recorder JSON) go with the run
+  // Resume: the checkpoint's metadata says where training and the data stream continue. Every
+  // rank chooses (train.resume=auto: `latest`, or the newest step that verifies when `latest` is
+  // lost or names a broken step) and opens it; the ranks agree on the outcome and on the step
+  // before any further collective.
+  const fs::path ckpt_dir = run_dir_ / "checkpoints";
+  const std::string config_text = resolved_yaml(cfg_);
+  const std::vector<int64_t> steps = comm::agree_on(
+      *world_comm_, device_, "resume: choosing and opening the checkpoint",
+      [&]() -> int64_t {
+        const auto point = ck::find_resume_point(cfg_.train.resume, ckpt_dir.string());
+        if (!point) {
+          if (cfg_.train.resume == "auto")
+            core::log::info("train.resume=auto: no checkpoint in {}, starting fresh",
+                            ckpt_dir.string());
+          return -1;
+        }
+        if (rank0_) {
+          for (const std::string& w : point->warnings) core::log::warn("{}", w);
+        }
+        resume_ = std::make_unique<ck::CheckpointReader>(point->path);
+        resumed_ = true;
+        start_step_ = resume_->metadata().step;
+        core::log::info("resuming from {} (step {}, saved with layout {})", point->path,
+                        start_step_, resume_->metadata().layout.to_string());
+        compare_config(config_text);
+        return start_step_;
+      });
+  if (std::any_of(steps.begin(), steps.end(), [&](int64_t t) { return t != steps[0]; })) {
+    std::vector<std::string> seen;
+    for (std::size_t r = 0; r < steps.size(); ++r) {
+      seen.push_back(steps[r] < 0 ? fmt::format("rank {}: none", r)
+                                  : fmt::format("rank {}: step {}", r, steps[r]));
+    }
+    throw_error<CheckpointError>(
+        "resume: the ranks disagree on the checkpoint to resume from in '{}' ({}): every rank "
+        "must see the same run directory (experiment.output_dir on a shared filesystem)",
+        ckpt_dir.string(), core::join(seen, ", "));
+  }
+  core::log::info(
+      "run directory: {} | {} rank(s), layout {}, backend {}, device {}, {} CPU thread(s) per rank",
+      run_dir_.string(), world_.size(), layout.to_string(), world_comm_->backend(), device_.str(),
+      threads);
+
+  // Where the data stream continues; the sources remap it when dp changed (batch_source.h).
+  std::pair<int64_t, int64_t> data_pos{0, 0};
+  int data_pos_dp = 0;
+  if (resume_ && resume_->metadata().has_extra("data.epoch")) {
+    data_pos = {resume_->metadata().extra_int("data.epoch"),
+                resume_->metadata().extra_int("data.position")};
+    data_pos_dp = resume_->metadata().layout.dp;
+  }
+
+  // Data first: a dataset's dataset.json describes the scenes the model is built for.
+  const uint64_t seed = static_cast<uint64_t>(cfg_.experiment.seed);
+  synthetic_ = uses_synthetic_data(cfg_);
+  if (!synthetic_) {
+    source_ =
+        make_dataset_source(cfg_.data, seed, topo_->coord().dp, layout.dp, data_pos, data_pos_dp);
+    scene_ = *source_->scene();  // the dataset's, as run_scene() reads it
+  } else {
+    // Synthetic bev batches use the size's benchmark scene (tiny: the default 6 x 128x224 scene;
+    // small and up: BEVFormer's 6 x 256x704 cameras and 200 x 200 BEV cells at 0.5 m).
+    scene_ = run_scene(cfg_);
+  }
+  if (cfg_.train.cuda_graph) {
+    check_graph_capturable();
+    // From here on the training thread runs on the graph's side stream, before anything autograd
+    // will use is built: a parameter's gradient accumulator (made by DDP's constructor or the
+    // first backward) runs on the stream current when it was made, and the legacy default stream
+    // cannot take part in a capture (PyTorch asks the same: DDP built in a side-stream context).
+    graph_ = std::make_unique<CudaStepGraph>(device_, world_.rank(), cfg_.parallel.timeout_s);
+  }
+  // Identical initialisation on every rank (DDP also broadcasts from rank 0).
+  core::seed_all(seed);
+  if (layout.pp > 1) {
+    for (const auto& [on, key, what] :
+         {std::make_tuple(cfg_.lora.rank > 0, "lora.rank", "LoRA"),
+          std::make_tuple(cfg_.qat.enabled, "qat.enabled", "QAT"),
+          std::make_tuple(!cfg_.distill.teacher.empty(), "distill.teacher", "distillation")}) {
+      PARALLAX_CHECK(!on, ConfigError,
+                     "keys '{}' and 'parallel.pp': the {} trainer does not run under pipeline "
+                     "parallelism in this version; use parallel.pp=1 (data, tensor parallel or "
+                     "ZeRO)",
+                     key, what);
+    }
+  }
+  // Plan step 1: tensor-parallel layers come from the model's factory.
+  if (layout.tp > 1) {
+    PARALLAX_CHECK(cfg_.lora.rank == 0, ConfigError,
+                   "keys 'lora.rank' and 'parallel.tp': LoRA adapts dense linear layers and "
+                   "parallel.tp={} makes them column/row-parallel; use parallel.tp=1 (data "
+                   "parallel or ZeRO) for LoRA in this version",
+                   layout.tp);
+    PARALLAX_CHECK(!cfg_.qat.enabled, ConfigError,
+                   "keys 'qat.enabled' and 'parallel.tp': QAT quantizes dense linear layers and "
+                   "parallel.tp={} makes them column/row-parallel; use parallel.tp=1 (data "
+                   "parallel or ZeRO) for QAT in this version",
+                   layout.tp);
+    tp_ = std::make_shared<tensor::TpGroup>(topo_->tp(), plan_.sequence_parallel);
+    model_ = models::build_model(cfg_.model, scene_, tp_);
+    tp_info_.tp = topo_->tp();
+    tp_info_.layouts = tensor::param_layouts(*model_);
+    tp_info_.layout = layout;
+    for (const auto& [name, l] : tp_info_.layouts) tp_info_.sharded.insert(name);
+  } else {
+    model_ = models::build_model(cfg_.model, scene_);
+  }
+  model_->to(device_);
+  model_->train();
+  double load_s = 0;  // checkpoint read time: the weights here, the optimizer state below
+  // Pretrained weights go into the model as built; the transform (e.g. LoRA adapters, QAT
+  // observers) comes after them, and a resumed checkpoint, saved from the transformed model, is
+  // loaded after the transform. A checkpoint that holds only some model tensors
+  // (TrainerHooks::saves_model_tensor, e.g. LoRA's adapters) needs these weights on resume too.
+  if ((!resume_ || hooks_.saves_model_tensor) && !cfg_.train.load_from.empty()) {
+    // A NaN in the loaded weights would only show as a NaN loss at step 1 ("lower optim.lr"):
+    // named here, at load time. LoRA checks its base itself (naming it as the LoRA base).
+    auto require_finite_load = [&](const torch::nn::Module& m) {
+      if (cfg_.lora.rank > 0) return;
+      ck::require_finite(m, fmt::format("train.load_from '{}'", cfg_.train.load_from),
+                         "point train.load_from at an earlier checkpoint");
+    };
+    ck::WeightsOptions w;
+    w.strict = cfg_.train.strict_load;
+    if (tp_) {
+      // Through a single-process copy of the model: each rank keeps its slices of it.
+      auto dense = models::build_model(cfg_.model, scene_);
+      const auto report = ck::load_weights(*dense, cfg_.train.load_from, w);
+      core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
+      require_finite_load(*dense);
+      tensor::copy_whole_into_split(*dense, *model_, tp_info_.layouts);
+    } else {
+      const auto report = ck::load_weights(*model_, cfg_.train.load_from, w);
+      core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
+      require_finite_load(*model_);
+    }
+  }
+  if (hooks_.transform_model) {
+    hooks_.transform_model(*model_);
+    model_->to(device_);  // parameters the transform added
+  }
+  // ZeRO-3 over several ranks reads each rank's shard of the model after the engine has sharded
+  // it (below), so no rank reads the whole model from the checkpoint.
+  const bool sharded_model = plan_.zero_stage == 3 && layout.dp > 1;
+  if (resume_ && !sharded_model) {
+    core::Stopwatch load_clock;
+    // Each rank reads its part (tensor or pipeline parallelism: its slices); a rank that fails
+    // alone must not leave the others in the engine's first collective (agree_on).
+    comm::agree_on(
+        *world_comm_, device_, fmt::format("resume from '{}': loading the model", resume_->dir()),
+        [&]() -> int64_t {
+          if (hooks_.saves_model_tensor || tp_) {
+            with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
+          } else {
+            with_config_hint({"model.", "lora.", "qat."},
+                             [&] { ck::load_weights(*resume_, *model_); });
+          }
+          return 0;
+        });
+    load_s += load_clock.elapsed_s();
+  }
+  if (hooks_.frozen_model) {
+    frozen_ = hooks_.frozen_model(cfg_, scene_, device_);
+    PARALLAX_CHECK(frozen_ != nullptr, Error, "TrainerHooks::frozen_model returned no model");
+    frozen_->to(device_);
+    frozen_->eval();
+    for (auto& p : frozen_->parameters()) p.set_requires_grad(false);
+  }
+  core::log::info("model {}/{}: {:.3f} M parameters, {:.3f} GFLOP forward per sample",
+                  cfg_.model.name, cfg_.model.size, model_->parameter_count() / 1e6,
+                  model_->forward_flops_per_sample() / 1e9);
+  if (graph_) {
+    const std::string blocker = model_->graph_capture_blocker();
+    PARALLAX_CHECK(
+        blocker.empty(), ConfigError,
+        "key 'train.cuda_graph': model '{}' cannot be captured: {}; set train.cuda_graph=false",
+        cfg_.model.name, blocker);
+    core::log::info(
+        "CUDA graph: {} eager warm-up step(s), then the whole step is captured and replayed",
+        cfg_.train.cuda_graph_warmup);
+  }
+
+  if (cfg_.train.activation_checkpointing != "none") {
+    int idx = 0, wrapped = 0;
+    for (auto& block : model_->checkpointable_blocks()) {
+      auto cb = std::dynamic_pointer_cast<models::CheckpointableBlock>(block);
+      const bool on = models::checkpointed_block(cfg_.train.activation_checkpointing, idx);
+      if (cb && on) {
+        cb->set_checkpointing(true);
+        ++wrapped;
+      }
+      ++idx;
+    }
+    core::log::info("activation checkpointing ({}): {} of {} blocks",
+                    cfg_.train.activation_checkpointing, wrapped, idx);
+  }
+
+  // Plan step 4 (parallel/plan.h): DDP or ZeRO over the data-parallel group, last, on the
+  // parameters in their final form (steps 1 and 3, TP and PP, are not available yet; step 2,
+  // activation checkpointing, is above).
+  parallel::ddp::DdpOptions o;
+  o.mode = parallel::ddp::parse_bucket_mode(p.ddp.bucket_mode);
+  o.reduce_dtype = parallel::ddp::parse_reduce_dtype(p.ddp.reduce_dtype);
+  o.bucket_mb = p.ddp.bucket_mb;
+  o.first_bucket_mb = p.ddp.first_bucket_mb;
+  o.find_unused = p.ddp.find_unused;
+  o.broadcast_buffers = p.ddp.broadcast_buffers;
+  o.algo = comm::parse_allreduce_algo(p.allreduce);
+  o.timing = !cfg_.train.cuda_graph;
+  // Sequence parallel: LayerNorm and row-bias gradients summed over tp as autograd makes them.
+  tensor::install_sequence_parallel_hooks(tp_);
+  const optim::OptimConfig optim_cfg = cfg_.optim;
+  const auto make_engine = [&] {
+    // The trainable parameters as they are now (under pipeline parallelism: this rank's stages').
+    optim::NamedParams trainable;
+    for (const auto& item : model_->named_parameters())
+      trainable.emplace_back(item.key(), item.value());
+    return parallel::build_engine(
+        plan_, model_, optim::make_param_groups(trainable, cfg_.optim.weight_decay),
+        [optim_cfg](std::vector<optim::ParamGroup> groups) {
+          return optim::build_optimizer(optim_cfg, std::move(groups));
+        },
+        topo_->dp(), o, model_->units(), tp_info_);
+  };
+  if (layout.pp > 1) {
+    // Plan step 3: this rank's stages of the model's chain of units; the other units' parameters
+    // are released, and the data-parallel engine is built on the stage's parameters only.
+    PARALLAX_CHECK(model_->chain_length() > 0, ConfigError,
+                   "key 'parallel.pp': model '{}' does not expose its forward as a chain of "
+                   "units, so it cannot be split into pipeline stages",
+                   cfg_.model.name);
+    const std::vector<models::Unit> units = model_->units();
+    PARALLAX_CHECK(static_cast<int>(units.size()) == model_->chain_length(), Error,
+                   "model '{}': {} units but a chain of {}", cfg_.model.name, units.size(),
+                   model_->chain_length());
+    // Stage balance (Model::stage_costs): FLOPs per unit, or parameters per unit.
+    const std::vector<double> costs = model_->stage_costs();
+    parallel::pipeline::PipelineOptions po;
+    po.schedule = plan_.pp_schedule;
+    po.virtual_stages = plan_.pp_virtual_stages;
+    po.layout = plan_.pp_layout;
+    // Second criterion: activation bytes per unit as this run keeps them (precision, device, tp,
+    // checkpointing), which `parallax plan` predicts from the same function.
+    models::ActivationQuery q;
+    q.compute_bytes = cfg_.precision.mode == "fp32" ? 4 : 2;
+    q.cuda = device_.is_cuda();
+    q.tp = layout.tp;
+    q.sequence_parallel = plan_.sequence_parallel && layout.tp > 1;
+    po.activation_bytes = model_->saved_activations(q, cfg_.train.activation_checkpointing);
+    engine_ = std::make_unique<parallel::pipeline::PipelineEngine>(
+        model_, units, costs, topo_->pp(), cfg_.train.grad_accum, po,
+        [&]() -> std::unique_ptr<parallel::Engine> { return make_engine(); });
+  } else {
+    engine_ = make_engine();
+  }
+  // ZeRO-3 gathers and frees parameters around each unit of the model's forward.
+  model_->set_unit_hooks(engine_->unit_hooks());
+  core::log::info("parallel plan: {}; engine: {}", plan_.describe(), engine_->describe());
+  if (layout.dp > 1) {
+    // Loss normalisers over the replicas (Model::set_replica_mean). Asynchronous on GPUs: the
+    // compute stream waits for the small all-reduce, the host does not.
+    const comm::CommPtr dp = topo_->dp();
+    const c10::Device at_device = dp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
+    replica_mean_ = [dp, at_device](const at::Tensor& t) {
+      at::Tensor x =
+          t.detach().to(at_device, at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+      const comm::WorkPtr w = dp->all_reduce_async(x, comm::ReduceOp::kAvg);
+      w->wait_stream();
+      return x.device() == t.device() ? x : x.to(t.device());
+    };
+  }
+
+  precision_ = optim::make_precision_policy(cfg_.precision, device_.type());
+  scaler_ = std::make_unique<optim::LossScaler>(optim::make_loss_scaler(cfg_.precision));
+  if (graph_) engine_->optimizer().set_capturable(device_);
+
+  if (synthetic_) {
+    // Each data-parallel rank holds its slice of every global batch.
+    source_ = make_synthetic_source(*model_, cfg_.data.batch_size, 8, core::derive_seed(seed, 0, 1),
+                                    topo_->coord().dp, device_, data_pos.second);
+  }
+  core::log::info("data: {}", source_->describe());
+
+  if (resume_) {
+    core::Stopwatch load_clock;
+    // Each rank reads its own pieces (ZeRO: its flat ranges; ZeRO-3 over several ranks: its shard
+    // of the model too), which only it checks: the ranks agree on the outcome before any further
+    // collective (agree_on), so a corrupt shard is one error on every rank, not a hang.
+    comm::agree_on(
+        *world_comm_, device_,
+        fmt::format("resume from '{}': loading the {}optimizer state", resume_->dir(),
+                    sharded_model ? "model and " : ""),
+        [&]() -> int64_t {
+          if (sharded_model)
+            with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
+          with_config_hint({"optim.", "model.", "lora.", "qat."}, [&] { load_optimizer_state(); });
+          check_resumed_state_finite();
+          ck::load_loss_scaler(resume_->metadata(), *scaler_);
+          if (hooks_.load_extra) hooks_.load_extra(*resume_);
+          // Last: everything above may have drawn random numbers.
+          if (!ck::load_rng(*resume_, world_.rank())) {
+            core::log::warn(
+                "checkpoint has no RNG state for rank {} (saved with {} ranks): RNG reseeded",
+                world_.rank(), resume_->metadata().world);
+          }
+          return 0;
+        });
+    // Every tensor of a replicated (DDP) checkpoint is read by every rank.
+    int64_t bytes = 0;
+    for (const auto& [name, info] : resume_->metadata().tensors) bytes += info.nbytes();
+    load_s += load_clock.elapsed_s();
+    core::log::info("checkpoint loaded: {:.2f} GB in {:.2f} s on rank {} ({:.2f} GB/s)",
+                    bytes / 1e9, load_s, world_.rank(), bytes / 1e9 / load_s);
+    resume_.reset();
+  }
+  if (!cfg_.train.benchmark) {
+    ck::CheckpointerOptions o;
+    o.keep_last = cfg_.checkpoint.keep_last;
+    o.async = cfg_.checkpoint.async;
+    o.timeout_s = cfg_.parallel.checkpoint_timeout_s;
+    o.config_hash = core::stable_hash(config_text);
+    o.config_text = config_text;
+    o.layout = layout;
+    checkpointer_ = std::make_unique<ck::Checkpointer>(ckpt_dir.string(), o);
+  }
+  // Last, once the run is known to start: a resume that fails to load changes nothing on disk.
+  open_run_directory(config_text);
+}
+
+void TrainerImpl::open_run_directory(const std::string& config_text) {
+  if (!rank0_) {
+    metrics_ = std::make_unique<MetricsWriter>();
+    return;
+  }
+  // The directory exists: RunDirectory::open created and locked it.
+  const std::string archived = ck::record_config(run_dir_.string(), config_text, start_step_);
+  if (!archived.empty())
+    core::log::info("config.yaml: the previous config is kept as {}", archived);
+  // Rows of steps after start_step_ were logged by a run killed after its last checkpoint: this
+  // run logs them again (metrics.h).
+  const std::string metrics_path = (run_dir_ / "metrics.jsonl").string();
+  const MetricsTrim trim = trim_metrics(metrics_path, start_step_);
+  if (trim.dropped + trim.broken > 0) {
+    core::log::info(
+        "{}: kept {} row(s) up to step {}, dropped {} later or summary row(s) and {} torn line(s)",
+        metrics_path, trim.kept, start_step_, trim.dropped, trim.broken);
+  }
+  metrics_ = std::make_unique<MetricsWriter>(metrics_path);
+}
+
+void TrainerImpl::check_graph_capturable() const {
+  const auto& p = cfg_.parallel;
+  PARALLAX_CHECK(
+      device_.is_cuda(), ConfigError,
+      "key 'train.cuda_graph': CUDA graphs need a GPU, but rank {} trains on {} (train.device={})",
+      world_.rank(), device_.str(), cfg_.train.device);
+  PARALLAX_CHECK(
+      cfg_.precision.mode != "fp16", ConfigError,
+      "key 'train.cuda_graph': precision.mode=fp16's dynamic loss scaler decides on the host "
+      "whether a "
+      "step is skipped, which a captured step cannot do; use precision.mode=bf16 or fp32");
+  PARALLAX_CHECK(!p.ddp.find_unused, ConfigError,
+                 "key 'train.cuda_graph': parallel.ddp.find_unused reads which parameters got "
+                 "gradients on the host "
+                 "every step; set parallel.ddp.find_unused=false");
+  PARALLAX_CHECK(
+      !p.debug_collectives, ConfigError,
+      "key 'train.cuda_graph': parallel.debug_collectives cross-checks every collective on the "
+      "host "
+      "before it runs; set parallel.debug_collectives=false (or train.cuda_graph=false to debug)");
+}
+
+}  // namespace parallax::train::detail
