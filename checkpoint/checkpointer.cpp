@@ -21,8 +21,8 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
-#include <functional>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -200,8 +200,8 @@ Clock::duration seconds(double s) {
 class BoundedStore {
  public:
   BoundedStore() = default;
-  BoundedStore(c10::intrusive_ptr<c10d::Store> store, int rank, std::string host,
-               double timeout_s, std::function<void()> on_lost)
+  BoundedStore(c10::intrusive_ptr<c10d::Store> store, int rank, std::string host, double timeout_s,
+               std::function<void()> on_lost)
       : store_(std::move(store)),
         rank_(rank),
         host_(std::move(host)),
@@ -245,9 +245,10 @@ class BoundedStore {
   auto run(const std::string& what, double deadline_s, F f) -> decltype(f()) {
     using R = decltype(f());
     if (lost_) {
-      throw_error<CommError>("rank {}: the checkpoint store ({}) is unusable since an earlier "
-                             "call: {} (during {})",
-                             rank_, host_, *lost_, what);
+      throw_error<CommError>(
+          "rank {}: the checkpoint store ({}) is unusable since an earlier "
+          "call: {} (during {})",
+          rank_, host_, *lost_, what);
     }
     std::optional<R> r;
     try {
@@ -306,8 +307,8 @@ struct Checkpointer::Impl {
   std::string dir;
   CheckpointerOptions opts;
   CommitGroup group;
-  BoundedStore store;  // this Checkpointer's own connection (the writer's), every call bounded
-  std::string instance;                   // store key prefix of this Checkpointer
+  BoundedStore store;    // this Checkpointer's own connection (the writer's), every call bounded
+  std::string instance;  // store key prefix of this Checkpointer
   int64_t seq = 0;
 
   std::thread worker;
@@ -528,8 +529,7 @@ struct Checkpointer::Impl {
                                ec.message());
       } catch (const std::exception& e) {
         if (multi)
-          store_set(job, key(job, "dir"), std::string("!") + e.what(),
-                    "publishing its failure");
+          store_set(job, key(job, "dir"), std::string("!") + e.what(), "publishing its failure");
         throw;
       }
       if (multi) store_set(job, key(job, "dir"), tmp_name, "publishing the temporary directory");
@@ -613,8 +613,7 @@ struct Checkpointer::Impl {
       std::vector<RankIndex> indexes{std::move(mine)};
       // The other ranks wait for the commit for at least timeout_s from `published`: past that,
       // no commit.
-      const auto commit_by =
-          multi ? published + seconds(opts.timeout_s) : Clock::time_point::max();
+      const auto commit_by = multi ? published + seconds(opts.timeout_s) : Clock::time_point::max();
       if (multi) gather(job, indexes, commit_by);
       st.path = commit(job, tmp, std::move(indexes), commit_by);
     } catch (const std::exception& e) {
@@ -696,8 +695,8 @@ struct Checkpointer::Impl {
         throw_error<CheckpointError>("save of step {} failed on {} rank(s): {}", job.step, failed,
                                      core::join(errs, " | "));
       }
-      const bool all = store_add(job, key(job, "ndone"), 0, "counting the written files") >=
-                       group.world - 1;
+      const bool all =
+          store_add(job, key(job, "ndone"), 0, "counting the written files") >= group.world - 1;
       if (Clock::now() > deadline) {
         std::vector<int> missing;
         for (int r = 1; r < group.world; ++r) {
@@ -804,7 +803,7 @@ Checkpointer::Checkpointer(std::string checkpoints_dir, CheckpointerOptions opti
     if (parallel::comm::World::exists() &&
         parallel::comm::World::current().store().get() == I.group.store.get()) {
       host = parallel::comm::World::current().launch().agent_store ? "the launcher's store"
-                                                                    : "hosted by world rank 0";
+                                                                   : "hosted by world rank 0";
     }
     auto on_lost = [impl = &I] { impl->peer_lost(); };
     BoundedStore world_store(I.group.store, I.group.rank, host, I.opts.timeout_s, on_lost);

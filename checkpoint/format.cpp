@@ -2,9 +2,9 @@
 
 #include "checkpoint/files.h"
 #include "checkpoint/tensor_io.h"
+#include "core/boxes.h"
 #include "core/error.h"
 #include "core/strings.h"
-#include "core/boxes.h"
 
 #include <c10/util/accumulate.h>
 #include <fmt/ranges.h>

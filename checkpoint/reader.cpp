@@ -5,10 +5,10 @@
 #include "checkpoint/h5.h"
 #include "checkpoint/resume.h"
 #include "checkpoint/tensor_io.h"
+#include "core/boxes.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
-#include "core/boxes.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/accumulate.h>

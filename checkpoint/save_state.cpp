@@ -1,8 +1,8 @@
 #include "checkpoint/save_state.h"
 
 #include "checkpoint/h5.h"
-#include "core/error.h"
 #include "core/boxes.h"
+#include "core/error.h"
 
 #include <fmt/ranges.h>
 

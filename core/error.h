@@ -22,7 +22,9 @@ class Error : public std::runtime_error {
   Error& add_context(std::string frame);
   const std::vector<std::string>& context() const { return context_; }
   const std::string& message() const { return message_; }
-  const char* what() const noexcept override { return full_.empty() ? message_.c_str() : full_.c_str(); }
+  const char* what() const noexcept override {
+    return full_.empty() ? message_.c_str() : full_.c_str();
+  }
 
  private:
   std::string message_;
@@ -93,7 +95,7 @@ template <class E = Error, class... Args>
 }  // namespace parallax
 
 // Checks a condition that depends on user input or the environment; throws `E` if false.
-#define PARALLAX_CHECK(cond, E, ...)                  \
-  do {                                                \
+#define PARALLAX_CHECK(cond, E, ...)                      \
+  do {                                                    \
     if (!(cond)) ::parallax::throw_error<E>(__VA_ARGS__); \
   } while (0)

@@ -27,10 +27,14 @@ struct State {
       try {
         level = static_cast<int>(parse_level(env));
       } catch (const Error&) {
-        std::fprintf(stderr, "parallax: warning: ignoring PARALLAX_LOG_LEVEL='%s' (use trace|debug|info|warn|error|off)\n", env);
+        std::fprintf(stderr,
+                     "parallax: warning: ignoring PARALLAX_LOG_LEVEL='%s' (use "
+                     "trace|debug|info|warn|error|off)\n",
+                     env);
       }
     }
-    if (const char* env = std::getenv("PARALLAX_LOG_ALL_RANKS"); env && env[0] == '1') all_ranks = true;
+    if (const char* env = std::getenv("PARALLAX_LOG_ALL_RANKS"); env && env[0] == '1')
+      all_ranks = true;
   }
 };
 
@@ -55,12 +59,18 @@ Level parse_level(std::string_view name) {
 
 std::string_view level_name(Level level) {
   switch (level) {
-    case Level::kTrace: return "TRACE";
-    case Level::kDebug: return "DEBUG";
-    case Level::kInfo: return "INFO";
-    case Level::kWarn: return "WARN";
-    case Level::kError: return "ERROR";
-    case Level::kOff: return "OFF";
+    case Level::kTrace:
+      return "TRACE";
+    case Level::kDebug:
+      return "DEBUG";
+    case Level::kInfo:
+      return "INFO";
+    case Level::kWarn:
+      return "WARN";
+    case Level::kError:
+      return "ERROR";
+    case Level::kOff:
+      return "OFF";
   }
   return "?";
 }
@@ -69,9 +79,15 @@ void set_rank(int rank, int world_size) {
   state().rank = rank;
   state().world = world_size;
 }
-void set_level(Level level) { state().level = static_cast<int>(level); }
-Level level() { return static_cast<Level>(state().level.load()); }
-void set_all_ranks(bool all) { state().all_ranks = all; }
+void set_level(Level level) {
+  state().level = static_cast<int>(level);
+}
+Level level() {
+  return static_cast<Level>(state().level.load());
+}
+void set_all_ranks(bool all) {
+  state().all_ranks = all;
+}
 
 void set_sink(std::function<void(Level, std::string_view)> sink) {
   std::lock_guard<std::mutex> lock(state().mu);

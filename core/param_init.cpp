@@ -43,10 +43,16 @@ bool swap_fields(torch::nn::Module& m,
 
 }  // namespace
 
-ShapeOnlyScope::ShapeOnlyScope() : previous_(t_shape_only) { t_shape_only = true; }
-ShapeOnlyScope::~ShapeOnlyScope() { t_shape_only = previous_; }
+ShapeOnlyScope::ShapeOnlyScope() : previous_(t_shape_only) {
+  t_shape_only = true;
+}
+ShapeOnlyScope::~ShapeOnlyScope() {
+  t_shape_only = previous_;
+}
 
-bool shape_only() { return t_shape_only; }
+bool shape_only() {
+  return t_shape_only;
+}
 
 at::Tensor init_normal(c10::IntArrayRef shape, double std) {
   if (t_shape_only) return at::empty(shape, at::TensorOptions().device(at::kMeta));

@@ -11,8 +11,8 @@
 // requires_grad; no storage, no values, no draw from the generator). The LibTorch layers the zoo
 // uses (Conv2d, LayerNorm, GroupNorm, Linear) allocate and initialise in their constructors;
 // build_model() hands a shape-only model to to_meta() at once, so what the caller gets holds no
-// parameter or buffer storage. Names, shapes, units, costs and tensor-parallel layouts are those of a full
-// build. A shape-only model cannot run forward or hold a checkpoint.
+// parameter or buffer storage. Names, shapes, units, costs and tensor-parallel layouts are those of
+// a full build. A shape-only model cannot run forward or hold a checkpoint.
 #pragma once
 
 #include <ATen/core/Tensor.h>

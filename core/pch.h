@@ -2,9 +2,9 @@
 // Nothing project-specific goes here, so editing our headers never rebuilds the PCH.
 #pragma once
 
-#include <torch/torch.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <torch/torch.h>
 
 #include <cstdint>
 #include <functional>

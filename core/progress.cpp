@@ -26,11 +26,14 @@ void Progress::update(int64_t done, const std::string& extra) {
   const bool first = last_print_s_ < -1e8;
   if (!first && done < total_ && now - last_print_s_ < min_interval_s_) return;
   last_print_s_ = now;
-  const double pct = total_ > 0 ? 100.0 * static_cast<double>(done) / static_cast<double>(total_) : 0.0;
-  const double rate = done > start_done_ ? (done - start_done_) / std::max(1e-9, now - start_s_) : NAN;
+  const double pct =
+      total_ > 0 ? 100.0 * static_cast<double>(done) / static_cast<double>(total_) : 0.0;
+  const double rate =
+      done > start_done_ ? (done - start_done_) / std::max(1e-9, now - start_s_) : NAN;
   log::info("{} {}/{} ({:.0f}%) | {} | {} | elapsed {} | ETA {}", what_, done, total_, pct,
             std::isnan(rate) ? std::string("--/s") : fmt::format("{:.2f}/s", rate),
-            extra.empty() ? std::string("-") : extra, human_duration(now), human_duration(eta_s(done)));
+            extra.empty() ? std::string("-") : extra, human_duration(now),
+            human_duration(eta_s(done)));
 }
 
 void Progress::finish(const std::string& extra) {

@@ -14,7 +14,9 @@ int cuda_device_count() {
 
 }  // namespace
 
-void seed_all(uint64_t seed) { at::manual_seed(seed); }
+void seed_all(uint64_t seed) {
+  at::manual_seed(seed);
+}
 
 uint64_t derive_seed(uint64_t seed, uint64_t rank, uint64_t stream) {
   // SplitMix64 finaliser over a combination of the three inputs.

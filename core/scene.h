@@ -18,12 +18,17 @@ struct SceneSpec {
   // x in [x_min + i*res, x_min + (i+1)*res), y in [y_min + j*res, y_min + (j+1)*res).
   double x_min = -25.0, x_max = 25.0, y_min = -25.0, y_max = 25.0;
   double bev_resolution = 0.5;
-  std::vector<std::string> bev_classes = {"background", "road", "marking", "vehicle", "pedestrian", "cyclist"};
+  std::vector<std::string> bev_classes = {"background", "road",       "marking",
+                                          "vehicle",    "pedestrian", "cyclist"};
   std::vector<std::string> box_classes = {"vehicle", "pedestrian", "cyclist"};
   int64_t max_boxes = 64;  // boxes per sample after padding
 
-  int64_t bev_x_cells() const { return static_cast<int64_t>((x_max - x_min) / bev_resolution + 0.5); }
-  int64_t bev_y_cells() const { return static_cast<int64_t>((y_max - y_min) / bev_resolution + 0.5); }
+  int64_t bev_x_cells() const {
+    return static_cast<int64_t>((x_max - x_min) / bev_resolution + 0.5);
+  }
+  int64_t bev_y_cells() const {
+    return static_cast<int64_t>((y_max - y_min) / bev_resolution + 0.5);
+  }
 };
 
 }  // namespace parallax::core

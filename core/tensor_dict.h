@@ -12,7 +12,8 @@ namespace parallax::core {
 using TensorDict = std::map<std::string, at::Tensor>;
 
 // Moves every tensor to `device` (non_blocking when the source is pinned).
-inline TensorDict to_device(const TensorDict& d, const c10::Device& device, bool non_blocking = true) {
+inline TensorDict to_device(const TensorDict& d, const c10::Device& device,
+                            bool non_blocking = true) {
   TensorDict out;
   for (const auto& [k, v] : d) out.emplace(k, v.defined() ? v.to(device, non_blocking) : v);
   return out;

@@ -16,7 +16,8 @@ class Stopwatch {
   Stopwatch() { reset(); }
   void reset() { start_ = std::chrono::steady_clock::now(); }
   double elapsed_ms() const {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_)
+        .count();
   }
   double elapsed_s() const { return elapsed_ms() / 1000.0; }
 

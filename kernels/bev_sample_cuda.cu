@@ -31,10 +31,10 @@ namespace parallax::kernels::cuda {
 
 namespace {
 
-constexpr int kChunk = 8;                  // fp32 accumulators per thread in the forward
-constexpr int kThreads = 256;              // forward and global-backward block size
-constexpr int kMaxTileWarps = 16;          // shared-memory backward: warps per block, at most
-constexpr int kMinTileWarps = 4;           // and at least (else the global-atomics path)
+constexpr int kChunk = 8;          // fp32 accumulators per thread in the forward
+constexpr int kThreads = 256;      // forward and global-backward block size
+constexpr int kMaxTileWarps = 16;  // shared-memory backward: warps per block, at most
+constexpr int kMinTileWarps = 4;   // and at least (else the global-atomics path)
 
 // The four bilinear taps of a point, as grid_sample computes them: normalised g = u * (2 / W) - 1,
 // source index ((g + 1) * Wf - 1) / 2, weights from the floor corners. A tap outside the map has
@@ -45,7 +45,8 @@ struct Taps {
   bool valid[4];
 };
 
-__device__ __forceinline__ Taps bilinear_taps(float u, float v, float sx, float sy, int fh, int fw) {
+__device__ __forceinline__ Taps bilinear_taps(float u, float v, float sx, float sy, int fh,
+                                              int fw) {
   const float gx = __fsub_rn(__fmul_rn(u, sx), 1.0f);
   const float gy = __fsub_rn(__fmul_rn(v, sy), 1.0f);
   // ATen's source-index line ((g + 1) * size - 1) / 2 compiles to one fused multiply-add.
@@ -63,7 +64,8 @@ __device__ __forceinline__ Taps bilinear_taps(float u, float v, float sx, float 
   const float ys[4] = {y0, y0, y1, y1};
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    t.valid[k] = xs[k] >= 0.0f && xs[k] < static_cast<float>(fw) && ys[k] >= 0.0f && ys[k] < static_cast<float>(fh);
+    t.valid[k] = xs[k] >= 0.0f && xs[k] < static_cast<float>(fw) && ys[k] >= 0.0f &&
+                 ys[k] < static_cast<float>(fh);
     t.idx[k] = t.valid[k] ? static_cast<int>(ys[k]) * fw + static_cast<int>(xs[k]) : 0;
   }
   return t;
@@ -93,8 +95,8 @@ Dims dims_of(const BevSampleShape& s) {
 
 template <typename T>
 __global__ void forward_kernel(const T* __restrict__ feat, const float2* __restrict__ uv,
-                               const bool* __restrict__ visible, T* __restrict__ lifted, float* __restrict__ count,
-                               Dims d) {
+                               const bool* __restrict__ visible, T* __restrict__ lifted,
+                               float* __restrict__ count, Dims d) {
   const int64_t total = d.b * d.p;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -116,7 +118,8 @@ __global__ void forward_kernel(const T* __restrict__ feat, const float2* __restr
       for (unsigned m = mask; m != 0; m &= m - 1) {
         const int n = __ffs(m) - 1;
         const float2 pt = uv[(b * d.n + n) * d.p + p];
-        const Taps t = bilinear_taps(pt.x, pt.y, d.sx, d.sy, static_cast<int>(d.fh), static_cast<int>(d.fw));
+        const Taps t =
+            bilinear_taps(pt.x, pt.y, d.sx, d.sy, static_cast<int>(d.fh), static_cast<int>(d.fw));
         const T* f = feat + ((b * d.n + n) * d.c + c0) * d.hw;
 #pragma unroll
         for (int k = 0; k < kChunk; ++k) {
@@ -147,15 +150,16 @@ __global__ void forward_kernel(const T* __restrict__ feat, const float2* __restr
 // channel's weighted gradient to the four taps. The 32 lanes of one atomic hit 32 different rows
 // (banks), so a warp never contends with itself, however many points share a feature pixel.
 template <typename T>
-__global__ void __launch_bounds__(kMaxTileWarps * 32) backward_tile_kernel(const T* __restrict__ grad, const float2* __restrict__ uv,
-                                     const bool* __restrict__ visible, const float* __restrict__ count,
-                                     T* __restrict__ grad_feat, Dims d, int pitch) {
+__global__ void __launch_bounds__(kMaxTileWarps * 32)
+    backward_tile_kernel(const T* __restrict__ grad, const float2* __restrict__ uv,
+                         const bool* __restrict__ visible, const float* __restrict__ count,
+                         T* __restrict__ grad_feat, Dims d, int pitch) {
   extern __shared__ float smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  float* acc = smem;                                                   // [32][pitch]
-  float* stage = acc + 32 * pitch + warp * (32 * 33 + 32 * 8);         // [32 channels][33]
-  int* tap_idx = reinterpret_cast<int*>(stage + 32 * 33);               // [32 points][4], -1: padding
-  float* tap_w = stage + 32 * 33 + 32 * 4;                              // [32 points][4]
+  float* acc = smem;                                            // [32][pitch]
+  float* stage = acc + 32 * pitch + warp * (32 * 33 + 32 * 8);  // [32 channels][33]
+  int* tap_idx = reinterpret_cast<int*>(stage + 32 * 33);       // [32 points][4], -1: padding
+  float* tap_w = stage + 32 * 33 + 32 * 4;                      // [32 points][4]
   const int64_t tiles = (d.c + 31) / 32;
   const int64_t bn = blockIdx.x / tiles, c0 = (blockIdx.x - bn * tiles) * 32;
   const int cc = static_cast<int>(d.c - c0 < 32 ? d.c - c0 : 32);
@@ -167,21 +171,24 @@ __global__ void __launch_bounds__(kMaxTileWarps * 32) backward_tile_kernel(const
   const float2* pts = uv + bn * d.p;
   // Warps take interleaved groups of 32 points, which spreads a camera's visible region evenly
   // over them (contiguous runs per warp measured 2x slower: a few warps got all the visible cells).
-  for (int64_t g0 = static_cast<int64_t>(warp) * 32; g0 < d.p; g0 += static_cast<int64_t>(warps) * 32) {
+  for (int64_t g0 = static_cast<int64_t>(warp) * 32; g0 < d.p;
+       g0 += static_cast<int64_t>(warps) * 32) {
     const int64_t p = g0 + lane;
     const bool seen = p < d.p && vis[p];
     const unsigned mask = __ballot_sync(0xffffffffu, seen);
     if (mask == 0) continue;
     if (seen) {
       const int64_t z = p / d.q, q = p - z * d.q;
-      const Taps t = bilinear_taps(pts[p].x, pts[p].y, d.sx, d.sy, static_cast<int>(d.fh), static_cast<int>(d.fw));
+      const Taps t = bilinear_taps(pts[p].x, pts[p].y, d.sx, d.sy, static_cast<int>(d.fh),
+                                   static_cast<int>(d.fw));
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         tap_idx[lane * 4 + j] = t.valid[j] ? t.idx[j] : -1;
         tap_w[lane * 4 + j] = t.w[j];
       }
       const float denom = fmaxf(count[b * d.p + p], 1.0f);
-      const T* g = grad + (b * d.lifted_c + c0 * d.z + z) * d.q + q;  // channel c0 + k at g[k * Z * Q]
+      const T* g =
+          grad + (b * d.lifted_c + c0 * d.z + z) * d.q + q;  // channel c0 + k at g[k * Z * Q]
       // 16 loads in flight before the first use (a dependent loop waits on each in turn).
 #pragma unroll
       for (int k0 = 0; k0 < 32; k0 += 16) {
@@ -234,15 +241,17 @@ __global__ void __launch_bounds__(kMaxTileWarps * 32) backward_tile_kernel(const
 // fp32 atomics into `ws` [B*N, C, Hf, Wf] (zeroed by the launcher).
 template <typename T>
 __global__ void backward_global_kernel(const T* __restrict__ grad, const float2* __restrict__ uv,
-                                       const bool* __restrict__ visible, const float* __restrict__ count,
-                                       float* __restrict__ ws, Dims d) {
+                                       const bool* __restrict__ visible,
+                                       const float* __restrict__ count, float* __restrict__ ws,
+                                       Dims d) {
   const int64_t total = d.b * d.n * d.p;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (!visible[i]) continue;
     const int64_t bn = i / d.p, p = i - bn * d.p;
     const int64_t b = bn / d.n, z = p / d.q, q = p - z * d.q;
-    const Taps t = bilinear_taps(uv[i].x, uv[i].y, d.sx, d.sy, static_cast<int>(d.fh), static_cast<int>(d.fw));
+    const Taps t =
+        bilinear_taps(uv[i].x, uv[i].y, d.sx, d.sy, static_cast<int>(d.fh), static_cast<int>(d.fw));
     const float denom = fmaxf(count[b * d.p + p], 1.0f);
     const T* g = grad + (b * d.lifted_c + z) * d.q + q;  // channel c at g[c * Z * Q]
     float* a = ws + bn * d.c * d.hw;
@@ -279,7 +288,8 @@ TilePlan plan_tile(const Dims& d) {
   TilePlan plan;
   int device = 0, limit = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
     return plan;
   }
   plan.pitch = static_cast<int>(d.hw % 2 == 0 ? d.hw + 1 : d.hw);
@@ -296,25 +306,26 @@ TilePlan plan_tile(const Dims& d) {
 }
 
 template <typename T>
-int forward_t(const void* features, const float* uv, const bool* visible, void* lifted, float* count,
-              const Dims& d, cudaStream_t stream) {
+int forward_t(const void* features, const float* uv, const bool* visible, void* lifted,
+              float* count, const Dims& d, cudaStream_t stream) {
   forward_kernel<T><<<grid_for(d.b * d.p, kThreads), kThreads, 0, stream>>>(
-      static_cast<const T*>(features), reinterpret_cast<const float2*>(uv), visible, static_cast<T*>(lifted), count, d);
+      static_cast<const T*>(features), reinterpret_cast<const float2*>(uv), visible,
+      static_cast<T*>(lifted), count, d);
   return static_cast<int>(cudaGetLastError());
 }
 
 template <typename T>
-int backward_t(const void* grad, const float* uv, const bool* visible, const float* count, void* grad_feat,
-               float* ws, const Dims& d, cudaStream_t stream) {
+int backward_t(const void* grad, const float* uv, const bool* visible, const float* count,
+               void* grad_feat, float* ws, const Dims& d, cudaStream_t stream) {
   const TilePlan plan = plan_tile(d);
   if (plan.warps > 0) {
-    cudaError_t rc =
-        cudaFuncSetAttribute(backward_tile_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.bytes);
+    cudaError_t rc = cudaFuncSetAttribute(backward_tile_kernel<T>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, plan.bytes);
     if (rc != cudaSuccess) return static_cast<int>(rc);
     const int64_t blocks = d.b * d.n * ((d.c + 31) / 32);
     backward_tile_kernel<T><<<static_cast<unsigned>(blocks), 32 * plan.warps, plan.bytes, stream>>>(
-        static_cast<const T*>(grad), reinterpret_cast<const float2*>(uv), visible, count, static_cast<T*>(grad_feat),
-        d, plan.pitch);
+        static_cast<const T*>(grad), reinterpret_cast<const float2*>(uv), visible, count,
+        static_cast<T*>(grad_feat), d, plan.pitch);
     return static_cast<int>(cudaGetLastError());
   }
   if (ws == nullptr) return static_cast<int>(cudaErrorInvalidValue);
@@ -331,9 +342,10 @@ int backward_t(const void* grad, const float* uv, const bool* visible, const flo
 
 }  // namespace
 
-int bev_sample_forward(DType t, const void* features, const float* uv, const bool* visible, void* lifted,
-                       float* count, const BevSampleShape& s, cudaStream_t stream) {
-  if (s.cameras < 1 || s.cameras > 32 || s.heights < 1) return static_cast<int>(cudaErrorInvalidValue);
+int bev_sample_forward(DType t, const void* features, const float* uv, const bool* visible,
+                       void* lifted, float* count, const BevSampleShape& s, cudaStream_t stream) {
+  if (s.cameras < 1 || s.cameras > 32 || s.heights < 1)
+    return static_cast<int>(cudaErrorInvalidValue);
   const Dims d = dims_of(s);
   if (d.b * d.p == 0) return 0;
   switch (t) {
@@ -351,18 +363,23 @@ int64_t bev_sample_backward_workspace(const BevSampleShape& s) {
   return plan_tile(d).warps > 0 || d.c == 0 ? 0 : d.b * d.n * d.c * d.hw;
 }
 
-int bev_sample_backward(DType t, const void* grad_lifted, const float* uv, const bool* visible, const float* count,
-                        void* grad_features, float* workspace, const BevSampleShape& s, cudaStream_t stream) {
-  if (s.cameras < 1 || s.cameras > 32 || s.heights < 1) return static_cast<int>(cudaErrorInvalidValue);
+int bev_sample_backward(DType t, const void* grad_lifted, const float* uv, const bool* visible,
+                        const float* count, void* grad_features, float* workspace,
+                        const BevSampleShape& s, cudaStream_t stream) {
+  if (s.cameras < 1 || s.cameras > 32 || s.heights < 1)
+    return static_cast<int>(cudaErrorInvalidValue);
   const Dims d = dims_of(s);
   if (d.b * d.n * d.c * d.hw == 0) return 0;
   switch (t) {
     case DType::kBFloat16:
-      return backward_t<__nv_bfloat16>(grad_lifted, uv, visible, count, grad_features, workspace, d, stream);
+      return backward_t<__nv_bfloat16>(grad_lifted, uv, visible, count, grad_features, workspace, d,
+                                       stream);
     case DType::kFloat16:
-      return backward_t<__half>(grad_lifted, uv, visible, count, grad_features, workspace, d, stream);
+      return backward_t<__half>(grad_lifted, uv, visible, count, grad_features, workspace, d,
+                                stream);
     default:
-      return backward_t<float>(grad_lifted, uv, visible, count, grad_features, workspace, d, stream);
+      return backward_t<float>(grad_lifted, uv, visible, count, grad_features, workspace, d,
+                               stream);
   }
 }
 

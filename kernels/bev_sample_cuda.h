@@ -17,8 +17,8 @@ struct BevSampleShape {
 
 // features: contiguous [B*N, C, Hf, Wf] of dtype t; uv: float32 [B, N, P, 2]; visible: bool
 // [B, N, P]. Writes lifted [B, C*Z + Z, Q] (dtype t) and count (float32 [B, P]).
-int bev_sample_forward(DType t, const void* features, const float* uv, const bool* visible, void* lifted,
-                       float* count, const BevSampleShape& s, cudaStream_t stream);
+int bev_sample_forward(DType t, const void* features, const float* uv, const bool* visible,
+                       void* lifted, float* count, const BevSampleShape& s, cudaStream_t stream);
 
 // Floats of fp32 workspace bev_sample_backward needs: 0 when a block's shared-memory tile holds
 // its channels of one feature map, else B*N*C*Hf*Wf (global atomics, then one cast).
@@ -26,7 +26,8 @@ int64_t bev_sample_backward_workspace(const BevSampleShape& s);
 
 // grad_lifted: contiguous [B, C*Z + Z, Q] of dtype t (the seen channels are not read); count from
 // the forward. Writes every element of grad_features [B*N, C, Hf, Wf] (dtype t).
-int bev_sample_backward(DType t, const void* grad_lifted, const float* uv, const bool* visible, const float* count,
-                        void* grad_features, float* workspace, const BevSampleShape& s, cudaStream_t stream);
+int bev_sample_backward(DType t, const void* grad_lifted, const float* uv, const bool* visible,
+                        const float* count, void* grad_features, float* workspace,
+                        const BevSampleShape& s, cudaStream_t stream);
 
 }  // namespace parallax::kernels::cuda

@@ -23,7 +23,8 @@ inline cuda::DType dtype_of(const at::Tensor& t) {
 
 // Throws parallax::Error naming the kernel and the CUDA error when a launcher returned non-zero.
 inline void check_launch(int rc, const char* kernel, const char* what) {
-  PARALLAX_CHECK(rc == 0, Error, "{}: {} kernel launch failed: {}", kernel, what, cuda::error_string(rc));
+  PARALLAX_CHECK(rc == 0, Error, "{}: {} kernel launch failed: {}", kernel, what,
+                 cuda::error_string(rc));
 }
 
 }  // namespace parallax::kernels::detail

@@ -40,13 +40,16 @@ int multiprocessors(int device) {
   return at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->multiProcessorCount;
 }
 
-void check_launch(int rc, const char* what) { detail::check_launch(rc, "fused LayerNorm", what); }
+void check_launch(int rc, const char* what) {
+  detail::check_launch(rc, "fused LayerNorm", what);
+}
 
 // Shared by the two autograd functions below (LibTorch's custom functions take no undefined
 // tensor inputs, so "no residual" is its own function). Returns {y} or {y, sum}.
-torch::autograd::variable_list forward_impl(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                            const at::Tensor& residual, const at::Tensor& weight,
-                                            const at::Tensor& bias, double eps) {
+torch::autograd::variable_list forward_impl(torch::autograd::AutogradContext* ctx,
+                                            const at::Tensor& x, const at::Tensor& residual,
+                                            const at::Tensor& weight, const at::Tensor& bias,
+                                            double eps) {
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t cols = x.size(-1), rows = x.numel() / cols;
   const at::Tensor xc = x.contiguous();
@@ -56,11 +59,12 @@ torch::autograd::variable_list forward_impl(torch::autograd::AutogradContext* ct
   at::Tensor sum = rc.defined() ? at::empty_like(xc, at::MemoryFormat::Contiguous) : at::Tensor();
   const auto stat = x.options().dtype(at::kFloat);
   at::Tensor mean = at::empty({rows}, stat), rstd = at::empty({rows}, stat);
-  check_launch(cuda::layer_norm_forward(detail::dtype_of(xc), xc.data_ptr(), rc.defined() ? rc.data_ptr() : nullptr,
-                                        sum.defined() ? sum.data_ptr() : nullptr, y.data_ptr(), g.data_ptr<float>(),
-                                        b.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows,
-                                        static_cast<int>(cols), static_cast<float>(eps),
-                                        c10::cuda::getCurrentCUDAStream().stream()),
+  check_launch(cuda::layer_norm_forward(
+                   detail::dtype_of(xc), xc.data_ptr(), rc.defined() ? rc.data_ptr() : nullptr,
+                   sum.defined() ? sum.data_ptr() : nullptr, y.data_ptr(), g.data_ptr<float>(),
+                   b.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows,
+                   static_cast<int>(cols), static_cast<float>(eps),
+                   c10::cuda::getCurrentCUDAStream().stream()),
                "forward");
   ctx->save_for_backward({sum.defined() ? sum : xc, mean, rstd, g});
   ctx->saved_data["weight_dtype"] = weight.scalar_type();
@@ -85,20 +89,21 @@ std::array<at::Tensor, 3> backward_impl(torch::autograd::AutogradContext* ctx,
   const auto f32 = s.options().dtype(at::kFloat);
   at::Tensor partial = at::empty({2, parts, cols}, f32);
   at::Tensor dgamma = at::empty({cols}, f32), dbeta = at::empty({cols}, f32);
-  check_launch(cuda::layer_norm_backward(detail::dtype_of(s), dy.data_ptr(), s.data_ptr(), mean.data_ptr<float>(),
-                                         rstd.data_ptr<float>(), g.data_ptr<float>(),
-                                         dsum.defined() ? dsum.data_ptr() : nullptr, dx.data_ptr(),
-                                         dgamma.data_ptr<float>(), dbeta.data_ptr<float>(), partial.data_ptr<float>(),
-                                         parts, rows, static_cast<int>(cols),
-                                         c10::cuda::getCurrentCUDAStream().stream()),
+  check_launch(cuda::layer_norm_backward(
+                   detail::dtype_of(s), dy.data_ptr(), s.data_ptr(), mean.data_ptr<float>(),
+                   rstd.data_ptr<float>(), g.data_ptr<float>(),
+                   dsum.defined() ? dsum.data_ptr() : nullptr, dx.data_ptr(),
+                   dgamma.data_ptr<float>(), dbeta.data_ptr<float>(), partial.data_ptr<float>(),
+                   parts, rows, static_cast<int>(cols), c10::cuda::getCurrentCUDAStream().stream()),
                "backward");
   return {dx, dgamma.to(ctx->saved_data["weight_dtype"].toScalarType()),
           dbeta.to(ctx->saved_data["bias_dtype"].toScalarType())};
 }
 
 struct FusedLayerNorm : public torch::autograd::Function<FusedLayerNorm> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                                const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, const at::Tensor& weight,
+                                                const at::Tensor& bias, double eps) {
     return forward_impl(ctx, x, at::Tensor(), weight, bias, eps);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -110,9 +115,10 @@ struct FusedLayerNorm : public torch::autograd::Function<FusedLayerNorm> {
 
 // Outputs {y, sum}; the sum's incoming gradient is added to dx inside the backward kernel.
 struct FusedAddLayerNorm : public torch::autograd::Function<FusedAddLayerNorm> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                                const at::Tensor& residual, const at::Tensor& weight,
-                                                const at::Tensor& bias, double eps) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, const at::Tensor& bias,
+                                                double eps) {
     return forward_impl(ctx, x, residual, weight, bias, eps);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -132,19 +138,22 @@ bool aligned16(const at::Tensor& t) {
 
 }  // namespace
 
-bool fused_layer_norm_supported(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                                const at::Tensor& bias) {
+bool fused_layer_norm_supported(const at::Tensor& x, const at::Tensor& residual,
+                                const at::Tensor& weight, const at::Tensor& bias) {
 #ifdef PARALLAX_WITH_CUDA_KERNELS
   if (!x.defined() || !x.is_cuda() || x.dim() < 1 || x.numel() == 0) return false;
   const auto t = x.scalar_type();
   if (t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) return false;
   const int64_t cols = x.size(-1);
   if (cols % cuda::kColGranule != 0 || cols > cuda::kMaxCols) return false;
-  if (!weight.defined() || !bias.defined() || weight.numel() != cols || bias.numel() != cols) return false;
+  if (!weight.defined() || !bias.defined() || weight.numel() != cols || bias.numel() != cols)
+    return false;
   if (weight.device() != x.device() || bias.device() != x.device()) return false;
   if (!x.is_contiguous() || !aligned16(x)) return false;
   if (residual.defined()) {
-    if (residual.scalar_type() != t || residual.sizes() != x.sizes() || residual.device() != x.device()) return false;
+    if (residual.scalar_type() != t || residual.sizes() != x.sizes() ||
+        residual.device() != x.device())
+      return false;
     if (!residual.is_contiguous() || !aligned16(residual)) return false;
   }
   return true;
@@ -158,8 +167,8 @@ bool fused_layer_norm_supported(const at::Tensor& x, const at::Tensor& residual,
 }
 
 std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                 const at::Tensor& weight, const at::Tensor& bias, double eps,
-                                                 bool fused) {
+                                                 const at::Tensor& weight, const at::Tensor& bias,
+                                                 double eps, bool fused) {
 #ifdef PARALLAX_WITH_CUDA_KERNELS
   if (fused && fused_layer_norm_supported(x, residual, weight, bias)) {
     if (!residual.defined()) return {FusedLayerNorm::apply(x, weight, bias, eps)[0], at::Tensor()};

@@ -23,8 +23,14 @@ constexpr int kThreads = 32 * kWarps;
 __device__ __forceinline__ void load8(const float* p, float* f) {
   const float4 a = reinterpret_cast<const float4*>(p)[0];
   const float4 b = reinterpret_cast<const float4*>(p)[1];
-  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-  f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  f[0] = a.x;
+  f[1] = a.y;
+  f[2] = a.z;
+  f[3] = a.w;
+  f[4] = b.x;
+  f[5] = b.y;
+  f[6] = b.z;
+  f[7] = b.w;
 }
 __device__ __forceinline__ void store8(float* p, const float* f) {
   reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
@@ -37,13 +43,17 @@ template <>
 struct Pair16<__nv_bfloat16> {
   using type = __nv_bfloat162;
   static __device__ __forceinline__ float2 to_float2(type h) { return __bfloat1622float2(h); }
-  static __device__ __forceinline__ type from_floats(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  static __device__ __forceinline__ type from_floats(float a, float b) {
+    return __floats2bfloat162_rn(a, b);
+  }
 };
 template <>
 struct Pair16<__half> {
   using type = __half2;
   static __device__ __forceinline__ float2 to_float2(type h) { return __half22float2(h); }
-  static __device__ __forceinline__ type from_floats(float a, float b) { return __floats2half2_rn(a, b); }
+  static __device__ __forceinline__ type from_floats(float a, float b) {
+    return __floats2half2_rn(a, b);
+  }
 };
 
 template <typename T>
@@ -262,10 +272,22 @@ int forward_t(const void* x, const void* residual, void* sum, void* y, const flo
   T* st = static_cast<T*>(sum);
   T* yt = static_cast<T*>(y);
   switch (v) {
-    case 1: ln_forward<T, 1><<<grid, block, 0, stream>>>(xt, rt, st, yt, gamma, beta, mean, rstd, rows, cols, eps); break;
-    case 2: ln_forward<T, 2><<<grid, block, 0, stream>>>(xt, rt, st, yt, gamma, beta, mean, rstd, rows, cols, eps); break;
-    case 3: ln_forward<T, 3><<<grid, block, 0, stream>>>(xt, rt, st, yt, gamma, beta, mean, rstd, rows, cols, eps); break;
-    default: ln_forward<T, 4><<<grid, block, 0, stream>>>(xt, rt, st, yt, gamma, beta, mean, rstd, rows, cols, eps); break;
+    case 1:
+      ln_forward<T, 1>
+          <<<grid, block, 0, stream>>>(xt, rt, st, yt, gamma, beta, mean, rstd, rows, cols, eps);
+      break;
+    case 2:
+      ln_forward<T, 2>
+          <<<grid, block, 0, stream>>>(xt, rt, st, yt, gamma, beta, mean, rstd, rows, cols, eps);
+      break;
+    case 3:
+      ln_forward<T, 3>
+          <<<grid, block, 0, stream>>>(xt, rt, st, yt, gamma, beta, mean, rstd, rows, cols, eps);
+      break;
+    default:
+      ln_forward<T, 4>
+          <<<grid, block, 0, stream>>>(xt, rt, st, yt, gamma, beta, mean, rstd, rows, cols, eps);
+      break;
   }
   return static_cast<int>(cudaGetLastError());
 }
@@ -281,15 +303,27 @@ int backward_t(const void* dy, const void* s, const float* mean, const float* rs
   const T* dst = static_cast<const T*>(dsum);
   T* dxt = static_cast<T*>(dx);
   switch (v) {
-    case 1: ln_backward<T, 1><<<grid, block, 0, stream>>>(dyt, st, mean, rstd, gamma, dst, dxt, partial, parts, rows, cols); break;
-    case 2: ln_backward<T, 2><<<grid, block, 0, stream>>>(dyt, st, mean, rstd, gamma, dst, dxt, partial, parts, rows, cols); break;
-    case 3: ln_backward<T, 3><<<grid, block, 0, stream>>>(dyt, st, mean, rstd, gamma, dst, dxt, partial, parts, rows, cols); break;
-    default: ln_backward<T, 4><<<grid, block, 0, stream>>>(dyt, st, mean, rstd, gamma, dst, dxt, partial, parts, rows, cols); break;
+    case 1:
+      ln_backward<T, 1><<<grid, block, 0, stream>>>(dyt, st, mean, rstd, gamma, dst, dxt, partial,
+                                                    parts, rows, cols);
+      break;
+    case 2:
+      ln_backward<T, 2><<<grid, block, 0, stream>>>(dyt, st, mean, rstd, gamma, dst, dxt, partial,
+                                                    parts, rows, cols);
+      break;
+    case 3:
+      ln_backward<T, 3><<<grid, block, 0, stream>>>(dyt, st, mean, rstd, gamma, dst, dxt, partial,
+                                                    parts, rows, cols);
+      break;
+    default:
+      ln_backward<T, 4><<<grid, block, 0, stream>>>(dyt, st, mean, rstd, gamma, dst, dxt, partial,
+                                                    parts, rows, cols);
+      break;
   }
   int rc = static_cast<int>(cudaGetLastError());
   if (rc != 0) return rc;
-  ln_reduce_parts<<<dim3((cols + 31) / 32, 2), dim3(32, kReduceRows), 0, stream>>>(partial, parts, cols, dgamma,
-                                                                                  dbeta);
+  ln_reduce_parts<<<dim3((cols + 31) / 32, 2), dim3(32, kReduceRows), 0, stream>>>(
+      partial, parts, cols, dgamma, dbeta);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -300,9 +334,15 @@ int layer_norm_forward(DType t, const void* x, const void* residual, void* sum, 
                        int64_t rows, int cols, float eps, cudaStream_t stream) {
   if (rows == 0) return 0;
   switch (t) {
-    case DType::kFloat32: return forward_t<float>(x, residual, sum, y, gamma, beta, mean, rstd, rows, cols, eps, stream);
-    case DType::kBFloat16: return forward_t<__nv_bfloat16>(x, residual, sum, y, gamma, beta, mean, rstd, rows, cols, eps, stream);
-    case DType::kFloat16: return forward_t<__half>(x, residual, sum, y, gamma, beta, mean, rstd, rows, cols, eps, stream);
+    case DType::kFloat32:
+      return forward_t<float>(x, residual, sum, y, gamma, beta, mean, rstd, rows, cols, eps,
+                              stream);
+    case DType::kBFloat16:
+      return forward_t<__nv_bfloat16>(x, residual, sum, y, gamma, beta, mean, rstd, rows, cols, eps,
+                                      stream);
+    case DType::kFloat16:
+      return forward_t<__half>(x, residual, sum, y, gamma, beta, mean, rstd, rows, cols, eps,
+                               stream);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }
@@ -319,9 +359,15 @@ int layer_norm_backward(DType t, const void* dy, const void* s, const float* mea
                         float* dgamma, float* dbeta, float* partial, int parts, int64_t rows,
                         int cols, cudaStream_t stream) {
   switch (t) {
-    case DType::kFloat32: return backward_t<float>(dy, s, mean, rstd, gamma, dsum, dx, dgamma, dbeta, partial, parts, rows, cols, stream);
-    case DType::kBFloat16: return backward_t<__nv_bfloat16>(dy, s, mean, rstd, gamma, dsum, dx, dgamma, dbeta, partial, parts, rows, cols, stream);
-    case DType::kFloat16: return backward_t<__half>(dy, s, mean, rstd, gamma, dsum, dx, dgamma, dbeta, partial, parts, rows, cols, stream);
+    case DType::kFloat32:
+      return backward_t<float>(dy, s, mean, rstd, gamma, dsum, dx, dgamma, dbeta, partial, parts,
+                               rows, cols, stream);
+    case DType::kBFloat16:
+      return backward_t<__nv_bfloat16>(dy, s, mean, rstd, gamma, dsum, dx, dgamma, dbeta, partial,
+                                       parts, rows, cols, stream);
+    case DType::kFloat16:
+      return backward_t<__half>(dy, s, mean, rstd, gamma, dsum, dx, dgamma, dbeta, partial, parts,
+                                rows, cols, stream);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }

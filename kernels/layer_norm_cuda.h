@@ -1,6 +1,6 @@
 // Launchers of the fused LayerNorm CUDA kernels (layer_norm_cuda.cu). Plain pointers and a
-// cudaStream_t only, so nvcc compiles the kernels without LibTorch's headers; kernels/layer_norm.cpp
-// checks shapes, dtypes and alignment and is the only caller.
+// cudaStream_t only, so nvcc compiles the kernels without LibTorch's headers;
+// kernels/layer_norm.cpp checks shapes, dtypes and alignment and is the only caller.
 #pragma once
 
 #include "kernels/cuda_common.h"
@@ -19,8 +19,8 @@ constexpr int kColGranule = 8;
 // saved for the backward. gamma/beta: fp32 [cols].
 // Launchers return the launch's cudaError_t as an int (0: success); error_string names it.
 int layer_norm_forward(DType t, const void* x, const void* residual, void* sum, void* y,
-                        const float* gamma, const float* beta, float* mean, float* rstd,
-                        int64_t rows, int cols, float eps, cudaStream_t stream);
+                       const float* gamma, const float* beta, float* mean, float* rstd,
+                       int64_t rows, int cols, float eps, cudaStream_t stream);
 
 // Number of fp32 partial rows layer_norm_backward writes for gamma/beta (size of `partial`:
 // 2 x parts x cols floats).
@@ -30,8 +30,8 @@ int layer_norm_backward_parts(int64_t rows, int device_sms);
 // elsewhere; may be nullptr); dgamma/dbeta (fp32 [cols]) through `partial` (fp32
 // [2, parts, cols]). s: the normalized input (x, or the saved sum).
 int layer_norm_backward(DType t, const void* dy, const void* s, const float* mean,
-                         const float* rstd, const float* gamma, const void* dsum, void* dx,
-                         float* dgamma, float* dbeta, float* partial, int parts, int64_t rows,
-                         int cols, cudaStream_t stream);
+                        const float* rstd, const float* gamma, const void* dsum, void* dx,
+                        float* dgamma, float* dbeta, float* partial, int parts, int64_t rows,
+                        int cols, cudaStream_t stream);
 
 }  // namespace parallax::kernels::cuda

@@ -18,7 +18,9 @@ bool fused_qkv_pack_supported(const at::Tensor& dq, const at::Tensor& dk, const 
   for (const at::Tensor* t : {&dq, &dk, &dv}) {
     if (!t->defined() || !t->is_cuda() || t->dim() != 4) return false;
     if (t->scalar_type() != at::kBFloat16 && t->scalar_type() != at::kHalf) return false;
-    if (t->scalar_type() != dq.scalar_type() || t->sizes() != dq.sizes() || t->strides() != dq.strides()) return false;
+    if (t->scalar_type() != dq.scalar_type() || t->sizes() != dq.sizes() ||
+        t->strides() != dq.strides())
+      return false;
     if (t->device() != dq.device() || t->stride(3) != 1) return false;
     if (reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0) return false;
   }
@@ -42,15 +44,16 @@ at::Tensor pack_qkv_grad(const at::Tensor& dq, const at::Tensor& dk, const at::T
                  "pack_qkv_grad: expected [B, H, T, hd] gradients and a [B, T, 3*H*hd] shape");
   const int64_t b = any.size(0), h = any.size(1), t = any.size(2), hd = any.size(3);
   PARALLAX_CHECK(qkv_shape[0] == b && qkv_shape[1] == t && qkv_shape[2] == 3 * h * hd, Error,
-                 "pack_qkv_grad: gradients [{}, {}, {}, {}] do not fit the qkv shape [{}, {}, {}]", b, h, t,
-                 hd, qkv_shape[0], qkv_shape[1], qkv_shape[2]);
+                 "pack_qkv_grad: gradients [{}, {}, {}, {}] do not fit the qkv shape [{}, {}, {}]",
+                 b, h, t, hd, qkv_shape[0], qkv_shape[1], qkv_shape[2]);
   at::Tensor g = at::empty(qkv_shape, any.options().memory_format(at::MemoryFormat::Contiguous));
 #ifdef PARALLAX_WITH_CUDA_KERNELS
   if (fused_qkv_pack_supported(dq, dk, dv)) {
     c10::cuda::CUDAGuard guard(dq.device());
     const int64_t strides[3] = {dq.stride(0), dq.stride(1), dq.stride(2)};
-    const int rc = cuda::pack_qkv_grad(dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), g.data_ptr(), 2, b, h, t, hd,
-                                       strides, c10::cuda::getCurrentCUDAStream().stream());
+    const int rc =
+        cuda::pack_qkv_grad(dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), g.data_ptr(), 2, b, h, t,
+                            hd, strides, c10::cuda::getCurrentCUDAStream().stream());
     PARALLAX_CHECK(rc == 0, Error, "pack_qkv_grad: kernel launch failed (cudaError {})", rc);
     return g;
   }

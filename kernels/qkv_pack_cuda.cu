@@ -10,8 +10,9 @@ namespace parallax::kernels::cuda {
 namespace {
 
 __global__ void pack_kernel(const uint4* __restrict__ q, const uint4* __restrict__ k,
-                            const uint4* __restrict__ v, uint4* __restrict__ out, int64_t total, int64_t heads,
-                            int64_t tokens, int64_t vecs, int64_t s_b, int64_t s_h, int64_t s_t) {
+                            const uint4* __restrict__ v, uint4* __restrict__ out, int64_t total,
+                            int64_t heads, int64_t tokens, int64_t vecs, int64_t s_b, int64_t s_h,
+                            int64_t s_t) {
   // One thread per 16-byte vector of the output; strides are in vectors.
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -31,9 +32,9 @@ __global__ void pack_kernel(const uint4* __restrict__ q, const uint4* __restrict
 
 }  // namespace
 
-int pack_qkv_grad(const void* dq, const void* dk, const void* dv, void* out, int elem_bytes, int64_t batch,
-                  int64_t heads, int64_t tokens, int64_t head_dim, const int64_t strides[3],
-                  cudaStream_t stream) {
+int pack_qkv_grad(const void* dq, const void* dk, const void* dv, void* out, int elem_bytes,
+                  int64_t batch, int64_t heads, int64_t tokens, int64_t head_dim,
+                  const int64_t strides[3], cudaStream_t stream) {
   if (elem_bytes != 2 || head_dim % 8 != 0) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t vecs = head_dim / 8;
   const int64_t total = batch * tokens * 3 * heads * vecs;
@@ -41,10 +42,10 @@ int pack_qkv_grad(const void* dq, const void* dk, const void* dv, void* out, int
   const int threads = 256;
   const int64_t want = (total + threads - 1) / threads;
   const int blocks = static_cast<int>(want < (int64_t{1} << 20) ? want : (int64_t{1} << 20));
-  pack_kernel<<<blocks, threads, 0, stream>>>(static_cast<const uint4*>(dq), static_cast<const uint4*>(dk),
-                                              static_cast<const uint4*>(dv), static_cast<uint4*>(out), total,
-                                              heads, tokens, vecs, strides[0] / 8, strides[1] / 8,
-                                              strides[2] / 8);
+  pack_kernel<<<blocks, threads, 0, stream>>>(
+      static_cast<const uint4*>(dq), static_cast<const uint4*>(dk), static_cast<const uint4*>(dv),
+      static_cast<uint4*>(out), total, heads, tokens, vecs, strides[0] / 8, strides[1] / 8,
+      strides[2] / 8);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -271,9 +271,10 @@ std::optional<Failure> Agent::read_failure(int attempt) {
 std::pair<Failure, bool> Agent::record_failure(int attempt, const Failure& f) {
   const std::string key = fmt::format("launch/failed/{}", attempt);
   const std::string mine = fmt::format("{}|{}|{}", kind_name(f.kind), o_.node_rank, f.text);
-  const std::string now = bytes_str(store_call(
-      "recording a failure",
-      [s = store_, key, v = str_bytes(mine)] { return s->compareSet(key, {}, v); }));
+  const std::string now =
+      bytes_str(store_call("recording a failure", [s = store_, key, v = str_bytes(mine)] {
+        return s->compareSet(key, {}, v);
+      }));
   if (now == mine) return {f, true};
   return {*read_failure(attempt), false};
 }

@@ -277,10 +277,11 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
     ties = std::make_unique<QatTies>(*qdq, quantized);
     o.quant_ties = ties.get();
     o.gate = checkpoint::exporter::qat_parity_gate();
-    PARALLAX_CHECK(o.dtype == at::kFloat, ConfigError,
-                   "export: run '{}' is a QAT run: its Q/DQ graph is written in fp32 (QuantizeLinear "
-                   "of float16 needs opset 19; this exporter writes opset 17); drop --dtype fp16",
-                   run);
+    PARALLAX_CHECK(
+        o.dtype == at::kFloat, ConfigError,
+        "export: run '{}' is a QAT run: its Q/DQ graph is written in fp32 (QuantizeLinear "
+        "of float16 needs opset 19; this exporter writes opset 17); drop --dtype fp16",
+        run);
   } else {
     model = models::build_model(cfg->model, scene);
     checkpoint::load_weights(reader, *model);

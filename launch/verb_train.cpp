@@ -16,19 +16,23 @@
 namespace parallax::launch {
 
 int verb_train(const std::vector<std::string>& argv) {
-  Args args("train", "Train a model described by a YAML config. Works alone (one process) or under "
-                     "mpirun, srun or torchrun --no-python; the rank layout comes from the launcher.");
+  Args args("train",
+            "Train a model described by a YAML config. Works alone (one process) or under "
+            "mpirun, srun or torchrun --no-python; the rank layout comes from the launcher.");
   args.option("config", "FILE", "YAML config (may extend others through `_base_`)")
-      .flag("print-config", "print the resolved config (defaults, bases and overrides applied) and exit")
+      .flag("print-config",
+            "print the resolved config (defaults, bases and overrides applied) and exit")
       .flag("print-pp-schedule",
             "print the pipeline schedule (parallel.pp stages, train.grad_accum micro-batches) as a "
             "checked timeline with its bubble, and exit")
       .flag("help-config", "list every config key with its type, default and meaning, and exit")
-      .overrides("config overrides, Hydra style: optim.lr=3e-4 parallel.dp=2 model.img_size[0]=224 ~key")
+      .overrides(
+          "config overrides, Hydra style: optim.lr=3e-4 parallel.dp=2 model.img_size[0]=224 ~key")
       .epilog(
           "examples:\n"
           "  parallax train --config configs/bev_tiny.yaml\n"
-          "  parallax train --config configs/bev_tiny.yaml optim.lr=3e-4 train.steps=200 --print-config\n"
+          "  parallax train --config configs/bev_tiny.yaml optim.lr=3e-4 train.steps=200 "
+          "--print-config\n"
           "  mpirun -np 2 parallax train --config configs/bev_tiny.yaml\n"
           "  parallax train --config configs/bev_tiny.yaml parallel.pp=4 train.grad_accum=8 "
           "--print-pp-schedule");
@@ -54,9 +58,9 @@ int verb_train(const std::vector<std::string>& argv) {
     return 0;
   }
   if (args.flag_set("print-pp-schedule")) {
-    const auto schedule = parallel::pipeline::build_schedule(
-        cfg.parallel.pp_schedule, cfg.parallel.pp, cfg.train.grad_accum,
-        cfg.parallel.pp_virtual_stages);
+    const auto schedule =
+        parallel::pipeline::build_schedule(cfg.parallel.pp_schedule, cfg.parallel.pp,
+                                           cfg.train.grad_accum, cfg.parallel.pp_virtual_stages);
     parallel::pipeline::check(schedule);
     std::fputs(parallel::pipeline::render(schedule).c_str(), stdout);
     return 0;

@@ -36,7 +36,8 @@ double block_saved(const BlockShape& b, const ActivationQuery& q, double s) {
   // (and saves) its own copy: either way e bytes per element.
   const double norms = region * (2 * s * b.dim + 16);
   const double column_inputs = 2 * e * b.dim;  // qkv's and fc1's inputs (gathered under SP)
-  const double sharded = (3 * e * b.dim + e * b.dim + 4 * b.heads + e * b.dim + 2 * e * b.hidden) / t;
+  const double sharded =
+      (3 * e * b.dim + e * b.dim + 4 * b.heads + e * b.dim + 2 * e * b.hidden) / t;
   return b.tokens * (norms + column_inputs + sharded);
 }
 
@@ -51,7 +52,9 @@ double embed_saved(int64_t image_h, int64_t image_w, const ActivationQuery& q) {
 
 // Bytes of GroupNorm's input and output (and so of the ReLU after it): CUDA autocast runs
 // group_norm in fp32; CPU autocast keeps it in the autocast dtype.
-double norm_bytes(const ActivationQuery& q) { return q.cuda ? 4 : q.compute_bytes; }
+double norm_bytes(const ActivationQuery& q) {
+  return q.cuda ? 4 : q.compute_bytes;
+}
 
 // A ConvNormAct (layers.cpp) producing `out` x `hw` from `in` x `in_hw`: the convolution's input
 // (its own cast copy when the tensor it gets is not in the compute dtype; otherwise the tensor the
@@ -62,8 +65,8 @@ double cna_saved(double in, double in_hw, double out, double hw, bool act, bool 
   const double nb = norm_bytes(q);
   const bool cast = nb != q.compute_bytes;
   double b = (cast || input_fresh) ? in * in_hw * q.compute_bytes : 0;
-  b += out * hw * nb;             // GroupNorm input
-  if (act) b += out * hw * nb;    // ReLU output
+  b += out * hw * nb;           // GroupNorm input
+  if (act) b += out * hw * nb;  // ReLU output
   return b;
 }
 
@@ -89,8 +92,8 @@ std::vector<UnitActivation> VitClassifier::unit_activations(const ActivationQuer
   // The final LayerNorm's input and stats, the head's input (class token), the logits and
   // cross-entropy's log-softmax (fp32).
   const double classes = static_cast<double>(num_classes_);
-  out.push_back({b.tokens * (s * b.dim + 8) + b.dim * q.compute_bytes + 2 * classes * 4,
-                 classes * 4, false});
+  out.push_back(
+      {b.tokens * (s * b.dim + 8) + b.dim * q.compute_bytes + 2 * classes * 4, classes * 4, false});
   return out;
 }
 
@@ -106,14 +109,16 @@ std::vector<UnitActivation> PerceptionModel::unit_activations(const ActivationQu
     const double s = eo.vit.fp32_residual ? 4 : e;
     const BlockShape b{fhw, static_cast<double>(eo.vit.dim), static_cast<double>(eo.vit.mlp_hidden),
                        static_cast<double>(eo.vit.heads)};
-    out.push_back({cams * embed_saved(eo.image_h, eo.image_w, q), cams * block_output(b, q, s), false});
+    out.push_back(
+        {cams * embed_saved(eo.image_h, eo.image_w, q), cams * block_output(b, q, s), false});
     for (int64_t i = 0; i < eo.vit.depth; ++i)
       out.push_back({cams * block_saved(b, q, s), cams * block_output(b, q, s), true});
     // Neck: the final LayerNorm's input and stats, the linear's input.
     out.push_back({cams * b.tokens * (s * b.dim + 8 + e * b.dim), feat_out, false});
   } else {
     // One unit: stride-2 ConvNormActs and residual blocks, then the 1x1 neck (its input saved).
-    double saved = 0, in = 3, h = static_cast<double>(eo.image_h), w = static_cast<double>(eo.image_w);
+    double saved = 0, in = 3, h = static_cast<double>(eo.image_h),
+           w = static_cast<double>(eo.image_w);
     bool fresh = true;  // the normalised images: nothing saved them yet
     for (std::size_t st = 0; st < eo.conv.widths.size(); ++st) {
       const double c = static_cast<double>(eo.conv.widths[st]);
@@ -131,11 +136,13 @@ std::vector<UnitActivation> PerceptionModel::unit_activations(const ActivationQu
   // kernel: as they are; the ATen path: an fp32 copy for grid_sampler), then lift1's input
   // [C Z + Z] per cell (e), GroupNorm's input and the ReLU output (fp32), lift2's cast input.
   const BevGrid& g = spec_.query_grid;
-  const double cells = static_cast<double>(g.nx * g.ny), c = static_cast<double>(spec_.bev_channels);
+  const double cells = static_cast<double>(g.nx * g.ny),
+               c = static_cast<double>(spec_.bev_channels);
   const double z = static_cast<double>(spec_.heights.size());
   const double feat_copy = cams * fhw * static_cast<double>(eo.out_channels) * (q.cuda ? e : 4);
   const double nb = norm_bytes(q);
-  double view = feat_copy + (static_cast<double>(eo.out_channels) * z + z) * cells * e + 2 * c * cells * nb;
+  double view =
+      feat_copy + (static_cast<double>(eo.out_channels) * z + z) * cells * e + 2 * c * cells * nb;
   if (nb != e) view += c * cells * e;
   out.push_back({view, c * cells * e, false});
   for (int64_t i = 0; i < spec_.encoder_blocks; ++i)
@@ -164,7 +171,8 @@ std::vector<UnitActivation> MlpModel::unit_activations(const ActivationQuery& q)
     out.push_back({width * e + h * e, h * e, false});
     width = h;
   }
-  out.push_back({width * e + 2 * static_cast<double>(out_) * 4, static_cast<double>(out_) * e, false});
+  out.push_back(
+      {width * e + 2 * static_cast<double>(out_) * 4, static_cast<double>(out_) * e, false});
   return out;
 }
 

@@ -22,7 +22,9 @@ Mat3 mul(const Mat3& a, const Mat3& b) {
   return c;
 }
 
-Mat3 rot_z(double a) { return {{{std::cos(a), -std::sin(a), 0}, {std::sin(a), std::cos(a), 0}, {0, 0, 1}}}; }
+Mat3 rot_z(double a) {
+  return {{{std::cos(a), -std::sin(a), 0}, {std::sin(a), std::cos(a), 0}, {0, 0, 1}}};
+}
 
 // Camera axes in the ego frame for a camera looking along ego +x: columns are x_cam (right = -y),
 // y_cam (down = -z) and z_cam (forward = +x).
@@ -30,8 +32,12 @@ constexpr Mat3 kCamToEgoAxes = {{{0, 0, 1}, {-1, 0, 0}, {0, -1, 0}}};
 
 // In the camera's own frame: pitch tilts the optical axis towards +y_cam (down), roll turns the
 // image around the optical axis.
-Mat3 cam_pitch(double p) { return {{{1, 0, 0}, {0, std::cos(p), std::sin(p)}, {0, -std::sin(p), std::cos(p)}}}; }
-Mat3 cam_roll(double r) { return {{{std::cos(r), -std::sin(r), 0}, {std::sin(r), std::cos(r), 0}, {0, 0, 1}}}; }
+Mat3 cam_pitch(double p) {
+  return {{{1, 0, 0}, {0, std::cos(p), std::sin(p)}, {0, -std::sin(p), std::cos(p)}}};
+}
+Mat3 cam_roll(double r) {
+  return {{{std::cos(r), -std::sin(r), 0}, {std::sin(r), std::cos(r), 0}, {0, 0, 1}}};
+}
 
 Mat3 rotation(double yaw, double pitch, double roll) {
   return mul(mul(mul(rot_z(yaw), kCamToEgoAxes), cam_pitch(pitch)), cam_roll(roll));
@@ -47,14 +53,18 @@ at::Tensor to_tensor(const Mat3& m) {
 
 }  // namespace
 
-at::Tensor camera_rotation(double yaw, double pitch, double roll) { return to_tensor(rotation(yaw, pitch, roll)); }
+at::Tensor camera_rotation(double yaw, double pitch, double roll) {
+  return to_tensor(rotation(yaw, pitch, roll));
+}
 
 CameraRig make_surround_rig(const RigOptions& o) {
-  PARALLAX_CHECK(o.num_cameras >= 1 && o.image_height > 0 && o.image_width > 0 && o.hfov_deg > 0 && o.hfov_deg < 180,
-                 ConfigError, "camera rig: invalid options ({} cameras, {}x{} pixels, hfov {} deg)", o.num_cameras,
-                 o.image_height, o.image_width, o.hfov_deg);
+  PARALLAX_CHECK(o.num_cameras >= 1 && o.image_height > 0 && o.image_width > 0 && o.hfov_deg > 0 &&
+                     o.hfov_deg < 180,
+                 ConfigError, "camera rig: invalid options ({} cameras, {}x{} pixels, hfov {} deg)",
+                 o.num_cameras, o.image_height, o.image_width, o.hfov_deg);
   const int64_t n = o.num_cameras;
-  const double f = 0.5 * static_cast<double>(o.image_width) / std::tan(0.5 * o.hfov_deg * std::numbers::pi / 180.0);
+  const double f = 0.5 * static_cast<double>(o.image_width) /
+                   std::tan(0.5 * o.hfov_deg * std::numbers::pi / 180.0);
   at::Tensor k = at::zeros({n, 3, 3}, at::kFloat);
   at::Tensor e = at::zeros({n, 4, 4}, at::kFloat);
   auto ka = k.accessor<float, 3>();
@@ -80,7 +90,8 @@ CameraRig make_surround_rig(const RigOptions& o) {
 CameraRig jitter_rig(const CameraRig& rig, int64_t n, double max_angle_deg, double max_height_m) {
   const int64_t cams = rig.intrinsics.size(0);
   const double a = max_angle_deg * std::numbers::pi / 180.0;
-  at::Tensor u = at::rand({n, cams, 4}, at::kDouble) * 2 - 1;  // yaw, pitch, roll, height in [-1, 1)
+  at::Tensor u =
+      at::rand({n, cams, 4}, at::kDouble) * 2 - 1;  // yaw, pitch, roll, height in [-1, 1)
   at::Tensor base = rig.cam_to_ego.to(at::kDouble).contiguous();
   at::Tensor e = at::empty({n, cams, 4, 4}, at::kFloat);
   auto ua = u.accessor<double, 3>();
@@ -91,9 +102,11 @@ CameraRig jitter_rig(const CameraRig& rig, int64_t n, double max_angle_deg, doub
       Mat3 r{};
       for (int i = 0; i < 3; ++i)
         for (int j = 0; j < 3; ++j) r[i][j] = ba[c][i][j];
-      r = mul(mul(mul(rot_z(a * ua[s][c][0]), r), cam_pitch(a * ua[s][c][1])), cam_roll(a * ua[s][c][2]));
+      r = mul(mul(mul(rot_z(a * ua[s][c][0]), r), cam_pitch(a * ua[s][c][1])),
+              cam_roll(a * ua[s][c][2]));
       for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) ea[s][c][i][j] = static_cast<float>(i < 3 && j < 3 ? r[i][j] : ba[c][i][j]);
+        for (int j = 0; j < 4; ++j)
+          ea[s][c][i][j] = static_cast<float>(i < 3 && j < 3 ? r[i][j] : ba[c][i][j]);
       ea[s][c][2][3] = static_cast<float>(ba[c][2][3] + max_height_m * ua[s][c][3]);
     }
   }

@@ -14,9 +14,9 @@ struct RigOptions {
   int64_t num_cameras = 6;
   int64_t image_height = 128;
   int64_t image_width = 224;
-  double hfov_deg = 70.0;      // horizontal field of view of every camera (overlap for 6 cameras)
-  double mount_height = 1.6;   // metres above the ground
-  double mount_radius = 1.0;   // cameras sit this far from the ego origin, along their yaw
+  double hfov_deg = 70.0;     // horizontal field of view of every camera (overlap for 6 cameras)
+  double mount_height = 1.6;  // metres above the ground
+  double mount_radius = 1.0;  // cameras sit this far from the ego origin, along their yaw
 };
 
 struct CameraRig {
@@ -31,7 +31,8 @@ CameraRig make_surround_rig(const RigOptions& o = {});
 // `n` copies of `rig` with small random mounting perturbations (yaw, pitch and roll up to
 // `max_angle_deg`, height up to `max_height_m`), drawn from the default CPU generator:
 // intrinsics [n, N, 3, 3], cam_to_ego [n, N, 4, 4].
-CameraRig jitter_rig(const CameraRig& rig, int64_t n, double max_angle_deg = 2.0, double max_height_m = 0.1);
+CameraRig jitter_rig(const CameraRig& rig, int64_t n, double max_angle_deg = 2.0,
+                     double max_height_m = 0.1);
 
 // Rotation matrix (float32 [3, 3]) of a camera with the given yaw, pitch (positive looks down) and
 // roll around its optical axis, mapping camera-frame directions to the ego frame.

@@ -4,7 +4,8 @@
 
 namespace parallax::models {
 
-DetectionTargets encode_detection_targets(const at::Tensor& boxes, const BevGrid& grid, int64_t num_classes) {
+DetectionTargets encode_detection_targets(const at::Tensor& boxes, const BevGrid& grid,
+                                          int64_t num_classes) {
   const at::Tensor bx = boxes.to(at::kFloat);
   const int64_t b = bx.size(0), k = bx.size(1);
   const auto f32 = bx.options();
@@ -13,12 +14,14 @@ DetectionTargets encode_detection_targets(const at::Tensor& boxes, const BevGrid
   const at::Tensor gy = (col(1) - grid.y_min) / grid.resolution;
   const at::Tensor ci = gx.floor(), cj = gy.floor();
   const at::Tensor cls = col(7);
-  const at::Tensor mask = (cls >= 0) & (cls < static_cast<double>(num_classes)) & (col(8) > 0) & (ci >= 0) &
-                          (ci < static_cast<double>(grid.nx)) & (cj >= 0) & (cj < static_cast<double>(grid.ny));
-  const at::Tensor index = at::where(mask, ci * static_cast<double>(grid.ny) + cj, at::zeros_like(ci)).to(at::kLong);
+  const at::Tensor mask = (cls >= 0) & (cls < static_cast<double>(num_classes)) & (col(8) > 0) &
+                          (ci >= 0) & (ci < static_cast<double>(grid.nx)) & (cj >= 0) &
+                          (cj < static_cast<double>(grid.ny));
+  const at::Tensor index =
+      at::where(mask, ci * static_cast<double>(grid.ny) + cj, at::zeros_like(ci)).to(at::kLong);
   auto safe_log = [](const at::Tensor& v) { return v.clamp_min(1e-3).log(); };
-  const at::Tensor codes = at::stack({gx - ci, gy - cj, col(2), safe_log(col(3)), safe_log(col(4)), safe_log(col(5)),
-                                      col(6).sin(), col(6).cos()},
+  const at::Tensor codes = at::stack({gx - ci, gy - cj, col(2), safe_log(col(3)), safe_log(col(4)),
+                                      safe_log(col(5)), col(6).sin(), col(6).cos()},
                                      -1);
 
   at::Tensor heatmap = at::zeros({b, num_classes, grid.nx, grid.ny}, f32);
@@ -28,7 +31,7 @@ DetectionTargets encode_detection_targets(const at::Tensor& boxes, const BevGrid
     const at::Tensor ii = at::arange(grid.nx, f32).view({1, 1, -1, 1});
     const at::Tensor jj = at::arange(grid.ny, f32).view({1, 1, 1, -1});
     auto e = [](const at::Tensor& t) { return t.unsqueeze(-1).unsqueeze(-1); };
-    const at::Tensor d2 = (ii - e(ci)).pow(2) + (jj - e(cj)).pow(2);             // [B, K, nx, ny]
+    const at::Tensor d2 = (ii - e(ci)).pow(2) + (jj - e(cj)).pow(2);  // [B, K, nx, ny]
     const at::Tensor g = at::exp(-d2 / (2 * e(sigma).pow(2))) * e(mask.to(at::kFloat));
     std::vector<at::Tensor> per_class;
     per_class.reserve(num_classes);
@@ -49,7 +52,8 @@ at::Tensor normaliser(const at::Tensor& count, const ReplicaMean& mean) {
 
 }  // namespace
 
-at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target, const ReplicaMean& mean) {
+at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target,
+                              const ReplicaMean& mean) {
   const at::Tensor x = logits.to(at::kFloat);
   const at::Tensor t = target.to(at::kFloat);
   const at::Tensor pos = t.eq(1).to(at::kFloat);
@@ -59,7 +63,8 @@ at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target
   return -(pos_term.sum() + neg_term.sum()) / normaliser(pos.sum(), mean);
 }
 
-at::Tensor box_regression_loss(const at::Tensor& box_reg, const DetectionTargets& targets, const ReplicaMean& mean) {
+at::Tensor box_regression_loss(const at::Tensor& box_reg, const DetectionTargets& targets,
+                               const ReplicaMean& mean) {
   const int64_t b = box_reg.size(0), k = targets.index.size(1);
   const at::Tensor flat = box_reg.reshape({b, kBoxCodeSize, -1});
   const at::Tensor idx = targets.index.unsqueeze(1).expand({b, kBoxCodeSize, k});
@@ -69,11 +74,12 @@ at::Tensor box_regression_loss(const at::Tensor& box_reg, const DetectionTargets
   return l1.sum() / normaliser(m.sum(), mean);
 }
 
-Detections decode_detections(const at::Tensor& heatmap_logits, const at::Tensor& box_reg, const BevGrid& grid,
-                             int64_t max_detections, double score_threshold) {
+Detections decode_detections(const at::Tensor& heatmap_logits, const at::Tensor& box_reg,
+                             const BevGrid& grid, int64_t max_detections, double score_threshold) {
   const at::Tensor heat = at::sigmoid(heatmap_logits.to(at::kFloat));
   const int64_t b = heat.size(0), c = heat.size(1), q = grid.cells();
-  const at::Tensor peak = heat * (heat == at::max_pool2d(heat, {3, 3}, {1, 1}, {1, 1})).to(at::kFloat);
+  const at::Tensor peak =
+      heat * (heat == at::max_pool2d(heat, {3, 3}, {1, 1}, {1, 1})).to(at::kFloat);
   const int64_t k = std::min(max_detections, c * q);
   auto [scores, idx] = peak.reshape({b, c * q}).topk(k, 1);
   const at::Tensor cls = at::div(idx, q, "floor");
@@ -82,13 +88,14 @@ Detections decode_detections(const at::Tensor& heatmap_logits, const at::Tensor&
                                .gather(2, cell.unsqueeze(1).expand({b, kBoxCodeSize, k}))
                                .transpose(1, 2)
                                .to(at::kFloat);  // [B, k, 8]
-  const at::Tensor i = at::div(cell, grid.ny, "floor").to(at::kFloat), j = cell.remainder(grid.ny).to(at::kFloat);
+  const at::Tensor i = at::div(cell, grid.ny, "floor").to(at::kFloat),
+                   j = cell.remainder(grid.ny).to(at::kFloat);
   auto code = [&](int64_t e) { return codes.select(-1, e); };
-  const at::Tensor box =
-      at::stack({grid.x_min + (i + code(0)) * grid.resolution, grid.y_min + (j + code(1)) * grid.resolution, code(2),
-                 code(3).exp(), code(4).exp(), code(5).exp(), at::atan2(code(6), code(7)), cls.to(at::kFloat),
-                 at::ones_like(code(0))},
-                -1);
+  const at::Tensor box = at::stack(
+      {grid.x_min + (i + code(0)) * grid.resolution, grid.y_min + (j + code(1)) * grid.resolution,
+       code(2), code(3).exp(), code(4).exp(), code(5).exp(), at::atan2(code(6), code(7)),
+       cls.to(at::kFloat), at::ones_like(code(0))},
+      -1);
   const at::Tensor keep = scores >= score_threshold;
   at::Tensor pad = at::zeros({9}, box.options());
   pad[7] = -1;

@@ -29,12 +29,14 @@ struct DetectionTargets {
   at::Tensor mask;     // bool [B, K]: which boxes are targets
 };
 
-DetectionTargets encode_detection_targets(const at::Tensor& boxes, const BevGrid& grid, int64_t num_classes);
+DetectionTargets encode_detection_targets(const at::Tensor& boxes, const BevGrid& grid,
+                                          int64_t num_classes);
 
 // CenterNet focal loss (alpha 2, beta 4) of heatmap logits against Gaussian targets, normalised
 // by the number of centre cells (target == 1), at least 1; with `mean`, by the mean of that number
 // over the data-parallel replicas (models/replica_mean.h). Computed in float32.
-at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target, const ReplicaMean& mean = {});
+at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target,
+                              const ReplicaMean& mean = {});
 
 // L1 over the 8 code entries (summed) at each target box's centre cell, averaged over target
 // boxes (0 if none; with `mean`, over the mean number of target boxes of the replicas).
@@ -49,7 +51,7 @@ struct Detections {
 
 // Peaks of sigmoid(heatmap_logits) that survive a 3x3 max-pool NMS, the top `max_detections`
 // over all classes, kept when score >= score_threshold, decoded with the codes at their cells.
-Detections decode_detections(const at::Tensor& heatmap_logits, const at::Tensor& box_reg, const BevGrid& grid,
-                             int64_t max_detections, double score_threshold);
+Detections decode_detections(const at::Tensor& heatmap_logits, const at::Tensor& box_reg,
+                             const BevGrid& grid, int64_t max_detections, double score_threshold);
 
 }  // namespace parallax::models

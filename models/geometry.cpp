@@ -28,13 +28,14 @@ at::Tensor ego_to_image(const at::Tensor& intrinsics, const at::Tensor& cam_to_e
   return small_matmul(intrinsics.to(at::kFloat), ego_to_cam);
 }
 
-Projection project_points(const at::Tensor& points_ego, const at::Tensor& intrinsics, const at::Tensor& cam_to_ego) {
+Projection project_points(const at::Tensor& points_ego, const at::Tensor& intrinsics,
+                          const at::Tensor& cam_to_ego) {
   at::Tensor m = ego_to_image(intrinsics, cam_to_ego);  // [B, N, 3, 4]
   at::Tensor p = points_ego.to(at::kFloat);
   if (p.dim() == 2) p = p.unsqueeze(0);  // [1 or B, P, 3]
   // uvw[b, n, p, r] = sum_c M[b, n, r, c] * p[b, p, c] + M[b, n, r, 3]
-  at::Tensor rot = m.narrow(-1, 0, 3);                                             // [B, N, 3, 3]
-  at::Tensor uvw = (rot.unsqueeze(2) * p.unsqueeze(1).unsqueeze(-2)).sum(-1) +   // [B, N, P, 3]
+  at::Tensor rot = m.narrow(-1, 0, 3);                                          // [B, N, 3, 3]
+  at::Tensor uvw = (rot.unsqueeze(2) * p.unsqueeze(1).unsqueeze(-2)).sum(-1) +  // [B, N, P, 3]
                    m.select(-1, 3).unsqueeze(2);
   at::Tensor depth = uvw.select(-1, 2);
   // Points behind the camera still get finite (meaningless) pixels; visibility_mask rejects them.
@@ -48,11 +49,13 @@ at::Tensor visibility_mask(const Projection& proj, int64_t height, int64_t width
          (v < static_cast<double>(height));
 }
 
-at::Tensor unproject_pixels(const at::Tensor& uv, const at::Tensor& depth, const at::Tensor& intrinsics,
-                            const at::Tensor& cam_to_ego) {
+at::Tensor unproject_pixels(const at::Tensor& uv, const at::Tensor& depth,
+                            const at::Tensor& intrinsics, const at::Tensor& cam_to_ego) {
   at::Tensor k = intrinsics.to(at::kFloat);
-  at::Tensor fx = k.select(-1, 0).select(-1, 0).unsqueeze(-1), fy = k.select(-2, 1).select(-1, 1).unsqueeze(-1);
-  at::Tensor cx = k.select(-2, 0).select(-1, 2).unsqueeze(-1), cy = k.select(-2, 1).select(-1, 2).unsqueeze(-1);
+  at::Tensor fx = k.select(-1, 0).select(-1, 0).unsqueeze(-1),
+             fy = k.select(-2, 1).select(-1, 1).unsqueeze(-1);
+  at::Tensor cx = k.select(-2, 0).select(-1, 2).unsqueeze(-1),
+             cy = k.select(-2, 1).select(-1, 2).unsqueeze(-1);
   at::Tensor skew = k.select(-2, 0).select(-1, 1).unsqueeze(-1);
   at::Tensor d = depth.to(at::kFloat);
   at::Tensor y = (uv.select(-1, 1) - cy) / fy;

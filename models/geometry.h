@@ -29,14 +29,15 @@ at::Tensor invert_rigid(const at::Tensor& transform);
 at::Tensor ego_to_image(const at::Tensor& intrinsics, const at::Tensor& cam_to_ego);
 
 // Projects ego points [P, 3] (shared by the batch) or [B, P, 3] into every camera.
-Projection project_points(const at::Tensor& points_ego, const at::Tensor& intrinsics, const at::Tensor& cam_to_ego);
+Projection project_points(const at::Tensor& points_ego, const at::Tensor& intrinsics,
+                          const at::Tensor& cam_to_ego);
 
 // bool [B, N, P]: visible per docs/data.md in an image of height x width pixels.
 at::Tensor visibility_mask(const Projection& proj, int64_t height, int64_t width);
 
 // Back-projects pixels uv [B, N, P, 2] at depths (z_cam) [B, N, P] to ego points [B, N, P, 3].
-at::Tensor unproject_pixels(const at::Tensor& uv, const at::Tensor& depth, const at::Tensor& intrinsics,
-                            const at::Tensor& cam_to_ego);
+at::Tensor unproject_pixels(const at::Tensor& uv, const at::Tensor& depth,
+                            const at::Tensor& intrinsics, const at::Tensor& cam_to_ego);
 
 struct Rays {
   at::Tensor origin;     // [B, N, 3] camera centres in the ego frame

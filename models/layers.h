@@ -8,10 +8,10 @@
 // costed without being constructed (the 3b model); tests check it against real construction.
 #pragma once
 
+#include "core/linear_spec.h"
 #include "models/checkpointable.h"
 #include "models/onnx/emitter.h"
 #include "models/quant.h"
-#include "core/linear_spec.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>

@@ -20,12 +20,13 @@ MlpModel::MlpModel(int64_t in_features, int64_t hidden, int64_t out_features, in
   net_->push_back(torch::nn::Linear(width, out_));
   // The target function is part of the model definition (a buffer), so every rank agrees on it.
   teacher_ = register_buffer(
-      "teacher", core::shape_only()
-                     ? at::empty({in_, out_}, at::TensorOptions().device(at::kMeta))
-                     : at::randn({in_, out_}) / std::sqrt(static_cast<double>(in_)));
+      "teacher", core::shape_only() ? at::empty({in_, out_}, at::TensorOptions().device(at::kMeta))
+                                    : at::randn({in_, out_}) / std::sqrt(static_cast<double>(in_)));
 }
 
-core::TensorDict MlpModel::forward(const core::TensorDict& batch) { return forward_chain(batch); }
+core::TensorDict MlpModel::forward(const core::TensorDict& batch) {
+  return forward_chain(batch);
+}
 
 std::vector<at::Tensor> MlpModel::chain_begin(const core::TensorDict& batch) {
   return {batch.at("x")};
@@ -58,7 +59,8 @@ std::vector<Unit> MlpModel::units() const {
 
 LossOutput MlpModel::loss(const core::TensorDict& batch, const core::TensorDict& pred) {
   const at::Tensor x = batch.at("x");
-  const at::Tensor target = batch.count("y") ? batch.at("y") : at::tanh(x.matmul(teacher_.to(x.dtype())));
+  const at::Tensor target =
+      batch.count("y") ? batch.at("y") : at::tanh(x.matmul(teacher_.to(x.dtype())));
   at::Tensor mse = (pred.at("y_hat").to(at::kFloat) - target.to(at::kFloat)).pow(2).mean();
   return {mse, {{"mse", mse.detach()}}};
 }
@@ -77,7 +79,9 @@ std::vector<ModuleCost> MlpModel::cost_breakdown() const {
   return {{"mlp", parameter_count(), forward_flops_per_sample()}};
 }
 
-int64_t MlpModel::batch_size(const core::TensorDict& batch) const { return batch.at("x").size(0); }
+int64_t MlpModel::batch_size(const core::TensorDict& batch) const {
+  return batch.at("x").size(0);
+}
 
 core::TensorDict MlpModel::example_batch(int64_t n) const {
   at::Tensor x = at::randn({n, in_});

@@ -28,7 +28,8 @@ class MlpModel : public Model {
   std::vector<ModuleCost> cost_breakdown() const override;
   // One unit per linear layer with the GELU after it: "net.0", "net.2", ..., "net.<2 depth>".
   std::vector<Unit> units() const override;
-  std::vector<UnitActivation> unit_activations(const ActivationQuery& q) const override;  // models/activations.cpp
+  std::vector<UnitActivation> unit_activations(
+      const ActivationQuery& q) const override;  // models/activations.cpp
   // Input "x" float32 [B, in], output "y_hat" float32 [B, out].
   // Input "x", output "y_hat"; a unit per Linear (with its GELU) (models/onnx/mlp_onnx.cpp).
   OnnxFlow emit_onnx_inputs(onnx::Emitter& e) override;

@@ -75,7 +75,8 @@ struct LossOutput {
 };
 
 // The planner's activation model (train/planner.h, docs/planning.md): what one sample's forward
-// keeps for its backward, per unit of the chain, computed from the model's own shapes (nothing runs).
+// keeps for its backward, per unit of the chain, computed from the model's own shapes (nothing
+// runs).
 struct ActivationQuery {
   int compute_bytes = 4;  // bytes of the autocast dtype (bf16/fp16: 2); 4 without autocast
   bool cuda = false;      // fused CUDA paths keep different tensors (e.g. bev sampling)

@@ -39,25 +39,34 @@ struct ModelConfig {
   void visit(V& v) {
     v("name", name, "model family: bev (perception) | vit_cls (classification) | mlp (stand-in)",
       core::Check::one_of({"bev", "vit_cls", "mlp"}));
-    v("size", size, "size preset", core::Check::one_of({"tiny", "small", "base", "large", "3b", "b16"}));
+    v("size", size, "size preset",
+      core::Check::one_of({"tiny", "small", "base", "large", "3b", "b16"}));
     v("backbone", backbone, "image backbone", core::Check::one_of({"vit", "conv"}));
-    v("num_classes", num_classes, "classes of the classification head (vit_cls)", core::Check::at_least(1));
+    v("num_classes", num_classes, "classes of the classification head (vit_cls)",
+      core::Check::at_least(1));
     v("dropout", dropout, "dropout probability", core::Check::between(0, 1));
-    v("attention", attention, "fused attention kernel tried first (GPU): auto | cudnn | flash | fa3 | efficient | math",
+    v("attention", attention,
+      "fused attention kernel tried first (GPU): auto | cudnn | flash | fa3 | efficient | math",
       core::Check::one_of({"auto", "cudnn", "flash", "fa3", "efficient", "math"}));
-    v("fp32_residual", fp32_residual, "keep the transformer residual stream and LayerNorms in fp32 under autocast");
-    v("fused_kernels", fused_kernels, "fused CUDA kernels: residual add + LayerNorm, qkv-gradient packing, BEV sampling (false: ATen ops)");
+    v("fp32_residual", fp32_residual,
+      "keep the transformer residual stream and LayerNorms in fp32 under autocast");
+    v("fused_kernels", fused_kernels,
+      "fused CUDA kernels: residual add + LayerNorm, qkv-gradient packing, BEV sampling (false: "
+      "ATen ops)");
     v("bev_resolution", bev_resolution, "bev: metres per BEV query cell (0: the size's preset)",
       core::Check::at_least(0));
     v("bev_heights", bev_heights, "bev: reference heights per BEV pillar (0: the size's preset)",
       core::Check::at_least(0));
-    v("seg_loss_weight", seg_loss_weight, "bev: weight of the BEV segmentation cross-entropy", core::Check::at_least(0));
+    v("seg_loss_weight", seg_loss_weight, "bev: weight of the BEV segmentation cross-entropy",
+      core::Check::at_least(0));
     v("heatmap_loss_weight", heatmap_loss_weight, "bev: weight of the detection heatmap focal loss",
       core::Check::at_least(0));
-    v("box_loss_weight", box_loss_weight, "bev: weight of the box regression L1 loss", core::Check::at_least(0));
+    v("box_loss_weight", box_loss_weight, "bev: weight of the box regression L1 loss",
+      core::Check::at_least(0));
     v("score_threshold", score_threshold, "bev: minimum heatmap score of a decoded detection",
       core::Check::between(0, 1));
-    v("max_detections", max_detections, "bev: detections per sample after top-K", core::Check::at_least(1));
+    v("max_detections", max_detections, "bev: detections per sample after top-K",
+      core::Check::at_least(1));
   }
 };
 

@@ -216,7 +216,8 @@ std::vector<double> PerceptionModel::unit_flops() const {
   double enc_total = 0;
   for (int64_t i = 0; i < e; ++i) {
     double n = 0;
-    for (const auto& name : u[static_cast<std::size_t>(i)].param_names) n += static_cast<double>(numel.at(name));
+    for (const auto& name : u[static_cast<std::size_t>(i)].param_names)
+      n += static_cast<double>(numel.at(name));
     enc_params.push_back(n);
     enc_total += n;
   }

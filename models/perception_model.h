@@ -102,7 +102,8 @@ class PerceptionModel : public Model {
   // conv: "encoder"), "view", "bev_block<i>", "heads" (the three heads and the resampling of the
   // segmentation logits to the label grid).
   std::vector<Unit> units() const override;
-  std::vector<UnitActivation> unit_activations(const ActivationQuery& q) const override;  // models/activations.cpp
+  std::vector<UnitActivation> unit_activations(
+      const ActivationQuery& q) const override;  // models/activations.cpp
   core::TensorDict postprocess(const core::TensorDict& pred) override;
   int64_t batch_size(const core::TensorDict& batch) const override {
     return batch.at("images").size(0);

@@ -75,7 +75,9 @@ namespace {
 }
 }  // namespace
 
-std::vector<at::Tensor> Model::chain_begin(const core::TensorDict&) { not_chainable(); }
+std::vector<at::Tensor> Model::chain_begin(const core::TensorDict&) {
+  not_chainable();
+}
 std::vector<at::Tensor> Model::chain_unit(int, const core::TensorDict&,
                                           const std::vector<at::Tensor>&) {
   not_chainable();

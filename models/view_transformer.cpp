@@ -11,12 +11,16 @@ namespace parallax::models {
 
 ViewTransformerImpl::ViewTransformerImpl(const ViewTransformerOptions& o) : opts_(o) {
   PARALLAX_CHECK(!o.heights.empty() && o.grid.nx > 0 && o.grid.ny > 0, ConfigError,
-                 "view transformer: need at least one height and a non-empty grid ({} x {})", o.grid.nx, o.grid.ny);
+                 "view transformer: need at least one height and a non-empty grid ({} x {})",
+                 o.grid.nx, o.grid.ny);
   const int64_t z = static_cast<int64_t>(o.heights.size());
-  lift1_ = register_module("lift1", QuantConv2d(torch::nn::Conv2dOptions(z * o.in_channels + z, o.channels, 1)));
+  lift1_ = register_module(
+      "lift1", QuantConv2d(torch::nn::Conv2dOptions(z * o.in_channels + z, o.channels, 1)));
   norm_ = register_module("norm", torch::nn::GroupNorm(norm_groups(o.channels), o.channels));
-  lift2_ = register_module("lift2", QuantConv2d(torch::nn::Conv2dOptions(o.channels, o.channels, 1)));
-  query_embed_ = register_parameter("query_embed", core::init_normal({1, o.channels, o.grid.nx, o.grid.ny}, 0.02));
+  lift2_ =
+      register_module("lift2", QuantConv2d(torch::nn::Conv2dOptions(o.channels, o.channels, 1)));
+  query_embed_ = register_parameter("query_embed",
+                                    core::init_normal({1, o.channels, o.grid.nx, o.grid.ny}, 0.02));
 }
 
 at::Tensor ViewTransformerImpl::reference_points(const c10::Device& device) const {
@@ -29,8 +33,9 @@ at::Tensor ViewTransformerImpl::reference_points(const c10::Device& device) cons
   return at::stack({mesh[1], mesh[2], mesh[0]}, -1).reshape({-1, 3});
 }
 
-ViewTransformerImpl::Sampled ViewTransformerImpl::sample(const at::Tensor& features, const at::Tensor& intrinsics,
-                                                        const at::Tensor& cam_to_ego) const {
+ViewTransformerImpl::Sampled ViewTransformerImpl::sample(const at::Tensor& features,
+                                                         const at::Tensor& intrinsics,
+                                                         const at::Tensor& cam_to_ego) const {
   const int64_t b = intrinsics.size(0), n = intrinsics.size(1);
   const int64_t z = static_cast<int64_t>(opts_.heights.size()), q = opts_.grid.cells();
   PARALLAX_CHECK(features.dim() == 4 && features.size(0) == b * n, Error,
@@ -44,10 +49,12 @@ ViewTransformerImpl::Sampled ViewTransformerImpl::sample(const at::Tensor& featu
   // run in float32 even under autocast: the backward of grid_sample and scatter_add accumulate
   // with atomics, which are slow (and lossy) in bf16/fp16, and the feature maps are small. The
   // result is cast back to the features' dtype.
-  const at::Tensor grid = at::stack({proj.uv.select(-1, 0) * (2.0 / static_cast<double>(opts_.image_w)) - 1,
-                                     proj.uv.select(-1, 1) * (2.0 / static_cast<double>(opts_.image_h)) - 1},
-                                    -1);  // float32 [B, N, P, 2]
-  const at::Tensor per_cam = features.to(at::kFloat).view({b, n, c, features.size(2), features.size(3)});
+  const at::Tensor grid =
+      at::stack({proj.uv.select(-1, 0) * (2.0 / static_cast<double>(opts_.image_w)) - 1,
+                 proj.uv.select(-1, 1) * (2.0 / static_cast<double>(opts_.image_h)) - 1},
+                -1);  // float32 [B, N, P, 2]
+  const at::Tensor per_cam =
+      features.to(at::kFloat).view({b, n, c, features.size(2), features.size(3)});
 
   // A reference point is seen by ~1 camera in 5 of a surround rig, so each camera samples only
   // the points it sees: per camera, the visible points of every sample are moved to the front
@@ -61,8 +68,9 @@ ViewTransformerImpl::Sampled ViewTransformerImpl::sample(const at::Tensor& featu
     const int64_t m = max_count[cam].item<int64_t>();
     if (m == 0) continue;
     const at::Tensor vis = visible.select(1, cam);  // [B, P]
-    const at::Tensor idx =
-        std::get<1>(at::sort((~vis).to(at::kByte), /*stable=*/true, /*dim=*/1, /*descending=*/false)).narrow(1, 0, m);
+    const at::Tensor idx = std::get<1>(at::sort((~vis).to(at::kByte), /*stable=*/true, /*dim=*/1,
+                                                /*descending=*/false))
+                               .narrow(1, 0, m);
     const at::Tensor keep = vis.gather(1, idx);  // [B, M]
     at::Tensor g = grid.select(1, cam).gather(1, idx.unsqueeze(-1).expand({b, m, 2}));
     g = at::where(keep.unsqueeze(-1), g, at::full({}, -2.0, g.options()));
@@ -72,13 +80,15 @@ ViewTransformerImpl::Sampled ViewTransformerImpl::sample(const at::Tensor& featu
     indices.push_back(idx);
   }
   const int64_t p = z * q;
-  at::Tensor acc = at::zeros({b, c, p}, per_cam.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor acc =
+      at::zeros({b, c, p}, per_cam.options().memory_format(at::MemoryFormat::Contiguous));
   if (!samples.empty()) {
     const at::Tensor idx = at::cat(indices, 1);
     acc = acc.scatter_add(2, idx.unsqueeze(1).expand({b, c, idx.size(1)}), at::cat(samples, 2));
   }
   at::Tensor count = visible.to(at::kFloat).sum(1).view({b, z, q});
-  return {(acc / count.clamp_min(1).view({b, 1, p})).to(features.scalar_type()).view({b, c, z, q}), count};
+  return {(acc / count.clamp_min(1).view({b, 1, p})).to(features.scalar_type()).view({b, c, z, q}),
+          count};
 }
 
 at::Tensor ViewTransformerImpl::forward(const at::Tensor& features, const at::Tensor& intrinsics,
@@ -86,12 +96,14 @@ at::Tensor ViewTransformerImpl::forward(const at::Tensor& features, const at::Te
   const int64_t b = intrinsics.size(0), nx = opts_.grid.nx, ny = opts_.grid.ny;
   at::Tensor x;  // [B, C*Z + Z, nx, ny]: per-height means, then per-height seen flags
   if (opts_.fused_kernels && features.is_cuda()) {
-    const Projection proj = project_points(reference_points(features.device()), intrinsics, cam_to_ego);
+    const Projection proj =
+        project_points(reference_points(features.device()), intrinsics, cam_to_ego);
     const at::Tensor visible = visibility_mask(proj, opts_.image_h, opts_.image_w);
     const at::Tensor f = features.contiguous();  // e.g. a channels-last map from a conv neck
     if (kernels::fused_bev_sample_supported(f, proj.uv, visible)) {
       const int64_t z = static_cast<int64_t>(opts_.heights.size());
-      x = kernels::bev_sample(f, proj.uv, visible, z, opts_.image_h, opts_.image_w).lifted.view({b, -1, nx, ny});
+      x = kernels::bev_sample(f, proj.uv, visible, z, opts_.image_h, opts_.image_w)
+              .lifted.view({b, -1, nx, ny});
     }
   }
   if (!x.defined()) {

@@ -26,10 +26,10 @@
 namespace parallax::models {
 
 struct ViewTransformerOptions {
-  int64_t in_channels = 64;  // image feature channels
-  int64_t channels = 64;     // BEV channels
+  int64_t in_channels = 64;                              // image feature channels
+  int64_t channels = 64;                                 // BEV channels
   std::vector<double> heights = {0.0, 0.67, 1.33, 2.0};  // metres above the ground (ego z)
-  BevGrid grid;               // the BEV query grid
+  BevGrid grid;                                          // the BEV query grid
   int64_t image_h = 128, image_w = 224;  // pixels; the feature maps cover the image exactly
   // On CUDA, sample and average with kernels/bev_sample's fused kernels (one pass forward and
   // backward, no host sync) instead of the compacted ATen path of sample().
@@ -47,14 +47,17 @@ class ViewTransformerImpl : public torch::nn::Module {
 
   // The sampling step alone. features: [B*N, C, Hf, Wf] (camera-major within a sample),
   // intrinsics [B, N, 3, 3], cam_to_ego [B, N, 4, 4]. Q = nx * ny cells in i * ny + j order.
-  Sampled sample(const at::Tensor& features, const at::Tensor& intrinsics, const at::Tensor& cam_to_ego) const;
+  Sampled sample(const at::Tensor& features, const at::Tensor& intrinsics,
+                 const at::Tensor& cam_to_ego) const;
   // BEV features [B, channels, nx, ny].
-  at::Tensor forward(const at::Tensor& features, const at::Tensor& intrinsics, const at::Tensor& cam_to_ego);
+  at::Tensor forward(const at::Tensor& features, const at::Tensor& intrinsics,
+                     const at::Tensor& cam_to_ego);
   // forward() as ONNX nodes for `cameras` cameras: every reference point sampled in every camera
   // (GridSample), weighted by visibility and averaged, as kernels::bev_sample's reference does
   // (models/onnx/bev_onnx.cpp). features in e.dtype(); intrinsics and cam_to_ego float32.
-  onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& features, const onnx::Value& intrinsics,
-                        const onnx::Value& cam_to_ego, int64_t cameras);
+  onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& features,
+                        const onnx::Value& intrinsics, const onnx::Value& cam_to_ego,
+                        int64_t cameras);
 
   // Reference points, float32 [Z * Q, 3] in the ego frame (height-major), on `device`.
   at::Tensor reference_points(const c10::Device& device) const;

@@ -196,7 +196,8 @@ VisionTransformerImpl::VisionTransformerImpl(const VisionTransformerOptions& o) 
   patch_embed_ = register_module(
       "patch_embed", QuantConv2d(torch::nn::Conv2dOptions(3, s.dim, s.patch).stride(s.patch)));
   const int64_t tokens = grid_h() * grid_w() + (o.class_token ? 1 : 0);
-  if (o.class_token) cls_token_ = register_parameter("cls_token", core::init_normal({1, 1, s.dim}, 0.02));
+  if (o.class_token)
+    cls_token_ = register_parameter("cls_token", core::init_normal({1, 1, s.dim}, 0.02));
   pos_embed_ = register_parameter("pos_embed", core::init_normal({1, tokens, s.dim}, 0.02));
   const TransformerBlockOptions bo = block_options(o);
   for (int64_t i = 0; i < s.depth; ++i) {

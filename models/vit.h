@@ -163,7 +163,8 @@ class VitClassifier : public Model {
   // "vit.embed" (patch embedding, class token, position embedding), "vit.block<i>" per block,
   // "head" (the ViT's final LayerNorm and the linear head).
   std::vector<Unit> units() const override;
-  std::vector<UnitActivation> unit_activations(const ActivationQuery& q) const override;  // models/activations.cpp
+  std::vector<UnitActivation> unit_activations(
+      const ActivationQuery& q) const override;  // models/activations.cpp
   core::TensorDict postprocess(const core::TensorDict& pred) override;
   int64_t batch_size(const core::TensorDict& batch) const override {
     return batch.at("images").size(0);

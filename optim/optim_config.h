@@ -31,11 +31,13 @@ struct OptimConfig {
     v("eps", eps, "AdamW epsilon", core::Check::positive());
     v("momentum", momentum, "SGD momentum", core::Check::between(0, 1));
     v("nesterov", nesterov, "SGD Nesterov momentum");
-    v("grad_clip", grad_clip, "clip the global gradient norm to this value (0: off)", core::Check::at_least(0));
+    v("grad_clip", grad_clip, "clip the global gradient norm to this value (0: off)",
+      core::Check::at_least(0));
     v("fused", fused, "fused AdamW kernel on CUDA", core::Check::one_of({"auto", "on", "off"}));
   }
   void validate() const {
-    if (betas.size() != 2) throw_error<ConfigError>("key 'optim.betas' needs 2 values, got {}", betas.size());
+    if (betas.size() != 2)
+      throw_error<ConfigError>("key 'optim.betas' needs 2 values, got {}", betas.size());
     // The range checks let `inf` through (inf > 0): a non-finite hyper-parameter turns the first
     // step's weights into NaN, so it is refused here, naming the key.
     const std::pair<const char*, double> values[] = {{"optim.lr", lr},
@@ -59,9 +61,12 @@ struct ScheduleConfig {
 
   template <class V>
   void visit(V& v) {
-    v("name", name, "LR schedule after warmup", core::Check::one_of({"cosine", "linear", "constant"}));
-    v("warmup_steps", warmup_steps, "linear warmup steps from 0 to optim.lr", core::Check::at_least(0));
-    v("min_lr_ratio", min_lr_ratio, "final LR as a fraction of optim.lr", core::Check::between(0, 1));
+    v("name", name, "LR schedule after warmup",
+      core::Check::one_of({"cosine", "linear", "constant"}));
+    v("warmup_steps", warmup_steps, "linear warmup steps from 0 to optim.lr",
+      core::Check::at_least(0));
+    v("min_lr_ratio", min_lr_ratio, "final LR as a fraction of optim.lr",
+      core::Check::between(0, 1));
   }
 };
 

@@ -37,7 +37,8 @@ void Optimizer::step(double lr) {
       if (!grad.defined()) continue;
       if (s.state.empty()) init_state(s);
       active.push_back(&s);
-      grads.push_back(grad.scalar_type() == s.master.scalar_type() ? grad : grad.to(s.master.scalar_type()));
+      grads.push_back(
+          grad.scalar_type() == s.master.scalar_type() ? grad : grad.to(s.master.scalar_type()));
     }
     if (active.empty()) continue;
     any = true;
@@ -51,7 +52,8 @@ void Optimizer::step(double lr) {
 
 void Optimizer::set_capturable(c10::Device device) {
   PARALLAX_CHECK(fused(), ConfigError,
-                 "key 'optim.fused': CUDA graph capture (train.cuda_graph) needs the fused optimizer kernels, which "
+                 "key 'optim.fused': CUDA graph capture (train.cuda_graph) needs the fused "
+                 "optimizer kernels, which "
                  "read the learning rate from device memory; set optim.fused=auto");
   lr_tensor_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
 }
@@ -127,8 +129,8 @@ void AdamW::init_state(Slot& s) {
   s.state["step"] = at::zeros({}, s.master.options().dtype(at::kFloat));
 }
 
-void AdamW::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, const at::Tensor& lr_tensor,
-                   double wd) {
+void AdamW::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr,
+                   const at::Tensor& lr_tensor, double wd) {
   std::vector<at::Tensor> params, m, v, steps;
   for (Slot* s : slots) {
     params.push_back(s->master);
@@ -139,10 +141,12 @@ void AdamW::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, do
   at::_foreach_add_(steps, 1.0);
   if (fused_) {
     if (lr_tensor.defined()) {
-      at::_fused_adamw_(params, grads, m, v, {}, steps, lr_tensor, beta1_, beta2_, wd, eps_, /*amsgrad=*/false,
+      at::_fused_adamw_(params, grads, m, v, {}, steps, lr_tensor, beta1_, beta2_, wd, eps_,
+                        /*amsgrad=*/false,
                         /*maximize=*/false);
     } else {
-      at::_fused_adamw_(params, grads, m, v, {}, steps, lr, beta1_, beta2_, wd, eps_, /*amsgrad=*/false,
+      at::_fused_adamw_(params, grads, m, v, {}, steps, lr, beta1_, beta2_, wd, eps_,
+                        /*amsgrad=*/false,
                         /*maximize=*/false);
     }
     return;
@@ -167,11 +171,12 @@ Sgd::Sgd(std::vector<ParamGroup> groups, double momentum, bool nesterov, bool fu
 
 void Sgd::init_state(Slot& s) {
   // Plain SGD (momentum 0) has no state; the fused kernel then wants no buffers at all.
-  if (momentum_ != 0) s.state["momentum_buffer"] = at::zeros_like(s.master, at::MemoryFormat::Preserve);
+  if (momentum_ != 0)
+    s.state["momentum_buffer"] = at::zeros_like(s.master, at::MemoryFormat::Preserve);
 }
 
-void Sgd::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, const at::Tensor& lr_tensor,
-                 double wd) {
+void Sgd::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr,
+                 const at::Tensor& lr_tensor, double wd) {
   std::vector<at::Tensor> params, bufs;
   for (Slot* s : slots) {
     params.push_back(s->master);
@@ -202,9 +207,11 @@ void Sgd::update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, doub
 std::unique_ptr<Optimizer> build_optimizer(const OptimConfig& cfg, std::vector<ParamGroup> groups) {
   const bool fused = cfg.fused != "off";
   if (cfg.name == "adamw") {
-    return std::make_unique<AdamW>(std::move(groups), cfg.betas.at(0), cfg.betas.at(1), cfg.eps, fused);
+    return std::make_unique<AdamW>(std::move(groups), cfg.betas.at(0), cfg.betas.at(1), cfg.eps,
+                                   fused);
   }
-  if (cfg.name == "sgd") return std::make_unique<Sgd>(std::move(groups), cfg.momentum, cfg.nesterov, fused);
+  if (cfg.name == "sgd")
+    return std::make_unique<Sgd>(std::move(groups), cfg.momentum, cfg.nesterov, fused);
   throw_error<ConfigError>("key 'optim.name': unknown optimizer '{}' (use adamw|sgd)", cfg.name);
 }
 

@@ -86,8 +86,8 @@ class AdamW : public Optimizer {
 
  protected:
   void init_state(Slot& slot) override;
-  void update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, const at::Tensor& lr_tensor,
-              double wd) override;
+  void update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr,
+              const at::Tensor& lr_tensor, double wd) override;
   bool fused() const override { return fused_; }
 
  private:
@@ -101,8 +101,8 @@ class Sgd : public Optimizer {
 
  protected:
   void init_state(Slot& slot) override;
-  void update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr, const at::Tensor& lr_tensor,
-              double wd) override;
+  void update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr,
+              const at::Tensor& lr_tensor, double wd) override;
   bool fused() const override { return fused_; }
 
  private:

@@ -13,8 +13,8 @@
 namespace parallax::optim {
 
 struct ParamGroup {
-  std::string name;                 // "decay" | "no_decay" (or a caller's label)
-  std::vector<std::string> names;   // module paths, parallel to `params`
+  std::string name;                // "decay" | "no_decay" (or a caller's label)
+  std::vector<std::string> names;  // module paths, parallel to `params`
   std::vector<at::Tensor> params;
   double weight_decay = 0;
 };
@@ -25,7 +25,8 @@ using NamedParams = std::vector<std::pair<std::string, at::Tensor>>;
 const std::vector<std::string>& default_no_decay_names();
 
 // Two groups ("decay", "no_decay"), empty ones dropped; order of parameters preserved.
-std::vector<ParamGroup> make_param_groups(const NamedParams& params, double weight_decay,
-                                          const std::vector<std::string>& no_decay_names = default_no_decay_names());
+std::vector<ParamGroup> make_param_groups(
+    const NamedParams& params, double weight_decay,
+    const std::vector<std::string>& no_decay_names = default_no_decay_names());
 
 }  // namespace parallax::optim

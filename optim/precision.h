@@ -21,7 +21,9 @@ struct PrecisionPolicy {
 
   bool autocast() const { return mode != "fp32"; }
   c10::ScalarType compute_dtype() const {
-    return mode == "bf16" ? c10::ScalarType::BFloat16 : mode == "fp16" ? c10::ScalarType::Half : c10::ScalarType::Float;
+    return mode == "bf16"   ? c10::ScalarType::BFloat16
+           : mode == "fp16" ? c10::ScalarType::Half
+                            : c10::ScalarType::Float;
   }
   bool loss_scaling() const { return mode == "fp16"; }
 };

@@ -22,13 +22,13 @@ int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
 void Engine::forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
                               bool sync_buffers) {
   at::Tensor loss;
-  forward_backward_split(
-      micro_steps, {[&](int i) { loss = micro(i); },
-                    [&](int) {
-                      at::Tensor l = std::move(loss);
-                      l.backward();
-                    }},
-      sync_buffers);
+  forward_backward_split(micro_steps,
+                         {[&](int i) { loss = micro(i); },
+                          [&](int) {
+                            at::Tensor l = std::move(loss);
+                            l.backward();
+                          }},
+                         sync_buffers);
 }
 
 void add_terms(LossTerms& into, const LossTerms& from) {

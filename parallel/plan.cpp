@@ -74,14 +74,14 @@ std::string Plan::engine_name() const {
 std::string Plan::describe() const {
   return fmt::format(
       "{}, {}{}{}, activation checkpointing {}", layout.to_string(), engine_name(),
-      layout.tp > 1 ? (sequence_parallel ? ", tensor parallel + sequence parallel"
-                                         : ", tensor parallel")
-                    : "",
-      layout.pp > 1 ? fmt::format(", pipeline {}{}", pp_schedule,
-                                  pp_virtual_stages > 1
-                                      ? fmt::format(" x{} virtual stages", pp_virtual_stages)
-                                      : "")
-                    : "",
+      layout.tp > 1
+          ? (sequence_parallel ? ", tensor parallel + sequence parallel" : ", tensor parallel")
+          : "",
+      layout.pp > 1
+          ? fmt::format(
+                ", pipeline {}{}", pp_schedule,
+                pp_virtual_stages > 1 ? fmt::format(" x{} virtual stages", pp_virtual_stages) : "")
+          : "",
       activation_checkpointing);
 }
 

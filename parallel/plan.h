@@ -37,8 +37,8 @@ struct Plan {
 
   // Validates `p` for a world of `world` ranks with `gpus_per_node` GPUs (0: CPU ranks). Throws
   // LayoutError / ConfigError naming the key: tp that does not divide the world, pp with ZeRO-3
-  // or CUDA graphs, virtual stages without the interleaved schedule, sequence parallelism without tp, tp or ZeRO with CUDA graphs, ZeRO with a
-  // reduced-precision gradient reduction.
+  // or CUDA graphs, virtual stages without the interleaved schedule, sequence parallelism without
+  // tp, tp or ZeRO with CUDA graphs, ZeRO with a reduced-precision gradient reduction.
   static Plan from(const ParallelConfig& p, const std::string& activation_checkpointing,
                    bool cuda_graph, int world, int gpus_per_node);
 

@@ -23,7 +23,6 @@ std::vector<StatePiece> module_pieces(const torch::nn::Module& module,
 // set grows by the tp peers. A piece belongs to a split tensor when it is one ("<param>") or its
 // optimizer state ("<param>.<state>"). Without tensor parallelism the pieces are returned as
 // they are. To load, fill the same pieces.
-std::vector<StatePiece> global_pieces(std::vector<StatePiece> pieces,
-                                      const TensorParallelInfo& tp);
+std::vector<StatePiece> global_pieces(std::vector<StatePiece> pieces, const TensorParallelInfo& tp);
 
 }  // namespace parallax::parallel

@@ -14,8 +14,8 @@ namespace {
 
 class SyntheticSource : public BatchSource {
  public:
-  SyntheticSource(const models::Model& model, int64_t batch_size, int count, uint64_t seed, int rank,
-                  const c10::Device& device, int64_t start)
+  SyntheticSource(const models::Model& model, int64_t batch_size, int count, uint64_t seed,
+                  int rank, const c10::Device& device, int64_t start)
       : batch_size_(batch_size), next_(static_cast<std::size_t>(start)) {
     // Draw from a private generator state so the model's initialisation stream is untouched.
     auto gen = at::detail::getDefaultCPUGenerator();
@@ -29,7 +29,8 @@ class SyntheticSource : public BatchSource {
       for (int64_t j = rank * batch_size; j < (rank + 1) * batch_size; ++j) {
         {
           std::lock_guard<std::mutex> lock(gen.mutex());
-          gen.set_current_seed(core::derive_seed(seed, static_cast<uint64_t>(i), static_cast<uint64_t>(j)));
+          gen.set_current_seed(
+              core::derive_seed(seed, static_cast<uint64_t>(i), static_cast<uint64_t>(j)));
         }
         samples.push_back(model.example_batch(1));
       }
@@ -51,7 +52,8 @@ class SyntheticSource : public BatchSource {
   }
   int64_t batches_per_epoch() const override { return 0; }
   std::string describe() const override {
-    return fmt::format("synthetic in-memory batches ({} distinct, batch {})", batches_.size(), batch_size_);
+    return fmt::format("synthetic in-memory batches ({} distinct, batch {})", batches_.size(),
+                       batch_size_);
   }
   std::pair<int64_t, int64_t> position() const override { return {0, static_cast<int64_t>(next_)}; }
 
@@ -63,34 +65,40 @@ class SyntheticSource : public BatchSource {
 
 class DatasetSource : public BatchSource {
  public:
-  DatasetSource(const data::DataConfig& cfg, uint64_t seed, int rank, int world, std::pair<int64_t, int64_t> start,
-                int start_world)
+  DatasetSource(const data::DataConfig& cfg, uint64_t seed, int rank, int world,
+                std::pair<int64_t, int64_t> start, int start_world)
       : path_(cfg.path), split_(cfg.train_split), max_boxes_(cfg.max_boxes) {
     auto ds = data::Dataset::open(cfg.path, cfg.train_split);
     data::LoaderState st;
     st.epoch = start.first;
     st.position = start.second;
     if (start_world > 0 && start_world != world) {
-      const int64_t consumed = start.second * start_world;  // scenes of the epoch's permutation read
+      const int64_t consumed =
+          start.second * start_world;  // scenes of the epoch's permutation read
       const auto opts = data::LoaderOptions::from_config(cfg, seed, rank, world, true);
-      const int64_t per_epoch = data::DistributedSampler(ds->size(), rank, world, opts.shuffle, opts.seed)
-                                    .samples_used(opts.batch_size, opts.drop_last);
+      const int64_t per_epoch =
+          data::DistributedSampler(ds->size(), rank, world, opts.shuffle, opts.seed)
+              .samples_used(opts.batch_size, opts.drop_last);
       st.position = consumed / world;
       if (consumed % world != 0 || st.position >= per_epoch) st = {start.first + 1, 0};
     }
-    loader_ = std::make_unique<data::DataLoader>(ds, data::LoaderOptions::from_config(cfg, seed, rank, world, true), st);
+    loader_ = std::make_unique<data::DataLoader>(
+        ds, data::LoaderOptions::from_config(cfg, seed, rank, world, true), st);
   }
   core::TensorDict next() override { return *loader_->next(); }  // repeating: never ends
   int64_t batches_per_epoch() const override { return loader_->batches_per_epoch(); }
   std::string describe() const override {
-    return fmt::format("'{}' split '{}': {} scenes, {} batches per epoch per rank, {} workers", path_, split_,
-                       loader_->dataset().size(), loader_->batches_per_epoch(), loader_->options().num_workers);
+    return fmt::format("'{}' split '{}': {} scenes, {} batches per epoch per rank, {} workers",
+                       path_, split_, loader_->dataset().size(), loader_->batches_per_epoch(),
+                       loader_->options().num_workers);
   }
   std::pair<int64_t, int64_t> position() const override {
     const auto st = loader_->state();
     return {st.epoch, st.position};
   }
-  std::optional<core::SceneSpec> scene() const override { return loader_->dataset().info().scene_spec(max_boxes_); }
+  std::optional<core::SceneSpec> scene() const override {
+    return loader_->dataset().info().scene_spec(max_boxes_);
+  }
 
  private:
   std::string path_, split_;
@@ -100,8 +108,10 @@ class DatasetSource : public BatchSource {
 
 }  // namespace
 
-std::unique_ptr<BatchSource> make_dataset_source(const data::DataConfig& cfg, uint64_t seed, int rank, int world,
-                                                 std::pair<int64_t, int64_t> start, int start_world) {
+std::unique_ptr<BatchSource> make_dataset_source(const data::DataConfig& cfg, uint64_t seed,
+                                                 int rank, int world,
+                                                 std::pair<int64_t, int64_t> start,
+                                                 int start_world) {
   return std::make_unique<DatasetSource>(cfg, seed, rank, world, start, start_world);
 }
 

@@ -31,8 +31,8 @@ class BatchSource {
 };
 
 // `count` distinct global batches (dp x `batch_size` samples; this rank's slice is drawn), moved
-// to `device` once, then cycled: no I/O, no generation and no host-to-device copy inside the timed loop
-// (benchmark mode measures the model and the engines only). Sample j of global batch i is
+// to `device` once, then cycled: no I/O, no generation and no host-to-device copy inside the timed
+// loop (benchmark mode measures the model and the engines only). Sample j of global batch i is
 // model.example_batch(1) drawn from seed derive_seed(seed, i, j); data-parallel rank `rank` holds
 // samples [rank * batch_size, (rank + 1) * batch_size). A step's samples therefore depend on the
 // global batch only, not on how it is split over ranks: a run resumed with another dp and the same
@@ -44,13 +44,14 @@ std::unique_ptr<BatchSource> make_synthetic_source(const models::Model& model, i
 
 // The training split of `cfg.path` for data-parallel rank `rank` of `world`: a repeating,
 // shuffled, augmented loader (data::DataLoader) starting at `start` = (epoch, position).
-// `seed` must be the same on every rank (the sampler partitions one permutation). `start_world`: the
-// data-parallel size `start` was saved with; the ranks' lists interleave one permutation, so
+// `seed` must be the same on every rank (the sampler partitions one permutation). `start_world`:
+// the data-parallel size `start` was saved with; the ranks' lists interleave one permutation, so
 // position p with `start_world` ranks has consumed its first p * start_world scenes, and with
 // `world` ranks the stream continues at p * start_world / world (the next epoch if that is not a
 // whole position inside this epoch).
-std::unique_ptr<BatchSource> make_dataset_source(const data::DataConfig& cfg, uint64_t seed, int rank,
-                                                 int world, std::pair<int64_t, int64_t> start = {0, 0},
+std::unique_ptr<BatchSource> make_dataset_source(const data::DataConfig& cfg, uint64_t seed,
+                                                 int rank, int world,
+                                                 std::pair<int64_t, int64_t> start = {0, 0},
                                                  int start_world = 0);
 
 }  // namespace parallax::train

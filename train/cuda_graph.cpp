@@ -20,8 +20,12 @@ namespace parallax::train {
 
 struct CudaStepGraph::Impl {
   Impl(c10::Device device, int rank, double timeout_s)
-      : device(device), rank(rank), timeout_s(timeout_s), side(c10::cuda::getStreamFromPool(false, device.index())) {
-    // The side stream starts after everything queued so far (model initialisation, DDP's broadcast).
+      : device(device),
+        rank(rank),
+        timeout_s(timeout_s),
+        side(c10::cuda::getStreamFromPool(false, device.index())) {
+    // The side stream starts after everything queued so far (model initialisation, DDP's
+    // broadcast).
     at::cuda::CUDAEvent ready;
     ready.record(c10::cuda::getCurrentCUDAStream(device.index()));
     ready.block(side);
@@ -44,14 +48,18 @@ struct CudaStepGraph::Impl {
 
   void wait_for(at::cuda::CUDAEvent& done, int64_t step) {
     using Clock = std::chrono::steady_clock;
-    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(timeout_s));
     while (!done.query()) {
       if (Clock::now() > deadline) {
         hung = true;
         throw_error<TimeoutError>(
-            "rank {}: training step {} (one CUDA graph replay: forward, backward, the gradient all-reduces and the "
-            "optimizer) did not finish within {} s (parallel.timeout_s): a peer rank may have died or stopped "
-            "issuing collectives; run without train.cuda_graph for the per-collective timeout report",
+            "rank {}: training step {} (one CUDA graph replay: forward, backward, the gradient "
+            "all-reduces and the "
+            "optimizer) did not finish within {} s (parallel.timeout_s): a peer rank may have died "
+            "or stopped "
+            "issuing collectives; run without train.cuda_graph for the per-collective timeout "
+            "report",
             rank, step, timeout_s);
       }
       std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -69,8 +77,8 @@ struct CudaStepGraph::Impl {
 };
 
 CudaStepGraph::CudaStepGraph(c10::Device device, int rank, double timeout_s) {
-  PARALLAX_CHECK(device.is_cuda(), ConfigError, "key 'train.cuda_graph': needs a CUDA device, the model runs on {}",
-                 device.str());
+  PARALLAX_CHECK(device.is_cuda(), ConfigError,
+                 "key 'train.cuda_graph': needs a CUDA device, the model runs on {}", device.str());
   impl_ = std::make_unique<Impl>(device, rank, timeout_s);
 }
 
@@ -94,7 +102,9 @@ void CudaStepGraph::capture(const std::function<void()>& body) {
   impl_->graph = std::move(graph);
 }
 
-bool CudaStepGraph::captured() const { return impl_->graph != nullptr; }
+bool CudaStepGraph::captured() const {
+  return impl_->graph != nullptr;
+}
 
 void CudaStepGraph::replay(int64_t step) {
   PARALLAX_CHECK(impl_->graph, Error, "CudaStepGraph: replay() before capture()");
@@ -121,13 +131,16 @@ void CudaStepGraph::drain() {
 struct CudaStepGraph::Impl {};
 
 CudaStepGraph::CudaStepGraph(c10::Device device, int, double) {
-  throw_error<ConfigError>("key 'train.cuda_graph': this build of Parallax has no CUDA (LibTorch without CUDA); "
-                           "set train.cuda_graph=false");
+  throw_error<ConfigError>(
+      "key 'train.cuda_graph': this build of Parallax has no CUDA (LibTorch without CUDA); "
+      "set train.cuda_graph=false");
 }
 
 CudaStepGraph::~CudaStepGraph() = default;
 void CudaStepGraph::capture(const std::function<void()>&) {}
-bool CudaStepGraph::captured() const { return false; }
+bool CudaStepGraph::captured() const {
+  return false;
+}
 void CudaStepGraph::replay(int64_t) {}
 void CudaStepGraph::drain() {}
 

@@ -155,9 +155,11 @@ std::map<std::string, double> evaluate(models::Model& model, const data::DataCon
   if (was_training) model.train();
   // Every rank reaches this collective, stopped early or not, and all learn whether one stopped.
   {
-    at::Tensor stop = at::full({1}, stopped ? 1.0f : 0.0f,
-                               at::TensorOptions().dtype(at::kFloat).device(
-                                   dp.device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device));
+    at::Tensor stop =
+        at::full({1}, stopped ? 1.0f : 0.0f,
+                 at::TensorOptions()
+                     .dtype(at::kFloat)
+                     .device(dp.device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device));
     dp.all_reduce(stop, comm::ReduceOp::kMax);
     if (stop.item<float>() > 0) {
       throw PreemptedError(fmt::format(

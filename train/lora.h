@@ -5,14 +5,14 @@
 // checkpoint entries.
 //
 // A run: the model is built, the base weights (`lora.base`, else `train.load_from`, which the
-// trainer loads; one is required) are loaded, their fingerprint taken, adapters added to every DenseLinear whose module path matches a
-// glob of `lora.targets` (models/layers.h: y += alpha / r * dropout(x) A^T B^T, B = 0 at the
-// start), and every parameter frozen but the adapters and those matching `lora.trainable`. Frozen
-// base weights get no gradient, no optimizer state and no gradient bucket; under ZeRO-3 they are
-// sharded like the rest. Checkpoints hold only the trainable tensors (and the base's fingerprint
-// and path); a resume loads the base again, then the adapters, and refuses a base whose fingerprint
-// differs. `parallax export` merges the adapters into the base (W += alpha / r * B A) for
-// weights.h5 and ONNX (merged_model()).
+// trainer loads; one is required) are loaded, their fingerprint taken, adapters added to every
+// DenseLinear whose module path matches a glob of `lora.targets` (models/layers.h: y += alpha / r *
+// dropout(x) A^T B^T, B = 0 at the start), and every parameter frozen but the adapters and those
+// matching `lora.trainable`. Frozen base weights get no gradient, no optimizer state and no
+// gradient bucket; under ZeRO-3 they are sharded like the rest. Checkpoints hold only the trainable
+// tensors (and the base's fingerprint and path); a resume loads the base again, then the adapters,
+// and refuses a base whose fingerprint differs. `parallax export` merges the adapters into the base
+// (W += alpha / r * B A) for weights.h5 and ONNX (merged_model()).
 #pragma once
 
 #include "checkpoint/reader.h"

@@ -7,7 +7,6 @@ using namespace detail;
 
 namespace {
 
-
 // The pipeline stages of `b` for `layout`: stage_of[u], and the schedule (pp > 1).
 struct Stages {
   std::vector<int> bounds;  // stage s: units [bounds[s], bounds[s + 1])
@@ -55,7 +54,8 @@ Stages make_stages(const Built& b, const Layout& l, const RunConfig& cfg, bool c
   s.rank_of_unit.assign(b.units.size(), 0);
   s.stage_of_unit.assign(b.units.size(), 0);
   for (int st = 0; st + 1 < static_cast<int>(s.bounds.size()); ++st) {
-    for (int u = s.bounds[static_cast<std::size_t>(st)]; u < s.bounds[static_cast<std::size_t>(st) + 1]; ++u) {
+    for (int u = s.bounds[static_cast<std::size_t>(st)];
+         u < s.bounds[static_cast<std::size_t>(st) + 1]; ++u) {
       s.stage_of_unit[static_cast<std::size_t>(u)] = st;
       s.rank_of_unit[static_cast<std::size_t>(u)] = l.pp == 1 ? 0 : st % l.pp;
     }
@@ -152,7 +152,8 @@ parallel::EngineMemory engine_bytes(const Built& b, const Stages& st, const Layo
     m.optimizer = static_cast<int64_t>(opt_per) * total_numel;
     return m;
   }
-  const int64_t first_cap = l.zero == 3 ? static_cast<int64_t>(1e9 * 1024.0 * 1024.0) : rules.first_cap;
+  const int64_t first_cap =
+      l.zero == 3 ? static_cast<int64_t>(1e9 * 1024.0 * 1024.0) : rules.first_cap;
   const int64_t cap = l.zero == 3 ? first_cap : rules.cap;
   const auto buckets = parallel::ddp::assign_buckets(sizes, dtypes, keys, first_cap, cap);
   const bool reduce_each_micro = l.zero >= 2 && n > 1;
@@ -194,7 +195,6 @@ struct Activations {
   double recompute_fraction = 0;                 // forward FLOPs recomputed / forward FLOPs
 };
 
-
 Activations activations(const Built& b, const Stages& st, const Layout& l, int pp_rank,
                         const RunConfig& cfg, bool cuda) {
   Activations a;
@@ -204,7 +204,8 @@ Activations activations(const Built& b, const Stages& st, const Layout& l, int p
   // Checkpointing (Model::saved_activations, the trainer's rule): a wrapped block keeps only its
   // input and recomputes the rest in its backward, one block at a time.
   std::vector<bool> wrapped;
-  const std::vector<double> saved = b.model->saved_activations(query(cfg, l, cuda), l.checkpointing, &wrapped);
+  const std::vector<double> saved =
+      b.model->saved_activations(query(cfg, l, cuda), l.checkpointing, &wrapped);
   double fwd_flops = 0, recomputed = 0;
   for (std::size_t u = 0; u < units.size(); ++u) {
     if (!wrapped[u]) continue;
@@ -248,15 +249,20 @@ Activations activations(const Built& b, const Stages& st, const Layout& l, int p
   return a;
 }
 
-double bus_factor_all_reduce(int n) { return n > 1 ? 2.0 * (n - 1) / n : 0; }
-double bus_factor_gather(int n) { return n > 1 ? static_cast<double>(n - 1) / n : 0; }
+double bus_factor_all_reduce(int n) {
+  return n > 1 ? 2.0 * (n - 1) / n : 0;
+}
+double bus_factor_gather(int n) {
+  return n > 1 ? static_cast<double>(n - 1) / n : 0;
+}
 
 }  // namespace
 
 std::string Layout::overrides() const {
   std::string s = fmt::format("parallel.dp={} parallel.tp={} parallel.pp={} parallel.zero.stage={}",
                               dp, tp, pp, zero);
-  if (tp > 1) s += fmt::format(" parallel.sequence_parallel={}", sequence_parallel ? "true" : "false");
+  if (tp > 1)
+    s += fmt::format(" parallel.sequence_parallel={}", sequence_parallel ? "true" : "false");
   if (pp > 1) s += fmt::format(" parallel.pp_schedule={}", schedule);
   if (virtual_stages > 1) s += fmt::format(" parallel.pp_virtual_stages={}", virtual_stages);
   s += fmt::format(" data.batch_size={} train.grad_accum={} train.activation_checkpointing={}",
@@ -308,7 +314,9 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     return row;
   }
   if (l.pp > 1 && cfg.lora.rank > 0) {
-    row.reason = "keys 'lora.rank' and 'parallel.pp': LoRA under pipeline parallelism is not available in this version";
+    row.reason =
+        "keys 'lora.rank' and 'parallel.pp': LoRA under pipeline parallelism is not available in "
+        "this version";
     return row;
   }
   if (l.pp > 1 && b.chain == 0) {
@@ -328,7 +336,8 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
   double worst_stage_fwd_ms = 0;
   std::vector<double> stage_fwd_ms(st.bounds.size() - 1, 0.0);
   for (std::size_t u = 0; u < b.units.size(); ++u)
-    stage_fwd_ms[static_cast<std::size_t>(st.stage_of_unit[u])] += b.unit_flops[u] * mb / l.tp * step_flops_unit;
+    stage_fwd_ms[static_cast<std::size_t>(st.stage_of_unit[u])] +=
+        b.unit_flops[u] * mb / l.tp * step_flops_unit;
   for (double x : stage_fwd_ms) worst_stage_fwd_ms = std::max(worst_stage_fwd_ms, x);
 
   const auto query_units = b.model->unit_activations(query(cfg, l, hw.cuda));
@@ -396,7 +405,9 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     t.compute_ms = m * std::max(hw.host_floor_ms, rank_fwd_ms * (2.0 + recompute) + hw.overhead_ms);
   }
   const int gpn = hw.cuda ? hw.gpus_per_node() : world;
-  const auto bw_of = [&](int span) { return (span <= gpn ? hw.intra_node_gbps : hw.inter_node_gbps) * 1e9; };
+  const auto bw_of = [&](int span) {
+    return (span <= gpn ? hw.intra_node_gbps : hw.inter_node_gbps) * 1e9;
+  };
   const double lat = hw.latency_us * 1e-3;
   // Tensor parallel: the blocks' all-reduces (or SP's all-gather + reduce-scatter, the same
   // bytes), two per block forward and two backward, on the critical path.
@@ -409,7 +420,8 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
       bytes += 4 * msg;
       collectives += 4;
     }
-    t.tp_comm_ms = m * (bytes * bus_factor_all_reduce(l.tp) / bw_of(l.tp) * 1e3 + collectives * lat);
+    t.tp_comm_ms =
+        m * (bytes * bus_factor_all_reduce(l.tp) / bw_of(l.tp) * 1e3 + collectives * lat);
   }
   if (l.pp > 1) {
     const double span = static_cast<double>(world);
@@ -448,20 +460,21 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
   const double hbm = hw.cuda ? 2500e9 : 10e9;
   t.optimizer_ms = opt_elems * 32 / hbm * 1e3;
   if (l.pp > 1) t.compute_ms += m * hw.overhead_ms;
-  t.step_ms = t.compute_ms + t.bubble_ms + t.tp_comm_ms + t.pp_comm_ms + t.dp_exposed_ms + t.optimizer_ms;
+  t.step_ms =
+      t.compute_ms + t.bubble_ms + t.tp_comm_ms + t.pp_comm_ms + t.dp_exposed_ms + t.optimizer_ms;
   t.samples_per_s = static_cast<double>(l.micro_batch) * l.micro_batches * l.dp / (t.step_ms / 1e3);
 
   const double limit = hw.gpu_mem_gib * kGiB;
   row.fits = row.peak.total() <= limit;
   if (!row.fits) {
-    row.reason = fmt::format("needs {:.1f} GiB on rank {} (params {:.1f}, grads {:.1f}, optimizer {:.1f}, "
-                             "activations {:.1f}, other {:.1f}) > {:.0f} GiB",
-                             row.peak.total() / kGiB, row.peak.rank, row.peak.params / kGiB,
-                             row.peak.grads / kGiB, row.peak.optimizer / kGiB,
-                             row.peak.activations / kGiB,
-                             (row.peak.autocast_copies + row.peak.transient + row.peak.comm_buffers +
-                              row.peak.context) / kGiB,
-                             hw.gpu_mem_gib);
+    row.reason = fmt::format(
+        "needs {:.1f} GiB on rank {} (params {:.1f}, grads {:.1f}, optimizer {:.1f}, "
+        "activations {:.1f}, other {:.1f}) > {:.0f} GiB",
+        row.peak.total() / kGiB, row.peak.rank, row.peak.params / kGiB, row.peak.grads / kGiB,
+        row.peak.optimizer / kGiB, row.peak.activations / kGiB,
+        (row.peak.autocast_copies + row.peak.transient + row.peak.comm_buffers + row.peak.context) /
+            kGiB,
+        hw.gpu_mem_gib);
   }
   return row;
 }
@@ -517,7 +530,8 @@ std::vector<parallel::EngineMemory> engine_memory(const RunConfig& cfg, int worl
   check_supported(cfg);
   const Layout l = configured_layout(cfg, world);
   PARALLAX_CHECK(l.dp * l.tp * l.pp == world, ConfigError,
-                 "planner: dp {} x tp {} x pp {} is not the world of {} ranks", l.dp, l.tp, l.pp, world);
+                 "planner: dp {} x tp {} x pp {} is not the world of {} ranks", l.dp, l.tp, l.pp,
+                 world);
   Inventory inv(cfg);
   const Built& b = inv.at_tp(l.tp, l.sequence_parallel);
   PARALLAX_CHECK(b.error.empty(), ConfigError, "{}", b.error);
@@ -629,8 +643,9 @@ std::vector<Row> plan(const RunConfig& cfg, const Request& req) {
                 l.virtual_stages = v;
                 l.checkpointing = ck;
                 Row r = predict_with(inv, cfg, l, hw);
-                r.configured = l.dp == cfg_layout.dp && l.tp == cfg_layout.tp && l.pp == cfg_layout.pp &&
-                               l.zero == cfg_layout.zero && l.micro_batch == cfg_layout.micro_batch &&
+                r.configured = l.dp == cfg_layout.dp && l.tp == cfg_layout.tp &&
+                               l.pp == cfg_layout.pp && l.zero == cfg_layout.zero &&
+                               l.micro_batch == cfg_layout.micro_batch &&
                                l.micro_batches == cfg_layout.micro_batches &&
                                l.checkpointing == cfg_layout.checkpointing &&
                                (pp == 1 || l.schedule == cfg_layout.schedule) &&

@@ -48,17 +48,17 @@ constexpr int64_t kMaxPipelineSlots = 1 << 16;
 struct Hardware {
   std::string name = "H100 80GB";
   bool cuda = true;
-  int gpus = 1;              // ranks in all
+  int gpus = 1;  // ranks in all
   int nodes = 1;
-  double gpu_mem_gib = 80;   // per rank
-  double peak_tflops = 989;  // dense peak of the compute dtype (bf16/fp16; fp32 runs: tf32)
-  double efficiency = 0.45;  // achieved fraction of the peak on the model's own GEMMs
-  double intra_node_gbps = 360;  // bus bandwidth of a collective inside a node, GB/s (NVLink)
-  double inter_node_gbps = 50;   // bus bandwidth across nodes, GB/s (--inter-node-gbps / 8)
-  double context_gib = 0.55;     // CUDA context, cuBLAS workspace: outside the allocator
-  double latency_us = 15;        // per collective or point-to-point message
-  double overhead_ms = 0;        // fixed cost of one micro-batch's forward + backward (launches)
-  double host_floor_ms = 0;      // the shortest step the host can issue (calibrated)
+  double gpu_mem_gib = 80;          // per rank
+  double peak_tflops = 989;         // dense peak of the compute dtype (bf16/fp16; fp32 runs: tf32)
+  double efficiency = 0.45;         // achieved fraction of the peak on the model's own GEMMs
+  double intra_node_gbps = 360;     // bus bandwidth of a collective inside a node, GB/s (NVLink)
+  double inter_node_gbps = 50;      // bus bandwidth across nodes, GB/s (--inter-node-gbps / 8)
+  double context_gib = 0.55;        // CUDA context, cuBLAS workspace: outside the allocator
+  double latency_us = 15;           // per collective or point-to-point message
+  double overhead_ms = 0;           // fixed cost of one micro-batch's forward + backward (launches)
+  double host_floor_ms = 0;         // the shortest step the host can issue (calibrated)
   std::string source = "defaults";  // "defaults" | "calibrated on ..."
   int gpus_per_node() const { return gpus / nodes; }
 };
@@ -81,11 +81,11 @@ struct Layout {
 struct RankMemory {
   int rank = 0;
   int64_t params = 0, grads = 0, optimizer = 0;  // exactly what Engine::memory() reports
-  double activations = 0;     // saved for backward at the schedule's peak
-  double autocast_copies = 0; // low-precision weight casts autocast keeps for the step
-  double transient = 0;       // the largest unit's recomputation or backward temporaries
-  double comm_buffers = 0;    // reduced-precision / gathered copies the collectives need
-  double context = 0;         // CUDA context (not in the allocator)
+  double activations = 0;                        // saved for backward at the schedule's peak
+  double autocast_copies = 0;     // low-precision weight casts autocast keeps for the step
+  double transient = 0;           // the largest unit's recomputation or backward temporaries
+  double comm_buffers = 0;        // reduced-precision / gathered copies the collectives need
+  double context = 0;             // CUDA context (not in the allocator)
   int64_t grads_at_backward = 0;  // gradient bytes already held when the backward starts
   // The allocator's peak: at the start of the backward every activation is alive (with the
   // gradients that persist between steps and the first unit's backward temporaries); by its end
@@ -99,13 +99,13 @@ struct RankMemory {
 };
 
 struct StepTime {
-  double compute_ms = 0;      // forward + backward (+ recomputation) of one rank's stages
-  double bubble_ms = 0;       // pipeline idle time
-  double tp_comm_ms = 0;      // tensor-parallel collectives (on the critical path)
-  double pp_comm_ms = 0;      // point-to-point messages (exposed)
-  double dp_comm_ms = 0;      // gradient reduction and parameter gathers
-  double dp_exposed_ms = 0;   // the part not hidden behind the backward
-  double optimizer_ms = 0;    // the optimizer update (memory bound)
+  double compute_ms = 0;     // forward + backward (+ recomputation) of one rank's stages
+  double bubble_ms = 0;      // pipeline idle time
+  double tp_comm_ms = 0;     // tensor-parallel collectives (on the critical path)
+  double pp_comm_ms = 0;     // point-to-point messages (exposed)
+  double dp_comm_ms = 0;     // gradient reduction and parameter gathers
+  double dp_exposed_ms = 0;  // the part not hidden behind the backward
+  double optimizer_ms = 0;   // the optimizer update (memory bound)
   double step_ms = 0;
   double samples_per_s = 0;
 };
@@ -117,13 +117,14 @@ struct Row {
   RankMemory peak;                // the rank with the most memory
   StepTime time;
   bool fits = false;
-  std::string reason;  // why it cannot run (empty when it can)
+  std::string reason;       // why it cannot run (empty when it can)
   bool configured = false;  // the config's own layout
 };
 
 struct Request {
   Hardware hw;
-  int64_t global_batch = 0;  // 0: data.batch_size x train.grad_accum x gpus / (tp x pp) of the config
+  int64_t global_batch =
+      0;  // 0: data.batch_size x train.grad_accum x gpus / (tp x pp) of the config
   bool all_checkpointing = true;  // also consider selective and full checkpointing
 };
 

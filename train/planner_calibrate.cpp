@@ -36,11 +36,13 @@ double trainer_step_ms(RunConfig cfg, int64_t batch, int steps, bool cuda) {
     std::string line;
     std::smatch m;
     while (std::getline(f, line))
-      if (std::regex_search(line, kind) && std::regex_search(line, m, step_ms)) ms.push_back(std::stod(m[1]));
+      if (std::regex_search(line, kind) && std::regex_search(line, m, step_ms))
+        ms.push_back(std::stod(m[1]));
   }
   std::error_code ec;
   fs::remove_all(dir, ec);
-  PARALLAX_CHECK(ms.size() >= 3, Error, "plan --calibrate: the calibration run logged {} steps", ms.size());
+  PARALLAX_CHECK(ms.size() >= 3, Error, "plan --calibrate: the calibration run logged {} steps",
+                 ms.size());
   ms.erase(ms.begin(), ms.begin() + static_cast<std::ptrdiff_t>(ms.size() / 3));  // warm-up
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
@@ -98,8 +100,8 @@ Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps, int64_t batch) 
     try {
       t2 = trainer_step_ms(cfg, 2 * b1, steps, cuda);
     } catch (const std::exception& e) {
-      core::log::warn("plan --calibrate: batch {} did not run ({}); calibrating on batch {}", 2 * b1,
-                      e.what(), b1);
+      core::log::warn("plan --calibrate: batch {} did not run ({}); calibrating on batch {}",
+                      2 * b1, e.what(), b1);
       t2 = 0;
       break;
     }

@@ -29,9 +29,9 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <map>
 #include <memory>
+#include <regex>
 #include <set>
 #include <sstream>
 
@@ -46,7 +46,8 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // tracing). Any collective is an error: the planner never runs the model it builds this way.
 class ShapeOnlyGroup : public comm::Communicator {
  public:
-  ShapeOnlyGroup(int size, int rank) : size_(size), rank_(rank), ranks_(static_cast<std::size_t>(size)) {
+  ShapeOnlyGroup(int size, int rank)
+      : size_(size), rank_(rank), ranks_(static_cast<std::size_t>(size)) {
     for (int i = 0; i < size; ++i) ranks_[static_cast<std::size_t>(i)] = i;
   }
   int rank() const override { return rank_; }
@@ -66,7 +67,9 @@ class ShapeOnlyGroup : public comm::Communicator {
                                      comm::CallSite) override {
     fail();
   }
-  comm::WorkPtr all_gather_async(const at::Tensor&, at::Tensor&, comm::CallSite) override { fail(); }
+  comm::WorkPtr all_gather_async(const at::Tensor&, at::Tensor&, comm::CallSite) override {
+    fail();
+  }
   comm::WorkPtr all_gather_async(const at::Tensor&, std::vector<at::Tensor>&,
                                  comm::CallSite) override {
     fail();
@@ -208,7 +211,8 @@ class Inventory {
       // Spread by parameters, as the trainer balances such models (+1 per unit).
       std::vector<double> w(b.units.size(), 1.0);
       double total = 0;
-      for (const auto& p : b.params) w[static_cast<std::size_t>(p.unit)] += static_cast<double>(p.numel);
+      for (const auto& p : b.params)
+        w[static_cast<std::size_t>(p.unit)] += static_cast<double>(p.numel);
       for (double x : w) total += x;
       b.unit_flops.clear();
       for (double x : w) b.unit_flops.push_back(b.flops_per_sample * x / total);

@@ -7,12 +7,13 @@ using namespace detail;
 
 std::string render_table(const std::vector<Row>& rows, const Hardware& hw, int max_rows) {
   std::ostringstream o;
-  o << fmt::format("{} x {} ({:.0f} GiB each, {} node(s)); {:.3g} TFLOP/s peak x {:.2f} efficiency; "
-                   "{:.0f} GB/s in a node, {:.0f} GB/s across ({})\n",
-                   hw.gpus, hw.name, hw.gpu_mem_gib, hw.nodes, hw.peak_tflops, hw.efficiency,
-                   hw.intra_node_gbps, hw.inter_node_gbps, hw.source);
-  o << fmt::format("{:>3} {:<34} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>9} {:>7} {:>7}\n", "#",
-                   "layout (dp tp pp zero sp mb x m sched ckpt)", "mem GiB", "params", "grads",
+  o << fmt::format(
+      "{} x {} ({:.0f} GiB each, {} node(s)); {:.3g} TFLOP/s peak x {:.2f} efficiency; "
+      "{:.0f} GB/s in a node, {:.0f} GB/s across ({})\n",
+      hw.gpus, hw.name, hw.gpu_mem_gib, hw.nodes, hw.peak_tflops, hw.efficiency, hw.intra_node_gbps,
+      hw.inter_node_gbps, hw.source);
+  o << fmt::format("{:>3} {:<34} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>9} {:>7} {:>7}\n",
+                   "#", "layout (dp tp pp zero sp mb x m sched ckpt)", "mem GiB", "params", "grads",
                    "optim", "activ", "other", "step ms", "samples/s", "bubble", "comm");
   int shown = 0;
   for (const auto& r : rows) {
@@ -22,15 +23,18 @@ std::string render_table(const std::vector<Row>& rows, const Hardware& hw, int m
     const std::string lay = fmt::format(
         "{} {} {} z{} {} {}x{} {} {}", l.dp, l.tp, l.pp, l.zero, l.sequence_parallel ? "sp" : "-",
         l.micro_batch, l.micro_batches,
-        l.pp > 1 ? (l.virtual_stages > 1 ? fmt::format("{}v{}", l.schedule, l.virtual_stages) : l.schedule) : "-",
+        l.pp > 1 ? (l.virtual_stages > 1 ? fmt::format("{}v{}", l.schedule, l.virtual_stages)
+                                         : l.schedule)
+                 : "-",
         l.checkpointing);
     const RankMemory& p = r.peak;
     o << fmt::format(
-        "{:>3} {:<34} {:>8.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>9.1f} {:>9.1f} {:>7.3f} {:>7.1f}{}\n",
+        "{:>3} {:<34} {:>8.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>9.1f} {:>9.1f} "
+        "{:>7.3f} {:>7.1f}{}\n",
         ++shown, lay, p.total() / kGiB, p.params / kGiB, p.grads / kGiB, p.optimizer / kGiB,
-        p.activations / kGiB,
-        (p.autocast_copies + p.transient + p.comm_buffers + p.context) / kGiB, r.time.step_ms,
-        r.time.samples_per_s, r.time.compute_ms > 0 ? r.time.bubble_ms / r.time.compute_ms : 0,
+        p.activations / kGiB, (p.autocast_copies + p.transient + p.comm_buffers + p.context) / kGiB,
+        r.time.step_ms, r.time.samples_per_s,
+        r.time.compute_ms > 0 ? r.time.bubble_ms / r.time.compute_ms : 0,
         r.time.tp_comm_ms + r.time.pp_comm_ms + r.time.dp_exposed_ms,
         r.configured ? "  <- the config's layout" : "");
   }
@@ -47,7 +51,8 @@ std::string render_table(const std::vector<Row>& rows, const Hardware& hw, int m
                              r.layout.zero, r.reason);
   }
   if (!reasons.empty()) o << "rejected:\n";
-  for (const auto& [key, e] : reasons) o << fmt::format("  {:>4} layouts, e.g. {}\n", e.first, e.second);
+  for (const auto& [key, e] : reasons)
+    o << fmt::format("  {:>4} layouts, e.g. {}\n", e.first, e.second);
   return o.str();
 }
 
@@ -86,15 +91,16 @@ std::string render_json(const std::vector<Row>& rows, const Hardware& hw) {
         "\"checkpointing\": {}, \"fits\": {}, \"configured\": {}, \"reason\": {}, "
         "\"overrides\": {}, \"peak\": {}, \"ranks\": [{}], \"time\": {{\"compute_ms\": {}, "
         "\"bubble_ms\": {}, \"tp_comm_ms\": {}, \"pp_comm_ms\": {}, \"dp_comm_ms\": {}, "
-        "\"dp_exposed_ms\": {}, \"optimizer_ms\": {}, \"step_ms\": {}, \"samples_per_s\": {}}}}}{}\n",
+        "\"dp_exposed_ms\": {}, \"optimizer_ms\": {}, \"step_ms\": {}, \"samples_per_s\": "
+        "{}}}}}{}\n",
         l.dp, l.tp, l.pp, l.zero, l.sequence_parallel ? "true" : "false", l.micro_batch,
         l.micro_batches, core::json_quote(l.schedule), l.virtual_stages,
         core::json_quote(l.checkpointing), r.fits ? "true" : "false",
-        r.configured ? "true" : "false", core::json_quote(r.reason), core::json_quote(l.overrides()),
-        r.ranks.empty() ? "null" : mem_json(r.peak), ranks, ms(r.time.compute_ms),
-        ms(r.time.bubble_ms), ms(r.time.tp_comm_ms), ms(r.time.pp_comm_ms), ms(r.time.dp_comm_ms),
-        ms(r.time.dp_exposed_ms), ms(r.time.optimizer_ms), ms(r.time.step_ms),
-        ms(r.time.samples_per_s), i + 1 < rows.size() ? "," : "");
+        r.configured ? "true" : "false", core::json_quote(r.reason),
+        core::json_quote(l.overrides()), r.ranks.empty() ? "null" : mem_json(r.peak), ranks,
+        ms(r.time.compute_ms), ms(r.time.bubble_ms), ms(r.time.tp_comm_ms), ms(r.time.pp_comm_ms),
+        ms(r.time.dp_comm_ms), ms(r.time.dp_exposed_ms), ms(r.time.optimizer_ms),
+        ms(r.time.step_ms), ms(r.time.samples_per_s), i + 1 < rows.size() ? "," : "");
   }
   o << " ]}\n";
   return o.str();

@@ -60,10 +60,11 @@ void StepProfiler::stop() {
   auto result = torch::autograd::profiler::disableProfiler();
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path_).parent_path(), ec);
-  if (ec) throw_error<IoError>("profiler: cannot create the folder of '{}': {}", path_, ec.message());
+  if (ec)
+    throw_error<IoError>("profiler: cannot create the folder of '{}': {}", path_, ec.message());
   result->save(path_);
-  PARALLAX_CHECK(std::filesystem::exists(path_), IoError, "profiler: the trace '{}' was not written",
-                 path_);
+  PARALLAX_CHECK(std::filesystem::exists(path_), IoError,
+                 "profiler: the trace '{}' was not written", path_);
   core::log::info("profiler: trace of steps {} to {} in {}", start_, end_ - 1, path_);
 }
 

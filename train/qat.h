@@ -2,10 +2,10 @@
 // docs/trainers.md "QAT"): symmetric INT8 fake quantization (models/quant.h) on the input (per
 // tensor) and weight (per output channel) of every linear layer (models::DenseLinear) and
 // convolution (models::QuantConv2d), and on the two inputs of every residual Add
-// (models::ResidualConvBlock, one shared per-tensor quantizer), of the model but those `qat.skip` names, calibrated over
-// `qat.calib_batches` training batches before the first step. Built on the Trainer's extension
-// points (train/trainer.h): a model transform (the quantizers), prepare (the calibration) and
-// extra checkpoint entries.
+// (models::ResidualConvBlock, one shared per-tensor quantizer), of the model but those `qat.skip`
+// names, calibrated over `qat.calib_batches` training batches before the first step. Built on the
+// Trainer's extension points (train/trainer.h): a model transform (the quantizers), prepare (the
+// calibration) and extra checkpoint entries.
 //
 // A run: the model is built and its fp32 weights loaded (train.load_from, required), the
 // quantizers added (weights' amax: the per-channel max of |W| at that point, frozen), then, after
@@ -90,8 +90,9 @@ struct Layer {
 std::vector<Layer> layers(torch::nn::Module& model);
 
 // Adds quantizers (disabled) to every DenseLinear, QuantConv2d and residual Add
-// (ResidualConvBlock) of `model` but those `cfg.skip` names; returns the layers quantized and, in `skipped`, how many were skipped. ConfigError naming
-// the key when a skip glob matches no layer (listing some that exist), or when no layer is left.
+// (ResidualConvBlock) of `model` but those `cfg.skip` names; returns the layers quantized and, in
+// `skipped`, how many were skipped. ConfigError naming the key when a skip glob matches no layer
+// (listing some that exist), or when no layer is left.
 std::vector<Layer> apply(models::Model& model, const QatConfig& cfg, int64_t* skipped = nullptr);
 
 // crc32 of every amax of `layers` (their bytes, in order), as 8 hex digits: what the calibration
@@ -103,10 +104,10 @@ void set_state(const std::vector<Layer>& layers, models::QuantState state);
 
 // Calibrates the activation quantizers over `cfg.calib_batches` batches of `start` (see the file
 // comment; collective over start.dp) and leaves every quantizer quantizing. Throws
-// train::PreemptedError on every rank alike when a preemption signal arrived (train/preemption.h). Returns the statistics
-// logged: calib_quantizers, calib_layers, calib_amax_min, calib_amax_max, calib_amax_mean (over the
-// input quantizers), calib_weight_amax_max, calib_unseen (layers whose input the forward never
-// reached: amax 0, they quantize everything to 0), calib_s.
+// train::PreemptedError on every rank alike when a preemption signal arrived (train/preemption.h).
+// Returns the statistics logged: calib_quantizers, calib_layers, calib_amax_min, calib_amax_max,
+// calib_amax_mean (over the input quantizers), calib_weight_amax_max, calib_unseen (layers whose
+// input the forward never reached: amax 0, they quantize everything to 0), calib_s.
 std::map<std::string, double> calibrate(const std::vector<Layer>& layers, const QatConfig& cfg,
                                         const TrainingStart& start);
 

@@ -256,7 +256,8 @@ void TrainerImpl::record_engine_memory(int64_t step) {
   const parallel::EngineMemory m = engine_->memory();
   const c10::Device dev =
       world_comm_->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
-  at::Tensor mine = at::tensor(std::vector<int64_t>{m.params, m.grads, m.optimizer}, at::kLong).to(dev);
+  at::Tensor mine =
+      at::tensor(std::vector<int64_t>{m.params, m.grads, m.optimizer}, at::kLong).to(dev);
   at::Tensor all = at::empty({3 * world_comm_->size()}, mine.options());
   world_comm_->all_gather_async(mine, all)->wait();
   const at::Tensor host = all.cpu();
@@ -554,4 +555,3 @@ TrainSummary run_training(RunConfig& cfg) {
 }
 
 }  // namespace parallax::train
-

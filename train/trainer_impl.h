@@ -32,12 +32,12 @@
 #include "optim/precision.h"
 #include "optim/schedule.h"
 #include "parallel/build_engine.h"
-#include "parallel/state.h"
 #include "parallel/comm/agree.h"
 #include "parallel/comm/factory.h"
 #include "parallel/comm/topology.h"
 #include "parallel/comm/world.h"
 #include "parallel/pipeline/pipeline_engine.h"
+#include "parallel/state.h"
 #include "parallel/tensor/tensor_parallel.h"
 #include "train/batch_source.h"
 #include "train/cuda_graph.h"
@@ -59,6 +59,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -67,7 +68,6 @@
 #include <set>
 #include <string>
 #include <thread>
-#include <cstring>
 #include <vector>
 
 namespace parallax::train::detail {
@@ -172,7 +172,7 @@ class TrainerImpl {
   std::unique_ptr<ck::CheckpointReader> resume_;  // open only during setup
   std::vector<ck::ConfigChange> config_changes_;  // vs the resumed checkpoint's config
   int64_t start_step_ = 0;
-  bool resumed_ = false;  // a checkpoint was loaded (its step may be 0: a ptq run)
+  bool resumed_ = false;         // a checkpoint was loaded (its step may be 0: a ptq run)
   bool eval_preempted_ = false;  // run_eval() stopped for preemption: stop after saving
   bool model_tensors_logged_ = false;
   bool synthetic_ = true;

@@ -1,4 +1,5 @@
-// The trainer's setup: device, world, run directory, resume, data, model, plan and engine (train/trainer_impl.h has the class).
+// The trainer's setup: device, world, run directory, resume, data, model, plan and engine
+// (train/trainer_impl.h has the class).
 #include "train/trainer_impl.h"
 
 namespace parallax::train::detail {
@@ -61,8 +62,7 @@ void TrainerImpl::setup() {
   const fs::path ckpt_dir = run_dir_ / "checkpoints";
   const std::string config_text = resolved_yaml(cfg_);
   const std::vector<int64_t> steps = comm::agree_on(
-      *world_comm_, device_, "resume: choosing and opening the checkpoint",
-      [&]() -> int64_t {
+      *world_comm_, device_, "resume: choosing and opening the checkpoint", [&]() -> int64_t {
         const auto point = ck::find_resume_point(cfg_.train.resume, ckpt_dir.string());
         if (!point) {
           if (cfg_.train.resume == "auto")
@@ -202,17 +202,17 @@ void TrainerImpl::setup() {
     core::Stopwatch load_clock;
     // Each rank reads its part (tensor or pipeline parallelism: its slices); a rank that fails
     // alone must not leave the others in the engine's first collective (agree_on).
-    comm::agree_on(
-        *world_comm_, device_, fmt::format("resume from '{}': loading the model", resume_->dir()),
-        [&]() -> int64_t {
-          if (hooks_.saves_model_tensor || tp_) {
-            with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
-          } else {
-            with_config_hint({"model.", "lora.", "qat."},
-                             [&] { ck::load_weights(*resume_, *model_); });
-          }
-          return 0;
-        });
+    comm::agree_on(*world_comm_, device_,
+                   fmt::format("resume from '{}': loading the model", resume_->dir()),
+                   [&]() -> int64_t {
+                     if (hooks_.saves_model_tensor || tp_) {
+                       with_config_hint({"model.", "lora.", "qat."}, [&] { load_model_pieces(); });
+                     } else {
+                       with_config_hint({"model.", "lora.", "qat."},
+                                        [&] { ck::load_weights(*resume_, *model_); });
+                     }
+                     return 0;
+                   });
     load_s += load_clock.elapsed_s();
   }
   if (hooks_.frozen_model) {

@@ -1,4 +1,5 @@
-// The trainer's checkpoints: save, load on resume, config comparison (train/trainer_impl.h has the class).
+// The trainer's checkpoints: save, load on resume, config comparison (train/trainer_impl.h has the
+// class).
 #include "train/trainer_impl.h"
 
 namespace parallax::train::detail {
@@ -130,9 +131,7 @@ void TrainerImpl::save_checkpoint(int64_t step) {
   ck::SaveState state;
   // The model: whole and replicated, or (ZeRO-3) each rank's flat range of every parameter; only
   // the tensors the hooks keep (LoRA: the adapters).
-  const int64_t model_bytes = add_pieces(
-      state, ck::kModelPrefix,
-      checkpointed_model());
+  const int64_t model_bytes = add_pieces(state, ck::kModelPrefix, checkpointed_model());
   if (hooks_.saves_model_tensor && !model_tensors_logged_) {
     core::log::info(
         "checkpoints hold {} of model tensors on this rank (what trains; the rest comes from the "
@@ -142,8 +141,7 @@ void TrainerImpl::save_checkpoint(int64_t step) {
   }
   // The optimizer state per parameter under its global name and shape, as the engine holds it
   // (whole and replicated under DDP; one flat range of each parameter's state under ZeRO).
-  add_pieces(state, ck::kOptimPrefix,
-             engine_->checkpoint_optimizer());
+  add_pieces(state, ck::kOptimPrefix, engine_->checkpoint_optimizer());
   ck::add_rng(state);
   ck::add_loss_scaler(state, *scaler_);
   if (hooks_.save_extra) hooks_.save_extra(state);

@@ -205,9 +205,10 @@ int main(int argc, char** argv) {
   const at::TensorOptions opts =
       at::TensorOptions().dtype(dt).device(gpu ? *world.device() : c10::Device(c10::kCPU));
   PARALLAX_CHECK(
-      world.has_mpi() || (std::find(args.impls.begin(), args.impls.end(), "raw") == args.impls.end() &&
-                          std::find(args.impls.begin(), args.impls.end(), "raw_ring") == args.impls.end() &&
-                          std::find(args.impls.begin(), args.impls.end(), "raw_ring_split") == args.impls.end()),
+      world.has_mpi() ||
+          (std::find(args.impls.begin(), args.impls.end(), "raw") == args.impls.end() &&
+           std::find(args.impls.begin(), args.impls.end(), "raw_ring") == args.impls.end() &&
+           std::find(args.impls.begin(), args.impls.end(), "raw_ring_split") == args.impls.end()),
       parallax::Error, "comm_bench: the raw baseline needs an MPI launch (mpirun)");
 
   MPI_Comm raw_comm = MPI_COMM_NULL;
@@ -247,7 +248,8 @@ int main(int argc, char** argv) {
       for (const auto& impl : args.impls) {
         if (impl == "ring" && op != "all_reduce") continue;
         if (op == "sendrecv" && impl != "raw") continue;
-        if ((impl == "raw_ring" || impl == "raw_ring_split") && (op != "all_reduce" || !gpu)) continue;
+        if ((impl == "raw_ring" || impl == "raw_ring_split") && (op != "all_reduce" || !gpu))
+          continue;
         std::function<void()> run;
         if (impl == "native" || impl == "ring") {
           const AllReduceAlgo algo = impl == "ring" ? AllReduceAlgo::kRing : AllReduceAlgo::kNative;

@@ -507,8 +507,8 @@ OnnxExportResult export_onnx(models::Model& model, const ParityFrames& frames,
         "\"ties\": {}}}",
         core::json_quote(name), o.opset, dtype_label(o.dtype),
         o.batch > 0 ? std::to_string(o.batch) : "\"dynamic\"", ort_batch, frames.count,
-        core::json_quote(o.frames_source), core::json_strings(inputs), core::json_strings(outputs), gate.min_cosine,
-        gate.max_abs_rel,
+        core::json_quote(o.frames_source), core::json_strings(inputs), core::json_strings(outputs),
+        gate.min_cosine, gate.max_abs_rel,
         tie_tensors.empty() ? std::string("null")
                             : fmt::format("{{\"margin\": {}, \"tensors\": {}}}", kQuantTieMargin,
                                           core::json_strings(tie_tensors)));

@@ -54,8 +54,8 @@ enum class AgreeKind : uint8_t {
 
 }  // namespace
 
-std::vector<int64_t> agree_on(Communicator& comm, const c10::Device& device, const std::string& what,
-                              const std::function<int64_t()>& body) {
+std::vector<int64_t> agree_on(Communicator& comm, const c10::Device& device,
+                              const std::string& what, const std::function<int64_t()>& body) {
   if (comm.size() == 1) return {body()};
   AgreeKind kind = AgreeKind::kOk;
   std::string message;
@@ -114,9 +114,9 @@ std::vector<int64_t> agree_on(Communicator& comm, const c10::Device& device, con
   const std::vector<int> others(ranks.begin() + 1, ranks.end());
   throw_kind(first_kind,
              fmt::format("{} failed on world rank {} (of {}){}: {}", what, ranks[0], comm.size(),
-                         others.empty() ? std::string()
-                                        : fmt::format(" (and on world rank(s) {})",
-                                                      fmt::join(others, ", ")),
+                         others.empty()
+                             ? std::string()
+                             : fmt::format(" (and on world rank(s) {})", fmt::join(others, ", ")),
                          first));
 }
 

@@ -136,8 +136,9 @@ WorkPtr Communicator::all_reduce_coalesced_async(std::vector<at::Tensor>& tensor
   // sequence of collectives.
   std::vector<std::vector<at::Tensor>> groups;
   for (const auto& t : tensors) {
-    PARALLAX_CHECK(t.defined(), CommError, "all_reduce_coalesced on group '{}' (rank {}): undefined tensor",
-                   name(), rank());
+    PARALLAX_CHECK(t.defined(), CommError,
+                   "all_reduce_coalesced on group '{}' (rank {}): undefined tensor", name(),
+                   rank());
     auto same = [&](const std::vector<at::Tensor>& g) {
       return g.front().scalar_type() == t.scalar_type() && g.front().device() == t.device();
     };
@@ -161,18 +162,21 @@ WorkPtr Communicator::all_reduce_coalesced_async(std::vector<at::Tensor>& tensor
 }
 
 void check_wire_dtype(const Communicator& c, const at::Tensor& t, at::ScalarType wire) {
-  PARALLAX_CHECK(t.defined(), CommError, "all_reduce_compressed on group '{}' (rank {}): undefined tensor", c.name(),
+  PARALLAX_CHECK(t.defined(), CommError,
+                 "all_reduce_compressed on group '{}' (rank {}): undefined tensor", c.name(),
                  c.rank());
   PARALLAX_CHECK(c10::isFloatingType(t.scalar_type()) && c10::isFloatingType(wire) &&
                      c10::elementSize(wire) <= c10::elementSize(t.scalar_type()),
                  CommError,
-                 "all_reduce_compressed on group '{}' (rank {}): cannot reduce a {} tensor through {}: the wire "
+                 "all_reduce_compressed on group '{}' (rank {}): cannot reduce a {} tensor through "
+                 "{}: the wire "
                  "dtype must be a floating type no wider than the tensor's",
                  c.name(), c.rank(), c10::toString(t.scalar_type()), c10::toString(wire));
 }
 
-WorkPtr Communicator::all_reduce_compressed_async(at::Tensor& tensor, ReduceOp op, at::ScalarType wire,
-                                                  AllReduceAlgo algo, CallSite site) {
+WorkPtr Communicator::all_reduce_compressed_async(at::Tensor& tensor, ReduceOp op,
+                                                  at::ScalarType wire, AllReduceAlgo algo,
+                                                  CallSite site) {
   check_wire_dtype(*this, tensor, wire);
   if (wire == tensor.scalar_type()) return all_reduce_async(tensor, op, algo, site);
   at::Tensor copy = tensor.detach().to(wire).reshape({-1});

@@ -142,7 +142,7 @@ class Communicator {
 
   virtual int rank() const = 0;  // rank inside this group
   virtual int size() const = 0;
-  virtual const std::string& name() const = 0;  // "world", "tp", "dp", "pp", ...
+  virtual const std::string& name() const = 0;              // "world", "tp", "dp", "pp", ...
   virtual const std::vector<int>& world_ranks() const = 0;  // world rank of each member
   virtual std::string backend() const = 0;                  // "mpi" | "nccl" | "gloo"
   virtual c10::DeviceType device_type() const = 0;          // kCPU for mpi and gloo, kCUDA for nccl
@@ -170,7 +170,8 @@ class Communicator {
   // `wire` equal to the tensor's dtype is a plain all-reduce. CommError if `tensor` is not
   // floating or `wire` is wider than it.
   virtual WorkPtr all_reduce_compressed_async(at::Tensor& tensor, ReduceOp op, at::ScalarType wire,
-                                              AllReduceAlgo algo, CallSite site = CallSite::current());
+                                              AllReduceAlgo algo,
+                                              CallSite site = CallSite::current());
   // `input` (numel M, any shape) is reduced across ranks; this rank receives chunk rank() of the
   // flattened result (chunk_numel(M, size(), rank()) elements) in `output`.
   virtual WorkPtr reduce_scatter_async(const at::Tensor& input, at::Tensor& output, ReduceOp op,

@@ -16,9 +16,9 @@
 namespace parallax::parallel::comm {
 
 // Runs `f` on a helper thread and waits for it until `deadline`. Returns f's result, or
-// std::nullopt when the deadline passed first: the helper is then left behind (detached), blocked in
-// the call until the process exits, so `f` must own everything it uses (capture copies, e.g. of the
-// store's intrusive_ptr). Rethrows whatever `f` threw. `f` must return a value.
+// std::nullopt when the deadline passed first: the helper is then left behind (detached), blocked
+// in the call until the process exits, so `f` must own everything it uses (capture copies, e.g. of
+// the store's intrusive_ptr). Rethrows whatever `f` threw. `f` must return a value.
 template <class F>
 auto call_with_deadline(F f, std::chrono::steady_clock::time_point deadline)
     -> std::optional<decltype(f())> {

@@ -167,7 +167,7 @@ class P2PWaiter {
   std::condition_variable cv_;
   std::deque<Item> queue_;
   std::list<c10::intrusive_ptr<c10d::Work>> active_;  // being waited for
-  std::size_t idle_ = 0;                               // threads waiting for an item
+  std::size_t idle_ = 0;                              // threads waiting for an item
   bool stop_ = false;
   std::vector<std::thread> threads_;
 };
@@ -269,7 +269,8 @@ class GlooCommunicator final : public CommBase, public RingTransport {
       const bool staged = is_16bit_float(tensor.scalar_type());
       at::Tensor work = staged ? tensor.to(at::kFloat) : tensor;
       auto ring = std::make_shared<RingOp>(shared_from_this(), work.view({-1}), op,
-                                           ring_chunk_or(options_, int64_t{4} << 20), ring_tag_base(t.seq), *this);
+                                           ring_chunk_or(options_, int64_t{4} << 20),
+                                           ring_tag_base(t.seq), *this);
       ctx_->add_progressable(ring);
       auto on_done = [staged, work, target]() mutable {
         if (staged) target.copy_(work);

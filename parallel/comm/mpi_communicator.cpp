@@ -237,7 +237,8 @@ WorkPtr MpiCommunicator::all_reduce_async(at::Tensor& tensor, ReduceOp op, AllRe
   at::Tensor target = tensor;
   if (algo == AllReduceAlgo::kRing) {
     auto ring = std::make_shared<RingOp>(shared_from_this(), work.view({-1}), op,
-                                         ring_chunk_or(options_, int64_t{4} << 20), ring_tag_base(t.seq), *this);
+                                         ring_chunk_or(options_, int64_t{4} << 20),
+                                         ring_tag_base(t.seq), *this);
     ctx_->add_progressable(ring);
     auto on_done = [staged, work, target]() mutable {
       if (staged) target.copy_(work);

@@ -88,7 +88,8 @@ ncclConfig_t nonblocking_config() {
 
 // The blocking data-path twin of the non-blocking `ctrl` (collective over ctrl's ranks).
 // Throws TimeoutError/CommError; `what` names the group for the message.
-ncclComm_t make_blocking_twin(ncclComm_t ctrl, int rank, Clock::time_point deadline, const std::string& what) {
+ncclComm_t make_blocking_twin(ncclComm_t ctrl, int rank, Clock::time_point deadline,
+                              const std::string& what) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 1;
   ncclComm_t twin = nullptr;
@@ -97,18 +98,21 @@ ncclComm_t make_blocking_twin(ncclComm_t ctrl, int rank, Clock::time_point deadl
     if (rc != ncclSuccess && rc != ncclInProgress)
       throw CommError(fmt::format("ncclCommSplit ({} data path): {}", what, nccl_error(rc, ctrl)));
     wait_ready(ctrl, deadline, "ncclCommSplit (" + what + " data path)");
-    if (twin) wait_ready(twin, deadline, "ncclCommSplit (" + what + " data path, new communicator)");
+    if (twin)
+      wait_ready(twin, deadline, "ncclCommSplit (" + what + " data path, new communicator)");
   } catch (...) {
     if (twin) ncclCommAbort(twin);
     throw;
   }
-  PARALLAX_CHECK(twin != nullptr, CommError, "ncclCommSplit ({} data path) returned no communicator", what);
+  PARALLAX_CHECK(twin != nullptr, CommError,
+                 "ncclCommSplit ({} data path) returned no communicator", what);
   return twin;
 }
 
-NcclCommunicator::NcclCommunicator(std::shared_ptr<WorldContext> ctx, ncclComm_t comm, ncclComm_t ctrl,
-                 c10::Device device, std::string name, std::string uid, int rank,
-                 std::vector<int> world_ranks, CommOptions options)
+NcclCommunicator::NcclCommunicator(std::shared_ptr<WorldContext> ctx, ncclComm_t comm,
+                                   ncclComm_t ctrl, c10::Device device, std::string name,
+                                   std::string uid, int rank, std::vector<int> world_ranks,
+                                   CommOptions options)
     : CommBase(std::move(ctx), std::move(name), std::move(uid), rank, std::move(world_ranks),
                options),
       comm_(comm),
@@ -133,8 +137,8 @@ NcclCommunicator::~NcclCommunicator() {
 }
 
 std::shared_ptr<CommBase> NcclCommunicator::create_child(int color, const std::vector<int>& members,
-                                       const std::string& name, const std::string& uid,
-                                       const Ticket& t) {
+                                                         const std::string& name,
+                                                         const std::string& uid, const Ticket& t) {
   int key = 0;
   for (size_t i = 0; i < members.size(); ++i) {
     if (members[i] == rank_) key = static_cast<int>(i);
@@ -172,8 +176,8 @@ namespace parallax::parallel::comm::detail {
 using nccl::after;
 using nccl::connect_at_creation;
 using nccl::make_blocking_twin;
-using nccl::NcclCommunicator;
 using nccl::nccl_error;
+using nccl::NcclCommunicator;
 using nccl::nonblocking_config;
 using nccl::wait_ready;
 

@@ -66,7 +66,7 @@ void check_dtype(const CommBase& c, const char* op, const at::Tensor& t, bool re
 }
 
 WorkPtr NcclCommunicator::all_reduce_async(at::Tensor& tensor, ReduceOp op, AllReduceAlgo algo,
-                         CallSite site) {
+                                           CallSite site) {
   check_cuda(*this, "all_reduce", tensor);
   check_dtype(*this, "all_reduce", tensor, true);
   OpDesc d = tensor_desc(OpKind::kAllReduce, tensor, site);
@@ -83,13 +83,15 @@ WorkPtr NcclCommunicator::all_reduce_async(at::Tensor& tensor, ReduceOp op, AllR
   return enqueue({t}, {target}, [&] { reduce_in_place(target, op, algo, t); });
 }
 
-WorkPtr NcclCommunicator::all_reduce_compressed_async(at::Tensor& tensor, ReduceOp op, at::ScalarType wire,
-                                    AllReduceAlgo algo, CallSite site) {
+WorkPtr NcclCommunicator::all_reduce_compressed_async(at::Tensor& tensor, ReduceOp op,
+                                                      at::ScalarType wire, AllReduceAlgo algo,
+                                                      CallSite site) {
   check_cuda(*this, "all_reduce", tensor);
   check_wire_dtype(*this, tensor, wire);
   if (wire == tensor.scalar_type()) return all_reduce_async(tensor, op, algo, site);
   PARALLAX_CHECK(nccl_type(wire) != ncclNumTypes, CommError,
-                 "all_reduce_compressed on group '{}' (rank {}): wire dtype {} is not supported by the nccl backend",
+                 "all_reduce_compressed on group '{}' (rank {}): wire dtype {} is not supported by "
+                 "the nccl backend",
                  name_, rank_, c10::toString(wire));
   OpDesc d = tensor_desc(OpKind::kAllReduce, tensor, site);
   d.dtype = wire;  // what travels, and what the debug check compares across ranks
@@ -110,7 +112,7 @@ WorkPtr NcclCommunicator::all_reduce_compressed_async(at::Tensor& tensor, Reduce
 }
 
 WorkPtr NcclCommunicator::all_reduce_coalesced_async(std::vector<at::Tensor>& tensors, ReduceOp op,
-                                   CallSite site) {
+                                                     CallSite site) {
   if (tensors.empty()) return std::make_shared<DoneWork>();
   const auto dtype = tensors.front().scalar_type();
   int64_t total = 0;
@@ -118,7 +120,8 @@ WorkPtr NcclCommunicator::all_reduce_coalesced_async(std::vector<at::Tensor>& te
     check_cuda(*this, "all_reduce_coalesced", t, /*contiguous=*/false);
     check_dtype(*this, "all_reduce_coalesced", t, true);
     // Mixed dtypes: one flat buffer per dtype (the default), each a single all-reduce.
-    if (t.scalar_type() != dtype) return Communicator::all_reduce_coalesced_async(tensors, op, site);
+    if (t.scalar_type() != dtype)
+      return Communicator::all_reduce_coalesced_async(tensors, op, site);
     total += t.numel();
   }
   OpDesc d = tensor_desc(OpKind::kAllReduce, tensors.front(), site);
@@ -142,8 +145,8 @@ WorkPtr NcclCommunicator::all_reduce_coalesced_async(std::vector<at::Tensor>& te
     group_start(t);
     for (auto& x : targets) {
       if (x.numel() == 0) continue;
-      call(ncclAllReduce(x.data_ptr(), x.data_ptr(), static_cast<size_t>(x.numel()), nccl_type(dtype),
-                         nccl_op(op, dtype), comm_, stream_.stream()),
+      call(ncclAllReduce(x.data_ptr(), x.data_ptr(), static_cast<size_t>(x.numel()),
+                         nccl_type(dtype), nccl_op(op, dtype), comm_, stream_.stream()),
            "ncclAllReduce", t);
     }
     group_end(t, comm_);
@@ -154,8 +157,8 @@ WorkPtr NcclCommunicator::all_reduce_coalesced_async(std::vector<at::Tensor>& te
   });
 }
 
-WorkPtr NcclCommunicator::reduce_scatter_async(const at::Tensor& input, at::Tensor& output, ReduceOp op,
-                             CallSite site) {
+WorkPtr NcclCommunicator::reduce_scatter_async(const at::Tensor& input, at::Tensor& output,
+                                               ReduceOp op, CallSite site) {
   check_cuda(*this, "reduce_scatter", input);
   check_cuda(*this, "reduce_scatter", output);
   check_dtype(*this, "reduce_scatter", input, true);
@@ -191,7 +194,8 @@ WorkPtr NcclCommunicator::reduce_scatter_async(const at::Tensor& input, at::Tens
   });
 }
 
-WorkPtr NcclCommunicator::all_gather_async(const at::Tensor& input, at::Tensor& output, CallSite site) {
+WorkPtr NcclCommunicator::all_gather_async(const at::Tensor& input, at::Tensor& output,
+                                           CallSite site) {
   check_cuda(*this, "all_gather", input);
   check_cuda(*this, "all_gather", output);
   check_dtype(*this, "all_gather", input, false);
@@ -207,7 +211,8 @@ WorkPtr NcclCommunicator::all_gather_async(const at::Tensor& input, at::Tensor& 
   }
   at::Tensor in = input, out = output;
   return enqueue({t}, {in, out}, [&] {
-    if (total % n == 0) {  // equal chunks: straight into the output (in place when `in` is our chunk)
+    if (total % n ==
+        0) {  // equal chunks: straight into the output (in place when `in` is our chunk)
       call(ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(total / n),
                          nccl_type(in.scalar_type()), comm_, stream_.stream()),
            "ncclAllGather", t);
@@ -225,8 +230,8 @@ WorkPtr NcclCommunicator::all_gather_async(const at::Tensor& input, at::Tensor& 
   });
 }
 
-WorkPtr NcclCommunicator::all_gather_async(const at::Tensor& input, std::vector<at::Tensor>& outputs,
-                         CallSite site) {
+WorkPtr NcclCommunicator::all_gather_async(const at::Tensor& input,
+                                           std::vector<at::Tensor>& outputs, CallSite site) {
   check_cuda(*this, "all_gather", input);
   check_dtype(*this, "all_gather", input, false);
   const int64_t total = check_all_gather_list_shapes(*this, input, outputs);
@@ -289,14 +294,13 @@ WorkPtr NcclCommunicator::barrier_async(BarrierKind kind, CallSite site) {
   }
   at::Tensor b = barrier_buf_;
   return enqueue({t}, {b}, [&] {
-    call(
-        ncclAllReduce(b.data_ptr(), b.data_ptr(), 1, ncclInt32, ncclSum, comm_, stream_.stream()),
-        "ncclAllReduce", t);
+    call(ncclAllReduce(b.data_ptr(), b.data_ptr(), 1, ncclInt32, ncclSum, comm_, stream_.stream()),
+         "ncclAllReduce", t);
   });
 }
 
-std::vector<std::vector<uint8_t>> NcclCommunicator::allgather_bytes(const std::vector<uint8_t>& mine,
-                                                  const Ticket& t) {
+std::vector<std::vector<uint8_t>> NcclCommunicator::allgather_bytes(
+    const std::vector<uint8_t>& mine, const Ticket& t) {
   const int n = size();
   const int64_t len = static_cast<int64_t>(mine.size());
   c10::cuda::CUDAGuard g(device_);
@@ -320,7 +324,8 @@ std::vector<std::vector<uint8_t>> NcclCommunicator::allgather_bytes(const std::v
   return res;
 }
 
-void NcclCommunicator::check_cuda(const CommBase& c, const char* op, const at::Tensor& t, bool contiguous) {
+void NcclCommunicator::check_cuda(const CommBase& c, const char* op, const at::Tensor& t,
+                                  bool contiguous) {
   check_tensor(c, op, t, c10::DeviceType::CUDA, contiguous);
   const auto& me = static_cast<const NcclCommunicator&>(c);
   PARALLAX_CHECK(t.device() == me.device_, CommError,
@@ -338,19 +343,21 @@ void NcclCommunicator::call(ncclResult_t rc, const char* what, const Ticket& t, 
   throw CommError(fmt::format("{}: {}", what, nccl_error(rc, comm)));
 }
 
-void NcclCommunicator::reduce_in_place(at::Tensor& x, ReduceOp op, AllReduceAlgo algo, const Ticket& t) {
+void NcclCommunicator::reduce_in_place(at::Tensor& x, ReduceOp op, AllReduceAlgo algo,
+                                       const Ticket& t) {
   if (algo == AllReduceAlgo::kRing) {
     ring(x.view({-1}), op, t);
     return;
   }
-  call(ncclAllReduce(x.data_ptr(), x.data_ptr(), static_cast<size_t>(x.numel()), nccl_type(x.scalar_type()),
-                     nccl_op(op, x.scalar_type()), comm_, stream_.stream()),
+  call(ncclAllReduce(x.data_ptr(), x.data_ptr(), static_cast<size_t>(x.numel()),
+                     nccl_type(x.scalar_type()), nccl_op(op, x.scalar_type()), comm_,
+                     stream_.stream()),
        "ncclAllReduce", t);
   divide_avg_if_needed(x, op, size());
 }
 
 void NcclCommunicator::gather_padded(const at::Tensor& in, const std::vector<int64_t>& sizes,
-                   std::vector<at::Tensor>& outs, const Ticket& t) {
+                                     std::vector<at::Tensor>& outs, const Ticket& t) {
   const int n = size();
   const int64_t p = *std::max_element(sizes.begin(), sizes.end());
   at::Tensor src = at::zeros({p}, in.options());

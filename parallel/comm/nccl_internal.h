@@ -196,7 +196,8 @@ class NcclCommunicator final : public CommBase {
   void abort_backend() noexcept override;
 
  private:
-  static void check_cuda(const CommBase& c, const char* op, const at::Tensor& t, bool contiguous = true);
+  static void check_cuda(const CommBase& c, const char* op, const at::Tensor& t,
+                         bool contiguous = true);
 
   // Runs `body` (NCCL calls and post-processing) on the comm stream, after the caller's stream.
   template <class F>
@@ -211,7 +212,8 @@ class NcclCommunicator final : public CommBase {
       const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device_.index());
       cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
       const cudaError_t rc = cudaStreamIsCapturing(caller.stream(), &capture);
-      if (rc != cudaSuccess) throw CommError(fmt::format("cudaStreamIsCapturing: {}", cudaGetErrorString(rc)));
+      if (rc != cudaSuccess)
+        throw CommError(fmt::format("cudaStreamIsCapturing: {}", cudaGetErrorString(rc)));
       // While the caller's stream is captured, the comm stream joins the capture through `ready`
       // and NCCL records its kernels into the graph (NCCL >= 2.9); the caller's wait_stream() on
       // `end` joins it back.

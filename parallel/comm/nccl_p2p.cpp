@@ -18,8 +18,8 @@ WorkPtr NcclCommunicator::batch_isend_irecv(std::vector<P2POp>& ops, CallSite si
     tensors.push_back(op.tensor);
   }
   for (auto& op : ops) {
-    OpDesc d = tensor_desc(op.kind == P2POp::Kind::kSend ? OpKind::kSend : OpKind::kRecv,
-                           op.tensor, site);
+    OpDesc d =
+        tensor_desc(op.kind == P2POp::Kind::kSend ? OpKind::kSend : OpKind::kRecv, op.tensor, site);
     d.root = op.peer;
     d.tag = op.tag;
     tickets.push_back(begin(d));

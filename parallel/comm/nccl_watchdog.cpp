@@ -1,6 +1,7 @@
 #ifdef PARALLAX_WITH_NCCL
 
-// The nccl backend: the watchdog, timeouts, abort and shutdown; NcclWork (nccl_internal.h has the class).
+// The nccl backend: the watchdog, timeouts, abort and shutdown; NcclWork (nccl_internal.h has the
+// class).
 #include "parallel/comm/nccl_internal.h"
 
 #include <algorithm>
@@ -131,7 +132,8 @@ void NcclCommunicator::watchdog() {
 
 bool NcclWork::poll() {
   PARALLAX_CHECK(!p_->captured, CommError,
-                 "group '{}' (rank {}): a collective captured into a CUDA graph has no completion to wait for on the "
+                 "group '{}' (rank {}): a collective captured into a CUDA graph has no completion "
+                 "to wait for on the "
                  "host (it runs when the graph is replayed); use wait_stream()",
                  comm_->name(), comm_->rank());
   if (p_->completed) return true;

@@ -106,15 +106,15 @@ Topology::Topology(CommPtr world, Layout layout) : world_(std::move(world)), lay
 
 const std::string& Topology::communicator_of(const std::string& name) const {
   auto it = owner_.find(name);
-  PARALLAX_CHECK(it != owner_.end(), CommError,
-                 "unknown group '{}' (known: tp, dp, pp, world)", name);
+  PARALLAX_CHECK(it != owner_.end(), CommError, "unknown group '{}' (known: tp, dp, pp, world)",
+                 name);
   return it->second;
 }
 
 const CommPtr& Topology::group(const std::string& name) const {
   auto it = groups_.find(name);
-  PARALLAX_CHECK(it != groups_.end(), CommError,
-                 "unknown group '{}' (known: tp, dp, pp, world)", name);
+  PARALLAX_CHECK(it != groups_.end(), CommError, "unknown group '{}' (known: tp, dp, pp, world)",
+                 name);
   return it->second;
 }
 

@@ -19,10 +19,10 @@
 
 #include <algorithm>
 #include <charconv>
-#include <exception>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <thread>
 
 namespace parallax::parallel::comm {
@@ -543,7 +543,8 @@ World* g_world = nullptr;
 // TimeoutError names `what` when the store does not answer, a CommError carries a failing call's
 // one-line text.
 template <class F>
-auto bounded_store_call(const char* what, detail::Clock::time_point deadline, F f) -> decltype(f()) {
+auto bounded_store_call(const char* what, detail::Clock::time_point deadline, F f)
+    -> decltype(f()) {
   try {
     if (auto r = call_with_deadline(std::move(f), deadline)) return *r;
   } catch (const std::exception& e) {
@@ -732,7 +733,8 @@ World::~World() {
   // main prints the error line within that time and the launcher tears the job down.
   constexpr double kErrorExitS = 5;
   const bool unwinding = std::uncaught_exceptions() > c.uncaught_at_start;
-  const double exit_timeout_s = unwinding ? std::min(kErrorExitS, c.init_timeout_s) : c.init_timeout_s;
+  const double exit_timeout_s =
+      unwinding ? std::min(kErrorExitS, c.init_timeout_s) : c.init_timeout_s;
   if (!failed && c.size > 1) {
     // Exit barrier: rank 0 hosts the store; it must outlive every other rank's use of it.
     try {
@@ -748,8 +750,9 @@ World::~World() {
             detail::Clock::now() +
             std::chrono::milliseconds(static_cast<int64_t>(exit_timeout_s * 1000));
         auto add = [&](const char* key, int64_t n) {
-          return bounded_store_call("a counter update", deadline,
-                                    [s = c.store, k = std::string(key), n] { return s->add(k, n); });
+          return bounded_store_call(
+              "a counter update", deadline,
+              [s = c.store, k = std::string(key), n] { return s->add(k, n); });
         };
         add("pxc/exit", 1);
         while (add("pxc/exit", 0) < c.size && detail::Clock::now() < deadline) {

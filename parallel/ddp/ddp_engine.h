@@ -19,8 +19,7 @@ class DdpEngine : public Engine {
 
   std::string describe() const override;
   void broadcast_buffers() override;
-  void forward_backward_split(int micro_steps, const MicroStepFns& fns,
-                              bool sync_buffers) override;
+  void forward_backward_split(int micro_steps, const MicroStepFns& fns, bool sync_buffers) override;
   std::vector<optim::GradGroup> grads() override;
   void update(double lr) override;
   void zero_grad() override;

@@ -27,7 +27,9 @@ constexpr int64_t kHeader = 64;
 constexpr int kMaxTensors = 7;  // 4 + 8 * 7 < kHeader
 constexpr int kMaxDims = 6;
 
-int64_t dtype_code(at::ScalarType t) { return static_cast<int64_t>(t); }
+int64_t dtype_code(at::ScalarType t) {
+  return static_cast<int64_t>(t);
+}
 
 }  // namespace
 
@@ -106,11 +108,11 @@ std::vector<int> partition(const std::vector<double>& costs, int stages,
 }
 
 struct PipelineEngine::Slot {
-  std::vector<at::Tensor> inputs;     // received (leaves) or the begin() values
-  std::vector<at::Tensor> outputs;    // what the stage returned (not on the last stage)
-  at::Tensor loss;                    // the last stage
-  std::vector<at::Tensor> out_grads;  // received gradient of each output
-  std::vector<at::Tensor> in_grads;   // gradient of each input, to send
+  std::vector<at::Tensor> inputs;        // received (leaves) or the begin() values
+  std::vector<at::Tensor> outputs;       // what the stage returned (not on the last stage)
+  at::Tensor loss;                       // the last stage
+  std::vector<at::Tensor> out_grads;     // received gradient of each output
+  std::vector<at::Tensor> in_grads;      // gradient of each input, to send
   std::unique_ptr<SplitBackward> split;  // zb: between B and W
   std::vector<at::Tensor> roots() const {
     if (loss.defined()) return {loss};
@@ -130,8 +132,7 @@ struct PipelineEngine::Slot {
 
 PipelineEngine::PipelineEngine(std::shared_ptr<torch::nn::Module> module,
                                std::vector<core::Unit> units, const std::vector<double>& costs,
-                               comm::CommPtr pp, int micro_batches,
-                               const PipelineOptions& options,
+                               comm::CommPtr pp, int micro_batches, const PipelineOptions& options,
                                const std::function<std::unique_ptr<Engine>()>& make_inner)
     : module_(std::move(module)), units_(std::move(units)), pp_(std::move(pp)) {
   schedule_ = build_schedule(options.schedule, pp_->size(), micro_batches, options.virtual_stages);
@@ -143,10 +144,10 @@ PipelineEngine::PipelineEngine(std::shared_ptr<torch::nn::Module> module,
                  "keys 'parallel.pp' and 'train.grad_accum': {} stages x {} micro-batches is "
                  "more messages than one step's tags can name",
                  S, micro_batches);
-  PARALLAX_CHECK(costs.size() == units_.size(), Error,
-                 "pipeline: {} unit costs for {} units", costs.size(), units_.size());
-  bounds_ = partition(costs, S, options.layout, options.activation_bytes,
-                      in_flight_per_stage(schedule_));
+  PARALLAX_CHECK(costs.size() == units_.size(), Error, "pipeline: {} unit costs for {} units",
+                 costs.size(), units_.size());
+  bounds_ =
+      partition(costs, S, options.layout, options.activation_bytes, in_flight_per_stage(schedule_));
   for (int s = 0; s < S; ++s) {
     if (schedule_.rank_of(s) == pp_->rank()) my_stages_.push_back(s);
     for (int u = bounds_[s]; u < bounds_[s + 1]; ++u)
@@ -156,8 +157,7 @@ PipelineEngine::PipelineEngine(std::shared_ptr<torch::nn::Module> module,
   at::NoGradGuard no_grad;
   for (auto& item : module_->named_parameters()) {
     const auto it = owner_.find(item.key());
-    PARALLAX_CHECK(it != owner_.end(), Error, "pipeline: parameter '{}' is in no unit",
-                   item.key());
+    PARALLAX_CHECK(it != owner_.end(), Error, "pipeline: parameter '{}' is in no unit", item.key());
     at::Tensor& p = item.value();
     if (it->second == pp_->rank()) {
       stage_params_.push_back(item.key());
@@ -176,7 +176,8 @@ PipelineEngine::PipelineEngine(std::shared_ptr<torch::nn::Module> module,
   at::Tensor all = at::empty({static_cast<int64_t>(mine.size()) * pp_->size()}, local.options());
   pp_->all_gather_async(local, all)->wait();
   all = all.cpu();
-  for (int64_t k = 0; k < all.numel(); ++k) step_replicas_.push_back(static_cast<int>(all[k].item<int64_t>()));
+  for (int64_t k = 0; k < all.numel(); ++k)
+    step_replicas_.push_back(static_cast<int>(all[k].item<int64_t>()));
   std::sort(step_replicas_.begin(), step_replicas_.end());
 }
 
@@ -192,11 +193,11 @@ std::string PipelineEngine::describe() const {
   for (int s : my_stages_)
     stages += fmt::format("{}{} (units {}..{})", stages.empty() ? "" : ", ", s, bounds_[s],
                           bounds_[s + 1] - 1);
-  return fmt::format("pipeline '{}' over group '{}' of {} ranks, {} stages, {} micro-batches; "
-                     "this rank: stage{} {}; data parallel: {}",
-                     schedule_.kind, pp_->name(), pp_->size(), schedule_.stages(),
-                     schedule_.micro_batches, my_stages_.size() > 1 ? "s" : "", stages,
-                     inner_->describe());
+  return fmt::format(
+      "pipeline '{}' over group '{}' of {} ranks, {} stages, {} micro-batches; "
+      "this rank: stage{} {}; data parallel: {}",
+      schedule_.kind, pp_->name(), pp_->size(), schedule_.stages(), schedule_.micro_batches,
+      my_stages_.size() > 1 ? "s" : "", stages, inner_->describe());
 }
 
 void PipelineEngine::forward_backward(int, const std::function<at::Tensor(int)>&, bool) {
@@ -303,7 +304,9 @@ int PipelineEngine::tag(const Op& op, int k) const {
 
 namespace {
 
-bool is_act(const Op& op) { return op.kind == OpKind::kSendAct || op.kind == OpKind::kRecvAct; }
+bool is_act(const Op& op) {
+  return op.kind == OpKind::kSendAct || op.kind == OpKind::kRecvAct;
+}
 
 std::string message_name(const Op& op) {
   return fmt::format("the {} of micro-batch {}", is_act(op) ? "activations" : "gradients",
@@ -423,7 +426,8 @@ void PipelineEngine::infer_layouts(const StageFns& fns) {
         PARALLAX_CHECK(t.defined() && t.dim() <= kMaxDims, Error,
                        "pipeline: stage {} returns {} (defined tensors of at most {} dimensions "
                        "cross a stage boundary)",
-                       s, t.defined() ? fmt::format("a {}-d tensor", t.dim()) : "an undefined tensor",
+                       s,
+                       t.defined() ? fmt::format("a {}-d tensor", t.dim()) : "an undefined tensor",
                        kMaxDims);
         layout.push_back({t.scalar_type(), t.sizes().vec()});
       }
@@ -519,10 +523,10 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
     for (const auto& m : b.messages) {
       const Op& c = *m.op;
       const int other = is_act(c) ? c.stage + 1 : c.stage - 1;
-      out += fmt::format("{}{} {} {} stage {} (pipeline rank {}, {} bytes)",
-                         out.empty() ? "" : "; ", c.is_send() ? "sending" : "receiving",
-                         message_name(c), c.is_send() ? "to" : "from",
-                         c.is_send() ? other : c.stage, c.peer, m.bytes);
+      out +=
+          fmt::format("{}{} {} {} stage {} (pipeline rank {}, {} bytes)", out.empty() ? "" : "; ",
+                      c.is_send() ? "sending" : "receiving", message_name(c),
+                      c.is_send() ? "to" : "from", c.is_send() ? other : c.stage, c.peer, m.bytes);
     }
     return out;
   };
@@ -580,8 +584,8 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
         m.header = to_comm(make_header(c.stage, c.micro, layout));
         sends.push_back({comm::P2POp::Kind::kSend, m.header, c.peer, tag(c, 0)});
         for (std::size_t j = 0; j < payload.size(); ++j) {
-          sends.push_back({comm::P2POp::Kind::kSend, payload[j], c.peer,
-                           tag(c, static_cast<int>(j) + 1)});
+          sends.push_back(
+              {comm::P2POp::Kind::kSend, payload[j], c.peer, tag(c, static_cast<int>(j) + 1)});
           m.bytes += payload[j].numel() * payload[j].element_size();
         }
         m.tensors = std::move(payload);
@@ -743,48 +747,49 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
   };
   inner_->forward_backward_split(
       param_ops,
-      MicroStepFns{
-          [&](int) {
-            PARALLAX_CHECK(advance(), Error,
-                           "pipeline: rank {}'s plan has fewer backward ops than counted",
-                           pp_->rank());
-            const Op& op = ops[i];
-            if (!split && op.stage < last) complete({1, op.micro, op.stage + 1}, "B");
-          },
-          [&](int) {
-            const Op& op = ops[i];
-            core::Stopwatch clock;
-            Slot& slot = slots.at({op.micro, op.stage});
-            if (split) {
-              PARALLAX_CHECK(slot.split != nullptr, Error,
-                             "pipeline: W of micro-batch {} on stage {} before its B", op.micro,
-                             op.stage);
-              slot.split->weight_pass();
-              slots.erase({op.micro, op.stage});
-            } else {
-              std::vector<at::Tensor> roots = slot.roots(), grads = slot.root_grads();
-              const std::vector<at::Tensor> zeros = others_of(op.stage);
-              if (!zeros.empty()) {
-                if (grads.empty() && !roots.empty()) grads.push_back(at::ones_like(roots[0]));
-                for (const auto& z : zeros) {
-                  roots.push_back(z);
-                  grads.push_back(at::ones_like(z));
-                }
-              }
-              if (!roots.empty()) torch::autograd::backward(roots, grads);
-              if (op.stage > 0) {
-                for (const auto& x : slot.inputs)
-                  slot.in_grads.push_back(x.defined() && x.requires_grad() ? x.grad()
-                                                                           : at::Tensor());
-              }
-              slot.outputs.clear();
-              slot.loss = at::Tensor();
-              slot.out_grads.clear();
-              if (op.stage == 0) slots.erase({op.micro, op.stage});  // nothing to send back
-            }
-            ++i;
-            compute_ms_ += clock.elapsed_ms();
-          }},
+      MicroStepFns{[&](int) {
+                     PARALLAX_CHECK(advance(), Error,
+                                    "pipeline: rank {}'s plan has fewer backward ops than counted",
+                                    pp_->rank());
+                     const Op& op = ops[i];
+                     if (!split && op.stage < last) complete({1, op.micro, op.stage + 1}, "B");
+                   },
+                   [&](int) {
+                     const Op& op = ops[i];
+                     core::Stopwatch clock;
+                     Slot& slot = slots.at({op.micro, op.stage});
+                     if (split) {
+                       PARALLAX_CHECK(slot.split != nullptr, Error,
+                                      "pipeline: W of micro-batch {} on stage {} before its B",
+                                      op.micro, op.stage);
+                       slot.split->weight_pass();
+                       slots.erase({op.micro, op.stage});
+                     } else {
+                       std::vector<at::Tensor> roots = slot.roots(), grads = slot.root_grads();
+                       const std::vector<at::Tensor> zeros = others_of(op.stage);
+                       if (!zeros.empty()) {
+                         if (grads.empty() && !roots.empty())
+                           grads.push_back(at::ones_like(roots[0]));
+                         for (const auto& z : zeros) {
+                           roots.push_back(z);
+                           grads.push_back(at::ones_like(z));
+                         }
+                       }
+                       if (!roots.empty()) torch::autograd::backward(roots, grads);
+                       if (op.stage > 0) {
+                         for (const auto& x : slot.inputs)
+                           slot.in_grads.push_back(x.defined() && x.requires_grad() ? x.grad()
+                                                                                    : at::Tensor());
+                       }
+                       slot.outputs.clear();
+                       slot.loss = at::Tensor();
+                       slot.out_grads.clear();
+                       if (op.stage == 0)
+                         slots.erase({op.micro, op.stage});  // nothing to send back
+                     }
+                     ++i;
+                     compute_ms_ += clock.elapsed_ms();
+                   }},
       /*sync_buffers=*/false);
   advance();  // the sends after the last backward
   for (auto& b : batches) {
@@ -793,16 +798,16 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
       try {
         (*w)->wait();
       } catch (Error& e) {
-        e.add_context(fmt::format("pipeline rank {} completing its batch: {}", pp_->rank(),
-                                  batch_text(b)));
+        e.add_context(
+            fmt::format("pipeline rank {} completing its batch: {}", pp_->rank(), batch_text(b)));
         throw;
       }
     }
   }
   batches.clear();
   PARALLAX_CHECK(incoming.empty(), Error,
-                 "pipeline: rank {} received {} message(s) no compute op consumed",
-                 pp_->rank(), incoming.size());
+                 "pipeline: rank {} received {} message(s) no compute op consumed", pp_->rank(),
+                 incoming.size());
   if (!unchecked.empty()) {
     std::vector<at::Tensor> headers;
     for (const auto& [h, op] : unchecked) headers.push_back(h);
@@ -851,8 +856,7 @@ void PipelineEngine::gather_full_params() {
       const auto it = foreign_.find(name);
       if (it != foreign_.end()) p.set_data(at::empty(it->second, p.options()));
       at::Tensor buf = p.detach();
-      if (buf.device().type() != dev)
-        buf = buf.to(target);
+      if (buf.device().type() != dev) buf = buf.to(target);
       pp_->broadcast_async(buf, owner_.at(name))->wait();
       if (buf.data_ptr() != p.data_ptr()) p.detach().copy_(buf);
     }

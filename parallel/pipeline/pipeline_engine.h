@@ -117,8 +117,7 @@ class PipelineEngine : public Engine {
   // Not available: a pipeline runs stages (step()).
   void forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
                         bool sync_buffers) override;
-  void forward_backward_split(int micro_steps, const MicroStepFns& fns,
-                              bool sync_buffers) override;
+  void forward_backward_split(int micro_steps, const MicroStepFns& fns, bool sync_buffers) override;
   std::vector<optim::GradGroup> grads() override;
   void update(double lr) override { inner_->update(lr); }
   void zero_grad() override { inner_->zero_grad(); }

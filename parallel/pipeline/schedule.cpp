@@ -16,13 +16,20 @@ namespace {
 
 const char* kind_name(OpKind k) {
   switch (k) {
-    case OpKind::kForward: return "F";
-    case OpKind::kBackward: return "B";
-    case OpKind::kWeight: return "W";
-    case OpKind::kSendAct: return "send act";
-    case OpKind::kRecvAct: return "recv act";
-    case OpKind::kSendGrad: return "send grad";
-    case OpKind::kRecvGrad: return "recv grad";
+    case OpKind::kForward:
+      return "F";
+    case OpKind::kBackward:
+      return "B";
+    case OpKind::kWeight:
+      return "W";
+    case OpKind::kSendAct:
+      return "send act";
+    case OpKind::kRecvAct:
+      return "recv act";
+    case OpKind::kSendGrad:
+      return "send grad";
+    case OpKind::kRecvGrad:
+      return "recv grad";
   }
   return "?";
 }
@@ -30,7 +37,9 @@ const char* kind_name(OpKind k) {
 // The compute order of one rank, before the communication is inserted.
 using Order = std::vector<Op>;
 
-Op compute(OpKind k, int micro, int stage) { return Op{k, micro, stage, -1}; }
+Op compute(OpKind k, int micro, int stage) {
+  return Op{k, micro, stage, -1};
+}
 
 std::vector<Order> gpipe_order(int p, int m) {
   std::vector<Order> out(static_cast<std::size_t>(p));
@@ -103,8 +112,8 @@ std::vector<Order> zb_h1_order(int p, int m) {
   std::vector<std::size_t> next(static_cast<std::size_t>(p), 0);
   std::vector<double> clock(static_cast<std::size_t>(p), 0);
   std::vector<std::vector<int>> pending(static_cast<std::size_t>(p));  // micro-batches awaiting W
-  std::map<std::pair<int, int>, double> f_end, b_end;                 // (micro, stage) -> time
-  const auto ready_at = [&](const Op& op) -> double {                 // < 0: unknown yet
+  std::map<std::pair<int, int>, double> f_end, b_end;                  // (micro, stage) -> time
+  const auto ready_at = [&](const Op& op) -> double {                  // < 0: unknown yet
     if (op.kind == OpKind::kForward) {
       if (op.stage == 0) return 0;
       const auto it = f_end.find({op.micro, op.stage - 1});
@@ -116,9 +125,7 @@ std::vector<Order> zb_h1_order(int p, int m) {
     const auto it = b_end.find({op.micro, op.stage + 1});
     return it == b_end.end() ? -1 : std::max(own->second, it->second);
   };
-  const auto done = [&](int r) {
-    return next[r] == base[r].size() && pending[r].empty();
-  };
+  const auto done = [&](int r) { return next[r] == base[r].size() && pending[r].empty(); };
   for (int guard = 0; guard < 16 * p * m + 16; ++guard) {
     // The rank that decides next: the earliest clock among those with work left.
     int r = -1;
@@ -159,9 +166,10 @@ std::vector<Order> zb_h1_order(int p, int m) {
       clock[r] = t > clock[r] ? t : clock[r] + 1;
     }
   }
-  throw_error<Error>("pipeline plan 'zb': the placement of the W passes did not converge for pp={}, "
-                     "{} micro-batches (a bug: please report it)",
-                     p, m);
+  throw_error<Error>(
+      "pipeline plan 'zb': the placement of the W passes did not converge for pp={}, "
+      "{} micro-batches (a bug: please report it)",
+      p, m);
 }
 
 // The communication around the compute ops. Batches sit at the boundaries between consecutive
@@ -188,12 +196,14 @@ std::vector<Op> with_comm(const Schedule& s, const Order& order, const std::vect
     while (!open(after)) ++after;
     if (op.kind == OpKind::kForward) {
       if (op.stage > 0)
-        recvs[before].push_back({OpKind::kRecvAct, op.micro, op.stage - 1, s.rank_of(op.stage - 1)});
+        recvs[before].push_back(
+            {OpKind::kRecvAct, op.micro, op.stage - 1, s.rank_of(op.stage - 1)});
       if (op.stage < last)
         sends[after].push_back({OpKind::kSendAct, op.micro, op.stage, s.rank_of(op.stage + 1)});
     } else if (op.kind == OpKind::kBackward) {
       if (op.stage < last)
-        recvs[before].push_back({OpKind::kRecvGrad, op.micro, op.stage + 1, s.rank_of(op.stage + 1)});
+        recvs[before].push_back(
+            {OpKind::kRecvGrad, op.micro, op.stage + 1, s.rank_of(op.stage + 1)});
       if (op.stage > 0)
         sends[after].push_back({OpKind::kSendGrad, op.micro, op.stage, s.rank_of(op.stage - 1)});
     }
@@ -215,7 +225,8 @@ MsgKey msg_key(const Op& op) {
 }
 
 std::string where(const Schedule& s, int r, std::size_t i) {
-  return fmt::format("pipeline plan '{}': rank {} op {} ({})", s.kind, r, i, to_string(s.ops[r][i]));
+  return fmt::format("pipeline plan '{}': rank {} op {} ({})", s.kind, r, i,
+                     to_string(s.ops[r][i]));
 }
 
 }  // namespace
@@ -309,8 +320,8 @@ void check(const Schedule& s) {
                        "{}: the message goes from stage {} (rank {}) to stage {} (rank {})",
                        where(s, r, i), from, s.rank_of(from), to, s.rank_of(to));
         if (op.is_send()) {
-          PARALLAX_CHECK(has(act ? OpKind::kForward : OpKind::kBackward, op.micro, op.stage),
-                         Error, "{}: sent before its {} ran on this rank", where(s, r, i),
+          PARALLAX_CHECK(has(act ? OpKind::kForward : OpKind::kBackward, op.micro, op.stage), Error,
+                         "{}: sent before its {} ran on this rank", where(s, r, i),
                          act ? "forward" : "backward");
         }
         auto& book = op.is_send() ? sends : recvs;
@@ -325,9 +336,8 @@ void check(const Schedule& s) {
                      where(s, r, i), op.stage, s.rank_of(op.stage));
       PARALLAX_CHECK(op.kind != OpKind::kWeight || s.split_backward(), Error,
                      "{}: a W pass in a schedule without a split backward", where(s, r, i));
-      const auto [it, fresh] =
-          seen.emplace(std::make_tuple(static_cast<int>(op.kind), op.micro, op.stage),
-                       std::make_pair(r, i));
+      const auto [it, fresh] = seen.emplace(
+          std::make_tuple(static_cast<int>(op.kind), op.micro, op.stage), std::make_pair(r, i));
       PARALLAX_CHECK(fresh, Error, "{}: runs twice (first as rank {} op {})", where(s, r, i),
                      it->second.first, it->second.second);
       if (op.kind == OpKind::kForward) {
@@ -432,8 +442,8 @@ void simulate_nccl(const Schedule& s, bool separate_ops) {
   const int p = s.ranks, last = s.stages() - 1;
   struct RankState {
     std::vector<std::pair<std::size_t, std::size_t>> batches;
-    std::size_t compute = 0;  // next op index whose compute is pending (scans the plan)
-    std::size_t batch = 0;    // the running or next batch
+    std::size_t compute = 0;         // next op index whose compute is pending (scans the plan)
+    std::size_t batch = 0;           // the running or next batch
     std::set<std::size_t> done_ops;  // comm ops completed
   };
   std::vector<RankState> st(static_cast<std::size_t>(p));
@@ -519,7 +529,8 @@ void simulate_nccl(const Schedule& s, bool separate_ops) {
           const auto [b, e] = rs.batches[rs.batch];
           std::string ops;
           for (std::size_t i = b; i < e; ++i)
-            if (!rs.done_ops.count(i)) ops += fmt::format("{}{}", ops.empty() ? "" : ", ", to_string(s.ops[r][i]));
+            if (!rs.done_ops.count(i))
+              ops += fmt::format("{}{}", ops.empty() ? "" : ", ", to_string(s.ops[r][i]));
           stuck += fmt::format("; rank {}'s batch at op {} waits in [{}]", r, b, ops);
         }
         if (rs.compute < s.ops[r].size())
@@ -597,9 +608,10 @@ Timeline simulate(const Schedule& s, double fc, double bc, double wc) {
       for (int r = 0; r < p; ++r) {
         if (idx[r] >= s.ops[r].size()) continue;
         const Op& op = s.ops[r][idx[r]];
-        stuck += fmt::format("; rank {} op {} ({}) waits for the {} of stage {}", r, idx[r],
-                             to_string(op), op.kind == OpKind::kForward ? "activations" : "gradient",
-                             op.kind == OpKind::kForward ? op.stage - 1 : op.stage + 1);
+        stuck +=
+            fmt::format("; rank {} op {} ({}) waits for the {} of stage {}", r, idx[r],
+                        to_string(op), op.kind == OpKind::kForward ? "activations" : "gradient",
+                        op.kind == OpKind::kForward ? op.stage - 1 : op.stage + 1);
       }
       throw_error<Error>("pipeline plan '{}' deadlocks{}", s.kind, stuck);
     }

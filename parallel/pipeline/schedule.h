@@ -42,10 +42,10 @@ struct Op {
 std::string to_string(const Op& op);
 
 struct Schedule {
-  std::string kind;           // gpipe | 1f1b | interleaved | zb
-  int ranks = 1;              // pp
-  int virtual_stages = 1;     // v (chunks per rank)
-  int micro_batches = 1;      // m
+  std::string kind;                  // gpipe | 1f1b | interleaved | zb
+  int ranks = 1;                     // pp
+  int virtual_stages = 1;            // v (chunks per rank)
+  int micro_batches = 1;             // m
   std::vector<std::vector<Op>> ops;  // ops[r]: pipeline rank r's step, in order
 
   int stages() const { return ranks * virtual_stages; }

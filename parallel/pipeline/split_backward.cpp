@@ -45,7 +45,7 @@ class CaptureHook final : public torch::autograd::FunctionPreHook {
 }  // namespace
 
 struct SplitBackward::State {
-  std::vector<NodePtr> boundary;             // U
+  std::vector<NodePtr> boundary;              // U
   std::vector<std::vector<std::size_t>> cut;  // per node of U: its next edges into E
   std::vector<const torch::autograd::FunctionPreHook*> hooks;
   std::shared_ptr<Captured> captured = std::make_shared<Captured>();
@@ -193,7 +193,9 @@ SplitBackward::~SplitBackward() {
   if (state_ && !state_->hooks.empty()) state_->remove_hooks();
 }
 
-std::size_t SplitBackward::boundary_nodes() const { return state_ ? state_->boundary.size() : 0; }
+std::size_t SplitBackward::boundary_nodes() const {
+  return state_ ? state_->boundary.size() : 0;
+}
 
 void SplitBackward::weight_pass() {
   PARALLAX_CHECK(state_ != nullptr, Error, "split backward: a second weight pass");

@@ -125,7 +125,7 @@ class ParamShards : public core::UnitHooks {
   std::vector<char> passed_;               // per unit: the backward has reached an earlier unit
   std::vector<int> gathers_;               // per unit: gathers this step
   std::vector<long> flat_of_bucket_;
-  std::vector<at::Tensor> tags_;  // GPUs: this backward's gathered tags, checked at its end
+  std::vector<at::Tensor> tags_;          // GPUs: this backward's gathered tags, checked at its end
   std::vector<comm::WorkPtr> tag_works_;  // their collectives, joined before the check
   bool summoned_ = false;
   std::mutex mu_;

@@ -61,8 +61,7 @@ class ZeroEngine : public Engine {
 
   std::string describe() const override;
   void broadcast_buffers() override { ddp_->before_forward(); }
-  void forward_backward_split(int micro_steps, const MicroStepFns& fns,
-                              bool sync_buffers) override;
+  void forward_backward_split(int micro_steps, const MicroStepFns& fns, bool sync_buffers) override;
   std::vector<optim::GradGroup> grads() override;
   void update(double lr) override;
   void zero_grad() override;

@@ -11,7 +11,8 @@
 namespace parallax::ckpt_test {
 
 // Flips (XOR 0x5a) byte `byte` of dataset `dataset`'s contiguous storage in HDF5 file `file`.
-inline void corrupt_dataset_byte(const std::string& file, const std::string& dataset, int64_t byte) {
+inline void corrupt_dataset_byte(const std::string& file, const std::string& dataset,
+                                 int64_t byte) {
   hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
   ASSERT_GE(f, 0) << file;
   hid_t d = H5Dopen2(f, dataset.c_str(), H5P_DEFAULT);

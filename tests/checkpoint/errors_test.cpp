@@ -23,9 +23,9 @@
 using namespace parallax;
 using namespace parallax::checkpoint;
 using parallax::ckpt_test::bitwise_equal;
+using parallax::ckpt_test::contains;
 using parallax::ckpt_test::random_tensor;
 using parallax::ckpt_test::ScratchDir;
-using parallax::ckpt_test::contains;
 namespace fs = std::filesystem;
 
 namespace {

@@ -32,11 +32,11 @@
 using namespace parallax;
 using namespace parallax::checkpoint;
 using parallax::ckpt_test::bitwise_equal;
+using parallax::ckpt_test::contains;
+using parallax::ckpt_test::corrupt_dataset_byte;
 using parallax::ckpt_test::random_tensor;
 using parallax::ckpt_test::run_ranks;
 using parallax::ckpt_test::ScratchDir;
-using parallax::ckpt_test::contains;
-using parallax::ckpt_test::corrupt_dataset_byte;
 namespace fs = std::filesystem;
 
 namespace {

@@ -21,7 +21,6 @@ MpiEnv& MpiEnv::get() {
 
 }  // namespace parallax::ckpt_test
 
-
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   auto& env = parallax::ckpt_test::MpiEnv::get();

@@ -9,8 +9,8 @@
 #include "checkpoint/inspect.h"
 #include "checkpoint/reader.h"
 #include "core/error.h"
-#include "parallel/engine.h"
 #include "corrupt.h"
+#include "parallel/engine.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -34,10 +34,10 @@
 using namespace parallax;
 using namespace parallax::checkpoint;
 using parallax::ckpt_test::bitwise_equal;
-using parallax::ckpt_test::run_ranks;
-using parallax::ckpt_test::ScratchDir;
 using parallax::ckpt_test::contains;
 using parallax::ckpt_test::corrupt_dataset_byte;
+using parallax::ckpt_test::run_ranks;
+using parallax::ckpt_test::ScratchDir;
 namespace fs = std::filesystem;
 
 namespace {
@@ -110,7 +110,8 @@ TEST(CheckpointPiecesTest, CorruptLaterPieceFailsAVerifiedWholeLoad) {
   EXPECT_TRUE(contains(listing.str(), " dataset model/qkv.weight@2\n")) << listing.str();
   EXPECT_TRUE(contains(listing.str(), "verified: 3 shards in 1 files")) << listing.str();
 
-  corrupt_dataset_byte((fs::path(ckpt) / "rank_00000.h5").string(), "model/qkv.weight@2", 4 * 7 + 2);
+  corrupt_dataset_byte((fs::path(ckpt) / "rank_00000.h5").string(), "model/qkv.weight@2",
+                       4 * 7 + 2);
   for (const std::string& m : {error_of([&] { CheckpointReader(dir).read("model/qkv.weight"); }),
                                error_of([&] { CheckpointReader(dir).verify_all(); })}) {
     EXPECT_TRUE(contains(m, "checksum mismatch") && contains(m, "rank_00000.h5") &&

@@ -511,15 +511,13 @@ TEST(TopologyTest, GroupsOfEachLayoutReduceOnlyInsideThemselves) {
   auto& c = world_comm();
   if (c->size() == 4) {
     // dp=2 x tp=2: TP innermost.
-    check_layout(c, resolve_layout(4, 0, 2, 1),
-                 {{"tp", {{0, 1}, {2, 3}}},
-                  {"dp", {{0, 2}, {1, 3}}},
-                  {"pp", {{0}, {1}, {2}, {3}}}});
+    check_layout(
+        c, resolve_layout(4, 0, 2, 1),
+        {{"tp", {{0, 1}, {2, 3}}}, {"dp", {{0, 2}, {1, 3}}}, {"pp", {{0}, {1}, {2}, {3}}}});
     // dp=2 x tp=1 x pp=2: PP outermost.
-    check_layout(c, resolve_layout(4, 2, 1, 2),
-                 {{"tp", {{0}, {1}, {2}, {3}}},
-                  {"dp", {{0, 1}, {2, 3}}},
-                  {"pp", {{0, 2}, {1, 3}}}});
+    check_layout(
+        c, resolve_layout(4, 2, 1, 2),
+        {{"tp", {{0}, {1}, {2}, {3}}}, {"dp", {{0, 1}, {2, 3}}}, {"pp", {{0, 2}, {1, 3}}}});
   } else if (c->size() == 2) {
     check_layout(c, resolve_layout(2, 0, 2, 1),
                  {{"tp", {{0, 1}}}, {"dp", {{0}, {1}}}, {"pp", {{0}, {1}}}});

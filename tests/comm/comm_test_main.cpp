@@ -8,7 +8,6 @@
 
 #include <gtest/gtest.h>
 
-
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   int rc = 1;

@@ -59,9 +59,10 @@ std::string timeout_message(F&& op) {
   } catch (const TimeoutError& e) {
     message = e.what();
   }
-  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::fprintf(stderr, "[rank %d] hang report after %.2f s:\n%s\n", World::current().rank(), elapsed,
-               message.c_str());
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::fprintf(stderr, "[rank %d] hang report after %.2f s:\n%s\n", World::current().rank(),
+               elapsed, message.c_str());
   EXPECT_GE(elapsed, kTimeout);
   EXPECT_LT(elapsed, kTimeout + 3.0) << "the timeout fired late";
   return message;

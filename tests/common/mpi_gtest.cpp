@@ -14,8 +14,8 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
   explicit RankFailurePrinter(int rank) : rank_(rank) {}
   void OnTestPartResult(const ::testing::TestPartResult& r) override {
     if (r.failed()) {
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                   r.line_number(), r.summary());
+      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
+                   r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
     }
   }
   void OnTestEnd(const ::testing::TestInfo& info) override {
@@ -41,8 +41,8 @@ bool skip_without_gpus(const parallel::comm::World& world) {
   const char* backend = std::getenv("PARALLAX_TEST_BACKEND");
   if (!backend || std::string(backend) != "nccl") return false;
   if (world.cuda_device_count() >= world.launch().local_world_size) return false;
-  std::printf("PARALLAX_SKIP: backend nccl needs %d GPUs on this node, found %d\n", world.launch().local_world_size,
-              world.cuda_device_count());
+  std::printf("PARALLAX_SKIP: backend nccl needs %d GPUs on this node, found %d\n",
+              world.launch().local_world_size, world.cuda_device_count());
   return true;
 }
 

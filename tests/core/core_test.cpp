@@ -84,7 +84,8 @@ TEST(StringsTest, JsonWriterQuotesEscapesAndWritesNumbersThatReadBack) {
   EXPECT_EQ(core::json_number(0.1), "0.1");
   EXPECT_EQ(core::json_number(-2.5e-300), "-2.5e-300");
   for (const double v : {0.1, 1.0 / 3.0, 6.02214076e23, -1e-7, 123456789.125}) {
-    EXPECT_EQ(std::stod(core::json_number(v)), v) << core::json_number(v);  // shortest round trip: exact
+    EXPECT_EQ(std::stod(core::json_number(v)), v)
+        << core::json_number(v);  // shortest round trip: exact
   }
   EXPECT_EQ(core::json_number(std::nan("")), "null");
   EXPECT_EQ(core::json_number(-INFINITY), "null");

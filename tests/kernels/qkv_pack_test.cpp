@@ -11,8 +11,8 @@ namespace parallax::kernels {
 namespace {
 
 // Autograd's packing of the same gradients (the reference).
-at::Tensor reference(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv, int64_t b, int64_t t,
-                     int64_t h, int64_t hd) {
+at::Tensor reference(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv, int64_t b,
+                     int64_t t, int64_t h, int64_t hd) {
   at::Tensor qkv = at::zeros({b, t, 3 * h * hd}, dq.options()).requires_grad_(true);
   auto parts = qkv.view({b, t, 3, h, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
   at::Tensor loss = (parts[0].to(at::kFloat) * dq.to(at::kFloat)).sum() +
@@ -23,10 +23,13 @@ at::Tensor reference(const at::Tensor& dq, const at::Tensor& dk, const at::Tenso
 }
 
 // [B, H, T, hd] gradients in one of the layouts SDPA kernels return.
-at::Tensor grad(int layout, int64_t b, int64_t h, int64_t t, int64_t hd, const at::TensorOptions& o) {
-  if (layout == 0) return at::randn({b, h, t, hd}, o);                           // BHTD contiguous
-  if (layout == 1) return at::randn({b, t, h, hd}, o).permute({0, 2, 1, 3});     // BTHD physical
-  return at::randn({b, t, 3, h, hd}, o).select(2, 1).permute({0, 2, 1, 3});     // a slice of packed qkv
+at::Tensor grad(int layout, int64_t b, int64_t h, int64_t t, int64_t hd,
+                const at::TensorOptions& o) {
+  if (layout == 0) return at::randn({b, h, t, hd}, o);                        // BHTD contiguous
+  if (layout == 1) return at::randn({b, t, h, hd}, o).permute({0, 2, 1, 3});  // BTHD physical
+  return at::randn({b, t, 3, h, hd}, o)
+      .select(2, 1)
+      .permute({0, 2, 1, 3});  // a slice of packed qkv
 }
 
 void check(const at::TensorOptions& o, bool expect_fused) {

@@ -47,7 +47,9 @@ ModelConfig config(const std::string& name, const std::string& size, const std::
 }
 
 double rel_err(const at::Tensor& a, const at::Tensor& b) {
-  return ((a.to(at::kFloat).cpu() - b.to(at::kFloat).cpu()).abs().max() / b.abs().max().cpu().clamp_min(1e-12)).item<double>();
+  return ((a.to(at::kFloat).cpu() - b.to(at::kFloat).cpu()).abs().max() /
+          b.abs().max().cpu().clamp_min(1e-12))
+      .item<double>();
 }
 
 TEST(ModelsCudaTest, BevTinyOnCudaMatchesCpu) {
@@ -68,12 +70,18 @@ TEST(ModelsCudaTest, BevTinyOnCudaMatchesCpu) {
       ASSERT_TRUE(pred_gpu.at(key).is_cuda());
       EXPECT_LT(rel_err(pred_gpu.at(key), pred_cpu.at(key)), 1e-3) << key;
     }
-    EXPECT_NEAR(loss_gpu.total.item<double>(), loss_cpu.total.item<double>(), 1e-3 * loss_cpu.total.item<double>());
+    EXPECT_NEAR(loss_gpu.total.item<double>(), loss_cpu.total.item<double>(),
+                1e-3 * loss_cpu.total.item<double>());
     loss_gpu.total.backward();
-    for (const auto& p : model->parameters()) ASSERT_TRUE(p.grad().defined() && at::isfinite(p.grad()).all().item<bool>());
+    for (const auto& p : model->parameters())
+      ASSERT_TRUE(p.grad().defined() && at::isfinite(p.grad()).all().item<bool>());
     const auto out = model->postprocess(pred_gpu);
     EXPECT_EQ(out.at("det_boxes").sizes(), at::IntArrayRef({2, 100, 9}));
-    const double agree = (out.at("bev_labels").cpu() == model->postprocess(pred_cpu).at("bev_labels")).to(at::kFloat).mean().item<double>();
+    const double agree =
+        (out.at("bev_labels").cpu() == model->postprocess(pred_cpu).at("bev_labels"))
+            .to(at::kFloat)
+            .mean()
+            .item<double>();
     EXPECT_GT(agree, 0.999);
   }
 }
@@ -95,7 +103,8 @@ TEST(ModelsCudaTest, VitClsBf16AutocastCloseToFp32) {
   EXPECT_LT(rel_err(pred.at("logits"), ref), 0.05);
   auto loss = model->loss(batch, pred);
   loss.total.backward();
-  for (const auto& p : model->parameters()) ASSERT_TRUE(p.grad().defined() && at::isfinite(p.grad()).all().item<bool>());
+  for (const auto& p : model->parameters())
+    ASSERT_TRUE(p.grad().defined() && at::isfinite(p.grad()).all().item<bool>());
 }
 
 TEST(ModelsCudaTest, BevBaseTrainingStepAtBenchmarkScene) {
@@ -112,7 +121,8 @@ TEST(ModelsCudaTest, BevBaseTrainingStepAtBenchmarkScene) {
   auto loss = model->loss(batch, pred);
   ASSERT_TRUE(std::isfinite(loss.total.item<double>()));
   loss.total.backward();
-  for (const auto& p : model->parameters()) ASSERT_TRUE(p.grad().defined() && at::isfinite(p.grad()).all().item<bool>());
+  for (const auto& p : model->parameters())
+    ASSERT_TRUE(p.grad().defined() && at::isfinite(p.grad()).all().item<bool>());
 }
 
 TEST(ModelsCudaTest, ViewTransformerFusedSamplingMatchesAtenPath) {
@@ -181,7 +191,8 @@ TEST(ModelsCudaTest, ViewTransformerFusedSamplingMatchesAtenPath) {
     std::optional<NoTf32> exact;
     if (dtype == at::kFloat) exact.emplace();
     const Result a = run(fused, dtype), ref = run(plain, dtype);
-    const double out_tol = dtype == at::kFloat ? 1e-5 : 2e-2, grad_tol = dtype == at::kFloat ? 1e-4 : 2e-2;
+    const double out_tol = dtype == at::kFloat ? 1e-5 : 2e-2,
+                 grad_tol = dtype == at::kFloat ? 1e-4 : 2e-2;
     ASSERT_EQ(a.out.sizes(), at::IntArrayRef({b, c, o.grid.nx, o.grid.ny}));
     EXPECT_TRUE(at::isfinite(a.out).all().item<bool>());
     EXPECT_LT(rel_err(a.out, ref.out), out_tol);

@@ -17,13 +17,15 @@ inline double profiled_matmul_conv_flops(const std::function<void()>& fn) {
   using torch::profiler::impl::ActivityType;
   using torch::profiler::impl::ProfilerConfig;
   using torch::profiler::impl::ProfilerState;
-  const ProfilerConfig cfg(ProfilerState::KINETO, /*report_input_shapes=*/true, false, false, /*with_flops=*/true);
+  const ProfilerConfig cfg(ProfilerState::KINETO, /*report_input_shapes=*/true, false, false,
+                           /*with_flops=*/true);
   const std::set<ActivityType> acts{ActivityType::CPU};
   prof::prepareProfiler(cfg, acts);
   prof::enableProfiler(cfg, acts);
   fn();
   auto result = prof::disableProfiler();
-  static const std::set<std::string> kOps = {"aten::conv2d", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"};
+  static const std::set<std::string> kOps = {"aten::conv2d", "aten::mm", "aten::addmm", "aten::bmm",
+                                             "aten::baddbmm"};
   double flops = 0;
   for (const auto& e : result->events()) {
     if (kOps.count(e.name())) flops += static_cast<double>(e.flops());

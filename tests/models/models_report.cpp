@@ -12,17 +12,17 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
+#include <fmt/format.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
-#include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
 #include <functional>
 #include <map>
 #include <set>
-#include <chrono>
-#include <ctime>
-#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -32,19 +32,22 @@ using namespace parallax::models;
 namespace {
 
 std::string scene_text(const core::SceneSpec& s) {
-  return fmt::format("{} x {}x{}, BEV {}x{} @ {} m", s.num_cameras, s.image_height, s.image_width, s.bev_x_cells(),
-                     s.bev_y_cells(), s.bev_resolution);
+  return fmt::format("{} x {}x{}, BEV {}x{} @ {} m", s.num_cameras, s.image_height, s.image_width,
+                     s.bev_x_cells(), s.bev_y_cells(), s.bev_resolution);
 }
 
-void print_row(const std::string& label, const std::string& scene, const std::vector<ModuleCost>& costs) {
+void print_row(const std::string& label, const std::string& scene,
+               const std::vector<ModuleCost>& costs) {
   double p = 0, f = 0;
   std::string parts;
   for (const auto& c : costs) {
     p += static_cast<double>(c.params);
     f += c.flops;
-    parts += fmt::format("{}{} {:.2f}M / {:.2f}G", parts.empty() ? "" : "; ", c.name, c.params / 1e6, c.flops / 1e9);
+    parts += fmt::format("{}{} {:.2f}M / {:.2f}G", parts.empty() ? "" : "; ", c.name,
+                         c.params / 1e6, c.flops / 1e9);
   }
-  std::printf("| %s | %s | %.3f M | %.2f | %s |\n", label.c_str(), scene.c_str(), p / 1e6, f / 1e9, parts.c_str());
+  std::printf("| %s | %s | %.3f M | %.2f | %s |\n", label.c_str(), scene.c_str(), p / 1e6, f / 1e9,
+              parts.c_str());
 }
 
 struct Timing {
@@ -109,7 +112,8 @@ void print_profile(const std::function<void()>& fn, bool cuda) {
   for (const auto& [name, t] : total) rows.emplace_back(t.first, name);
   std::sort(rows.rbegin(), rows.rend());
   for (std::size_t i = 0; i < std::min<std::size_t>(30, rows.size()); ++i) {
-    std::printf("%10.2f ms %6d  %s\n", rows[i].first, total[rows[i].second].second, rows[i].second.c_str());
+    std::printf("%10.2f ms %6d  %s\n", rows[i].first, total[rows[i].second].second,
+                rows[i].second.c_str());
   }
 }
 
@@ -156,7 +160,9 @@ int bench(const BenchArgs& a) {
     const auto t0 = std::chrono::steady_clock::now();
     step();
     sync();
-    if (i >= 5) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    if (i >= 5)
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   if (a.profile) {
     print_profile(
@@ -171,7 +177,8 @@ int bench(const BenchArgs& a) {
   const double flops = 3.0 * model->forward_flops_per_sample() * static_cast<double>(a.batch);
   std::printf(
       "{\"model\": \"%s\", \"device\": \"%s\", \"dtype\": \"%s\", \"batch\": %ld, \"params\": %ld, "
-      "\"fwd_gflops_per_sample\": %.3f, \"step_ms_median\": %.3f, \"samples_per_s\": %.2f, \"tflops\": %.2f}\n",
+      "\"fwd_gflops_per_sample\": %.3f, \"step_ms_median\": %.3f, \"samples_per_s\": %.2f, "
+      "\"tflops\": %.2f}\n",
       a.model.c_str(), a.device.c_str(), a.dtype.c_str(), static_cast<long>(a.batch),
       static_cast<long>(model->parameter_count()), model->forward_flops_per_sample() / 1e9, med,
       1000.0 * static_cast<double>(a.batch) / med, flops / (med * 1e-3) / 1e12);
@@ -186,20 +193,28 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const bool has_value = i + 1 < argc && argv[i + 1][0] != '-';
-    if (arg == "--time") iters = has_value ? std::max(1, std::atoi(argv[++i])) : 5;
-    else if (arg == "--bench" && has_value) b.model = argv[++i];
-    else if (arg == "--device" && has_value) b.device = argv[++i];
-    else if (arg == "--dtype" && has_value) b.dtype = argv[++i];
-    else if (arg == "--batch" && has_value) b.batch = std::atoll(argv[++i]);
-    else if (arg == "--profile") b.profile = true;
-    else if (arg == "--iters" && has_value) b.iters = std::max(1, std::atoi(argv[++i]));
+    if (arg == "--time")
+      iters = has_value ? std::max(1, std::atoi(argv[++i])) : 5;
+    else if (arg == "--bench" && has_value)
+      b.model = argv[++i];
+    else if (arg == "--device" && has_value)
+      b.device = argv[++i];
+    else if (arg == "--dtype" && has_value)
+      b.dtype = argv[++i];
+    else if (arg == "--batch" && has_value)
+      b.batch = std::atoll(argv[++i]);
+    else if (arg == "--profile")
+      b.profile = true;
+    else if (arg == "--iters" && has_value)
+      b.iters = std::max(1, std::atoi(argv[++i]));
     else {
       std::fprintf(stderr, "models_report: unknown or incomplete argument '%s'\n", arg.c_str());
       return 2;
     }
   }
   if (!b.model.empty()) return bench(b);
-  std::printf("| model | scene | params | GFLOPs / sample (fwd) | components (params / GFLOPs) |\n");
+  std::printf(
+      "| model | scene | params | GFLOPs / sample (fwd) | components (params / GFLOPs) |\n");
   std::printf("| --- | --- | --- | --- | --- |\n");
   ModelConfig vit;
   vit.name = "vit_cls";
@@ -212,7 +227,8 @@ int main(int argc, char** argv) {
       cfg.size = size;
       cfg.backbone = backbone;
       const core::SceneSpec scene = benchmark_scene(size);
-      print_row(fmt::format("bev/{} ({})", size, backbone), scene_text(scene), analytic_cost(cfg, scene));
+      print_row(fmt::format("bev/{} ({})", size, backbone), scene_text(scene),
+                analytic_cost(cfg, scene));
       if (std::string(size) != "tiny") {
         print_row(fmt::format("bev/{} ({})", size, backbone), scene_text(core::SceneSpec{}),
                   analytic_cost(cfg, core::SceneSpec{}));
@@ -221,10 +237,13 @@ int main(int argc, char** argv) {
   }
   if (iters > 0) {
     at::set_num_threads(1);
-    std::printf("\nbev/tiny forward+backward on 1 CPU thread (median of %d, batch 2, default scene):\n", iters);
+    std::printf(
+        "\nbev/tiny forward+backward on 1 CPU thread (median of %d, batch 2, default scene):\n",
+        iters);
     for (const char* backbone : {"conv", "vit"}) {
       const Timing t = time_tiny(backbone, iters, 2);
-      std::printf("  backbone %-4s: %.3f s wall, %.3f s CPU per sample\n", backbone, t.wall_s, t.cpu_s);
+      std::printf("  backbone %-4s: %.3f s wall, %.3f s CPU per sample\n", backbone, t.wall_s,
+                  t.cpu_s);
     }
   }
   return 0;

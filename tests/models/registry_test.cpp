@@ -96,9 +96,9 @@ TEST(RegistryTest, AShapeOnlyBuildHasTheFullBuildsTensorsAndHoldsNoStorage) {
     const char* size;
     const char* backbone;
   };
-  for (const Case c : {Case{"mlp", "tiny", "vit"}, Case{"vit_cls", "tiny", "vit"},
-                       Case{"bev", "tiny", "vit"}, Case{"bev", "tiny", "conv"},
-                       Case{"bev", "small", "vit"}}) {
+  for (const Case c :
+       {Case{"mlp", "tiny", "vit"}, Case{"vit_cls", "tiny", "vit"}, Case{"bev", "tiny", "vit"},
+        Case{"bev", "tiny", "conv"}, Case{"bev", "small", "vit"}}) {
     SCOPED_TRACE(std::string(c.name) + "/" + c.size + "/" + c.backbone);
     ModelConfig cfg;
     cfg.name = c.name;

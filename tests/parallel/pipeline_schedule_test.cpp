@@ -63,7 +63,8 @@ TEST(PipelineSchedule, APostingOrderThatDiffersFromTheSendOrderIsNamed) {
   auto& ops = s.ops[1];
   std::vector<std::size_t> fwd;
   for (std::size_t i = 0; i < ops.size(); ++i)
-    if (ops[i].kind == pl::OpKind::kForward || ops[i].kind == pl::OpKind::kRecvAct) fwd.push_back(i);
+    if (ops[i].kind == pl::OpKind::kForward || ops[i].kind == pl::OpKind::kRecvAct)
+      fwd.push_back(i);
   // Relabel micro-batches 0 <-> 1 on rank 1's receives and forwards.
   for (std::size_t i : fwd) ops[i].micro = 1 - ops[i].micro;
   try {
@@ -71,11 +72,13 @@ TEST(PipelineSchedule, APostingOrderThatDiffersFromTheSendOrderIsNamed) {
     FAIL() << "expected an error";
   } catch (const parallax::Error& e) {
     const std::string what = e.what();
-    EXPECT_NE(what.find("rank 1 posts its receive of the activations of micro-batch 1 from stage 0"),
-              std::string::npos)
+    EXPECT_NE(
+        what.find("rank 1 posts its receive of the activations of micro-batch 1 from stage 0"),
+        std::string::npos)
         << what;
-    EXPECT_NE(what.find("rank 0 posts the activations of micro-batch 0 from stage 0 (op 1) as its #1"),
-              std::string::npos)
+    EXPECT_NE(
+        what.find("rank 0 posts the activations of micro-batch 0 from stage 0 (op 1) as its #1"),
+        std::string::npos)
         << what;
   }
 }
@@ -259,7 +262,8 @@ TEST(PipelinePartition, AmongTheFastestSplitsTheSmallestActivationPeak) {
   // Never slower: [1 1 1][1] would hold less (max(5, 15) against 30) but costs 3, not 2.
   EXPECT_EQ(pl::partition({1, 1, 1, 1}, 2, {}, {0, 0, 5, 5}, {1, 3}), (std::vector<int>{0, 2, 4}));
   // GPipe holds every micro-batch on every stage; zb holds up to pp on each (its deferred W's).
-  EXPECT_EQ(pl::in_flight_per_stage(pl::build_schedule("gpipe", 3, 5)), (std::vector<int>{5, 5, 5}));
+  EXPECT_EQ(pl::in_flight_per_stage(pl::build_schedule("gpipe", 3, 5)),
+            (std::vector<int>{5, 5, 5}));
   for (int m : {3, 8}) {
     const std::vector<int> zb = pl::in_flight_per_stage(pl::build_schedule("zb", 3, m));
     for (int x : zb) EXPECT_LE(x, 3) << "zb m=" << m;

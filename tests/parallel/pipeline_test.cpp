@@ -19,11 +19,11 @@
 //   product of K <= 384 terms is within gamma_K S of the exact one in any order, so the two differ
 //   by 2 gamma_384 S; tests/parallel/tensor_parallel_test.cpp's kForward (loss, relative to
 //   1 + |loss|) and kGrad (gradients and their norm, relative to the largest) bound that through
-//   the model at the first step. Trajectories only under SGD with momentum 0.9 (tests/TOLERANCES.md,
-//   "Equivalence tests"): a step's gradient difference enters the updates with weights summing to
-//   at most lr / (1 - 0.9), so parameters after T steps move apart by at most
-//   sum_t 10 lr kGrad max|g_t| per element (g_t the reference's gradient of the tensor at step t;
-//   to first order, the curvature's feedback left out, as in tensor_parallel_test.cpp). Later
+//   the model at the first step. Trajectories only under SGD with momentum 0.9
+//   (tests/TOLERANCES.md, "Equivalence tests"): a step's gradient difference enters the updates
+//   with weights summing to at most lr / (1 - 0.9), so parameters after T steps move apart by at
+//   most sum_t 10 lr kGrad max|g_t| per element (g_t the reference's gradient of the tensor at step
+//   t; to first order, the curvature's feedback left out, as in tensor_parallel_test.cpp). Later
 //   steps' losses are held to the first step's forward bound: their parameters differ by that
 //   bound (observed ~1e-8), whose effect on the loss is measured far below it (kind N for the
 //   steps after the first; printed as "tolerance:" lines).
@@ -69,7 +69,7 @@ using parallax::testing::vit_cls_config;
 constexpr double kGamma = 2.3e-5;                // gamma_384 in fp32 (the widest K of these models)
 constexpr double kForward = 4 * 2 * 2 * kGamma;  // 4 GEMMs per block, 2 blocks, 2 orders
 constexpr double kGrad = 2 * kForward;
-constexpr double kNormExact = 1e-5;              // gamma_100 = 6e-6: the norm's grouping only
+constexpr double kNormExact = 1e-5;  // gamma_100 = 6e-6: the norm's grouping only
 
 struct Case {
   models::ModelConfig model;
@@ -121,10 +121,10 @@ void compare(const comm::CommPtr& world, const comm::CommPtr& self, const Case& 
   po.virtual_stages = c.virtual_stages;
   po.ordered_p2p = c.ordered;
   pl::PipelineEngine engine(split, units, std::vector<double>(units.size(), 1.0), topo.pp(),
-                              c.micro, po, [&]() -> std::unique_ptr<par::Engine> {
-                                return par::build_engine(plan, split, groups_of(*split), sgd(),
-                                                         topo.dp(), o, units, info);
-                              });
+                            c.micro, po, [&]() -> std::unique_ptr<par::Engine> {
+                              return par::build_engine(plan, split, groups_of(*split), sgd(),
+                                                       topo.dp(), o, units, info);
+                            });
   par::Plan one;
   auto reference = par::build_engine(one, dense, groups_of(*dense), sgd(), self, o);
 
@@ -162,11 +162,11 @@ void compare(const comm::CommPtr& world, const comm::CommPtr& self, const Case& 
       at::Tensor l = terms.at("loss").reshape({1}).clone();
       if (dp > 1) topo.dp()->all_reduce(l, comm::ReduceOp::kAvg);
       if (dp == 1 && c.tp == 1) {
-        EXPECT_TRUE(at::equal(l, ref_loss.reshape({1}))) << "step " << step << ": " << l.item<double>()
-                                                        << " vs " << ref_loss.item<double>();
+        EXPECT_TRUE(at::equal(l, ref_loss.reshape({1})))
+            << "step " << step << ": " << l.item<double>() << " vs " << ref_loss.item<double>();
       } else {
-        EXPECT_TRUE(tol::within(l, ref_loss.reshape({1}),
-                                kForward * (1 + ref_loss.abs().item<double>())))
+        EXPECT_TRUE(
+            tol::within(l, ref_loss.reshape({1}), kForward * (1 + ref_loss.abs().item<double>())))
             << "step " << step;
       }
     }
@@ -201,8 +201,9 @@ void compare(const comm::CommPtr& world, const comm::CommPtr& self, const Case& 
     }
   }
   if (world->rank() == 0 && (dp > 1 || c.tp > 1))
-    std::printf("tolerance: dp %d tp %d zero %d %s: parameters after %d SGD steps, worst ratio %.3g\n", dp,
-                c.tp, c.zero, c.schedule.c_str(), c.steps, worst);
+    std::printf(
+        "tolerance: dp %d tp %d zero %d %s: parameters after %d SGD steps, worst ratio %.3g\n", dp,
+        c.tp, c.zero, c.schedule.c_str(), c.steps, worst);
 }
 
 class PipelineTest : public ::testing::Test {
@@ -331,8 +332,9 @@ struct ScaleChain : torch::nn::Module {
 // Trains one SGD step of a ScaleChain as a pipeline (pp = world) and in one process, and checks
 // every parameter afterwards bitwise (elementwise units: each stage computes exactly what the one
 // process computes, and each parameter gradient sums the micro-batches in the same order).
-void compare_messages(const comm::CommPtr& world, const comm::CommPtr& self, const std::string& schedule,
-                      int virtual_stages, bool ordered, int64_t rows, int64_t width, int micro) {
+void compare_messages(const comm::CommPtr& world, const comm::CommPtr& self,
+                      const std::string& schedule, int virtual_stages, bool ordered, int64_t rows,
+                      int64_t width, int micro) {
   const int units = world->size() * virtual_stages;
   at::manual_seed(11);
   auto dense = std::make_shared<ScaleChain>(units, width);
@@ -341,7 +343,8 @@ void compare_messages(const comm::CommPtr& world, const comm::CommPtr& self, con
   std::vector<at::Tensor> inputs;
   for (int i = 0; i < micro; ++i) inputs.push_back(at::randn({rows, width}));
   std::vector<core::Unit> chain;
-  for (int k = 0; k < units; ++k) chain.push_back({fmt::format("unit{}", k), {fmt::format("s{}", k)}});
+  for (int k = 0; k < units; ++k)
+    chain.push_back({fmt::format("unit{}", k), {fmt::format("s{}", k)}});
   par::ddp::DdpOptions o;
   pl::PipelineOptions po;
   po.schedule = schedule;
@@ -349,7 +352,8 @@ void compare_messages(const comm::CommPtr& world, const comm::CommPtr& self, con
   po.ordered_p2p = ordered;
   pl::PipelineEngine engine(split, chain, std::vector<double>(units, 1.0), world, micro, po,
                             [&]() -> std::unique_ptr<par::Engine> {
-                              return par::build_engine(par::Plan{}, split, groups_of(*split), sgd(), self, o);
+                              return par::build_engine(par::Plan{}, split, groups_of(*split), sgd(),
+                                                       self, o);
                             });
   auto reference = par::build_engine(par::Plan{}, dense, groups_of(*dense), sgd(), self, o);
   pl::StageFns fns;
@@ -357,7 +361,9 @@ void compare_messages(const comm::CommPtr& world, const comm::CommPtr& self, con
   fns.run = [&](int, int first, int last, const std::vector<at::Tensor>& in) {
     return std::vector<at::Tensor>{split->run(first, last, in.at(0))};
   };
-  fns.finish = [&](int, const std::vector<at::Tensor>& out) { return out.at(0).square().mean() / micro; };
+  fns.finish = [&](int, const std::vector<at::Tensor>& out) {
+    return out.at(0).square().mean() / micro;
+  };
   engine.forward_backward_stages(micro, fns, false);
   reference->forward_backward(
       micro, [&](int i) { return dense->run(0, units, inputs[i]).square().mean() / micro; }, false);
@@ -367,7 +373,8 @@ void compare_messages(const comm::CommPtr& world, const comm::CommPtr& self, con
   par::FullParams full(engine);
   for (int k = 0; k < units; ++k)
     EXPECT_TRUE(at::equal(split->scales[k], dense->scales[k]))
-        << "s" << k << ": max diff " << (split->scales[k] - dense->scales[k]).abs().max().item<double>();
+        << "s" << k << ": max diff "
+        << (split->scales[k] - dense->scales[k]).abs().max().item<double>();
 }
 
 }  // namespace

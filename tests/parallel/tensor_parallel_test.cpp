@@ -210,8 +210,8 @@ void compare_with_single_process(const comm::CommPtr& world, const comm::CommPtr
     worst = std::max(worst, (it.value() - want).abs().max().item<double>() / moved[it.key()]);
   }
   if (world->rank() == 0)
-    std::printf("tolerance: tp %d sp %d zero %d: parameters after %d SGD steps, worst ratio %.3g\n", tp,
-                sp ? 1 : 0, zero, steps, worst);
+    std::printf("tolerance: tp %d sp %d zero %d: parameters after %d SGD steps, worst ratio %.3g\n",
+                tp, sp ? 1 : 0, zero, steps, worst);
 }
 
 }  // namespace

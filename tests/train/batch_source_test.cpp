@@ -1,8 +1,8 @@
 // The trainer's batch sources: a step's samples depend on the global batch only, so a run resumed
 // with another data-parallel size (and the same global batch) continues with the same data.
+#include "train/batch_source.h"
 #include "models/mlp.h"
 #include "tests/data/test_util.h"
-#include "train/batch_source.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -39,7 +39,8 @@ TEST(SyntheticSourceTest, OneRankWithTheGlobalBatchSeesWhatTwoRanksSee) {
   auto fresh = make_synthetic_source(model, 3, 3, 11, 1, cpu);
   for (int i = 0; i < 4; ++i) fresh->next();
   EXPECT_TRUE(at::equal(resumed->next().at("x"), fresh->next().at("x")));
-  EXPECT_FALSE(at::equal(r0->next().at("x"), r1->next().at("x"))) << "ranks must hold different samples";
+  EXPECT_FALSE(at::equal(r0->next().at("x"), r1->next().at("x")))
+      << "ranks must hold different samples";
 }
 
 TEST(DatasetSourceTest, PositionIsRemappedWhenTheDataParallelSizeChanges) {
@@ -71,14 +72,16 @@ TEST(DatasetSourceTest, PositionIsRemappedWhenTheDataParallelSizeChanges) {
   auto one = make_dataset_source(cfg, seed, 0, 1, {0, 2}, 2);
   for (int step = 1; step < 6; ++step) {
     const auto got = indices(one->next());
-    EXPECT_EQ(std::set<int64_t>(got.begin(), got.end()), ref[static_cast<size_t>(step)]) << "step " << step;
+    EXPECT_EQ(std::set<int64_t>(got.begin(), got.end()), ref[static_cast<size_t>(step)])
+        << "step " << step;
   }
   // Without the remap (position 2 taken as is) the stream would replay scenes: the test can fail.
   const auto w = indices(make_dataset_source(cfg, seed, 0, 1, {0, 2}, 1)->next());
   EXPECT_NE(std::set<int64_t>(w.begin(), w.end()), ref[1]);
   // And back: 1 rank saved after 2 steps (position 8) -> 2 ranks continue at 4 each, global step 2.
   cfg.batch_size = 2;
-  auto a = make_dataset_source(cfg, seed, 0, 2, {0, 8}, 1), b = make_dataset_source(cfg, seed, 1, 2, {0, 8}, 1);
+  auto a = make_dataset_source(cfg, seed, 0, 2, {0, 8}, 1),
+       b = make_dataset_source(cfg, seed, 1, 2, {0, 8}, 1);
   std::set<int64_t> s;
   for (int64_t i : indices(a->next())) s.insert(i);
   for (int64_t i : indices(b->next())) s.insert(i);

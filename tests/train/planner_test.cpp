@@ -5,9 +5,9 @@
 // Measurement: a counting CPU allocator (c10::SetCPUAllocator) wraps the default one; the bytes
 // alive after forward + loss, minus those alive before, are what autograd (and the predictions)
 // keep for the backward of one micro-batch.
+#include "train/planner.h"
 #include "models/model.h"
 #include "optim/precision.h"
-#include "train/planner.h"
 #include "train/run_config.h"
 
 #include <c10/core/Allocator.h>
@@ -16,10 +16,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <mutex>
-#include <unordered_map>
 #include <cmath>
 #include <cstdio>
+#include <mutex>
+#include <unordered_map>
 
 using namespace parallax;
 
@@ -124,17 +124,26 @@ TEST(PlannerActivations, VitClassifierFp32) {
   expect_within({"model.name=vit_cls", "model.size=tiny", "model.num_classes=10"}, 4);
 }
 
-TEST(PlannerActivations, BevVitFp32) { expect_within({"model.backbone=vit"}, 2); }
-
-TEST(PlannerActivations, BevConvFp32) { expect_within({"model.backbone=conv"}, 2); }
-
-TEST(PlannerActivations, VitClassifierBf16) {
-  expect_within({"model.name=vit_cls", "model.size=tiny", "model.num_classes=10", "precision.mode=bf16"}, 4);
+TEST(PlannerActivations, BevVitFp32) {
+  expect_within({"model.backbone=vit"}, 2);
 }
 
-TEST(PlannerActivations, BevVitBf16) { expect_within({"model.backbone=vit", "precision.mode=bf16"}, 2); }
+TEST(PlannerActivations, BevConvFp32) {
+  expect_within({"model.backbone=conv"}, 2);
+}
 
-TEST(PlannerActivations, BevConvBf16) { expect_within({"model.backbone=conv", "precision.mode=bf16"}, 2); }
+TEST(PlannerActivations, VitClassifierBf16) {
+  expect_within(
+      {"model.name=vit_cls", "model.size=tiny", "model.num_classes=10", "precision.mode=bf16"}, 4);
+}
+
+TEST(PlannerActivations, BevVitBf16) {
+  expect_within({"model.backbone=vit", "precision.mode=bf16"}, 2);
+}
+
+TEST(PlannerActivations, BevConvBf16) {
+  expect_within({"model.backbone=conv", "precision.mode=bf16"}, 2);
+}
 
 TEST(PlannerActivations, ScalesWithTheMicroBatch) {
   const train::RunConfig cfg = config({"model.backbone=vit"});

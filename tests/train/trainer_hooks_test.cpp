@@ -170,10 +170,10 @@ TEST_F(TrainerHooksTest, Zero3WithAFrozenWeightBesideATrainableBiasMatchesStage0
         if (it.key() == "net.0.weight") it.value().set_requires_grad(false);
     };
     const std::string name = "z3_" + std::to_string(stage);
-    auto cfg = config(dir, name,
-                      {"parallel.zero.stage=" + std::to_string(stage), "train.steps=4",
-                       "checkpoint.every=0", "data.batch_size=8", "optim.name=sgd", "optim.lr=0.1",
-                       "optim.momentum=0.9"});
+    auto cfg = config(
+        dir, name,
+        {"parallel.zero.stage=" + std::to_string(stage), "train.steps=4", "checkpoint.every=0",
+         "data.batch_size=8", "optim.name=sgd", "optim.lr=0.1", "optim.momentum=0.9"});
     train::Trainer t(cfg, h);
     t.fit();
     if (world.rank() == 0) rows[stage] = train_rows(dir / name / "metrics.jsonl");
@@ -188,8 +188,9 @@ TEST_F(TrainerHooksTest, Zero3WithAFrozenWeightBesideATrainableBiasMatchesStage0
       worst = std::max(worst, std::abs(rows[3][s].at("loss") - rows[0][s].at("loss")) /
                                   (1e-5 * rows[0][s].at("loss")));
     }
-    std::printf("tolerance: ZeRO-3 with a frozen weight vs stage 0: steps 2-4 loss, worst ratio %.3g\n",
-                worst);
+    std::printf(
+        "tolerance: ZeRO-3 with a frozen weight vs stage 0: steps 2-4 loss, worst ratio %.3g\n",
+        worst);
     fs::remove_all(dir);
   }
 }
