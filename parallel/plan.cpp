@@ -4,10 +4,12 @@
 
 #include <fmt/format.h>
 
+#include <tuple>
+
 namespace parallax::parallel {
 
 Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpointing,
-                bool cuda_graph, int world, int gpus_per_node) {
+                bool cuda_graph, int world, int gpus_per_node, const Transforms& transforms) {
   Plan plan;
   plan.layout = comm::resolve_layout(world, p.dp, p.tp, p.pp, gpus_per_node);
   plan.zero_stage = p.zero.stage;
@@ -36,6 +38,37 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
                    "recomputes its whole backward in the first; use another schedule or "
                    "activation_checkpointing=none");
   }
+  // The model transforms (train/lora.h, train/qat.h, train/distill.h) and the layouts they run
+  // under.
+  if (plan.layout.pp > 1) {
+    for (const auto& [on, key, what] :
+         {std::make_tuple(transforms.lora, "lora.rank", "LoRA"),
+          std::make_tuple(transforms.qat, "qat.enabled", "QAT"),
+          std::make_tuple(transforms.distill, "distill.teacher", "distillation")}) {
+      PARALLAX_CHECK(!on, ConfigError,
+                     "keys '{}' and 'parallel.pp': the {} trainer does not run under pipeline "
+                     "parallelism in this version; use parallel.pp=1 (data, tensor parallel or "
+                     "ZeRO)",
+                     key, what);
+    }
+  }
+  if (plan.layout.tp > 1) {
+    PARALLAX_CHECK(!transforms.lora, ConfigError,
+                   "keys 'lora.rank' and 'parallel.tp': LoRA adapts dense linear layers and "
+                   "parallel.tp={} makes them column/row-parallel; use parallel.tp=1 (data "
+                   "parallel or ZeRO) for LoRA in this version",
+                   plan.layout.tp);
+    PARALLAX_CHECK(!transforms.qat, ConfigError,
+                   "keys 'qat.enabled' and 'parallel.tp': QAT quantizes dense linear layers and "
+                   "parallel.tp={} makes them column/row-parallel; use parallel.tp=1 (data "
+                   "parallel or ZeRO) for QAT in this version",
+                   plan.layout.tp);
+  }
+  PARALLAX_CHECK(
+      !transforms.distill || p.zero.stage < 3, ConfigError,
+      "keys 'distill.teacher' and 'parallel.zero.stage': distillation runs under DDP and "
+      "ZeRO-1/2 (the teacher replicated); ZeRO-3 is refused in this version (the feature "
+      "projection runs outside the student's units, where ZeRO-3 keeps it sharded)");
   plan.sequence_parallel = p.sequence_parallel;
   PARALLAX_CHECK(!p.sequence_parallel || plan.layout.tp > 1, ConfigError,
                  "key 'parallel.sequence_parallel': it shards the tokens over the tensor-parallel "

@@ -24,6 +24,14 @@
 
 namespace parallax::parallel {
 
+// The model transforms a run applies before the plan (train/lora.h, train/qat.h,
+// train/distill.h): which layouts each runs under is part of the plan's validation.
+struct PlanTransforms {
+  bool lora = false;     // lora.rank > 0
+  bool qat = false;      // qat.enabled
+  bool distill = false;  // distill.teacher set
+};
+
 struct Plan {
   comm::Layout layout;
   int zero_stage = 0;                             // 0: DDP (or one process)
@@ -35,12 +43,17 @@ struct Plan {
   int pp_virtual_stages = 1;
   std::vector<int> pp_layout;
 
+  using Transforms = PlanTransforms;
+
   // Validates `p` for a world of `world` ranks with `gpus_per_node` GPUs (0: CPU ranks). Throws
   // LayoutError / ConfigError naming the key: tp that does not divide the world, pp with ZeRO-3
   // or CUDA graphs, virtual stages without the interleaved schedule, sequence parallelism without
-  // tp, tp or ZeRO with CUDA graphs, ZeRO with a reduced-precision gradient reduction.
+  // tp, tp or ZeRO with CUDA graphs, ZeRO with a reduced-precision gradient reduction; and of the
+  // `transforms`: LoRA, QAT or distillation under pp, LoRA or QAT under tp, distillation under
+  // ZeRO-3.
   static Plan from(const ParallelConfig& p, const std::string& activation_checkpointing,
-                   bool cuda_graph, int world, int gpus_per_node);
+                   bool cuda_graph, int world, int gpus_per_node,
+                   const Transforms& transforms = {});
 
   // "dp=2 x tp=1 x pp=1, ZeRO-1, activation checkpointing selective".
   std::string describe() const;

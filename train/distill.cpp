@@ -123,11 +123,6 @@ TrainerHooks hooks(const RunConfig& cfg) {
   PARALLAX_CHECK(d.seg_kl + d.heatmap + d.feature > 0, ConfigError,
                  "keys 'distill.seg_kl', 'distill.heatmap', 'distill.feature': every weight is 0, "
                  "so the teacher would not be used");
-  PARALLAX_CHECK(
-      cfg.parallel.zero.stage < 3, ConfigError,
-      "keys 'distill.teacher' and 'parallel.zero.stage': distillation runs under DDP and "
-      "ZeRO-1/2 (the teacher replicated); ZeRO-3 is refused in this version (the feature "
-      "projection runs outside the student's units, where ZeRO-3 keeps it sharded)");
   auto state = std::make_shared<State>();
   state->cfg = &cfg;
   TrainerHooks h;

@@ -303,7 +303,7 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     if (l.pp > 1) p.pp_schedule = l.schedule;
     p.pp_virtual_stages = l.virtual_stages;
     (void)parallel::Plan::from(p, l.checkpointing, cfg.train.cuda_graph, world,
-                               hw.cuda ? hw.gpus_per_node() : 0);
+                               hw.cuda ? hw.gpus_per_node() : 0, plan_transforms(cfg));
   } catch (const Error& e) {
     row.reason = e.what();
     return row;
@@ -311,12 +311,6 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
   const Built& b = inv.at_tp(l.tp, l.sequence_parallel);
   if (!b.error.empty()) {
     row.reason = b.error;
-    return row;
-  }
-  if (l.pp > 1 && cfg.lora.rank > 0) {
-    row.reason =
-        "keys 'lora.rank' and 'parallel.pp': LoRA under pipeline parallelism is not available in "
-        "this version";
     return row;
   }
   if (l.pp > 1 && b.chain == 0) {

@@ -10,6 +10,7 @@
 #include "models/model_config.h"
 #include "optim/optim_config.h"
 #include "parallel/parallel_config.h"
+#include "parallel/plan.h"
 #include "train/distill.h"
 #include "train/lora.h"
 #include "train/qat.h"
@@ -142,5 +143,9 @@ bool uses_synthetic_data(const RunConfig& cfg);
 // batches the size's benchmark scene, or none (models that take no scene). The trainer, `parallax
 // export` and `parallax eval` build the same model through it. DataError for an unreadable dataset.
 core::SceneSpec run_scene(const RunConfig& cfg);
+
+// The model transforms `cfg` applies (LoRA, QAT, distillation), for parallel::Plan::from's checks
+// of the layouts each runs under.
+parallel::Plan::Transforms plan_transforms(const RunConfig& cfg);
 
 }  // namespace parallax::train

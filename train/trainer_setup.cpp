@@ -46,7 +46,7 @@ void TrainerImpl::setup() {
   const int gpus =
       p.gpus_per_node > 0 ? p.gpus_per_node : (device_.is_cuda() ? world_.cuda_device_count() : 0);
   plan_ = parallel::Plan::from(p, cfg_.train.activation_checkpointing, cfg_.train.cuda_graph,
-                               world_.size(), gpus);
+                               world_.size(), gpus, plan_transforms(cfg_));
   const comm::Layout layout = plan_.layout;
   // First collective on world_comm_: rank 0 checks, creates and locks the run directory for the
   // whole run, and every rank learns the outcome (a second job on it fails here on every rank).
@@ -128,30 +128,8 @@ void TrainerImpl::setup() {
   }
   // Identical initialisation on every rank (DDP also broadcasts from rank 0).
   core::seed_all(seed);
-  if (layout.pp > 1) {
-    for (const auto& [on, key, what] :
-         {std::make_tuple(cfg_.lora.rank > 0, "lora.rank", "LoRA"),
-          std::make_tuple(cfg_.qat.enabled, "qat.enabled", "QAT"),
-          std::make_tuple(!cfg_.distill.teacher.empty(), "distill.teacher", "distillation")}) {
-      PARALLAX_CHECK(!on, ConfigError,
-                     "keys '{}' and 'parallel.pp': the {} trainer does not run under pipeline "
-                     "parallelism in this version; use parallel.pp=1 (data, tensor parallel or "
-                     "ZeRO)",
-                     key, what);
-    }
-  }
   // Plan step 1: tensor-parallel layers come from the model's factory.
   if (layout.tp > 1) {
-    PARALLAX_CHECK(cfg_.lora.rank == 0, ConfigError,
-                   "keys 'lora.rank' and 'parallel.tp': LoRA adapts dense linear layers and "
-                   "parallel.tp={} makes them column/row-parallel; use parallel.tp=1 (data "
-                   "parallel or ZeRO) for LoRA in this version",
-                   layout.tp);
-    PARALLAX_CHECK(!cfg_.qat.enabled, ConfigError,
-                   "keys 'qat.enabled' and 'parallel.tp': QAT quantizes dense linear layers and "
-                   "parallel.tp={} makes them column/row-parallel; use parallel.tp=1 (data "
-                   "parallel or ZeRO) for QAT in this version",
-                   layout.tp);
     tp_ = std::make_shared<tensor::TpGroup>(topo_->tp(), plan_.sequence_parallel);
     model_ = models::build_model(cfg_.model, scene_, tp_);
     tp_info_.tp = topo_->tp();

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 using namespace parallax;
 namespace pl = parallax::parallel::pipeline;
@@ -296,4 +297,42 @@ TEST(PipelinePlan, LayoutsThePipelineCannotRunAreRefusedNamingTheKeys) {
   EXPECT_EQ(plan.describe(),
             "dp=2 x tp=1 x pp=2, ZeRO-1, pipeline interleaved x2 virtual stages, activation "
             "checkpointing none");
+}
+
+// The model transforms (LoRA, QAT, distillation) are checked against the layout where the plan is
+// made, before anything is built: each refusal names both keys; the same settings pass where the
+// transform runs (pp 1 and tp 1; distillation under ZeRO-1).
+TEST(PipelinePlan, ModelTransformsAreCheckedAgainstTheLayout) {
+  const auto refused = [](const par::ParallelConfig& p, const par::PlanTransforms& t,
+                          const std::vector<std::string>& needles) {
+    try {
+      par::Plan::from(p, "none", false, 4, 0, t);
+      ADD_FAILURE() << "accepted: " << needles.front();
+    } catch (const ConfigError& e) {
+      for (const auto& n : needles)
+        EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    }
+  };
+  par::PlanTransforms lora, qat, distill;
+  lora.lora = true;
+  qat.qat = true;
+  distill.distill = true;
+  par::ParallelConfig pp2;
+  pp2.pp = 2;
+  refused(pp2, lora, {"'lora.rank'", "'parallel.pp'"});
+  refused(pp2, qat, {"'qat.enabled'", "'parallel.pp'"});
+  refused(pp2, distill, {"'distill.teacher'", "'parallel.pp'"});
+  par::ParallelConfig tp2;
+  tp2.tp = 2;
+  refused(tp2, lora, {"'lora.rank'", "'parallel.tp'"});
+  refused(tp2, qat, {"'qat.enabled'", "'parallel.tp'"});
+  EXPECT_NO_THROW(par::Plan::from(tp2, "none", false, 4, 0, distill));
+  par::ParallelConfig z3;
+  z3.zero.stage = 3;
+  refused(z3, distill, {"'distill.teacher'", "'parallel.zero.stage'"});
+  par::ParallelConfig dp;
+  for (const auto& t : {lora, qat, distill})
+    EXPECT_NO_THROW(par::Plan::from(dp, "none", false, 4, 0, t));
+  dp.zero.stage = 1;
+  EXPECT_NO_THROW(par::Plan::from(dp, "none", false, 4, 0, distill));
 }
