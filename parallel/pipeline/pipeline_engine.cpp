@@ -530,6 +530,18 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
     }
     return out;
   };
+  // The context of a failed batch, named from this rank's side as the receive errors are:
+  // "pipeline stage 1 (pipeline rank 1) sending the gradients of micro-batch 3 to stage 0
+  // (pipeline rank 0, 16384 bytes), <when>".
+  const auto batch_context = [&](const Batch& b, const char* when) {
+    int mine = -1;
+    if (!b.messages.empty()) {
+      const Op& c = *b.messages.front().op;
+      mine = c.is_send() ? c.stage : (is_act(c) ? c.stage + 1 : c.stage - 1);
+    }
+    return fmt::format("pipeline stage {} (pipeline rank {}) {}, {}", mine, pp_->rank(),
+                       batch_text(b), when);
+  };
   const auto check_header = [&](const at::Tensor& got, const Op& c) {
     const at::Tensor want = make_header(c.stage, c.micro, layout_of(c));
     if (at::equal(got, want)) return;
@@ -612,7 +624,7 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
         if (!recvs.empty()) b.recvs = pp_->batch_isend_irecv(recvs);
       }
     } catch (Error& e) {
-      e.add_context(fmt::format("pipeline rank {} posting: {}", pp_->rank(), batch_text(b)));
+      e.add_context(batch_context(b, "posting the batch"));
       throw;
     }
     batches.push_back(std::move(b));
@@ -798,8 +810,7 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
       try {
         (*w)->wait();
       } catch (Error& e) {
-        e.add_context(
-            fmt::format("pipeline rank {} completing its batch: {}", pp_->rank(), batch_text(b)));
+        e.add_context(batch_context(b, "completing the batch at the end of the step"));
         throw;
       }
     }
