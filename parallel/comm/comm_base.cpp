@@ -567,6 +567,9 @@ void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::D
                  t.device().str());
 }
 
+namespace {
+
+// `chunk` has `whole`'s dtype and this rank's share of its elements (chunk_numel).
 void check_chunk_shapes(const CommBase& c, const char* op, const at::Tensor& whole,
                         const char* whole_name, const at::Tensor& chunk, const char* chunk_name) {
   const int n = c.size();
@@ -583,40 +586,127 @@ void check_chunk_shapes(const CommBase& c, const char* op, const at::Tensor& who
                  want);
 }
 
-int64_t check_all_gather_list_shapes(const CommBase& c, const at::Tensor& input,
-                                     const std::vector<at::Tensor>& outputs) {
-  const int n = c.size();
+}  // namespace
+
+void CommBase::check_op_tensor(const char* op, const at::Tensor& t, bool contiguous) const {
+  check_tensor(*this, op, t, device_type(), contiguous);
+}
+
+void CommBase::check_all_reduce_args(const char* op, const at::Tensor& tensor,
+                                     bool contiguous) const {
+  check_op_tensor(op, tensor, contiguous);
+  check_op_dtype(op, tensor, true);
+}
+
+void CommBase::check_reduce_scatter_args(const at::Tensor& input, const at::Tensor& output) const {
+  check_op_tensor("reduce_scatter", input, true);
+  check_op_tensor("reduce_scatter", output, true);
+  check_op_dtype("reduce_scatter", input, true);
+  check_chunk_shapes(*this, "reduce_scatter", input, "input", output, "output");
+}
+
+int64_t CommBase::check_all_gather_args(const at::Tensor& input, const at::Tensor& output) const {
+  check_op_tensor("all_gather", input, true);
+  check_op_tensor("all_gather", output, true);
+  check_op_dtype("all_gather", input, false);
+  check_chunk_shapes(*this, "all_gather", output, "output", input, "input");
+  return output.numel();
+}
+
+int64_t CommBase::check_all_gather_args(const at::Tensor& input,
+                                        const std::vector<at::Tensor>& outputs) const {
+  check_op_tensor("all_gather", input, true);
+  check_op_dtype("all_gather", input, false);
+  const int n = size();
   PARALLAX_CHECK(static_cast<int>(outputs.size()) == n, CommError,
-                 "all_gather on group '{}' (rank {}): {} output tensors for {} ranks", c.name(),
-                 c.rank(), outputs.size(), n);
+                 "all_gather on group '{}' (rank {}): {} output tensors for {} ranks", name_, rank_,
+                 outputs.size(), n);
   int64_t total = 0;
   for (int r = 0; r < n; ++r) {
     const auto& o = outputs[static_cast<size_t>(r)];
     PARALLAX_CHECK(o.defined() && o.scalar_type() == input.scalar_type(), CommError,
-                   "all_gather on group '{}' (rank {}): output {} is {} but the input is {}",
-                   c.name(), c.rank(), r,
-                   o.defined() ? c10::toString(o.scalar_type()) : "undefined",
+                   "all_gather on group '{}' (rank {}): output {} is {} but the input is {}", name_,
+                   rank_, r, o.defined() ? c10::toString(o.scalar_type()) : "undefined",
                    c10::toString(input.scalar_type()));
     total += o.numel();
   }
-  const auto& mine = outputs[static_cast<size_t>(c.rank())];
+  const auto& mine = outputs[static_cast<size_t>(rank_)];
   PARALLAX_CHECK(
       mine.numel() == input.numel(), CommError,
-      "all_gather on group '{}' (rank {}): output {} has {} elements but the input has {}",
-      c.name(), c.rank(), c.rank(), mine.numel(), input.numel());
+      "all_gather on group '{}' (rank {}): output {} has {} elements but the input has {}", name_,
+      rank_, rank_, mine.numel(), input.numel());
+  for (const auto& o : outputs) check_op_tensor("all_gather", o, true);
   return total;
 }
 
-void check_peer(const CommBase& c, const char* op, int peer) {
-  PARALLAX_CHECK(peer >= 0 && peer < c.size() && peer != c.rank(), CommError,
-                 "{} on group '{}' (rank {}): peer {} is not another rank of this group of {}", op,
-                 c.name(), c.rank(), peer, c.size());
+void CommBase::check_broadcast_args(const at::Tensor& tensor, int root) const {
+  check_op_tensor("broadcast", tensor, true);
+  check_op_dtype("broadcast", tensor, false);
+  PARALLAX_CHECK(root >= 0 && root < size(), CommError,
+                 "broadcast on group '{}' (rank {}): root {} is not a rank of {}", name_, rank_,
+                 root, size());
 }
 
-void check_tag(const CommBase& c, const char* op, int tag) {
+void CommBase::check_p2p_args(const char* op, const at::Tensor& tensor, int peer, int tag) const {
+  check_op_tensor(op, tensor, true);
+  check_op_dtype(op, tensor, false);
+  PARALLAX_CHECK(peer >= 0 && peer < size() && peer != rank_, CommError,
+                 "{} on group '{}' (rank {}): peer {} is not another rank of this group of {}", op,
+                 name_, rank_, peer, size());
   PARALLAX_CHECK(tag >= 0 && tag < kMaxUserTag, CommError,
                  "{} on group '{}' (rank {}): tag {} is outside [0, {}) (larger tags are reserved)",
-                 op, c.name(), c.rank(), tag, kMaxUserTag);
+                 op, name_, rank_, tag, kMaxUserTag);
+}
+
+// ---- opening ops -----------------------------------------------------------------------------
+
+Ticket CommBase::open_reduction(OpKind kind, const at::Tensor& tensor, ReduceOp op, CallSite site,
+                                AllReduceAlgo algo, c10::ScalarType wire) {
+  OpDesc d = tensor_desc(kind, tensor, site);
+  if (wire != c10::ScalarType::Undefined) d.dtype = wire;  // what the debug check compares
+  d.reduce = op;
+  d.algo = algo;
+  return begin(std::move(d));
+}
+
+Ticket CommBase::open_all_gather(OpKind kind, const at::Tensor& input, int64_t total,
+                                 CallSite site) {
+  OpDesc d = tensor_desc(kind, input, site);
+  d.match_numel = total;
+  return begin(std::move(d));
+}
+
+Ticket CommBase::open_rooted(OpKind kind, const at::Tensor& tensor, int root, CallSite site,
+                             int tag) {
+  OpDesc d = tensor_desc(kind, tensor, site);
+  d.root = root;
+  d.tag = tag;
+  Ticket t = begin(std::move(d));
+  if (kind == OpKind::kSend)
+    stats_.bytes_sent += tensor.numel() * static_cast<int64_t>(tensor.element_size());
+  return t;
+}
+
+Ticket CommBase::open_barrier(BarrierKind kind, CallSite site) {
+  OpDesc d;
+  d.kind = OpKind::kBarrier;
+  d.barrier = kind;
+  d.site = site;
+  return begin(std::move(d));
+}
+
+WorkPtr CommBase::complete_now(const Ticket& t) {
+  complete(t);
+  return std::make_shared<DoneWork>();
+}
+
+void CommBase::publish_created() {
+  if (!ctx_->board) return;
+  try {
+    ctx_->board->publish_now(uid_, 0, "created");
+  } catch (const std::exception& e) {
+    core::log::warn("group '{}': could not publish to the hang-report store: {}", name_, e.what());
+  }
 }
 
 }  // namespace parallax::parallel::comm::detail

@@ -1,7 +1,8 @@
-// Internal: what every backend shares. CommBase numbers ops, records them in the flight recorder,
-// publishes sequence numbers for hang reports, runs the debug cross-check, builds timeout and
-// mismatch errors, and implements split() on top of a backend's byte all-gather. PollWork is the
-// host-polled Work of the CPU backends (MPI, gloo). Not part of the public API.
+// Internal: what every backend shares. CommBase checks the ops' arguments, numbers ops, records
+// them in the flight recorder, publishes sequence numbers for hang reports, runs the debug
+// cross-check, builds timeout and mismatch errors, and implements split() on top of a backend's
+// byte all-gather. PollWork is the host-polled Work of the CPU backends (MPI, gloo). Not part of
+// the public API.
 #pragma once
 
 #include "parallel/comm/communicator.h"
@@ -130,6 +131,53 @@ class CommBase : public Communicator, public std::enable_shared_from_this<CommBa
   // Stops the backend after a timeout/error (ncclCommAbort, abandon MPI requests). noexcept.
   virtual void abort_backend() noexcept = 0;
 
+  // ---- what every backend's ops share -------------------------------------------------------
+  // Argument checks throw CommError naming the op, group, rank and offending value, and run before
+  // the op is opened: a rejected call is neither numbered nor recorded. Each keeps one order of
+  // checks (the first failure is the one reported): input before output, a tensor's placement
+  // before its dtype, tensors before sizes, root, peer and tag.
+
+  // `t` is defined, contiguous (when `contiguous`) and where the backend's ops run. The default
+  // wants device_type(); a backend bound to one device also checks the index.
+  virtual void check_op_tensor(const char* op, const at::Tensor& t, bool contiguous) const;
+  // `t`'s dtype can travel through the backend, and be reduced by it when `reduces`.
+  virtual void check_op_dtype(const char* op, const at::Tensor& t, bool reduces) const = 0;
+
+  // `op` is "all_reduce", or the name of the all-reduce the caller implements on top of it.
+  void check_all_reduce_args(const char* op, const at::Tensor& tensor,
+                             bool contiguous = true) const;
+  // `output` is this rank's chunk of `input` (chunk_numel over size()).
+  void check_reduce_scatter_args(const at::Tensor& input, const at::Tensor& output) const;
+  // `input` is this rank's chunk of the flat `output`. Returns output.numel().
+  int64_t check_all_gather_args(const at::Tensor& input, const at::Tensor& output) const;
+  // One output per rank, each of the input's dtype, this rank's as large as the input. Returns the
+  // total number of elements.
+  int64_t check_all_gather_args(const at::Tensor& input,
+                                const std::vector<at::Tensor>& outputs) const;
+  void check_broadcast_args(const at::Tensor& tensor, int root) const;
+  // `op` is "send" or "recv"; `peer` is another rank of this group, `tag` a user tag.
+  void check_p2p_args(const char* op, const at::Tensor& tensor, int peer, int tag) const;
+
+  // Open an op's ticket: its descriptor, then begin() (sequence number, flight recorder, hang
+  // board, debug cross-check). Call them after the argument checks.
+  // `kind`: kAllReduce or kReduceScatter (whose `algo` is always native). `wire`: the dtype that
+  // travels when it is not the tensor's (all_reduce_compressed).
+  Ticket open_reduction(OpKind kind, const at::Tensor& tensor, ReduceOp op, CallSite site,
+                        AllReduceAlgo algo = AllReduceAlgo::kNative,
+                        c10::ScalarType wire = c10::ScalarType::Undefined);
+  // `kind`: kAllGather or kAllGatherList; `total`: the elements gathered over all ranks.
+  Ticket open_all_gather(OpKind kind, const at::Tensor& input, int64_t total, CallSite site);
+  // `kind`: kBroadcast (`root` the root) or kSend / kRecv (`root` the peer, with its `tag`). A
+  // send's bytes count in stats().bytes_sent.
+  Ticket open_rooted(OpKind kind, const at::Tensor& tensor, int root, CallSite site, int tag = 0);
+  Ticket open_barrier(BarrierKind kind, CallSite site);
+  // Completes `t` at once, for an op with nothing to move (size-1 group, empty tensors).
+  WorkPtr complete_now(const Ticket& t);
+
+  // Announces this new communicator to the hang-report store (sequence number 0). A store that
+  // cannot be reached is logged, not fatal: it only costs the hang reports their peer state.
+  void publish_created();
+
   double timeout_for(const OpDesc& d) const;
   void debug_check(const Ticket& t);
   std::string dump_flight(const std::string& reason);
@@ -185,27 +233,9 @@ class DoneWork : public Work {
   bool is_completed() override { return true; }
 };
 
-// Validation shared by the backends; throw CommError naming the op, group, rank and sizes.
+// Throws CommError naming the op, group and rank unless `t` is defined, contiguous (when
+// `contiguous`) and on `device` (CommBase::check_op_tensor's default).
 void check_tensor(const CommBase& c, const char* op, const at::Tensor& t, c10::DeviceType device,
                   bool contiguous = true);
-void check_peer(const CommBase& c, const char* op, int peer);
-void check_tag(const CommBase& c, const char* op, int tag);
-// `chunk` has `whole`'s dtype and this rank's share of its elements (chunk_numel).
-void check_chunk_shapes(const CommBase& c, const char* op, const at::Tensor& whole,
-                        const char* whole_name, const at::Tensor& chunk, const char* chunk_name);
-// reduce_scatter: `output` is this rank's chunk of `input`.
-inline void check_reduce_scatter_shapes(const CommBase& c, const at::Tensor& input,
-                                        const at::Tensor& output) {
-  check_chunk_shapes(c, "reduce_scatter", input, "input", output, "output");
-}
-// all_gather into one flat tensor: `input` is this rank's chunk of `output`.
-inline void check_all_gather_shapes(const CommBase& c, const at::Tensor& input,
-                                    const at::Tensor& output) {
-  check_chunk_shapes(c, "all_gather", output, "output", input, "input");
-}
-// all_gather into a list: one output per rank, each of the input's dtype, this rank's shaped like
-// the input. Returns the total number of elements.
-int64_t check_all_gather_list_shapes(const CommBase& c, const at::Tensor& input,
-                                     const std::vector<at::Tensor>& outputs);
 
 }  // namespace parallax::parallel::comm::detail

@@ -1,7 +1,6 @@
 #include "parallel/comm/gloo_communicator.h"
 
 #include "core/error.h"
-#include "core/log.h"
 #include "parallel/comm/comm_base.h"
 #include "parallel/comm/ring.h"
 
@@ -34,27 +33,6 @@ double gloo_timeout(double ours) {
 
 bool is_16bit_float(c10::ScalarType t) {
   return t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16;
-}
-
-void check_dtype(const CommBase& c, const char* op, const at::Tensor& t, bool reduces) {
-  switch (t.scalar_type()) {
-    case c10::ScalarType::Float:
-    case c10::ScalarType::Double:
-    case c10::ScalarType::Half:
-    case c10::ScalarType::BFloat16:
-    case c10::ScalarType::Long:
-    case c10::ScalarType::Int:
-    case c10::ScalarType::Byte:
-    case c10::ScalarType::Char:
-      return;
-    case c10::ScalarType::Bool:
-      if (!reduces) return;
-      [[fallthrough]];
-    default:
-      throw_error<CommError>(
-          "{} on group '{}' (rank {}): dtype {} is not supported by the gloo backend{}", op,
-          c.name(), c.rank(), c10::toString(t.scalar_type()), reduces ? " for reductions" : "");
-  }
 }
 
 c10d::ReduceOp gloo_op(ReduceOp op) {
@@ -213,14 +191,7 @@ class GlooCommunicator final : public CommBase, public RingTransport {
       : CommBase(std::move(ctx), std::move(name), std::move(uid), rank, std::move(world_ranks),
                  options),
         pg_(std::move(pg)) {
-    if (ctx_->board) {
-      try {
-        ctx_->board->publish_now(uid_, 0, "created");
-      } catch (const std::exception& e) {
-        core::log::warn("group '{}': could not publish to the hang-report store: {}", name_,
-                        e.what());
-      }
-    }
+    publish_created();
   }
 
   ~GlooCommunicator() override {
@@ -252,17 +223,10 @@ class GlooCommunicator final : public CommBase, public RingTransport {
 
   WorkPtr all_reduce_async(at::Tensor& tensor, ReduceOp op, AllReduceAlgo algo,
                            CallSite site) override {
-    check_tensor(*this, "all_reduce", tensor, c10::DeviceType::CPU);
-    check_dtype(*this, "all_reduce", tensor, true);
-    OpDesc d = tensor_desc(OpKind::kAllReduce, tensor, site);
-    d.reduce = op;
-    d.algo = algo;
-    Ticket t = begin(d);
+    check_all_reduce_args("all_reduce", tensor);
+    Ticket t = open_reduction(OpKind::kAllReduce, tensor, op, site, algo);
     const int n = size();
-    if (n == 1 || tensor.numel() == 0) {
-      complete(t);
-      return std::make_shared<DoneWork>();
-    }
+    if (n == 1 || tensor.numel() == 0) return complete_now(t);
     at::Tensor target = tensor;
     if (algo == AllReduceAlgo::kRing) {
       // Same policy as the mpi ring: 16-bit floats are summed in float32.
@@ -292,23 +256,14 @@ class GlooCommunicator final : public CommBase, public RingTransport {
 
   WorkPtr reduce_scatter_async(const at::Tensor& input, at::Tensor& output, ReduceOp op,
                                CallSite site) override {
-    check_tensor(*this, "reduce_scatter", input, c10::DeviceType::CPU);
-    check_tensor(*this, "reduce_scatter", output, c10::DeviceType::CPU);
-    check_dtype(*this, "reduce_scatter", input, true);
+    check_reduce_scatter_args(input, output);
+    Ticket t = open_reduction(OpKind::kReduceScatter, input, op, site);
     const int n = size();
     const int64_t m = input.numel();
-    check_reduce_scatter_shapes(*this, input, output);
-    OpDesc d = tensor_desc(OpKind::kReduceScatter, input, site);
-    d.reduce = op;
-    Ticket t = begin(d);
-    if (m == 0) {
-      complete(t);
-      return std::make_shared<DoneWork>();
-    }
+    if (m == 0) return complete_now(t);
     if (n == 1) {
       output.view({-1}).copy_(input.view({-1}));
-      complete(t);
-      return std::make_shared<DoneWork>();
+      return complete_now(t);
     }
     // gloo's reduce_scatter_base needs equal chunks: pad every chunk to the largest one.
     const int64_t p = chunk_numel(m, n, 0);
@@ -336,19 +291,10 @@ class GlooCommunicator final : public CommBase, public RingTransport {
   }
 
   WorkPtr all_gather_async(const at::Tensor& input, at::Tensor& output, CallSite site) override {
-    check_tensor(*this, "all_gather", input, c10::DeviceType::CPU);
-    check_tensor(*this, "all_gather", output, c10::DeviceType::CPU);
-    check_dtype(*this, "all_gather", input, false);
+    const int64_t total = check_all_gather_args(input, output);
+    Ticket t = open_all_gather(OpKind::kAllGather, input, total, site);
+    if (total == 0) return complete_now(t);
     const int n = size();
-    const int64_t total = output.numel();
-    check_all_gather_shapes(*this, input, output);
-    OpDesc d = tensor_desc(OpKind::kAllGather, input, site);
-    d.match_numel = total;
-    Ticket t = begin(d);
-    if (total == 0) {
-      complete(t);
-      return std::make_shared<DoneWork>();
-    }
     std::vector<int64_t> sizes(static_cast<size_t>(n));
     for (int r = 0; r < n; ++r) sizes[static_cast<size_t>(r)] = chunk_numel(total, n, r);
     std::vector<at::Tensor> outs;
@@ -360,39 +306,22 @@ class GlooCommunicator final : public CommBase, public RingTransport {
 
   WorkPtr all_gather_async(const at::Tensor& input, std::vector<at::Tensor>& outputs,
                            CallSite site) override {
-    check_tensor(*this, "all_gather", input, c10::DeviceType::CPU);
-    check_dtype(*this, "all_gather", input, false);
-    const int64_t total = check_all_gather_list_shapes(*this, input, outputs);
+    const int64_t total = check_all_gather_args(input, outputs);
+    Ticket t = open_all_gather(OpKind::kAllGatherList, input, total, site);
+    if (total == 0) return complete_now(t);
     std::vector<int64_t> sizes;
-    for (auto& o : outputs) {
-      check_tensor(*this, "all_gather", o, c10::DeviceType::CPU);
-      sizes.push_back(o.numel());
-    }
-    OpDesc d = tensor_desc(OpKind::kAllGatherList, input, site);
-    d.match_numel = total;
-    Ticket t = begin(d);
-    if (total == 0) {
-      complete(t);
-      return std::make_shared<DoneWork>();
-    }
     std::vector<at::Tensor> outs;
-    for (auto& o : outputs) outs.push_back(o.view({-1}));
+    for (auto& o : outputs) {
+      sizes.push_back(o.numel());
+      outs.push_back(o.view({-1}));
+    }
     return gather_padded(std::move(t), input, sizes, outs, at::Tensor());
   }
 
   WorkPtr broadcast_async(at::Tensor& tensor, int root, CallSite site) override {
-    check_tensor(*this, "broadcast", tensor, c10::DeviceType::CPU);
-    check_dtype(*this, "broadcast", tensor, false);
-    PARALLAX_CHECK(root >= 0 && root < size(), CommError,
-                   "broadcast on group '{}' (rank {}): root {} is not a rank of {}", name_, rank_,
-                   root, size());
-    OpDesc d = tensor_desc(OpKind::kBroadcast, tensor, site);
-    d.root = root;
-    Ticket t = begin(d);
-    if (size() == 1 || tensor.numel() == 0) {
-      complete(t);
-      return std::make_shared<DoneWork>();
-    }
+    check_broadcast_args(tensor, root);
+    Ticket t = open_rooted(OpKind::kBroadcast, tensor, root, site);
+    if (size() == 1 || tensor.numel() == 0) return complete_now(t);
     std::vector<at::Tensor> v{tensor};
     c10d::BroadcastOptions o;
     o.rootRank = root;
@@ -401,42 +330,22 @@ class GlooCommunicator final : public CommBase, public RingTransport {
   }
 
   WorkPtr send_async(const at::Tensor& tensor, int peer, int tag, CallSite site) override {
-    check_tensor(*this, "send", tensor, c10::DeviceType::CPU);
-    check_dtype(*this, "send", tensor, false);
-    check_peer(*this, "send", peer);
-    check_tag(*this, "send", tag);
-    OpDesc d = tensor_desc(OpKind::kSend, tensor, site);
-    d.root = peer;
-    d.tag = tag;
-    Ticket t = begin(d);
-    stats_.bytes_sent += tensor.numel() * static_cast<int64_t>(tensor.element_size());
+    check_p2p_args("send", tensor, peer, tag);
+    Ticket t = open_rooted(OpKind::kSend, tensor, peer, site, tag);
     std::vector<at::Tensor> v{tensor};
     return make_work(std::move(t), pg_->send(v, peer, tag), {}, {tensor});
   }
 
   WorkPtr recv_async(at::Tensor& tensor, int peer, int tag, CallSite site) override {
-    check_tensor(*this, "recv", tensor, c10::DeviceType::CPU);
-    check_dtype(*this, "recv", tensor, false);
-    check_peer(*this, "recv", peer);
-    check_tag(*this, "recv", tag);
-    OpDesc d = tensor_desc(OpKind::kRecv, tensor, site);
-    d.root = peer;
-    d.tag = tag;
-    Ticket t = begin(d);
+    check_p2p_args("recv", tensor, peer, tag);
+    Ticket t = open_rooted(OpKind::kRecv, tensor, peer, site, tag);
     std::vector<at::Tensor> v{tensor};
     return make_work(std::move(t), pg_->recv(v, peer, tag), {}, {tensor});
   }
 
   WorkPtr barrier_async(BarrierKind kind, CallSite site) override {
-    OpDesc d;
-    d.kind = OpKind::kBarrier;
-    d.barrier = kind;
-    d.site = site;
-    Ticket t = begin(d);
-    if (size() == 1) {
-      complete(t);
-      return std::make_shared<DoneWork>();
-    }
+    Ticket t = open_barrier(kind, site);
+    if (size() == 1) return complete_now(t);
     c10d::BarrierOptions o;
     o.timeout = ms(gloo_timeout(t.timeout_s));
     return make_work(std::move(t), pg_->barrier(o), {}, {});
@@ -525,6 +434,27 @@ class GlooCommunicator final : public CommBase, public RingTransport {
   }
 
   void abort_backend() noexcept override {}
+
+  void check_op_dtype(const char* op, const at::Tensor& t, bool reduces) const override {
+    switch (t.scalar_type()) {
+      case c10::ScalarType::Float:
+      case c10::ScalarType::Double:
+      case c10::ScalarType::Half:
+      case c10::ScalarType::BFloat16:
+      case c10::ScalarType::Long:
+      case c10::ScalarType::Int:
+      case c10::ScalarType::Byte:
+      case c10::ScalarType::Char:
+        return;
+      case c10::ScalarType::Bool:
+        if (!reduces) return;
+        [[fallthrough]];
+      default:
+        throw_error<CommError>(
+            "{} on group '{}' (rank {}): dtype {} is not supported by the gloo backend{}", op,
+            name_, rank_, c10::toString(t.scalar_type()), reduces ? " for reductions" : "");
+    }
+  }
 
  private:
   // Every c10d work is completed through the waiter thread: some gloo works (send/recv, the

@@ -1,7 +1,6 @@
 #include "parallel/comm/mpi_communicator.h"
 
 #include "core/error.h"
-#include "core/log.h"
 
 #include <ATen/ATen.h>
 
@@ -53,17 +52,6 @@ MPI_Op mpi_op(ReduceOp op) {
       return MPI_MIN;
   }
   return MPI_SUM;
-}
-
-void check_dtype(const CommBase& c, const char* op, const at::Tensor& t, bool reduces) {
-  PARALLAX_CHECK(mpi_type(t.scalar_type()) != MPI_DATATYPE_NULL, CommError,
-                 "{} on group '{}' (rank {}): dtype {} is not supported by the mpi backend "
-                 "(float32/64, float16, "
-                 "bfloat16, int64/32, int8/uint8, bool)",
-                 op, c.name(), c.rank(), c10::toString(t.scalar_type()));
-  PARALLAX_CHECK(!reduces || t.scalar_type() != c10::ScalarType::Bool, CommError,
-                 "{} on group '{}' (rank {}): bool tensors cannot be reduced", op, c.name(),
-                 c.rank());
 }
 
 int count_of(const CommBase& c, const char* op, int64_t numel) {
@@ -158,14 +146,7 @@ MpiCommunicator::MpiCommunicator(std::shared_ptr<WorldContext> ctx, MPI_Comm com
   int flag = 0;
   MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
   if (flag && ub) tag_ub_ = *static_cast<int*>(ub);
-  if (ctx_->board) {
-    try {
-      ctx_->board->publish_now(uid_, 0, "created");
-    } catch (const std::exception& e) {
-      core::log::warn("group '{}': could not publish to the hang-report store: {}", name_,
-                      e.what());
-    }
-  }
+  publish_created();
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -192,6 +173,16 @@ void MpiCommunicator::check_mpi(int rc, const char* what) const {
   MPI_Error_string(rc, buf, &len);
   throw_error<CommError>("{} on group '{}' (world rank {}): MPI error: {}", what, name_, ctx_->rank,
                          std::string(buf, static_cast<size_t>(len)));
+}
+
+void MpiCommunicator::check_op_dtype(const char* op, const at::Tensor& t, bool reduces) const {
+  PARALLAX_CHECK(mpi_type(t.scalar_type()) != MPI_DATATYPE_NULL, CommError,
+                 "{} on group '{}' (rank {}): dtype {} is not supported by the mpi backend "
+                 "(float32/64, float16, "
+                 "bfloat16, int64/32, int8/uint8, bool)",
+                 op, name_, rank_, c10::toString(t.scalar_type()));
+  PARALLAX_CHECK(!reduces || t.scalar_type() != c10::ScalarType::Bool, CommError,
+                 "{} on group '{}' (rank {}): bool tensors cannot be reduced", op, name_, rank_);
 }
 
 int MpiCommunicator::ring_tag_base(uint64_t seq) const {
@@ -221,17 +212,10 @@ WorkPtr MpiCommunicator::all_reduce_async(at::Tensor& tensor, ReduceOp op, CallS
 
 WorkPtr MpiCommunicator::all_reduce_async(at::Tensor& tensor, ReduceOp op, AllReduceAlgo algo,
                                           CallSite site) {
-  check_tensor(*this, "all_reduce", tensor, c10::DeviceType::CPU);
-  check_dtype(*this, "all_reduce", tensor, true);
-  OpDesc d = tensor_desc(OpKind::kAllReduce, tensor, site);
-  d.reduce = op;
-  d.algo = algo;
-  Ticket t = begin(d);
+  check_all_reduce_args("all_reduce", tensor);
+  Ticket t = open_reduction(OpKind::kAllReduce, tensor, op, site, algo);
   const int n = size();
-  if (n == 1 || tensor.numel() == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
+  if (n == 1 || tensor.numel() == 0) return complete_now(t);
   const bool staged = is_16bit_float(tensor.scalar_type());
   at::Tensor work = staged ? tensor.to(at::kFloat) : tensor;
   at::Tensor target = tensor;
@@ -261,19 +245,11 @@ WorkPtr MpiCommunicator::all_reduce_async(at::Tensor& tensor, ReduceOp op, AllRe
 
 WorkPtr MpiCommunicator::reduce_scatter_async(const at::Tensor& input, at::Tensor& output,
                                               ReduceOp op, CallSite site) {
-  check_tensor(*this, "reduce_scatter", input, c10::DeviceType::CPU);
-  check_tensor(*this, "reduce_scatter", output, c10::DeviceType::CPU);
-  check_dtype(*this, "reduce_scatter", input, true);
+  check_reduce_scatter_args(input, output);
+  Ticket t = open_reduction(OpKind::kReduceScatter, input, op, site);
   const int n = size();
   const int64_t m = input.numel();
-  check_reduce_scatter_shapes(*this, input, output);
-  OpDesc d = tensor_desc(OpKind::kReduceScatter, input, site);
-  d.reduce = op;
-  Ticket t = begin(d);
-  if (m == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
+  if (m == 0) return complete_now(t);
   const bool staged = is_16bit_float(input.scalar_type());
   at::Tensor in = staged ? input.to(at::kFloat) : input;
   at::Tensor out = staged ? at::empty({output.numel()}, in.options()) : output;
@@ -294,19 +270,10 @@ WorkPtr MpiCommunicator::reduce_scatter_async(const at::Tensor& input, at::Tenso
 
 WorkPtr MpiCommunicator::all_gather_async(const at::Tensor& input, at::Tensor& output,
                                           CallSite site) {
-  check_tensor(*this, "all_gather", input, c10::DeviceType::CPU);
-  check_tensor(*this, "all_gather", output, c10::DeviceType::CPU);
-  check_dtype(*this, "all_gather", input, false);
+  const int64_t total = check_all_gather_args(input, output);
+  Ticket t = open_all_gather(OpKind::kAllGather, input, total, site);
+  if (total == 0) return complete_now(t);
   const int n = size();
-  const int64_t total = output.numel();
-  check_all_gather_shapes(*this, input, output);
-  OpDesc d = tensor_desc(OpKind::kAllGather, input, site);
-  d.match_numel = total;
-  Ticket t = begin(d);
-  if (total == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
   auto cd = std::make_shared<std::vector<int>>(static_cast<size_t>(2 * n));
   for (int r = 0; r < n; ++r) {
     (*cd)[static_cast<size_t>(r)] = count_of(*this, "all_gather", chunk_numel(total, n, r));
@@ -325,18 +292,10 @@ WorkPtr MpiCommunicator::all_gather_async(const at::Tensor& input, at::Tensor& o
 
 WorkPtr MpiCommunicator::all_gather_async(const at::Tensor& input, std::vector<at::Tensor>& outputs,
                                           CallSite site) {
-  check_tensor(*this, "all_gather", input, c10::DeviceType::CPU);
-  check_dtype(*this, "all_gather", input, false);
+  const int64_t total = check_all_gather_args(input, outputs);
+  Ticket t = open_all_gather(OpKind::kAllGatherList, input, total, site);
+  if (total == 0) return complete_now(t);
   const int n = size();
-  const int64_t total = check_all_gather_list_shapes(*this, input, outputs);
-  for (auto& o : outputs) check_tensor(*this, "all_gather", o, c10::DeviceType::CPU);
-  OpDesc d = tensor_desc(OpKind::kAllGatherList, input, site);
-  d.match_numel = total;
-  Ticket t = begin(d);
-  if (total == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
   at::Tensor flat = at::empty({total}, input.options());
   auto cd = std::make_shared<std::vector<int>>(static_cast<size_t>(2 * n));
   int64_t off = 0;
@@ -366,18 +325,9 @@ WorkPtr MpiCommunicator::all_gather_async(const at::Tensor& input, std::vector<a
 }
 
 WorkPtr MpiCommunicator::broadcast_async(at::Tensor& tensor, int root, CallSite site) {
-  check_tensor(*this, "broadcast", tensor, c10::DeviceType::CPU);
-  check_dtype(*this, "broadcast", tensor, false);
-  PARALLAX_CHECK(root >= 0 && root < size(), CommError,
-                 "broadcast on group '{}' (rank {}): root {} is not a rank of {}", name_, rank_,
-                 root, size());
-  OpDesc d = tensor_desc(OpKind::kBroadcast, tensor, site);
-  d.root = root;
-  Ticket t = begin(d);
-  if (size() == 1 || tensor.numel() == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
+  check_broadcast_args(tensor, root);
+  Ticket t = open_rooted(OpKind::kBroadcast, tensor, root, site);
+  if (size() == 1 || tensor.numel() == 0) return complete_now(t);
   auto reqs = std::make_shared<std::vector<MPI_Request>>(1);
   check_mpi(MPI_Ibcast(tensor.data_ptr(), count_of(*this, "broadcast", tensor.numel()),
                        mpi_type(tensor.scalar_type()), root, comm_, &(*reqs)[0]),
@@ -386,15 +336,8 @@ WorkPtr MpiCommunicator::broadcast_async(at::Tensor& tensor, int root, CallSite 
 }
 
 WorkPtr MpiCommunicator::send_async(const at::Tensor& tensor, int peer, int tag, CallSite site) {
-  check_tensor(*this, "send", tensor, c10::DeviceType::CPU);
-  check_dtype(*this, "send", tensor, false);
-  check_peer(*this, "send", peer);
-  check_tag(*this, "send", tag);
-  OpDesc d = tensor_desc(OpKind::kSend, tensor, site);
-  d.root = peer;
-  d.tag = tag;
-  Ticket t = begin(d);
-  stats_.bytes_sent += tensor.numel() * static_cast<int64_t>(tensor.element_size());
+  check_p2p_args("send", tensor, peer, tag);
+  Ticket t = open_rooted(OpKind::kSend, tensor, peer, site, tag);
   auto reqs = std::make_shared<std::vector<MPI_Request>>(1);
   check_mpi(MPI_Isend(tensor.data_ptr(), count_of(*this, "send", tensor.numel()),
                       mpi_type(tensor.scalar_type()), peer, tag, p2p_, &(*reqs)[0]),
@@ -403,14 +346,8 @@ WorkPtr MpiCommunicator::send_async(const at::Tensor& tensor, int peer, int tag,
 }
 
 WorkPtr MpiCommunicator::recv_async(at::Tensor& tensor, int peer, int tag, CallSite site) {
-  check_tensor(*this, "recv", tensor, c10::DeviceType::CPU);
-  check_dtype(*this, "recv", tensor, false);
-  check_peer(*this, "recv", peer);
-  check_tag(*this, "recv", tag);
-  OpDesc d = tensor_desc(OpKind::kRecv, tensor, site);
-  d.root = peer;
-  d.tag = tag;
-  Ticket t = begin(d);
+  check_p2p_args("recv", tensor, peer, tag);
+  Ticket t = open_rooted(OpKind::kRecv, tensor, peer, site, tag);
   auto reqs = std::make_shared<std::vector<MPI_Request>>(1);
   check_mpi(MPI_Irecv(tensor.data_ptr(), count_of(*this, "recv", tensor.numel()),
                       mpi_type(tensor.scalar_type()), peer, tag, p2p_, &(*reqs)[0]),
@@ -419,15 +356,8 @@ WorkPtr MpiCommunicator::recv_async(at::Tensor& tensor, int peer, int tag, CallS
 }
 
 WorkPtr MpiCommunicator::barrier_async(BarrierKind kind, CallSite site) {
-  OpDesc d;
-  d.kind = OpKind::kBarrier;
-  d.barrier = kind;
-  d.site = site;
-  Ticket t = begin(d);
-  if (size() == 1) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
+  Ticket t = open_barrier(kind, site);
+  if (size() == 1) return complete_now(t);
   auto reqs = std::make_shared<std::vector<MPI_Request>>(1);
   check_mpi(MPI_Ibarrier(comm_, &(*reqs)[0]), "MPI_Ibarrier");
   return make_work(std::move(t), reqs, {}, {});

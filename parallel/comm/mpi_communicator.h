@@ -51,6 +51,7 @@ class MpiCommunicator final : public CommBase, public RingTransport {
                                          const std::string& name, const std::string& uid,
                                          const Ticket& t) override;
   void abort_backend() noexcept override {}
+  void check_op_dtype(const char* op, const at::Tensor& t, bool reduces) const override;
 
  private:
   WorkPtr make_work(Ticket t, std::shared_ptr<std::vector<MPI_Request>> reqs,

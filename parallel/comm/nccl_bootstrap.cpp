@@ -120,14 +120,7 @@ NcclCommunicator::NcclCommunicator(std::shared_ptr<WorldContext> ctx, ncclComm_t
       device_(device),
       stream_(c10::cuda::getStreamFromPool(true, device.index())),
       reduce_stream_(c10::cuda::getStreamFromPool(true, device.index())) {
-  if (ctx_->board) {
-    try {
-      ctx_->board->publish_now(uid_, 0, "created");
-    } catch (const std::exception& e) {
-      core::log::warn("group '{}': could not publish to the hang-report store: {}", name_,
-                      e.what());
-    }
-  }
+  publish_created();
   watchdog_ = std::thread([this] { watchdog(); });
 }
 

@@ -56,28 +56,11 @@ void divide_avg_if_needed(at::Tensor t, ReduceOp op, int n) {
   if (op == ReduceOp::kAvg && !is_float(t.scalar_type())) t.div_(n, "trunc");
 }
 
-void check_dtype(const CommBase& c, const char* op, const at::Tensor& t, bool reduces) {
-  PARALLAX_CHECK(nccl_type(t.scalar_type()) != ncclNumTypes, CommError,
-                 "{} on group '{}' (rank {}): dtype {} is not supported by the nccl backend", op,
-                 c.name(), c.rank(), c10::toString(t.scalar_type()));
-  PARALLAX_CHECK(!reduces || t.scalar_type() != c10::ScalarType::Bool, CommError,
-                 "{} on group '{}' (rank {}): bool tensors cannot be reduced", op, c.name(),
-                 c.rank());
-}
-
 WorkPtr NcclCommunicator::all_reduce_async(at::Tensor& tensor, ReduceOp op, AllReduceAlgo algo,
                                            CallSite site) {
-  check_cuda(*this, "all_reduce", tensor);
-  check_dtype(*this, "all_reduce", tensor, true);
-  OpDesc d = tensor_desc(OpKind::kAllReduce, tensor, site);
-  d.reduce = op;
-  d.algo = algo;
-  Ticket t = begin(d);
-  const int n = size();
-  if (n == 1 || tensor.numel() == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
+  check_all_reduce_args("all_reduce", tensor);
+  Ticket t = open_reduction(OpKind::kAllReduce, tensor, op, site, algo);
+  if (size() == 1 || tensor.numel() == 0) return complete_now(t);
   at::Tensor target = tensor;
   if (algo == AllReduceAlgo::kRing) connect_ring_peers(t);
   return enqueue({t}, {target}, [&] { reduce_in_place(target, op, algo, t); });
@@ -86,22 +69,15 @@ WorkPtr NcclCommunicator::all_reduce_async(at::Tensor& tensor, ReduceOp op, AllR
 WorkPtr NcclCommunicator::all_reduce_compressed_async(at::Tensor& tensor, ReduceOp op,
                                                       at::ScalarType wire, AllReduceAlgo algo,
                                                       CallSite site) {
-  check_cuda(*this, "all_reduce", tensor);
+  check_op_tensor("all_reduce", tensor, true);
   check_wire_dtype(*this, tensor, wire);
   if (wire == tensor.scalar_type()) return all_reduce_async(tensor, op, algo, site);
   PARALLAX_CHECK(nccl_type(wire) != ncclNumTypes, CommError,
                  "all_reduce_compressed on group '{}' (rank {}): wire dtype {} is not supported by "
                  "the nccl backend",
                  name_, rank_, c10::toString(wire));
-  OpDesc d = tensor_desc(OpKind::kAllReduce, tensor, site);
-  d.dtype = wire;  // what travels, and what the debug check compares across ranks
-  d.reduce = op;
-  d.algo = algo;
-  Ticket t = begin(d);
-  if (size() == 1 || tensor.numel() == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
+  Ticket t = open_reduction(OpKind::kAllReduce, tensor, op, site, algo, wire);
+  if (size() == 1 || tensor.numel() == 0) return complete_now(t);
   at::Tensor target = tensor;
   if (algo == AllReduceAlgo::kRing) connect_ring_peers(t);
   return enqueue({t}, {target}, [&] {
@@ -117,8 +93,7 @@ WorkPtr NcclCommunicator::all_reduce_coalesced_async(std::vector<at::Tensor>& te
   const auto dtype = tensors.front().scalar_type();
   int64_t total = 0;
   for (const auto& t : tensors) {
-    check_cuda(*this, "all_reduce_coalesced", t, /*contiguous=*/false);
-    check_dtype(*this, "all_reduce_coalesced", t, true);
+    check_all_reduce_args("all_reduce_coalesced", t, /*contiguous=*/false);
     // Mixed dtypes: one flat buffer per dtype (the default), each a single all-reduce.
     if (t.scalar_type() != dtype)
       return Communicator::all_reduce_coalesced_async(tensors, op, site);
@@ -129,12 +104,9 @@ WorkPtr NcclCommunicator::all_reduce_coalesced_async(std::vector<at::Tensor>& te
   d.shape = {total};
   d.numel = d.match_numel = total;
   d.tensors = static_cast<int>(tensors.size());
-  Ticket t = begin(d);
+  Ticket t = begin(std::move(d));
   const int n = size();
-  if (n == 1 || total == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
+  if (n == 1 || total == 0) return complete_now(t);
   return enqueue({t}, tensors, [&] {
     // A tensor whose elements are not one dense block (a strided view) is reduced through a
     // contiguous copy; gradients and parameters always are dense.
@@ -159,19 +131,11 @@ WorkPtr NcclCommunicator::all_reduce_coalesced_async(std::vector<at::Tensor>& te
 
 WorkPtr NcclCommunicator::reduce_scatter_async(const at::Tensor& input, at::Tensor& output,
                                                ReduceOp op, CallSite site) {
-  check_cuda(*this, "reduce_scatter", input);
-  check_cuda(*this, "reduce_scatter", output);
-  check_dtype(*this, "reduce_scatter", input, true);
+  check_reduce_scatter_args(input, output);
+  Ticket t = open_reduction(OpKind::kReduceScatter, input, op, site);
   const int n = size();
   const int64_t m = input.numel();
-  check_reduce_scatter_shapes(*this, input, output);
-  OpDesc d = tensor_desc(OpKind::kReduceScatter, input, site);
-  d.reduce = op;
-  Ticket t = begin(d);
-  if (m == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
+  if (m == 0) return complete_now(t);
   at::Tensor in = input, out = output;
   return enqueue({t}, {in, out}, [&] {
     const int64_t p = chunk_numel(m, n, 0);
@@ -196,19 +160,10 @@ WorkPtr NcclCommunicator::reduce_scatter_async(const at::Tensor& input, at::Tens
 
 WorkPtr NcclCommunicator::all_gather_async(const at::Tensor& input, at::Tensor& output,
                                            CallSite site) {
-  check_cuda(*this, "all_gather", input);
-  check_cuda(*this, "all_gather", output);
-  check_dtype(*this, "all_gather", input, false);
+  const int64_t total = check_all_gather_args(input, output);
+  Ticket t = open_all_gather(OpKind::kAllGather, input, total, site);
+  if (total == 0) return complete_now(t);
   const int n = size();
-  const int64_t total = output.numel();
-  check_all_gather_shapes(*this, input, output);
-  OpDesc d = tensor_desc(OpKind::kAllGather, input, site);
-  d.match_numel = total;
-  Ticket t = begin(d);
-  if (total == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
   at::Tensor in = input, out = output;
   return enqueue({t}, {in, out}, [&] {
     if (total % n ==
@@ -232,23 +187,15 @@ WorkPtr NcclCommunicator::all_gather_async(const at::Tensor& input, at::Tensor& 
 
 WorkPtr NcclCommunicator::all_gather_async(const at::Tensor& input,
                                            std::vector<at::Tensor>& outputs, CallSite site) {
-  check_cuda(*this, "all_gather", input);
-  check_dtype(*this, "all_gather", input, false);
-  const int64_t total = check_all_gather_list_shapes(*this, input, outputs);
+  const int64_t total = check_all_gather_args(input, outputs);
   std::vector<int64_t> sizes;
   std::vector<at::Tensor> outs;
   for (auto& o : outputs) {
-    check_cuda(*this, "all_gather", o);
     sizes.push_back(o.numel());
     outs.push_back(o.view({-1}));
   }
-  OpDesc d = tensor_desc(OpKind::kAllGatherList, input, site);
-  d.match_numel = total;
-  Ticket t = begin(d);
-  if (total == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
+  Ticket t = open_all_gather(OpKind::kAllGatherList, input, total, site);
+  if (total == 0) return complete_now(t);
   std::vector<at::Tensor> keep = outputs;
   keep.push_back(input);
   at::Tensor in = input;
@@ -256,18 +203,9 @@ WorkPtr NcclCommunicator::all_gather_async(const at::Tensor& input,
 }
 
 WorkPtr NcclCommunicator::broadcast_async(at::Tensor& tensor, int root, CallSite site) {
-  check_cuda(*this, "broadcast", tensor);
-  check_dtype(*this, "broadcast", tensor, false);
-  PARALLAX_CHECK(root >= 0 && root < size(), CommError,
-                 "broadcast on group '{}' (rank {}): root {} is not a rank of {}", name_, rank_,
-                 root, size());
-  OpDesc d = tensor_desc(OpKind::kBroadcast, tensor, site);
-  d.root = root;
-  Ticket t = begin(d);
-  if (size() == 1 || tensor.numel() == 0) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
+  check_broadcast_args(tensor, root);
+  Ticket t = open_rooted(OpKind::kBroadcast, tensor, root, site);
+  if (size() == 1 || tensor.numel() == 0) return complete_now(t);
   at::Tensor x = tensor;
   return enqueue({t}, {x}, [&] {
     call(ncclBroadcast(x.data_ptr(), x.data_ptr(), static_cast<size_t>(x.numel()),
@@ -277,15 +215,8 @@ WorkPtr NcclCommunicator::broadcast_async(at::Tensor& tensor, int root, CallSite
 }
 
 WorkPtr NcclCommunicator::barrier_async(BarrierKind kind, CallSite site) {
-  OpDesc d;
-  d.kind = OpKind::kBarrier;
-  d.barrier = kind;
-  d.site = site;
-  Ticket t = begin(d);
-  if (size() == 1) {
-    complete(t);
-    return std::make_shared<DoneWork>();
-  }
+  Ticket t = open_barrier(kind, site);
+  if (size() == 1) return complete_now(t);
   // NCCL has no barrier: a one-element all-reduce, which completes only when every rank issued
   // it.
   if (!barrier_buf_.defined()) {
@@ -324,13 +255,19 @@ std::vector<std::vector<uint8_t>> NcclCommunicator::allgather_bytes(
   return res;
 }
 
-void NcclCommunicator::check_cuda(const CommBase& c, const char* op, const at::Tensor& t,
-                                  bool contiguous) {
-  check_tensor(c, op, t, c10::DeviceType::CUDA, contiguous);
-  const auto& me = static_cast<const NcclCommunicator&>(c);
-  PARALLAX_CHECK(t.device() == me.device_, CommError,
-                 "{} on group '{}' (rank {}): tensor on {} but the communicator uses {}", op,
-                 c.name(), c.rank(), t.device().str(), me.device_.str());
+void NcclCommunicator::check_op_tensor(const char* op, const at::Tensor& t, bool contiguous) const {
+  check_tensor(*this, op, t, c10::DeviceType::CUDA, contiguous);
+  PARALLAX_CHECK(t.device() == device_, CommError,
+                 "{} on group '{}' (rank {}): tensor on {} but the communicator uses {}", op, name_,
+                 rank_, t.device().str(), device_.str());
+}
+
+void NcclCommunicator::check_op_dtype(const char* op, const at::Tensor& t, bool reduces) const {
+  PARALLAX_CHECK(nccl_type(t.scalar_type()) != ncclNumTypes, CommError,
+                 "{} on group '{}' (rank {}): dtype {} is not supported by the nccl backend", op,
+                 name_, rank_, c10::toString(t.scalar_type()));
+  PARALLAX_CHECK(!reduces || t.scalar_type() != c10::ScalarType::Bool, CommError,
+                 "{} on group '{}' (rank {}): bool tensors cannot be reduced", op, name_, rank_);
 }
 
 void NcclCommunicator::call(ncclResult_t rc, const char* what, const Ticket& t, ncclComm_t comm) {

@@ -39,7 +39,6 @@ ncclDataType_t nccl_type(c10::ScalarType t);
 // Integers are averaged as a sum followed by a truncating division (the CPU backends' rule).
 ncclRedOp_t nccl_op(ReduceOp op, c10::ScalarType t);
 void divide_avg_if_needed(at::Tensor t, ReduceOp op, int n);
-void check_dtype(const CommBase& c, const char* op, const at::Tensor& t, bool reduces);
 std::string nccl_error(ncclResult_t rc, ncclComm_t comm);
 // Polls a non-blocking communicator until its pending call finished (ncclSuccess), it failed
 // (CommError) or `deadline` passed (TimeoutError).
@@ -195,10 +194,11 @@ class NcclCommunicator final : public CommBase {
 
   void abort_backend() noexcept override;
 
- private:
-  static void check_cuda(const CommBase& c, const char* op, const at::Tensor& t,
-                         bool contiguous = true);
+  // Also checks that `t` is on this communicator's device.
+  void check_op_tensor(const char* op, const at::Tensor& t, bool contiguous) const override;
+  void check_op_dtype(const char* op, const at::Tensor& t, bool reduces) const override;
 
+ private:
   // Runs `body` (NCCL calls and post-processing) on the comm stream, after the caller's stream.
   template <class F>
   WorkPtr enqueue(std::vector<Ticket> tickets, std::vector<at::Tensor> tensors, F&& body,

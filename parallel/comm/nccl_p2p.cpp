@@ -9,23 +9,12 @@ WorkPtr NcclCommunicator::batch_isend_irecv(std::vector<P2POp>& ops, CallSite si
   std::vector<Ticket> tickets;
   std::vector<at::Tensor> tensors;
   for (auto& op : ops) {
-    const bool send = op.kind == P2POp::Kind::kSend;
-    const char* what = send ? "send" : "recv";
-    check_cuda(*this, what, op.tensor);
-    check_dtype(*this, what, op.tensor, false);
-    check_peer(*this, what, op.peer);
-    check_tag(*this, what, op.tag);
+    check_p2p_args(op.kind == P2POp::Kind::kSend ? "send" : "recv", op.tensor, op.peer, op.tag);
     tensors.push_back(op.tensor);
   }
   for (auto& op : ops) {
-    OpDesc d =
-        tensor_desc(op.kind == P2POp::Kind::kSend ? OpKind::kSend : OpKind::kRecv, op.tensor, site);
-    d.root = op.peer;
-    d.tag = op.tag;
-    tickets.push_back(begin(d));
-    if (op.kind == P2POp::Kind::kSend) {
-      stats_.bytes_sent += op.tensor.numel() * static_cast<int64_t>(op.tensor.element_size());
-    }
+    const OpKind kind = op.kind == P2POp::Kind::kSend ? OpKind::kSend : OpKind::kRecv;
+    tickets.push_back(open_rooted(kind, op.tensor, op.peer, site, op.tag));
   }
   if (ops.empty()) return std::make_shared<DoneWork>();
   return enqueue(tickets, tensors, [&] {
