@@ -8,6 +8,7 @@
 // checkpoint activations and quantise (docs/models.md, "Units").
 #pragma once
 
+#include "core/parallel_model.h"
 #include "core/scene.h"
 #include "core/tensor_dict.h"
 #include "core/unit_hooks.h"
@@ -74,29 +75,23 @@ struct LossOutput {
   core::TensorDict terms;  // each named term (detached or not), for metrics
 };
 
-// The planner's activation model (train/planner.h, docs/planning.md): what one sample's forward
-// keeps for its backward, per unit of the chain, computed from the model's own shapes (nothing
-// runs).
-struct ActivationQuery {
-  int compute_bytes = 4;  // bytes of the autocast dtype (bf16/fp16: 2); 4 without autocast
-  bool cuda = false;      // fused CUDA paths keep different tensors (e.g. bev sampling)
-  int tp = 1;             // tensor-parallel ranks (the layers' shards)
-  bool sequence_parallel = false;
-};
+// The planner's activation model (core/parallel_model.h: the parallel engines read it too).
+using ActivationQuery = core::ActivationQuery;
 struct UnitActivation {
   double saved = 0;             // bytes per sample kept from this unit's forward to its backward
   double output = 0;            // bytes per sample of the unit's outputs (a pipeline message)
   bool checkpointable = false;  // one of checkpointable_blocks(): recomputed under checkpointing
 };
 
-// Whether activation checkpointing `mode` (none | selective | full) wraps checkpointable block
-// `index` (0-based): full wraps every block, selective blocks 0, 2, 4, ... (the trainer's rule).
-inline bool checkpointed_block(const std::string& mode, int index) {
-  return mode == "full" || (mode == "selective" && index % 2 == 0);
-}
+// Activation checkpointing (core/parallel_model.h): the mode, and which blocks it wraps.
+using core::checkpointed_block;
+using core::Checkpointing;
 
-class Model : public torch::nn::Module {
+// A model is a module and a core::ParallelModel: what parallel::parallelize() composes the
+// parallelisms over (units, the chain, costs, activation checkpointing, unit hooks).
+class Model : public torch::nn::Module, public core::ParallelModel {
  public:
+  std::shared_ptr<torch::nn::Module> as_module() override { return shared_from_this(); }
   // Predictions for a batch (keys are model-specific, e.g. "bev_logits", "heatmap").
   virtual core::TensorDict forward(const core::TensorDict& batch) = 0;
   // Loss terms and their weighted total for `batch` given `pred` from forward().
@@ -146,14 +141,14 @@ class Model : public torch::nn::Module {
   // A model that implements them runs forward() as forward_chain(), so a pipeline computes the
   // same function as one process. chain_length() is the number of units (0: the model cannot be
   // pipelined; the defaults throw parallax::Error naming it).
-  virtual int chain_length() const { return 0; }
+  int chain_length() const override { return 0; }
   // Forward FLOPs per sample of each unit, in chain order (what pipeline stages are balanced by);
   // empty: not broken down (the pipeline then balances by parameters).
   virtual std::vector<double> unit_flops() const { return {}; }
   // What pipeline stages are balanced by, one value per unit: unit_flops(), or where the model
   // does not break its FLOPs down, each unit's parameter count + 1 (so a unit without many still
   // counts). The trainer partitions by it, and `parallax plan` predicts that partition.
-  std::vector<double> stage_costs() const;
+  std::vector<double> stage_costs() const override;
   // Activation bytes per sample of each unit, in chain order (empty: the model has no
   // activation model; the planner then cannot estimate it). See ActivationQuery.
   virtual std::vector<UnitActivation> unit_activations(const ActivationQuery&) const { return {}; }
@@ -162,8 +157,10 @@ class Model : public torch::nn::Module {
   // checkpointed_block() says): a wrapped block keeps only its input. Empty where the model has no
   // activation model. `checkpointed`, if given, receives which units are recomputed. The pipeline
   // partition (second criterion) and `parallax plan` both use it.
-  std::vector<double> saved_activations(const ActivationQuery& q, const std::string& mode,
-                                        std::vector<bool>* checkpointed = nullptr) const;
+  std::vector<double> saved_activations(const ActivationQuery& q, Checkpointing mode,
+                                        std::vector<bool>* checkpointed = nullptr) const override;
+  // Wraps checkpointable_blocks() as checkpointed_block(mode, i) says; returns {wrapped, blocks}.
+  std::pair<int, int> apply_activation_checkpointing(Checkpointing mode) override;
   virtual std::vector<at::Tensor> chain_begin(const core::TensorDict& batch);
   virtual std::vector<at::Tensor> chain_unit(int unit, const core::TensorDict& batch,
                                              const std::vector<at::Tensor>& in);
@@ -183,9 +180,9 @@ class Model : public torch::nn::Module {
   // The ordered units; every parameter of named_parameters() is in exactly one unit. The default
   // (for models that do not override) is a single unit "model" holding every parameter; such a
   // model's forward must run as run_unit(0, ...) for installed hooks to be called.
-  virtual std::vector<Unit> units() const;
+  std::vector<Unit> units() const override;
   // Installs hooks (nullptr: none, the default). Not owned: `hooks` must outlive its installation.
-  void set_unit_hooks(UnitHooks* hooks) { unit_hooks_ = hooks; }
+  void set_unit_hooks(UnitHooks* hooks) override { unit_hooks_ = hooks; }
   UnitHooks* unit_hooks() const { return unit_hooks_; }
 
   // Loss normalisers that count things in the batch (positive heatmap cells, target boxes,

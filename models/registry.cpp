@@ -1,5 +1,6 @@
 #include "core/error.h"
 #include "core/param_init.h"
+#include "models/checkpointable.h"
 #include "models/mlp.h"
 #include "models/model.h"
 #include "models/perception_model.h"
@@ -58,7 +59,7 @@ std::vector<double> Model::stage_costs() const {
   return costs;
 }
 
-std::vector<double> Model::saved_activations(const ActivationQuery& q, const std::string& mode,
+std::vector<double> Model::saved_activations(const ActivationQuery& q, Checkpointing mode,
                                              std::vector<bool>* checkpointed) const {
   const std::vector<UnitActivation> units = unit_activations(q);
   std::vector<double> saved(units.size(), 0.0);
@@ -71,6 +72,19 @@ std::vector<double> Model::saved_activations(const ActivationQuery& q, const std
     if (checkpointed) (*checkpointed)[u] = true;
   }
   return saved;
+}
+
+std::pair<int, int> Model::apply_activation_checkpointing(Checkpointing mode) {
+  int blocks = 0, wrapped = 0;
+  for (const auto& block : checkpointable_blocks()) {
+    auto cb = std::dynamic_pointer_cast<CheckpointableBlock>(block);
+    if (cb && checkpointed_block(mode, blocks)) {
+      cb->set_checkpointing(true);
+      ++wrapped;
+    }
+    ++blocks;
+  }
+  return {wrapped, blocks};
 }
 
 int64_t Model::parameter_count() const {

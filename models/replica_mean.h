@@ -4,12 +4,10 @@
 // means this replica alone.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
-#include <functional>
+#include "core/parallel_model.h"
 
 namespace parallax::models {
 
-using ReplicaMean = std::function<at::Tensor(const at::Tensor&)>;
+using ReplicaMean = core::ReplicaMean;
 
 }  // namespace parallax::models

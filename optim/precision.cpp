@@ -1,19 +1,37 @@
 #include "optim/precision.h"
 
+#include "core/enum_names.h"
+
 #include <ATen/autocast_mode.h>
 
 namespace parallax::optim {
 
+namespace {
+constexpr core::EnumName<Precision> kPrecisions[] = {
+    {Precision::kFp32, "fp32"},
+    {Precision::kBf16, "bf16"},
+    {Precision::kFp16, "fp16"},
+};
+}  // namespace
+
+const char* to_string(Precision mode) {
+  return core::enum_name(kPrecisions, mode);
+}
+
+Precision parse_precision(const std::string& name) {
+  return core::parse_enum(kPrecisions, name, "precision.mode", "mode");
+}
+
 PrecisionPolicy make_precision_policy(const PrecisionConfig& cfg, c10::DeviceType device_type) {
   PrecisionPolicy p;
-  p.mode = cfg.mode;
+  p.mode = parse_precision(cfg.mode);
   p.device_type = device_type;
   return p;
 }
 
 LossScaler make_loss_scaler(const PrecisionConfig& cfg) {
-  return LossScaler(cfg.mode == "fp16", cfg.loss_scale_init, cfg.loss_scale_growth_interval,
-                    cfg.loss_scale_min);
+  return LossScaler(parse_precision(cfg.mode) == Precision::kFp16, cfg.loss_scale_init,
+                    cfg.loss_scale_growth_interval, cfg.loss_scale_min);
 }
 
 AutocastGuard::AutocastGuard(const PrecisionPolicy& policy) : device_type_(policy.device_type) {

@@ -15,17 +15,26 @@
 
 namespace parallax::optim {
 
+// precision.mode, parsed once (parse_precision).
+enum class Precision { kFp32, kBf16, kFp16 };
+// "fp32" | "bf16" | "fp16".
+const char* to_string(Precision mode);
+// ConfigError naming precision.mode for an unknown name.
+Precision parse_precision(const std::string& name);
+
 struct PrecisionPolicy {
-  std::string mode = "fp32";
+  Precision mode = Precision::kFp32;
   c10::DeviceType device_type = c10::DeviceType::CPU;
 
-  bool autocast() const { return mode != "fp32"; }
+  bool autocast() const { return mode != Precision::kFp32; }
   c10::ScalarType compute_dtype() const {
-    return mode == "bf16"   ? c10::ScalarType::BFloat16
-           : mode == "fp16" ? c10::ScalarType::Half
-                            : c10::ScalarType::Float;
+    return mode == Precision::kBf16   ? c10::ScalarType::BFloat16
+           : mode == Precision::kFp16 ? c10::ScalarType::Half
+                                      : c10::ScalarType::Float;
   }
-  bool loss_scaling() const { return mode == "fp16"; }
+  // Bytes of an autocast activation (2 under bf16/fp16, 4 without autocast).
+  int compute_bytes() const { return autocast() ? 2 : 4; }
+  bool loss_scaling() const { return mode == Precision::kFp16; }
 };
 
 PrecisionPolicy make_precision_policy(const PrecisionConfig& cfg, c10::DeviceType device_type);

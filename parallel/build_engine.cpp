@@ -19,4 +19,10 @@ std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn
                                             plan.zero_prefetch, false, std::move(tp));
 }
 
+EngineMemory predicted_memory(int zero_stage, const std::vector<ParamInfo>& params,
+                              const MemoryQuery& q) {
+  return zero_stage == 0 ? ddp::DdpEngine::memory_rule(params, q)
+                         : zero::ZeroEngine::memory_rule(zero_stage, params, q);
+}
+
 }  // namespace parallax::parallel

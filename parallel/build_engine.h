@@ -1,5 +1,5 @@
-// The engine a validated plan asks for (parallel/plan.h): ZeRO stage 0 (DDP, or the plain step
-// with one data-parallel rank) or ZeRO-1/2/3, over the data-parallel group.
+// Plan step 4 (parallel/parallelize.h): the engine a validated plan asks for, ZeRO stage 0 (DDP, or
+// the plain step with one data-parallel rank) or ZeRO-1/2/3, over the data-parallel group.
 #pragma once
 
 #include "parallel/ddp/ddp.h"
@@ -20,5 +20,12 @@ std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn
                                      const OptimizerFactory& make, comm::CommPtr dp,
                                      const ddp::DdpOptions& ddp, std::vector<core::Unit> units = {},
                                      TensorParallelInfo tp = {});
+
+// The memory the engine build_engine() builds for `zero_stage` holds on data-parallel rank
+// q.dp_rank for fp32 `params` (this rank's, in registration order; under a pipeline its stage's):
+// the rule each engine states (DdpEngine::memory_rule, ZeroEngine::memory_rule), equal to what
+// Engine::memory() measures after a step. `parallax plan` predicts with it.
+EngineMemory predicted_memory(int zero_stage, const std::vector<ParamInfo>& params,
+                              const MemoryQuery& q);
 
 }  // namespace parallax::parallel

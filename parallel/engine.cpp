@@ -42,6 +42,22 @@ void add_terms(LossTerms& into, const LossTerms& from) {
   }
 }
 
+core::ReplicaMean Engine::replica_mean() const {
+  const comm::CommPtr dp = data_parallel_group();
+  if (!dp || dp->size() <= 1) return {};
+  const bool host = dp->device_type() == c10::kCPU;
+  return [dp, host](const at::Tensor& t) {
+    // A copy in fp32 on the group's device (the CPU backends reduce host tensors).
+    at::Tensor x = t.detach()
+                       .to(host ? c10::Device(c10::kCPU) : t.device(), at::kFloat,
+                           /*non_blocking=*/false, /*copy=*/true)
+                       .contiguous();
+    const comm::WorkPtr w = dp->all_reduce_async(x, comm::ReduceOp::kAvg);
+    w->wait_stream();
+    return x.device() == t.device() ? x : x.to(t.device());
+  };
+}
+
 std::vector<StatePiece> Engine::checkpoint_model(const torch::nn::Module& module) {
   std::vector<StatePiece> pieces = model_state();
   if (pieces.empty()) pieces = module_pieces(module, model_replicas());

@@ -31,12 +31,14 @@
 #pragma once
 
 #include "core/boxes.h"
+#include "core/parallel_model.h"
 #include "core/unit_hooks.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
 #include "parallel/comm/communicator.h"
 #include "parallel/comm/topology.h"
+#include "parallel/ddp/ddp_options.h"
 #include "parallel/tensor/tensor_parallel.h"
 
 #include <torch/nn/module.h>
@@ -56,14 +58,14 @@ namespace parallax::parallel {
 // over dp as they are, and report gradients so that clipping and the inf check sum the sharded
 // ones over tp and count the replicated ones once.
 struct TensorParallelInfo {
-  comm::CommPtr tp;               // null or one rank: no tensor parallelism
-  std::set<std::string> sharded;  // full parameter names
-  // How each of those is split (tensor::param_layouts of the module), and the run's layout: what
-  // maps the engine's pieces to the single-process tensors a checkpoint holds (parallel/state.h).
+  comm::CommPtr tp;  // null or one rank: no tensor parallelism
+  // The split parameters by full name, and how each is split (tensor::param_layouts of the
+  // module); and the run's layout: what maps the engine's pieces to the single-process tensors a
+  // checkpoint holds (parallel/state.h).
   std::map<std::string, tensor::ParamLayout> layouts;
   comm::Layout layout;
   bool active() const { return tp != nullptr && tp->size() > 1; }
-  bool is_sharded(const std::string& name) const { return sharded.count(name) != 0; }
+  bool is_sharded(const std::string& name) const { return layouts.count(name) != 0; }
 };
 
 // One piece of a tensor of the training state, of the global tensor `name` (of shape
@@ -95,6 +97,27 @@ int64_t storage_bytes(const std::vector<at::Tensor>& tensors);
 struct EngineMemory {
   int64_t params = 0, grads = 0, optimizer = 0;
   int64_t total() const { return params + grads + optimizer; }
+};
+
+// A parameter as an engine's memory rule sees it (Engine::memory() measured; the rules below
+// predicted): `parallax plan` describes a shape-only model so and calls the engine's own rule.
+struct ParamInfo {
+  std::string name;
+  int64_t numel = 0;
+  int unit = 0;   // index into the model's units
+  int group = 0;  // the optimizer's parameter group (optim::make_param_groups order)
+  bool tp_sharded = false;
+  bool trainable = true;  // false: frozen (a LoRA base weight)
+};
+// What else the rules need: the data-parallel group, the step's micro-batches, the model's
+// units and the optimizer's groups and state, and the bucket options.
+struct MemoryQuery {
+  int dp = 1, dp_rank = 0;
+  int micro_batches = 1;
+  int units = 1;
+  int groups = 1;                          // non-empty optimizer parameter groups
+  double optimizer_bytes_per_element = 0;  // AdamW 8 (two fp32 moments), SGD with momentum 4
+  ddp::DdpOptions ddp;
 };
 
 using OptimizerFactory =
@@ -176,6 +199,14 @@ class Engine {
   // The world ranks that hold identical copies of every model parameter and buffer (the dp group
   // for DDP and ZeRO-1/2).
   virtual std::vector<int> model_replicas() const = 0;
+  // The group the engine reduces gradients over (null: none).
+  virtual comm::CommPtr data_parallel_group() const = 0;
+  // The mean of a small float tensor over the data-parallel replicas, on the tensor's device
+  // (GPUs: the compute stream waits for the all-reduce, the host does not): the normaliser a
+  // model's loss uses so that the replicas' averaged gradients are one process's on the whole
+  // batch (Model::set_replica_mean). Empty with one replica. A collective: call it inside step()
+  // only, the same number of times on every replica.
+  core::ReplicaMean replica_mean() const;
   // The optimizer state as pieces named "<param name>.<state>" and "step" (no prefix), views into
   // the live state: save them, or load into them and then call optimizer_state_loaded(). At most
   // one piece per name on each rank.

@@ -13,9 +13,9 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
   Plan plan;
   plan.layout = comm::resolve_layout(world, p.dp, p.tp, p.pp, gpus_per_node);
   plan.zero_stage = p.zero.stage;
-  plan.activation_checkpointing = activation_checkpointing;
+  plan.activation_checkpointing = core::parse_checkpointing(activation_checkpointing);
   plan.cuda_graph = cuda_graph;
-  plan.pp_schedule = p.pp_schedule;
+  plan.pp_schedule = pipeline::parse_schedule_kind(p.pp_schedule);
   plan.pp_virtual_stages = p.pp_virtual_stages;
   plan.pp_layout = p.pp_layout;
   PARALLAX_CHECK(p.pp_virtual_stages == 1 || p.pp_schedule == "interleaved", ConfigError,
@@ -96,6 +96,16 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
                    "reduce-scatter and "
                    "all-gather; set parallel.allreduce=native");
   }
+  // DDP's buckets, shared by ZeRO's (parallel/ddp/ddp_options.h).
+  plan.ddp.mode = ddp::parse_bucket_mode(p.ddp.bucket_mode);
+  plan.ddp.reduce_dtype = ddp::parse_reduce_dtype(p.ddp.reduce_dtype);
+  plan.ddp.bucket_mb = p.ddp.bucket_mb;
+  plan.ddp.first_bucket_mb = p.ddp.first_bucket_mb;
+  plan.ddp.find_unused = p.ddp.find_unused;
+  plan.ddp.broadcast_buffers = p.ddp.broadcast_buffers;
+  plan.ddp.algo = comm::parse_allreduce_algo(p.allreduce);
+  // Backward timers: events recorded in a CUDA graph capture cannot be timed or queried.
+  plan.ddp.timing = !cuda_graph;
   return plan;
 }
 
@@ -112,10 +122,10 @@ std::string Plan::describe() const {
           : "",
       layout.pp > 1
           ? fmt::format(
-                ", pipeline {}{}", pp_schedule,
+                ", pipeline {}{}", pipeline::to_string(pp_schedule),
                 pp_virtual_stages > 1 ? fmt::format(" x{} virtual stages", pp_virtual_stages) : "")
           : "",
-      activation_checkpointing);
+      core::to_string(activation_checkpointing));
 }
 
 }  // namespace parallax::parallel

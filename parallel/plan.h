@@ -1,23 +1,16 @@
 // The validated parallel plan of a run: what the `parallel` section (and the settings that
 // interact with it) ask for, checked once against the world, with errors that name the keys and
-// numbers. The trainer applies it in one place and in one fixed order (train/trainer.cpp,
-// TrainerImpl::setup; step 4 through parallel::build_engine), as torchtitan's parallelize does:
-//
-//   1. tensor-parallel layers (built by the model factory): they change the shapes of the
-//      parameters every later step sees, so they come first;
-//   2. activation checkpointing, per model unit: it wraps the forward of whole units, which must
-//      already hold their final (TP) layers, and must wrap them before any engine attaches hooks to
-//      unit boundaries (ZeRO-3 gathers, pipeline cuts) so those hooks see the recomputation;
-//   3. pipeline stages: they decide which units (and so which parameters) live on this rank,
-//      which the data-parallel engine must know before it buckets or shards anything;
-//   4. DDP or ZeRO over the data-parallel group: last, on exactly the parameters this rank owns,
-//      in their final shapes.
+// numbers, before anything is built. parallel::parallelize() (parallel/parallelize.h) applies it
+// to a model in one place and in one fixed order, with the reasons for that order.
 //
 // Pure data and validation: no communicator, no model.
 #pragma once
 
+#include "core/parallel_model.h"
 #include "parallel/comm/topology.h"
+#include "parallel/ddp/ddp_options.h"
 #include "parallel/parallel_config.h"
+#include "parallel/pipeline/schedule.h"
 
 #include <string>
 #include <vector>
@@ -34,14 +27,16 @@ struct PlanTransforms {
 
 struct Plan {
   comm::Layout layout;
-  int zero_stage = 0;                             // 0: DDP (or one process)
-  bool sequence_parallel = false;                 // tp > 1 only
-  bool zero_prefetch = true;                      // ZeRO-3: gather the next unit ahead
-  std::string activation_checkpointing = "none";  // none | selective | full
+  int zero_stage = 0;              // 0: DDP (or one process)
+  bool sequence_parallel = false;  // tp > 1 only
+  bool zero_prefetch = true;       // ZeRO-3: gather the next unit ahead
+  core::Checkpointing activation_checkpointing = core::Checkpointing::kNone;
   bool cuda_graph = false;
-  std::string pp_schedule = "1f1b";  // pp > 1
+  pipeline::ScheduleKind pp_schedule = pipeline::ScheduleKind::k1F1B;  // pp > 1
   int pp_virtual_stages = 1;
   std::vector<int> pp_layout;
+  // DDP's and ZeRO's gradient buckets (parallel.ddp.*, parallel.allreduce), parsed.
+  ddp::DdpOptions ddp;
 
   using Transforms = PlanTransforms;
 
@@ -55,6 +50,10 @@ struct Plan {
                    bool cuda_graph, int world, int gpus_per_node,
                    const Transforms& transforms = {});
 
+  // Whether the engine keeps only a shard of the model's parameters on each rank (ZeRO-3 over
+  // several data-parallel ranks): a resumed model is then read after parallelize(), each rank its
+  // shard, instead of whole before it.
+  bool shards_model() const { return zero_stage == 3 && layout.dp > 1; }
   // "dp=2 x tp=1 x pp=1, ZeRO-1, activation checkpointing selective".
   std::string describe() const;
   // The engine's name: "single process", "DDP", "ZeRO-1", ...

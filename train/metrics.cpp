@@ -153,8 +153,8 @@ MetricsTrim trim_metrics(const std::string& path, int64_t last_step) {
   return out;
 }
 
-double peak_flops_per_gpu(const std::string& precision_mode) {
-  return precision_mode == "bf16" || precision_mode == "fp16" ? 989e12 : 67e12;
+double peak_flops_per_gpu(optim::Precision mode) {
+  return mode == optim::Precision::kFp32 ? 67e12 : 989e12;
 }
 
 }  // namespace parallax::train

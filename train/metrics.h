@@ -10,6 +10,8 @@
 //     after S that a killed run logged beyond its last checkpoint are logged again, once.
 #pragma once
 
+#include "optim/precision.h"
+
 #include <cstdint>
 #include <cstdio>
 #include <map>
@@ -52,6 +54,6 @@ MetricsTrim trim_metrics(const std::string& path, int64_t last_step);
 // Peak dense FLOP/s of one H100/H200 (SXM), the MFU denominator, for the precision the matmuls run
 // in (precision.mode): bf16 and fp16 on the tensor cores, 989e12; fp32 on the CUDA cores, 67e12
 // (Parallax leaves cuBLAS's TF32 off, LibTorch's default, so fp32 matmuls are true fp32).
-double peak_flops_per_gpu(const std::string& precision_mode);
+double peak_flops_per_gpu(optim::Precision mode);
 
 }  // namespace parallax::train

@@ -18,7 +18,7 @@ struct Stages {
 
 models::ActivationQuery query(const RunConfig& cfg, const Layout& l, bool cuda) {
   models::ActivationQuery q;
-  q.compute_bytes = cfg.precision.mode == "fp32" ? 4 : 2;
+  q.compute_bytes = optim::make_precision_policy(cfg.precision, c10::kCPU).compute_bytes();
   q.cuda = cuda;
   q.tp = l.tp;
   q.sequence_parallel = l.sequence_parallel && l.tp > 1;
@@ -49,7 +49,8 @@ Stages make_stages(const Built& b, const Layout& l, const RunConfig& cfg, bool c
     // The trainer's partition: costs, then activation bytes x in-flight micro-batches.
     s.bounds = parallel::pipeline::partition(
         costs, stages, cfg.parallel.pp_layout,
-        b.model->saved_activations(query(cfg, l, cuda), l.checkpointing), s.built->in_flight);
+        b.model->saved_activations(query(cfg, l, cuda), core::parse_checkpointing(l.checkpointing)),
+        s.built->in_flight);
   }
   s.rank_of_unit.assign(b.units.size(), 0);
   s.stage_of_unit.assign(b.units.size(), 0);
@@ -90,102 +91,42 @@ double optimizer_bytes_per_element(const RunConfig& cfg) {
 }
 
 // Exact engine memory of the rank at (dp_rank, pp_rank) (every tp rank of an even split holds the
-// same shapes).
+// same shapes): the engine's own rule (parallel::predicted_memory) on this rank's parameters.
 parallel::EngineMemory engine_bytes(const Built& b, const Stages& st, const Layout& l, int dp_rank,
-                                    int pp_rank, const RunConfig& cfg, bool cuda) {
-  parallel::EngineMemory m;
-  constexpr int64_t kF32 = 4;
-  // This rank's trainable parameters, registration order (the others: released under pp), and
-  // its frozen ones (a LoRA base: whole under DDP and ZeRO-1/2, sharded per unit under ZeRO-3).
-  std::vector<const Param*> mine, frozen;
+                                    int pp_rank, const RunConfig& cfg) {
+  // This rank's parameters, registration order (the other stages' are released under pp).
+  std::vector<const Param*> mine;
   for (const auto& p : b.params) {
-    if (st.rank_of_unit[static_cast<std::size_t>(p.unit)] != pp_rank) continue;
-    (p.trainable ? mine : frozen).push_back(&p);
+    if (st.rank_of_unit[static_cast<std::size_t>(p.unit)] == pp_rank) mine.push_back(&p);
   }
-  int64_t frozen_bytes = 0;
-  if (l.zero == 3 && l.dp > 1) {
-    std::map<int, int64_t> per_unit;
-    for (const Param* p : frozen) per_unit[p->unit] += p->numel;
-    for (const auto& [u, numel] : per_unit) frozen_bytes += (numel + l.dp - 1) / l.dp * kF32;
-  } else {
-    for (const Param* p : frozen) frozen_bytes += p->numel * kF32;
-  }
-  m.params = frozen_bytes;
-  // The trainer's parameter groups: decay (dim > 1) first, then no_decay; empty ones dropped.
-  std::vector<const Param*> decay, no_decay;
-  for (const Param* p : mine) (p->dim <= 1 ? no_decay : decay).push_back(p);
-  std::map<std::string, int> group_of;
-  int g = 0;
-  for (const auto* list : {&decay, &no_decay}) {
-    if (list->empty()) continue;
-    for (const Param* p : *list) group_of[p->name] = g;
-    ++g;
-  }
-  const int n_groups = g + 1;
-  const double opt_per = optimizer_bytes_per_element(cfg);
-  const int64_t n = l.dp;
-  const BucketRules rules = bucket_rules(cfg, cuda);
-  std::vector<int64_t> sizes;
-  std::vector<at::ScalarType> dtypes;
-  std::vector<int> keys;
+  // The trainer's parameter groups (optim::make_param_groups): decay (dim > 1) first, then
+  // no_decay, over the trainable parameters; empty ones dropped.
+  bool any_decay = false, any_no_decay = false;
   for (const Param* p : mine) {
-    sizes.push_back(p->numel * kF32);
-    dtypes.push_back(at::kFloat);
-    if (l.zero == 0) {
-      keys.push_back(0);
-      continue;
-    }
-    const int grp = group_of.at(p->name), tp_bit = l.tp > 1 && p->tp_sharded ? 1 : 0;
-    if (l.zero == 3) {
-      const int n_units = static_cast<int>(b.units.size());
-      keys.push_back(2 * ((n_units - 1 - p->unit) * n_groups + grp + 1) + tp_bit);
-    } else {
-      keys.push_back(2 * grp + tp_bit);
-    }
+    if (!p->trainable) continue;
+    (p->dim <= 1 ? any_no_decay : any_decay) = true;
   }
-  int64_t total_numel = 0;
-  for (const Param* p : mine) total_numel += p->numel;
-  if (l.zero == 0) {
-    m.params += total_numel * kF32;
-    // One rank: no DDP, autograd's own gradients; flat buckets hold exactly the parameters.
-    m.grads = total_numel * kF32;
-    m.optimizer = static_cast<int64_t>(opt_per) * total_numel;
-    return m;
+  std::vector<parallel::ParamInfo> params;
+  for (const Param* p : mine) {
+    parallel::ParamInfo info;
+    info.name = p->name;
+    info.numel = p->numel;
+    info.unit = p->unit;
+    info.group = p->dim <= 1 && any_decay ? 1 : 0;
+    info.tp_sharded = l.tp > 1 && p->tp_sharded;
+    info.trainable = p->trainable;
+    params.push_back(std::move(info));
   }
-  const int64_t first_cap =
-      l.zero == 3 ? static_cast<int64_t>(1e9 * 1024.0 * 1024.0) : rules.first_cap;
-  const int64_t cap = l.zero == 3 ? first_cap : rules.cap;
-  const auto buckets = parallel::ddp::assign_buckets(sizes, dtypes, keys, first_cap, cap);
-  const bool reduce_each_micro = l.zero >= 2 && n > 1;
-  int64_t mine_elems = 0;
-  for (const auto& members : buckets) {
-    int64_t numel = 0;
-    std::vector<int64_t> offsets;
-    for (int64_t i : members) {
-      offsets.push_back(numel);
-      numel += mine[static_cast<std::size_t>(i)]->numel;
-    }
-    const int64_t padded = (numel + n - 1) / n * n, shard = padded / n;
-    const int64_t lo = dp_rank * shard, hi = lo + shard;
-    for (std::size_t k = 0; k < members.size(); ++k) {
-      const int64_t off = offsets[k], len = mine[static_cast<std::size_t>(members[k])]->numel;
-      const int64_t bb = std::max(off, lo), ee = std::min(off + len, hi);
-      if (len > 0 && bb < ee) mine_elems += ee - bb;
-    }
-    // Parameters: the flat buffer (stages 1, 2), this rank's shard of it (stage 3; the gathered
-    // buffer is freed between units).
-    m.params += (l.zero == 3 && n > 1 ? shard : padded) * kF32;
-    // Gradients: stage 1 (and any stage over one rank) the flat buffer, whose reduce-scatter shard
-    // is a second buffer over several ranks; stages 2 and 3 only the shard, plus its accumulator
-    // with several micro-steps.
-    if (!reduce_each_micro) {
-      m.grads += padded * kF32 + (n > 1 ? shard * kF32 : 0);
-    } else {
-      m.grads += shard * kF32 * (l.micro_batches > 1 ? 2 : 1);
-    }
-  }
-  m.optimizer = static_cast<int64_t>(opt_per) * mine_elems;
-  return m;
+  parallel::MemoryQuery q;
+  q.dp = l.dp;
+  q.dp_rank = dp_rank;
+  q.micro_batches = l.micro_batches;
+  q.units = static_cast<int>(b.units.size());
+  q.groups = (any_decay ? 1 : 0) + (any_no_decay ? 1 : 0);
+  q.optimizer_bytes_per_element = optimizer_bytes_per_element(cfg);
+  q.ddp.first_bucket_mb = cfg.parallel.ddp.first_bucket_mb;
+  q.ddp.bucket_mb = cfg.parallel.ddp.bucket_mb;
+  return parallel::predicted_memory(l.zero, params, q);
 }
 
 // The activation model of `b` under `l` on pipeline rank `pp_rank`: the peak of saved bytes over
@@ -204,8 +145,8 @@ Activations activations(const Built& b, const Stages& st, const Layout& l, int p
   // Checkpointing (Model::saved_activations, the trainer's rule): a wrapped block keeps only its
   // input and recomputes the rest in its backward, one block at a time.
   std::vector<bool> wrapped;
-  const std::vector<double> saved =
-      b.model->saved_activations(query(cfg, l, cuda), l.checkpointing, &wrapped);
+  const std::vector<double> saved = b.model->saved_activations(
+      query(cfg, l, cuda), core::parse_checkpointing(l.checkpointing), &wrapped);
   double fwd_flops = 0, recomputed = 0;
   for (std::size_t u = 0; u < units.size(); ++u) {
     if (!wrapped[u]) continue;
@@ -324,7 +265,7 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     row.reason = e.what();
     return row;
   }
-  const bool bf = cfg.precision.mode != "fp32";
+  const bool bf = optim::parse_precision(cfg.precision.mode) != optim::Precision::kFp32;
   const double step_flops_unit = 1e3 / (hw.peak_tflops * 1e12 * hw.efficiency);  // ms per FLOP
   const double mb = static_cast<double>(l.micro_batch), m = l.micro_batches;
   double worst_stage_fwd_ms = 0;
@@ -345,7 +286,7 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     // of [0, n): rank 0 has min(S, n) = S of them, which no rank exceeds (the padding sits at the
     // end). Evaluating one rank keeps a layout's cost independent of dp (a loop over the dp ranks
     // ran for minutes at --gpus 10^9; issue 35).
-    const parallel::EngineMemory em = engine_bytes(b, st, l, 0, r, cfg, hw.cuda);
+    const parallel::EngineMemory em = engine_bytes(b, st, l, 0, r, cfg);
     rm.params = em.params;
     rm.grads = em.grads;
     rm.optimizer = em.optimizer;
@@ -533,7 +474,7 @@ std::vector<parallel::EngineMemory> engine_memory(const RunConfig& cfg, int worl
   std::vector<parallel::EngineMemory> out(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) {
     const int dp_rank = (r / l.tp) % l.dp, pp_rank = r / (l.tp * l.dp);
-    out[static_cast<std::size_t>(r)] = engine_bytes(b, st, l, dp_rank, pp_rank, cfg, cuda);
+    out[static_cast<std::size_t>(r)] = engine_bytes(b, st, l, dp_rank, pp_rank, cfg);
   }
   return out;
 }

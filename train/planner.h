@@ -4,10 +4,11 @@
 // memory of every rank and the step time, from the model itself:
 //
 //   - parameters, gradients and optimizer state: the model is built (on the CPU, at the layout's
-//     tp through a shape-only group, so every shard has its real shape) and the engines' own rules
-//     are applied to its parameter list: the trainer's parameter groups, DDP's bucket assignment
-//     (parallel/ddp assign_buckets), ZeRO's padding and shard ranges, the pipeline partition
-//     (parallel/pipeline partition) and the released foreign stages. These are exact: a test
+//     tp through a shape-only group, so every shard has its real shape); the pipeline partition
+//     (parallel/pipeline partition) picks each rank's units and the trainer's parameter groups
+//     are formed, then each engine's own memory rule (parallel::predicted_memory: the DDP and
+//     ZeRO engines state theirs beside their code, with ZeRO's bucket keys, DDP's bucket
+//     assignment, padding and shard ranges) gives the bytes. These are exact: a test
 //     checks them against Engine::memory() of real runs, rank by rank.
 //   - activations: the model's per-unit activation model (Model::unit_activations) times the
 //     micro-batch, times the micro-batches each schedule keeps in flight on each rank (counted on

@@ -14,6 +14,8 @@
 #include "core/strings.h"
 #include "core/timer.h"
 #include "models/model.h"
+#include "optim/precision.h"
+#include "parallel/build_engine.h"
 #include "parallel/ddp/ddp.h"
 #include "parallel/pipeline/pipeline_engine.h"
 #include "parallel/pipeline/schedule.h"

@@ -2,6 +2,7 @@
 
 #include "checkpoint/reader.h"
 #include "checkpoint/save_state.h"
+#include "core/enum_names.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
@@ -23,6 +24,18 @@
 #include <memory>
 #include <optional>
 #include <set>
+
+namespace parallax::train {
+
+namespace {
+constexpr core::EnumName<QatMode> kQatModes[] = {{QatMode::kQat, "qat"}, {QatMode::kPtq, "ptq"}};
+}  // namespace
+
+QatMode parse_qat_mode(const std::string& name) {
+  return core::parse_enum(kQatModes, name, "qat.mode", "mode");
+}
+
+}  // namespace parallax::train
 
 namespace parallax::train::qat {
 
@@ -389,7 +402,7 @@ TrainerHooks hooks(const RunConfig& cfg) {
   auto state = std::make_shared<State>();
   state->cfg = &cfg;
   TrainerHooks h;
-  h.trains = cfg.qat.mode == "qat";
+  h.trains = parse_qat_mode(cfg.qat.mode) == QatMode::kQat;
   h.transform_model = [state](models::Model& m) {
     const QatConfig& c = state->cfg->qat;
     int64_t skipped = 0;

@@ -75,6 +75,11 @@ struct QatConfig {
   }
 };
 
+// qat.mode, parsed once: qat fine-tunes (optimizer steps), ptq calibrates only.
+enum class QatMode { kQat, kPtq };
+// ConfigError naming qat.mode for an unknown name.
+QatMode parse_qat_mode(const std::string& name);
+
 namespace qat {
 
 // A quantized layer: its module path and its quantizers. A Linear or Conv has `input` (per tensor)

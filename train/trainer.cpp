@@ -464,7 +464,7 @@ TrainSummary TrainerImpl::fit() {
     m["img_per_s"] = global_batch * 1000.0 / step_ms;
     m["mem_gb"] = peak_memory_gb(device_);
     m["mfu"] = device_.is_cuda() ? flops_per_step / (step_ms / 1000.0) /
-                                       (peak_flops_per_gpu(cfg_.precision.mode) * world_.size())
+                                       (peak_flops_per_gpu(precision_.mode) * world_.size())
                                  : NAN;
     metrics_->write("train", step, m);
     progress.update(step, fmt::format("loss {:.4f} | lr {:.2e} | {:.0f} ms/step | {:.1f} samples/s",

@@ -31,12 +31,11 @@
 #include "optim/optimizer.h"
 #include "optim/precision.h"
 #include "optim/schedule.h"
-#include "parallel/build_engine.h"
 #include "parallel/comm/agree.h"
 #include "parallel/comm/factory.h"
 #include "parallel/comm/topology.h"
 #include "parallel/comm/world.h"
-#include "parallel/pipeline/pipeline_engine.h"
+#include "parallel/parallelize.h"
 #include "parallel/state.h"
 #include "parallel/tensor/tensor_parallel.h"
 #include "train/batch_source.h"
@@ -148,10 +147,9 @@ class TrainerImpl {
   c10::Device device_{c10::kCPU};
   comm::CommPtr world_comm_;
   std::unique_ptr<comm::Topology> topo_;
-  // Tensor parallel (tp > 1): the model's tp group, and what the engines and the checkpoint pieces
-  // need of it (the group, how its layers split each parameter).
+  // The tensor-parallel group the model's layers were built over (null: tp = 1), which
+  // parallelize() and the model's checkpoint pieces before the engine exists take with the plan.
   tensor::TpPtr tp_;
-  parallel::TensorParallelInfo tp_info_;
   // Locked for the trainer's lifetime; declared before everything that writes into it.
   std::optional<RunDirectory> run_directory_;
   fs::path run_dir_;

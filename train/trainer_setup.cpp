@@ -128,17 +128,11 @@ void TrainerImpl::setup() {
   }
   // Identical initialisation on every rank (DDP also broadcasts from rank 0).
   core::seed_all(seed);
-  // Plan step 1: tensor-parallel layers come from the model's factory.
-  if (layout.tp > 1) {
-    tp_ = std::make_shared<tensor::TpGroup>(topo_->tp(), plan_.sequence_parallel);
-    model_ = models::build_model(cfg_.model, scene_, tp_);
-    tp_info_.tp = topo_->tp();
-    tp_info_.layouts = tensor::param_layouts(*model_);
-    tp_info_.layout = layout;
-    for (const auto& [name, l] : tp_info_.layouts) tp_info_.sharded.insert(name);
-  } else {
-    model_ = models::build_model(cfg_.model, scene_);
-  }
+  // The model, its tensor-parallel layers built by the factory over the plan's group (plan step 1,
+  // parallel/parallelize.h).
+  tp_ = parallel::tensor_parallel_group(plan_, *topo_);
+  model_ =
+      tp_ ? models::build_model(cfg_.model, scene_, tp_) : models::build_model(cfg_.model, scene_);
   model_->to(device_);
   model_->train();
   double load_s = 0;  // checkpoint read time: the weights here, the optimizer state below
@@ -162,7 +156,7 @@ void TrainerImpl::setup() {
       const auto report = ck::load_weights(*dense, cfg_.train.load_from, w);
       core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
       require_finite_load(*dense);
-      tensor::copy_whole_into_split(*dense, *model_, tp_info_.layouts);
+      tensor::copy_whole_into_split(*dense, *model_, tensor::param_layouts(*model_));
     } else {
       const auto report = ck::load_weights(*model_, cfg_.train.load_from, w);
       core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
@@ -175,7 +169,7 @@ void TrainerImpl::setup() {
   }
   // ZeRO-3 over several ranks reads each rank's shard of the model after the engine has sharded
   // it (below), so no rank reads the whole model from the checkpoint.
-  const bool sharded_model = plan_.zero_stage == 3 && layout.dp > 1;
+  const bool sharded_model = plan_.shards_model();
   if (resume_ && !sharded_model) {
     core::Stopwatch load_clock;
     // Each rank reads its part (tensor or pipeline parallelism: its slices); a rank that fails
@@ -214,95 +208,17 @@ void TrainerImpl::setup() {
         cfg_.train.cuda_graph_warmup);
   }
 
-  if (cfg_.train.activation_checkpointing != "none") {
-    int idx = 0, wrapped = 0;
-    for (auto& block : model_->checkpointable_blocks()) {
-      auto cb = std::dynamic_pointer_cast<models::CheckpointableBlock>(block);
-      const bool on = models::checkpointed_block(cfg_.train.activation_checkpointing, idx);
-      if (cb && on) {
-        cb->set_checkpointing(true);
-        ++wrapped;
-      }
-      ++idx;
-    }
-    core::log::info("activation checkpointing ({}): {} of {} blocks",
-                    cfg_.train.activation_checkpointing, wrapped, idx);
-  }
-
-  // Plan step 4 (parallel/plan.h): DDP or ZeRO over the data-parallel group, last, on the
-  // parameters in their final form (steps 1 and 3, TP and PP, are not available yet; step 2,
-  // activation checkpointing, is above).
-  parallel::ddp::DdpOptions o;
-  o.mode = parallel::ddp::parse_bucket_mode(p.ddp.bucket_mode);
-  o.reduce_dtype = parallel::ddp::parse_reduce_dtype(p.ddp.reduce_dtype);
-  o.bucket_mb = p.ddp.bucket_mb;
-  o.first_bucket_mb = p.ddp.first_bucket_mb;
-  o.find_unused = p.ddp.find_unused;
-  o.broadcast_buffers = p.ddp.broadcast_buffers;
-  o.algo = comm::parse_allreduce_algo(p.allreduce);
-  o.timing = !cfg_.train.cuda_graph;
-  // Sequence parallel: LayerNorm and row-bias gradients summed over tp as autograd makes them.
-  tensor::install_sequence_parallel_hooks(tp_);
-  const optim::OptimConfig optim_cfg = cfg_.optim;
-  const auto make_engine = [&] {
-    // The trainable parameters as they are now (under pipeline parallelism: this rank's stages').
-    optim::NamedParams trainable;
-    for (const auto& item : model_->named_parameters())
-      trainable.emplace_back(item.key(), item.value());
-    return parallel::build_engine(
-        plan_, model_, optim::make_param_groups(trainable, cfg_.optim.weight_decay),
-        [optim_cfg](std::vector<optim::ParamGroup> groups) {
-          return optim::build_optimizer(optim_cfg, std::move(groups));
-        },
-        topo_->dp(), o, model_->units(), tp_info_);
-  };
-  if (layout.pp > 1) {
-    // Plan step 3: this rank's stages of the model's chain of units; the other units' parameters
-    // are released, and the data-parallel engine is built on the stage's parameters only.
-    PARALLAX_CHECK(model_->chain_length() > 0, ConfigError,
-                   "key 'parallel.pp': model '{}' does not expose its forward as a chain of "
-                   "units, so it cannot be split into pipeline stages",
-                   cfg_.model.name);
-    const std::vector<models::Unit> units = model_->units();
-    PARALLAX_CHECK(static_cast<int>(units.size()) == model_->chain_length(), Error,
-                   "model '{}': {} units but a chain of {}", cfg_.model.name, units.size(),
-                   model_->chain_length());
-    // Stage balance (Model::stage_costs): FLOPs per unit, or parameters per unit.
-    const std::vector<double> costs = model_->stage_costs();
-    parallel::pipeline::PipelineOptions po;
-    po.schedule = plan_.pp_schedule;
-    po.virtual_stages = plan_.pp_virtual_stages;
-    po.layout = plan_.pp_layout;
-    // Second criterion: activation bytes per unit as this run keeps them (precision, device, tp,
-    // checkpointing), which `parallax plan` predicts from the same function.
-    models::ActivationQuery q;
-    q.compute_bytes = cfg_.precision.mode == "fp32" ? 4 : 2;
-    q.cuda = device_.is_cuda();
-    q.tp = layout.tp;
-    q.sequence_parallel = plan_.sequence_parallel && layout.tp > 1;
-    po.activation_bytes = model_->saved_activations(q, cfg_.train.activation_checkpointing);
-    engine_ = std::make_unique<parallel::pipeline::PipelineEngine>(
-        model_, units, costs, topo_->pp(), cfg_.train.grad_accum, po,
-        [&]() -> std::unique_ptr<parallel::Engine> { return make_engine(); });
-  } else {
-    engine_ = make_engine();
-  }
-  // ZeRO-3 gathers and frees parameters around each unit of the model's forward.
-  model_->set_unit_hooks(engine_->unit_hooks());
-  core::log::info("parallel plan: {}; engine: {}", plan_.describe(), engine_->describe());
-  if (layout.dp > 1) {
-    // Loss normalisers over the replicas (Model::set_replica_mean). Asynchronous on GPUs: the
-    // compute stream waits for the small all-reduce, the host does not.
-    const comm::CommPtr dp = topo_->dp();
-    const c10::Device at_device = dp->device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device_;
-    replica_mean_ = [dp, at_device](const at::Tensor& t) {
-      at::Tensor x =
-          t.detach().to(at_device, at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
-      const comm::WorkPtr w = dp->all_reduce_async(x, comm::ReduceOp::kAvg);
-      w->wait_stream();
-      return x.device() == t.device() ? x : x.to(t.device());
-    };
-  }
+  // The plan applied to the model: tensor parallelism, activation checkpointing, pipeline stages,
+  // then DDP or ZeRO over the data-parallel group, with the optimizer (parallel/parallelize.h).
+  parallel::ParallelizeOptions po;
+  po.model_name = cfg_.model.name;
+  po.micro_batches = cfg_.train.grad_accum;
+  po.optimizer = cfg_.optim;
+  po.compute_bytes = optim::make_precision_policy(cfg_.precision, device_.type()).compute_bytes();
+  po.cuda = device_.is_cuda();
+  engine_ = parallel::parallelize(*model_, plan_, *topo_, tp_, po);
+  // Loss normalisers over the replicas (Model::set_replica_mean), installed around each step.
+  replica_mean_ = engine_->replica_mean();
 
   precision_ = optim::make_precision_policy(cfg_.precision, device_.type());
   scaler_ = std::make_unique<optim::LossScaler>(optim::make_loss_scaler(cfg_.precision));
@@ -389,7 +305,7 @@ void TrainerImpl::check_graph_capturable() const {
       "key 'train.cuda_graph': CUDA graphs need a GPU, but rank {} trains on {} (train.device={})",
       world_.rank(), device_.str(), cfg_.train.device);
   PARALLAX_CHECK(
-      cfg_.precision.mode != "fp16", ConfigError,
+      optim::parse_precision(cfg_.precision.mode) != optim::Precision::kFp16, ConfigError,
       "key 'train.cuda_graph': precision.mode=fp16's dynamic loss scaler decides on the host "
       "whether a "
       "step is skipped, which a captured step cannot do; use precision.mode=bf16 or fp32");

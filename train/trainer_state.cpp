@@ -103,9 +103,9 @@ void TrainerImpl::load_model_pieces() {
 }
 
 std::vector<parallel::StatePiece> TrainerImpl::checkpointed_model() const {
-  std::vector<parallel::StatePiece> pieces =
-      engine_ ? engine_->checkpoint_model(*model_)
-              : parallel::global_pieces(parallel::module_pieces(*model_, {}), tp_info_);
+  std::vector<parallel::StatePiece> pieces = engine_
+                                                 ? engine_->checkpoint_model(*model_)
+                                                 : parallel::checkpoint_module(*model_, plan_, tp_);
   if (hooks_.saves_model_tensor) {
     pieces.erase(std::remove_if(pieces.begin(), pieces.end(),
                                 [&](const parallel::StatePiece& p) {

@@ -137,7 +137,7 @@ int run(int argc, char** argv) {
     if (cuda) model->to(device);  // before the engine freezes and releases the foreign stages
     const std::vector<models::Unit> units = model->units();
     pl::PipelineOptions po;
-    po.schedule = kind;
+    po.schedule = parallel::pipeline::parse_schedule_kind(kind);
     po.virtual_stages = v;
     par::Plan plan;
     par::ddp::DdpOptions o;

@@ -105,4 +105,18 @@ EngineMemory DdpEngine::memory() {
   return m;
 }
 
+EngineMemory DdpEngine::memory_rule(const std::vector<ParamInfo>& params, const MemoryQuery& q) {
+  constexpr int64_t kF32 = 4;
+  int64_t all = 0, trainable = 0;
+  for (const ParamInfo& p : params) {
+    all += p.numel;
+    if (p.trainable) trainable += p.numel;
+  }
+  EngineMemory m;
+  m.params = all * kF32;
+  m.grads = trainable * kF32;
+  m.optimizer = static_cast<int64_t>(q.optimizer_bytes_per_element) * trainable;
+  return m;
+}
+
 }  // namespace parallax::parallel::ddp

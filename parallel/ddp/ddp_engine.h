@@ -25,10 +25,15 @@ class DdpEngine : public Engine {
   void zero_grad() override;
   optim::Optimizer& optimizer() override { return *optimizer_; }
   std::vector<int> model_replicas() const override { return dp_->world_ranks(); }
+  comm::CommPtr data_parallel_group() const override { return dp_; }
   const TensorParallelInfo& tensor_parallel() const override { return tp_; }
   std::vector<StatePiece> optimizer_state() override;
   void optimizer_state_loaded() override;
   EngineMemory memory() override;
+  // What memory() measures after a step, predicted for fp32 `params` (parallel/build_engine.h:
+  // predicted_memory): every parameter whole, a gradient per trainable one (autograd's, or DDP's
+  // flat buckets, which hold exactly the parameters), the optimizer state per trainable element.
+  static EngineMemory memory_rule(const std::vector<ParamInfo>& params, const MemoryQuery& q);
   double last_backward_ms() const override { return ddp_ ? ddp_->last_backward_ms() : 0; }
   double last_exposed_comm_ms() const override { return ddp_ ? ddp_->last_exposed_comm_ms() : 0; }
   bool timed() const override { return ddp_ != nullptr && timing_; }

@@ -196,7 +196,7 @@ std::string PipelineEngine::describe() const {
   return fmt::format(
       "pipeline '{}' over group '{}' of {} ranks, {} stages, {} micro-batches; "
       "this rank: stage{} {}; data parallel: {}",
-      schedule_.kind, pp_->name(), pp_->size(), schedule_.stages(), schedule_.micro_batches,
+      schedule_.name(), pp_->name(), pp_->size(), schedule_.stages(), schedule_.micro_batches,
       my_stages_.size() > 1 ? "s" : "", stages, inner_->describe());
 }
 

@@ -1,4 +1,4 @@
-// The pipeline-parallel engine (plan step 3, parallel/plan.h): each pipeline rank holds a
+// The pipeline-parallel engine (plan step 3, parallel/parallelize.h): each pipeline rank holds a
 // contiguous run of the model's units per virtual stage, runs a checked global schedule
 // (parallel/pipeline/schedule.h) over the step's micro-batches, and moves activations and their
 // gradients point-to-point between neighbouring stages. Data parallelism (DDP or ZeRO-1/2) over the
@@ -81,7 +81,7 @@ struct StageFns {
 };
 
 struct PipelineOptions {
-  std::string schedule = "1f1b";
+  ScheduleKind schedule = ScheduleKind::k1F1B;
   int virtual_stages = 1;
   std::vector<int> layout;  // units per stage; empty: balanced by unit cost
   // Activation bytes per unit (Model::saved_activations; any scale): the partition's second
@@ -123,6 +123,7 @@ class PipelineEngine : public Engine {
   void zero_grad() override { inner_->zero_grad(); }
   optim::Optimizer& optimizer() override { return inner_->optimizer(); }
   std::vector<int> model_replicas() const override { return inner_->model_replicas(); }
+  comm::CommPtr data_parallel_group() const override { return inner_->data_parallel_group(); }
   const TensorParallelInfo& tensor_parallel() const override { return inner_->tensor_parallel(); }
   // The inner engine's, with the step counter replicated over every stage.
   std::vector<StatePiece> optimizer_state() override;

@@ -1,5 +1,6 @@
 #include "parallel/pipeline/schedule.h"
 
+#include "core/enum_names.h"
 #include "core/error.h"
 
 #include <fmt/format.h>
@@ -225,7 +226,7 @@ MsgKey msg_key(const Op& op) {
 }
 
 std::string where(const Schedule& s, int r, std::size_t i) {
-  return fmt::format("pipeline plan '{}': rank {} op {} ({})", s.kind, r, i,
+  return fmt::format("pipeline plan '{}': rank {} op {} ({})", s.name(), r, i,
                      to_string(s.ops[r][i]));
 }
 
@@ -245,7 +246,28 @@ std::string to_string(const Op& op) {
   }
 }
 
+namespace {
+constexpr core::EnumName<ScheduleKind> kScheduleKinds[] = {
+    {ScheduleKind::kGpipe, "gpipe"},
+    {ScheduleKind::k1F1B, "1f1b"},
+    {ScheduleKind::kInterleaved, "interleaved"},
+    {ScheduleKind::kZb, "zb"},
+};
+}  // namespace
+
+const char* to_string(ScheduleKind kind) {
+  return core::enum_name(kScheduleKinds, kind);
+}
+
+ScheduleKind parse_schedule_kind(const std::string& name) {
+  return core::parse_enum(kScheduleKinds, name, "parallel.pp_schedule", "schedule");
+}
+
 Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtual_stages) {
+  return build_schedule(parse_schedule_kind(kind), ranks, micro, virtual_stages);
+}
+
+Schedule build_schedule(ScheduleKind kind, int ranks, int micro, int virtual_stages) {
   PARALLAX_CHECK(ranks >= 2, ConfigError,
                  "key 'parallel.pp': a pipeline schedule needs at least 2 stages, got {}", ranks);
   PARALLAX_CHECK(micro >= 1, ConfigError,
@@ -253,10 +275,10 @@ Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtu
                  micro);
   PARALLAX_CHECK(virtual_stages >= 1, ConfigError,
                  "key 'parallel.pp_virtual_stages': {} must be at least 1", virtual_stages);
-  PARALLAX_CHECK(virtual_stages == 1 || kind == "interleaved", ConfigError,
+  PARALLAX_CHECK(virtual_stages == 1 || kind == ScheduleKind::kInterleaved, ConfigError,
                  "keys 'parallel.pp_virtual_stages' and 'parallel.pp_schedule': {} virtual stages "
                  "per rank need pp_schedule=interleaved, not '{}'",
-                 virtual_stages, kind);
+                 virtual_stages, to_string(kind));
   Schedule s;
   s.kind = kind;
   s.ranks = ranks;
@@ -264,29 +286,31 @@ Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtu
   s.micro_batches = micro;
   std::vector<Order> orders;
   std::vector<std::vector<bool>> joined(static_cast<std::size_t>(ranks));
-  if (kind == "gpipe") {
-    orders = gpipe_order(ranks, micro);
-  } else if (kind == "1f1b") {
-    orders = one_f_one_b_order(ranks, micro);
-  } else if (kind == "interleaved") {
-    PARALLAX_CHECK(micro % ranks == 0, ConfigError,
-                   "keys 'train.grad_accum' and 'parallel.pp': the interleaved schedule runs the "
-                   "micro-batches in groups of pp, so their number ({}) must be a multiple of pp "
-                   "({}); use pp_schedule=1f1b for {} micro-batches",
-                   micro, ranks, micro);
-    orders = interleaved_order(ranks, micro, virtual_stages, joined);
-  } else if (kind == "zb") {
-    orders = zb_h1_order(ranks, micro);
-    // A W needs no message: the batch after it moves before it (the next op's receive is posted
-    // before the W runs, and the previous B's send is not held back by it).
-    for (int r = 0; r < ranks; ++r) {
-      joined[r].assign(orders[r].size(), false);
-      for (std::size_t j = 0; j + 1 < orders[r].size(); ++j)
-        joined[r][j] = orders[r][j].kind == OpKind::kWeight;
-    }
-  } else {
-    throw_error<ConfigError>(
-        "key 'parallel.pp_schedule': unknown schedule '{}' (gpipe, 1f1b, interleaved, zb)", kind);
+  switch (kind) {
+    case ScheduleKind::kGpipe:
+      orders = gpipe_order(ranks, micro);
+      break;
+    case ScheduleKind::k1F1B:
+      orders = one_f_one_b_order(ranks, micro);
+      break;
+    case ScheduleKind::kInterleaved:
+      PARALLAX_CHECK(micro % ranks == 0, ConfigError,
+                     "keys 'train.grad_accum' and 'parallel.pp': the interleaved schedule runs the "
+                     "micro-batches in groups of pp, so their number ({}) must be a multiple of pp "
+                     "({}); use pp_schedule=1f1b for {} micro-batches",
+                     micro, ranks, micro);
+      orders = interleaved_order(ranks, micro, virtual_stages, joined);
+      break;
+    case ScheduleKind::kZb:
+      orders = zb_h1_order(ranks, micro);
+      // A W needs no message: the batch after it moves before it (the next op's receive is posted
+      // before the W runs, and the previous B's send is not held back by it).
+      for (int r = 0; r < ranks; ++r) {
+        joined[r].assign(orders[r].size(), false);
+        for (std::size_t j = 0; j + 1 < orders[r].size(); ++j)
+          joined[r][j] = orders[r][j].kind == OpKind::kWeight;
+      }
+      break;
   }
   for (int r = 0; r < ranks; ++r) s.ops.push_back(with_comm(s, orders[r], joined[r]));
   return s;
@@ -295,7 +319,7 @@ Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtu
 void check(const Schedule& s) {
   const int S = s.stages(), last = S - 1;
   PARALLAX_CHECK(static_cast<int>(s.ops.size()) == s.ranks, Error,
-                 "pipeline plan '{}': {} rank lists for {} ranks", s.kind, s.ops.size(), s.ranks);
+                 "pipeline plan '{}': {} rank lists for {} ranks", s.name(), s.ops.size(), s.ranks);
   // 1. Each compute op on its stage's rank, once; its inputs earlier on the same rank.
   std::map<std::tuple<int, int, int>, std::pair<int, std::size_t>> seen;  // (kind, m, s) -> where
   std::map<MsgKey, std::pair<int, std::size_t>> sends, recvs;
@@ -363,7 +387,7 @@ void check(const Schedule& s) {
       for (OpKind k : {OpKind::kForward, OpKind::kBackward, OpKind::kWeight}) {
         if (k == OpKind::kWeight && !s.split_backward()) continue;
         PARALLAX_CHECK(seen.count({static_cast<int>(k), m, st}) != 0, Error,
-                       "pipeline plan '{}': rank {} never runs {}", s.kind, s.rank_of(st),
+                       "pipeline plan '{}': rank {} never runs {}", s.name(), s.rank_of(st),
                        to_string(compute(k, m, st)));
       }
     }
@@ -425,14 +449,14 @@ void check_posting_order(const Schedule& s) {
     const auto& in = received[pair];
     PARALLAX_CHECK(in.size() == out.size(), Error,
                    "pipeline plan '{}': rank {} sends {} messages to rank {}, which receives {}",
-                   s.kind, pair.first, out.size(), pair.second, in.size());
+                   s.name(), pair.first, out.size(), pair.second, in.size());
     for (std::size_t k = 0; k < out.size(); ++k) {
       if (in[k].first == out[k].first) continue;
       throw_error<Error>(
           "pipeline plan '{}' (pp {}, {} micro-batches, {} virtual stages): rank {} posts its "
           "receive of {} (op {}) as message #{} from rank {}, but rank {} posts {} (op {}) as its "
           "#{}: on a transport that matches messages by order (NCCL) they would be swapped",
-          s.kind, s.ranks, s.micro_batches, s.virtual_stages, pair.second, name(in[k].first),
+          s.name(), s.ranks, s.micro_batches, s.virtual_stages, pair.second, name(in[k].first),
           in[k].second, k + 1, pair.first, pair.first, name(out[k].first), out[k].second, k + 1);
     }
   }
@@ -540,7 +564,7 @@ void simulate_nccl(const Schedule& s, bool separate_ops) {
       throw_error<Error>(
           "pipeline plan '{}' (pp {}, {} micro-batches) deadlocks under NCCL's rule (batches in "
           "order on one stream, no buffering){}",
-          s.kind, s.ranks, s.micro_batches, stuck);
+          s.name(), s.ranks, s.micro_batches, stuck);
     }
   }
 }
@@ -613,7 +637,7 @@ Timeline simulate(const Schedule& s, double fc, double bc, double wc) {
                         to_string(op), op.kind == OpKind::kForward ? "activations" : "gradient",
                         op.kind == OpKind::kForward ? op.stage - 1 : op.stage + 1);
       }
-      throw_error<Error>("pipeline plan '{}' deadlocks{}", s.kind, stuck);
+      throw_error<Error>("pipeline plan '{}' deadlocks{}", s.name(), stuck);
     }
   }
   for (double c : clock) t.makespan = std::max(t.makespan, c);
@@ -626,8 +650,8 @@ Timeline simulate(const Schedule& s, double fc, double bc, double wc) {
 
 double formula_bubble(const Schedule& s) {
   const double p = s.ranks, m = s.micro_batches, v = s.virtual_stages;
-  if (s.kind == "interleaved") return (p - 1) / (m * v);
-  if (s.kind == "zb") return (p - 1) / (3 * m);
+  if (s.kind == ScheduleKind::kInterleaved) return (p - 1) / (m * v);
+  if (s.kind == ScheduleKind::kZb) return (p - 1) / (3 * m);
   return (p - 1) / m;
 }
 
@@ -646,7 +670,7 @@ std::string render(const Schedule& s) {
   for (const auto& row : grid)
     for (const auto& cell : row) width = std::max(width, cell.size());
   std::string out = fmt::format(
-      "pipeline schedule '{}': pp={}, {} micro-batches{}; F = 1, B = {} time units{}\n", s.kind,
+      "pipeline schedule '{}': pp={}, {} micro-batches{}; F = 1, B = {} time units{}\n", s.name(),
       s.ranks, s.micro_batches,
       s.virtual_stages > 1 ? fmt::format(", {} virtual stages per rank", s.virtual_stages) : "",
       s.split_backward() ? "1, W = 1" : "2", "; '.' idle, '-' the op goes on");

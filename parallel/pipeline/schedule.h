@@ -41,8 +41,15 @@ struct Op {
 // "F3s1", "B0s2", "W1s0", "send act m3 s1 -> r2", ...
 std::string to_string(const Op& op);
 
+// parallel.pp_schedule, parsed once (parse_schedule_kind).
+enum class ScheduleKind { kGpipe, k1F1B, kInterleaved, kZb };
+// "gpipe" | "1f1b" | "interleaved" | "zb".
+const char* to_string(ScheduleKind kind);
+// ConfigError naming parallel.pp_schedule for an unknown name.
+ScheduleKind parse_schedule_kind(const std::string& name);
+
 struct Schedule {
-  std::string kind;                  // gpipe | 1f1b | interleaved | zb
+  ScheduleKind kind = ScheduleKind::k1F1B;
   int ranks = 1;                     // pp
   int virtual_stages = 1;            // v (chunks per rank)
   int micro_batches = 1;             // m
@@ -51,7 +58,8 @@ struct Schedule {
   int stages() const { return ranks * virtual_stages; }
   int rank_of(int stage) const { return stage % ranks; }
   int chunk_of(int stage) const { return stage / ranks; }
-  bool split_backward() const { return kind == "zb"; }
+  bool split_backward() const { return kind == ScheduleKind::kZb; }
+  const char* name() const { return to_string(kind); }
 };
 
 // The plan of `kind` for `ranks` pipeline ranks, `micro` micro-batches and `virtual_stages`
@@ -60,6 +68,8 @@ struct Schedule {
 // (Megatron's constraint: the warm-up walks the chunks in groups of pp micro-batches), fewer
 // micro-batches than 1. Fewer micro-batches than stages is allowed (gpipe, 1f1b, zb): the plan is
 // just mostly bubble.
+Schedule build_schedule(ScheduleKind kind, int ranks, int micro, int virtual_stages = 1);
+// The same by name (tests, tools): build_schedule(parse_schedule_kind(kind), ...).
 Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtual_stages = 1);
 
 // Checks the plan before the first step by running it as the engine does, under each backend's

@@ -7,10 +7,84 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 
 namespace parallax::parallel::zero {
+
+int bucket_key(int group, int unit, int n_groups, int n_units, bool tp_sharded) {
+  const int tp_bit = tp_sharded ? 1 : 0;
+  if (unit < 0) return 2 * group + tp_bit;
+  return 2 * ((n_units - 1 - unit) * n_groups + group + 1) + tp_bit;
+}
+
+EngineMemory ZeroEngine::memory_rule(int stage, const std::vector<ParamInfo>& params,
+                                     const MemoryQuery& q) {
+  constexpr int64_t kF32 = 4;
+  const int64_t n = q.dp;
+  EngineMemory m;
+  // Frozen parameters (a LoRA base): whole, or under stage 3 over several ranks 1/N of each
+  // unit's (padded).
+  std::vector<const ParamInfo*> mine;
+  std::map<int, int64_t> frozen_per_unit;
+  for (const ParamInfo& p : params) {
+    if (p.trainable) {
+      mine.push_back(&p);
+    } else if (stage == 3 && n > 1) {
+      frozen_per_unit[p.unit] += p.numel;
+    } else {
+      m.params += p.numel * kF32;
+    }
+  }
+  for (const auto& [u, numel] : frozen_per_unit) m.params += (numel + n - 1) / n * kF32;
+  // The buckets the constructor builds: DDP's assignment under this engine's keys and caps
+  // (stage 3: no cap, one bucket per (unit, dtype, group)).
+  std::vector<int64_t> sizes;
+  std::vector<at::ScalarType> dtypes;
+  std::vector<int> keys;
+  for (const ParamInfo* p : mine) {
+    sizes.push_back(p->numel * kF32);
+    dtypes.push_back(at::kFloat);
+    keys.push_back(
+        bucket_key(p->group, stage == 3 ? p->unit : -1, q.groups + 1, q.units, p->tp_sharded));
+  }
+  const double mb = 1024.0 * 1024.0;
+  const int64_t first_cap = static_cast<int64_t>((stage == 3 ? 1e9 : q.ddp.first_bucket_mb) * mb);
+  const int64_t cap = static_cast<int64_t>((stage == 3 ? 1e9 : q.ddp.bucket_mb) * mb);
+  const bool reduce_each_micro = stage >= 2 && n > 1;
+  int64_t mine_elems = 0;
+  for (const auto& members : ddp::assign_buckets(sizes, dtypes, keys, first_cap, cap)) {
+    int64_t numel = 0;
+    std::vector<int64_t> offsets;
+    for (int64_t i : members) {
+      offsets.push_back(numel);
+      numel += mine[static_cast<std::size_t>(i)]->numel;
+    }
+    // Padded to a multiple of N; this rank owns elements [r S, (r + 1) S).
+    const int64_t padded = (numel + n - 1) / n * n, shard = padded / n;
+    const int64_t lo = q.dp_rank * shard, hi = lo + shard;
+    for (std::size_t k = 0; k < members.size(); ++k) {
+      const int64_t off = offsets[k], len = mine[static_cast<std::size_t>(members[k])]->numel;
+      const int64_t b = std::max(off, lo), e = std::min(off + len, hi);
+      if (len > 0 && b < e) mine_elems += e - b;
+    }
+    // Parameters: the flat buffer (stages 1, 2), this rank's shard of it (stage 3; the gathered
+    // buffer is freed between units).
+    m.params += (stage == 3 && n > 1 ? shard : padded) * kF32;
+    // Gradients: stage 1 (and any stage over one rank) the flat buffer, whose reduce-scatter shard
+    // is a second buffer over several ranks; stages 2 and 3 only the shard, plus its accumulator
+    // with several micro-steps.
+    if (!reduce_each_micro) {
+      m.grads += padded * kF32 + (n > 1 ? shard * kF32 : 0);
+    } else {
+      m.grads += shard * kF32 * (q.micro_batches > 1 ? 2 : 1);
+    }
+  }
+  // The optimizer state of this rank's pieces.
+  m.optimizer = static_cast<int64_t>(q.optimizer_bytes_per_element) * mine_elems;
+  return m;
+}
 
 ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
                        std::vector<optim::ParamGroup> groups, const OptimizerFactory& make,
@@ -21,6 +95,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
       dp_(std::move(dp)),
       stage_(stage),
       timing_(options.timing),
+      broadcast_buffers_(options.broadcast_buffers),
       tp_(std::move(tp)) {
   PARALLAX_CHECK(stage_ >= 1 && stage_ <= 3, ConfigError, "ZeRO: stage {} is not 1, 2 or 3",
                  stage_);
@@ -56,24 +131,23 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
   const int n_units = static_cast<int>(units.size());
   // Tensor parallel: a bucket holds only tp-sharded or only tp-replicated parameters, so each of
   // this rank's pieces is one or the other (grads()).
-  auto tp_sharded = std::make_shared<std::set<std::string>>(tp_.sharded);
+  auto tp_sharded = std::make_shared<std::set<std::string>>();
+  for (const auto& [name, l] : tp_.layouts) tp_sharded->insert(name);
   options.bucket_key = [group_of, unit_of, n_groups, n_units, tp_sharded](const std::string& name) {
     const auto it = group_of->find(name);
-    const int g = it == group_of->end() ? -1 : it->second;
-    const int tp_bit = tp_sharded->count(name) != 0 ? 1 : 0;
     const auto u = unit_of->find(name);
-    if (u == unit_of->end()) return 2 * g + tp_bit;
-    // Keys ascend in reverse unit order: buckets come out (and are launched) last unit first, the
-    // order of the backward.
-    return 2 * ((n_units - 1 - u->second) * n_groups + g + 1) + tp_bit;
+    return bucket_key(it == group_of->end() ? -1 : it->second, u == unit_of->end() ? -1 : u->second,
+                      n_groups, n_units, tp_sharded->count(name) != 0);
   };
   if (stage_ == 3) {
     // One bucket per (unit, dtype, group): no cap splits a unit's flat parameter.
     options.bucket_mb = options.first_bucket_mb = 1e9;
     options.on_launch = [this](std::size_t bucket) { shards_->bucket_launched(bucket); };
   }
-  ddp_ = std::make_unique<ddp::DistributedDataParallel>(module_, dp_,
-                                                        options);  // broadcasts from rank 0
+  // Identical replicas (parameters and buffers from dp rank 0), then DDP's gradient buckets in
+  // reduce-scatter mode.
+  ddp::broadcast_module(*module_, *dp_);
+  buckets_ = std::make_unique<ddp::GradBuckets>(module_, dp_, options);
 
   std::map<std::string, int64_t> index;
   for (const auto& item : module_->named_parameters()) {
@@ -84,8 +158,8 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
   const int64_t n = dp_->size(), r = dp_->rank();
   at::NoGradGuard no_grad;
   std::map<std::string, std::size_t> piece_of;
-  for (std::size_t bi = 0; bi < ddp_->buckets().size(); ++bi) {
-    const ddp::BucketInfo& info = ddp_->buckets()[bi];
+  for (std::size_t bi = 0; bi < buckets_->buckets().size(); ++bi) {
+    const ddp::BucketInfo& info = buckets_->buckets()[bi];
     const at::Tensor& first =
         params_.at(static_cast<std::size_t>(index.at(info.param_names.front())));
     at::Tensor flat = at::zeros({info.padded_numel}, first.options().requires_grad(false));
@@ -94,7 +168,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
     const std::size_t first_piece = pieces_.size();
     // The reduce-scatter's shard is the gradient: stage 1 reduces once per step; stage 2 reduces
     // every micro-step and, with several, sums the shards into an accumulator (allocated then).
-    at::Tensor acc = ddp_->bucket_shard(bi);
+    at::Tensor acc = buckets_->bucket_shard(bi);
     for (std::size_t k = 0; k < info.param_names.size(); ++k) {
       const int64_t pi = index.at(info.param_names[k]);
       at::Tensor& p = params_[static_cast<std::size_t>(pi)];
@@ -192,15 +266,19 @@ ZeroEngine::~ZeroEngine() = default;
 
 std::string ZeroEngine::describe() const {
   int64_t total = 0, mine = 0;
-  for (const auto& info : ddp_->buckets()) total += info.numel;
+  for (const auto& info : buckets_->buckets()) total += info.numel;
   for (const auto& p : pieces_) mine += p.end - p.begin;
   return fmt::format(
       "ZeRO-{} over group '{}' of {} ranks: {} buckets; this rank updates {} of {} parameter "
       "elements ({} pieces){}",
-      stage_, dp_->name(), dp_->size(), ddp_->buckets().size(), mine, total, pieces_.size(),
+      stage_, dp_->name(), dp_->size(), buckets_->buckets().size(), mine, total, pieces_.size(),
       shards_ ? fmt::format("; {} flat parameters over the model's units, sharded",
                             shards_->flats().size())
               : "");
+}
+
+void ZeroEngine::broadcast_buffers() {
+  if (broadcast_buffers_) ddp::broadcast_buffers(*module_, *dp_);
 }
 
 void ZeroEngine::forward_backward_split(int micro_steps, const MicroStepFns& fns,
@@ -211,12 +289,12 @@ void ZeroEngine::forward_backward_split(int micro_steps, const MicroStepFns& fns
     // Stage 1 reduces once (the last micro-step; the others accumulate locally), stages 2 and 3
     // every micro-step (the shards accumulate).
     const bool sync = reduce_each_micro_ || i == micro_steps - 1;
-    ddp_->set_require_sync(sync);
-    if (sync_buffers) ddp_->before_forward();
+    buckets_->set_require_sync(sync);
+    if (sync_buffers) broadcast_buffers();
     fns.forward(i);
-    ddp_->before_backward();
+    buckets_->before_backward();
     fns.backward(i);
-    ddp_->finalize_backward();
+    buckets_->finalize_backward();
     if (shards_) shards_->end_backward();
     if (!sync) continue;
     if (reduce_each_micro_ && micro_steps > 1) {
@@ -224,11 +302,11 @@ void ZeroEngine::forward_backward_split(int micro_steps, const MicroStepFns& fns
       at::NoGradGuard no_grad;
       for (std::size_t bi = 0; bi < grad_acc_.size(); ++bi) {
         at::Tensor& acc = shard_acc_.at(bi);
-        if (!acc.defined()) acc = at::zeros_like(ddp_->bucket_shard(bi));
+        if (!acc.defined()) acc = at::zeros_like(buckets_->bucket_shard(bi));
         if (first) {
-          acc.copy_(ddp_->bucket_shard(bi));
+          acc.copy_(buckets_->bucket_shard(bi));
         } else {
-          acc.add_(ddp_->bucket_shard(bi));
+          acc.add_(buckets_->bucket_shard(bi));
         }
       }
     }
@@ -238,7 +316,7 @@ void ZeroEngine::forward_backward_split(int micro_steps, const MicroStepFns& fns
   const bool acc = reduce_each_micro_ && micro_steps > 1;
   if (acc != accumulating_pieces_) {
     for (auto& p : pieces_) {
-      const at::Tensor& src = acc ? shard_acc_.at(p.bucket) : ddp_->bucket_shard(p.bucket);
+      const at::Tensor& src = acc ? shard_acc_.at(p.bucket) : buckets_->bucket_shard(p.bucket);
       p.grad = src.narrow(0, p.shard_offset, p.end - p.begin);
     }
     accumulating_pieces_ = acc;
@@ -246,7 +324,7 @@ void ZeroEngine::forward_backward_split(int micro_steps, const MicroStepFns& fns
   // A piece has a gradient unless no rank used its parameter (find_unused).
   for (auto& p : pieces_) {
     p.param.mutable_grad() =
-        ddp_->used_anywhere(static_cast<std::size_t>(p.param_index)) ? p.grad : at::Tensor();
+        buckets_->used_anywhere(static_cast<std::size_t>(p.param_index)) ? p.grad : at::Tensor();
   }
 }
 
@@ -385,8 +463,8 @@ EngineMemory ZeroEngine::memory() {
     for (const auto& p : module_->parameters()) params.push_back(p);
   }
   for (std::size_t bi = 0; bi < grad_acc_.size(); ++bi) {
-    grads.push_back(ddp_->bucket_buffer(bi));  // undefined between steps in stage 2 (transient)
-    grads.push_back(ddp_->bucket_shard(bi));
+    grads.push_back(buckets_->bucket_buffer(bi));  // undefined between steps in stage 2 (transient)
+    grads.push_back(buckets_->bucket_shard(bi));
     grads.push_back(shard_acc_[bi]);  // stage 2 with accumulation only
   }
   for (const auto& [key, t] : optimizer_->state())

@@ -1,5 +1,5 @@
-// ZeRO stages 1, 2 and 3 over the data-parallel group (parallel.zero.stage), on the same gradient
-// buckets as DDP (parallel/ddp/ddp.h in reduce-scatter mode).
+// ZeRO stages 1, 2 and 3 over the data-parallel group (parallel.zero.stage), on the gradient
+// buckets DDP uses (parallel/ddp/grad_buckets.h, in reduce-scatter mode).
 //
 // Layout. Trainable parameters are bucketed in reverse registration order, one bucket per (dtype,
 // optimizer parameter group) (stage 3: per (unit, dtype, group), in reverse unit order, so each
@@ -44,6 +44,13 @@
 
 namespace parallax::parallel::zero {
 
+// The bucket key of a parameter of optimizer group `group` (-1: none) and, under stage 3, of unit
+// `unit` of `n_units` (-1: not keyed by unit): buckets never mix groups (their weight decay
+// differs), units (stage 3 gathers and frees a unit's flat parameter) or tp-sharded with
+// tp-replicated parameters. Keys ascend in reverse unit order, so buckets come out (and are
+// launched) last unit first, the order of the backward. `n_groups`: the group count + 1.
+int bucket_key(int group, int unit, int n_groups, int n_units, bool tp_sharded);
+
 class ZeroEngine : public Engine {
  public:
   // `stage` 1, 2 or 3. Broadcasts parameters and buffers from dp rank 0, builds the buckets and
@@ -60,13 +67,14 @@ class ZeroEngine : public Engine {
   ~ZeroEngine() override;
 
   std::string describe() const override;
-  void broadcast_buffers() override { ddp_->before_forward(); }
+  void broadcast_buffers() override;
   void forward_backward_split(int micro_steps, const MicroStepFns& fns, bool sync_buffers) override;
   std::vector<optim::GradGroup> grads() override;
   void update(double lr) override;
   void zero_grad() override;
   optim::Optimizer& optimizer() override { return *optimizer_; }
   std::vector<int> model_replicas() const override { return dp_->world_ranks(); }
+  comm::CommPtr data_parallel_group() const override { return dp_; }
   const TensorParallelInfo& tensor_parallel() const override { return tp_; }
   std::vector<StatePiece> optimizer_state() override;
   void optimizer_state_loaded() override;
@@ -77,6 +85,12 @@ class ZeroEngine : public Engine {
   void gather_full_params() override;
   void release_full_params() override;
 
+  // What memory() measures after a step, predicted for fp32 `params` (this rank's, registration
+  // order; parallel/build_engine.h: predicted_memory): the buckets this engine would build and
+  // this rank's shard of each (parameters, gradients, optimizer state), frozen parameters whole
+  // (stage 3 over several ranks: 1/N of each unit's).
+  static EngineMemory memory_rule(int stage, const std::vector<ParamInfo>& params,
+                                  const MemoryQuery& q);
   // Parameters (whole: the flat buffers; stage 3: the shards and whatever is gathered now),
   // gradients (flat buffers, the reduce-scatter shards and, stages 2 and 3, the shard
   // accumulators), optimizer state (moments and masters of this rank's pieces).
@@ -84,8 +98,8 @@ class ZeroEngine : public Engine {
 
   // The gradient buckets' timers (parallel/ddp/ddp.h): the last synced backward and the
   // reduce-scatter time it did not hide.
-  double last_backward_ms() const override { return ddp_->last_backward_ms(); }
-  double last_exposed_comm_ms() const override { return ddp_->last_exposed_comm_ms(); }
+  double last_backward_ms() const override { return buckets_->last_backward_ms(); }
+  double last_exposed_comm_ms() const override { return buckets_->last_exposed_comm_ms(); }
   bool timed() const override { return timing_; }
 
  private:
@@ -105,16 +119,17 @@ class ZeroEngine : public Engine {
   comm::CommPtr dp_;
   int stage_;
   bool timing_ = true;
+  bool broadcast_buffers_ = true;  // parallel.ddp.broadcast_buffers, before each forward
   // Stages 2 and 3 over several ranks: every micro-step is reduce-scattered (transient buckets) and
   // the shards accumulate. With one rank there is nothing to scatter: the gradients accumulate in
   // the flat buckets, which are the shards, as in stage 1.
   bool reduce_each_micro_ = false;
-  std::unique_ptr<ddp::DistributedDataParallel> ddp_;  // the gradient buckets (reduce-scatter)
-  std::vector<at::Tensor> flat_params_;                // per bucket, padded
-  std::vector<at::Tensor> grad_acc_;                   // per bucket, the reduce-scatter's shard
-  std::vector<at::Tensor> shard_acc_;  // stage 2 with several micro-steps: the shards' sum
-  bool accumulating_pieces_ = false;   // the pieces' gradients point into shard_acc_
-  std::vector<at::Tensor> params_;     // trainable parameters, registration order
+  std::unique_ptr<ddp::GradBuckets> buckets_;  // the gradient buckets (reduce-scatter)
+  std::vector<at::Tensor> flat_params_;        // per bucket, padded
+  std::vector<at::Tensor> grad_acc_;           // per bucket, the reduce-scatter's shard
+  std::vector<at::Tensor> shard_acc_;          // stage 2 with several micro-steps: the shards' sum
+  bool accumulating_pieces_ = false;           // the pieces' gradients point into shard_acc_
+  std::vector<at::Tensor> params_;             // trainable parameters, registration order
   std::vector<Piece> pieces_;
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::vector<std::pair<std::string, at::Tensor>> held_;  // the last optimizer_state()

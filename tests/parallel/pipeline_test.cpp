@@ -36,6 +36,7 @@
 #include "parallel/comm/factory.h"
 #include "parallel/comm/topology.h"
 #include "parallel/comm/world.h"
+#include "parallel/parallelize.h"
 #include "parallel/tensor/tensor_parallel.h"
 #include "tests/common/model_parallel.h"
 #include "tests/common/no_tf32.h"
@@ -81,6 +82,10 @@ struct Case {
   int64_t rows = 1;  // samples per micro-batch per dp rank
   int steps = 2;
   bool ordered = false;  // PipelineOptions::ordered_p2p: NCCL's message order, through MPI
+  // Build the pipeline through parallel::parallelize() (the trainer's path: the model's stage
+  // costs and activation bytes, the plan's DDP options, the optimizer from its config) instead of
+  // constructing the engines here.
+  bool parallelize = false;
 };
 
 // Trains `c` for c.steps SGD steps as a pipeline (pp = world / (dp tp)) and as one process on the
@@ -115,18 +120,46 @@ void compare(const comm::CommPtr& world, const comm::CommPtr& self, const Case& 
   par::ddp::DdpOptions o;
   o.mode = par::ddp::BucketMode::kFlat;
   par::TensorParallelInfo info{topo.tp(), {}};
-  for (const auto& [name, l] : layouts) info.sharded.insert(name);
+  info.layouts = layouts;
   pl::PipelineOptions po;
-  po.schedule = c.schedule;
+  po.schedule = parallel::pipeline::parse_schedule_kind(c.schedule);
   po.virtual_stages = c.virtual_stages;
   po.ordered_p2p = c.ordered;
-  pl::PipelineEngine engine(split, units, std::vector<double>(units.size(), 1.0), topo.pp(),
-                            c.micro, po, [&]() -> std::unique_ptr<par::Engine> {
-                              return par::build_engine(plan, split, groups_of(*split), sgd(),
-                                                       topo.dp(), o, units, info);
-                            });
+  // SGD with momentum 0.9 on both sides, from its config where the pipeline comes from
+  // parallelize() (which builds the optimizer as the trainer does).
+  optim::OptimConfig sgd_cfg;
+  sgd_cfg.name = "sgd";
+  sgd_cfg.momentum = 0.9;
+  sgd_cfg.weight_decay = 0;
+  const par::OptimizerFactory make_sgd =
+      c.parallelize ? par::OptimizerFactory([sgd_cfg](std::vector<optim::ParamGroup> g) {
+        return optim::build_optimizer(sgd_cfg, std::move(g));
+      })
+                    : sgd();
+  std::unique_ptr<par::Engine> built;
+  if (c.parallelize) {
+    ASSERT_FALSE(c.ordered) << "parallelize() takes no ordered_p2p";
+    par::Plan p = plan;
+    p.ddp = o;
+    p.pp_schedule = po.schedule;
+    p.pp_virtual_stages = c.virtual_stages;
+    par::ParallelizeOptions opts;
+    opts.model_name = c.model.name;
+    opts.micro_batches = c.micro;
+    opts.optimizer = sgd_cfg;
+    built = par::parallelize(*split, p, topo, group, opts);
+    ASSERT_NE(dynamic_cast<pl::PipelineEngine*>(built.get()), nullptr);
+  } else {
+    built = std::make_unique<pl::PipelineEngine>(
+        split, units, std::vector<double>(units.size(), 1.0), topo.pp(), c.micro, po,
+        [&]() -> std::unique_ptr<par::Engine> {
+          return par::build_engine(plan, split, groups_of(*split), make_sgd, topo.dp(), o, units,
+                                   info);
+        });
+  }
+  par::Engine& engine = *built;
   par::Plan one;
-  auto reference = par::build_engine(one, dense, groups_of(*dense), sgd(), self, o);
+  auto reference = par::build_engine(one, dense, groups_of(*dense), make_sgd, self, o);
 
   std::vector<core::TensorDict> side(mine);
   for (auto& b : side) b.erase("images");
@@ -282,6 +315,24 @@ TEST_F(PipelineTest, BevWithVitBackboneEverySchedule) {
   compare(world_, self_, c);
 }
 
+// The trainer's path: parallel::parallelize() applies the plan (the model's stage costs and
+// activation bytes, the plan's DDP options, the optimizer built from its config), and its engine
+// trains as one process does: bitwise with dp 1, within the bounds above with dp 2 x ZeRO-1.
+TEST_F(PipelineTest, ParallelizeBuildsAPipelineThatTrainsAsOneProcess) {
+  const int n = world_->size();
+  if (n < 2 || n > 4) GTEST_SKIP() << "pp = world on 2 to 4 ranks (vit_cls tiny has 4 units)";
+  Case c{vit_cls_config()};
+  c.parallelize = true;
+  compare(world_, self_, c);
+  if (n == 4) {
+    Case d{vit_cls_config()};
+    d.parallelize = true;
+    d.dp = 2;
+    d.zero = 1;
+    compare(world_, self_, d);
+  }
+}
+
 TEST_F(PipelineTest, DataParallelTimesPipelineWithDdpAndZero12) {
   if (world_->size() != 4) GTEST_SKIP() << "dp 2 x pp 2 runs on 4 ranks";
   for (int zero : {0, 1, 2}) {
@@ -347,7 +398,7 @@ void compare_messages(const comm::CommPtr& world, const comm::CommPtr& self,
     chain.push_back({fmt::format("unit{}", k), {fmt::format("s{}", k)}});
   par::ddp::DdpOptions o;
   pl::PipelineOptions po;
-  po.schedule = schedule;
+  po.schedule = parallel::pipeline::parse_schedule_kind(schedule);
   po.virtual_stages = virtual_stages;
   po.ordered_p2p = ordered;
   pl::PipelineEngine engine(split, chain, std::vector<double>(units, 1.0), world, micro, po,

@@ -143,7 +143,7 @@ void compare_with_single_process(const comm::CommPtr& world, const comm::CommPtr
   par::ddp::DdpOptions o;
   o.mode = par::ddp::BucketMode::kFlat;
   par::TensorParallelInfo info{topo.tp(), {}};
-  for (const auto& [name, l] : layouts) info.sharded.insert(name);
+  info.layouts = layouts;
   tensor::install_sequence_parallel_hooks(group);
   auto split_engine =
       par::build_engine(plan, split, groups_of(*split), sgd(), topo.dp(), o, split->units(), info);

@@ -27,6 +27,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
+#include <algorithm>
 #include <limits>
 #include <random>
 #include <set>
@@ -399,6 +400,59 @@ TEST_P(ZeroTest, MemoryPerRankFollowsTheFormula) {
   if (world_->device_type() != c10::kCPU) total = total.to(test_device());
   world_->all_reduce(total, comm::ReduceOp::kSum);
   EXPECT_EQ(total.cpu().item<double>(), static_cast<double>(psi));
+}
+
+// The memory rule each engine states (parallel::predicted_memory, what `parallax plan` predicts
+// with) equals what the engine holds after a step, on every rank: DDP and this ZeRO stage, with
+// gradient accumulation (stage 2's shard accumulator) and with a frozen parameter (a LoRA base:
+// whole, or under stage 3 a shard of its unit).
+TEST_P(ZeroTest, PredictedMemoryEqualsTheMeasuredOnEveryRank) {
+  for (const bool frozen : {false, true}) {
+    for (const int stage : {0, GetParam()}) {
+      auto net = make_net(9);
+      if (frozen) net->fc2->weight.set_requires_grad(false);
+      const std::vector<optim::ParamGroup> groups = groups_of(*net);
+      par::MemoryQuery q;
+      q.dp = n_;
+      q.dp_rank = rank_;
+      q.micro_batches = 2;
+      q.units = 3;
+      q.groups = static_cast<int>(groups.size());
+      q.optimizer_bytes_per_element = 8;  // AdamW: two fp32 moments
+      q.ddp = bucket_options();
+      const std::vector<core::Unit> units = Net::units();
+      std::vector<par::ParamInfo> params;
+      for (const auto& item : net->named_parameters()) {
+        par::ParamInfo info;
+        info.name = item.key();
+        info.numel = item.value().numel();
+        info.trainable = item.value().requires_grad();
+        for (std::size_t u = 0; u < units.size(); ++u) {
+          const auto& names = units[u].param_names;
+          if (std::find(names.begin(), names.end(), info.name) != names.end())
+            info.unit = static_cast<int>(u);
+        }
+        for (std::size_t g = 0; g < groups.size(); ++g) {
+          const auto& names = groups[g].names;
+          if (std::find(names.begin(), names.end(), info.name) != names.end())
+            info.group = static_cast<int>(g);
+        }
+        params.push_back(info);
+      }
+      const par::EngineMemory predicted = par::predicted_memory(stage, params, q);
+      auto engine = engine_for(plan(stage), net, world_, bucket_options());
+      engine->forward_backward(
+          2, [&](int i) { return net->forward(global_batch(i, 4).first).pow(2).mean(); }, true);
+      engine->update(1e-3);
+      const par::EngineMemory measured = engine->memory();
+      const std::string what = "stage " + std::to_string(stage) + (frozen ? ", frozen fc2" : "") +
+                               ", rank " + std::to_string(rank_);
+      EXPECT_EQ(predicted.params, measured.params) << what;
+      EXPECT_EQ(predicted.grads, measured.grads) << what;
+      EXPECT_EQ(predicted.optimizer, measured.optimizer) << what;
+      net->hooks = nullptr;
+    }
+  }
 }
 
 // Frozen parameters (requires_grad false, e.g. a LoRA base) stay out of the buckets and the

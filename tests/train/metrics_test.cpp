@@ -107,7 +107,7 @@ TEST(MetricsTrimTest, KeepsRowsUpToTheResumeStepAndDropsLaterSummaryAndTornLines
 // MFU's denominator follows the precision: an fp32 run measured against the bf16 tensor-core peak
 // would report ~15x too low a utilisation (issue 17).
 TEST(MfuPeakTest, PeakFollowsThePrecisionOfTheMatmuls) {
-  EXPECT_EQ(parallax::train::peak_flops_per_gpu("bf16"), 989e12);
-  EXPECT_EQ(parallax::train::peak_flops_per_gpu("fp16"), 989e12);
-  EXPECT_EQ(parallax::train::peak_flops_per_gpu("fp32"), 67e12);
+  EXPECT_EQ(parallax::train::peak_flops_per_gpu(parallax::optim::Precision::kBf16), 989e12);
+  EXPECT_EQ(parallax::train::peak_flops_per_gpu(parallax::optim::Precision::kFp16), 989e12);
+  EXPECT_EQ(parallax::train::peak_flops_per_gpu(parallax::optim::Precision::kFp32), 67e12);
 }

@@ -1,0 +1,106 @@
+#include "parallel/parallelize.h"
+
+#include "core/error.h"
+#include "core/log.h"
+#include "optim/param_groups.h"
+#include "parallel/build_engine.h"
+#include "parallel/pipeline/pipeline_engine.h"
+#include "parallel/state.h"
+
+namespace parallax::parallel {
+
+namespace {
+
+TensorParallelInfo tensor_parallel_info(const torch::nn::Module& module, const tensor::TpPtr& tp,
+                                        const comm::Layout& layout) {
+  TensorParallelInfo info;
+  if (!tp || layout.tp <= 1) return info;
+  info.tp = tp->comm_ptr();
+  info.layouts = tensor::param_layouts(module);
+  info.layout = layout;
+  return info;
+}
+
+}  // namespace
+
+tensor::TpPtr tensor_parallel_group(const Plan& plan, const comm::Topology& topo) {
+  if (plan.layout.tp <= 1) return nullptr;
+  return std::make_shared<tensor::TpGroup>(topo.tp(), plan.sequence_parallel);
+}
+
+std::vector<StatePiece> checkpoint_module(const torch::nn::Module& module, const Plan& plan,
+                                          const tensor::TpPtr& tp) {
+  return global_pieces(module_pieces(module, {}), tensor_parallel_info(module, tp, plan.layout));
+}
+
+std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan,
+                                    const comm::Topology& topo, const tensor::TpPtr& tp,
+                                    const ParallelizeOptions& options) {
+  const std::shared_ptr<torch::nn::Module> module = model.as_module();
+  const comm::Layout& layout = plan.layout;
+
+  // 1. Tensor parallelism: the layers are the factory's; their gradients' sums over tp under
+  // sequence parallelism, and the layouts the engines' checkpoint pieces are mapped through.
+  PARALLAX_CHECK(layout.tp <= 1 || (tp && tp->size() == layout.tp), Error,
+                 "parallelize: the plan has tp={} but the model was built over {}", layout.tp,
+                 tp ? fmt::format("a tensor-parallel group of {}", tp->size())
+                    : std::string("no tensor-parallel group"));
+  tensor::install_sequence_parallel_hooks(tp);
+  TensorParallelInfo tp_info = tensor_parallel_info(*module, tp, layout);
+
+  // 2. Activation checkpointing, before any engine hooks unit boundaries.
+  if (plan.activation_checkpointing != core::Checkpointing::kNone) {
+    const auto [wrapped, blocks] = model.apply_activation_checkpointing(plan.activation_checkpointing);
+    core::log::info("activation checkpointing ({}): {} of {} blocks",
+                    core::to_string(plan.activation_checkpointing), wrapped, blocks);
+  }
+
+  // 4 (built inside 3 under a pipeline): DDP or ZeRO over the trainable parameters as they are
+  // then (under pipeline parallelism: this rank's stages').
+  const optim::OptimConfig optim_cfg = options.optimizer;
+  const auto data_parallel = [&]() -> std::unique_ptr<Engine> {
+    optim::NamedParams trainable;
+    for (const auto& item : module->named_parameters())
+      trainable.emplace_back(item.key(), item.value());
+    return build_engine(
+        plan, module, optim::make_param_groups(trainable, optim_cfg.weight_decay),
+        [optim_cfg](std::vector<optim::ParamGroup> groups) {
+          return optim::build_optimizer(optim_cfg, std::move(groups));
+        },
+        topo.dp(), plan.ddp, model.units(), std::move(tp_info));
+  };
+
+  std::unique_ptr<Engine> engine;
+  if (layout.pp > 1) {
+    // 3. This rank's stages of the model's chain of units; the other units' parameters are
+    // released, and the data-parallel engine is built on the stage's parameters only.
+    PARALLAX_CHECK(model.chain_length() > 0, ConfigError,
+                   "key 'parallel.pp': model '{}' does not expose its forward as a chain of "
+                   "units, so it cannot be split into pipeline stages",
+                   options.model_name);
+    const std::vector<core::Unit> units = model.units();
+    PARALLAX_CHECK(static_cast<int>(units.size()) == model.chain_length(), Error,
+                   "model '{}': {} units but a chain of {}", options.model_name, units.size(),
+                   model.chain_length());
+    pipeline::PipelineOptions po;
+    po.schedule = plan.pp_schedule;
+    po.virtual_stages = plan.pp_virtual_stages;
+    po.layout = plan.pp_layout;
+    core::ActivationQuery q;
+    q.compute_bytes = options.compute_bytes;
+    q.cuda = options.cuda;
+    q.tp = layout.tp;
+    q.sequence_parallel = plan.sequence_parallel && layout.tp > 1;
+    po.activation_bytes = model.saved_activations(q, plan.activation_checkpointing, nullptr);
+    engine = std::make_unique<pipeline::PipelineEngine>(
+        module, units, model.stage_costs(), topo.pp(), options.micro_batches, po, data_parallel);
+  } else {
+    engine = data_parallel();
+  }
+  // ZeRO-3 gathers and frees parameters around each unit of the model's forward.
+  model.set_unit_hooks(engine->unit_hooks());
+  core::log::info("parallel plan: {}; engine: {}", plan.describe(), engine->describe());
+  return engine;
+}
+
+}  // namespace parallax::parallel
