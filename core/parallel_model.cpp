@@ -12,7 +12,9 @@ constexpr EnumName<Checkpointing> kCheckpointing[] = {
 };
 }  // namespace
 
-const char* to_string(Checkpointing mode) { return enum_name(kCheckpointing, mode); }
+const char* to_string(Checkpointing mode) {
+  return enum_name(kCheckpointing, mode);
+}
 
 Checkpointing parse_checkpointing(const std::string& name) {
   return parse_enum(kCheckpointing, name, "train.activation_checkpointing", "mode");

@@ -50,7 +50,8 @@ std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan
 
   // 2. Activation checkpointing, before any engine hooks unit boundaries.
   if (plan.activation_checkpointing != core::Checkpointing::kNone) {
-    const auto [wrapped, blocks] = model.apply_activation_checkpointing(plan.activation_checkpointing);
+    const auto [wrapped, blocks] =
+        model.apply_activation_checkpointing(plan.activation_checkpointing);
     core::log::info("activation checkpointing ({}): {} of {} blocks",
                     core::to_string(plan.activation_checkpointing), wrapped, blocks);
   }

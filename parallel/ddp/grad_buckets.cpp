@@ -1,5 +1,6 @@
 #include "parallel/ddp/grad_buckets.h"
 
+#include "core/enum_names.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
@@ -11,25 +12,20 @@
 
 namespace parallax::parallel::ddp {
 
+namespace {
+constexpr core::EnumName<BucketMode> kBucketModes[] = {
+    {BucketMode::kAuto, "auto"},
+    {BucketMode::kFlat, "flat"},
+    {BucketMode::kGrouped, "grouped"},
+};
+}  // namespace
 
 const char* to_string(BucketMode mode) {
-  switch (mode) {
-    case BucketMode::kAuto:
-      return "auto";
-    case BucketMode::kFlat:
-      return "flat";
-    case BucketMode::kGrouped:
-      return "grouped";
-  }
-  return "?";
+  return core::enum_name(kBucketModes, mode);
 }
 
 BucketMode parse_bucket_mode(const std::string& name) {
-  if (name == "auto") return BucketMode::kAuto;
-  if (name == "flat") return BucketMode::kFlat;
-  if (name == "grouped") return BucketMode::kGrouped;
-  throw_error<ConfigError>("parallel.ddp.bucket_mode: unknown mode '{}' (use auto|flat|grouped)",
-                           name);
+  return core::parse_enum(kBucketModes, name, "parallel.ddp.bucket_mode", "mode");
 }
 
 namespace {
