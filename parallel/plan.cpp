@@ -18,10 +18,12 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
   plan.pp_schedule = pipeline::parse_schedule_kind(p.pp_schedule);
   plan.pp_virtual_stages = p.pp_virtual_stages;
   plan.pp_layout = p.pp_layout;
-  PARALLAX_CHECK(p.pp_virtual_stages == 1 || p.pp_schedule == "interleaved", ConfigError,
-                 "keys 'parallel.pp_virtual_stages' and 'parallel.pp_schedule': {} virtual stages "
-                 "per rank need pp_schedule=interleaved, not '{}'",
-                 p.pp_virtual_stages, p.pp_schedule);
+  PARALLAX_CHECK(
+      p.pp_virtual_stages == 1 || plan.pp_schedule == pipeline::ScheduleKind::kInterleaved,
+      ConfigError,
+      "keys 'parallel.pp_virtual_stages' and 'parallel.pp_schedule': {} virtual stages "
+      "per rank need pp_schedule=interleaved, not '{}'",
+      p.pp_virtual_stages, p.pp_schedule);
   if (plan.layout.pp > 1) {
     PARALLAX_CHECK(p.zero.stage != 3, ConfigError,
                    "keys 'parallel.pp' and 'parallel.zero.stage': ZeRO-3 under pipeline "
@@ -32,7 +34,9 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
                    "keys 'parallel.pp' and 'train.cuda_graph': a pipeline step (point-to-point "
                    "messages whose order the schedule fixes on the host) cannot be captured into "
                    "a CUDA graph in this version; set train.cuda_graph=false");
-    PARALLAX_CHECK(p.pp_schedule != "zb" || activation_checkpointing == "none", ConfigError,
+    PARALLAX_CHECK(plan.pp_schedule != pipeline::ScheduleKind::kZb ||
+                       plan.activation_checkpointing == core::Checkpointing::kNone,
+                   ConfigError,
                    "keys 'parallel.pp_schedule' and 'train.activation_checkpointing': zb splits "
                    "each backward into an input pass and a weight pass, and a checkpointed block "
                    "recomputes its whole backward in the first; use another schedule or "

@@ -23,6 +23,7 @@ c10::Device pick_device(const TrainConfig& cfg, const comm::World& world) {
 
 void TrainerImpl::setup() {
   device_ = pick_device(cfg_.train, world_);
+  precision_ = optim::make_precision_policy(cfg_.precision, device_.type());
   // Ranks sharing a node share its cores: without this, every rank would start one intra-op
   // thread per core and they would all fight over them.
   const int local_ranks = std::max(1, world_.launch().local_world_size);
@@ -214,13 +215,12 @@ void TrainerImpl::setup() {
   po.model_name = cfg_.model.name;
   po.micro_batches = cfg_.train.grad_accum;
   po.optimizer = cfg_.optim;
-  po.compute_bytes = optim::make_precision_policy(cfg_.precision, device_.type()).compute_bytes();
+  po.compute_bytes = precision_.compute_bytes();
   po.cuda = device_.is_cuda();
   engine_ = parallel::parallelize(*model_, plan_, *topo_, tp_, po);
   // Loss normalisers over the replicas (Model::set_replica_mean), installed around each step.
   replica_mean_ = engine_->replica_mean();
 
-  precision_ = optim::make_precision_policy(cfg_.precision, device_.type());
   scaler_ = std::make_unique<optim::LossScaler>(optim::make_loss_scaler(cfg_.precision));
   if (graph_) engine_->optimizer().set_capturable(device_);
 
@@ -305,7 +305,7 @@ void TrainerImpl::check_graph_capturable() const {
       "key 'train.cuda_graph': CUDA graphs need a GPU, but rank {} trains on {} (train.device={})",
       world_.rank(), device_.str(), cfg_.train.device);
   PARALLAX_CHECK(
-      optim::parse_precision(cfg_.precision.mode) != optim::Precision::kFp16, ConfigError,
+      precision_.mode != optim::Precision::kFp16, ConfigError,
       "key 'train.cuda_graph': precision.mode=fp16's dynamic loss scaler decides on the host "
       "whether a "
       "step is skipped, which a captured step cannot do; use precision.mode=bf16 or fp32");

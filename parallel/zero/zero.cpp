@@ -131,13 +131,11 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
   const int n_units = static_cast<int>(units.size());
   // Tensor parallel: a bucket holds only tp-sharded or only tp-replicated parameters, so each of
   // this rank's pieces is one or the other (grads()).
-  auto tp_sharded = std::make_shared<std::set<std::string>>();
-  for (const auto& [name, l] : tp_.layouts) tp_sharded->insert(name);
-  options.bucket_key = [group_of, unit_of, n_groups, n_units, tp_sharded](const std::string& name) {
+  options.bucket_key = [this, group_of, unit_of, n_groups, n_units](const std::string& name) {
     const auto it = group_of->find(name);
     const auto u = unit_of->find(name);
     return bucket_key(it == group_of->end() ? -1 : it->second, u == unit_of->end() ? -1 : u->second,
-                      n_groups, n_units, tp_sharded->count(name) != 0);
+                      n_groups, n_units, tp_.is_sharded(name));
   };
   if (stage_ == 3) {
     // One bucket per (unit, dtype, group): no cap splits a unit's flat parameter.
