@@ -15,7 +15,14 @@ means the GPU waited for the host), the lead of the kernel after each listed gap
 on the launching thread that cover the gap, innermost first, with how many microseconds of it
 each covers (what the host was busy with).
 
-Usage: trace_summary.py TRACE.json [--steps N] [--top K] [--gaps K] [--host]
+With --bubble it reports a pipeline stage's bubble from its rank's trace: the span per step, the
+compute (the union of every kernel's interval but NCCL's, over all streams: a NCCL receive kernel
+that spins while it waits for the peer is waiting, not work) and bubble = (span - compute) /
+compute, the quantity the schedules' formulas give ((p - 1) / m for 1f1b and gpipe), printed last
+as `bubble <value>`. Run it on each rank's trace; the formula's rank is the one with the most
+compute.
+
+Usage: trace_summary.py TRACE.json [--steps N] [--top K] [--gaps K] [--host] [--bubble]
 """
 import argparse
 import collections
@@ -61,6 +68,20 @@ def idle_gaps(kernels):
     busy += end - start
     gaps.sort(key=lambda g: -g[0])
     return max(k["ts"] + k["dur"] for k in spans) - spans[0]["ts"], busy, gaps
+
+
+def union_us(kernels):
+    """Microseconds covered by at least one of the kernels' intervals."""
+    total, end = 0.0, None
+    for k in sorted(kernels, key=lambda e: e["ts"]):
+        a, b = k["ts"], k["ts"] + k["dur"]
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
 
 
 def correlation(e):
@@ -121,6 +142,8 @@ def main():
                     help="also print busy/idle GPU time per step and the K longest idle gaps")
     ap.add_argument("--host", action="store_true",
                     help="with --gaps: host launch lead per kernel and what the host did during each gap")
+    ap.add_argument("--bubble", action="store_true",
+                    help="also print the pipeline bubble: (span - non-NCCL kernel time) / non-NCCL kernel time")
     a = ap.parse_args()
     try:
         with open(a.trace) as f:
@@ -150,6 +173,14 @@ def main():
                 print(f"gap {us:8.0f} us before {after['name'][:100]}")
             if a.host:
                 print_host(events, kernels, gaps, a.gaps)
+        if a.bubble:
+            span = max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
+            compute = union_us([k for k in kernels if classify(k["name"]) != "nccl"])
+            if compute <= 0:
+                sys.exit(f"trace_summary: {a.trace} has no kernels but NCCL's: no bubble to measure")
+            print(f"\npipeline: span {span / 1000 / steps:.2f} ms/step, compute (non-NCCL kernels, union over "
+                  f"streams) {compute / 1000 / steps:.2f} ms/step")
+            print(f"bubble {(span - compute) / compute:.4f}")
         return
     ops = collections.Counter()
     for e in events:

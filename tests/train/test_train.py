@@ -267,6 +267,20 @@ class TrainTest(RunDirTest):
         gaps = re.findall(r"gap +(\d+) us before (\S+)", p.stdout)
         self.assertEqual(gaps, [("15", "reduce_d"), ("5", "elementwise_c")])
 
+    def test_trace_summary_bubble_counts_nccl_kernels_as_waiting(self):
+        # Compute [0, 10) and [5, 15) on two streams, a NCCL receive spinning [12, 30) (overlapping
+        # compute for 3 us), compute [30, 40): span 40, compute 15 + 10 = 25, bubble 15 / 25.
+        kernels = [("gemm_a", 0, 10, 7), ("elementwise_b", 5, 10, 8), ("ncclDevKernel_SendRecv", 12, 18, 9),
+                   ("gemm_c", 30, 10, 7)]
+        trace = os.path.join(self.d, "pp_trace.json")
+        with open(trace, "w") as f:
+            json.dump({"traceEvents": [{"cat": "kernel", "name": n, "ts": ts, "dur": d, "tid": tid}
+                                       for n, ts, d, tid in kernels]}, f)
+        p = subprocess.run([sys.executable, os.path.join(SRC, "bench", "train", "trace_summary.py"), trace,
+                            "--bubble"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(p.stdout.strip().splitlines()[-1], "bubble 0.6000")
+
     def test_trace_summary_host_lead_names_what_the_host_did_during_a_gap(self):
         # Kernel "late" starts 2 us after its launch call, made at 143 after a 30 us op (112-142)
         # that covers 27 us of the idle gap 115-145 inside its parent op; kernel "early" was
