@@ -1,4 +1,5 @@
 #include "models/backbone.h"
+#include "core/param_init.h"
 
 #include "core/error.h"
 
@@ -48,8 +49,8 @@ ImageEncoderImpl::ImageEncoderImpl(const ImageEncoderOptions& o) : opts_(o) {
     }
     in = o.conv.widths[s];
   }
-  conv_neck_ =
-      register_module("neck", QuantConv2d(torch::nn::Conv2dOptions(in, o.out_channels, 1)));
+  conv_neck_ = register_module(
+      "neck", core::layer<QuantConv2d>(torch::nn::Conv2dOptions(in, o.out_channels, 1)));
 }
 
 at::Tensor ImageEncoderImpl::forward(const at::Tensor& images) {

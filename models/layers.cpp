@@ -105,10 +105,11 @@ int64_t norm_groups(int64_t channels) {
 }
 
 ConvNormActImpl::ConvNormActImpl(const ConvNormActOptions& o) : opts_(o) {
-  conv_ = register_module("conv", QuantConv2d(torch::nn::Conv2dOptions(o.in, o.out, o.kernel)
-                                                  .stride(o.stride)
-                                                  .padding(o.kernel / 2)
-                                                  .bias(false)));
+  conv_ = register_module("conv",
+                          core::layer<QuantConv2d>(torch::nn::Conv2dOptions(o.in, o.out, o.kernel)
+                                                       .stride(o.stride)
+                                                       .padding(o.kernel / 2)
+                                                       .bias(false)));
   norm_ = register_module("norm", torch::nn::GroupNorm(norm_groups(o.out), o.out));
 }
 

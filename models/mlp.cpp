@@ -13,15 +13,16 @@ MlpModel::MlpModel(int64_t in_features, int64_t hidden, int64_t out_features, in
   net_ = register_module("net", torch::nn::Sequential());
   int64_t width = in_;
   for (int64_t i = 0; i < depth_; ++i) {
-    net_->push_back(torch::nn::Linear(width, hidden_));
+    net_->push_back(core::layer<torch::nn::Linear>(torch::nn::LinearOptions(width, hidden_)));
     net_->push_back(torch::nn::GELU());
     width = hidden_;
   }
-  net_->push_back(torch::nn::Linear(width, out_));
+  net_->push_back(core::layer<torch::nn::Linear>(torch::nn::LinearOptions(width, out_)));
   // The target function is part of the model definition (a buffer), so every rank agrees on it.
-  teacher_ = register_buffer(
-      "teacher", core::shape_only() ? at::empty({in_, out_}, at::TensorOptions().device(at::kMeta))
-                                    : at::randn({in_, out_}) / std::sqrt(static_cast<double>(in_)));
+  const int64_t in = in_, out = out_;
+  teacher_ = register_buffer("teacher", core::init_tensor({in_, out_}, [in, out]() {
+                               return at::randn({in, out}) / std::sqrt(static_cast<double>(in));
+                             }));
 }
 
 core::TensorDict MlpModel::forward(const core::TensorDict& batch) {

@@ -155,6 +155,9 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
   std::shared_ptr<Model> model = build_unchecked(cfg, scene, linear);
   // Shape-only construction (core/param_init.h): the LibTorch layers allocated; drop that now.
   if (core::shape_only()) core::to_meta(*model);
+  // Deferred construction: the rest of the LibTorch layers' tensors kept as values, every recipe
+  // named.
+  core::finish_deferred(*model);
   return model;
 }
 

@@ -14,11 +14,11 @@ ViewTransformerImpl::ViewTransformerImpl(const ViewTransformerOptions& o) : opts
                  "view transformer: need at least one height and a non-empty grid ({} x {})",
                  o.grid.nx, o.grid.ny);
   const int64_t z = static_cast<int64_t>(o.heights.size());
-  lift1_ = register_module(
-      "lift1", QuantConv2d(torch::nn::Conv2dOptions(z * o.in_channels + z, o.channels, 1)));
+  lift1_ = register_module("lift1", core::layer<QuantConv2d>(torch::nn::Conv2dOptions(
+                                        z * o.in_channels + z, o.channels, 1)));
   norm_ = register_module("norm", torch::nn::GroupNorm(norm_groups(o.channels), o.channels));
-  lift2_ =
-      register_module("lift2", QuantConv2d(torch::nn::Conv2dOptions(o.channels, o.channels, 1)));
+  lift2_ = register_module(
+      "lift2", core::layer<QuantConv2d>(torch::nn::Conv2dOptions(o.channels, o.channels, 1)));
   query_embed_ = register_parameter("query_embed",
                                     core::init_normal({1, o.channels, o.grid.nx, o.grid.ny}, 0.02));
 }

@@ -194,7 +194,8 @@ VisionTransformerImpl::VisionTransformerImpl(const VisionTransformerOptions& o) 
   check_vit(o);
   const VitSpec& s = o.spec;
   patch_embed_ = register_module(
-      "patch_embed", QuantConv2d(torch::nn::Conv2dOptions(3, s.dim, s.patch).stride(s.patch)));
+      "patch_embed",
+      core::layer<QuantConv2d>(torch::nn::Conv2dOptions(3, s.dim, s.patch).stride(s.patch)));
   const int64_t tokens = grid_h() * grid_w() + (o.class_token ? 1 : 0);
   if (o.class_token)
     cls_token_ = register_parameter("cls_token", core::init_normal({1, 1, s.dim}, 0.02));

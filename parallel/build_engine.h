@@ -2,6 +2,7 @@
 // the plain step with one data-parallel rank) or ZeRO-1/2/3, over the data-parallel group.
 #pragma once
 
+#include "core/param_init.h"
 #include "parallel/ddp/ddp.h"
 #include "parallel/engine.h"
 #include "parallel/plan.h"
@@ -14,12 +15,14 @@ namespace parallax::parallel {
 // handling, shared by DDP and ZeRO's gradient buckets. `units`: the model's ordered units
 // (Model::units()), which ZeRO-3 gathers and frees one by one (install the engine's unit_hooks()
 // in the model); the other engines ignore them. `tp`: the model's tensor parallelism (its layers
-// already split by the model factory, plan step 1).
+// already split by the model factory, plan step 1). `deferred`: the recipes of a model whose
+// parameters are placeholders (ZeRO-3 only: parallel/zero/zero.h).
 std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn::Module> module,
                                      std::vector<optim::ParamGroup> groups,
                                      const OptimizerFactory& make, comm::CommPtr dp,
                                      const ddp::DdpOptions& ddp, std::vector<core::Unit> units = {},
-                                     TensorParallelInfo tp = {});
+                                     TensorParallelInfo tp = {},
+                                     std::shared_ptr<const core::DeferredInit> deferred = nullptr);
 
 // The memory the engine build_engine() builds for `zero_stage` holds on data-parallel rank
 // q.dp_rank for fp32 `params` (this rank's, in registration order; under a pipeline its stage's):

@@ -45,6 +45,7 @@ struct DdpConfig {
 struct ZeroConfig {
   int stage = 0;
   bool prefetch = true;
+  bool meta_init = true;
 
   template <class V>
   void visit(V& v) {
@@ -57,6 +58,10 @@ struct ZeroConfig {
       core::Check::between(0, 3));
     v("prefetch", prefetch,
       "ZeRO-3: gather the next unit's parameters while the current one computes");
+    v("meta_init", meta_init,
+      "ZeRO-3 over several ranks: build the model without storage and materialise only this "
+      "rank's shard, unit by unit, with the values a full build gives (no rank holds the whole "
+      "model; used without tp, pp, train.load_from or a model transform such as LoRA or QAT)");
   }
 };
 

@@ -38,6 +38,11 @@ std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan
                                     const ParallelizeOptions& options) {
   const std::shared_ptr<torch::nn::Module> module = model.as_module();
   const comm::Layout& layout = plan.layout;
+  PARALLAX_CHECK(!options.deferred || (plan.shards_model() && layout.tp <= 1 && layout.pp <= 1),
+                 Error,
+                 "parallelize: a model built with deferred initialisation needs ZeRO-3 over "
+                 "several data-parallel ranks without tensor or pipeline parallelism (plan: {})",
+                 plan.describe());
 
   // 1. Tensor parallelism: the layers are the factory's; their gradients' sums over tp under
   // sequence parallelism, and the layouts the engines' checkpoint pieces are mapped through.
@@ -68,7 +73,7 @@ std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan
         [optim_cfg](std::vector<optim::ParamGroup> groups) {
           return optim::build_optimizer(optim_cfg, std::move(groups));
         },
-        topo.dp(), plan.ddp, model.units(), std::move(tp_info));
+        topo.dp(), plan.ddp, model.units(), std::move(tp_info), options.deferred);
   };
 
   std::unique_ptr<Engine> engine;

@@ -28,6 +28,7 @@
 #pragma once
 
 #include "core/parallel_model.h"
+#include "core/param_init.h"
 #include "optim/optimizer.h"
 #include "parallel/engine.h"
 #include "parallel/plan.h"
@@ -59,6 +60,11 @@ struct ParallelizeOptions {
   // the compute dtype (2 under bf16/fp16 autocast) and whether the model runs on a GPU.
   int compute_bytes = 4;
   bool cuda = false;
+  // The model's recipes when it was built under core::DeferredInitScope and its parameters are
+  // placeholders (core::place_deferred): the plan must shard the model (Plan::shards_model())
+  // with neither tensor nor pipeline parallelism; ZeRO-3 then materialises only each rank's shard
+  // (parallel/zero/zero.h). Null: the model holds its values.
+  std::shared_ptr<const core::DeferredInit> deferred;
 };
 
 // Applies steps 1-4 to `model` (built over tensor_parallel_group(plan, topo), on its device) and

@@ -20,6 +20,7 @@
 #include "checkpoint/weights.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/param_init.h"
 #include "core/progress.h"
 #include "core/rng.h"
 #include "core/strings.h"

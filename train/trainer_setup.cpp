@@ -2,9 +2,30 @@
 // (train/trainer_impl.h has the class).
 #include "train/trainer_impl.h"
 
+#include <fstream>
+
 namespace parallax::train::detail {
 
 namespace {
+
+// A field of /proc/self/status in MiB ("VmRSS", "VmHWM"); -1 where it cannot be read.
+double proc_status_mib(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
+  }
+  return -1;
+}
+
+// Restarts the kernel's peak-resident count (VmHWM) at the current resident size; false where the
+// kernel does not allow it.
+bool reset_peak_resident() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
 
 c10::Device pick_device(const TrainConfig& cfg, const comm::World& world) {
   const auto gpu = world.device();
@@ -132,9 +153,30 @@ void TrainerImpl::setup() {
   // The model, its tensor-parallel layers built by the factory over the plan's group (plan step 1,
   // parallel/parallelize.h).
   tp_ = parallel::tensor_parallel_group(plan_, *topo_);
-  model_ =
-      tp_ ? models::build_model(cfg_.model, scene_, tp_) : models::build_model(cfg_.model, scene_);
-  model_->to(device_);
+  // ZeRO-3 over several ranks builds the model without storage and materialises only this rank's
+  // shard (parallel.zero.meta_init; core/param_init.h, parallel/zero/zero.h), with the values a
+  // full build gives; weights loaded into the whole model or a transform of it need the full build.
+  std::shared_ptr<core::DeferredInit> recipes;
+  // The host memory the model and its engine take while they are set up (below).
+  const double resident_before = proc_status_mib("VmRSS");
+  const bool peak_reset = resident_before >= 0 && reset_peak_resident();
+  if (cfg_.parallel.zero.meta_init && plan_.shards_model() && plan_.layout.tp <= 1 &&
+      plan_.layout.pp <= 1 && cfg_.train.load_from.empty() && !hooks_.transform_model) {
+    {
+      core::DeferredInitScope deferred;
+      model_ = models::build_model(cfg_.model, scene_);
+      recipes = deferred.recipes();
+    }
+    core::place_deferred(*model_, *recipes, device_);
+    core::log::info(
+        "model built without storage (parallel.zero.meta_init): {} tensors, each rank "
+        "materialises its ZeRO-3 shard",
+        recipes->size());
+  } else {
+    model_ = tp_ ? models::build_model(cfg_.model, scene_, tp_)
+                 : models::build_model(cfg_.model, scene_);
+    model_->to(device_);
+  }
   model_->train();
   double load_s = 0;  // checkpoint read time: the weights here, the optimizer state below
   // Pretrained weights go into the model as built; the transform (e.g. LoRA adapters, QAT
@@ -217,7 +259,17 @@ void TrainerImpl::setup() {
   po.optimizer = cfg_.optim;
   po.compute_bytes = precision_.compute_bytes();
   po.cuda = device_.is_cuda();
+  po.deferred = recipes;
+  const double model_mib = static_cast<double>(model_->parameter_count()) * 4 / (1024.0 * 1024.0);
   engine_ = parallel::parallelize(*model_, plan_, *topo_, tp_, po);
+  if (peak_reset) {
+    // ZeRO-3 with parallel.zero.meta_init keeps it near this rank's shard; a full build holds the
+    // whole model first.
+    core::log::info(
+        "model setup: host peak {:.1f} MiB above the {:.1f} MiB resident before it (the model's "
+        "parameters: {:.1f} MiB)",
+        proc_status_mib("VmHWM") - resident_before, resident_before, model_mib);
+  }
   // Loss normalisers over the replicas (Model::set_replica_mean), installed around each step.
   replica_mean_ = engine_->replica_mean();
 

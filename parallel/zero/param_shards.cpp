@@ -102,6 +102,9 @@ void ParamShards::add(int unit, int bucket, std::vector<std::string> names,
     flat_of_bucket_[static_cast<std::size_t>(bucket)] = static_cast<long>(index);
   }
   flats_.push_back(std::move(f));
+  // Freed at once: setup holds at most one flat parameter beside the shards (with deferred
+  // initialisation, the only whole unit a rank ever holds before its first forward).
+  free_flat(flats_.back());
 }
 
 int64_t ParamShards::shard_begin(std::size_t f) const {

@@ -59,10 +59,10 @@ class ParamShards : public core::UnitHooks {
 
   // Registers a flat parameter of unit `unit`: `params` (the module's) are views of `full` at
   // `offsets`; `bucket` is its gradient bucket (-1: frozen). Copies this rank's shard out of
-  // `full`.
+  // `full`, then frees `full` (N > 1).
   void add(int unit, int bucket, std::vector<std::string> names, std::vector<at::Tensor> params,
            std::vector<int64_t> offsets, at::Tensor full);
-  // Ends setup: frees every unit (N > 1).
+  // Ends setup (every unit is freed by then).
   void finish_setup();
 
   struct Flat {

@@ -90,7 +90,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
                        std::vector<optim::ParamGroup> groups, const OptimizerFactory& make,
                        comm::CommPtr dp, ddp::DdpOptions options, int stage,
                        std::vector<core::Unit> units, bool prefetch, bool always_gather,
-                       TensorParallelInfo tp)
+                       TensorParallelInfo tp, std::shared_ptr<const core::DeferredInit> deferred)
     : module_(std::move(module)),
       dp_(std::move(dp)),
       stage_(stage),
@@ -98,6 +98,9 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
       broadcast_buffers_(options.broadcast_buffers),
       tp_(std::move(tp)) {
   PARALLAX_CHECK(stage_ >= 1 && stage_ <= 3, ConfigError, "ZeRO: stage {} is not 1, 2 or 3",
+                 stage_);
+  PARALLAX_CHECK(!deferred || stage_ == 3, Error,
+                 "ZeRO: deferred initialisation needs stage 3 (stage {} keeps the whole model)",
                  stage_);
   // Buckets never mix optimizer groups (their weight decay differs).
   auto group_of = std::make_shared<std::map<std::string, int>>();
@@ -142,9 +145,13 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
     options.bucket_mb = options.first_bucket_mb = 1e9;
     options.on_launch = [this](std::size_t bucket) { shards_->bucket_launched(bucket); };
   }
-  // Identical replicas (parameters and buffers from dp rank 0), then DDP's gradient buckets in
-  // reduce-scatter mode.
-  ddp::broadcast_module(*module_, *dp_);
+  // Identical replicas (parameters and buffers from dp rank 0; with deferred initialisation every
+  // rank replays the same recipes instead), then DDP's gradient buckets in reduce-scatter mode.
+  if (!deferred) ddp::broadcast_module(*module_, *dp_);
+  // A parameter's initial value, read once into its flat buffer.
+  const auto initial = [&deferred](const std::string& name, const at::Tensor& p) {
+    return deferred ? deferred->value(name).reshape({-1}) : p.detach().reshape({-1});
+  };
   buckets_ = std::make_unique<ddp::GradBuckets>(module_, dp_, options);
 
   std::map<std::string, int64_t> index;
@@ -172,7 +179,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
       at::Tensor& p = params_[static_cast<std::size_t>(pi)];
       const int64_t off = info.offsets[k], numel = p.numel();
       at::Tensor view = flat.narrow(0, off, numel);
-      view.copy_(p.detach().reshape({-1}));
+      view.copy_(initial(info.param_names[k], p));
       // The parameter becomes a view into the bucket's flat buffer (same autograd identity, so
       // the gradient hooks stay attached): the all-gather after each step updates it in place.
       p.set_data(view.view(p.sizes()));
@@ -199,6 +206,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
       const std::size_t f = shards_->flats().size();
       shards_->add(unit_of->at(info.param_names.front()), static_cast<int>(bi), info.param_names,
                    members, info.offsets, flat);
+      if (deferred) core::release_free_memory();  // the unit's values, dropped
       const at::Tensor& mine = shards_->shard(f);
       for (std::size_t k = first_piece; k < pieces_.size(); ++k) {
         Piece& piece = pieces_[k];
@@ -234,10 +242,11 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
           at::zeros({(numel + n - 1) / n * n}, list.front().second.options().requires_grad(false));
       for (std::size_t k = 0; k < params.size(); ++k) {
         at::Tensor view = flat.narrow(0, offsets[k], params[k].numel());
-        view.copy_(params[k].detach().reshape({-1}));
+        view.copy_(initial(names[k], params[k]));
         params[k].set_data(view.view(params[k].sizes()));
       }
       shards_->add(key.first, -1, names, params, offsets, flat);
+      if (deferred) core::release_free_memory();
     }
     shards_->finish_setup();  // everything freed: only the shards stay
     flat_params_.clear();

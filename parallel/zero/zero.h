@@ -33,11 +33,16 @@
 //
 // Limits of this version: no CUDA graph capture (parallel/plan.cpp refuses it); on CPU backends a
 // transient bucket's memory returns when finalize waits for the collective (end of backward), on
-// GPUs when the communication stream has used it. Stage 3 builds the whole model on every rank
-// before sharding it (no deferred initialisation), and a resumed run reads the whole model before
-// sharding it.
+// GPUs when the communication stream has used it.
+//
+// Deferred initialisation (stage 3). Given the recipes of a model built under
+// core::DeferredInitScope (its parameters placeholders, core::place_deferred), the engine fills
+// each unit's flat parameter from the recipes and keeps only this rank's shard, one unit at a
+// time: no rank ever holds the whole model, and the values are bitwise those of a full build
+// (every rank replays the same recipes, so nothing is broadcast).
 #pragma once
 
+#include "core/param_init.h"
 #include "parallel/ddp/ddp.h"
 #include "parallel/engine.h"
 #include "parallel/zero/param_shards.h"
@@ -59,11 +64,13 @@ class ZeroEngine : public Engine {
   // and shards the parameters at once: install unit_hooks() in the model before its next forward.
   // `prefetch` (stage 3): gather the next unit while the current one computes. `always_gather`
   // (stage 3): gather and free even with one rank, where the shard is the whole parameter (tests
-  // of that path on one GPU; otherwise one rank skips it).
+  // of that path on one GPU; otherwise one rank skips it). `deferred` (stage 3 only): the
+  // model's recipes (deferred initialisation above); null: the parameters hold their values.
   ZeroEngine(std::shared_ptr<torch::nn::Module> module, std::vector<optim::ParamGroup> groups,
              const OptimizerFactory& make, comm::CommPtr dp, ddp::DdpOptions options, int stage,
              std::vector<core::Unit> units = {}, bool prefetch = true, bool always_gather = false,
-             TensorParallelInfo tp = {});
+             TensorParallelInfo tp = {},
+             std::shared_ptr<const core::DeferredInit> deferred = nullptr);
   ~ZeroEngine() override;
 
   std::string describe() const override;

@@ -140,5 +140,62 @@ TEST(RegistryTest, AShapeOnlyBuildHasTheFullBuildsTensorsAndHoldsNoStorage) {
   }
 }
 
+// Deferred construction (core/param_init.h; ZeRO-3's parallel.zero.meta_init): no parameter holds
+// more than one element of storage, every parameter's and buffer's recipe gives bitwise the full
+// build's value, in any order, and the generator ends where the full build leaves it (what the
+// trainer draws next, LoRA adapters say, is unchanged).
+TEST(RegistryTest, ADeferredBuildReplaysTheFullBuildsValuesBitwise) {
+  struct Case {
+    const char* name;
+    const char* size;
+    const char* backbone;
+  };
+  for (const Case c : {Case{"mlp", "tiny", "vit"}, Case{"vit_cls", "tiny", "vit"},
+                       Case{"bev", "tiny", "vit"}, Case{"bev", "tiny", "conv"}}) {
+    SCOPED_TRACE(std::string(c.name) + "/" + c.size + "/" + c.backbone);
+    ModelConfig cfg;
+    cfg.name = c.name;
+    cfg.size = c.size;
+    cfg.backbone = c.backbone;
+    cfg.num_classes = 10;
+    const core::SceneSpec scene = benchmark_scene(cfg.name == "bev" ? c.size : "tiny");
+    at::manual_seed(7);
+    const auto full = build_model(cfg, scene);
+    const at::Tensor after_full = at::randn({16});
+    at::manual_seed(7);
+    std::shared_ptr<Model> deferred;
+    std::shared_ptr<core::DeferredInit> recipes;
+    {
+      core::DeferredInitScope scope;
+      EXPECT_EQ(core::deferred_init(), scope.recipes().get());
+      deferred = build_model(cfg, scene);
+      recipes = scope.recipes();
+    }
+    EXPECT_EQ(core::deferred_init(), nullptr);
+    EXPECT_TRUE(at::equal(at::randn({16}), after_full));
+    const auto fp = full->named_parameters(), dp = deferred->named_parameters();
+    ASSERT_EQ(fp.size(), dp.size());
+    ASSERT_EQ(recipes->size(), fp.size() + full->named_buffers().size());
+    at::manual_seed(99);  // values do not depend on the generator's state when they are asked for
+    // Last to first: a recipe replays from its own state, not from where the previous one ended.
+    for (std::size_t i = fp.size(); i-- > 0;) {
+      const at::Tensor& d = dp[i].value();
+      EXPECT_EQ(dp[i].key(), fp[i].key());
+      EXPECT_EQ(d.sizes(), fp[i].value().sizes()) << fp[i].key();
+      EXPECT_EQ(d.requires_grad(), fp[i].value().requires_grad()) << fp[i].key();
+      EXPECT_LE(d.storage().nbytes(), static_cast<std::size_t>(d.element_size())) << fp[i].key();
+      EXPECT_TRUE(at::equal(recipes->value(fp[i].key()), fp[i].value().detach())) << fp[i].key();
+    }
+    for (const auto& b : full->named_buffers())
+      EXPECT_TRUE(at::equal(recipes->value(b.key()), b.value())) << b.key();
+    // Placed on the CPU: buffers take their values in place; parameters stay placeholders.
+    core::place_deferred(*deferred, *recipes, c10::Device(c10::kCPU));
+    const auto fb = full->named_buffers(), db = deferred->named_buffers();
+    for (std::size_t i = 0; i < fb.size(); ++i)
+      EXPECT_TRUE(at::equal(db[i].value(), fb[i].value())) << fb[i].key();
+    EXPECT_THROW(recipes->value("no.such.tensor"), Error);
+  }
+}
+
 }  // namespace
 }  // namespace parallax::models

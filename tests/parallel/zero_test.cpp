@@ -15,6 +15,7 @@
 //    bound of 0 are left out (the first Adam step is lr * sign(g) there).
 //  - across ranks, parameters are bitwise identical after every step (one all-gather).
 #include "parallel/zero/zero.h"
+#include "core/param_init.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
 #include "parallel/build_engine.h"
@@ -51,10 +52,13 @@ c10::Device test_device() {
 // Odd sizes, so buckets and shards cut through parameters; a 1-D bias group and a 2-D decay group.
 // Three units (one per layer) whose forwards call the engine's unit hooks, as the models do.
 struct Net : torch::nn::Module {
+  // Through core::layer, as the model zoo builds its LibTorch layers, so a deferred build of it
+  // records recipes (the same draws as torch::nn::Linear's constructor otherwise).
   Net() {
-    fc1 = register_module("fc1", torch::nn::Linear(13, 37));
-    fc2 = register_module("fc2", torch::nn::Linear(37, 29));
-    fc3 = register_module("fc3", torch::nn::Linear(29, 5));
+    using L = torch::nn::Linear;
+    fc1 = register_module("fc1", core::layer<L>(torch::nn::LinearOptions(13, 37)));
+    fc2 = register_module("fc2", core::layer<L>(torch::nn::LinearOptions(37, 29)));
+    fc3 = register_module("fc3", core::layer<L>(torch::nn::LinearOptions(29, 5)));
   }
   // Unit i: fc1 + gelu, fc2 + gelu, fc3.
   at::Tensor unit(int i, const at::Tensor& x) {
@@ -612,6 +616,68 @@ TEST_F(Zero3Test, TheGatherPathGivesBitwiseTheWeightsOfTheOneRankShortcut) {
     out.push_back(flat_params(*net).cpu().clone());
   }
   EXPECT_TRUE(at::equal(out[0], out[1]));
+}
+
+// Deferred initialisation (parallel.zero.meta_init): a Net built without storage, its recipes
+// handed to the engine, which fills each unit's flat parameter from them and keeps its shard:
+// bitwise the weights of a full build after the same steps, with nothing broadcast. The gather
+// path runs on every rank count (always_gather), on nccl np1 on the device.
+TEST_F(Zero3Test, DeferredInitialisationGivesBitwiseTheWeightsOfAFullBuild) {
+  std::vector<at::Tensor> out;
+  for (const bool deferred : {false, true}) {
+    std::shared_ptr<Net> net;
+    std::shared_ptr<core::DeferredInit> recipes;
+    if (deferred) {
+      at::manual_seed(29);
+      {
+        core::DeferredInitScope scope;
+        net = std::make_shared<Net>();
+        core::finish_deferred(*net);
+        recipes = scope.recipes();
+      }
+      core::place_deferred(*net, *recipes, test_device());
+      for (const auto& p : net->parameters())
+        EXPECT_LE(p.storage().nbytes(), static_cast<std::size_t>(p.element_size()));
+    } else {
+      net = make_net(29);
+    }
+    auto zero = std::make_unique<par::zero::ZeroEngine>(net, groups_of(*net), adamw(), world_,
+                                                        bucket_options(), 3, Net::units(), true,
+                                                        true, par::TensorParallelInfo{}, recipes);
+    net->hooks = zero->unit_hooks();
+    for (int step = 0; step < 3; ++step) {
+      zero->forward_backward(
+          2,
+          [&](int i) {
+            auto [x, y] = global_batch(30 + 2 * step + i, 4 * n_);
+            return (net->forward(x.narrow(0, 4 * rank_, 4)) - y.narrow(0, 4 * rank_, 4))
+                .pow(2)
+                .mean();
+          },
+          true);
+      zero->update(1e-2);
+      zero->zero_grad();
+    }
+    par::FullParams whole(*zero);
+    out.push_back(flat_params(*net).cpu().clone());
+  }
+  EXPECT_TRUE(at::equal(out[0], out[1]));
+}
+
+// Deferred initialisation is ZeRO-3's: stages 1 and 2 keep the whole model, so they refuse it.
+TEST_F(Zero3Test, DeferredInitialisationNeedsStage3) {
+  std::shared_ptr<Net> net;
+  std::shared_ptr<core::DeferredInit> recipes;
+  {
+    core::DeferredInitScope scope;
+    net = std::make_shared<Net>();
+    core::finish_deferred(*net);
+    recipes = scope.recipes();
+  }
+  core::place_deferred(*net, *recipes, test_device());
+  EXPECT_THROW(par::build_engine(plan(2), net, groups_of(*net), adamw(), world_, bucket_options(),
+                                 Net::units(), {}, recipes),
+               Error);
 }
 
 // A unit run once more on one rank (a data-dependent branch): every rank gets an error naming the

@@ -26,10 +26,18 @@
   before), and evaluation runs and logs its metrics.
 - resume under the same layout is bitwise (losses and exported weights; AdamW: the same
   arithmetic).
+- ZeRO-3's deferred initialisation (parallel.zero.meta_init, the default; issue 37) on vit_cls b16
+  (327 MiB of fp32 parameters): the losses are bitwise those of the full build (the recipes replay
+  the full build's draws), and rank 0's host peak while the model and engine are set up (the
+  trainer's "model setup: host peak" line, from the kernel's VmHWM) stays below 1.5 x the model
+  (this rank's parameter shard and gradient shard are 0.5 x each, plus one unit's gather and the
+  allocator's slack) and at least 0.5 x the model below the full build's, which holds the whole
+  model first.
 
 Usage: test_zero.py <parallax binary> <mpirun>
 """
 import os
+import re
 import sys
 import unittest
 
@@ -94,6 +102,24 @@ class ZeroCliTest(tt.RunDirTest):
             self.assertTrue(all(np.isfinite(r["val_loss"]) for r in evals), name)
         self.assertEqual(out[3][1], out[0][1])
         self.assert_losses(out[3], out[0], [2], 1e-3, "bf16 ZeRO-3 vs stage 0")
+
+    def test_zero3_meta_init_is_the_full_build_bitwise_and_never_holds_the_model(self):
+        args = ["model.name=vit_cls", "model.size=b16", "model.num_classes=8", "data.batch_size=2", "train.steps=2",
+                "parallel.zero.stage=3", "optim.name=sgd", "optim.lr=0.01", "optim.momentum=0"]
+        out, peak = {}, {}
+        for meta in ("true", "false"):
+            name = f"meta_{meta}"
+            p = tt.run(self.common(name, *args, f"parallel.zero.meta_init={meta}"), ranks=2)
+            out[meta] = losses(os.path.join(self.d, name))
+            m = re.search(r"model setup: host peak ([\d.]+) MiB above .* parameters: ([\d.]+) MiB", p.stdout + p.stderr)
+            self.assertIsNotNone(m, (p.stdout + p.stderr)[-3000:])
+            peak[meta], model = float(m.group(1)), float(m.group(2))
+            self.assertEqual("without storage" in p.stdout + p.stderr, meta == "true")
+        print(f"\n  ZeRO-3 vit b16 ({model:.0f} MiB): setup host peak {peak['true']:.0f} MiB with meta_init, "
+              f"{peak['false']:.0f} MiB without", file=sys.stderr)
+        self.assertEqual(out["true"], out["false"])
+        self.assertLess(peak["true"], 1.5 * model)
+        self.assertGreater(peak["false"] - peak["true"], 0.5 * model)
 
     def test_resume_under_zero2_is_bitwise(self):
         full = os.path.join(self.d, "full")
