@@ -14,8 +14,9 @@
 // parameter or buffer storage. Names, shapes, units, costs and tensor-parallel layouts are those of
 // a full build. A shape-only model cannot run forward or hold a checkpoint.
 //
-// Deferred construction (DeferredInitScope; the trainer builds a ZeRO-3 model this way, so that a
-// rank materialises only its shard: parallel/zero/zero.h): the model is shape-only as above, but
+// Deferred construction (DeferredInitScope; the trainer builds a ZeRO-3 or pipeline model this way,
+// parallel.meta_init, so that a rank materialises only its shard or its stages:
+// parallel/parallelize.h): the model is shape-only as above, but
 // every tensor keeps a recipe that gives its initial value bitwise as a full build would, at any
 // time and in any order. A recipe is the CPU generator's state where the full build drew the
 // tensor plus the draw itself, replayed from that state; construction still makes every draw

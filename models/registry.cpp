@@ -129,6 +129,15 @@ void set_attention_backend(const std::string& name) {
 
 namespace {
 
+// A model as built: under shape-only construction (core/param_init.h) the LibTorch layers
+// allocated, which is dropped now; under deferred construction the rest of their tensors are kept
+// as values and every recipe is named.
+std::shared_ptr<Model> finished(std::shared_ptr<Model> model) {
+  if (core::shape_only()) core::to_meta(*model);
+  core::finish_deferred(*model);
+  return model;
+}
+
 std::shared_ptr<Model> build_unchecked(const ModelConfig& cfg, const core::SceneSpec& scene,
                                        const LinearFactory& linear) {
   set_attention_backend(cfg.attention);
@@ -152,13 +161,7 @@ std::shared_ptr<Model> build_unchecked(const ModelConfig& cfg, const core::Scene
 
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
                                    const LinearFactory& linear) {
-  std::shared_ptr<Model> model = build_unchecked(cfg, scene, linear);
-  // Shape-only construction (core/param_init.h): the LibTorch layers allocated; drop that now.
-  if (core::shape_only()) core::to_meta(*model);
-  // Deferred construction: the rest of the LibTorch layers' tensors kept as values, every recipe
-  // named.
-  core::finish_deferred(*model);
-  return model;
+  return finished(build_unchecked(cfg, scene, linear));
 }
 
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
@@ -177,9 +180,9 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
     spec.dropout = cfg.dropout;
     spec.fp32_residual = cfg.fp32_residual;
     spec.fused_kernels = cfg.fused_kernels;
-    return std::make_shared<VitClassifier>(spec, 224, cfg.num_classes, linear, tp);
+    return finished(std::make_shared<VitClassifier>(spec, 224, cfg.num_classes, linear, tp));
   }
-  return std::make_shared<PerceptionModel>(make_bev_spec(cfg, scene), linear, tp);
+  return finished(std::make_shared<PerceptionModel>(make_bev_spec(cfg, scene), linear, tp));
 }
 
 std::vector<ModuleCost> analytic_cost(const ModelConfig& cfg, const core::SceneSpec& scene) {

@@ -45,7 +45,6 @@ struct DdpConfig {
 struct ZeroConfig {
   int stage = 0;
   bool prefetch = true;
-  bool meta_init = true;
 
   template <class V>
   void visit(V& v) {
@@ -58,10 +57,6 @@ struct ZeroConfig {
       core::Check::between(0, 3));
     v("prefetch", prefetch,
       "ZeRO-3: gather the next unit's parameters while the current one computes");
-    v("meta_init", meta_init,
-      "ZeRO-3 over several ranks: build the model without storage and materialise only this "
-      "rank's shard, unit by unit, with the values a full build gives (no rank holds the whole "
-      "model; used without tp, pp, train.load_from or a model transform such as LoRA or QAT)");
   }
 };
 
@@ -73,6 +68,7 @@ struct ParallelConfig {
   int pp_virtual_stages = 1;
   std::vector<int> pp_layout;  // units per stage; empty: balanced
   bool sequence_parallel = false;
+  bool meta_init = true;
   std::string backend = "auto";
   std::string allreduce = "native";
   double timeout_s = 600;
@@ -104,6 +100,11 @@ struct ParallelConfig {
     v("sequence_parallel", sequence_parallel,
       "with tp > 1: shard LayerNorm, dropout and residual regions along the tokens (all-gather "
       "before each column-parallel layer, reduce-scatter after each row-parallel one)");
+    v("meta_init", meta_init,
+      "ZeRO-3 over several ranks and pipeline stages: build the model without storage and "
+      "materialise only what this rank owns (its shard, unit by unit, or its stages) with the "
+      "values a full build gives, so no rank holds the whole model (not with train.load_from, a "
+      "model transform such as LoRA or QAT, or a resumed pipeline run)");
     v("backend", backend, "communication backend",
       core::Check::one_of({"auto", "mpi", "nccl", "gloo"}));
     v("allreduce", allreduce, "all-reduce algorithm: backend native or the explicit ring",

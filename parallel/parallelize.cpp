@@ -7,6 +7,8 @@
 #include "parallel/pipeline/pipeline_engine.h"
 #include "parallel/state.h"
 
+#include <ATen/ATen.h>
+
 namespace parallax::parallel {
 
 namespace {
@@ -38,10 +40,9 @@ std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan
                                     const ParallelizeOptions& options) {
   const std::shared_ptr<torch::nn::Module> module = model.as_module();
   const comm::Layout& layout = plan.layout;
-  PARALLAX_CHECK(!options.deferred || (plan.shards_model() && layout.tp <= 1 && layout.pp <= 1),
-                 Error,
+  PARALLAX_CHECK(!options.deferred || plan.shards_model() || layout.pp > 1, Error,
                  "parallelize: a model built with deferred initialisation needs ZeRO-3 over "
-                 "several data-parallel ranks without tensor or pipeline parallelism (plan: {})",
+                 "several data-parallel ranks or pipeline stages (plan: {})",
                  plan.describe());
 
   // 1. Tensor parallelism: the layers are the factory's; their gradients' sums over tp under
@@ -65,6 +66,19 @@ std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan
   // then (under pipeline parallelism: this rank's stages').
   const optim::OptimConfig optim_cfg = options.optimizer;
   const auto data_parallel = [&]() -> std::unique_ptr<Engine> {
+    // Deferred initialisation: ZeRO-3 materialises its shards itself; any other engine takes the
+    // parameters as they are then (under a pipeline: this rank's stages', the others released),
+    // so those get their values from the recipes now, one at a time.
+    std::shared_ptr<const core::DeferredInit> deferred;
+    if (options.deferred && plan.zero_stage == 3) {
+      deferred = options.deferred;
+    } else if (options.deferred) {
+      at::NoGradGuard no_grad;
+      for (auto& item : module->named_parameters()) {
+        at::Tensor& p = item.value();
+        if (p.numel() > 0) p.set_data(options.deferred->value(item.key()).to(p.options()));
+      }
+    }
     optim::NamedParams trainable;
     for (const auto& item : module->named_parameters())
       trainable.emplace_back(item.key(), item.value());
@@ -73,7 +87,7 @@ std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan
         [optim_cfg](std::vector<optim::ParamGroup> groups) {
           return optim::build_optimizer(optim_cfg, std::move(groups));
         },
-        topo.dp(), plan.ddp, model.units(), std::move(tp_info), options.deferred);
+        topo.dp(), plan.ddp, model.units(), std::move(tp_info), deferred);
   };
 
   std::unique_ptr<Engine> engine;

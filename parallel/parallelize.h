@@ -61,9 +61,11 @@ struct ParallelizeOptions {
   int compute_bytes = 4;
   bool cuda = false;
   // The model's recipes when it was built under core::DeferredInitScope and its parameters are
-  // placeholders (core::place_deferred): the plan must shard the model (Plan::shards_model())
-  // with neither tensor nor pipeline parallelism; ZeRO-3 then materialises only each rank's shard
-  // (parallel/zero/zero.h). Null: the model holds its values.
+  // placeholders (core::place_deferred): the plan must shard the model (Plan::shards_model()) or
+  // split it into pipeline stages. ZeRO-3 then materialises only each rank's shard
+  // (parallel/zero/zero.h); under a pipeline, the data-parallel engine's parameters (this rank's
+  // stages') get their values before it is built, the other stages' are never materialised.
+  // Tensor-parallel layers record this rank's slices. Null: the model holds its values.
   std::shared_ptr<const core::DeferredInit> deferred;
 };
 

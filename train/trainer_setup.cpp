@@ -153,25 +153,28 @@ void TrainerImpl::setup() {
   // The model, its tensor-parallel layers built by the factory over the plan's group (plan step 1,
   // parallel/parallelize.h).
   tp_ = parallel::tensor_parallel_group(plan_, *topo_);
-  // ZeRO-3 over several ranks builds the model without storage and materialises only this rank's
-  // shard (parallel.zero.meta_init; core/param_init.h, parallel/zero/zero.h), with the values a
-  // full build gives; weights loaded into the whole model or a transform of it need the full build.
+  // ZeRO-3 over several ranks, or pipeline stages, build the model without storage; each rank then
+  // materialises only what it owns, its ZeRO-3 shard or its stages (parallel.meta_init;
+  // core/param_init.h, parallel/parallelize.h), with the values a full build gives. Weights loaded
+  // into the whole model or a transform of it need the full build, and so does a pipeline run that
+  // resumes (it reads the checkpoint into the model before the engine exists).
   std::shared_ptr<core::DeferredInit> recipes;
   // The host memory the model and its engine take while they are set up (below).
   const double resident_before = proc_status_mib("VmRSS");
   const bool peak_reset = resident_before >= 0 && reset_peak_resident();
-  if (cfg_.parallel.zero.meta_init && plan_.shards_model() && plan_.layout.tp <= 1 &&
-      plan_.layout.pp <= 1 && cfg_.train.load_from.empty() && !hooks_.transform_model) {
+  if (cfg_.parallel.meta_init && (plan_.shards_model() || (plan_.layout.pp > 1 && !resume_)) &&
+      cfg_.train.load_from.empty() && !hooks_.transform_model) {
     {
       core::DeferredInitScope deferred;
-      model_ = models::build_model(cfg_.model, scene_);
+      model_ = tp_ ? models::build_model(cfg_.model, scene_, tp_)
+                   : models::build_model(cfg_.model, scene_);
       recipes = deferred.recipes();
     }
     core::place_deferred(*model_, *recipes, device_);
     core::log::info(
-        "model built without storage (parallel.zero.meta_init): {} tensors, each rank "
-        "materialises its ZeRO-3 shard",
-        recipes->size());
+        "model built without storage (parallel.meta_init): {} tensors, each rank "
+        "materialises its {}",
+        recipes->size(), plan_.shards_model() ? "ZeRO-3 shard" : "pipeline stages");
   } else {
     model_ = tp_ ? models::build_model(cfg_.model, scene_, tp_)
                  : models::build_model(cfg_.model, scene_);
@@ -263,8 +266,8 @@ void TrainerImpl::setup() {
   const double model_mib = static_cast<double>(model_->parameter_count()) * 4 / (1024.0 * 1024.0);
   engine_ = parallel::parallelize(*model_, plan_, *topo_, tp_, po);
   if (peak_reset) {
-    // ZeRO-3 with parallel.zero.meta_init keeps it near this rank's shard; a full build holds the
-    // whole model first.
+    // With parallel.meta_init it stays near what this rank owns (its ZeRO-3 shard or its
+    // pipeline stages); a full build holds the whole model first.
     core::log::info(
         "model setup: host peak {:.1f} MiB above the {:.1f} MiB resident before it (the model's "
         "parameters: {:.1f} MiB)",

@@ -371,9 +371,13 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const LinearSpec& spec, TpPtr
   check_divides(spec, spec.out_features / spec.parts, n, "outputs");
   PARALLAX_CHECK(!(spec.gather_output && spec.parts > 1), Error,
                  "linear layer '{}': gather_output with fused parts is not supported", spec.name);
-  // The same draws as the dense layer (models/layers.cpp), then this rank's rows.
-  at::Tensor full = core::init_normal({spec.out_features, spec.in_features}, 0.02);
-  weight = register_parameter("weight", column_slice(full, spec.parts, tp_->rank(), n));
+  // The same draws as the dense layer (models/layers.cpp), then this rank's rows (under deferred
+  // construction, the recipe of this rank's rows: core/param_init.h).
+  const int64_t out = spec.out_features, in = spec.in_features, parts = spec.parts;
+  const int rank = tp_->rank();
+  weight = register_parameter("weight", core::init_tensor({out / n, in}, [=]() {
+                                return column_slice(at::randn({out, in}) * 0.02, parts, rank, n);
+                              }));
   if (spec.bias) {
     bias = register_parameter("bias", core::init_zeros({spec.out_features / n}));
   }
@@ -396,8 +400,11 @@ RowParallelLinearImpl::RowParallelLinearImpl(const LinearSpec& spec, TpPtr tp)
     : spec_(spec), tp_(std::move(tp)) {
   const int n = tp_->size();
   check_divides(spec, spec.in_features, n, "inputs");
-  at::Tensor full = core::init_normal({spec.out_features, spec.in_features}, 0.02);
-  weight = register_parameter("weight", row_slice(full, tp_->rank(), n));
+  const int64_t out = spec.out_features, in = spec.in_features;
+  const int rank = tp_->rank();
+  weight = register_parameter("weight", core::init_tensor({out, in / n}, [=]() {
+                                return row_slice(at::randn({out, in}) * 0.02, rank, n);
+                              }));
   if (spec.bias) {
     bias = register_parameter("bias", core::init_zeros({spec.out_features}));
     if (sequence_parallel()) tp_->mark_sequence_parallel(bias);

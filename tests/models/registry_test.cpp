@@ -140,7 +140,7 @@ TEST(RegistryTest, AShapeOnlyBuildHasTheFullBuildsTensorsAndHoldsNoStorage) {
   }
 }
 
-// Deferred construction (core/param_init.h; ZeRO-3's parallel.zero.meta_init): no parameter holds
+// Deferred construction (core/param_init.h; ZeRO-3's parallel.meta_init): no parameter holds
 // more than one element of storage, every parameter's and buffer's recipe gives bitwise the full
 // build's value, in any order, and the generator ends where the full build leaves it (what the
 // trainer draws next, LoRA adapters say, is unchanged).

@@ -618,7 +618,7 @@ TEST_F(Zero3Test, TheGatherPathGivesBitwiseTheWeightsOfTheOneRankShortcut) {
   EXPECT_TRUE(at::equal(out[0], out[1]));
 }
 
-// Deferred initialisation (parallel.zero.meta_init): a Net built without storage, its recipes
+// Deferred initialisation (parallel.meta_init): a Net built without storage, its recipes
 // handed to the engine, which fills each unit's flat parameter from them and keeps its shard:
 // bitwise the weights of a full build after the same steps, with nothing broadcast. The gather
 // path runs on every rank count (always_gather), on nccl np1 on the device.

@@ -26,13 +26,13 @@
   before), and evaluation runs and logs its metrics.
 - resume under the same layout is bitwise (losses and exported weights; AdamW: the same
   arithmetic).
-- ZeRO-3's deferred initialisation (parallel.zero.meta_init, the default; issue 37) on vit_cls b16
+- ZeRO-3's deferred initialisation (parallel.meta_init, the default; issue 37) on vit_cls b16
   (327 MiB of fp32 parameters): the losses are bitwise those of the full build (the recipes replay
   the full build's draws), and rank 0's host peak while the model and engine are set up (the
   trainer's "model setup: host peak" line, from the kernel's VmHWM) stays below 1.5 x the model
   (this rank's parameter shard and gradient shard are 0.5 x each, plus one unit's gather and the
   allocator's slack) and at least 0.5 x the model below the full build's, which holds the whole
-  model first.
+  model first; under dp 2 x tp 2 (vit_cls tiny) the losses are bitwise the full build's too.
 
 Usage: test_zero.py <parallax binary> <mpirun>
 """
@@ -109,7 +109,7 @@ class ZeroCliTest(tt.RunDirTest):
         out, peak = {}, {}
         for meta in ("true", "false"):
             name = f"meta_{meta}"
-            p = tt.run(self.common(name, *args, f"parallel.zero.meta_init={meta}"), ranks=2)
+            p = tt.run(self.common(name, *args, f"parallel.meta_init={meta}"), ranks=2)
             out[meta] = losses(os.path.join(self.d, name))
             m = re.search(r"model setup: host peak ([\d.]+) MiB above .* parameters: ([\d.]+) MiB", p.stdout + p.stderr)
             self.assertIsNotNone(m, (p.stdout + p.stderr)[-3000:])
@@ -120,6 +120,16 @@ class ZeroCliTest(tt.RunDirTest):
         self.assertEqual(out["true"], out["false"])
         self.assertLess(peak["true"], 1.5 * model)
         self.assertGreater(peak["false"] - peak["true"], 0.5 * model)
+        # Under tensor parallelism (dp 2 x tp 2) each rank's recipes give its slices of the full draws.
+        tp = {}
+        for meta in ("true", "false"):
+            name = f"tp_meta_{meta}"
+            tt.run(self.common(name, "model.name=vit_cls", "model.size=tiny", "model.num_classes=8",
+                               "data.batch_size=4", "train.steps=3", "parallel.tp=2", "parallel.zero.stage=3",
+                               *tt.sgd(SGD_LR), f"parallel.meta_init={meta}"), ranks=4)
+            tp[meta] = losses(os.path.join(self.d, name))
+        self.assertEqual(sorted(tp["true"]), [1, 2, 3])
+        self.assertEqual(tp["true"], tp["false"])
 
     def test_resume_under_zero2_is_bitwise(self):
         full = os.path.join(self.d, "full")
