@@ -87,24 +87,31 @@ TEST(RegistryTest, LinearFactoryReachesEveryTransformerBlock) {
   EXPECT_EQ(built, 4 * 12);
 }
 
+// A zoo model of the construction tests below, with 10 classes.
+struct Case {
+  const char* name;
+  const char* size;
+  const char* backbone;
+};
+
+ModelConfig config_of(const Case& c) {
+  ModelConfig cfg;
+  cfg.name = c.name;
+  cfg.size = c.size;
+  cfg.backbone = c.backbone;
+  cfg.num_classes = 10;
+  return cfg;
+}
+
 // Shape-only construction (core/param_init.h, what `parallax plan` builds): the same parameters and
 // buffers as a full build (names, shapes, dtypes, requires_grad, units, costs), none of them with
 // storage.
 TEST(RegistryTest, AShapeOnlyBuildHasTheFullBuildsTensorsAndHoldsNoStorage) {
-  struct Case {
-    const char* name;
-    const char* size;
-    const char* backbone;
-  };
   for (const Case c :
        {Case{"mlp", "tiny", "vit"}, Case{"vit_cls", "tiny", "vit"}, Case{"bev", "tiny", "vit"},
         Case{"bev", "tiny", "conv"}, Case{"bev", "small", "vit"}}) {
     SCOPED_TRACE(std::string(c.name) + "/" + c.size + "/" + c.backbone);
-    ModelConfig cfg;
-    cfg.name = c.name;
-    cfg.size = c.size;
-    cfg.backbone = c.backbone;
-    cfg.num_classes = 10;
+    const ModelConfig cfg = config_of(c);
     const core::SceneSpec scene = benchmark_scene(cfg.name == "bev" ? c.size : "tiny");
     std::shared_ptr<Model> meta;
     {
@@ -145,19 +152,10 @@ TEST(RegistryTest, AShapeOnlyBuildHasTheFullBuildsTensorsAndHoldsNoStorage) {
 // build's value, in any order, and the generator ends where the full build leaves it (what the
 // trainer draws next, LoRA adapters say, is unchanged).
 TEST(RegistryTest, ADeferredBuildReplaysTheFullBuildsValuesBitwise) {
-  struct Case {
-    const char* name;
-    const char* size;
-    const char* backbone;
-  };
   for (const Case c : {Case{"mlp", "tiny", "vit"}, Case{"vit_cls", "tiny", "vit"},
                        Case{"bev", "tiny", "vit"}, Case{"bev", "tiny", "conv"}}) {
     SCOPED_TRACE(std::string(c.name) + "/" + c.size + "/" + c.backbone);
-    ModelConfig cfg;
-    cfg.name = c.name;
-    cfg.size = c.size;
-    cfg.backbone = c.backbone;
-    cfg.num_classes = 10;
+    const ModelConfig cfg = config_of(c);
     const core::SceneSpec scene = benchmark_scene(cfg.name == "bev" ? c.size : "tiny");
     at::manual_seed(7);
     const auto full = build_model(cfg, scene);

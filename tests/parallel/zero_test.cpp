@@ -32,6 +32,7 @@
 #include <limits>
 #include <random>
 #include <set>
+#include <tuple>
 
 using namespace parallax;
 namespace comm = parallax::parallel::comm;
@@ -117,6 +118,38 @@ std::unique_ptr<par::Engine> engine_for(const par::Plan& plan, const std::shared
   auto e = par::build_engine(plan, net, groups_of(*net), adamw(), group, options, Net::units());
   net->hooks = e->unit_hooks();
   return e;
+}
+
+// Three steps of two micro-batches each (global batches first_batch, first_batch + 1, ...; rank r
+// takes rows [4 r, 4 r + 4)), an AdamW update at lr 1e-2 after each.
+void train_three_steps(par::Engine& zero, Net& net, int first_batch, int rank, int n) {
+  for (int step = 0; step < 3; ++step) {
+    zero.forward_backward(
+        2,
+        [&](int i) {
+          auto [x, y] = global_batch(first_batch + 2 * step + i, 4 * n);
+          return (net.forward(x.narrow(0, 4 * rank, 4)) - y.narrow(0, 4 * rank, 4)).pow(2).mean();
+        },
+        true);
+    zero.update(1e-2);
+    zero.zero_grad();
+  }
+}
+
+// A Net built under deferred construction (core/param_init.h) from `seed`, placed on the test
+// device: placeholders, and the recipes that give its full build's values.
+std::pair<std::shared_ptr<Net>, std::shared_ptr<core::DeferredInit>> deferred_net(uint64_t seed) {
+  at::manual_seed(seed);
+  std::shared_ptr<Net> net;
+  std::shared_ptr<core::DeferredInit> recipes;
+  {
+    core::DeferredInitScope scope;
+    net = std::make_shared<Net>();
+    core::finish_deferred(*net);
+    recipes = scope.recipes();
+  }
+  core::place_deferred(*net, *recipes, test_device());
+  return {net, recipes};
 }
 
 class ZeroTest : public ::testing::TestWithParam<int> {
@@ -596,19 +629,7 @@ TEST_F(Zero3Test, TheGatherPathGivesBitwiseTheWeightsOfTheOneRankShortcut) {
     auto zero = std::make_unique<par::zero::ZeroEngine>(
         net, groups_of(*net), adamw(), world_, bucket_options(), 3, Net::units(), true, always);
     net->hooks = zero->unit_hooks();
-    for (int step = 0; step < 3; ++step) {
-      zero->forward_backward(
-          2,
-          [&](int i) {
-            auto [x, y] = global_batch(10 + 2 * step + i, 4 * n_);
-            return (net->forward(x.narrow(0, 4 * rank_, 4)) - y.narrow(0, 4 * rank_, 4))
-                .pow(2)
-                .mean();
-          },
-          true);
-      zero->update(1e-2);
-      zero->zero_grad();
-    }
+    train_three_steps(*zero, *net, 10, rank_, n_);
     if (always || n_ > 1) {
       for (const auto& p : net->parameters()) EXPECT_EQ(p.numel(), 0) << "not freed after the step";
     }
@@ -628,14 +649,7 @@ TEST_F(Zero3Test, DeferredInitialisationGivesBitwiseTheWeightsOfAFullBuild) {
     std::shared_ptr<Net> net;
     std::shared_ptr<core::DeferredInit> recipes;
     if (deferred) {
-      at::manual_seed(29);
-      {
-        core::DeferredInitScope scope;
-        net = std::make_shared<Net>();
-        core::finish_deferred(*net);
-        recipes = scope.recipes();
-      }
-      core::place_deferred(*net, *recipes, test_device());
+      std::tie(net, recipes) = deferred_net(29);
       for (const auto& p : net->parameters())
         EXPECT_LE(p.storage().nbytes(), static_cast<std::size_t>(p.element_size()));
     } else {
@@ -645,19 +659,7 @@ TEST_F(Zero3Test, DeferredInitialisationGivesBitwiseTheWeightsOfAFullBuild) {
                                                         bucket_options(), 3, Net::units(), true,
                                                         true, par::TensorParallelInfo{}, recipes);
     net->hooks = zero->unit_hooks();
-    for (int step = 0; step < 3; ++step) {
-      zero->forward_backward(
-          2,
-          [&](int i) {
-            auto [x, y] = global_batch(30 + 2 * step + i, 4 * n_);
-            return (net->forward(x.narrow(0, 4 * rank_, 4)) - y.narrow(0, 4 * rank_, 4))
-                .pow(2)
-                .mean();
-          },
-          true);
-      zero->update(1e-2);
-      zero->zero_grad();
-    }
+    train_three_steps(*zero, *net, 30, rank_, n_);
     par::FullParams whole(*zero);
     out.push_back(flat_params(*net).cpu().clone());
   }
@@ -666,15 +668,7 @@ TEST_F(Zero3Test, DeferredInitialisationGivesBitwiseTheWeightsOfAFullBuild) {
 
 // Deferred initialisation is ZeRO-3's: stages 1 and 2 keep the whole model, so they refuse it.
 TEST_F(Zero3Test, DeferredInitialisationNeedsStage3) {
-  std::shared_ptr<Net> net;
-  std::shared_ptr<core::DeferredInit> recipes;
-  {
-    core::DeferredInitScope scope;
-    net = std::make_shared<Net>();
-    core::finish_deferred(*net);
-    recipes = scope.recipes();
-  }
-  core::place_deferred(*net, *recipes, test_device());
+  auto [net, recipes] = deferred_net(31);
   EXPECT_THROW(par::build_engine(plan(2), net, groups_of(*net), adamw(), world_, bucket_options(),
                                  Net::units(), {}, recipes),
                Error);
