@@ -88,13 +88,13 @@ TEST(RegistryTest, LinearFactoryReachesEveryTransformerBlock) {
 }
 
 // A zoo model of the construction tests below, with 10 classes.
-struct Case {
+struct BuildCase {
   const char* name;
   const char* size;
   const char* backbone;
 };
 
-ModelConfig config_of(const Case& c) {
+ModelConfig config_of(const BuildCase& c) {
   ModelConfig cfg;
   cfg.name = c.name;
   cfg.size = c.size;
@@ -107,9 +107,9 @@ ModelConfig config_of(const Case& c) {
 // buffers as a full build (names, shapes, dtypes, requires_grad, units, costs), none of them with
 // storage.
 TEST(RegistryTest, AShapeOnlyBuildHasTheFullBuildsTensorsAndHoldsNoStorage) {
-  for (const Case c :
-       {Case{"mlp", "tiny", "vit"}, Case{"vit_cls", "tiny", "vit"}, Case{"bev", "tiny", "vit"},
-        Case{"bev", "tiny", "conv"}, Case{"bev", "small", "vit"}}) {
+  for (const BuildCase c : {BuildCase{"mlp", "tiny", "vit"}, BuildCase{"vit_cls", "tiny", "vit"},
+                            BuildCase{"bev", "tiny", "vit"}, BuildCase{"bev", "tiny", "conv"},
+                            BuildCase{"bev", "small", "vit"}}) {
     SCOPED_TRACE(std::string(c.name) + "/" + c.size + "/" + c.backbone);
     const ModelConfig cfg = config_of(c);
     const core::SceneSpec scene = benchmark_scene(cfg.name == "bev" ? c.size : "tiny");
@@ -152,8 +152,8 @@ TEST(RegistryTest, AShapeOnlyBuildHasTheFullBuildsTensorsAndHoldsNoStorage) {
 // build's value, in any order, and the generator ends where the full build leaves it (what the
 // trainer draws next, LoRA adapters say, is unchanged).
 TEST(RegistryTest, ADeferredBuildReplaysTheFullBuildsValuesBitwise) {
-  for (const Case c : {Case{"mlp", "tiny", "vit"}, Case{"vit_cls", "tiny", "vit"},
-                       Case{"bev", "tiny", "vit"}, Case{"bev", "tiny", "conv"}}) {
+  for (const BuildCase c : {BuildCase{"mlp", "tiny", "vit"}, BuildCase{"vit_cls", "tiny", "vit"},
+                            BuildCase{"bev", "tiny", "vit"}, BuildCase{"bev", "tiny", "conv"}}) {
     SCOPED_TRACE(std::string(c.name) + "/" + c.size + "/" + c.backbone);
     const ModelConfig cfg = config_of(c);
     const core::SceneSpec scene = benchmark_scene(cfg.name == "bev" ? c.size : "tiny");
