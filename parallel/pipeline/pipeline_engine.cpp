@@ -179,6 +179,44 @@ PipelineEngine::PipelineEngine(std::shared_ptr<torch::nn::Module> module,
   for (int64_t k = 0; k < all.numel(); ++k)
     step_replicas_.push_back(static_cast<int>(all[k].item<int64_t>()));
   std::sort(step_replicas_.begin(), step_replicas_.end());
+  connect_peers();
+}
+
+// NCCL connects a pair of ranks per direction, lazily, inside the ncclGroupEnd of the first batch
+// that uses the direction, and that setup blocks until the peer sets up its end. Under gpipe, stage
+// 0 posts its last activation send with its first gradient receive in one batch while stage 1,
+// which has never sent, posts only that activation's receive: stage 0's ncclGroupEnd waits for a
+// send connection stage 1 makes only after the receive, which waits for stage 0's batch (the hang
+// on 2 x H200; pytorch/pytorch#113281 describes the same setup). So every pair of pipeline
+// neighbours exchanges one element both ways in one batch, at once, before the first step: every
+// connection of the plan exists before a batch needs it. Every backend runs it (cheap, and the
+// same path in CPU tests).
+void PipelineEngine::connect_peers() {
+  std::set<int> peers;
+  for (const Op& c : schedule_.ops[pp_->rank()])
+    if (c.is_comm() && c.peer != pp_->rank()) peers.insert(c.peer);
+  if (peers.empty()) return;
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(comm_device());
+  std::vector<comm::P2POp> ops;
+  for (int p : peers) {
+    ops.push_back({comm::P2POp::Kind::kSend, at::full({1}, pp_->rank(), options), p, 0});
+    ops.push_back({comm::P2POp::Kind::kRecv, at::full({1}, -1.0, options), p, 0});
+  }
+  try {
+    pp_->batch_isend_irecv(ops)->wait();
+  } catch (Error& e) {
+    e.add_context(fmt::format("pipeline rank {} connecting to its neighbours (pipeline ranks {})",
+                              pp_->rank(), fmt::join(peers, ", ")));
+    throw;
+  }
+  for (const auto& op : ops) {
+    if (op.kind != comm::P2POp::Kind::kRecv) continue;
+    const float got = op.tensor.cpu().item<float>();
+    PARALLAX_CHECK(got == static_cast<float>(op.peer), Error,
+                   "pipeline: rank {} expected its neighbour's handshake from pipeline rank {} "
+                   "and received {} (a plan mismatch between the ranks)",
+                   pp_->rank(), op.peer, got);
+  }
 }
 
 std::vector<StatePiece> PipelineEngine::optimizer_state() {

@@ -28,7 +28,10 @@
 // mismatch is an error naming both stages (Megatron-LM PR #5271: a silent swap trained on the
 // wrong activations). On a transport that matches messages by order (NCCL;
 // PipelineOptions::ordered_p2p) check_posting_order() proves both ends post each pair's messages
-// in the same order.
+// in the same order. Before the first step every pair of neighbours exchanges one element both
+// ways in one batch (connect_peers()): NCCL connects each direction lazily inside the first
+// ncclGroupEnd that uses it and blocks there until the peer does the same, which hung GPipe
+// (simulate_nccl(..., connect_up_front = false) shows it).
 //
 // Gradient reduction. Every op that produces parameter gradients (B, or W under zb) runs as one
 // micro-step of the inner engine (Engine::forward_backward_split): B is
@@ -152,6 +155,7 @@ class PipelineEngine : public Engine {
   };
   using Layout = std::vector<TensorMeta>;
   // The shape pass (file comment): fills act_layout_.
+  void connect_peers();
   void infer_layouts(const StageFns& fns);
   // The message a send or receive op moves: the activations of op.stage, or the gradients of its
   // inputs (the layout of stage op.stage - 1's outputs, floating ones; int64 placeholders of no

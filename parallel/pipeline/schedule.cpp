@@ -462,7 +462,7 @@ void check_posting_order(const Schedule& s) {
   }
 }
 
-void simulate_nccl(const Schedule& s, bool separate_ops) {
+void simulate_nccl(const Schedule& s, bool separate_ops, bool connect_up_front) {
   const int p = s.ranks, last = s.stages() - 1;
   struct RankState {
     std::vector<std::pair<std::size_t, std::size_t>> batches;
@@ -486,6 +486,19 @@ void simulate_nccl(const Schedule& s, bool separate_ops) {
       (op.is_send() ? send_at : recv_at)[msg_key(op)] = {r, i};
     }
   }
+  // The directions (from, to) a batch uses, and those connected (NCCL: lazily, or all up front).
+  const auto directions = [&](int r, std::pair<std::size_t, std::size_t> batch) {
+    std::set<std::pair<int, int>> out;
+    for (std::size_t i = batch.first; i < batch.second; ++i) {
+      const Op& op = s.ops[r][i];
+      out.insert(op.is_send() ? std::pair{r, op.peer} : std::pair{op.peer, r});
+    }
+    return out;
+  };
+  std::set<std::pair<int, int>> connected;
+  if (connect_up_front)
+    for (int r = 0; r < p; ++r)
+      for (const auto& batch : st[r].batches) connected.merge(directions(r, batch));
   // Compute ops done on each rank: every op before `compute` that is not communication.
   const auto computed_before = [&](int r, std::size_t i) {
     // All compute ops listed before op i have run.
@@ -493,14 +506,38 @@ void simulate_nccl(const Schedule& s, bool separate_ops) {
     while (c < i && s.ops[r][c].is_comm()) ++c;
     return c >= i;
   };
+  // A batch is posted once the compute before it has run and, under lazy connection, every
+  // direction it uses is connected: ncclGroupEnd sets up a missing direction with the peer, which
+  // must be inside a group that uses the same direction at the same time.
+  const auto ready = [&](int r) {
+    const RankState& rs = st[r];
+    return rs.batch < rs.batches.size() && computed_before(r, rs.batches[rs.batch].first);
+  };
+  const auto posted = [&](int r) {
+    if (!ready(r)) return false;
+    for (const auto& d : directions(r, st[r].batches[st[r].batch]))
+      if (!connected.count(d)) return false;
+    return true;
+  };
   const auto running = [&](int r, std::size_t op_index) {
     const RankState& rs = st[r];
-    if (rs.batch >= rs.batches.size()) return false;
+    if (!posted(r)) return false;
     const auto [b, e] = rs.batches[rs.batch];
-    return op_index >= b && op_index < e && computed_before(r, b);
+    return op_index >= b && op_index < e;
   };
   for (;;) {
     bool progress = false, finished = true;
+    for (int r = 0; r < p; ++r) {
+      if (!ready(r)) continue;
+      for (const auto& d : directions(r, st[r].batches[st[r].batch])) {
+        const int peer = d.first == r ? d.second : d.first;
+        if (connected.count(d) || !ready(peer) ||
+            !directions(peer, st[peer].batches[st[peer].batch]).count(d))
+          continue;
+        connected.insert(d);
+        progress = true;
+      }
+    }
     for (int r = 0; r < p; ++r) {
       RankState& rs = st[r];
       // The compute stream: runs while its inputs have arrived.
@@ -523,7 +560,7 @@ void simulate_nccl(const Schedule& s, bool separate_ops) {
       // The communication stream: the running batch's transfers whose other end runs too.
       while (rs.batch < rs.batches.size()) {
         const auto [b, e] = rs.batches[rs.batch];
-        if (!computed_before(r, b)) break;
+        if (!posted(r)) break;
         bool all = true;
         for (std::size_t i = b; i < e; ++i) {
           if (rs.done_ops.count(i)) continue;
@@ -555,7 +592,18 @@ void simulate_nccl(const Schedule& s, bool separate_ops) {
           for (std::size_t i = b; i < e; ++i)
             if (!rs.done_ops.count(i))
               ops += fmt::format("{}{}", ops.empty() ? "" : ", ", to_string(s.ops[r][i]));
-          stuck += fmt::format("; rank {}'s batch at op {} waits in [{}]", r, b, ops);
+          std::string unconnected;
+          if (ready(r))
+            for (const auto& d : directions(r, rs.batches[rs.batch]))
+              if (!connected.count(d))
+                unconnected += fmt::format("{}rank {} -> rank {}", unconnected.empty() ? "" : ", ",
+                                           d.first, d.second);
+          stuck += unconnected.empty()
+                       ? fmt::format("; rank {}'s batch at op {} waits in [{}]", r, b, ops)
+                       : fmt::format(
+                             "; rank {}'s batch at op {} ([{}]) cannot be posted: it waits to "
+                             "connect {}",
+                             r, b, ops, unconnected);
         }
         if (rs.compute < s.ops[r].size())
           stuck += fmt::format("; rank {} op {} ({}) waits for its input", r, rs.compute,
@@ -563,8 +611,10 @@ void simulate_nccl(const Schedule& s, bool separate_ops) {
       }
       throw_error<Error>(
           "pipeline plan '{}' (pp {}, {} micro-batches) deadlocks under NCCL's rule (batches in "
-          "order on one stream, no buffering){}",
-          s.name(), s.ranks, s.micro_batches, stuck);
+          "order on one stream, no buffering{}){}",
+          s.name(), s.ranks, s.micro_batches,
+          connect_up_front ? "" : ", each direction connected by the first batch that uses it",
+          stuck);
     }
   }
 }

@@ -98,8 +98,13 @@ void check_posting_order(const Schedule& s);
 // The plan under NCCL's rule (check()'s comment); throws parallax::Error naming each rank's
 // stuck batch or op if it deadlocks. `separate_ops`: every send and receive its own NCCL call
 // (separate send()/recv() calls on one stream, no batching): 1F1B's steady state then deadlocks,
-// two neighbours each sending before they receive.
-void simulate_nccl(const Schedule& s, bool separate_ops = false);
+// two neighbours each sending before they receive. `connect_up_front`: every direction between
+// two ranks is connected before the first batch, as PipelineEngine::connect_peers() does. false
+// models NCCL's default: the first ncclGroupEnd that uses a direction connects it and blocks until
+// the peer's current group uses it too; GPipe then deadlocks at pp 2 (stage 0's batch with its
+// last activation send and first gradient receive waits for stage 1 to send, which it does only
+// after that activation arrives), the hang measured on 2 x H200.
+void simulate_nccl(const Schedule& s, bool separate_ops = false, bool connect_up_front = true);
 
 // The communication batches of a rank's plan: each maximal run of consecutive send and receive
 // ops, as [first, end) op indices. The engine posts each as one batch_isend_irecv.

@@ -112,6 +112,36 @@ TEST(PipelineSchedule, BatchingEachSlotIsWhatKeeps1F1BFromDeadlockingOnNccl) {
   EXPECT_NO_THROW(pl::simulate_nccl(g));
 }
 
+// NCCL connects each direction between two ranks in the first ncclGroupEnd that uses it, and that
+// blocks until the peer's group uses the direction too. On 2 x H200 (2026-11-29) bev and vit under
+// gpipe at pp 2 hung this way (stage 0: "send ... timed out while enqueueing"), 1f1b, zb and
+// interleaved ran; the model reproduces exactly that, and connecting up front (what the engine
+// does) runs every plan.
+TEST(PipelineSchedule, LazyNcclConnectionsDeadlockGpipeUnlessConnectedUpFront) {
+  for (int p : {2, 4}) {
+    for (int m : {4, 8}) {
+      const pl::Schedule g = pl::build_schedule("gpipe", p, m);
+      EXPECT_NO_THROW(pl::simulate_nccl(g));
+      try {
+        pl::simulate_nccl(g, false, /*connect_up_front=*/false);
+        ADD_FAILURE() << "gpipe pp " << p << " m " << m << ": expected a deadlock";
+      } catch (const parallax::Error& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("each direction connected by the first batch"), std::string::npos)
+            << what;
+        EXPECT_NE(what.find("cannot be posted: it waits to connect rank 1 -> rank 0"),
+                  std::string::npos)
+            << what;
+      }
+    }
+  }
+  for (const char* kind : {"1f1b", "zb"}) {
+    EXPECT_NO_THROW(pl::simulate_nccl(pl::build_schedule(kind, 2, 4), false, false)) << kind;
+    EXPECT_NO_THROW(pl::simulate_nccl(pl::build_schedule(kind, 2, 8), false, false)) << kind;
+  }
+  EXPECT_NO_THROW(pl::simulate_nccl(pl::build_schedule("interleaved", 2, 4, 2), false, false));
+}
+
 TEST(PipelineSchedule, BubbleMatchesTheFormula) {
   // Uniform stages, F = 1, B = 2: 1F1B and GPipe idle (p - 1)(F + B) per rank over m (F + B) of
   // work; interleaving divides it by v (Narayanan et al. 2021). Exact in the simulation.
