@@ -139,6 +139,7 @@ PipelineEngine::PipelineEngine(std::shared_ptr<torch::nn::Module> module,
   check(schedule_);
   ordered_ = options.ordered_p2p || pp_->device_type() != c10::kCPU;
   if (ordered_) check_posting_order(schedule_);
+  for (const auto& [first, end] : comm_batches(schedule_, pp_->rank())) batch_end_[first] = end;
   const int S = schedule_.stages();
   PARALLAX_CHECK(2 * S * micro_batches * (kMaxTensors + 1) < comm::kMaxUserTag, ConfigError,
                  "keys 'parallel.pp' and 'train.grad_accum': {} stages x {} micro-batches is "
@@ -744,8 +745,7 @@ void PipelineEngine::forward_backward_stages(int micro_steps, const StageFns& fn
     while (i < ops.size()) {
       const Op& op = ops[i];
       if (op.is_comm()) {
-        std::size_t end = i;
-        while (end < ops.size() && ops[end].is_comm()) ++end;
+        const std::size_t end = batch_end_.at(i);
         post(i, end);
         i = end;
         continue;

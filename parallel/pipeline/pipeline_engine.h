@@ -17,11 +17,15 @@
 // boundary keep those shapes (a sender whose outputs change shape stops with an error naming the
 // stage, micro-batch and both shapes; Megatron-LM's fixed tensor_shape is the same rule). So every
 // receive is posted with its buffers (reused, per stage and shape, once nothing holds them) where
-// the plan lists it, and all sends and receives of one plan slot (a run of communication ops
-// between two compute ops) go out as one batch_isend_irecv: on NCCL one ncclGroupStart/End on the
-// communicator's stream, Megatron-Core's send_forward_recv_backward pattern, so two neighbours
-// that send to each other at once never wait on each other's buffering (check() proves every plan
-// free of waits under that rule and under independent progress, MPI's and gloo's). A receive is
+// the plan lists it, and the sends and receives of one plan slot (a run of communication ops
+// between two compute ops) go out as batch_isend_irecv calls: on NCCL each one ncclGroupStart/End
+// on the communicator's stream, Megatron-Core's send_forward_recv_backward pattern, so two
+// neighbours that send to each other at once never wait on each other's buffering. A slot is cut
+// into several batches where its messages with one peer sit in different batches of that peer
+// (comm_batches()): a group moves only as a whole, so under GPipe stage 0's last activation send
+// must not share a group with its first gradient receive, which stage 1 posts later (check()
+// proves every plan free of waits under that rule and under independent progress, MPI's and
+// gloo's). A receive is
 // completed right before the compute op that consumes it (on a device: the compute stream waits
 // for it, the host does not); sends at the end of the step. The receiver checks each header
 // against the plan (on a device at the end of the step, in one copy): a stage or micro-batch
@@ -164,7 +168,8 @@ class PipelineEngine : public Engine {
   // A receive buffer of `meta` on the communication device, reused once nothing else holds it.
   at::Tensor buffer(const std::string& pool, const TensorMeta& meta);
   int tag(const Op& op, int k) const;
-  bool ordered_ = false;  // PipelineOptions::ordered_p2p, or a device group
+  std::map<std::size_t, std::size_t> batch_end_;  // comm_batches(): first op -> end
+  bool ordered_ = false;                          // PipelineOptions::ordered_p2p, or a device group
   // Where the pipeline communicator's buffers live: the model's device when it is of the
   // communicator's type (each rank's own GPU, cuda:local_rank), else the current device of that
   // type (World made it local_rank's), never a fixed index.

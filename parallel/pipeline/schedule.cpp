@@ -407,7 +407,10 @@ void check(const Schedule& s) {
   simulate_nccl(s);
 }
 
-std::vector<std::pair<std::size_t, std::size_t>> comm_batches(const std::vector<Op>& ops) {
+namespace {
+
+// Each maximal run of consecutive communication ops of one rank's plan, as [first, end).
+std::vector<std::pair<std::size_t, std::size_t>> comm_runs(const std::vector<Op>& ops) {
   std::vector<std::pair<std::size_t, std::size_t>> out;
   for (std::size_t i = 0; i < ops.size();) {
     if (!ops[i].is_comm()) {
@@ -420,6 +423,65 @@ std::vector<std::pair<std::size_t, std::size_t>> comm_batches(const std::vector<
     i = end;
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<std::vector<std::pair<std::size_t, std::size_t>>> comm_batches(const Schedule& s) {
+  const int p = s.ranks;
+  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> batches(
+      static_cast<std::size_t>(p));
+  // Where each op's other end lives: (peer rank, op index).
+  std::map<MsgKey, std::pair<int, std::size_t>> send_at, recv_at;
+  for (int r = 0; r < p; ++r) {
+    batches[r] = comm_runs(s.ops[r]);
+    for (std::size_t i = 0; i < s.ops[r].size(); ++i) {
+      const Op& op = s.ops[r][i];
+      if (op.is_comm()) (op.is_send() ? send_at : recv_at)[msg_key(op)] = {r, i};
+    }
+  }
+  const auto other_end = [&](const Op& op) -> std::pair<int, std::size_t> {
+    const auto& book = op.is_send() ? recv_at : send_at;
+    const auto it = book.find(msg_key(op));
+    return it == book.end() ? std::pair<int, std::size_t>{-1, 0} : it->second;
+  };
+  // Refines until every batch's messages with one peer are all in one batch of that peer: a
+  // batch splits where its next op's other end lies in another of the peer's batches than an
+  // earlier op with that peer. Only splits, so it ends.
+  for (bool changed = true; changed;) {
+    changed = false;
+    std::vector<std::map<std::size_t, std::size_t>> batch_of(static_cast<std::size_t>(p));
+    for (int r = 0; r < p; ++r)
+      for (std::size_t k = 0; k < batches[r].size(); ++k)
+        for (std::size_t i = batches[r][k].first; i < batches[r][k].second; ++i) batch_of[r][i] = k;
+    for (int r = 0; r < p; ++r) {
+      std::vector<std::pair<std::size_t, std::size_t>> refined;
+      for (const auto& [b, e] : batches[r]) {
+        std::size_t start = b;
+        std::map<int, std::size_t> seen;  // peer -> the peer's batch of this segment's messages
+        for (std::size_t i = b; i < e; ++i) {
+          const auto [peer, j] = other_end(s.ops[r][i]);
+          if (peer < 0) continue;
+          const std::size_t theirs = batch_of[peer].at(j);
+          const auto it = seen.find(peer);
+          if (it != seen.end() && it->second != theirs) {
+            refined.emplace_back(start, i);
+            start = i;
+            seen.clear();
+            changed = true;
+          }
+          seen[peer] = theirs;
+        }
+        refined.emplace_back(start, e);
+      }
+      batches[r] = std::move(refined);
+    }
+  }
+  return batches;
+}
+
+std::vector<std::pair<std::size_t, std::size_t>> comm_batches(const Schedule& s, int rank) {
+  return comm_batches(s).at(static_cast<std::size_t>(rank));
 }
 
 void check_posting_order(const Schedule& s) {
@@ -462,7 +524,7 @@ void check_posting_order(const Schedule& s) {
   }
 }
 
-void simulate_nccl(const Schedule& s, bool separate_ops, bool connect_up_front) {
+void simulate_nccl(const Schedule& s, NcclBatching batching, bool connect_up_front) {
   const int p = s.ranks, last = s.stages() - 1;
   struct RankState {
     std::vector<std::pair<std::size_t, std::size_t>> batches;
@@ -471,15 +533,22 @@ void simulate_nccl(const Schedule& s, bool separate_ops, bool connect_up_front) 
     std::set<std::size_t> done_ops;  // comm ops completed
   };
   std::vector<RankState> st(static_cast<std::size_t>(p));
+  const auto matched = batching == NcclBatching::kMatched
+                           ? comm_batches(s)
+                           : std::vector<std::vector<std::pair<std::size_t, std::size_t>>>();
+  for (int r = 0; r < p; ++r) {
+    if (batching == NcclBatching::kMatched) {
+      st[r].batches = matched[r];
+    } else if (batching == NcclBatching::kRuns) {
+      st[r].batches = comm_runs(s.ops[r]);
+    } else {
+      for (std::size_t i = 0; i < s.ops[r].size(); ++i)
+        if (s.ops[r][i].is_comm()) st[r].batches.emplace_back(i, i + 1);
+    }
+  }
   // Where each message's receive lives: (rank, op index), and its send.
   std::map<MsgKey, std::pair<int, std::size_t>> send_at, recv_at;
   for (int r = 0; r < p; ++r) {
-    if (separate_ops) {
-      for (std::size_t i = 0; i < s.ops[r].size(); ++i)
-        if (s.ops[r][i].is_comm()) st[r].batches.emplace_back(i, i + 1);
-    } else {
-      st[r].batches = comm_batches(s.ops[r]);
-    }
     for (std::size_t i = 0; i < s.ops[r].size(); ++i) {
       const Op& op = s.ops[r][i];
       if (!op.is_comm()) continue;
@@ -557,30 +626,39 @@ void simulate_nccl(const Schedule& s, bool separate_ops, bool connect_up_front) 
         ++rs.compute;
         progress = true;
       }
-      // The communication stream: the running batch's transfers whose other end runs too.
-      while (rs.batch < rs.batches.size()) {
-        const auto [b, e] = rs.batches[rs.batch];
-        if (!posted(r)) break;
-        bool all = true;
-        for (std::size_t i = b; i < e; ++i) {
-          if (rs.done_ops.count(i)) continue;
+    }
+    // The communication streams. One batch is one NCCL group, whose sends and receives run in one
+    // kernel and may wait on each other (NVIDIA/nccl#1279: a group's calls are not guaranteed to
+    // progress apart), so a batch moves only as a whole: the posted batches whose every message
+    // has its other end in a posted batch that moves as well complete together.
+    std::vector<char> moves(static_cast<std::size_t>(p));
+    for (int r = 0; r < p; ++r) moves[r] = posted(r);
+    for (bool dropped = true; dropped;) {
+      dropped = false;
+      for (int r = 0; r < p; ++r) {
+        if (!moves[r]) continue;
+        const auto [b, e] = st[r].batches[st[r].batch];
+        for (std::size_t i = b; i < e && moves[r]; ++i) {
           const Op& op = s.ops[r][i];
           const auto& other = op.is_send() ? recv_at : send_at;
           const auto it = other.find(msg_key(op));
-          if (it != other.end() && running(it->second.first, it->second.second)) {
-            rs.done_ops.insert(i);
-            st[it->second.first].done_ops.insert(it->second.second);
-            progress = true;
-          } else {
-            all = false;
+          if (it == other.end() || !moves[it->second.first] ||
+              !running(it->second.first, it->second.second)) {
+            moves[r] = 0;
+            dropped = true;
           }
         }
-        if (!all) break;
-        ++rs.batch;
-        progress = true;
       }
-      if (rs.compute < s.ops[r].size() || rs.batch < rs.batches.size()) finished = false;
     }
+    for (int r = 0; r < p; ++r) {
+      if (!moves[r]) continue;
+      const auto [b, e] = st[r].batches[st[r].batch];
+      for (std::size_t i = b; i < e; ++i) st[r].done_ops.insert(i);
+      ++st[r].batch;
+      progress = true;
+    }
+    for (int r = 0; r < p; ++r)
+      if (st[r].compute < s.ops[r].size() || st[r].batch < st[r].batches.size()) finished = false;
     if (finished) return;
     if (!progress) {
       std::string stuck;

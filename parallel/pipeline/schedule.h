@@ -75,9 +75,10 @@ Schedule build_schedule(const std::string& kind, int ranks, int micro, int virtu
 // Checks the plan before the first step by running it as the engine does, under each backend's
 // rule. Independent progress (MPI, gloo): posting a send or a receive never blocks, a compute op
 // waits for the message it consumes. NCCL: each rank's batches (comm_batches) run one at a time
-// in plan order on one stream, each after the compute ops listed before it; a transfer moves only
-// while the batches at both of its ends run (no buffering: a large send waits for its receive); a
-// batch ends when all its transfers have; a compute op waits for the batch holding its input.
+// in plan order on one stream, each after the compute ops listed before it; a batch is one NCCL
+// group and moves only as a whole, while the batches holding the other ends of all its messages
+// run and move too (no buffering: a large send waits for its receive; and a group's sends may wait
+// on its receives); a compute op waits for the batch holding its input.
 // Every F, B and W of every
 // (micro-batch, stage) appears exactly once on the stage's rank; every F(m, s > 0) follows its
 // RecvAct, every B follows its F and, on all but the last stage, its RecvGrad; every W follows its
@@ -95,20 +96,33 @@ void check(const Schedule& s);
 // (op 1) as message #1 from rank 0, but rank 0 posts the activations of micro-batch 0 ...").
 void check_posting_order(const Schedule& s);
 
-// The plan under NCCL's rule (check()'s comment); throws parallax::Error naming each rank's
-// stuck batch or op if it deadlocks. `separate_ops`: every send and receive its own NCCL call
-// (separate send()/recv() calls on one stream, no batching): 1F1B's steady state then deadlocks,
-// two neighbours each sending before they receive. `connect_up_front`: every direction between
-// two ranks is connected before the first batch, as PipelineEngine::connect_peers() does. false
-// models NCCL's default: the first ncclGroupEnd that uses a direction connects it and blocks until
-// the peer's current group uses it too; GPipe then deadlocks at pp 2 (stage 0's batch with its
-// last activation send and first gradient receive waits for stage 1 to send, which it does only
-// after that activation arrives), the hang measured on 2 x H200.
-void simulate_nccl(const Schedule& s, bool separate_ops = false, bool connect_up_front = true);
+// How the ranks group their sends and receives into NCCL calls, for simulate_nccl.
+enum class NcclBatching {
+  kMatched,     // comm_batches(): what the engine posts
+  kRuns,        // each run of communication ops between two compute ops as one group
+  kPerMessage,  // every send and receive its own call (separate send()/recv() on one stream)
+};
 
-// The communication batches of a rank's plan: each maximal run of consecutive send and receive
-// ops, as [first, end) op indices. The engine posts each as one batch_isend_irecv.
-std::vector<std::pair<std::size_t, std::size_t>> comm_batches(const std::vector<Op>& ops);
+// The plan under NCCL's rule (check()'s comment); throws parallax::Error naming each rank's
+// stuck batch or op if it deadlocks. With kPerMessage, 1F1B's steady state deadlocks (two
+// neighbours each sending before they receive); with kRuns, GPipe does (stage 0's group of its
+// last activation send and first gradient receive waits for stage 1's gradient, which needs that
+// activation: the hang on 2 x H200, 2026-11-29). `connect_up_front`: every direction between two
+// ranks is connected before the first batch, as PipelineEngine::connect_peers() does; false
+// models NCCL's default, where the first ncclGroupEnd that uses a direction connects it and
+// blocks until the peer's current group uses it too (with kRuns, GPipe then hangs in posting).
+void simulate_nccl(const Schedule& s, NcclBatching batching = NcclBatching::kMatched,
+                   bool connect_up_front = true);
+
+// The communication batches of every rank's plan, as [first, end) op indices: each maximal run of
+// consecutive send and receive ops, cut until all of a batch's messages with one peer are in one
+// batch of that peer (so the two ends of an exchange post it as one group each, as NCCL asks:
+// NVIDIA/nccl#1279). GPipe's stage 0 thus posts its last activation send and its first gradient
+// receive apart; 1F1B's send_forward_recv_backward pairs stay one batch. The engine posts each as
+// one batch_isend_irecv.
+std::vector<std::vector<std::pair<std::size_t, std::size_t>>> comm_batches(const Schedule& s);
+// Rank `rank`'s batches of comm_batches(s).
+std::vector<std::pair<std::size_t, std::size_t>> comm_batches(const Schedule& s, int rank);
 
 // For each stage, the most micro-batches whose activations it holds at once under the plan: from
 // their F to their B (under zb, to their W, whose weight pass still reads them). 1F1B: pp - r on

@@ -95,7 +95,7 @@ TEST(PipelineSchedule, BatchingEachSlotIsWhatKeeps1F1BFromDeadlockingOnNccl) {
       const pl::Schedule s = pl::build_schedule(kind, p, 8);
       EXPECT_NO_THROW(pl::simulate_nccl(s)) << kind << " pp " << p;
       try {
-        pl::simulate_nccl(s, /*separate_ops=*/true);
+        pl::simulate_nccl(s, pl::NcclBatching::kPerMessage);
         ADD_FAILURE() << kind << " pp " << p << ": expected a deadlock with one call per message";
       } catch (const parallax::Error& e) {
         const std::string what = e.what();
@@ -105,41 +105,77 @@ TEST(PipelineSchedule, BatchingEachSlotIsWhatKeeps1F1BFromDeadlockingOnNccl) {
       }
     }
   }
-  // GPipe runs every forward before any backward: no exchange in both directions at once, so it
-  // runs either way.
+  // GPipe runs every forward before any backward: no exchange in both directions at once, so one
+  // call per message runs.
   const pl::Schedule g = pl::build_schedule("gpipe", 4, 8);
-  EXPECT_NO_THROW(pl::simulate_nccl(g, true));
+  EXPECT_NO_THROW(pl::simulate_nccl(g, pl::NcclBatching::kPerMessage));
   EXPECT_NO_THROW(pl::simulate_nccl(g));
 }
 
-// NCCL connects each direction between two ranks in the first ncclGroupEnd that uses it, and that
-// blocks until the peer's group uses the direction too. On 2 x H200 (2026-11-29) bev and vit under
-// gpipe at pp 2 hung this way (stage 0: "send ... timed out while enqueueing"), 1f1b, zb and
-// interleaved ran; the model reproduces exactly that, and connecting up front (what the engine
-// does) runs every plan.
-TEST(PipelineSchedule, LazyNcclConnectionsDeadlockGpipeUnlessConnectedUpFront) {
+// GPipe on 2 x H200 (2026-11-29, bev and vit at pp 2) hung twice, and the model reproduces both
+// while 1f1b, zb and interleaved, which ran there, pass it:
+// 1. Posting each run of communication ops as one group, stage 0's "send act m3 + recv grad m0"
+//    first waited in ncclGroupEnd to connect 1 -> 0 ("timed out ... (while enqueueing)"): NCCL
+//    connects a direction lazily, in the first group that uses it, with the peer inside a group
+//    using it too, and stage 1 sends only after m3 arrives.
+// 2. With every direction connected up front, that group was posted and still never finished: a
+//    group moves as a whole, and its gradient receive waits for stage 1.
+// Cutting the runs where they pair with different batches of the peer (comm_batches) runs every
+// plan under both rules.
+TEST(PipelineSchedule, GpipeNeedsItsRunsCutIntoMatchedBatchesOnNccl) {
+  const auto deadlocks = [](const pl::Schedule& s, pl::NcclBatching batching, bool up_front,
+                            const std::string& expect) {
+    try {
+      pl::simulate_nccl(s, batching, up_front);
+      ADD_FAILURE() << s.name() << " pp " << s.ranks << " m " << s.micro_batches
+                    << ": expected a deadlock";
+    } catch (const parallax::Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("deadlocks under NCCL's rule"), std::string::npos) << what;
+      EXPECT_NE(what.find(expect), std::string::npos) << what;
+    }
+  };
   for (int p : {2, 4}) {
     for (int m : {4, 8}) {
       const pl::Schedule g = pl::build_schedule("gpipe", p, m);
-      EXPECT_NO_THROW(pl::simulate_nccl(g));
-      try {
-        pl::simulate_nccl(g, false, /*connect_up_front=*/false);
-        ADD_FAILURE() << "gpipe pp " << p << " m " << m << ": expected a deadlock";
-      } catch (const parallax::Error& e) {
-        const std::string what = e.what();
-        EXPECT_NE(what.find("each direction connected by the first batch"), std::string::npos)
-            << what;
-        EXPECT_NE(what.find("cannot be posted: it waits to connect rank 1 -> rank 0"),
-                  std::string::npos)
-            << what;
-      }
+      deadlocks(g, pl::NcclBatching::kRuns, false,
+                "cannot be posted: it waits to connect rank 1 -> rank 0");
+      deadlocks(g, pl::NcclBatching::kRuns, true,
+                fmt::format("rank 0's batch at op {} waits in [send act m{} s0 -> r1, recv grad",
+                            2 * m - 1, m - 1));
+      EXPECT_NO_THROW(pl::simulate_nccl(g, pl::NcclBatching::kMatched, true));
+      EXPECT_NO_THROW(pl::simulate_nccl(g, pl::NcclBatching::kMatched, false));
+      // Only the run that holds both directions is cut.
+      const auto runs = pl::comm_batches(g, 0);
+      EXPECT_EQ(runs.size(), static_cast<std::size_t>(2 * m)) << "gpipe pp " << p << " m " << m;
     }
   }
   for (const char* kind : {"1f1b", "zb"}) {
-    EXPECT_NO_THROW(pl::simulate_nccl(pl::build_schedule(kind, 2, 4), false, false)) << kind;
-    EXPECT_NO_THROW(pl::simulate_nccl(pl::build_schedule(kind, 2, 8), false, false)) << kind;
+    for (int p : {2, 4}) {
+      for (int m : {4, 8}) {
+        const pl::Schedule s = pl::build_schedule(kind, p, m);
+        for (auto batching : {pl::NcclBatching::kRuns, pl::NcclBatching::kMatched})
+          for (bool up_front : {false, true})
+            EXPECT_NO_THROW(pl::simulate_nccl(s, batching, up_front)) << kind << " pp " << p;
+        // send_forward_recv_backward stays one group: 1F1B's batches are its runs.
+        std::vector<std::vector<std::pair<std::size_t, std::size_t>>> runs;
+        for (int r = 0; r < p; ++r) {
+          runs.emplace_back();
+          for (std::size_t i = 0; i < s.ops[r].size(); ++i) {
+            if (!s.ops[r][i].is_comm()) continue;
+            if (i > 0 && s.ops[r][i - 1].is_comm())
+              runs.back().back().second = i + 1;
+            else
+              runs.back().emplace_back(i, i + 1);
+          }
+        }
+        EXPECT_EQ(pl::comm_batches(s), runs) << kind << " pp " << p << " m " << m;
+      }
+    }
   }
-  EXPECT_NO_THROW(pl::simulate_nccl(pl::build_schedule("interleaved", 2, 4, 2), false, false));
+  for (bool up_front : {false, true})
+    EXPECT_NO_THROW(pl::simulate_nccl(pl::build_schedule("interleaved", 2, 4, 2),
+                                      pl::NcclBatching::kRuns, up_front));
 }
 
 TEST(PipelineSchedule, BubbleMatchesTheFormula) {
