@@ -36,6 +36,12 @@ uint32_t write_dataset(hid_t loc, const std::string& name, const at::Tensor& ten
 // else inferred from the HDF5 type). Throws E naming `context`.
 at::Tensor read_dataset(hid_t loc, const std::string& name, const std::string& context);
 
+// The box of dataset `name` at `offsets` with `lengths` (one per dimension) as a CPU tensor of its
+// stored dtype: an HDF5 hyperslab, so only the box is read. Throws CheckpointError naming
+// `context` (also for a box outside the dataset).
+at::Tensor read_dataset_box(hid_t loc, const std::string& name, const std::vector<int64_t>& offsets,
+                            const std::vector<int64_t>& lengths, const std::string& context);
+
 // Stored dtype of dataset `dset` (attribute "dtype", else from the HDF5 type).
 at::ScalarType dataset_dtype(hid_t dset, const std::string& context);
 

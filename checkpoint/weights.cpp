@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <set>
 
 namespace fs = std::filesystem;
@@ -73,95 +74,172 @@ bool is_aux_tensor(const std::string& name) {
   return name.compare(0, aux.size(), aux) == 0;
 }
 
-WeightsReport load_weights(CheckpointReader& reader, torch::nn::Module& module,
+namespace {
+
+// One box of saved tensor `name` (module path) read into `dest` (a module tensor or a view of it);
+// empty `offsets`: `dest` is the whole tensor.
+struct Box {
+  std::string name;
+  at::Tensor dest;
+  std::vector<int64_t> offsets;
+};
+
+// The saved shape module tensor `t` needs, and the boxes of it that `t` holds (boxes_of, or `t`
+// whole).
+std::vector<int64_t> wanted_shape(const std::string& name, const at::Tensor& t,
+                                  const WeightsOptions& options) {
+  const auto boxes = options.boxes_of ? options.boxes_of(name, t) : std::nullopt;
+  return boxes ? boxes->shape : t.sizes().vec();
+}
+std::vector<Box> boxes_for(const std::string& name, const at::Tensor& t,
                            const WeightsOptions& options) {
+  const auto boxes = options.boxes_of ? options.boxes_of(name, t) : std::nullopt;
+  if (!boxes) return {Box{name, t, {}}};
+  std::vector<Box> out;
+  for (const auto& [view, offsets] : boxes->boxes) out.push_back(Box{name, view, offsets});
+  return out;
+}
+
+// An open source of weights: a checkpoint (owned, or the caller's) or a weights .h5 file.
+class Source {
+ public:
+  Source(CheckpointReader& reader, const WeightsOptions& options)
+      : prefix_(options.prefix), verify_(options.verify) {
+    use(reader);
+  }
+  Source(const std::string& path, const WeightsOptions& options)
+      : prefix_(options.prefix), verify_(options.verify), where_(path) {
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec)) {
+      owned_ = std::make_unique<CheckpointReader>(path);
+      use(*owned_);
+      return;
+    }
+    h5::quiet_errors();
+    file_ = h5::Id(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+    if (!file_.valid())
+      h5::fail<CheckpointError>(fmt::format("cannot open weights file '{}' (not HDF5?)", path));
+    std::vector<std::string> names;
+    if (H5Ovisit(file_, H5_INDEX_NAME, H5_ITER_INC, collect_dataset, &names) < 0)
+      h5::fail<CheckpointError>(fmt::format("cannot list the datasets of weights file '{}'", path));
+    for (const std::string& name : names) {
+      h5::Id d(H5Dopen2(file_, name.c_str(), H5P_DEFAULT));
+      if (!d.valid())
+        h5::fail<CheckpointError>(fmt::format("weights file '{}': cannot open '{}'", path, name));
+      shapes_[name] = h5::dataset_dims(d, context(name));
+    }
+  }
+
+  // Saved tensors by module path, with their (global) shapes.
+  const std::map<std::string, std::vector<int64_t>>& shapes() const { return shapes_; }
+  const std::string& where() const { return where_; }
+
+  // Reads every box (converted to its destination's dtype and device).
+  void read(const std::vector<Box>& boxes) {
+    at::NoGradGuard no_grad;
+    if (reader_ != nullptr) {
+      std::vector<LoadTarget> targets;
+      for (const Box& b : boxes) targets.push_back(LoadTarget{prefix_ + b.name, b.dest, b.offsets});
+      ReadOptions ro;
+      ro.verify = verify_;
+      ro.allow_cast = true;
+      reader_->load(targets, ro);
+      return;
+    }
+    for (const Box& b : boxes) {
+      const std::vector<int64_t> offsets =
+          b.offsets.empty() ? std::vector<int64_t>(static_cast<std::size_t>(b.dest.dim()), 0)
+                            : b.offsets;
+      b.dest.copy_(tensor_io::read_dataset_box(file_, b.name, offsets, b.dest.sizes().vec(),
+                                               context(b.name)));
+    }
+  }
+
+ private:
+  void use(CheckpointReader& reader) {
+    reader_ = &reader;
+    where_ = reader.dir();
+    for (const std::string& n : reader.names(prefix_))
+      shapes_[n.substr(prefix_.size())] = reader.info(n).shape;
+  }
+  std::string context(const std::string& name) const {
+    return fmt::format("weights file '{}', tensor '{}'", where_, name);
+  }
+  std::unique_ptr<CheckpointReader> owned_;
+  CheckpointReader* reader_ = nullptr;
+  h5::Id file_;
+  std::string prefix_;
+  bool verify_ = true;
+  std::string where_;
+  std::map<std::string, std::vector<int64_t>> shapes_;
+};
+
+// Module tensors against the saved ones: the report (CheckpointError when strict and not clean),
+// its `loaded` the tensors to read.
+WeightsReport match(const std::map<std::string, at::Tensor>& model, const Source& source,
+                    const WeightsOptions& options) {
   WeightsReport report;
-  const auto model = module_tensors(module);
-  std::set<std::string> saved;
-  for (const std::string& n : reader.names(options.prefix))
-    saved.insert(n.substr(options.prefix.size()));
-  std::vector<LoadTarget> targets;
   for (const auto& [name, t] : model) {
-    if (!saved.count(name)) {
+    const auto it = source.shapes().find(name);
+    if (it == source.shapes().end()) {
       report.missing.push_back(name);
       continue;
     }
-    const TensorInfo& info = reader.info(options.prefix + name);
-    std::vector<int64_t> offsets =
-        options.offsets_of ? options.offsets_of(name, t) : std::vector<int64_t>{};
-    const std::vector<int64_t> local = t.sizes().vec();
-    bool fits = info.shape.size() == local.size();
-    if (fits && offsets.empty()) fits = info.shape == local;
-    if (fits && !offsets.empty()) {
-      fits = offsets.size() == local.size();
-      for (size_t d = 0; fits && d < local.size(); ++d)
-        fits = offsets[d] >= 0 && offsets[d] + local[d] <= info.shape[d];
-    }
-    if (!fits) {
-      report.mismatched.push_back(ShapeMismatch{name, info.shape, local});
+    const std::vector<int64_t> want = wanted_shape(name, t, options);
+    if (it->second != want) {
+      report.mismatched.push_back(ShapeMismatch{name, it->second, want});
       continue;
     }
-    targets.push_back(LoadTarget{options.prefix + name, t, std::move(offsets)});
     report.loaded.push_back(name);
   }
-  for (const auto& n : saved) {
+  for (const auto& [n, shape] : source.shapes()) {
     if (!model.count(n) && !is_aux_tensor(n)) report.unexpected.push_back(n);
   }
-  finish(report, options, reader.dir());
-  ReadOptions ro;
-  ro.verify = options.verify;
-  ro.allow_cast = true;
-  reader.load(targets, ro);
+  finish(report, options, source.where());
   return report;
+}
+
+WeightsReport load_from(Source& source, torch::nn::Module& module, const WeightsOptions& options) {
+  const auto model = module_tensors(module);
+  WeightsReport report = match(model, source, options);
+  std::vector<Box> boxes;
+  for (const std::string& name : report.loaded) {
+    for (Box& b : boxes_for(name, model.at(name), options)) boxes.push_back(std::move(b));
+  }
+  source.read(boxes);
+  return report;
+}
+
+}  // namespace
+
+WeightsReport load_weights(CheckpointReader& reader, torch::nn::Module& module,
+                           const WeightsOptions& options) {
+  Source source(reader, options);
+  return load_from(source, module, options);
 }
 
 WeightsReport load_weights(torch::nn::Module& module, const std::string& path,
                            const WeightsOptions& options) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) {
-    CheckpointReader reader(path);
-    return load_weights(reader, module, options);
-  }
-  h5::quiet_errors();
-  h5::Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
-  if (!file.valid())
-    h5::fail<CheckpointError>(fmt::format("cannot open weights file '{}' (not HDF5?)", path));
-  std::vector<std::string> names;
-  if (H5Ovisit(file, H5_INDEX_NAME, H5_ITER_INC, collect_dataset, &names) < 0) {
-    h5::fail<CheckpointError>(fmt::format("cannot list the datasets of weights file '{}'", path));
-  }
-  WeightsReport report;
+  Source source(path, options);
+  return load_from(source, module, options);
+}
+
+DeferredWeights defer_weights(torch::nn::Module& module, const std::string& path,
+                              const WeightsOptions& options) {
+  auto source = std::make_shared<Source>(path, options);
   const auto model = module_tensors(module);
-  const std::set<std::string> saved(names.begin(), names.end());
-  std::vector<std::string> load;
-  for (const auto& [name, t] : model) {
-    if (!saved.count(name)) {
-      report.missing.push_back(name);
-      continue;
-    }
-    h5::Id d(H5Dopen2(file, name.c_str(), H5P_DEFAULT));
-    if (!d.valid())
-      h5::fail<CheckpointError>(fmt::format("weights file '{}': cannot open '{}'", path, name));
-    const std::vector<int64_t> dims =
-        h5::dataset_dims(d, fmt::format("weights file '{}', tensor '{}'", path, name));
-    if (dims != t.sizes().vec()) {
-      report.mismatched.push_back(ShapeMismatch{name, dims, t.sizes().vec()});
-      continue;
-    }
-    load.push_back(name);
-    report.loaded.push_back(name);
+  DeferredWeights out;
+  out.report = match(model, *source, options);
+  for (const std::string& name : out.report.loaded) {
+    const at::Tensor& t = model.at(name);
+    out.readers[name] = [source, options, name, shape = t.sizes().vec(),
+                         dtype = t.scalar_type()]() {
+      at::Tensor value = at::empty(shape, at::TensorOptions().dtype(dtype));
+      source->read(boxes_for(name, value, options));
+      return value;
+    };
   }
-  for (const auto& n : saved) {
-    if (!model.count(n) && !is_aux_tensor(n)) report.unexpected.push_back(n);
-  }
-  finish(report, options, path);
-  at::NoGradGuard no_grad;
-  for (const std::string& name : load) {
-    const at::Tensor host = tensor_io::read_dataset(
-        file, name, fmt::format("weights file '{}', tensor '{}'", path, name));
-    model.at(name).copy_(host);
-  }
-  return report;
+  return out;
 }
 
 namespace {

@@ -21,7 +21,10 @@
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <map>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace parallax::checkpoint {
@@ -46,6 +49,13 @@ struct WeightsReport {
   std::string summary() const;
 };
 
+// The pieces of one saved tensor a module tensor holds (WeightsOptions::boxes_of).
+struct TensorBoxes {
+  std::vector<int64_t> shape;  // the saved (global) tensor's shape
+  // Views of the module tensor, each with its offsets in the saved tensor.
+  std::vector<std::pair<at::Tensor, std::vector<int64_t>>> boxes;
+};
+
 struct WeightsOptions {
   // Strict: any missing, unexpected or mismatched tensor is a CheckpointError listing them all, and
   // nothing is loaded. Non-strict: the tensors that match are loaded, the rest is reported.
@@ -53,9 +63,12 @@ struct WeightsOptions {
   bool verify = true;  // checksums (checkpoints only; weights.h5 relies on HDF5's own checks)
   // Prefix of model tensors inside a checkpoint.
   std::string prefix = kModelPrefix;
-  // Where this rank's tensor `name` starts in the saved (global) tensor, for modules whose tensors
-  // are slices (tensor parallelism). Default: the module holds whole tensors. Checkpoints only.
-  std::function<std::vector<int64_t>(const std::string& name, const at::Tensor& local)> offsets_of;
+  // For modules whose tensors are pieces of the saved (global) tensors (tensor parallelism): the
+  // boxes of saved tensor `name` that the module's `local` holds (tensor::split_boxes). nullopt:
+  // `local` is the whole tensor. Each rank then reads only its boxes, from a checkpoint or a
+  // weights file (HDF5 hyperslabs), never the whole tensor.
+  std::function<std::optional<TensorBoxes>(const std::string& name, const at::Tensor& local)>
+      boxes_of;
 };
 
 // A training-only tensor of a model (models/model.h, kAuxModule: "aux.<module>..."): never
@@ -71,6 +84,20 @@ WeightsReport load_weights(torch::nn::Module& module, const std::string& path,
 // Same, from an open checkpoint.
 WeightsReport load_weights(CheckpointReader& reader, torch::nn::Module& module,
                            const WeightsOptions& options = {});
+
+// The same check of `module` against `path` as load_weights (strict: CheckpointError naming the
+// tensors, nothing read), but nothing is loaded: `readers` holds, per tensor of report.loaded, a
+// function that reads it (this rank's boxes under boxes_of) into a new CPU tensor of the module
+// tensor's shape and dtype, one tensor in memory at a time. `module` may be shape-only or built
+// under deferred construction (core/param_init.h): a rank materialises only what it owns from
+// pretrained weights or a checkpoint. The source stays open while a reader lives; readers may run
+// in any order, from one thread at a time.
+struct DeferredWeights {
+  WeightsReport report;
+  std::map<std::string, std::function<at::Tensor()>> readers;
+};
+DeferredWeights defer_weights(torch::nn::Module& module, const std::string& path,
+                              const WeightsOptions& options = {});
 
 // Writes the model tensors (prefix "model/") of the checkpoint at `checkpoint_path` to `out_file`
 // (see the file comment); `dtype` is at::kFloat or at::kBFloat16 for floating tensors. Verifies

@@ -126,6 +126,14 @@ void DeferredInit::then(const at::Tensor& tensor, std::function<void(at::Tensor&
   r = std::move(next);
 }
 
+void DeferredInit::replace(const std::string& name, std::function<at::Tensor()> read) {
+  const auto it = by_name_.find(name);
+  PARALLAX_CHECK(it != by_name_.end(), Error, "deferred construction: no recipe for '{}'", name);
+  auto next = std::make_shared<Recipe>();
+  next->make = std::move(read);  // no state: draws nothing
+  it->second = std::move(next);
+}
+
 bool DeferredInit::recorded(const at::Tensor& tensor) const {
   return by_impl_.count(tensor.unsafeGetTensorImpl()) != 0;
 }

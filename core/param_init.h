@@ -81,6 +81,10 @@ class DeferredInit {
   bool recorded(const at::Tensor& tensor) const;
   // The recorded `tensor`'s recipe followed by `fn` on its value (init_modify).
   void then(const at::Tensor& tensor, std::function<void(at::Tensor&)> fn);
+  // Tensor `name`'s value from now on is `read()` (pretrained weights or a checkpoint read one
+  // tensor at a time, checkpoint::defer_weights) instead of its initialisation; parallax::Error
+  // when the model has no such tensor.
+  void replace(const std::string& name, std::function<at::Tensor()> read);
   // Names the recorded tensors by `m`'s parameter and buffer names; parallax::Error naming the
   // first tensor of `m` without a recipe.
   void bind(const torch::nn::Module& m);

@@ -155,68 +155,121 @@ void TrainerImpl::setup() {
   tp_ = parallel::tensor_parallel_group(plan_, *topo_);
   // ZeRO-3 over several ranks, or pipeline stages, build the model without storage; each rank then
   // materialises only what it owns, its ZeRO-3 shard or its stages (parallel.meta_init;
-  // core/param_init.h, parallel/parallelize.h), with the values a full build gives. Weights loaded
-  // into the whole model or a transform of it need the full build, and so does a pipeline run that
-  // resumes (it reads the checkpoint into the model before the engine exists).
+  // core/param_init.h, parallel/parallelize.h): with the values a full build gives, or read one
+  // tensor at a time from train.load_from's weights, or (a resumed pipeline run) from the
+  // checkpoint. A model transform (LoRA, QAT) needs the full build.
   std::shared_ptr<core::DeferredInit> recipes;
+  const bool sharded_model = plan_.shards_model();
+  const bool defer =
+      cfg_.parallel.meta_init && (sharded_model || plan_.layout.pp > 1) && !hooks_.transform_model;
+  // Pretrained weights (not when resuming: the checkpoint holds the trained model) and the
+  // resumed model go into the model as built (deferred: into its recipes).
+  const bool load_pretrained =
+      (!resume_ || hooks_.saves_model_tensor) && !cfg_.train.load_from.empty();
+  const std::string deferred_source = !defer                      ? std::string()
+                                      : load_pretrained           ? cfg_.train.load_from
+                                      : resume_ && !sharded_model ? resume_->dir()
+                                                                  : std::string();
+  // Each rank reads only its slices of tensor-parallel tensors (HDF5 hyperslabs of a weights file
+  // or a checkpoint's boxes; the others whole): no rank holds the whole model.
+  ck::WeightsOptions w;
+  w.strict = cfg_.train.strict_load;
+  const auto tp_boxes =
+      [](std::shared_ptr<const std::map<std::string, tensor::ParamLayout>> layouts) {
+        return [layouts](const std::string& name,
+                         const at::Tensor& local) -> std::optional<ck::TensorBoxes> {
+          const auto it = layouts->find(name);
+          if (it == layouts->end()) return std::nullopt;
+          ck::TensorBoxes b;
+          b.shape = tensor::global_shape(local.sizes().vec(), it->second);
+          for (auto& box : tensor::split_boxes(local, it->second))
+            b.boxes.emplace_back(box.local, std::move(box.offsets));
+          return b;
+        };
+      };
+  // A NaN in the loaded weights would only show as a NaN loss at step 1 ("lower optim.lr"):
+  // named at load time. LoRA checks its base itself (naming it as the LoRA base).
+  const std::string load_context = fmt::format("train.load_from '{}'", cfg_.train.load_from);
+  const char* load_advice = "point train.load_from at an earlier checkpoint";
   // The host memory the model and its engine take while they are set up (below).
   const double resident_before = proc_status_mib("VmRSS");
   const bool peak_reset = resident_before >= 0 && reset_peak_resident();
-  if (cfg_.parallel.meta_init && (plan_.shards_model() || (plan_.layout.pp > 1 && !resume_)) &&
-      cfg_.train.load_from.empty() && !hooks_.transform_model) {
+  double load_s = 0;  // checkpoint read time: the weights here, the optimizer state below
+  if (defer) {
     {
       core::DeferredInitScope deferred;
       model_ = tp_ ? models::build_model(cfg_.model, scene_, tp_)
                    : models::build_model(cfg_.model, scene_);
       recipes = deferred.recipes();
     }
+    if (!deferred_source.empty()) {
+      if (tp_)
+        w.boxes_of = tp_boxes(std::make_shared<const std::map<std::string, tensor::ParamLayout>>(
+            tensor::param_layouts(*model_)));
+      const bool pretrained = load_pretrained;
+      // Checked (names and shapes) on every rank before any engine exists: a rank that fails
+      // alone must not leave the others in the engine's first collective.
+      comm::agree_on(*world_comm_, device_,
+                     pretrained
+                         ? load_context
+                         : fmt::format("resume from '{}': loading the model", deferred_source),
+                     [&]() -> int64_t {
+                       ck::DeferredWeights dw = ck::defer_weights(*model_, deferred_source, w);
+                       if (pretrained) {
+                         core::log::info("train.load_from={}: {} (each rank reads what it owns)",
+                                         deferred_source, dw.report.summary());
+                       }
+                       for (auto& [name, read] : dw.readers) {
+                         if (pretrained && cfg_.lora.rank == 0) {
+                           recipes->replace(name, [read, name = name, load_context, load_advice]() {
+                             at::Tensor v = read();
+                             ck::require_finite({{name, v}}, load_context, load_advice);
+                             return v;
+                           });
+                         } else {
+                           recipes->replace(name, read);
+                         }
+                       }
+                       return 0;
+                     });
+    }
     core::place_deferred(*model_, *recipes, device_);
     core::log::info(
         "model built without storage (parallel.meta_init): {} tensors, each rank "
-        "materialises its {}",
-        recipes->size(), plan_.shards_model() ? "ZeRO-3 shard" : "pipeline stages");
+        "materialises its {}{}",
+        recipes->size(), sharded_model ? "ZeRO-3 shard" : "pipeline stages",
+        deferred_source.empty() ? "" : fmt::format(" from '{}'", deferred_source));
   } else {
     model_ = tp_ ? models::build_model(cfg_.model, scene_, tp_)
                  : models::build_model(cfg_.model, scene_);
     model_->to(device_);
   }
   model_->train();
-  double load_s = 0;  // checkpoint read time: the weights here, the optimizer state below
   // Pretrained weights go into the model as built; the transform (e.g. LoRA adapters, QAT
   // observers) comes after them, and a resumed checkpoint, saved from the transformed model, is
   // loaded after the transform. A checkpoint that holds only some model tensors
   // (TrainerHooks::saves_model_tensor, e.g. LoRA's adapters) needs these weights on resume too.
-  if ((!resume_ || hooks_.saves_model_tensor) && !cfg_.train.load_from.empty()) {
-    // A NaN in the loaded weights would only show as a NaN loss at step 1 ("lower optim.lr"):
-    // named here, at load time. LoRA checks its base itself (naming it as the LoRA base).
-    auto require_finite_load = [&](const torch::nn::Module& m) {
-      if (cfg_.lora.rank > 0) return;
-      ck::require_finite(m, fmt::format("train.load_from '{}'", cfg_.train.load_from),
-                         "point train.load_from at an earlier checkpoint");
-    };
-    ck::WeightsOptions w;
-    w.strict = cfg_.train.strict_load;
-    if (tp_) {
-      // Through a single-process copy of the model: each rank keeps its slices of it.
-      auto dense = models::build_model(cfg_.model, scene_);
-      const auto report = ck::load_weights(*dense, cfg_.train.load_from, w);
-      core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
-      require_finite_load(*dense);
-      tensor::copy_whole_into_split(*dense, *model_, tensor::param_layouts(*model_));
-    } else {
+  if (load_pretrained && !defer) {
+    if (tp_)
+      w.boxes_of = tp_boxes(std::make_shared<const std::map<std::string, tensor::ParamLayout>>(
+          tensor::param_layouts(*model_)));
+    // A rank that fails alone (a NaN only in its slice) must not leave the others waiting in the
+    // engine's first collective.
+    comm::agree_on(*world_comm_, device_, load_context, [&]() -> int64_t {
       const auto report = ck::load_weights(*model_, cfg_.train.load_from, w);
       core::log::info("train.load_from={}: {}", cfg_.train.load_from, report.summary());
-      require_finite_load(*model_);
-    }
+      if (cfg_.lora.rank == 0) ck::require_finite(*model_, load_context, load_advice);
+      return 0;
+    });
   }
   if (hooks_.transform_model) {
     hooks_.transform_model(*model_);
     model_->to(device_);  // parameters the transform added
   }
   // ZeRO-3 over several ranks reads each rank's shard of the model after the engine has sharded
-  // it (below), so no rank reads the whole model from the checkpoint.
-  const bool sharded_model = plan_.shards_model();
-  if (resume_ && !sharded_model) {
+  // it (below), so no rank reads the whole model from the checkpoint; a deferred pipeline model
+  // reads it into its recipes (above).
+  if (resume_ && !sharded_model && deferred_source != resume_->dir()) {
     core::Stopwatch load_clock;
     // Each rank reads its part (tensor or pipeline parallelism: its slices); a rank that fails
     // alone must not leave the others in the engine's first collective (agree_on).

@@ -27,9 +27,13 @@ Usage: test_pipeline.py <parallax binary> <mpirun>
 """
 import os
 import re
+import shutil
 import sys
 import time
 import unittest
+
+import h5py
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train as tt  # noqa: E402  (shared helpers: run, metrics)
@@ -238,6 +242,54 @@ class PipelineTest(tt.RunDirTest):
         self.assertEqual(out["true"], out["false"])
         self.assertLess(peak["true"], 0.75 * model)
         self.assertGreater(peak["false"] - peak["true"], 0.25 * model)
+
+    def test_meta_init_reads_pretrained_weights_and_resumes_stage_by_stage(self):
+        # Under parallel.meta_init each pipeline rank reads only its stages' tensors, one at a
+        # time, from train.load_from (a checkpoint or an exported weights.h5) or, resuming, from
+        # the checkpoint: bitwise the losses of the run that builds and loads the whole model.
+        self.vit("src", 1, "train.steps=2", "train.grad_accum=1", *tt.sgd(0.01))
+        tt.weights(os.path.join(self.d, "src"))
+        sources = {"ckpt": os.path.join(self.d, "src", "checkpoints", "step_00000002"),
+                   "h5": os.path.join(self.d, "src", "export", "weights.h5")}
+        args = ["parallel.pp=2", *tt.sgd(0.01)]
+        for label, source in sources.items():
+            out = {}
+            for meta in ("true", "false"):
+                name = f"{label}_{meta}"
+                p = self.vit(name, 2, "train.steps=2", f"train.load_from={source}",
+                             f"parallel.meta_init={meta}", *args)
+                out[meta] = tt.losses(os.path.join(self.d, name))
+                log = p.stdout + p.stderr
+                self.assertEqual("each rank reads what it owns" in log, meta == "true", log[-3000:])
+            self.assertEqual(sorted(out["true"]), [1, 2], label)
+            self.assertEqual(out["true"], out["false"], label)
+            # The weights were loaded: not the initial model's step 1.
+            self.assertNotEqual(out["true"][1], tt.losses(os.path.join(self.d, "src"))[1], label)
+        # Resume: the same run resumed at step 2 with and without meta_init.
+        out = {}
+        for meta in ("true", "false"):
+            name = f"resume_{meta}"
+            shutil.copytree(os.path.join(self.d, "ckpt_false"), os.path.join(self.d, name))
+            p = self.vit(name, 2, "train.steps=4", "train.resume=auto", f"parallel.meta_init={meta}", *args)
+            out[meta] = tt.losses(os.path.join(self.d, name))
+            self.assertEqual("materialises its pipeline stages from" in p.stdout + p.stderr, meta == "true")
+        self.assertEqual(sorted(out["true"]), [1, 2, 3, 4])
+        self.assertEqual(out["true"], out["false"])
+        # A NaN in a tensor only the last stage reads: that rank names it as it reads it, and the
+        # run ends with that one error (the other rank does not wait past its timeout).
+        bad = os.path.join(self.d, "nan.h5")
+        shutil.copy(sources["h5"], bad)
+        with h5py.File(bad, "r+") as f:
+            w = f["head.weight"][()]
+            w.flat[0] = np.nan
+            f["head.weight"][...] = w
+        t0 = time.time()
+        p = self.vit("nan", 2, "train.steps=1", f"train.load_from={bad}", "parallel.timeout_s=20", *args, check=False)
+        self.assertNotEqual(p.returncode, 0)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("parallax: error:")]
+        self.assertEqual(len(errors), 1, p.stderr[-3000:])
+        self.assertIn(f"train.load_from '{bad}': tensor 'head.weight' holds 1 NaN", errors[0])
+        self.assertLess(time.time() - t0, 20 + 10)
 
     def test_print_schedule(self):
         p = tt.run(["train", "--config", tt.BEV, "parallel.pp=4", "train.grad_accum=8", "--print-pp-schedule"])

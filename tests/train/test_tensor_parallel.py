@@ -17,6 +17,8 @@
 - activation checkpointing under tp 2 + sequence parallel recomputes the same forward: bitwise
   the same losses as without it (AdamW: the same arithmetic); bf16 autocast and fp16 loss scaling
   run under tp 2 and stay within their precision of the tp 1 run (SGD);
+- train.load_from under tp 2 (a checkpoint, and an exported weights.h5) reads each rank's slices
+  and gives the single-process run's first step from those weights;
 - bad layouts are one `parallax: error:` line naming the key and the numbers or the model.
 
 Usage: test_tensor_parallel.py <parallax binary> <mpirun>
@@ -152,6 +154,29 @@ class TensorParallelTest(tt.RunDirTest):
         # ... and the last one exports like a single-process checkpoint.
         w = tt.weights(os.path.join(self.d, "e"))
         self.assertEqual(w["vit.block0.attn.qkv.weight"].shape, (288, 96))
+
+    def test_load_from_under_tp_reads_each_ranks_slices(self):
+        # train.load_from under tp 2: each rank reads its boxes of the split tensors (the fused qkv
+        # as one box per part) from a checkpoint or from an exported weights.h5 (HDF5
+        # hyperslabs), no dense copy of the model. Step 1 from those weights matches the
+        # single-process run from them within tt.first_step_bounds; a box read from the wrong
+        # place (a contiguous qkv split) is over 10x those bounds off (the comment above RTOL).
+        sgd = tt.sgd(VIT_LR)
+        self.vit("src", 1, "train.steps=2", *sgd)
+        ckpt = os.path.join(self.d, "src", "checkpoints", "step_00000002")
+        tt.weights(os.path.join(self.d, "src"))
+        h5 = os.path.join(self.d, "src", "export", "weights.h5")
+        for label, source in (("ckpt", ckpt), ("h5", h5)):
+            self.vit(f"one_{label}", 1, "train.steps=1", *sgd, f"train.load_from={source}")
+            want = tt.rows(os.path.join(self.d, f"one_{label}"))[1]
+            p = self.vit(f"tp_{label}", 2, "train.steps=1", *sgd, "parallel.tp=2",
+                         f"train.load_from={source}")
+            self.assertIn("train.load_from=", p.stdout + p.stderr)
+            self.assertNotIn("missing", (p.stdout + p.stderr).split("train.load_from=")[1].split("\n")[0])
+            self.assert_first_step(tt.rows(os.path.join(self.d, f"tp_{label}"))[1], want, f"tp 2 from {label}")
+        # The two sources hold the same values: the same step 1 on one rank.
+        self.assertEqual(tt.rows(os.path.join(self.d, "one_ckpt"))[1]["loss"],
+                         tt.rows(os.path.join(self.d, "one_h5"))[1]["loss"])
 
     def test_activation_checkpointing_and_precision_under_tp(self):
         tp = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=3"]

@@ -130,6 +130,24 @@ class ZeroCliTest(tt.RunDirTest):
             tp[meta] = losses(os.path.join(self.d, name))
         self.assertEqual(sorted(tp["true"]), [1, 2, 3])
         self.assertEqual(tp["true"], tp["false"])
+        # From pretrained weights (train.load_from: an exported weights.h5, and a tp 2 checkpoint):
+        # each rank reads its tp slices tensor by tensor into its ZeRO-3 shard, bitwise the run
+        # that loads them into the whole model.
+        tt.weights(os.path.join(self.d, "tp_meta_false"))
+        for label, source in (("h5", os.path.join(self.d, "tp_meta_false", "export", "weights.h5")),
+                              ("ckpt", os.path.join(self.d, "tp_meta_false"))):
+            loaded = {}
+            for meta in ("true", "false"):
+                name = f"load_{label}_{meta}"
+                p = tt.run(self.common(name, "model.name=vit_cls", "model.size=tiny", "model.num_classes=8",
+                                       "data.batch_size=4", "train.steps=2", "parallel.tp=2",
+                                       "parallel.zero.stage=3", *tt.sgd(SGD_LR), f"train.load_from={source}",
+                                       f"parallel.meta_init={meta}"), ranks=4)
+                loaded[meta] = losses(os.path.join(self.d, name))
+                self.assertEqual("each rank reads what it owns" in p.stdout + p.stderr, meta == "true", label)
+            self.assertEqual(sorted(loaded["true"]), [1, 2], label)
+            self.assertEqual(loaded["true"], loaded["false"], label)
+            self.assertNotEqual(loaded["true"][1], tp["true"][1], label)  # the weights were loaded
 
     def test_resume_under_zero2_is_bitwise(self):
         full = os.path.join(self.d, "full")
