@@ -174,19 +174,21 @@ void TrainerImpl::setup() {
   // or a checkpoint's boxes; the others whole): no rank holds the whole model.
   ck::WeightsOptions w;
   w.strict = cfg_.train.strict_load;
-  const auto tp_boxes =
-      [](std::shared_ptr<const std::map<std::string, tensor::ParamLayout>> layouts) {
-        return [layouts](const std::string& name,
-                         const at::Tensor& local) -> std::optional<ck::TensorBoxes> {
-          const auto it = layouts->find(name);
-          if (it == layouts->end()) return std::nullopt;
-          ck::TensorBoxes b;
-          b.shape = tensor::global_shape(local.sizes().vec(), it->second);
-          for (auto& box : tensor::split_boxes(local, it->second))
-            b.boxes.emplace_back(box.local, std::move(box.offsets));
-          return b;
-        };
-      };
+  const auto read_tp_slices = [&] {
+    if (!tp_) return;
+    auto layouts = std::make_shared<const std::map<std::string, tensor::ParamLayout>>(
+        tensor::param_layouts(*model_));
+    w.boxes_of = [layouts](const std::string& name,
+                           const at::Tensor& local) -> std::optional<ck::TensorBoxes> {
+      const auto it = layouts->find(name);
+      if (it == layouts->end()) return std::nullopt;
+      ck::TensorBoxes b;
+      b.shape = tensor::global_shape(local.sizes().vec(), it->second);
+      for (auto& box : tensor::split_boxes(local, it->second))
+        b.boxes.emplace_back(box.local, std::move(box.offsets));
+      return b;
+    };
+  };
   // A NaN in the loaded weights would only show as a NaN loss at step 1 ("lower optim.lr"):
   // named at load time. LoRA checks its base itself (naming it as the LoRA base).
   const std::string load_context = fmt::format("train.load_from '{}'", cfg_.train.load_from);
@@ -203,32 +205,31 @@ void TrainerImpl::setup() {
       recipes = deferred.recipes();
     }
     if (!deferred_source.empty()) {
-      if (tp_)
-        w.boxes_of = tp_boxes(std::make_shared<const std::map<std::string, tensor::ParamLayout>>(
-            tensor::param_layouts(*model_)));
-      const bool pretrained = load_pretrained;
+      read_tp_slices();
       // Checked (names and shapes) on every rank before any engine exists: a rank that fails
       // alone must not leave the others in the engine's first collective.
       comm::agree_on(*world_comm_, device_,
-                     pretrained
+                     load_pretrained
                          ? load_context
                          : fmt::format("resume from '{}': loading the model", deferred_source),
                      [&]() -> int64_t {
                        ck::DeferredWeights dw = ck::defer_weights(*model_, deferred_source, w);
-                       if (pretrained) {
+                       if (load_pretrained) {
                          core::log::info("train.load_from={}: {} (each rank reads what it owns)",
                                          deferred_source, dw.report.summary());
                        }
+                       // Pretrained weights are checked for NaN as each tensor is read (the
+                       // checkpoint of a resume: after the engine, check_resumed_state_finite).
                        for (auto& [name, read] : dw.readers) {
-                         if (pretrained && cfg_.lora.rank == 0) {
-                           recipes->replace(name, [read, name = name, load_context, load_advice]() {
-                             at::Tensor v = read();
-                             ck::require_finite({{name, v}}, load_context, load_advice);
-                             return v;
-                           });
-                         } else {
+                         if (!load_pretrained) {
                            recipes->replace(name, read);
+                           continue;
                          }
+                         recipes->replace(name, [read, name = name, load_context, load_advice]() {
+                           at::Tensor v = read();
+                           ck::require_finite({{name, v}}, load_context, load_advice);
+                           return v;
+                         });
                        }
                        return 0;
                      });
@@ -250,9 +251,7 @@ void TrainerImpl::setup() {
   // loaded after the transform. A checkpoint that holds only some model tensors
   // (TrainerHooks::saves_model_tensor, e.g. LoRA's adapters) needs these weights on resume too.
   if (load_pretrained && !defer) {
-    if (tp_)
-      w.boxes_of = tp_boxes(std::make_shared<const std::map<std::string, tensor::ParamLayout>>(
-          tensor::param_layouts(*model_)));
+    read_tp_slices();
     // A rank that fails alone (a NaN only in its slice) must not leave the others waiting in the
     // engine's first collective.
     comm::agree_on(*world_comm_, device_, load_context, [&]() -> int64_t {

@@ -334,32 +334,6 @@ at::Tensor row_slice(const at::Tensor& full, int rank, int size) {
   return full.narrow(1, rank * local, local).contiguous();
 }
 
-void copy_whole_into_split(const torch::nn::Module& whole, torch::nn::Module& split,
-                           const std::map<std::string, ParamLayout>& layouts) {
-  at::NoGradGuard no_grad;
-  const auto from = whole.named_parameters();
-  for (auto& item : split.named_parameters()) {
-    const at::Tensor* src = from.find(item.key());
-    PARALLAX_CHECK(src != nullptr, Error, "tensor parallel: '{}' has no single-process twin",
-                   item.key());
-    const auto it = layouts.find(item.key());
-    if (it == layouts.end()) {
-      item.value().copy_(*src);
-      continue;
-    }
-    for (const auto& box : split_boxes(item.value(), it->second)) {
-      at::Tensor part = *src;
-      for (int64_t d = 0; d < box.local.dim(); ++d)
-        part = part.narrow(d, box.offsets[static_cast<std::size_t>(d)], box.local.size(d));
-      box.local.copy_(part);
-    }
-  }
-  const auto buffers = whole.named_buffers();
-  for (auto& item : split.named_buffers()) {
-    if (const at::Tensor* src = buffers.find(item.key())) item.value().copy_(*src);
-  }
-}
-
 // ---- layers ----------------------------------------------------------------------------------
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const LinearSpec& spec, TpPtr tp)

@@ -95,12 +95,6 @@ struct SplitBox {
 // the same shape such as its optimizer state) holds: one per part, each a view of `local`.
 std::vector<SplitBox> split_boxes(const at::Tensor& local, const ParamLayout& l);
 
-// Copies each parameter and buffer of `whole` (the model built for one process) into `split` (the
-// same model built tensor-parallel): this rank's slices of the split parameters (`layouts`), the
-// others whole. parallax::Error naming a parameter of `split` that `whole` lacks.
-void copy_whole_into_split(const torch::nn::Module& whole, torch::nn::Module& split,
-                           const std::map<std::string, ParamLayout>& layouts);
-
 // The whole parameter from every tp rank's `local` piece: collective over `tp` (all-gather).
 at::Tensor gather_split(const at::Tensor& local, const ParamLayout& l, comm::Communicator& tp);
 
