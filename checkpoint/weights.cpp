@@ -78,7 +78,7 @@ namespace {
 
 // One box of saved tensor `name` (module path) read into `dest` (a module tensor or a view of it);
 // empty `offsets`: `dest` is the whole tensor.
-struct Box {
+struct ReadBox {
   std::string name;
   at::Tensor dest;
   std::vector<int64_t> offsets;
@@ -91,23 +91,23 @@ std::vector<int64_t> wanted_shape(const std::string& name, const at::Tensor& t,
   const auto boxes = options.boxes_of ? options.boxes_of(name, t) : std::nullopt;
   return boxes ? boxes->shape : t.sizes().vec();
 }
-std::vector<Box> boxes_for(const std::string& name, const at::Tensor& t,
-                           const WeightsOptions& options) {
+std::vector<ReadBox> boxes_for(const std::string& name, const at::Tensor& t,
+                               const WeightsOptions& options) {
   const auto boxes = options.boxes_of ? options.boxes_of(name, t) : std::nullopt;
-  if (!boxes) return {Box{name, t, {}}};
-  std::vector<Box> out;
-  for (const auto& [view, offsets] : boxes->boxes) out.push_back(Box{name, view, offsets});
+  if (!boxes) return {ReadBox{name, t, {}}};
+  std::vector<ReadBox> out;
+  for (const auto& [view, offsets] : boxes->boxes) out.push_back(ReadBox{name, view, offsets});
   return out;
 }
 
 // An open source of weights: a checkpoint (owned, or the caller's) or a weights .h5 file.
-class Source {
+class WeightsSource {
  public:
-  Source(CheckpointReader& reader, const WeightsOptions& options)
+  WeightsSource(CheckpointReader& reader, const WeightsOptions& options)
       : prefix_(options.prefix), verify_(options.verify) {
     use(reader);
   }
-  Source(const std::string& path, const WeightsOptions& options)
+  WeightsSource(const std::string& path, const WeightsOptions& options)
       : prefix_(options.prefix), verify_(options.verify), where_(path) {
     std::error_code ec;
     if (!fs::is_regular_file(path, ec)) {
@@ -135,18 +135,19 @@ class Source {
   const std::string& where() const { return where_; }
 
   // Reads every box (converted to its destination's dtype and device).
-  void read(const std::vector<Box>& boxes) {
+  void read(const std::vector<ReadBox>& boxes) {
     at::NoGradGuard no_grad;
     if (reader_ != nullptr) {
       std::vector<LoadTarget> targets;
-      for (const Box& b : boxes) targets.push_back(LoadTarget{prefix_ + b.name, b.dest, b.offsets});
+      for (const ReadBox& b : boxes)
+        targets.push_back(LoadTarget{prefix_ + b.name, b.dest, b.offsets});
       ReadOptions ro;
       ro.verify = verify_;
       ro.allow_cast = true;
       reader_->load(targets, ro);
       return;
     }
-    for (const Box& b : boxes) {
+    for (const ReadBox& b : boxes) {
       const std::vector<int64_t> offsets =
           b.offsets.empty() ? std::vector<int64_t>(static_cast<std::size_t>(b.dest.dim()), 0)
                             : b.offsets;
@@ -176,8 +177,8 @@ class Source {
 
 // Module tensors against the saved ones: the report (CheckpointError when strict and not clean),
 // its `loaded` the tensors to read.
-WeightsReport match(const std::map<std::string, at::Tensor>& model, const Source& source,
-                    const WeightsOptions& options) {
+WeightsReport match_weights(const std::map<std::string, at::Tensor>& model,
+                            const WeightsSource& source, const WeightsOptions& options) {
   WeightsReport report;
   for (const auto& [name, t] : model) {
     const auto it = source.shapes().find(name);
@@ -199,12 +200,13 @@ WeightsReport match(const std::map<std::string, at::Tensor>& model, const Source
   return report;
 }
 
-WeightsReport load_from(Source& source, torch::nn::Module& module, const WeightsOptions& options) {
+WeightsReport load_from_source(WeightsSource& source, torch::nn::Module& module,
+                               const WeightsOptions& options) {
   const auto model = module_tensors(module);
-  WeightsReport report = match(model, source, options);
-  std::vector<Box> boxes;
+  WeightsReport report = match_weights(model, source, options);
+  std::vector<ReadBox> boxes;
   for (const std::string& name : report.loaded) {
-    for (Box& b : boxes_for(name, model.at(name), options)) boxes.push_back(std::move(b));
+    for (ReadBox& b : boxes_for(name, model.at(name), options)) boxes.push_back(std::move(b));
   }
   source.read(boxes);
   return report;
@@ -214,22 +216,22 @@ WeightsReport load_from(Source& source, torch::nn::Module& module, const Weights
 
 WeightsReport load_weights(CheckpointReader& reader, torch::nn::Module& module,
                            const WeightsOptions& options) {
-  Source source(reader, options);
-  return load_from(source, module, options);
+  WeightsSource source(reader, options);
+  return load_from_source(source, module, options);
 }
 
 WeightsReport load_weights(torch::nn::Module& module, const std::string& path,
                            const WeightsOptions& options) {
-  Source source(path, options);
-  return load_from(source, module, options);
+  WeightsSource source(path, options);
+  return load_from_source(source, module, options);
 }
 
 DeferredWeights defer_weights(torch::nn::Module& module, const std::string& path,
                               const WeightsOptions& options) {
-  auto source = std::make_shared<Source>(path, options);
+  auto source = std::make_shared<WeightsSource>(path, options);
   const auto model = module_tensors(module);
   DeferredWeights out;
-  out.report = match(model, *source, options);
+  out.report = match_weights(model, *source, options);
   for (const std::string& name : out.report.loaded) {
     const at::Tensor& t = model.at(name);
     out.readers[name] = [source, options, name, shape = t.sizes().vec(),
