@@ -247,7 +247,7 @@ class GlooCommunicator final : public CommBase, public RingTransport {
     c10d::AllreduceOptions o;
     o.reduceOp = gloo_op(op);
     o.timeout = ms(gloo_timeout(t.timeout_s));
-    auto w = pg_->allreduce(v, o);
+    auto w = start(t, [&] { return pg_->allreduce(v, o); });
     auto on_done = [target, op, n]() mutable {
       if (op == ReduceOp::kAvg) divide_avg(target, n);
     };
@@ -280,7 +280,7 @@ class GlooCommunicator final : public CommBase, public RingTransport {
     c10d::ReduceScatterOptions o;
     o.reduceOp = gloo_op(op);
     o.timeout = ms(gloo_timeout(t.timeout_s));
-    auto w = pg_->_reduce_scatter_base(out, in, o);
+    auto w = start(t, [&] { return pg_->_reduce_scatter_base(out, in, o); });
     at::Tensor target = output;
     auto on_done = [out, target, op, n]() mutable {
       at::Tensor mine = out.narrow(0, 0, target.numel());
@@ -326,21 +326,24 @@ class GlooCommunicator final : public CommBase, public RingTransport {
     c10d::BroadcastOptions o;
     o.rootRank = root;
     o.timeout = ms(gloo_timeout(t.timeout_s));
-    return make_work(std::move(t), pg_->broadcast(v, o), {}, {tensor});
+    auto w = start(t, [&] { return pg_->broadcast(v, o); });
+    return make_work(std::move(t), w, {}, {tensor});
   }
 
   WorkPtr send_async(const at::Tensor& tensor, int peer, int tag, CallSite site) override {
     check_p2p_args("send", tensor, peer, tag);
     Ticket t = open_rooted(OpKind::kSend, tensor, peer, site, tag);
     std::vector<at::Tensor> v{tensor};
-    return make_work(std::move(t), pg_->send(v, peer, tag), {}, {tensor});
+    auto w = start(t, [&] { return pg_->send(v, peer, tag); });
+    return make_work(std::move(t), w, {}, {tensor});
   }
 
   WorkPtr recv_async(at::Tensor& tensor, int peer, int tag, CallSite site) override {
     check_p2p_args("recv", tensor, peer, tag);
     Ticket t = open_rooted(OpKind::kRecv, tensor, peer, site, tag);
     std::vector<at::Tensor> v{tensor};
-    return make_work(std::move(t), pg_->recv(v, peer, tag), {}, {tensor});
+    auto w = start(t, [&] { return pg_->recv(v, peer, tag); });
+    return make_work(std::move(t), w, {}, {tensor});
   }
 
   WorkPtr barrier_async(BarrierKind kind, CallSite site) override {
@@ -348,7 +351,8 @@ class GlooCommunicator final : public CommBase, public RingTransport {
     if (size() == 1) return complete_now(t);
     c10d::BarrierOptions o;
     o.timeout = ms(gloo_timeout(t.timeout_s));
-    return make_work(std::move(t), pg_->barrier(o), {}, {});
+    auto w = start(t, [&] { return pg_->barrier(o); });
+    return make_work(std::move(t), w, {}, {});
   }
 
   std::unique_ptr<Request> isend(const at::Tensor& t, int peer, int tag) override {
@@ -374,6 +378,18 @@ class GlooCommunicator final : public CommBase, public RingTransport {
   }
 
  protected:
+  // Starts a gloo op: gloo throws at once when the connection to a peer is already closed (a
+  // killed rank; its send() and recv() post synchronously), which becomes this op's failure,
+  // named like any other (op, group, rank, peer; flight recorder), not gloo's bare message.
+  template <class Start>
+  c10::intrusive_ptr<c10d::Work> start(const Ticket& t, Start&& start_op) {
+    try {
+      return start_op();
+    } catch (const std::exception& e) {
+      fail_error(t, e.what());
+    }
+  }
+
   std::vector<std::vector<uint8_t>> allgather_bytes(const std::vector<uint8_t>& mine,
                                                     const Ticket& t) override {
     const int n = size();
@@ -478,7 +494,7 @@ class GlooCommunicator final : public CommBase, public RingTransport {
     at::Tensor out = at::empty({n * p}, input.options());
     c10d::AllgatherOptions o;
     o.timeout = ms(gloo_timeout(t.timeout_s));
-    auto w = pg_->_allgather_base(out, in, o);
+    auto w = start(t, [&] { return pg_->_allgather_base(out, in, o); });
     auto on_done = [out, outs, sizes, p]() mutable {
       for (size_t r = 0; r < outs.size(); ++r) {
         outs[r].copy_(out.narrow(0, static_cast<int64_t>(r) * p, sizes[r]));
