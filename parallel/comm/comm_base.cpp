@@ -166,10 +166,29 @@ double CommBase::timeout_for(const OpDesc& d) const {
 
 void CommBase::check_usable(const char* what) const {
   if (!aborted_) return;
+  {
+    // The first caller to meet the failure gets it as it was: the watchdog that timed the op out
+    // reported it to no one, and "aborted by an earlier failure" would bury the cause.
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (!failure_told_ && !failure_.empty()) {
+      failure_told_ = true;
+      if (failure_timed_out_) throw TimeoutError(failure_);
+      throw CommError(failure_);
+    }
+  }
   throw_error<CommError>(
       "{} on group '{}' (world rank {}): the communicator was aborted by an earlier failure and "
       "cannot be used again (create a new one). Earlier failure: {}",
       what, name_, ctx_->rank, failure_message());
+}
+
+namespace {
+// Set on a backend's own thread (the NCCL watchdog), whose throws reach no caller.
+thread_local bool comm_backend_thread = false;
+}  // namespace
+
+void CommBase::this_thread_is_backends() {
+  comm_backend_thread = true;
 }
 
 std::string CommBase::failure_message() const {
@@ -432,6 +451,8 @@ std::string CommBase::peer_report(const Ticket& t) {
   {
     std::lock_guard<std::mutex> lock(failure_mu_);
     failure_ = msg;
+    failure_timed_out_ = true;
+    failure_told_ = !comm_backend_thread;  // the throw below tells a caller
   }
   core::log::debug("{}", msg);  // the exception carries it to the one error line
   abort_backend();
@@ -451,6 +472,7 @@ std::string CommBase::peer_report(const Ticket& t) {
   {
     std::lock_guard<std::mutex> lock(failure_mu_);
     failure_ = msg;
+    failure_told_ = !comm_backend_thread;  // the throw below tells a caller
   }
   core::log::debug("{}", msg);  // the exception carries it to the one error line
   abort_backend();

@@ -111,9 +111,13 @@ class CommBase : public Communicator, public std::enable_shared_from_this<CommBa
   [[noreturn]] void fail_timeout(const Ticket& t, const std::string& where = "");
   // Same for a backend error (CommError).
   [[noreturn]] void fail_error(const Ticket& t, const std::string& what);
-  // Throws CommError if the communicator was aborted.
+  // Throws CommError if the communicator was aborted: the failure itself (TimeoutError for a
+  // timeout) if no caller has met it yet, else "aborted by an earlier failure: ...".
   void check_usable(const char* what) const;
   std::string failure_message() const;
+  // Called first thing on a backend's own thread (the NCCL watchdog): the failures it finds reach
+  // no caller by its throws, so the next check_usable() throws them as they are.
+  static void this_thread_is_backends();
 
   // Frees backend resources (World shutdown); the communicator is unusable afterwards.
   virtual void release_backend() noexcept = 0;
@@ -199,6 +203,11 @@ class CommBase : public Communicator, public std::enable_shared_from_this<CommBa
   std::atomic<bool> aborted_{false};
   mutable std::mutex failure_mu_;
   std::string failure_;
+  bool failure_timed_out_ = false;
+  // The failure has reached a caller: fail_timeout()/fail_error() tell it by throwing, except on a
+  // backend's own thread; until then check_usable() throws the failure itself rather than
+  // "aborted by an earlier failure".
+  mutable bool failure_told_ = false;
 };
 
 // A Work completed by polling on the host (MPI and gloo). `poll` returns true once the backend op

@@ -9,6 +9,34 @@
 
 namespace parallax::parallel::comm::detail::nccl {
 
+namespace {
+
+// Aborts the data communicator and its control twin in one NCCL group. Each ncclCommAbort first
+// raises its communicator's abort flag, which makes that communicator's kernels quit, and then
+// frees its resources, and freeing pinned host memory (cudaFreeHost) waits for the whole device.
+// One after the other, the first abort's free waits for the second communicator's kernel, which
+// spins on for a peer that never comes because its flag is not up yet: seen on 2 x H200, where a
+// pipeline stage's watchdog hung in ncclCommAbort(comm_) while its receive on the control twin
+// waited for the stopped stage. Inside one group both flags go up before anything is freed (the
+// group's end runs the reclaim jobs; a group of aborts is a blocking group even with a
+// non-blocking member).
+void abort_together(ncclComm_t data, ncclComm_t control) noexcept {
+  if (!control) {
+    if (data) ncclCommAbort(data);
+    return;
+  }
+  if (!data) {
+    ncclCommAbort(control);
+    return;
+  }
+  ncclGroupStart();
+  ncclCommAbort(data);
+  ncclCommAbort(control);
+  ncclGroupEnd();
+}
+
+}  // namespace
+
 void NcclCommunicator::release_backend() noexcept {
   if (released_) return;
   released_ = true;
@@ -42,8 +70,7 @@ void NcclCommunicator::release_backend() noexcept {
   } catch (const std::exception& e) {
     core::log::warn("group '{}': NCCL communicator did not shut down cleanly ({}); aborting it",
                     name_, e.what());
-    if (comm_) ncclCommAbort(comm_);
-    if (ctrl_) ncclCommAbort(ctrl_);
+    abort_together(comm_, ctrl_);
   }
   comm_ = nullptr;
   ctrl_ = nullptr;
@@ -73,13 +100,13 @@ void NcclCommunicator::mark_completed(const std::shared_ptr<Pending>& p) {
 void NcclCommunicator::abort_backend() noexcept {
   std::lock_guard<std::mutex> lock(abort_mu_);
   if (comm_ && !comm_aborted_) {
-    ncclCommAbort(comm_);
-    if (ctrl_) ncclCommAbort(ctrl_);
+    abort_together(comm_, ctrl_);
     comm_aborted_ = true;
   }
 }
 
 void NcclCommunicator::watchdog() {
+  this_thread_is_backends();
   try {
     c10::cuda::CUDAGuard g(device_);
     std::unique_lock<std::mutex> lock(pending_mu_);
@@ -97,7 +124,8 @@ void NcclCommunicator::watchdog() {
           try {
             timeout(p);
           } catch (const std::exception&) {
-            // Reported (log, flight recorder, aborted communicator); the waiter rethrows it.
+            // Recorded (flight recorder, aborted communicator); the waiter or the next op
+            // throws it.
           }
         }
       }
