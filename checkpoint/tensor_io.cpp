@@ -126,12 +126,15 @@ at::ScalarType dataset_dtype(hid_t dset, const std::string& context) {
                                static_cast<int>(H5Tget_class(type)), size);
 }
 
-at::Tensor read_dataset(hid_t loc, const std::string& name, const std::string& context) {
-  h5::Id dset(H5Dopen2(loc, name.c_str(), H5P_DEFAULT));
-  if (!dset.valid()) h5::fail<CheckpointError>(context);
-  const at::ScalarType dtype = dataset_dtype(dset, context);
-  const std::vector<int64_t> dims = h5::dataset_dims(dset, context);
-  at::Tensor out = at::empty(dims, at::TensorOptions().dtype(dtype));
+namespace {
+
+// `lengths` elements from `offsets` of the open dataset (offsets empty: all of it), read as the
+// dataset's own element type (its "dtype" attribute when it has one: bf16 is stored as 16-bit
+// integers).
+at::Tensor read_open_dataset(hid_t dset, at::ScalarType dtype, const std::string& name,
+                             const std::vector<int64_t>& offsets,
+                             const std::vector<int64_t>& lengths, const std::string& context) {
+  at::Tensor out = at::empty(lengths, at::TensorOptions().dtype(dtype));
   if (out.numel() == 0) return out;
   std::string attr;
   h5::Id native;
@@ -143,9 +146,27 @@ at::Tensor read_dataset(hid_t loc, const std::string& name, const std::string& c
     native = h5::Id(H5Tget_native_type(ftype, H5T_DIR_ASCEND));
     mtype = native;
   }
-  if (H5Dread(dset, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data_ptr()) < 0)
-    h5::fail<CheckpointError>(context);
+  herr_t rc;
+  if (offsets.empty()) {
+    rc = H5Dread(dset, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data_ptr());
+  } else {
+    h5::Id fspace(H5Dget_space(dset));
+    h5::Id mspace = h5::make_space(h5::to_hsize(lengths));
+    const std::vector<hsize_t> start = h5::to_hsize(offsets), count = h5::to_hsize(lengths);
+    rc = H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
+    if (rc >= 0) rc = H5Dread(dset, mtype, mspace, fspace, H5P_DEFAULT, out.data_ptr());
+  }
+  if (rc < 0) h5::fail<CheckpointError>(context);
   return out;
+}
+
+}  // namespace
+
+at::Tensor read_dataset(hid_t loc, const std::string& name, const std::string& context) {
+  h5::Id dset(H5Dopen2(loc, name.c_str(), H5P_DEFAULT));
+  if (!dset.valid()) h5::fail<CheckpointError>(context);
+  const at::ScalarType dtype = dataset_dtype(dset, context);
+  return read_open_dataset(dset, dtype, name, {}, h5::dataset_dims(dset, context), context);
 }
 
 at::Tensor read_dataset_box(hid_t loc, const std::string& name, const std::vector<int64_t>& offsets,
@@ -160,30 +181,8 @@ at::Tensor read_dataset_box(hid_t loc, const std::string& name, const std::vecto
   PARALLAX_CHECK(inside, CheckpointError, "{}: the box at [{}] of size [{}] lies outside [{}]",
                  context, fmt::join(offsets, ", "), fmt::join(lengths, ", "),
                  fmt::join(dims, ", "));
-  at::Tensor out = at::empty(lengths, at::TensorOptions().dtype(dtype));
-  if (out.numel() == 0) return out;
-  std::string attr;
-  h5::Id native;
-  hid_t mtype;
-  if (h5::read_string_attr(dset, "dtype", attr)) {
-    mtype = h5::storage_type(dtype, name);
-  } else {
-    h5::Id ftype(H5Dget_type(dset));
-    native = h5::Id(H5Tget_native_type(ftype, H5T_DIR_ASCEND));
-    mtype = native;
-  }
-  herr_t rc;
-  if (dims.empty()) {
-    rc = H5Dread(dset, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data_ptr());
-  } else {
-    h5::Id fspace(H5Dget_space(dset));
-    h5::Id mspace = h5::make_space(h5::to_hsize(lengths));
-    const std::vector<hsize_t> start = h5::to_hsize(offsets), count = h5::to_hsize(lengths);
-    rc = H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
-    if (rc >= 0) rc = H5Dread(dset, mtype, mspace, fspace, H5P_DEFAULT, out.data_ptr());
-  }
-  if (rc < 0) h5::fail<CheckpointError>(context);
-  return out;
+  return read_open_dataset(dset, dtype, name, dims.empty() ? std::vector<int64_t>{} : offsets,
+                           lengths, context);
 }
 
 }  // namespace parallax::checkpoint::tensor_io
