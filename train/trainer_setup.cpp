@@ -234,6 +234,25 @@ void TrainerImpl::setup() {
                        return 0;
                      });
     }
+    if (resume_ && sharded_model && deferred_source.empty()) {
+      // A resumed ZeRO-3 run reads each rank's shard from the checkpoint after the engine has
+      // sharded the model (below), overwriting every parameter the checkpoint holds: those start
+      // as zeros rather than as their initialisation's draws, which cost as much as the model's
+      // size in random numbers on every rank for nothing. Buffers keep their values: they are
+      // small, and setup reads some before the resume (mlp's teacher makes the synthetic data).
+      const auto& saved = resume_->metadata().tensors;
+      std::size_t skipped = 0;
+      const auto skip = [&](const std::string& name, const at::Tensor& t) {
+        if (!saved.count(ck::kModelPrefix + name)) return;
+        recipes->replace(name, [shape = t.sizes().vec()] { return at::zeros(shape); });
+        ++skipped;
+      };
+      for (const auto& item : model_->named_parameters()) skip(item.key(), item.value());
+      core::log::info(
+          "resume: {} of {} model tensors skip their initialisation (the checkpoint "
+          "overwrites them)",
+          skipped, recipes->size());
+    }
     core::place_deferred(*model_, *recipes, device_);
     core::log::info(
         "model built without storage (parallel.meta_init): {} tensors, each rank "
