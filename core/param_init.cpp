@@ -72,6 +72,14 @@ DeferredInitScope::DeferredInitScope() : recipes_(std::make_shared<DeferredInit>
   t_deferred = recipes_.get();
 }
 
+DeferredInitScope::DeferredInitScope(std::shared_ptr<DeferredInit> recipes)
+    : recipes_(std::move(recipes)) {
+  PARALLAX_CHECK(recipes_ != nullptr, Error, "deferred construction: no recipes to continue");
+  PARALLAX_CHECK(t_deferred == nullptr && !t_shape_only, Error,
+                 "deferred construction inside another shape-only or deferred construction");
+  t_deferred = recipes_.get();
+}
+
 DeferredInitScope::~DeferredInitScope() {
   t_deferred = nullptr;
 }
@@ -142,6 +150,7 @@ void DeferredInit::bind(const torch::nn::Module& m) {
   const auto name_one = [&](const std::string& kind, const std::string& name, const at::Tensor& t) {
     if (!t.defined()) return;
     const auto it = by_impl_.find(t.unsafeGetTensorImpl());
+    if (it == by_impl_.end() && by_name_.count(name)) return;  // bound before
     PARALLAX_CHECK(it != by_impl_.end(), Error,
                    "deferred construction: {} '{}' has no recipe (the model created it outside "
                    "core::init_tensor and core::layer, core/param_init.h)",

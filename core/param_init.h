@@ -86,7 +86,8 @@ class DeferredInit {
   // when the model has no such tensor.
   void replace(const std::string& name, std::function<at::Tensor()> read);
   // Names the recorded tensors by `m`'s parameter and buffer names; parallax::Error naming the
-  // first tensor of `m` without a recipe.
+  // first tensor of `m` without a recipe. Names bound by an earlier bind() keep their recipes
+  // (a transform's tensors are bound after the model's).
   void bind(const torch::nn::Module& m);
 
  private:
@@ -102,6 +103,9 @@ class DeferredInit {
 class DeferredInitScope {
  public:
   DeferredInitScope();
+  // Records into `recipes` (a model built under an earlier scope), e.g. while a model transform
+  // adds tensors to it; DeferredInit::bind names them afterwards.
+  explicit DeferredInitScope(std::shared_ptr<DeferredInit> recipes);
   ~DeferredInitScope();
   DeferredInitScope(const DeferredInitScope&) = delete;
   DeferredInitScope& operator=(const DeferredInitScope&) = delete;

@@ -38,9 +38,19 @@ void DenseLinearImpl::add_lora(int64_t rank, double alpha, double dropout) {
   PARALLAX_CHECK(rank > 0, ConfigError, "LoRA: rank {} must be positive", rank);
   const int64_t in = weight.size(1), out = weight.size(0);
   const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-  const auto opts = weight.options().requires_grad(false);
-  lora_a = register_parameter("lora_a", at::empty({rank, in}, opts).uniform_(-bound, bound));
-  lora_b = register_parameter("lora_b", at::zeros({out, rank}, opts));
+  // Through core::init_tensor, so that a model built without storage (parallel.meta_init) records
+  // the adapters' recipes too (fp32 on the CPU; the engine places them). Built otherwise, they take
+  // the weight's dtype and device.
+  at::Tensor a = core::init_tensor({rank, in}, [rank, in, bound] {
+    return at::empty({rank, in}).uniform_(-bound, bound);
+  });
+  at::Tensor b = core::init_zeros({out, rank});
+  if (core::deferred_init() == nullptr) {
+    a = a.to(weight.options());
+    b = b.to(weight.options());
+  }
+  lora_a = register_parameter("lora_a", a);
+  lora_b = register_parameter("lora_b", b);
   lora_scale_ = alpha / static_cast<double>(rank);
   lora_dropout_ = dropout;
 }

@@ -5,6 +5,7 @@
 #include "checkpoint/weights.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/param_init.h"
 #include "core/strings.h"
 #include "models/layers.h"
 #include "train/run_config.h"
@@ -41,9 +42,12 @@ bool glob_match(const std::string& pattern, const std::string& name) {
   return ::fnmatch(pattern.c_str(), name.c_str(), 0) == 0;
 }
 
-std::string fingerprint(const torch::nn::Module& m) {
+std::string fingerprint(
+    const torch::nn::Module& m,
+    const std::function<at::Tensor(const std::string& name, const at::Tensor& t)>& value) {
   uLong crc = ::crc32(0L, Z_NULL, 0);
-  auto add = [&](const std::string& name, const at::Tensor& t) {
+  auto add = [&](const std::string& name, const at::Tensor& held) {
+    const at::Tensor t = value ? value(name, held) : held;
     const std::string head =
         fmt::format("{}|{}|{}|", name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ","));
     crc = ::crc32(crc, reinterpret_cast<const Bytef*>(head.data()), static_cast<uInt>(head.size()));
@@ -157,21 +161,43 @@ TrainerHooks hooks(const RunConfig& cfg) {
   auto state = std::make_shared<State>();
   state->cfg = &cfg;
   TrainerHooks h;
+  h.transform_defers = true;
   h.transform_model = [state](models::Model& m) {
     const RunConfig& c = *state->cfg;
     state->base = base_path(c);
+    // A model built without storage (parallel.meta_init under ZeRO-3): its tensors are recipes,
+    // and the adapters apply() adds are recorded as recipes too.
+    core::DeferredInit* deferred = core::deferred_init();
     // train.load_from is loaded by the trainer (resume included, as the checkpoints hold only
     // the adapters); lora.base, when set, goes on top of it.
     if (!c.lora.base.empty()) {
-      const auto report = checkpoint::load_weights(m, state->base);
-      core::log::info("lora.base={}: {}", state->base, report.summary());
+      if (deferred) {
+        checkpoint::DeferredWeights dw = checkpoint::defer_weights(m, state->base);
+        core::log::info("lora.base={}: {} (each rank reads what it owns)", state->base,
+                        dw.report.summary());
+        for (auto& [name, read] : dw.readers) deferred->replace(name, read);
+      } else {
+        const auto report = checkpoint::load_weights(m, state->base);
+        core::log::info("lora.base={}: {}", state->base, report.summary());
+      }
     }
     // A NaN in the base would only show as a NaN loss at step 1: named here, at load time.
     const char* key = c.lora.base.empty() ? "train.load_from" : "lora.base";
-    checkpoint::require_finite(
-        m, fmt::format("LoRA base '{}' ({})", state->base, key),
-        fmt::format("a LoRA run adapts a finite base; point {} at an earlier checkpoint", key));
-    state->fingerprint = fingerprint(m);
+    const std::string source = fmt::format("LoRA base '{}' ({})", state->base, key);
+    const std::string advice =
+        fmt::format("a LoRA run adapts a finite base; point {} at an earlier checkpoint", key);
+    if (deferred) {
+      // The base read one tensor at a time (as the full build holds it: the placeholder's dtype),
+      // checked and hashed, and dropped: the engine reads its shard again.
+      state->fingerprint = fingerprint(m, [&](const std::string& name, const at::Tensor& t) {
+        at::Tensor v = deferred->value(name).to(t.scalar_type());
+        checkpoint::require_finite({{name, v}}, source, advice);
+        return v;
+      });
+    } else {
+      checkpoint::require_finite(m, source, advice);
+      state->fingerprint = fingerprint(m);
+    }
     const Applied a = apply(m, c.lora);
     core::log::info(
         "LoRA: rank {} (alpha {}, dropout {}) on {} linear layers: {:.3f} M adapter parameters; "

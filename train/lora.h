@@ -63,8 +63,11 @@ bool is_adapter(const std::string& name);
 bool glob_match(const std::string& pattern, const std::string& name);
 
 // crc32 over the names, shapes, dtypes and bytes of every parameter and buffer of `m` (CPU copies,
-// tensor by tensor), as 8 hex digits: what ties an adapter to its base.
-std::string fingerprint(const torch::nn::Module& m);
+// tensor by tensor), as 8 hex digits: what ties an adapter to its base. `value(name, tensor)`, when
+// given, supplies each tensor's values (a model built without storage: its recipes, one at a time).
+std::string fingerprint(
+    const torch::nn::Module& m,
+    const std::function<at::Tensor(const std::string& name, const at::Tensor& t)>& value = {});
 
 struct Applied {
   int64_t layers = 0;          // linear layers with an adapter

@@ -76,6 +76,11 @@ struct TrainerHooks {
   // of its buckets and the optimizer), QAT inserts fake-quantisers. Parameters it adds may be on
   // the CPU: the trainer moves the model to its device afterwards.
   std::function<void(models::Model& model)> transform_model;
+  // transform_model also takes a model built without storage (parallel.meta_init): it then runs
+  // inside a core::DeferredInitScope that continues the model's recipes, creates what it adds
+  // through core::init_tensor or core::layer, and reads values through core::deferred_init()
+  // (e.g. LoRA). false: a run with a transform builds the whole model on every rank.
+  bool transform_defers = false;
   // A second model, frozen (eval mode, requires_grad false, never wrapped by the engine, not
   // checkpointed): e.g. a distillation teacher loaded from its own checkpoint. Built once, after
   // the trained model; moved to the training device.

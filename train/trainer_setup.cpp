@@ -157,11 +157,12 @@ void TrainerImpl::setup() {
   // materialises only what it owns, its ZeRO-3 shard or its stages (parallel.meta_init;
   // core/param_init.h, parallel/parallelize.h): with the values a full build gives, or read one
   // tensor at a time from train.load_from's weights, or (a resumed pipeline run) from the
-  // checkpoint. A model transform (LoRA, QAT) needs the full build.
+  // checkpoint. A model transform that cannot work on recipes (QAT's weight ranges) needs the
+  // full build; LoRA's adapters become recipes too (TrainerHooks::transform_defers).
   std::shared_ptr<core::DeferredInit> recipes;
   const bool sharded_model = plan_.shards_model();
-  const bool defer =
-      cfg_.parallel.meta_init && (sharded_model || plan_.layout.pp > 1) && !hooks_.transform_model;
+  const bool defer = cfg_.parallel.meta_init && (sharded_model || plan_.layout.pp > 1) &&
+                     (!hooks_.transform_model || hooks_.transform_defers);
   // Pretrained weights (not when resuming: the checkpoint holds the trained model) and the
   // resumed model go into the model as built (deferred: into its recipes).
   const bool load_pretrained =
@@ -253,6 +254,14 @@ void TrainerImpl::setup() {
           "overwrites them)",
           skipped, recipes->size());
     }
+    if (hooks_.transform_model) {
+      // The transform on the recipes (its tensors recorded as recipes and named like the model's).
+      {
+        core::DeferredInitScope more(recipes);
+        hooks_.transform_model(*model_);
+      }
+      recipes->bind(*model_);
+    }
     core::place_deferred(*model_, *recipes, device_);
     core::log::info(
         "model built without storage (parallel.meta_init): {} tensors, each rank "
@@ -280,7 +289,7 @@ void TrainerImpl::setup() {
       return 0;
     });
   }
-  if (hooks_.transform_model) {
+  if (hooks_.transform_model && !defer) {
     hooks_.transform_model(*model_);
     model_->to(device_);  // parameters the transform added
   }

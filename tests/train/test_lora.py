@@ -116,11 +116,16 @@ class LoraTest(tt.RunDirTest):
             a = f[name][()]
             a.flat[3] = np.nan
             f[name][...] = a
-        for key in ("train.load_from", "lora.base"):
-            p = tt.run(self.common(f"nan_{key}", "train.steps=2", "lora.rank=4", f"{key}={w}"), check=False)
+        # The last: ZeRO-3 over 2 ranks, whose model is built without storage (the base read one
+        # tensor at a time for its fingerprint, each tensor checked as it is read).
+        for key, ranks, extra in (("train.load_from", 1, ()), ("lora.base", 1, ()),
+                                  ("lora.base", 2, ("parallel.zero.stage=3",))):
+            p = tt.run(self.common(f"nan_{key}_{ranks}", "train.steps=2", "lora.rank=4", f"{key}={w}", *extra),
+                       ranks=ranks, check=False)
             self.assertNotEqual(p.returncode, 0, key)
             errors = [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")]
-            self.assertEqual(len(errors), 1, p.stderr[-2000:])
+            # One error; over 2 ranks each reads the same base and says the same line.
+            self.assertTrue(1 <= len(errors) <= ranks and len(set(errors)) == 1, p.stderr[-2000:])
             self.assertIn(f"LoRA base '{w}' ({key}): tensor '{name}' holds 1 NaN and 0 infinite value(s)",
                           errors[0])
             self.assertNotIn("at step", p.stderr)
@@ -131,9 +136,18 @@ class LoraTest(tt.RunDirTest):
         base = f"train.load_from={os.path.join(self.d, 'base')}"
         out = {}
         for stage in (0, 3):
-            tt.run(self.common(f"z{stage}", "lora.rank=4", base, "train.steps=4", "checkpoint.every=2",
-                               f"parallel.zero.stage={stage}"), ranks=2)
+            p = tt.run(self.common(f"z{stage}", "lora.rank=4", base, "train.steps=4", "checkpoint.every=2",
+                                   f"parallel.zero.stage={stage}"), ranks=2)
             out[stage] = losses(os.path.join(self.d, f"z{stage}"))
+        # ZeRO-3 builds the model without storage (parallel.meta_init, the default) and LoRA adds
+        # its adapters as recipes: bitwise the full build's run, with the same base fingerprint.
+        self.assertIn("model built without storage", p.stdout + p.stderr)
+        tt.run(self.common("z3full", "lora.rank=4", base, "train.steps=4", "checkpoint.every=2",
+                           "parallel.zero.stage=3", "parallel.meta_init=false"), ranks=2)
+        self.assertEqual(losses(os.path.join(self.d, "z3full")), out[3])
+        fp = {n: metadata(os.path.join(self.d, n, "checkpoints", "step_00000002"))["extra"]["lora.base_fingerprint"]
+              for n in ("z0", "z3", "z3full")}
+        self.assertEqual(len(set(fp.values())), 1, fp)
         self.assertEqual(out[3][1], out[0][1])
         # Step 2, after one AdamW step from the same state: the pieces' updates may round some
         # elements differently (tests/parallel/zero_test.cpp: 16 u (|p| + lr)), and an adapter
