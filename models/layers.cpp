@@ -74,6 +74,9 @@ void DenseLinearImpl::add_quantizers() {
                  "QAT: this linear layer has a LoRA adapter (LoRA and QAT do not combine)");
   input_quantizer = register_module("input_quantizer", TensorQuantizer(0));
   weight_quantizer = register_module("weight_quantizer", TensorQuantizer(weight.size(0)));
+  // A model built without storage has no weight values yet: the transform gives the amax its
+  // recipe, the weight's (train/qat.cpp).
+  if (core::deferred_init() != nullptr) return;
   at::NoGradGuard no_grad;
   weight_quantizer->amax.copy_(weight_amax(weight).to(weight_quantizer->amax.device()));
 }

@@ -199,7 +199,8 @@ void QuantConv2dImpl::add_quantizers() {
   PARALLAX_CHECK(!quantized(), Error, "QuantConv2d: quantizers added twice");
   input_quantizer = register_module("input_quantizer", TensorQuantizer(0));
   weight_quantizer = register_module("weight_quantizer", TensorQuantizer(weight.size(0)));
-  {
+  // Built without storage: the transform gives the amax its recipe, the weight's (train/qat.cpp).
+  if (core::deferred_init() == nullptr) {
     at::NoGradGuard no_grad;
     weight_quantizer->amax.copy_(weight_amax(weight).to(weight_quantizer->amax.device()));
   }

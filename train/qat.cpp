@@ -5,6 +5,7 @@
 #include "core/enum_names.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/param_init.h"
 #include "core/strings.h"
 #include "core/timer.h"
 #include "models/layers.h"
@@ -403,10 +404,23 @@ TrainerHooks hooks(const RunConfig& cfg) {
   state->cfg = &cfg;
   TrainerHooks h;
   h.trains = parse_qat_mode(cfg.qat.mode) == QatMode::kQat;
+  h.transform_defers = true;
   h.transform_model = [state](models::Model& m) {
     const QatConfig& c = state->cfg->qat;
     int64_t skipped = 0;
     state->layers = apply(m, c, &skipped);
+    if (core::DeferredInit* d = core::deferred_init()) {
+      // Built without storage (parallel.meta_init under ZeRO-3): each weight quantizer's amax is
+      // computed from its weight's recipe (pretrained weights included) when the engine
+      // materialises it, as the full build computes it from the weight when quantizers are added.
+      d->bind(m);
+      for (const auto& l : state->layers) {
+        if (!l.weight) continue;
+        d->replace(l.path + ".weight_quantizer.amax", [d, weight = l.path + ".weight"] {
+          return models::weight_amax(d->value(weight));
+        });
+      }
+    }
     core::log::info(
         "QAT ({}): INT8 fake quantization on {} layers ({} skipped by qat.skip); "
         "calibrator {}{}",

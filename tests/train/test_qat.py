@@ -167,6 +167,12 @@ class QatTest(tt.RunDirTest):
             del os.environ["PARALLAX_LOG_ALL_RANKS"]
         self.assertEqual(re.findall(r"amax fingerprint ([0-9a-f]{8})", z.stdout + z.stderr), prints)
         self.assertTrue(all(np.isfinite(x["loss"]) for x in tt.metrics(os.path.join(self.d, "z"))))
+        # Built without storage (parallel.meta_init, the default; the weight amax from the weights'
+        # recipes), bitwise the full build's run.
+        self.assertIn("model built without storage", z.stdout + z.stderr)
+        self.bev("zfull", *qat, "train.steps=2", "parallel.zero.stage=3", "parallel.meta_init=false", ranks=2)
+        zl = {x["step"]: x["loss"] for x in tt.metrics(os.path.join(self.d, "z"))}
+        self.assertEqual({x["step"]: x["loss"] for x in tt.metrics(os.path.join(self.d, "zfull"))}, zl)
         rows = tt.metrics(os.path.join(self.d, "q"))
         self.assertEqual([x["step"] for x in rows], [1, 2, 3, 4])
         self.assertTrue(all(np.isfinite(x["loss"]) for x in rows))
