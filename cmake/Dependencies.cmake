@@ -165,4 +165,22 @@ else()
                  "scripts/gpu_build.sh does this from .debs/)")
 endif()
 
-message(STATUS "Parallax: NCCL=${PARALLAX_WITH_NCCL} ONNX=${PARALLAX_WITH_ONNX}")
+# ---- libjpeg-turbo (optional, for JPEG-compressed image shards) -------------------------------
+set(PARALLAX_WITH_TURBOJPEG OFF)
+set(TURBOJPEG_ROOT "" CACHE PATH "Prefix holding include/turbojpeg.h and lib*/libturbojpeg.so (e.g. an unpacked .deb)")
+find_path(TURBOJPEG_INCLUDE_DIR turbojpeg.h HINTS ${TURBOJPEG_ROOT} ${TURBOJPEG_ROOT}/usr PATH_SUFFIXES include)
+find_library(TURBOJPEG_LIBRARY NAMES turbojpeg HINTS ${TURBOJPEG_ROOT} ${TURBOJPEG_ROOT}/usr
+             PATH_SUFFIXES lib lib/x86_64-linux-gnu)
+add_library(parallax_turbojpeg INTERFACE)
+if(TURBOJPEG_INCLUDE_DIR AND TURBOJPEG_LIBRARY)
+  set(PARALLAX_WITH_TURBOJPEG ON)
+  target_include_directories(parallax_turbojpeg SYSTEM INTERFACE ${TURBOJPEG_INCLUDE_DIR})
+  target_link_libraries(parallax_turbojpeg INTERFACE ${TURBOJPEG_LIBRARY})
+  target_compile_definitions(parallax_turbojpeg INTERFACE PARALLAX_WITH_TURBOJPEG=1)
+  message(STATUS "Parallax: libjpeg-turbo at ${TURBOJPEG_LIBRARY}")
+else()
+  message(STATUS "Parallax: libjpeg-turbo not found: JPEG image shards (--image-codec jpeg) are not built. "
+                 "Install libturbojpeg0-dev, or pass -DTURBOJPEG_ROOT=<prefix>")
+endif()
+
+message(STATUS "Parallax: NCCL=${PARALLAX_WITH_NCCL} ONNX=${PARALLAX_WITH_ONNX} TURBOJPEG=${PARALLAX_WITH_TURBOJPEG}")

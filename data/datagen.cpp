@@ -5,6 +5,7 @@
 #include "core/progress.h"
 #include "core/rng.h"
 #include "core/strings.h"
+#include "data/jpeg.h"
 #include "data/random.h"
 #include "data/render.h"
 #include "data/shard.h"
@@ -115,6 +116,13 @@ void check_options(const DatagenOptions& o) {
   const auto& g = o.gen.bev;
   if (!(g.resolution > 0) || !(g.x_max > g.x_min) || !(g.y_max > g.y_min))
     bad("the BEV grid is empty");
+  if (o.image_codec != "raw" && o.image_codec != "jpeg")
+    bad(fmt::format("--image-codec must be raw or jpeg, got '{}'", o.image_codec));
+  if (o.image_codec == "jpeg" && (o.jpeg_quality < 1 || o.jpeg_quality > 100))
+    bad(fmt::format("--quality must be in 1..100, got {}", o.jpeg_quality));
+  if (o.image_codec == "jpeg" && !jpeg_available())
+    bad("--image-codec jpeg: this build has no JPEG codec (libjpeg-turbo was not found when it was "
+        "built; install libturbojpeg0-dev and rebuild)");
 }
 
 // Removes what a previous generation left in `dir` (its dataset.json first, so the folder is never
@@ -188,6 +196,8 @@ DatagenSummary generate_dataset(const DatagenOptions& o) {
   info.cameras = o.gen.cameras;
   info.image_height = o.gen.height;
   info.image_width = o.gen.width;
+  info.image_codec = o.image_codec;
+  info.jpeg_quality = o.image_codec == "jpeg" ? o.jpeg_quality : 0;
   info.bev = o.gen.bev;
 
   struct Job {
@@ -231,7 +241,8 @@ DatagenSummary generate_dataset(const DatagenOptions& o) {
       if (!writer || writer_split != job.split || writer_shard != shard) {
         if (writer) writer->close();
         const std::string name = info.splits.at(job.split).shards.at(static_cast<size_t>(shard));
-        writer = std::make_unique<ShardWriter>(join_path(o.out, name), o.compression);
+        writer = std::make_unique<ShardWriter>(join_path(o.out, name), o.compression,
+                                               static_cast<int>(info.jpeg_quality));
         writer_split = job.split;
         writer_shard = shard;
       }

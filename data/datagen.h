@@ -36,10 +36,12 @@ struct DatagenOptions {
   int64_t val_scenes = 100;
   GeneratorOptions gen;
   uint64_t seed = 0;
-  int64_t shard_scenes = 250;  // scenes per shard
-  int threads = 0;             // 0: std::thread::hardware_concurrency()
-  int compression = 1;         // deflate level of images and BEV labels (0..9)
-  bool overwrite = false;      // replace an existing dataset in `out`
+  int64_t shard_scenes = 250;       // scenes per shard
+  int threads = 0;                  // 0: std::thread::hardware_concurrency()
+  int compression = 1;              // deflate level of images and BEV labels (0..9)
+  std::string image_codec = "raw";  // "raw" pixels or "jpeg" bytes in the shards
+  int jpeg_quality = 95;            // with image_codec "jpeg": 1..100
+  bool overwrite = false;           // replace an existing dataset in `out`
   double progress_interval_s = 5.0;
 };
 

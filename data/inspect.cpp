@@ -91,8 +91,12 @@ void print_scene_shapes(std::FILE* out, const ShardReader& shard, const InspectO
 void print_header(std::FILE* out, const DatasetInfo& info) {
   say(out, fmt::format("schema version: {}", info.schema_version));
   if (!info.generator.empty()) say(out, fmt::format("generator: {}", info.generator));
-  say(out, fmt::format("cameras: {}, images {} x {} (H x W)", info.cameras, info.image_height,
-                       info.image_width));
+  say(out, fmt::format("cameras: {}, images {} x {} (H x W), stored {}", info.cameras,
+                       info.image_height, info.image_width,
+                       info.image_codec == "jpeg"
+                           ? fmt::format("as JPEG (quality {}; every image decoded to verify)",
+                                         info.jpeg_quality)
+                           : std::string("raw")));
   const auto& g = info.bev;
   say(out, fmt::format("bev grid: {} x {} cells of {} m over x [{}, {}) y [{}, {})", g.x_cells(),
                        g.y_cells(), g.resolution, g.x_min, g.x_max, g.y_min, g.y_max));

@@ -187,6 +187,19 @@ DatasetInfo read_dataset_info(const std::string& dir) {
         "'{}': cameras, image_height and image_width must be >= 1 (got {}, {}, {})", file,
         info.cameras, info.image_height, info.image_width);
   }
+  if (root["image_codec"].IsDefined()) {
+    info.image_codec = r.scalar<std::string>(root, "image_codec", "image_codec", "a string");
+    if (info.image_codec != "raw" && info.image_codec != "jpeg") {
+      throw_error<DataError>("'{}': key 'image_codec' is '{}' (use \"raw\" or \"jpeg\")", file,
+                             info.image_codec);
+    }
+  }
+  if (info.image_codec == "jpeg") {
+    info.jpeg_quality = r.scalar<int64_t>(root, "jpeg_quality", "jpeg_quality", "an integer");
+    if (info.jpeg_quality < 1 || info.jpeg_quality > 100) {
+      throw_error<DataError>("'{}': key 'jpeg_quality' is {} (1..100)", file, info.jpeg_quality);
+    }
+  }
   const YAML::Node bev = r.child(root, "bev", "bev");
   info.bev.x_min = r.scalar<double>(bev, "x_min", "bev.x_min", "a number");
   info.bev.x_max = r.scalar<double>(bev, "x_max", "bev.x_max", "a number");
@@ -232,6 +245,9 @@ std::string dataset_json(const DatasetInfo& info) {
   out += fmt::format("  \"generator\": {},\n", core::json_quote(info.generator));
   out += fmt::format("  \"cameras\": {}, \"image_height\": {}, \"image_width\": {},\n",
                      info.cameras, info.image_height, info.image_width);
+  out += fmt::format("  \"image_codec\": {},", core::json_quote(info.image_codec));
+  out += info.image_codec == "jpeg" ? fmt::format(" \"jpeg_quality\": {},\n", info.jpeg_quality)
+                                    : std::string("\n");
   out += fmt::format(
       "  \"bev\": {{\"x_min\": {}, \"x_max\": {}, \"y_min\": {}, \"y_max\": {}, \"resolution\": "
       "{}}},\n",

@@ -50,6 +50,11 @@ struct DatasetInfo {
   int64_t schema_version = kSchemaVersion;
   std::string generator;
   int64_t cameras = 6, image_height = 128, image_width = 224;
+  // How the shards store camera images: "raw" (uint8 pixels) or "jpeg" (JPEG bytes at
+  // `jpeg_quality`, decoded by the reader; docs/data.md, "Image codecs"). Absent from an older
+  // dataset.json: "raw".
+  std::string image_codec = "raw";
+  int64_t jpeg_quality = 0;
   BevGrid bev;
   std::vector<std::string> bev_classes = {"background", "road",       "marking",
                                           "vehicle",    "pedestrian", "cyclist"};

@@ -1,13 +1,17 @@
 #include "data/shard.h"
 
 #include "core/error.h"
+#include "data/jpeg.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <tuple>
 
 namespace fs = std::filesystem;
 
@@ -56,6 +60,80 @@ void check_type(const std::string& name, const h5::DatasetShape& s, const std::s
   }
 }
 
+// A scene's cameras as JPEG bytes (ShardWriter with a JPEG quality): the bytes of camera c are
+// bytes[offsets[c], offsets[c + 1]).
+constexpr const char* kJpegBytes = "images_jpeg";
+constexpr const char* kJpegOffsets = "images_jpeg_offsets";
+
+struct JpegImages {
+  at::Tensor bytes;    // uint8 [total]
+  at::Tensor offsets;  // int64 [N + 1]
+  int64_t height = 0, width = 0;
+};
+
+bool stores_jpeg(hid_t group) {
+  return !h5::link_exists(group, "images") && h5::link_exists(group, kJpegBytes);
+}
+
+// The stored image size of a JPEG scene (its group's attributes), checked.
+std::pair<int64_t, int64_t> jpeg_image_size(hid_t group, const std::string& w) {
+  const auto h = h5::read_int_attribute(group, "image_height", w);
+  const auto wd = h5::read_int_attribute(group, "image_width", w);
+  if (!h || !wd || *h < 1 || *wd < 1) {
+    throw_error<DataError>(
+        "{}: JPEG images without valid 'image_height'/'image_width' attributes on the scene group",
+        w);
+  }
+  return {*h, *wd};
+}
+
+// Reads (under the caller's HDF5 lock) the bytes and offsets; decoding happens outside it.
+JpegImages read_jpeg_bytes(hid_t group, const std::string& w) {
+  JpegImages j;
+  std::tie(j.height, j.width) = jpeg_image_size(group, w);
+  if (!h5::link_exists(group, kJpegOffsets))
+    throw_error<DataError>("{}: dataset '{}' is missing", w, kJpegOffsets);
+  for (const char* name : {kJpegBytes, kJpegOffsets}) {
+    const std::string ctx = fmt::format("{}: dataset '{}'", w, name);
+    h5::Id ds(H5Dopen2(group, name, H5P_DEFAULT), ctx + ": cannot open");
+    const h5::DatasetShape shape = h5::dataset_shape(ds, ctx);
+    if (shape.dims.size() != 1 || shape.type_class != H5T_INTEGER)
+      throw_error<DataError>("{} is {}, expected a 1-D integer dataset", ctx, shape.describe());
+    const bool is_bytes = std::string(name) == kJpegBytes;
+    at::Tensor t = h5::read_tensor(ds, shape, is_bytes ? at::kByte : at::kLong,
+                                   ctx + ": cannot read (corrupt shard?)");
+    (is_bytes ? j.bytes : j.offsets) = std::move(t);
+  }
+  const int64_t n = j.offsets.numel() - 1;
+  const int64_t* o = j.offsets.data_ptr<int64_t>();
+  bool ok = n >= 1 && o[0] == 0 && o[n] == j.bytes.numel();
+  for (int64_t c = 0; ok && c < n; ++c) ok = o[c] < o[c + 1];
+  if (!ok) {
+    throw_error<DataError>("{}: '{}' [{}] does not cut the {} bytes of '{}' into cameras", w,
+                           kJpegOffsets, fmt::join(j.offsets.sizes(), ", "), j.bytes.numel(),
+                           kJpegBytes);
+  }
+  return j;
+}
+
+// Every camera decoded at full size, checked against the stored size: uint8 [N, H, W, 3].
+at::Tensor decode_cameras(const JpegImages& j, const std::string& w) {
+  const int64_t n = j.offsets.numel() - 1;
+  const int64_t* o = j.offsets.data_ptr<int64_t>();
+  at::Tensor out = at::empty({n, j.height, j.width, 3}, at::kByte);
+  for (int64_t c = 0; c < n; ++c) {
+    const std::string ctx = fmt::format("{} camera {}", w, c);
+    at::Tensor img = decode_jpeg(j.bytes.data_ptr<uint8_t>() + o[c],
+                                 static_cast<std::size_t>(o[c + 1] - o[c]), 1, ctx);
+    if (img.size(0) != j.height || img.size(1) != j.width) {
+      throw_error<DataError>("{}: the JPEG image is {} x {}, the scene says {} x {}", ctx,
+                             img.size(0), img.size(1), j.height, j.width);
+    }
+    out[c].copy_(img);
+  }
+  return out;
+}
+
 }  // namespace
 
 ShardReader::ShardReader(std::string path) : path_(std::move(path)) {
@@ -102,7 +180,23 @@ std::map<std::string, h5::DatasetShape> ShardReader::shapes(int64_t index) const
   h5::Hdf5Lock lock;
   h5::Id group(H5Gopen2(file_, ("scenes/" + scene_name(index)).c_str(), H5P_DEFAULT),
                w + ": cannot open group");
+  const bool jpeg = stores_jpeg(group);
   for (const auto& name : scene_dataset_names()) {
+    if (jpeg && name == "images") {
+      // The decoded shape: cameras from the offsets, the size from the group's attributes.
+      const auto [h, wd] = jpeg_image_size(group, w);
+      if (!h5::link_exists(group, kJpegOffsets))
+        throw_error<DataError>("{}: dataset '{}' is missing", w, kJpegOffsets);
+      h5::Id ds(H5Dopen2(group, kJpegOffsets, H5P_DEFAULT),
+                fmt::format("{}: cannot open dataset '{}'", w, kJpegOffsets));
+      const auto offsets = h5::dataset_shape(ds, fmt::format("{}: dataset '{}'", w, kJpegOffsets));
+      h5::DatasetShape s;
+      s.dims = {offsets.dims.empty() ? 0 : offsets.dims[0] - 1, h, wd, 3};
+      s.type_class = H5T_INTEGER;
+      s.type_size = 1;
+      out[name] = s;
+      continue;
+    }
     if (!h5::link_exists(group, name))
       throw_error<DataError>("{}: dataset '{}' is missing", w, name);
     h5::Id ds(H5Dopen2(group, name.c_str(), H5P_DEFAULT),
@@ -117,11 +211,23 @@ SceneRecord ShardReader::read(int64_t index, const DatasetInfo* info) const {
   if (!has_scene(index)) throw_error<DataError>("{}: no such scene in this shard", w);
   SceneRecord rec;
   rec.index = index;
+  std::optional<JpegImages> jpeg;
   {
     h5::Hdf5Lock lock;
     h5::Id group(H5Gopen2(file_, ("scenes/" + scene_name(index)).c_str(), H5P_DEFAULT),
                  w + ": cannot open group");
     for (const auto& name : scene_dataset_names()) {
+      if (name == "images" && stores_jpeg(group)) {
+        jpeg = read_jpeg_bytes(group, w);
+        if (info && (jpeg->offsets.numel() - 1 != info->cameras ||
+                     jpeg->height != info->image_height || jpeg->width != info->image_width)) {
+          throw_error<DataError>(
+              "{}: {} JPEG images of {} x {}, expected {} of {} x {} (from dataset.json)", w,
+              jpeg->offsets.numel() - 1, jpeg->height, jpeg->width, info->cameras,
+              info->image_height, info->image_width);
+        }
+        continue;
+      }
       if (!h5::link_exists(group, name))
         throw_error<DataError>("{}: dataset '{}' is missing", w, name);
       const std::string ctx = fmt::format("{}: dataset '{}'", w, name);
@@ -157,6 +263,7 @@ SceneRecord ShardReader::read(int64_t index, const DatasetInfo* info) const {
         rec.boxes = std::move(t);
     }
   }
+  if (jpeg) rec.images = decode_cameras(*jpeg, w);  // outside the HDF5 lock
   if (info) {
     check_scene(rec, *info, w);
   } else {
@@ -208,11 +315,18 @@ DatasetInfo infer_info(const ShardReader& shard) {
   return info;
 }
 
-ShardWriter::ShardWriter(std::string path, int deflate_level)
-    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), deflate_level_(deflate_level) {
+ShardWriter::ShardWriter(std::string path, int deflate_level, int jpeg_quality)
+    : path_(std::move(path)),
+      tmp_path_(path_ + ".tmp"),
+      deflate_level_(deflate_level),
+      jpeg_quality_(jpeg_quality) {
   if (deflate_level_ < 0 || deflate_level_ > 9) {
     throw_error<DataError>("shard '{}': compression level {} is not in 0..9", path_,
                            deflate_level_);
+  }
+  if (jpeg_quality_ < 0 || jpeg_quality_ > 100) {
+    throw_error<DataError>("shard '{}': JPEG quality {} is not in 1..100 (0: raw images)", path_,
+                           jpeg_quality_);
   }
   h5::Hdf5Lock lock;
   file_ = h5::create_file(tmp_path_);
@@ -233,10 +347,32 @@ ShardWriter::~ShardWriter() {
 void ShardWriter::write(const SceneRecord& s) {
   const std::string ctx = fmt::format("shard '{}' scene {}", tmp_path_, scene_name(s.index));
   if (!file_.valid()) throw_error<DataError>("{}: the shard is already closed", ctx);
+  const int64_t h = s.images.size(1), w = s.images.size(2);
+  at::Tensor jpeg_bytes, jpeg_offsets;
+  if (jpeg_quality_ > 0) {
+    // Encoded before taking the HDF5 lock.
+    std::vector<uint8_t> all;
+    std::vector<int64_t> offsets{0};
+    for (int64_t c = 0; c < s.images.size(0); ++c) {
+      const std::vector<uint8_t> one =
+          encode_jpeg(s.images[c], jpeg_quality_, fmt::format("{} camera {}", ctx, c));
+      all.insert(all.end(), one.begin(), one.end());
+      offsets.push_back(static_cast<int64_t>(all.size()));
+    }
+    jpeg_bytes = at::empty({static_cast<int64_t>(all.size())}, at::kByte);
+    std::memcpy(jpeg_bytes.data_ptr<uint8_t>(), all.data(), all.size());
+    jpeg_offsets = at::tensor(offsets, at::kLong);
+  }
   h5::Hdf5Lock lock;
   h5::Id group = h5::create_group(scenes_, scene_name(s.index), ctx + ": cannot create group");
-  const int64_t h = s.images.size(1), w = s.images.size(2);
-  h5::write_tensor(group, "images", s.images, {deflate_level_, {1, h, w, 3}, true}, ctx);
+  if (jpeg_quality_ > 0) {
+    h5::write_tensor(group, kJpegBytes, jpeg_bytes, {0, {}, true}, ctx);
+    h5::write_tensor(group, kJpegOffsets, jpeg_offsets, {0, {}, true}, ctx);
+    h5::write_int_attribute(group, "image_height", h, ctx);
+    h5::write_int_attribute(group, "image_width", w, ctx);
+  } else {
+    h5::write_tensor(group, "images", s.images, {deflate_level_, {1, h, w, 3}, true}, ctx);
+  }
   h5::write_tensor(group, "intrinsics", s.intrinsics, {0, {}, true}, ctx);
   h5::write_tensor(group, "cam_to_ego", s.cam_to_ego, {0, {}, true}, ctx);
   h5::write_tensor(group, "bev_semantics", s.bev_semantics, {deflate_level_, {}, true}, ctx);

@@ -6,9 +6,11 @@
 // failure is a DataError naming the file and, where there is one, the scene and the dataset.
 //
 // ShardWriter writes scenes into `<path>.tmp` and renames it to `<path>` on close(), so a shard
-// that exists is complete. Images are stored in one chunk per camera with deflate (optional) and a
-// Fletcher-32 checksum on every chunk; the other datasets are one checksummed chunk each. Object
-// times are not recorded, so the same scenes give bitwise identical files. Not thread-safe.
+// that exists is complete. Raw images are stored in one chunk per camera with deflate (optional)
+// and a Fletcher-32 checksum on every chunk; JPEG images as the cameras' concatenated bytes (one
+// checksummed chunk, no deflate), decoded by the reader outside the HDF5 lock; the other datasets
+// are one checksummed chunk each. Object times are not recorded, so the same scenes give bitwise
+// identical files. Not thread-safe.
 #pragma once
 
 #include "data/hdf5_util.h"
@@ -57,7 +59,10 @@ DatasetInfo infer_info(const ShardReader& shard);
 class ShardWriter {
  public:
   // `deflate_level` 0..9 applies to images (0: uncompressed).
-  ShardWriter(std::string path, int deflate_level);
+  // `jpeg_quality` 1..100 stores each camera as JPEG bytes at that quality (`images_jpeg`, its
+  // `images_jpeg_offsets` and the group attributes `image_height`/`image_width`, docs/data.md)
+  // instead of the raw `images` dataset; 0 stores raw pixels.
+  ShardWriter(std::string path, int deflate_level, int jpeg_quality = 0);
   ~ShardWriter();  // if close() was not called: closes and deletes the temporary file
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
@@ -70,6 +75,7 @@ class ShardWriter {
  private:
   std::string path_, tmp_path_;
   int deflate_level_;
+  int jpeg_quality_;
   h5::Id file_, scenes_;
   int64_t written_ = 0;
 };

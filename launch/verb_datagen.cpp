@@ -47,6 +47,8 @@ int verb_datagen(const std::vector<std::string>& argv) {
       .option("shard-scenes", "K", "scenes per HDF5 shard", "250")
       .option("threads", "T", "render threads (0: all cores)", "0")
       .option("compression", "L", "deflate level 0..9 of images and BEV labels (0: none)", "1")
+      .option("image-codec", "C", "how shards store images: raw (uint8 pixels) or jpeg", "raw")
+      .option("quality", "Q", "JPEG quality 1..100 with --image-codec jpeg", "95")
       .option("bev-range", "R", "BEV grid half-extent in metres: x and y in [-R, R)", "25")
       .option("bev-resolution", "M", "BEV cell size in metres", "0.5")
       .option("samples-per-pixel", "S", "rays per pixel: 1 (fast) or 4 (anti-aliased)", "4")
@@ -99,6 +101,8 @@ int verb_datagen(const std::vector<std::string>& argv) {
   o.threads = static_cast<int>(args.get_int(
       "threads", 0, kMaxThreads, "each render thread is an OS thread holding up to two scenes"));
   o.compression = static_cast<int>(args.get_int("compression", 0, 9));
+  o.image_codec = args.get("image-codec");
+  o.jpeg_quality = static_cast<int>(args.get_int("quality", 1, 100));
   o.overwrite = args.flag_set("overwrite");
   // Memory: the generator keeps up to 2 scenes per thread in flight (rendered, not yet written),
   // each of cameras x H x W x 3 image bytes and the BEV grid's cells; they must fit in this

@@ -6,7 +6,8 @@ set -euo pipefail
 
 PY=${PARALLAX_PYTHON:-python3}
 APT_PKGS=(cmake ninja-build g++ libopenmpi-dev openmpi-bin libhdf5-dev libfmt-dev libyaml-cpp-dev
-          libgtest-dev libonnx-dev libprotobuf-dev protobuf-compiler clang-format libgloo-dev)
+          libgtest-dev libonnx-dev libprotobuf-dev protobuf-compiler clang-format libgloo-dev
+          libturbojpeg0-dev)
 # module name -> pip requirement
 declare -A PY_PKGS=([torch]="torch==2.13.0" [numpy]="numpy" [h5py]="h5py" [onnx]="onnx"
                     [onnxruntime]="onnxruntime" [matplotlib]="matplotlib" [yaml]="pyyaml"

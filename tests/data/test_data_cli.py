@@ -161,6 +161,23 @@ class DataCliTest(unittest.TestCase):
         self.assert_one_error_line(rc, err, meta_file, "key 'splits.train.shards[1]' is 'train_00001.h5'",
                                    f"resolves to '{real}', outside the dataset folder")
 
+    def test_jpeg_shards_are_smaller_and_inspect_decodes_every_image(self):
+        jd = os.path.join(self.tmp, "jpeg")
+        rc, _, err = run("datagen", "--out", jd, "--scenes", "5", "--val-scenes", "2", "--shard-scenes", "3",
+                         "--seed", "3", "--image-codec", "jpeg", "--quality", "90", *SMALL)
+        self.assertEqual(rc, 0, err)
+        with open(os.path.join(jd, "dataset.json")) as f:
+            info = json.load(f)
+        self.assertEqual((info["image_codec"], info["jpeg_quality"]), ("jpeg", 90))
+        size = lambda d: sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if n.endswith(".h5"))
+        self.assertLess(size(jd), size(self.ds))
+        rc, out, err = run("inspect", jd)
+        self.assertEqual(rc, 0, err)
+        for s in ("stored as JPEG (quality 90", "000000: images uint8 [3, 40, 64, 3]", "verified: all 5 scenes"):
+            self.assertIn(s, out)
+        rc, _, err = run("datagen", "--out", os.path.join(self.tmp, "y"), "--scenes", "2", "--image-codec", "png")
+        self.assert_one_error_line(rc, err, "--image-codec must be raw or jpeg, got 'png'")
+
     def test_datagen_errors_are_one_line(self):
         rc, _, err = run("datagen", "--scenes", "2")
         self.assert_one_error_line(rc, err, "--out DIR is required")

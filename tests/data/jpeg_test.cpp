@@ -1,0 +1,173 @@
+// JPEG image shards (data/jpeg.h, ShardWriter with a JPEG quality): the codec's round trip, a
+// dataset generated with --image-codec jpeg read back, and damaged JPEG bytes named at load.
+#include "data/jpeg.h"
+
+#include "core/error.h"
+#include "data/datagen.h"
+#include "data/dataset.h"
+#include "data/shard.h"
+#include "test_util.h"
+
+#include <hdf5.h>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+namespace parallax::data {
+namespace {
+
+using testing::read_bytes;
+using testing::small_options;
+using testing::TempDir;
+namespace fs = std::filesystem;
+
+double psnr(const at::Tensor& a, const at::Tensor& b) {
+  const double mse = (a.to(at::kDouble) - b.to(at::kDouble)).pow(2).mean().item<double>();
+  return mse == 0 ? 1e9 : 10 * std::log10(255.0 * 255.0 / mse);
+}
+
+// A rendered camera image (the generator's: flat regions and hard edges, anti-aliased).
+at::Tensor rendered(int64_t h, int64_t w) {
+  DatagenOptions o = small_options("", 1, 0);
+  o.gen.height = static_cast<int>(h);
+  o.gen.width = static_cast<int>(w);
+  o.gen.samples_per_pixel = 4;
+  return generate_scene(o.gen, split_seed(3, "train"), 0).record.images[0].contiguous();
+}
+
+TEST(JpegTest, RoundTripIsWithinJpegErrorAndScalesInTheDctDomain) {
+  if (!jpeg_available()) GTEST_SKIP() << "built without libjpeg-turbo";
+  const at::Tensor img = rendered(96, 160);
+  const auto q95 = encode_jpeg(img, 95, "test");
+  const auto q50 = encode_jpeg(img, 50, "test");
+  EXPECT_LT(q50.size(), q95.size());
+  EXPECT_LT(q95.size(), static_cast<std::size_t>(img.numel()));
+  const JpegSize size = jpeg_size(q95.data(), q95.size(), "test");
+  EXPECT_EQ(size.height, 96);
+  EXPECT_EQ(size.width, 160);
+  const at::Tensor back = decode_jpeg(q95.data(), q95.size(), 1, "test");
+  ASSERT_EQ(back.sizes(), img.sizes());
+  // The bound for quality 95 (PSNR >= 35 dB); quality 50 loses more.
+  const double p95 = psnr(back, img), p50 = psnr(decode_jpeg(q50.data(), q50.size(), 1, "t"), img);
+  EXPECT_GE(p95, 35.0);
+  EXPECT_GT(p95, p50);
+  // DCT-domain downscaling: ceil(H / s) x ceil(W / s), close to the area average of the full image.
+  for (int s : {2, 4, 8}) {
+    const at::Tensor small = decode_jpeg(q95.data(), q95.size(), s, "test");
+    EXPECT_EQ(small.size(0), (96 + s - 1) / s);
+    EXPECT_EQ(small.size(1), (160 + s - 1) / s);
+    const at::Tensor pooled = at::avg_pool2d(img.permute({2, 0, 1}).to(at::kFloat).unsqueeze(0),
+                                             {s, s}, {s, s}, {0, 0}, /*ceil_mode=*/true)
+                                  .squeeze(0)
+                                  .permute({1, 2, 0})
+                                  .round();
+    EXPECT_GE(psnr(small, pooled), 25.0) << "scale 1/" << s;
+  }
+  EXPECT_THROW(decode_jpeg(q95.data(), q95.size(), 3, "test"), DataError);
+  EXPECT_THROW(encode_jpeg(img, 0, "test"), DataError);
+  EXPECT_THROW(encode_jpeg(img.to(at::kFloat), 95, "test"), DataError);
+}
+
+TEST(JpegTest, BytesThatAreNotACleanJpegAreADataErrorNamingThem) {
+  if (!jpeg_available()) GTEST_SKIP() << "built without libjpeg-turbo";
+  const auto bytes = encode_jpeg(rendered(64, 96), 90, "test");
+  const std::vector<uint8_t> half(bytes.begin(), bytes.begin() + bytes.size() / 2);
+  const std::vector<uint8_t> junk(100, 0x5a);
+  for (const auto* b : {&half, &junk}) {
+    try {
+      decode_jpeg(b->data(), b->size(), 1, "'x.h5' scene 000004 camera 2");
+      ADD_FAILURE() << "no error for " << b->size() << " bytes";
+    } catch (const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find("'x.h5' scene 000004 camera 2"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+class JpegDatasetTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!jpeg_available()) GTEST_SKIP() << "built without libjpeg-turbo";
+    dir_ = std::make_unique<TempDir>("jpeg");
+    opts_ = small_options(dir_->str(), 6, 2);
+    opts_.gen.height = 64;
+    opts_.gen.width = 112;
+    opts_.gen.samples_per_pixel = 4;
+    opts_.image_codec = "jpeg";
+    opts_.jpeg_quality = 95;
+    generate_dataset(opts_);
+  }
+  std::unique_ptr<TempDir> dir_;
+  DatagenOptions opts_;
+};
+
+TEST_F(JpegDatasetTest, ScenesReadBackWithTheirLabelsExactAndImagesWithinJpegError) {
+  const std::string json = read_bytes(dir_->file("dataset.json"));
+  EXPECT_NE(json.find("\"image_codec\": \"jpeg\", \"jpeg_quality\": 95"), std::string::npos)
+      << json;
+  const auto train = Dataset::open(dir_->str(), "train");
+  EXPECT_EQ(train->info().image_codec, "jpeg");
+  for (int64_t i = 0; i < train->size(); ++i) {
+    const SceneRecord got = train->read(i);
+    const SceneRecord want = generate_scene(opts_.gen, split_seed(7, "train"), i).record;
+    EXPECT_TRUE(at::equal(got.intrinsics, want.intrinsics));
+    EXPECT_TRUE(at::equal(got.cam_to_ego, want.cam_to_ego));
+    EXPECT_TRUE(at::equal(got.bev_semantics, want.bev_semantics));
+    EXPECT_TRUE(at::equal(got.boxes, want.boxes));
+    ASSERT_EQ(got.images.sizes(), want.images.sizes());
+    EXPECT_GE(psnr(got.images, want.images), 35.0) << "scene " << i;
+  }
+  // The shard's stored shapes are the decoded images'.
+  ShardReader shard(dir_->file("train_00000.h5"));
+  const auto shapes = shard.shapes(0);
+  EXPECT_EQ(shapes.at("images").dims, (std::vector<int64_t>{4, 64, 112, 3}));
+}
+
+TEST_F(JpegDatasetTest, ATruncatedCameraIsOneErrorNamingTheShardSceneAndCamera) {
+  // Camera 0's bytes cut in half through the offsets (written by HDF5, so its checksums hold and
+  // the damage reaches the decoder).
+  const std::string f = dir_->file("train_00000.h5");
+  {
+    const hid_t file = H5Fopen(f.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(file, 0);
+    const hid_t ds = H5Dopen2(file, "scenes/000001/images_jpeg_offsets", H5P_DEFAULT);
+    ASSERT_GE(ds, 0);
+    int64_t offsets[5];
+    ASSERT_GE(H5Dread(ds, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, offsets), 0);
+    offsets[1] /= 2;
+    ASSERT_GE(H5Dwrite(ds, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, offsets), 0);
+    H5Dclose(ds);
+    H5Fclose(file);
+  }
+  const auto train = Dataset::open(dir_->str(), "train");
+  train->read(0);  // the others are whole
+  try {
+    train->read(1);
+    FAIL() << "a truncated JPEG went unnoticed";
+  } catch (const DataError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(f), std::string::npos) << msg;
+    EXPECT_NE(msg.find("scene 000001 camera 0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("does not decode"), std::string::npos) << msg;
+  }
+}
+
+TEST_F(JpegDatasetTest, AnUnknownCodecInDatasetJsonNamesTheKey) {
+  std::string json = read_bytes(dir_->file("dataset.json"));
+  json.replace(json.find("\"jpeg\""), 6, "\"webp\"");
+  std::ofstream(dir_->file("dataset.json")) << json;
+  try {
+    Dataset::open(dir_->str(), "train");
+    FAIL() << "no error";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("key 'image_codec' is 'webp'"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace parallax::data
