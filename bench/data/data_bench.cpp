@@ -6,18 +6,27 @@
 //                     [--augment 1] [--repeats 3]
 //       times the loader (read + decode + augment + collate) per worker count after a warm-up and
 //       reports the median over repeats of scenes/s.
+//   data_bench jpeg --out DIR [--scenes 4] [--cameras 6 --height 900 --width 1600] [--quality 95]
+//                   [--scales 1,2,4,8] [--repeats 3]
+//       renders N scenes, encodes every camera as JPEG (the shards' codec) into DIR/cam_*.jpg (for
+//       bench/data/jpeg_decode.py to decode the same files with Pillow), then times decoding them
+//       on one thread at each DCT scale: scenes/s per core (median over repeats) and bytes per
+//       scene.
 #include "core/log.h"
 #include "core/strings.h"
 #include "core/timer.h"
 #include "data/datagen.h"
 #include "data/dataset.h"
 #include "data/hdf5_util.h"
+#include "data/jpeg.h"
 #include "data/loader.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <thread>
@@ -110,6 +119,55 @@ int bench_loader(const std::map<std::string, std::string>& a) {
   return 0;
 }
 
+int bench_jpeg(const std::map<std::string, std::string>& a) {
+  const std::string out = get(a, "out", "");
+  if (out.empty()) throw std::runtime_error("jpeg: --out DIR is required");
+  std::filesystem::create_directories(out);
+  data::GeneratorOptions g;
+  g.cameras = std::stoi(get(a, "cameras", "6"));
+  g.height = std::stoi(get(a, "height", "900"));
+  g.width = std::stoi(get(a, "width", "1600"));
+  g.samples_per_pixel = 1;
+  const int scenes = std::stoi(get(a, "scenes", "4"));
+  const int quality = std::stoi(get(a, "quality", "95"));
+  const int repeats = std::stoi(get(a, "repeats", "3"));
+  std::vector<std::vector<uint8_t>> files;
+  for (int i = 0; i < scenes; ++i) {
+    const auto rec = data::generate_scene(g, 11, i).record;
+    for (int64_t c = 0; c < rec.images.size(0); ++c) {
+      files.push_back(data::encode_jpeg(rec.images[c], quality, "bench"));
+      std::ofstream(fmt::format("{}/cam_{:03d}_{}.jpg", out, i, c), std::ios::binary)
+          .write(reinterpret_cast<const char*>(files.back().data()),
+                 static_cast<std::streamsize>(files.back().size()));
+    }
+  }
+  std::size_t bytes = 0;
+  for (const auto& f : files) bytes += f.size();
+  for (const auto& sc : core::split(get(a, "scales", "1,2,4,8"), ',')) {
+    const int scale = std::stoi(sc);
+    std::vector<double> rates;
+    int64_t h = 0, w = 0;
+    for (int r = 0; r < repeats; ++r) {
+      core::Stopwatch sw;
+      for (const auto& f : files) {
+        const at::Tensor img = data::decode_jpeg(f.data(), f.size(), scale, "bench");
+        h = img.size(0);
+        w = img.size(1);
+      }
+      rates.push_back(scenes / sw.elapsed_s());
+    }
+    std::sort(rates.begin(), rates.end());
+    std::printf(
+        "{\"bench\": \"jpeg_decode\", \"impl\": \"libjpeg-turbo\", \"scale\": %d, \"cameras\": "
+        "%d, \"height\": %d, \"width\": %d, \"decoded\": [%lld, %lld], \"quality\": %d, "
+        "\"scenes\": %d, \"bytes_per_scene\": %zu, \"scenes_per_s_per_core\": %.2f}\n",
+        scale, g.cameras, g.height, g.width, static_cast<long long>(h), static_cast<long long>(w),
+        quality, scenes, bytes / static_cast<std::size_t>(scenes), rates[rates.size() / 2]);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -117,8 +175,9 @@ int main(int argc, char** argv) {
     const std::string mode = argc > 1 ? argv[1] : "";
     if (mode == "datagen") return bench_datagen(parse(argc, argv));
     if (mode == "loader") return bench_loader(parse(argc, argv));
-    std::fprintf(stderr,
-                 "usage: data_bench datagen|loader [--key value ...] (see the file comment)\n");
+    if (mode == "jpeg") return bench_jpeg(parse(argc, argv));
+    std::fprintf(
+        stderr, "usage: data_bench datagen|loader|jpeg [--key value ...] (see the file comment)\n");
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "data_bench: error: %s\n", e.what());
