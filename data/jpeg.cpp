@@ -67,9 +67,8 @@ std::vector<uint8_t> encode_jpeg(const at::Tensor& rgb, int quality, const std::
 JpegSize jpeg_size(const uint8_t* data, std::size_t size, const std::string& context) {
   tjhandle h = thread_handle(false, context);
   int w = 0, ht = 0, subsamp = 0, colorspace = 0;
-  if (size == 0 ||
-      tjDecompressHeader3(h, data, static_cast<unsigned long>(size), &w, &ht, &subsamp,
-                          &colorspace) != 0) {
+  if (size == 0 || tjDecompressHeader3(h, data, static_cast<unsigned long>(size), &w, &ht, &subsamp,
+                                       &colorspace) != 0) {
     throw_error<DataError>("{}: not a JPEG image ({} bytes): {}", context, size,
                            size == 0 ? "empty" : tjGetErrorStr2(h));
   }

@@ -30,9 +30,10 @@ struct JpegSize {
 };
 JpegSize jpeg_size(const uint8_t* data, std::size_t size, const std::string& context);
 
-// Decodes into uint8 [ceil(H / scale), ceil(W / scale), 3] RGB, `scale` one of 1, 2, 4, 8 (DCT-domain
-// downscaling: the decoder computes only the coarser image). DataError naming `context` for bytes
-// that do not decode cleanly (corrupt, truncated, not a JPEG) or a bad scale.
-at::Tensor decode_jpeg(const uint8_t* data, std::size_t size, int scale, const std::string& context);
+// Decodes into uint8 [ceil(H / scale), ceil(W / scale), 3] RGB, `scale` one of 1, 2, 4, 8
+// (DCT-domain downscaling: the decoder computes only the coarser image). DataError naming `context`
+// for bytes that do not decode cleanly (corrupt, truncated, not a JPEG) or a bad scale.
+at::Tensor decode_jpeg(const uint8_t* data, std::size_t size, int scale,
+                       const std::string& context);
 
 }  // namespace parallax::data
