@@ -165,6 +165,8 @@ class DataCliTest(unittest.TestCase):
         jd = os.path.join(self.tmp, "jpeg")
         rc, _, err = run("datagen", "--out", jd, "--scenes", "5", "--val-scenes", "2", "--shard-scenes", "3",
                          "--seed", "3", "--image-codec", "jpeg", "--quality", "90", *SMALL)
+        if rc != 0 and "this build has no JPEG codec" in err:
+            self.skipTest("built without libjpeg-turbo")
         self.assertEqual(rc, 0, err)
         with open(os.path.join(jd, "dataset.json")) as f:
             info = json.load(f)
