@@ -18,29 +18,11 @@
 namespace parallax::data {
 namespace {
 
+using testing::expect_data_error;
 using testing::read_bytes;
 using testing::small_options;
 using testing::TempDir;
 namespace fs = std::filesystem;
-
-// Expects `f` to throw DataError whose message holds every string of `needles`; returns it.
-template <class F>
-std::string expect_data_error(F&& f, std::initializer_list<std::string> needles) {
-  try {
-    f();
-  } catch (const DataError& e) {
-    const std::string msg = e.what();
-    for (const auto& n : needles)
-      EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
-    EXPECT_EQ(msg.find("HDF5-DIAG"), std::string::npos) << msg;
-    return msg;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected DataError, got: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "expected DataError, nothing thrown";
-  return "";
-}
 
 void expect_same_record(const SceneRecord& a, const SceneRecord& b) {
   EXPECT_EQ(a.index, b.index);

@@ -20,6 +20,7 @@
 namespace parallax::data {
 namespace {
 
+using testing::expect_data_error;
 using testing::read_bytes;
 using testing::small_options;
 using testing::TempDir;
@@ -51,11 +52,16 @@ TEST(JpegTest, RoundTripIsWithinJpegErrorAndScalesInTheDctDomain) {
   EXPECT_EQ(size.width, 160);
   const at::Tensor back = decode_jpeg(q95.data(), q95.size(), 1, "test");
   ASSERT_EQ(back.sizes(), img.sizes());
-  // The bound for quality 95 (PSNR >= 35 dB); quality 50 loses more.
+  // The bound for quality 95 (PSNR >= 35 dB; measured 36.5 here, and 31.0 at quality 50).
+  // The same on every x86-64 CPU: the image is the generator's (exact arithmetic), and
+  // libjpeg-turbo's accurate DCT and upsampling are integer code, bit-exact across its SIMD paths.
   const double p95 = psnr(back, img), p50 = psnr(decode_jpeg(q50.data(), q50.size(), 1, "t"), img);
   EXPECT_GE(p95, 35.0);
   EXPECT_GT(p95, p50);
-  // DCT-domain downscaling: ceil(H / s) x ceil(W / s), close to the area average of the full image.
+  // DCT-domain downscaling: ceil(H / s) x ceil(W / s), close to the area average of the full image
+  // (the scaled IDCT keeps each block's low frequencies, not a box filter: measured 42.7, 47.8 and
+  // 51.2 dB against the rounded s x s average at 1/2, 1/4 and 1/8; 40 dB is far below that, and far
+  // above a wrong scale or a shifted image, which land near 20 dB).
   for (int s : {2, 4, 8}) {
     const at::Tensor small = decode_jpeg(q95.data(), q95.size(), s, "test");
     EXPECT_EQ(small.size(0), (96 + s - 1) / s);
@@ -65,7 +71,7 @@ TEST(JpegTest, RoundTripIsWithinJpegErrorAndScalesInTheDctDomain) {
                                   .squeeze(0)
                                   .permute({1, 2, 0})
                                   .round();
-    EXPECT_GE(psnr(small, pooled), 25.0) << "scale 1/" << s;
+    EXPECT_GE(psnr(small, pooled), 40.0) << "scale 1/" << s;
   }
   EXPECT_THROW(decode_jpeg(q95.data(), q95.size(), 3, "test"), DataError);
   EXPECT_THROW(encode_jpeg(img, 0, "test"), DataError);
@@ -78,13 +84,8 @@ TEST(JpegTest, BytesThatAreNotACleanJpegAreADataErrorNamingThem) {
   const std::vector<uint8_t> half(bytes.begin(), bytes.begin() + bytes.size() / 2);
   const std::vector<uint8_t> junk(100, 0x5a);
   for (const auto* b : {&half, &junk}) {
-    try {
-      decode_jpeg(b->data(), b->size(), 1, "'x.h5' scene 000004 camera 2");
-      ADD_FAILURE() << "no error for " << b->size() << " bytes";
-    } catch (const DataError& e) {
-      EXPECT_NE(std::string(e.what()).find("'x.h5' scene 000004 camera 2"), std::string::npos)
-          << e.what();
-    }
+    expect_data_error([&] { decode_jpeg(b->data(), b->size(), 1, "'x.h5' scene 000004 camera 2"); },
+                      {"'x.h5' scene 000004 camera 2"});
   }
 }
 
@@ -119,7 +120,7 @@ TEST_F(JpegDatasetTest, ScenesReadBackWithTheirLabelsExactAndImagesWithinJpegErr
     EXPECT_TRUE(at::equal(got.bev_semantics, want.bev_semantics));
     EXPECT_TRUE(at::equal(got.boxes, want.boxes));
     ASSERT_EQ(got.images.sizes(), want.images.sizes());
-    EXPECT_GE(psnr(got.images, want.images), 35.0) << "scene " << i;
+    EXPECT_GE(psnr(got.images, want.images), 35.0) << "scene " << i;  // 35.7..36.8 measured
   }
   // The shard's stored shapes are the decoded images'.
   ShardReader shard(dir_->file("train_00000.h5"));
@@ -145,28 +146,14 @@ TEST_F(JpegDatasetTest, ATruncatedCameraIsOneErrorNamingTheShardSceneAndCamera) 
   }
   const auto train = Dataset::open(dir_->str(), "train");
   train->read(0);  // the others are whole
-  try {
-    train->read(1);
-    FAIL() << "a truncated JPEG went unnoticed";
-  } catch (const DataError& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find(f), std::string::npos) << msg;
-    EXPECT_NE(msg.find("scene 000001 camera 0"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("does not decode"), std::string::npos) << msg;
-  }
+  expect_data_error([&] { train->read(1); }, {f, "scene 000001 camera 0", "does not decode"});
 }
 
 TEST_F(JpegDatasetTest, AnUnknownCodecInDatasetJsonNamesTheKey) {
   std::string json = read_bytes(dir_->file("dataset.json"));
   json.replace(json.find("\"jpeg\""), 6, "\"webp\"");
   std::ofstream(dir_->file("dataset.json")) << json;
-  try {
-    Dataset::open(dir_->str(), "train");
-    FAIL() << "no error";
-  } catch (const DataError& e) {
-    EXPECT_NE(std::string(e.what()).find("key 'image_codec' is 'webp'"), std::string::npos)
-        << e.what();
-  }
+  expect_data_error([&] { Dataset::open(dir_->str(), "train"); }, {"key 'image_codec' is 'webp'"});
 }
 
 }  // namespace

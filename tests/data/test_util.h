@@ -2,6 +2,7 @@
 // independent projection (written from docs/data.md with LibTorch ops, not with data/geometry.h).
 #pragma once
 
+#include "core/error.h"
 #include "data/datagen.h"
 
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <random>
 #include <string>
 
@@ -54,6 +56,25 @@ inline DatagenOptions small_options(const std::string& out, int64_t train, int64
   o.threads = 2;
   o.progress_interval_s = 1e9;
   return o;
+}
+
+// Expects `f` to throw DataError whose message holds every string of `needles`; returns it.
+template <class F>
+inline std::string expect_data_error(F&& f, std::initializer_list<std::string> needles) {
+  try {
+    f();
+  } catch (const DataError& e) {
+    const std::string msg = e.what();
+    for (const auto& n : needles)
+      EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
+    EXPECT_EQ(msg.find("HDF5-DIAG"), std::string::npos) << msg;
+    return msg;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected DataError, got: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "expected DataError, nothing thrown";
+  return "";
 }
 
 inline std::string read_bytes(const std::string& path) {
