@@ -75,14 +75,18 @@ JpegSize jpeg_size(const uint8_t* data, std::size_t size, const std::string& con
   return {ht, w};
 }
 
-at::Tensor decode_jpeg(const uint8_t* data, std::size_t size, int scale,
-                       const std::string& context) {
+at::Tensor decode_jpeg(const uint8_t* data, std::size_t size, int scale, const std::string& context,
+                       at::Tensor* into) {
   PARALLAX_CHECK(scale == 1 || scale == 2 || scale == 4 || scale == 8, DataError,
                  "{}: JPEG scale 1/{} is not one of 1, 1/2, 1/4, 1/8", context, scale);
   const JpegSize full = jpeg_size(data, size, context);
   const tjscalingfactor f{1, scale};
   const int64_t h = TJSCALED(full.height, f), w = TJSCALED(full.width, f);
-  at::Tensor out = at::empty({h, w, 3}, at::kByte);
+  at::Tensor out = into ? *into : at::empty({h, w, 3}, at::kByte);
+  PARALLAX_CHECK(out.dim() == 3 && out.size(0) == h && out.size(1) == w && out.size(2) == 3 &&
+                     out.scalar_type() == at::kByte && out.is_contiguous() && out.device().is_cpu(),
+                 DataError, "{}: the JPEG image is {} x {} at scale 1/{}, expected [{}]", context,
+                 h, w, scale, fmt::join(out.sizes(), ", "));
   tjhandle d = thread_handle(false, context);
   const int rc = tjDecompress2(d, data, static_cast<unsigned long>(size), out.data_ptr<uint8_t>(),
                                static_cast<int>(w), 0, static_cast<int>(h), TJPF_RGB,
@@ -115,7 +119,7 @@ std::vector<uint8_t> encode_jpeg(const at::Tensor&, int, const std::string& cont
 JpegSize jpeg_size(const uint8_t*, std::size_t, const std::string& context) {
   no_jpeg(context);
 }
-at::Tensor decode_jpeg(const uint8_t*, std::size_t, int, const std::string& context) {
+at::Tensor decode_jpeg(const uint8_t*, std::size_t, int, const std::string& context, at::Tensor*) {
   no_jpeg(context);
 }
 

@@ -32,8 +32,10 @@ JpegSize jpeg_size(const uint8_t* data, std::size_t size, const std::string& con
 
 // Decodes into uint8 [ceil(H / scale), ceil(W / scale), 3] RGB, `scale` one of 1, 2, 4, 8
 // (DCT-domain downscaling: the decoder computes only the coarser image). DataError naming `context`
-// for bytes that do not decode cleanly (corrupt, truncated, not a JPEG) or a bad scale.
-at::Tensor decode_jpeg(const uint8_t* data, std::size_t size, int scale,
-                       const std::string& context);
+// for bytes that do not decode cleanly (corrupt, truncated, not a JPEG) or a bad scale. With `into`
+// (a contiguous uint8 CPU tensor, e.g. one camera of a scene's images) the image is decoded there
+// and `into` returned; a DataError naming `context` when its shape is not the decoded image's.
+at::Tensor decode_jpeg(const uint8_t* data, std::size_t size, int scale, const std::string& context,
+                       at::Tensor* into = nullptr);
 
 }  // namespace parallax::data

@@ -116,20 +116,16 @@ JpegImages read_jpeg_bytes(hid_t group, const std::string& w) {
   return j;
 }
 
-// Every camera decoded at full size, checked against the stored size: uint8 [N, H, W, 3].
+// Every camera decoded at full size straight into the scene's tensor, each checked against the
+// stored size by the decoder: uint8 [N, H, W, 3].
 at::Tensor decode_cameras(const JpegImages& j, const std::string& w) {
   const int64_t n = j.offsets.numel() - 1;
   const int64_t* o = j.offsets.data_ptr<int64_t>();
   at::Tensor out = at::empty({n, j.height, j.width, 3}, at::kByte);
   for (int64_t c = 0; c < n; ++c) {
-    const std::string ctx = fmt::format("{} camera {}", w, c);
-    at::Tensor img = decode_jpeg(j.bytes.data_ptr<uint8_t>() + o[c],
-                                 static_cast<std::size_t>(o[c + 1] - o[c]), 1, ctx);
-    if (img.size(0) != j.height || img.size(1) != j.width) {
-      throw_error<DataError>("{}: the JPEG image is {} x {}, the scene says {} x {}", ctx,
-                             img.size(0), img.size(1), j.height, j.width);
-    }
-    out[c].copy_(img);
+    at::Tensor camera = out[c];
+    decode_jpeg(j.bytes.data_ptr<uint8_t>() + o[c], static_cast<std::size_t>(o[c + 1] - o[c]), 1,
+                fmt::format("{} camera {}", w, c), &camera);
   }
   return out;
 }

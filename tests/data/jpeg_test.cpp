@@ -83,6 +83,13 @@ TEST(JpegTest, BytesThatAreNotACleanJpegAreADataErrorNamingThem) {
   const auto bytes = encode_jpeg(rendered(64, 96), 90, "test");
   const std::vector<uint8_t> half(bytes.begin(), bytes.begin() + bytes.size() / 2);
   const std::vector<uint8_t> junk(100, 0x5a);
+  // Into a tensor of another size (a scene whose stored size disagrees with its JPEG): named.
+  at::Tensor wrong = at::empty({64, 95, 3}, at::kByte);
+  expect_data_error([&] { decode_jpeg(bytes.data(), bytes.size(), 1, "cam 1", &wrong); },
+                    {"cam 1", "64 x 96", "expected [64, 95, 3]"});
+  at::Tensor right = at::empty({64, 96, 3}, at::kByte);
+  EXPECT_EQ(decode_jpeg(bytes.data(), bytes.size(), 1, "cam 1", &right).data_ptr(),
+            right.data_ptr());
   for (const auto* b : {&half, &junk}) {
     expect_data_error([&] { decode_jpeg(b->data(), b->size(), 1, "'x.h5' scene 000004 camera 2"); },
                       {"'x.h5' scene 000004 camera 2"});
