@@ -183,4 +183,17 @@ else()
                  "Install libturbojpeg0-dev, or pass -DTURBOJPEG_ROOT=<prefix>")
 endif()
 
-message(STATUS "Parallax: NCCL=${PARALLAX_WITH_NCCL} ONNX=${PARALLAX_WITH_ONNX} TURBOJPEG=${PARALLAX_WITH_TURBOJPEG}")
+# nlohmann-json (Debian: nlohmann-json3-dev), optional: the nuScenes converter and
+# `datagen --layout nuscenes` (data/nuscenes.cpp) read and write the nuScenes JSON tables with it.
+set(PARALLAX_WITH_NUSCENES OFF)
+find_package(nlohmann_json 3.2 QUIET)
+add_library(parallax_json INTERFACE)
+if(nlohmann_json_FOUND)
+  set(PARALLAX_WITH_NUSCENES ON)
+  target_link_libraries(parallax_json INTERFACE nlohmann_json::nlohmann_json)
+  target_compile_definitions(parallax_json INTERFACE PARALLAX_WITH_NUSCENES=1)
+else()
+  message(STATUS "Parallax: nlohmann-json not found: `parallax convert nuscenes` is not built. Install nlohmann-json3-dev")
+endif()
+
+message(STATUS "Parallax: NCCL=${PARALLAX_WITH_NCCL} ONNX=${PARALLAX_WITH_ONNX} TURBOJPEG=${PARALLAX_WITH_TURBOJPEG} NUSCENES=${PARALLAX_WITH_NUSCENES}")

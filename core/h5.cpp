@@ -1,5 +1,6 @@
 #include "core/h5.h"
 
+#include <algorithm>
 #include <vector>
 
 namespace parallax::core::h5 {
@@ -25,8 +26,13 @@ std::string error_message() {
   H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, collect_error, &descs);
   H5Eclear2(H5E_DEFAULT);
   if (descs.empty()) return "";
-  if (descs.size() == 1 || descs.front() == descs.back()) return descs.front();
-  return descs.front() + ": " + descs.back();
+  std::string m = (descs.size() == 1 || descs.front() == descs.back())
+                      ? descs.front()
+                      : descs.front() + ": " + descs.back();
+  // One line: some HDF5 messages carry newlines (a failed write's "time = <ctime>\n, filename
+  // = ..."), and every error is one `parallax: error:` line.
+  std::replace(m.begin(), m.end(), '\n', ' ');
+  return m;
 }
 
 std::string describe(const std::string& context) {

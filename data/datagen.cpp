@@ -6,6 +6,7 @@
 #include "core/rng.h"
 #include "core/strings.h"
 #include "data/jpeg.h"
+#include "data/ordered_pool.h"
 #include "data/random.h"
 #include "data/render.h"
 #include "data/shard.h"
@@ -13,11 +14,8 @@
 #include <ATen/ops/empty.h>
 #include <fmt/format.h>
 
-#include <condition_variable>
-#include <exception>
 #include <filesystem>
 #include <map>
-#include <mutex>
 #include <regex>
 #include <thread>
 
@@ -25,78 +23,6 @@ namespace fs = std::filesystem;
 
 namespace parallax::data {
 namespace {
-
-// Scenes generated on worker threads, handed to the caller strictly in index order. A bounded
-// window keeps memory flat: workers never run more than `window` scenes ahead of the consumer.
-class OrderedGenerator {
- public:
-  using Make = std::function<GeneratedScene(int64_t)>;
-
-  OrderedGenerator(int64_t total, int threads, Make make)
-      : total_(total), window_(2 * static_cast<int64_t>(threads)), make_(std::move(make)) {
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { work(); });
-  }
-  ~OrderedGenerator() {
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      stop_ = true;
-    }
-    cv_space_.notify_all();
-    for (auto& t : workers_) t.join();
-  }
-
-  // The scene for job `j` (called with j = 0, 1, 2, ...); rethrows a worker's exception.
-  GeneratedScene take(int64_t j) {
-    std::unique_lock<std::mutex> lock(m_);
-    cv_ready_.wait(lock, [&] { return done_.count(j) > 0; });
-    Result r = std::move(done_.at(j));
-    done_.erase(j);
-    consumed_ = j + 1;
-    lock.unlock();
-    cv_space_.notify_all();
-    if (r.error) std::rethrow_exception(r.error);
-    return std::move(r.scene);
-  }
-
- private:
-  struct Result {
-    GeneratedScene scene;
-    std::exception_ptr error;
-  };
-
-  void work() {
-    for (;;) {
-      int64_t j = 0;
-      {
-        std::unique_lock<std::mutex> lock(m_);
-        cv_space_.wait(lock,
-                       [&] { return stop_ || next_ >= total_ || next_ < consumed_ + window_; });
-        if (stop_ || next_ >= total_) return;
-        j = next_++;
-      }
-      Result r;
-      try {
-        r.scene = make_(j);
-      } catch (...) {
-        r.error = std::current_exception();
-      }
-      {
-        std::lock_guard<std::mutex> lock(m_);
-        done_.emplace(j, std::move(r));
-      }
-      cv_ready_.notify_all();
-    }
-  }
-
-  const int64_t total_, window_;
-  Make make_;
-  std::mutex m_;
-  std::condition_variable cv_ready_, cv_space_;
-  std::map<int64_t, Result> done_;
-  int64_t next_ = 0, consumed_ = 0;
-  bool stop_ = false;
-  std::vector<std::thread> workers_;
-};
 
 void check_options(const DatagenOptions& o) {
   auto bad = [](const std::string& what) { throw UsageError("datagen: " + what); };
@@ -227,7 +153,7 @@ DatagenSummary generate_dataset(const DatagenOptions& o) {
   core::Progress progress("datagen scene", total, o.progress_interval_s);
   DatagenSummary summary;
   {
-    OrderedGenerator gen(total, threads, [&](int64_t j) {
+    OrderedPool<GeneratedScene> gen(total, threads, [&](int64_t j) {
       const Job& job = jobs[static_cast<size_t>(j)];
       return generate_scene(o.gen, job.seed, job.index);
     });

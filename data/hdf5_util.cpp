@@ -5,6 +5,9 @@
 #include <ATen/ops/empty.h>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstring>
+
 namespace parallax::data::h5 {
 namespace {
 
@@ -230,6 +233,39 @@ void write_int_attribute(hid_t loc, const std::string& name, int64_t value,
   Id space(H5Screate(H5S_SCALAR), ctx);
   Id attr(H5Acreate2(loc, name.c_str(), H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT), ctx);
   check(H5Awrite(attr, H5T_NATIVE_INT64, &value), ctx);
+}
+
+void write_string_attribute(hid_t loc, const std::string& name, const std::string& value,
+                            const std::string& context) {
+  quiet_errors();
+  const std::string ctx = fmt::format("{}: cannot write attribute '{}'", context, name);
+  Id type(H5Tcopy(H5T_C_S1), ctx);
+  check(H5Tset_size(type, std::max<size_t>(1, value.size())), ctx);
+  check(H5Tset_cset(type, H5T_CSET_UTF8), ctx);
+  Id space(H5Screate(H5S_SCALAR), ctx);
+  Id attr(H5Acreate2(loc, name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT), ctx);
+  std::string padded = value;
+  padded.resize(std::max<size_t>(1, value.size()), '\0');
+  check(H5Awrite(attr, type, padded.data()), ctx);
+}
+
+std::optional<std::string> read_string_attribute(hid_t loc, const std::string& name,
+                                                 const std::string& context) {
+  quiet_errors();
+  const htri_t e = H5Aexists(loc, name.c_str());
+  if (e < 0) fail(context);
+  if (e == 0) return std::nullopt;
+  Id attr(H5Aopen(loc, name.c_str(), H5P_DEFAULT), context);
+  Id type(H5Aget_type(attr), context);
+  if (H5Tget_class(type) != H5T_STRING || H5Tis_variable_str(type) > 0)
+    throw_error<DataError>("{}: attribute '{}' is not a fixed-length string", context, name);
+  const size_t n = H5Tget_size(type);
+  if (n == 0 || n > (1u << 20))
+    throw_error<DataError>("{}: attribute '{}' has a bad size ({} bytes)", context, name, n);
+  std::string v(n, '\0');
+  check(H5Aread(attr, type, v.data()), context);
+  v.resize(std::strlen(v.c_str()));
+  return v;
 }
 
 }  // namespace parallax::data::h5

@@ -113,5 +113,10 @@ void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, const
                   const std::string& context);
 void write_int_attribute(hid_t loc, const std::string& name, int64_t value,
                          const std::string& context);
+// A UTF-8 string attribute (fixed length); read_string_attribute returns nullopt when absent.
+void write_string_attribute(hid_t loc, const std::string& name, const std::string& value,
+                            const std::string& context);
+std::optional<std::string> read_string_attribute(hid_t loc, const std::string& name,
+                                                 const std::string& context);
 
 }  // namespace parallax::data::h5

@@ -196,10 +196,16 @@ DatasetInfo read_dataset_info(const std::string& dir) {
   }
   if (info.image_codec == "jpeg") {
     info.jpeg_quality = r.scalar<int64_t>(root, "jpeg_quality", "jpeg_quality", "an integer");
-    if (info.jpeg_quality < 1 || info.jpeg_quality > 100) {
-      throw_error<DataError>("'{}': key 'jpeg_quality' is {} (1..100)", file, info.jpeg_quality);
+    // 0: the source's JPEG files stored as they are (a converted dataset), quality unknown.
+    if (info.jpeg_quality < 0 || info.jpeg_quality > 100) {
+      throw_error<DataError>(
+          "'{}': key 'jpeg_quality' is {} (1..100, or 0 for source JPEGs "
+          "stored as they are)",
+          file, info.jpeg_quality);
     }
   }
+  if (root["bev_source"].IsDefined())
+    info.bev_source = r.scalar<std::string>(root, "bev_source", "bev_source", "a string");
   const YAML::Node bev = r.child(root, "bev", "bev");
   info.bev.x_min = r.scalar<double>(bev, "x_min", "bev.x_min", "a number");
   info.bev.x_max = r.scalar<double>(bev, "x_max", "bev.x_max", "a number");
@@ -252,6 +258,8 @@ std::string dataset_json(const DatasetInfo& info) {
       "  \"bev\": {{\"x_min\": {}, \"x_max\": {}, \"y_min\": {}, \"y_max\": {}, \"resolution\": "
       "{}}},\n",
       info.bev.x_min, info.bev.x_max, info.bev.y_min, info.bev.y_max, info.bev.resolution);
+  if (!info.bev_source.empty())
+    out += fmt::format("  \"bev_source\": {},\n", core::json_quote(info.bev_source));
   out += fmt::format("  \"bev_classes\": {},\n", core::json_strings(info.bev_classes));
   out += fmt::format("  \"box_classes\": {},\n", core::json_strings(info.box_classes));
   out += "  \"splits\": {";

@@ -51,11 +51,14 @@ struct DatasetInfo {
   std::string generator;
   int64_t cameras = 6, image_height = 128, image_width = 224;
   // How the shards store camera images: "raw" (uint8 pixels) or "jpeg" (JPEG bytes at
-  // `jpeg_quality`, decoded by the reader; docs/data.md, "Image codecs"). Absent from an older
-  // dataset.json: "raw".
+  // `jpeg_quality`, decoded by the reader; docs/data.md, "Image codecs"; 0: a source's JPEG
+  // files stored as they are). Absent from an older dataset.json: "raw".
   std::string image_codec = "raw";
   int64_t jpeg_quality = 0;
   BevGrid bev;
+  // What bev_semantics was made from, when not the generator's exact labels (a converted dataset:
+  // "box footprints" or "map expansion layers and box footprints"); "" otherwise.
+  std::string bev_source;
   std::vector<std::string> bev_classes = {"background", "road",       "marking",
                                           "vehicle",    "pedestrian", "cyclist"};
   std::vector<std::string> box_classes = {"vehicle", "pedestrian", "cyclist"};
@@ -86,6 +89,14 @@ struct SceneRecord {
   at::Tensor cam_to_ego;     // float32 [N, 4, 4]
   at::Tensor bev_semantics;  // uint8 [X, Y]
   at::Tensor boxes;          // float32 [K, 9]
+  // Optional (a converted dataset; docs/data.md): each box's ground velocity (vx, vy) in the ego
+  // frame in m/s, NaN where the source has none, float32 [K, 2]; and the source's id of the
+  // sample (the nuScenes sample token), "" when absent.
+  at::Tensor velocities;
+  std::string sample_token;
+  // Writer only: each camera's JPEG bytes to store as they are (a converter passing a source's
+  // JPEG files through without decoding); `images` is then not read. Needs a JPEG ShardWriter.
+  std::vector<std::vector<uint8_t>> jpeg;
 };
 
 // The datasets of a scene group, in the order they are written.

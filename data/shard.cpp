@@ -64,6 +64,9 @@ void check_type(const std::string& name, const h5::DatasetShape& s, const std::s
 // bytes[offsets[c], offsets[c + 1]).
 constexpr const char* kJpegBytes = "images_jpeg";
 constexpr const char* kJpegOffsets = "images_jpeg_offsets";
+// Optional per scene (a converted dataset): box velocities and the source's sample id.
+constexpr const char* kVelocities = "velocities";
+constexpr const char* kSampleToken = "sample_token";
 
 struct JpegImages {
   at::Tensor bytes;    // uint8 [total]
@@ -258,6 +261,19 @@ SceneRecord ShardReader::read(int64_t index, const DatasetInfo* info) const {
       else
         rec.boxes = std::move(t);
     }
+    if (auto token = h5::read_string_attribute(group, kSampleToken, w)) rec.sample_token = *token;
+    if (h5::link_exists(group, kVelocities)) {
+      const std::string ctx = fmt::format("{}: dataset '{}'", w, kVelocities);
+      h5::Id ds(H5Dopen2(group, kVelocities, H5P_DEFAULT), ctx + ": cannot open");
+      const h5::DatasetShape shape = h5::dataset_shape(ds, ctx);
+      if (shape.type_class != H5T_FLOAT || shape.dims.size() != 2 || shape.dims[1] != 2 ||
+          shape.dims[0] != rec.boxes.size(0)) {
+        throw_error<DataError>("{} is {}, expected float [{}, 2] (one row per box)", ctx,
+                               shape.describe(), rec.boxes.size(0));
+      }
+      rec.velocities =
+          h5::read_tensor(ds, shape, at::kFloat, ctx + ": cannot read (corrupt shard?)");
+    }
   }
   if (jpeg) rec.images = decode_cameras(*jpeg, w);  // outside the HDF5 lock
   if (info) {
@@ -271,6 +287,32 @@ SceneRecord ShardReader::read(int64_t index, const DatasetInfo* info) const {
     }
   }
   return rec;
+}
+
+std::string ShardReader::sample_token(int64_t index) const {
+  const std::string w = where(index);
+  if (!has_scene(index)) throw_error<DataError>("{}: no such scene in this shard", w);
+  h5::Hdf5Lock lock;
+  h5::Id group(H5Gopen2(file_, ("scenes/" + scene_name(index)).c_str(), H5P_DEFAULT),
+               w + ": cannot open group");
+  return h5::read_string_attribute(group, kSampleToken, w).value_or("");
+}
+
+std::vector<std::string> split_sample_tokens(const DatasetInfo& info, const std::string& split) {
+  const SplitInfo& si = info.split(split);
+  std::vector<std::string> out;
+  for (const auto& shard : si.shards) {
+    const ShardReader r(join_path(info.dir, shard));
+    for (int64_t idx : r.scene_indices()) {
+      if (idx < 0 || idx >= si.scenes)
+        throw_error<DataError>("{}: scene index outside the split's {} scenes", r.where(idx),
+                               si.scenes);
+      if (static_cast<int64_t>(out.size()) <= idx) out.resize(static_cast<size_t>(idx) + 1);
+      out[static_cast<size_t>(idx)] = r.sample_token(idx);
+    }
+  }
+  out.resize(static_cast<size_t>(si.scenes));
+  return out;
 }
 
 bool is_data_shard(const std::string& path) {
@@ -343,9 +385,36 @@ ShardWriter::~ShardWriter() {
 void ShardWriter::write(const SceneRecord& s) {
   const std::string ctx = fmt::format("shard '{}' scene {}", tmp_path_, scene_name(s.index));
   if (!file_.valid()) throw_error<DataError>("{}: the shard is already closed", ctx);
-  const int64_t h = s.images.size(1), w = s.images.size(2);
+  const bool passthrough = !s.jpeg.empty();
+  if (passthrough && jpeg_quality_ == 0)
+    throw_error<DataError>("{}: JPEG bytes given to a shard that stores raw images", ctx);
+  int64_t h = 0, w = 0;
+  if (passthrough) {
+    // Stored as they are: every camera must hold a JPEG of one size.
+    for (size_t c = 0; c < s.jpeg.size(); ++c) {
+      const JpegSize js =
+          jpeg_size(s.jpeg[c].data(), s.jpeg[c].size(), fmt::format("{} camera {}", ctx, c));
+      if (c > 0 && (js.height != h || js.width != w)) {
+        throw_error<DataError>("{}: camera {} is a {} x {} JPEG, camera 0 {} x {}", ctx, c,
+                               js.height, js.width, h, w);
+      }
+      h = js.height;
+      w = js.width;
+    }
+  } else {
+    h = s.images.size(1);
+    w = s.images.size(2);
+  }
   at::Tensor jpeg_bytes, jpeg_offsets;
-  if (jpeg_quality_ > 0) {
+  if (passthrough) {
+    std::vector<int64_t> offsets{0};
+    for (const auto& one : s.jpeg)
+      offsets.push_back(offsets.back() + static_cast<int64_t>(one.size()));
+    jpeg_bytes = at::empty({offsets.back()}, at::kByte);
+    for (size_t c = 0; c < s.jpeg.size(); ++c)
+      std::memcpy(jpeg_bytes.data_ptr<uint8_t>() + offsets[c], s.jpeg[c].data(), s.jpeg[c].size());
+    jpeg_offsets = at::tensor(offsets, at::kLong);
+  } else if (jpeg_quality_ > 0) {
     // Encoded before taking the HDF5 lock.
     std::vector<uint8_t> all;
     std::vector<int64_t> offsets{0};
@@ -373,6 +442,9 @@ void ShardWriter::write(const SceneRecord& s) {
   h5::write_tensor(group, "cam_to_ego", s.cam_to_ego, {0, {}, true}, ctx);
   h5::write_tensor(group, "bev_semantics", s.bev_semantics, {deflate_level_, {}, true}, ctx);
   h5::write_tensor(group, "boxes", s.boxes, {0, {}, true}, ctx);
+  if (s.velocities.defined())
+    h5::write_tensor(group, kVelocities, s.velocities, {0, {}, true}, ctx);
+  if (!s.sample_token.empty()) h5::write_string_attribute(group, kSampleToken, s.sample_token, ctx);
   ++written_;
 }
 

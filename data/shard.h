@@ -39,6 +39,8 @@ class ShardReader {
   SceneRecord read(int64_t index, const DatasetInfo* info) const;
   // The stored shapes and types of scene `index`'s datasets, without reading their data.
   std::map<std::string, h5::DatasetShape> shapes(int64_t index) const;
+  // Scene `index`'s sample token ("" when it has none), without reading its data.
+  std::string sample_token(int64_t index) const;
   // "'<path>' scene 000123": the prefix of messages about that scene.
   std::string where(int64_t index) const;
 
@@ -47,6 +49,10 @@ class ShardReader {
   h5::Id file_;
   std::vector<int64_t> indices_;
 };
+
+// The sample token of every scene of a split, by index ("" where a scene has none), reading only
+// the scene groups' attributes. DataError naming the shard for unreadable shards.
+std::vector<std::string> split_sample_tokens(const DatasetInfo& info, const std::string& split);
 
 // True when `path` is an HDF5 file with a /scenes group (a data shard); false for any other file,
 // including non-HDF5 files. Never throws for unreadable files.

@@ -24,6 +24,7 @@ const std::vector<Verb>& verbs() {
       {"export", "export a run's checkpoint: ONNX with a parity gate, or weights.h5", verb_export},
       {"datagen", "generate a synthetic multi-camera dataset (HDF5 shards + dataset.json)",
        verb_datagen},
+      {"convert", "convert a driving dataset (nuScenes) into a Parallax dataset", verb_convert},
       {"inspect", "describe and verify a dataset folder or an HDF5 data shard", verb_inspect},
       {"launch", "run N workers per node with restarts and graceful preemption (torchrun style)",
        verb_launch},

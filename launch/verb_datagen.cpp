@@ -3,6 +3,7 @@
 #include "core/log.h"
 #include "core/strings.h"
 #include "data/datagen.h"
+#include "data/nuscenes.h"
 #include "launch/args.h"
 #include "launch/verbs.h"
 
@@ -52,6 +53,12 @@ int verb_datagen(const std::vector<std::string>& argv) {
       .option("bev-range", "R", "BEV grid half-extent in metres: x and y in [-R, R)", "25")
       .option("bev-resolution", "M", "BEV cell size in metres", "0.5")
       .option("samples-per-pixel", "S", "rays per pixel: 1 (fast) or 4 (anti-aliased)", "4")
+      .option("layout", "L",
+              "parallax (dataset.json + HDF5 shards) or nuscenes (the nuScenes on-disk layout: "
+              "v1.0 JSON tables and JPEG files, for `parallax convert nuscenes`)",
+              "parallax")
+      .option("version", "V", "with --layout nuscenes: the version folder", "v1.0-mini")
+      .option("samples-per-scene", "K", "with --layout nuscenes: keyframe samples per scene", "4")
       .flag("overwrite", "replace a dataset already in --out")
       .epilog(
           "examples:\n"
@@ -121,6 +128,17 @@ int verb_datagen(const std::vector<std::string>& argv) {
         threads, core::human_bytes(scene_bytes), o.gen.cameras, o.gen.height, o.gen.width,
         core::human_bytes(in_flight), core::human_bytes(memory));
   }
+  const std::string layout = args.get("layout");
+  if (layout == "nuscenes") {
+    data::NuScenesLayoutOptions lo;
+    lo.datagen = o;
+    lo.version = args.get("version");
+    lo.samples_per_scene = args.get_int("samples-per-scene", 1, kMaxScenes);
+    data::write_nuscenes_layout(lo);
+    return 0;
+  }
+  if (layout != "parallax")
+    throw_error<UsageError>("datagen: --layout must be parallax or nuscenes, got '{}'", layout);
   const data::DatagenSummary s = data::generate_dataset(o);
   core::log::info("datagen: wrote {} ({} train + {} val scenes, {}) in {:.1f} s ({:.2f} scenes/s)",
                   o.out, o.train_scenes, o.val_scenes,

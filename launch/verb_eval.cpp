@@ -11,6 +11,7 @@
 #include "core/rng.h"
 #include "core/strings.h"
 #include "data/schema.h"
+#include "data/shard.h"
 #include "launch/args.h"
 #include "launch/exit_codes.h"
 #include "launch/verbs.h"
@@ -107,10 +108,12 @@ void write_file(const fs::path& file, const std::string& text) {
 }
 
 // `rows` (train::EvalDetections) as the nuScenes detection submission JSON: every scene of the
-// split is a sample (token = its scene index), listed even without boxes. Ground truth carries
-// detection_score -1, as the devkit's ground-truth boxes do.
-std::string submission_json(const at::Tensor& rows, bool predictions, int64_t scenes,
+// split is a sample (token = its sample token, or its scene index), listed even without boxes.
+// Ground truth carries detection_score -1, as the devkit's ground-truth boxes do.
+std::string submission_json(const at::Tensor& rows, bool predictions,
+                            const std::vector<std::string>& tokens,
                             const std::vector<std::string>& classes, const std::string& meta) {
+  const auto scenes = static_cast<int64_t>(tokens.size());
   const at::Tensor r = rows.to(at::kDouble).contiguous();
   const int64_t cols = r.size(1);
   const double* p = r.data_ptr<double>();
@@ -125,13 +128,13 @@ std::string submission_json(const at::Tensor& rows, bool predictions, int64_t sc
         "{{\"sample_token\": \"{}\", \"translation\": [{}, {}, {}], \"size\": [{}, {}, {}], "
         "\"rotation\": [{}, 0.0, 0.0, {}], \"velocity\": [0.0, 0.0], \"detection_name\": {}, "
         "\"detection_score\": {}, \"attribute_name\": \"\"}}",
-        sample, q[2], q[3], q[4], q[6], q[5], q[7], std::cos(yaw / 2), std::sin(yaw / 2),
-        core::json_quote(classes.at(static_cast<size_t>(std::lround(q[1])))),
+        tokens[static_cast<size_t>(sample)], q[2], q[3], q[4], q[6], q[5], q[7], std::cos(yaw / 2),
+        std::sin(yaw / 2), core::json_quote(classes.at(static_cast<size_t>(std::lround(q[1])))),
         predictions ? q[9] : -1.0));
   }
   std::string out = fmt::format("{{\"meta\": {},\n\"results\": {{", meta);
   for (int64_t s = 0; s < scenes; ++s) {
-    out += fmt::format("{}\n\"{}\": [{}]", s ? "," : "", s,
+    out += fmt::format("{}\n\"{}\": [{}]", s ? "," : "", tokens[static_cast<size_t>(s)],
                        core::join(by_sample[static_cast<size_t>(s)], ",\n  "));
   }
   return out + "}}\n";
@@ -289,7 +292,6 @@ int verb_eval(const std::vector<std::string>& argv) {
   if (args.has("dump-predictions")) {
     const fs::path pred_file = args.get("dump-predictions");
     const fs::path gt_file = with_suffix(pred_file, "_gt");
-    const int64_t scenes = info.splits.at(split).scenes;
     std::vector<std::string> quoted;
     for (const auto& c : scene.box_classes) quoted.push_back(core::json_quote(c));
     const std::string meta = fmt::format(
@@ -297,8 +299,14 @@ int verb_eval(const std::vector<std::string>& argv) {
         "\"use_external\": false, \"parallax_checkpoint\": {}, \"parallax_split\": {}, "
         "\"classes\": [{}]}}",
         core::json_quote(source), core::json_quote(split), core::join(quoted, ", "));
-    write_file(pred_file, submission_json(det.pred, true, scenes, scene.box_classes, meta));
-    write_file(gt_file, submission_json(det.gt, false, scenes, scene.box_classes, meta));
+    // Each scene's sample token where the dataset holds one (a converted nuScenes dataset), else
+    // its index in the split.
+    std::vector<std::string> tokens = data::split_sample_tokens(info, split);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i].empty()) tokens[i] = std::to_string(i);
+    }
+    write_file(pred_file, submission_json(det.pred, true, tokens, scene.box_classes, meta));
+    write_file(gt_file, submission_json(det.gt, false, tokens, scene.box_classes, meta));
     std::printf("predictions: %s\nground truth: %s\n", pred_file.string().c_str(),
                 gt_file.string().c_str());
   }

@@ -17,6 +17,7 @@ int verb_train(const std::vector<std::string>& args);
 int verb_export(const std::vector<std::string>& args);
 int verb_eval(const std::vector<std::string>& args);
 int verb_datagen(const std::vector<std::string>& args);
+int verb_convert(const std::vector<std::string>& args);
 int verb_inspect(const std::vector<std::string>& args);
 int verb_launch(const std::vector<std::string>& args);
 int verb_plan(const std::vector<std::string>& args);

@@ -7,10 +7,10 @@ set -euo pipefail
 PY=${PARALLAX_PYTHON:-python3}
 APT_PKGS=(cmake ninja-build g++ libopenmpi-dev openmpi-bin libhdf5-dev libfmt-dev libyaml-cpp-dev
           libgtest-dev libonnx-dev libprotobuf-dev protobuf-compiler clang-format libgloo-dev
-          libturbojpeg0-dev)
+          libturbojpeg0-dev nlohmann-json3-dev)
 # module name -> pip requirement
 declare -A PY_PKGS=([torch]="torch==2.13.0" [numpy]="numpy" [h5py]="h5py" [onnx]="onnx"
-                    [onnxruntime]="onnxruntime" [matplotlib]="matplotlib" [yaml]="pyyaml"
+                    [onnxruntime]="onnxruntime" [matplotlib]="matplotlib" [PIL]="pillow" [yaml]="pyyaml"
                     [tensorboard]="tensorboard")
 
 say() { echo "[setup] $*"; }
@@ -51,3 +51,17 @@ else
   say "Python packages: all present"
 fi
 say "LibTorch: $("$PY" -c 'import torch; print(torch.__version__, torch.utils.cmake_prefix_path)')"
+
+# nuscenes-devkit, in its own venv (it pins numpy < 2, which the main environment does not hold):
+# tests/data/test_nuscenes.py checks that the devkit reads `datagen --layout nuscenes`' folders.
+# Without network (the GPU image) it is left out and that one test says it skipped.
+NUSC_VENV=${PARALLAX_NUSCENES_VENV:-$HOME/.cache/parallax/nuscenes-venv}
+if "$NUSC_VENV/bin/python3" -c "import nuscenes" >/dev/null 2>&1; then
+  say "nuscenes-devkit: present ($NUSC_VENV)"
+else
+  say "installing nuscenes-devkit into $NUSC_VENV"
+  if ! { "$PY" -m venv "$NUSC_VENV" && "$NUSC_VENV/bin/pip" install -q --disable-pip-version-check \
+           nuscenes-devkit; } >/tmp/parallax_nuscenes_venv.log 2>&1; then
+    say "warning: could not install nuscenes-devkit (see /tmp/parallax_nuscenes_venv.log); the devkit check of tests/data/test_nuscenes.py will skip"
+  fi
+fi
