@@ -101,6 +101,106 @@ void resize_crop(const uint8_t* src, uint8_t* dst, int64_t H, int64_t W, double 
   }
 }
 
+void resample(const uint8_t* src, int64_t h_in, int64_t w_in, uint8_t* dst, int64_t h_out,
+              int64_t w_out, double sx, double sy, double ox, double oy) {
+  // Per output index, the source taps and weights of a triangle filter of radius r = max(1, 1/s)
+  // source pixels centred on the output pixel's source point; weights are normalised over all
+  // taps, those outside the image included and contributing 0 (zero padding).
+  struct Taps {
+    std::vector<int64_t> first;   // first tap's source index per output
+    std::vector<int64_t> count;   // taps per output
+    std::vector<double> weights;  // count weights per output, flattened
+    std::vector<int64_t> start;   // offset into weights per output
+  };
+  auto taps = [](int64_t n_out, int64_t n_in, double s, double off) {
+    Taps t;
+    const double r = std::max(1.0, 1.0 / s);
+    for (int64_t i = 0; i < n_out; ++i) {
+      const double x = (static_cast<double>(i) + 0.5 + off) / s;  // continuous source coordinate
+      const auto lo = static_cast<int64_t>(std::floor(x - r - 0.5));
+      const auto hi = static_cast<int64_t>(std::ceil(x + r - 0.5));
+      double total = 0;
+      std::vector<double> w;
+      for (int64_t j = lo; j <= hi; ++j) {
+        const double v = std::max(0.0, 1.0 - std::abs(static_cast<double>(j) + 0.5 - x) / r);
+        total += v;
+        w.push_back(v);
+      }
+      const int64_t a = std::max<int64_t>(lo, 0), b = std::min<int64_t>(hi, n_in - 1);
+      t.first.push_back(a);
+      t.count.push_back(std::max<int64_t>(0, b - a + 1));
+      t.start.push_back(static_cast<int64_t>(t.weights.size()));
+      for (int64_t j = a; j <= b; ++j)
+        t.weights.push_back(total > 0 ? w[static_cast<size_t>(j - lo)] / total : 0.0);
+    }
+    return t;
+  };
+  const Taps tx = taps(w_out, w_in, sx, ox), ty = taps(h_out, h_in, sy, oy);
+  // Horizontal pass over the source rows the vertical taps use, in float; then each output row
+  // as a weighted sum of whole rows (contiguous, so the compiler vectorises it).
+  const int64_t row_len = w_out * 3;
+  std::vector<float> tmp(static_cast<size_t>(h_in * row_len));
+  std::vector<char> needed(static_cast<size_t>(h_in), 0);
+  for (int64_t j = 0; j < h_out; ++j) {
+    for (int64_t k = 0; k < ty.count[static_cast<size_t>(j)]; ++k)
+      needed[static_cast<size_t>(ty.first[static_cast<size_t>(j)] + k)] = 1;
+  }
+  std::vector<float> wx(tx.weights.begin(), tx.weights.end());
+  for (int64_t r = 0; r < h_in; ++r) {
+    if (!needed[static_cast<size_t>(r)]) continue;
+    const uint8_t* row = src + r * w_in * 3;
+    float* out = tmp.data() + r * row_len;
+    for (int64_t i = 0; i < w_out; ++i) {
+      const float* wt = wx.data() + tx.start[static_cast<size_t>(i)];
+      const int64_t f = tx.first[static_cast<size_t>(i)], n = tx.count[static_cast<size_t>(i)];
+      const uint8_t* p = row + f * 3;
+      float a0 = 0, a1 = 0, a2 = 0;
+      for (int64_t k = 0; k < n; ++k) {
+        a0 += wt[k] * p[k * 3];
+        a1 += wt[k] * p[k * 3 + 1];
+        a2 += wt[k] * p[k * 3 + 2];
+      }
+      out[i * 3] = a0;
+      out[i * 3 + 1] = a1;
+      out[i * 3 + 2] = a2;
+    }
+  }
+  std::vector<float> acc(static_cast<size_t>(row_len));
+  for (int64_t j = 0; j < h_out; ++j) {
+    const double* wt = ty.weights.data() + ty.start[static_cast<size_t>(j)];
+    const int64_t f = ty.first[static_cast<size_t>(j)], n = ty.count[static_cast<size_t>(j)];
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t k = 0; k < n; ++k) {
+      const float w = static_cast<float>(wt[k]);
+      const float* in = tmp.data() + (f + k) * row_len;
+      float* a = acc.data();
+      for (int64_t i = 0; i < row_len; ++i) a[i] += w * in[i];
+    }
+    uint8_t* out = dst + j * row_len;
+    for (int64_t i = 0; i < row_len; ++i)
+      out[i] = static_cast<uint8_t>(std::clamp(acc[static_cast<size_t>(i)], 0.0f, 255.0f) + 0.5f);
+  }
+}
+
+void fit_images(SceneRecord& scene, const ImageFit& fit) {
+  const at::Tensor src = scene.images.contiguous();
+  const int64_t N = src.size(0), h = src.size(1), w = src.size(2);
+  at::Tensor out = at::empty({N, fit.height, fit.width, 3}, at::kByte);
+  at::Tensor K = scene.intrinsics.contiguous().clone();
+  for (int64_t k = 0; k < N; ++k) {
+    resample(src.data_ptr<uint8_t>() + k * h * w * 3, h, w,
+             out.data_ptr<uint8_t>() + k * fit.height * fit.width * 3, fit.height, fit.width,
+             fit.sx, fit.sy, 0, 0);
+    float* Kp = K.data_ptr<float>() + k * 9;
+    for (int c = 0; c < 3; ++c) {
+      Kp[c] = static_cast<float>(fit.sx * Kp[c]);
+      Kp[3 + c] = static_cast<float>(fit.sy * Kp[3 + c]);
+    }
+  }
+  scene.images = out;
+  scene.intrinsics = K;
+}
+
 void photometric(uint8_t* img, int64_t H, int64_t W, const CameraAugment& a) {
   if (a.brightness == 1 && a.contrast == 1 && a.saturation == 1 && a.hue_rad == 0) return;
   const int64_t n = H * W;
@@ -170,25 +270,34 @@ std::vector<int> box_to_bev_classes(const DatasetInfo& info) {
 }
 
 SceneRecord apply_augment(const SceneRecord& in, const AugmentParams& p, const BevGrid& grid,
-                          const std::vector<int>& box_to_bev) {
+                          const std::vector<int>& box_to_bev, const ImageFit* fit) {
   SceneRecord out;
   out.index = in.index;
+  out.sample_token = in.sample_token;
   const int64_t N = in.images.size(0), H = in.images.size(1), W = in.images.size(2);
+  const int64_t Ho = fit ? fit->height : H, Wo = fit ? fit->width : W;
+  const double fx = fit ? fit->sx : 1.0, fy = fit ? fit->sy : 1.0;
   const at::Tensor src_img = in.images.contiguous();
-  out.images = at::empty_like(src_img);
+  out.images = at::empty({N, Ho, Wo, 3}, at::kByte);
   out.intrinsics = at::empty_like(in.intrinsics.contiguous());
   const at::Tensor K_in = in.intrinsics.contiguous();
   for (int64_t k = 0; k < N; ++k) {
     const CameraAugment& a = p.cameras.at(static_cast<size_t>(k));
-    uint8_t* dst = out.images.data_ptr<uint8_t>() + k * H * W * 3;
-    resize_crop(src_img.data_ptr<uint8_t>() + k * H * W * 3, dst, H, W, a.scale, a.ox, a.oy);
-    photometric(dst, H, W, a);
+    uint8_t* dst = out.images.data_ptr<uint8_t>() + k * Ho * Wo * 3;
+    if (fit) {
+      // The fit and the augmentation's resize in one resampling: u' = s (f u) - o.
+      resample(src_img.data_ptr<uint8_t>() + k * H * W * 3, H, W, dst, Ho, Wo, a.scale * fx,
+               a.scale * fy, a.ox, a.oy);
+    } else {
+      resize_crop(src_img.data_ptr<uint8_t>() + k * H * W * 3, dst, H, W, a.scale, a.ox, a.oy);
+    }
+    photometric(dst, Ho, Wo, a);
     const float* K = K_in.data_ptr<float>() + k * 9;
     float* Ko = out.intrinsics.data_ptr<float>() + k * 9;
-    // K' = S K with S = [[s, 0, -ox], [0, s, -oy], [0, 0, 1]].
+    // K' = S K with S = [[s fx, 0, -ox], [0, s fy, -oy], [0, 0, 1]] (fx = fy = 1 without a fit).
     for (int c = 0; c < 3; ++c) {
-      Ko[0 * 3 + c] = static_cast<float>(a.scale * K[0 * 3 + c] - a.ox * K[2 * 3 + c]);
-      Ko[1 * 3 + c] = static_cast<float>(a.scale * K[1 * 3 + c] - a.oy * K[2 * 3 + c]);
+      Ko[0 * 3 + c] = static_cast<float>(a.scale * fx * K[0 * 3 + c] - a.ox * K[2 * 3 + c]);
+      Ko[1 * 3 + c] = static_cast<float>(a.scale * fy * K[1 * 3 + c] - a.oy * K[2 * 3 + c]);
       Ko[2 * 3 + c] = K[2 * 3 + c];
     }
   }

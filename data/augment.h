@@ -55,16 +55,34 @@ AugmentParams draw_augment(const AugmentOptions& opts, int64_t cameras, int64_t 
 // For each box class, the index of the BEV class of the same name, or -1 (see the file comment).
 std::vector<int> box_to_bev_classes(const DatasetInfo& info);
 
+// The model's input when it is not the image as read (data.image_size; docs/data.md): `height`
+// x `width`, the read image's coordinates scaled by (sx, sy) first (u -> sx u).
+struct ImageFit {
+  int64_t height = 0, width = 0;
+  double sx = 1, sy = 1;
+};
+
 // Applies `p` to a scene (returns new tensors; the input is not modified). `box_to_bev` as from
-// box_to_bev_classes (empty: no object re-rasterisation).
+// box_to_bev_classes (empty: no object re-rasterisation). With `fit`, the images come out at the
+// fit's size, resampled once for the fit and the resize (u' = s (sx u) - ox; `p` drawn for the
+// fit's size) and K' = [[s sx, 0, -ox], [0, s sy, -oy], [0, 0, 1]] K.
 SceneRecord apply_augment(const SceneRecord& scene, const AugmentParams& p, const BevGrid& grid,
-                          const std::vector<int>& box_to_bev = {});
+                          const std::vector<int>& box_to_bev = {}, const ImageFit* fit = nullptr);
+// The fit alone (no augmentation), in place: images resampled to the fit's size, K's first two
+// rows scaled by sx and sy.
+void fit_images(SceneRecord& scene, const ImageFit& fit);
 
 // The building blocks (exposed for tests).
 // Resample one uint8 [H, W, 3] image: dst(i, j) = bilinear(src at ((i + 0.5 + ox) / s - 0.5,
 // (j + 0.5 + oy) / s - 0.5)), zero outside the source. `dst` has the same size as `src`.
 void resize_crop(const uint8_t* src, uint8_t* dst, int64_t height, int64_t width, double scale,
                  double ox, double oy);
+// Resample one uint8 [h_in, w_in, 3] image into [h_out, w_out, 3]: output pixel centre i + 0.5
+// shows the source point (i + 0.5 + ox) / sx (continuous coordinates, per axis), through a
+// triangle filter of radius max(1, 1/s) source pixels (bilinear for s >= 1, antialiased when
+// shrinking), zero outside the source.
+void resample(const uint8_t* src, int64_t h_in, int64_t w_in, uint8_t* dst, int64_t h_out,
+              int64_t w_out, double sx, double sy, double ox, double oy);
 // Photometric jitter in place on one uint8 [H, W, 3] image.
 void photometric(uint8_t* img, int64_t height, int64_t width, const CameraAugment& a);
 // The 3x3 BEV transform A (row-major) for a rotation and an optional y flip.

@@ -50,6 +50,11 @@ struct DataConfig {
   std::string val_split = "val";
   bool pin_memory = true;
   int max_boxes = 64;
+  // The model's input, when not the stored images: [H, W] (empty: the stored size), and the
+  // cameras it sees, as indices into the stored rig (empty: all, in order). docs/data.md,
+  // "Model input size and cameras".
+  std::vector<int64_t> image_size;
+  std::vector<int64_t> cameras;
   AugConfig aug;
 
   template <class V>
@@ -74,6 +79,12 @@ struct DataConfig {
     v("max_boxes", max_boxes,
       "boxes per sample after padding (extra boxes, least visible first, dropped)",
       core::Check::at_least(1));
+    v("image_size", image_size,
+      "model input [H, W] (empty: the stored size); JPEG shards decode at 1/2, 1/4 or 1/8 when "
+      "that still covers it, then resize; the intrinsics follow exactly");
+    v("cameras", cameras,
+      "indices of the stored cameras the model sees, in that order (empty: all); the others are "
+      "never decoded");
     v("aug", aug);
   }
 };

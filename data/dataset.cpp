@@ -53,4 +53,8 @@ SceneRecord Dataset::read(int64_t index) const {
   return shard_of(index).read(index, &info_);
 }
 
+SceneRecord Dataset::read(int64_t index, const ShardReader::Selection& sel) const {
+  return shard_of(index).read(index, info_, sel);
+}
+
 }  // namespace parallax::data

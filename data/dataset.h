@@ -27,6 +27,8 @@ class Dataset {
   int64_t size() const { return static_cast<int64_t>(where_.size()); }
   // Reads scene `index` (0 <= index < size()), shape- and range-checked against dataset.json.
   SceneRecord read(int64_t index) const;
+  // The same, only `sel`'s cameras and at its decode scale (ShardReader::Selection).
+  SceneRecord read(int64_t index, const ShardReader::Selection& sel) const;
   // The shard holding scene `index`.
   const ShardReader& shard_of(int64_t index) const;
   const std::vector<std::unique_ptr<ShardReader>>& shards() const { return shards_; }

@@ -72,7 +72,52 @@ LoaderOptions LoaderOptions::from_config(const DataConfig& cfg, uint64_t seed, i
   o.aug.resize_max = cfg.aug.resize[1];
   o.aug.rotate_deg = cfg.aug.rotate_deg;
   o.aug.flip_y = cfg.aug.flip_y;
+  if (!cfg.image_size.empty()) {
+    if (cfg.image_size.size() != 2 || cfg.image_size[0] < 8 || cfg.image_size[0] > 4096 ||
+        cfg.image_size[1] < 8 || cfg.image_size[1] > 4096) {
+      throw_error<ConfigError>(
+          "key 'data.image_size' must be [H, W] with each in 8..4096, got [{}]",
+          fmt::join(cfg.image_size, ", "));
+    }
+    o.image_height = cfg.image_size[0];
+    o.image_width = cfg.image_size[1];
+  }
+  o.cameras = cfg.cameras;
   return o;
+}
+
+core::SceneSpec loader_scene_spec(const DatasetInfo& info, const DataConfig& cfg) {
+  core::SceneSpec s = info.scene_spec(cfg.max_boxes);
+  const LoaderOptions o = LoaderOptions::from_config(cfg, 0, 0, 1, false);
+  std::vector<int64_t> seen;
+  for (int64_t c : o.cameras) {
+    if (c < 0 || c >= info.cameras || std::find(seen.begin(), seen.end(), c) != seen.end()) {
+      throw_error<ConfigError>(
+          "key 'data.cameras': [{}] must name distinct cameras in 0..{} (the dataset '{}' has {})",
+          fmt::join(o.cameras, ", "), info.cameras - 1, info.dir, info.cameras);
+    }
+    seen.push_back(c);
+  }
+  if (!o.cameras.empty()) s.num_cameras = static_cast<int64_t>(o.cameras.size());
+  if (o.image_height > 0) {
+    s.image_height = o.image_height;
+    s.image_width = o.image_width;
+  }
+  return s;
+}
+
+SceneRecord DataLoader::read_scene(int64_t index) const {
+  SceneRecord rec = select_ ? dataset_->read(index, sel_) : dataset_->read(index);
+  if (fit_) fit_images(rec, *fit_);
+  return rec;
+}
+
+core::SceneSpec DataLoader::scene_spec() const {
+  core::SceneSpec s = dataset_->info().scene_spec(opts_.max_boxes);
+  s.num_cameras = out_cameras_;
+  s.image_height = out_height_;
+  s.image_width = out_width_;
+  return s;
 }
 
 DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, LoaderOptions opts,
@@ -107,6 +152,42 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, LoaderOptions opt
   }
   pin_ = opts_.pin_memory && at::hasCUDA();
   box_to_bev_ = box_to_bev_classes(dataset_->info());
+  // The model's input: which cameras, what size, and how to get there from the stored images.
+  const DatasetInfo& info = dataset_->info();
+  for (size_t i = 0; i < opts_.cameras.size(); ++i) {
+    const int64_t c = opts_.cameras[i];
+    if (c < 0 || c >= info.cameras ||
+        std::find(opts_.cameras.begin(), opts_.cameras.begin() + static_cast<std::ptrdiff_t>(i),
+                  c) != opts_.cameras.begin() + static_cast<std::ptrdiff_t>(i)) {
+      throw_error<DataError>("{}: data.cameras [{}] must name distinct cameras in 0..{}", what,
+                             fmt::join(opts_.cameras, ", "), info.cameras - 1);
+    }
+  }
+  out_cameras_ = opts_.cameras.empty() ? info.cameras : static_cast<int64_t>(opts_.cameras.size());
+  out_height_ = opts_.image_height > 0 ? opts_.image_height : info.image_height;
+  out_width_ = opts_.image_width > 0 ? opts_.image_width : info.image_width;
+  if ((opts_.image_height > 0) != (opts_.image_width > 0))
+    throw_error<DataError>("{}: the model's image size needs a height and a width", what);
+  int scale = 1;
+  if (info.image_codec == "jpeg") {
+    for (int k : {8, 4, 2}) {
+      if ((info.image_height + k - 1) / k >= out_height_ &&
+          (info.image_width + k - 1) / k >= out_width_) {
+        scale = k;
+        break;
+      }
+    }
+  }
+  sel_.cameras = opts_.cameras;
+  sel_.decode_scale = scale;
+  select_ = !opts_.cameras.empty() || scale > 1;
+  if (scale > 1 || out_height_ != info.image_height || out_width_ != info.image_width) {
+    // From the decoded image (stored coordinates / scale) to the model's input.
+    fit_ =
+        ImageFit{out_height_, out_width_,
+                 static_cast<double>(out_width_) * scale / static_cast<double>(info.image_width),
+                 static_cast<double>(out_height_) * scale / static_cast<double>(info.image_height)};
+  }
   cursor_ = start;
   consumed_ = start;
   end_epoch_ = opts_.repeat ? std::numeric_limits<int64_t>::max() : start.epoch + 1;
@@ -151,7 +232,7 @@ std::optional<DataLoader::Plan> DataLoader::plan_next() {
 core::TensorDict DataLoader::build(const Plan& plan) const {
   const DatasetInfo& info = dataset_->info();
   const auto B = static_cast<int64_t>(plan.scenes.size());
-  const int64_t N = info.cameras, H = info.image_height, W = info.image_width;
+  const int64_t N = out_cameras_, H = out_height_, W = out_width_;
   const int64_t X = info.bev.x_cells(), Y = info.bev.y_cells(), M = opts_.max_boxes;
   core::TensorDict out;
   at::Tensor images = alloc({B, N, H, W, 3}, at::kByte, pin_);
@@ -163,10 +244,12 @@ core::TensorDict DataLoader::build(const Plan& plan) const {
   float* boxes_p = boxes.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t scene = plan.scenes[static_cast<size_t>(b)];
-    SceneRecord rec = dataset_->read(scene);
+    SceneRecord rec = select_ ? dataset_->read(scene, sel_) : dataset_->read(scene);
     if (opts_.augment) {
       rec = apply_augment(rec, draw_augment(opts_.aug, N, H, W, opts_.seed, plan.epoch, scene),
-                          info.bev, box_to_bev_);
+                          info.bev, box_to_bev_, fit_ ? &*fit_ : nullptr);
+    } else if (fit_) {
+      fit_images(rec, *fit_);
     }
     std::memcpy(images.data_ptr<uint8_t>() + b * N * H * W * 3,
                 rec.images.contiguous().data_ptr<uint8_t>(), static_cast<size_t>(N * H * W * 3));

@@ -56,12 +56,21 @@ struct LoaderOptions {
       64;  // boxes per sample after padding; extra boxes (least visible first) are dropped
   uint64_t seed = 0;
   int rank = 0, world = 1;
+  // The model's input (data.image_size, data.cameras): 0 x 0 is the stored size; empty cameras
+  // all of them. JPEG shards decode at the coarsest DCT scale (1/8, 1/4, 1/2) whose image still
+  // covers that size, then resample to it; unselected cameras are never decoded.
+  int64_t image_height = 0, image_width = 0;
+  std::vector<int64_t> cameras;
 
   // From the `data` config section: training (repeat, augment per config) or evaluation (one
   // ordered pass, no augmentation, no dropped samples).
   static LoaderOptions from_config(const DataConfig& cfg, uint64_t seed, int rank, int world,
                                    bool training);
 };
+
+// The scene the model is built for: dataset.json's, with data.image_size and data.cameras
+// applied (checked: ConfigError naming the key).
+core::SceneSpec loader_scene_spec(const DatasetInfo& info, const DataConfig& cfg);
 
 struct LoaderState {
   int64_t epoch = 0;
@@ -86,6 +95,13 @@ class DataLoader {
   const DistributedSampler& sampler() const { return sampler_; }
   const Dataset& dataset() const { return *dataset_; }
   const LoaderOptions& options() const { return opts_; }
+  // Scene `index` as the model sees it without augmentation (cameras selected, fitted to the
+  // model's image size): what an evaluation batch holds. Thread-safe.
+  SceneRecord read_scene(int64_t index) const;
+  // The scenes the batches hold (cameras and image size as selected).
+  core::SceneSpec scene_spec() const;
+  // The DCT scale JPEG images are decoded at (1 for raw shards or no downscaling).
+  int decode_scale() const { return sel_.decode_scale; }
 
  private:
   struct Plan {
@@ -111,6 +127,11 @@ class DataLoader {
   int64_t end_epoch_ = 0;  // planning stops at this epoch (only without `repeat`)
   bool pin_ = false;
   std::vector<int> box_to_bev_;
+  // What each scene is read as (cameras, decode scale) and fitted to (the model's input).
+  int64_t out_cameras_ = 0, out_height_ = 0, out_width_ = 0;
+  bool select_ = false;
+  ShardReader::Selection sel_;
+  std::optional<ImageFit> fit_;
   mutable std::atomic<bool> warned_boxes_{false};
 
   // Planning state (the producer side).

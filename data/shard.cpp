@@ -121,14 +121,22 @@ JpegImages read_jpeg_bytes(hid_t group, const std::string& w) {
 
 // Every camera decoded at full size straight into the scene's tensor, each checked against the
 // stored size by the decoder: uint8 [N, H, W, 3].
-at::Tensor decode_cameras(const JpegImages& j, const std::string& w) {
-  const int64_t n = j.offsets.numel() - 1;
+// `cameras` (indices; empty: all) decoded at 1/`scale` into uint8 [n, ceil(H/s), ceil(W/s), 3].
+at::Tensor decode_cameras(const JpegImages& j, const std::string& w,
+                          const std::vector<int64_t>& cameras = {}, int scale = 1) {
+  const int64_t all = j.offsets.numel() - 1;
+  std::vector<int64_t> cams = cameras;
+  if (cams.empty()) {
+    for (int64_t c = 0; c < all; ++c) cams.push_back(c);
+  }
   const int64_t* o = j.offsets.data_ptr<int64_t>();
-  at::Tensor out = at::empty({n, j.height, j.width, 3}, at::kByte);
-  for (int64_t c = 0; c < n; ++c) {
-    at::Tensor camera = out[c];
-    decode_jpeg(j.bytes.data_ptr<uint8_t>() + o[c], static_cast<std::size_t>(o[c + 1] - o[c]), 1,
-                fmt::format("{} camera {}", w, c), &camera);
+  const int64_t h = (j.height + scale - 1) / scale, wd = (j.width + scale - 1) / scale;
+  at::Tensor out = at::empty({static_cast<int64_t>(cams.size()), h, wd, 3}, at::kByte);
+  for (size_t i = 0; i < cams.size(); ++i) {
+    const int64_t c = cams[i];
+    at::Tensor camera = out[static_cast<int64_t>(i)];
+    decode_jpeg(j.bytes.data_ptr<uint8_t>() + o[c], static_cast<std::size_t>(o[c + 1] - o[c]),
+                scale, fmt::format("{} camera {}", w, c), &camera);
   }
   return out;
 }
@@ -206,6 +214,15 @@ std::map<std::string, h5::DatasetShape> ShardReader::shapes(int64_t index) const
 }
 
 SceneRecord ShardReader::read(int64_t index, const DatasetInfo* info) const {
+  return read_impl(index, info, nullptr);
+}
+
+SceneRecord ShardReader::read(int64_t index, const DatasetInfo& info, const Selection& sel) const {
+  return read_impl(index, &info, &sel);
+}
+
+SceneRecord ShardReader::read_impl(int64_t index, const DatasetInfo* info,
+                                   const Selection* sel) const {
   const std::string w = where(index);
   if (!has_scene(index)) throw_error<DataError>("{}: no such scene in this shard", w);
   SceneRecord rec;
@@ -274,6 +291,45 @@ SceneRecord ShardReader::read(int64_t index, const DatasetInfo* info) const {
       rec.velocities =
           h5::read_tensor(ds, shape, at::kFloat, ctx + ": cannot read (corrupt shard?)");
     }
+  }
+  if (sel) {
+    // A selection of cameras at a decode scale (outside the HDF5 lock): the others are never
+    // decoded; the intrinsics follow the scale exactly.
+    const int64_t stored = rec.intrinsics.size(0);
+    std::vector<int64_t> cams = sel->cameras;
+    if (cams.empty()) {
+      for (int64_t c = 0; c < stored; ++c) cams.push_back(c);
+    }
+    for (int64_t c : cams) {
+      if (c < 0 || c >= stored)
+        throw_error<DataError>("{}: camera {} selected, the scene has {} (data.cameras)", w, c,
+                               stored);
+    }
+    const int s = sel->decode_scale;
+    if (s != 1 && s != 2 && s != 4 && s != 8)
+      throw_error<DataError>("{}: decode scale 1/{} (1, 2, 4 or 8)", w, s);
+    if (!jpeg && s != 1)
+      throw_error<DataError>("{}: raw images are read at full size (decode scale 1/{})", w, s);
+    const at::Tensor idx = at::tensor(cams, at::kLong);
+    if (jpeg) {
+      rec.images = decode_cameras(*jpeg, w, cams, s);
+    } else {
+      rec.images = rec.images.index_select(0, idx);
+    }
+    rec.intrinsics = rec.intrinsics.index_select(0, idx).contiguous();
+    rec.cam_to_ego = rec.cam_to_ego.index_select(0, idx).contiguous();
+    if (s != 1) {
+      float* K = rec.intrinsics.data_ptr<float>();
+      for (int64_t c = 0; c < rec.intrinsics.size(0); ++c) {
+        for (int e = 0; e < 6; ++e) K[c * 9 + e] /= static_cast<float>(s);  // exact: s = 2^k
+      }
+    }
+    DatasetInfo seen = *info;
+    seen.cameras = static_cast<int64_t>(cams.size());
+    seen.image_height = rec.images.size(1);
+    seen.image_width = rec.images.size(2);
+    check_scene(rec, seen, w);
+    return rec;
   }
   if (jpeg) rec.images = decode_cameras(*jpeg, w);  // outside the HDF5 lock
   if (info) {

@@ -37,6 +37,16 @@ class ShardReader {
   // read and labels are range-checked after; without, only the ranks and the trailing fixed
   // dimensions are checked.
   SceneRecord read(int64_t index, const DatasetInfo* info) const;
+  // Reads only `cameras` (indices into the stored rig, in that order; empty: all) and decodes
+  // JPEG images at 1/`decode_scale` (1, 2, 4 or 8; DCT-domain, raw images only at 1): images
+  // uint8 [n, ceil(H / s), ceil(W / s), 3], intrinsics scaled to match (their first two rows by
+  // 1 / s: decoded pixel j covers stored pixels [s j, s (j + 1))). Checked against `info` as
+  // read() is, at the decoded size.
+  struct Selection {
+    std::vector<int64_t> cameras;
+    int decode_scale = 1;
+  };
+  SceneRecord read(int64_t index, const DatasetInfo& info, const Selection& sel) const;
   // The stored shapes and types of scene `index`'s datasets, without reading their data.
   std::map<std::string, h5::DatasetShape> shapes(int64_t index) const;
   // Scene `index`'s sample token ("" when it has none), without reading its data.
@@ -45,6 +55,8 @@ class ShardReader {
   std::string where(int64_t index) const;
 
  private:
+  SceneRecord read_impl(int64_t index, const DatasetInfo* info, const Selection* sel) const;
+
   std::string path_;
   h5::Id file_;
   std::vector<int64_t> indices_;

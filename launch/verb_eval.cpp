@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/strings.h"
+#include "data/loader.h"
 #include "data/schema.h"
 #include "data/shard.h"
 #include "launch/args.h"
@@ -226,7 +227,7 @@ int verb_eval(const std::vector<std::string>& argv) {
   if (backend == "auto" && device.is_cpu()) backend = world.has_mpi() ? "mpi" : "gloo";
   comm::CommPtr dp = comm::make_world_communicator(world, backend, opts);
 
-  const core::SceneSpec scene = info.scene_spec(cfg.data.max_boxes);
+  const core::SceneSpec scene = data::loader_scene_spec(info, cfg.data);
   core::seed_all(static_cast<uint64_t>(cfg.experiment.seed));
   std::shared_ptr<models::Model> model;
   std::string loaded;

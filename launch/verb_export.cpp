@@ -9,6 +9,7 @@
 #include "core/rng.h"
 #include "data/datagen.h"
 #include "data/dataset.h"
+#include "data/loader.h"
 #include "launch/args.h"
 #include "launch/exit_codes.h"
 #include "launch/verbs.h"
@@ -134,7 +135,14 @@ checkpoint::exporter::ParityFrames parity_frames(models::Model& model, const tra
     std::shared_ptr<data::Dataset> ds = data::Dataset::open(cfg.data.path, cfg.data.val_split);
     PARALLAX_CHECK(ds->size() > 0, DataError, "export: the val split '{}' of '{}' has no scenes",
                    cfg.data.val_split, cfg.data.path);
-    frames.frame = [ds, scene_frame](int64_t i) { return scene_frame(ds->read(i % ds->size())); };
+    // As evaluation reads them: data.cameras and data.image_size applied.
+    data::LoaderOptions lo = data::LoaderOptions::from_config(cfg.data, 0, 0, 1, false);
+    lo.num_workers = 0;
+    lo.batch_size = 1;
+    auto loader = std::make_shared<data::DataLoader>(ds, lo);
+    frames.frame = [ds, loader, scene_frame](int64_t i) {
+      return scene_frame(loader->read_scene(i % ds->size()));
+    };
     source = fmt::format("val split '{}' of dataset '{}' (scenes 0..{})", cfg.data.val_split,
                          cfg.data.path, std::min<int64_t>(count, ds->size()) - 1);
     return frames;

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <vector>
 
@@ -67,7 +68,7 @@ class DatasetSource : public BatchSource {
  public:
   DatasetSource(const data::DataConfig& cfg, uint64_t seed, int rank, int world,
                 std::pair<int64_t, int64_t> start, int start_world)
-      : path_(cfg.path), split_(cfg.train_split), max_boxes_(cfg.max_boxes) {
+      : path_(cfg.path), split_(cfg.train_split) {
     auto ds = data::Dataset::open(cfg.path, cfg.train_split);
     data::LoaderState st;
     st.epoch = start.first;
@@ -88,21 +89,31 @@ class DatasetSource : public BatchSource {
   core::TensorDict next() override { return *loader_->next(); }  // repeating: never ends
   int64_t batches_per_epoch() const override { return loader_->batches_per_epoch(); }
   std::string describe() const override {
-    return fmt::format("'{}' split '{}': {} scenes, {} batches per epoch per rank, {} workers",
-                       path_, split_, loader_->dataset().size(), loader_->batches_per_epoch(),
-                       loader_->options().num_workers);
+    const core::SceneSpec s = loader_->scene_spec();
+    const auto& info = loader_->dataset().info();
+    std::string input =
+        fmt::format("{} camera(s) of {} x {}", s.num_cameras, s.image_height, s.image_width);
+    if (!loader_->options().cameras.empty())
+      input += fmt::format(" (cameras [{}] of {})", fmt::join(loader_->options().cameras, ", "),
+                           info.cameras);
+    if (s.image_height != info.image_height || s.image_width != info.image_width) {
+      input +=
+          fmt::format(" from {} x {} {}", info.image_height, info.image_width, info.image_codec);
+      if (loader_->decode_scale() > 1)
+        input += fmt::format(" decoded at 1/{}", loader_->decode_scale());
+    }
+    return fmt::format("'{}' split '{}': {} scenes, {}, {} batches per epoch per rank, {} workers",
+                       path_, split_, loader_->dataset().size(), input,
+                       loader_->batches_per_epoch(), loader_->options().num_workers);
   }
   std::pair<int64_t, int64_t> position() const override {
     const auto st = loader_->state();
     return {st.epoch, st.position};
   }
-  std::optional<core::SceneSpec> scene() const override {
-    return loader_->dataset().info().scene_spec(max_boxes_);
-  }
+  std::optional<core::SceneSpec> scene() const override { return loader_->scene_spec(); }
 
  private:
   std::string path_, split_;
-  int64_t max_boxes_;
   std::unique_ptr<data::DataLoader> loader_;
 };
 

@@ -1,5 +1,6 @@
 #include "train/run_config.h"
 
+#include "data/loader.h"
 #include "data/schema.h"
 #include "models/perception_model.h"
 
@@ -19,7 +20,7 @@ bool uses_synthetic_data(const RunConfig& cfg) {
 
 core::SceneSpec run_scene(const RunConfig& cfg) {
   if (!uses_synthetic_data(cfg))
-    return data::read_dataset_info(cfg.data.path).scene_spec(cfg.data.max_boxes);
+    return data::loader_scene_spec(data::read_dataset_info(cfg.data.path), cfg.data);
   if (cfg.model.name == "bev") return models::benchmark_scene(cfg.model.size);
   return {};
 }

@@ -11,7 +11,10 @@
 //       renders N scenes, encodes every camera as JPEG (the shards' codec) into DIR/cam_*.jpg (for
 //       bench/data/jpeg_decode.py to decode the same files with Pillow), then times decoding them
 //       on one thread at each DCT scale: scenes/s per core (median over repeats) and bytes per
-//       scene.
+//       scene; then the loader's per-camera path to a model input of --fit HxW (default 256x704):
+//       decode (at full size, and at the DCT scale the loader picks) + one resample to HxW, with
+//       and without the training augmentation (resize 0.94-1.12 folded into the resample, crop,
+//       photometric jitter), as data::DataLoader runs it (data/augment.h).
 #include "core/log.h"
 #include "core/strings.h"
 #include "core/timer.h"
@@ -164,6 +167,48 @@ int bench_jpeg(const std::map<std::string, std::string>& a) {
         scale, g.cameras, g.height, g.width, static_cast<long long>(h), static_cast<long long>(w),
         quality, scenes, bytes / static_cast<std::size_t>(scenes), rates[rates.size() / 2]);
     std::fflush(stdout);
+  }
+  // The loader's path per camera: decode, then one resample to the model's input (+ augmentation).
+  const auto fit = core::split(get(a, "fit", "256x704"), 'x');
+  const int64_t fh = std::stoll(fit.at(0)), fw = std::stoll(fit.at(1));
+  int dct = 1;
+  for (int k : {8, 4, 2}) {
+    if ((g.height + k - 1) / k >= fh && (g.width + k - 1) / k >= fw) {
+      dct = k;
+      break;
+    }
+  }
+  data::AugmentOptions aug;
+  for (const int scale : {1, dct}) {
+    for (const bool augment : {false, true}) {
+      std::vector<double> rates;
+      at::Tensor out = at::empty({fh, fw, 3}, at::kByte);
+      for (int r = 0; r < repeats; ++r) {
+        core::Stopwatch sw;
+        for (size_t f = 0; f < files.size(); ++f) {
+          const at::Tensor img =
+              data::decode_jpeg(files[f].data(), files[f].size(), scale, "bench");
+          const double sx = static_cast<double>(fw) * scale / g.width;
+          const double sy = static_cast<double>(fh) * scale / g.height;
+          data::CameraAugment ca;
+          if (augment) {
+            ca = data::draw_augment(aug, 1, fh, fw, 5, r, static_cast<int64_t>(f)).cameras[0];
+          }
+          data::resample(img.data_ptr<uint8_t>(), img.size(0), img.size(1), out.data_ptr<uint8_t>(),
+                         fh, fw, ca.scale * sx, ca.scale * sy, ca.ox, ca.oy);
+          if (augment) data::photometric(out.data_ptr<uint8_t>(), fh, fw, ca);
+        }
+        rates.push_back(scenes / sw.elapsed_s());
+      }
+      std::sort(rates.begin(), rates.end());
+      std::printf(
+          "{\"bench\": \"jpeg_to_input\", \"impl\": \"libjpeg-turbo + data::resample\", "
+          "\"dct_scale\": %d, \"augment\": %s, \"from\": [%d, %d], \"to\": [%lld, %lld], "
+          "\"cameras\": %d, \"scenes_per_s_per_core\": %.2f}\n",
+          scale, augment ? "true" : "false", g.height, g.width, static_cast<long long>(fh),
+          static_cast<long long>(fw), g.cameras, rates[rates.size() / 2]);
+      std::fflush(stdout);
+    }
   }
   return 0;
 }

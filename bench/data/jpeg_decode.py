@@ -3,7 +3,7 @@ with Pillow's draft mode (libjpeg's DCT scaling, as `decode_jpeg(..., scale)`): 
 one JSON line per scale, for docs/PERFORMANCE.md beside data_bench's own lines (same files, same run:
 bench/data/jpeg_bench.sh).
 
-    python3 bench/data/jpeg_decode.py DIR [--cameras 6] [--repeats 3]
+    python3 bench/data/jpeg_decode.py DIR [--cameras 6] [--repeats 3] [--fit 256x704]
 """
 import argparse
 import glob
@@ -19,6 +19,7 @@ def main():
     ap.add_argument("dir")
     ap.add_argument("--cameras", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fit", default="256x704", help="the model's input HxW")
     a = ap.parse_args()
     files = sorted(glob.glob(os.path.join(a.dir, "cam_*.jpg")))
     data = [open(f, "rb").read() for f in files]
@@ -39,6 +40,26 @@ def main():
         rates.sort()
         print(json.dumps({"bench": "jpeg_decode", "impl": f"Pillow {Image.__version__}", "scale": scale,
                           "decoded": list(size), "scenes_per_s_per_core": round(rates[len(rates) // 2], 2)}))
+    # To the model's input: decode (full size, or draft at the scale data_bench's loader path picks)
+    # and one resize with Pillow's antialiased bilinear filter (the same triangle filter as
+    # data::resample). No augmentation on this side.
+    fh, fw = (int(v) for v in a.fit.split("x"))
+    first = Image.open(io.BytesIO(data[0]))
+    dct = next((k for k in (8, 4, 2) if -(-first.height // k) >= fh and -(-first.width // k) >= fw), 1)
+    for scale in sorted({1, dct}):
+        rates = []
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            for b in data:
+                im = Image.open(io.BytesIO(b))
+                if scale > 1:
+                    im.draft("RGB", (im.width // scale, im.height // scale))
+                im = im.convert("RGB").resize((fw, fh), Image.BILINEAR)
+            rates.append(scenes / (time.perf_counter() - t0))
+        rates.sort()
+        print(json.dumps({"bench": "jpeg_to_input", "impl": f"Pillow {Image.__version__}", "dct_scale": scale,
+                          "augment": False, "to": [fh, fw],
+                          "scenes_per_s_per_core": round(rates[len(rates) // 2], 2)}))
 
 
 if __name__ == "__main__":

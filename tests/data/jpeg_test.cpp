@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "data/datagen.h"
 #include "data/dataset.h"
+#include "data/loader.h"
 #include "data/shard.h"
 #include "test_util.h"
 
@@ -161,6 +162,63 @@ TEST_F(JpegDatasetTest, AnUnknownCodecInDatasetJsonNamesTheKey) {
   json.replace(json.find("\"jpeg\""), 6, "\"webp\"");
   std::ofstream(dir_->file("dataset.json")) << json;
   expect_data_error([&] { Dataset::open(dir_->str(), "train"); }, {"key 'image_codec' is 'webp'"});
+}
+
+}  // namespace
+}  // namespace parallax::data
+
+namespace parallax::data {
+namespace {
+
+// data.image_size and data.cameras (issue 38): a model input at most half the stored size decodes
+// in the DCT domain and resamples; only the selected cameras are decoded; the intrinsics follow.
+TEST_F(JpegDatasetTest, TheLoaderDecodesOnlyTheSelectedCamerasAtADctScaleWithExactIntrinsics) {
+  const auto ds = Dataset::open(dir_->str(), "train");
+  LoaderOptions o;
+  o.batch_size = 2;
+  o.num_workers = 1;
+  o.shuffle = false;
+  o.repeat = false;
+  o.drop_last = false;
+  o.image_height = 24;  // stored 64 x 112: 1/2 covers it (32 x 56), 1/4 does not (16 x 28)
+  o.image_width = 42;
+  o.cameras = {2, 0};
+  DataLoader loader(ds, o);
+  EXPECT_EQ(loader.decode_scale(), 2);
+  const core::SceneSpec spec = loader.scene_spec();
+  EXPECT_EQ(spec.num_cameras, 2);
+  EXPECT_EQ(spec.image_height, 24);
+  EXPECT_EQ(spec.image_width, 42);
+  const auto batch = loader.next();
+  ASSERT_TRUE(batch.has_value());
+  const at::Tensor images = batch->at("images"), K = batch->at("intrinsics");
+  const at::Tensor T = batch->at("cam_to_ego");
+  EXPECT_EQ(images.sizes(), (std::vector<int64_t>{2, 2, 24, 42, 3}));
+  for (int64_t b = 0; b < 2; ++b) {
+    const SceneRecord full = ds->read(b);  // every camera at the stored size
+    for (int64_t i = 0; i < 2; ++i) {
+      const int64_t c = o.cameras[static_cast<size_t>(i)];
+      EXPECT_TRUE(at::equal(T[b][i], full.cam_to_ego[c]));
+      // K' = diag(24 / 64, 42 / 112, 1) K, in float32 from the stored floats: the reader's
+      // halving is exact and the resample's 0.75 scale costs one float32 rounding.
+      at::Tensor want = full.intrinsics[c].to(at::kDouble).clone();
+      want[0] *= 42.0 / 112.0;
+      want[1] *= 24.0 / 64.0;
+      EXPECT_LE((K[b][i].to(at::kDouble) - want).abs().max().item<double>(),
+                1e-6 * want.abs().max().item<double>())
+          << "scene " << b << " camera " << c;
+      // The image against the full decode resampled by the same filter (no DCT scaling): the
+      // 1/2 DCT decode is a 2 x 2 average of the full decode up to JPEG's rounding, so 30 dB.
+      at::Tensor ref = at::empty({24, 42, 3}, at::kByte);
+      const at::Tensor src = full.images[c].contiguous();
+      resample(src.data_ptr<uint8_t>(), 64, 112, ref.data_ptr<uint8_t>(), 24, 42, 42.0 / 112.0,
+               24.0 / 64.0, 0, 0);
+      EXPECT_GE(psnr(images[b][i], ref), 30.0) << "scene " << b << " camera " << c;
+    }
+  }
+  // A camera that is not in the rig is named.
+  o.cameras = {4};
+  expect_data_error([&] { DataLoader bad(ds, o); }, {"data.cameras [4]", "0..3"});
 }
 
 }  // namespace
