@@ -3,7 +3,9 @@
 # project's H100/H200 machines (Ubuntu 24.04, CUDA 13, torch 2.11+cu130 in /opt/torch/.venv), which
 # have no network: libonnx and protobuf come from Debian .deb files in .debs/ (scripts/fetch_onnx_debs.sh
 # downloads them on a Debian 12 machine) unpacked into .deps/onnx; without them the build has no ONNX
-# export (`parallax export --format onnx` says so) and tests/export is not built.
+# export (`parallax export --format onnx` says so) and tests/export is not built. Likewise
+# libjpeg-turbo (JPEG image shards) from .debs/libturbojpeg*.deb (`apt-get download libturbojpeg0
+# libturbojpeg0-dev` on Debian 12) into .deps/turbojpeg.
 #   scripts/gpu_build.sh            # configure + build into build-gpu, then ctest
 #   scripts/gpu_build.sh -L cuda    # extra arguments go to ctest
 set -euo pipefail
@@ -23,9 +25,15 @@ if ls .debs/libonnx*.deb >/dev/null 2>&1; then
 else
   echo "[gpu_build] no .debs/libonnx*.deb: building without ONNX export (scripts/fetch_onnx_debs.sh fetches them)"
 fi
+if ls .debs/libturbojpeg*.deb >/dev/null 2>&1; then
+  mkdir -p .deps/turbojpeg
+  for f in .debs/libturbojpeg*.deb; do dpkg -x "$f" .deps/turbojpeg; done
+  EXTRA+=(-DTURBOJPEG_ROOT="$PWD/.deps/turbojpeg/usr")
+  echo "[gpu_build] libjpeg-turbo from .debs/ (JPEG image shards enabled)"
+fi
 start=$(date +%s)
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_HOST_COMPILER="$CXX" "${EXTRA[@]}"
 cmake --build "$BUILD" -j "$(nproc)"
 echo "[gpu_build] built in $(( $(date +%s) - start ))s"
-export LD_LIBRARY_PATH="$PWD/.deps/onnx/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="$PWD/.deps/onnx/usr/lib/x86_64-linux-gnu:$PWD/.deps/turbojpeg/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 cd "$BUILD" && ctest --output-on-failure -j 4 "$@"

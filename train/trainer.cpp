@@ -285,7 +285,7 @@ bool TrainerImpl::prepare() {
                                 return model_->forward(batch);
                               },
                               [this] {
-                                if (synthetic_ || cfg_.model.name != "bev")
+                                if (synthetic_ || no_eval_split_ || cfg_.model.name != "bev")
                                   return std::map<std::string, double>{};
                                 return evaluate(*model_, cfg_.data, scene_,
                                                 static_cast<uint64_t>(cfg_.experiment.seed),
@@ -306,7 +306,7 @@ bool TrainerImpl::prepare() {
 }
 
 void TrainerImpl::run_eval(int64_t step) {
-  if (synthetic_ || cfg_.model.name != "bev") return;
+  if (synthetic_ || no_eval_split_ || cfg_.model.name != "bev") return;
   // Evaluation runs a different number of batches per rank: no collective may happen inside it,
   // so ZeRO-3's parameters are gathered whole for its duration.
   parallel::FullParams whole(*engine_);

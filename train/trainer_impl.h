@@ -175,6 +175,7 @@ class TrainerImpl {
   bool eval_preempted_ = false;  // run_eval() stopped for preemption: stop after saving
   bool model_tensors_logged_ = false;
   bool synthetic_ = true;
+  bool no_eval_split_ = false;  // a dataset without data.val_split (train.eval_every = 0)
   core::SceneSpec scene_;
   std::unique_ptr<MetricsWriter> metrics_;
   bool rank0_ = true;

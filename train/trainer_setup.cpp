@@ -2,6 +2,8 @@
 // (train/trainer_impl.h has the class).
 #include "train/trainer_impl.h"
 
+#include "data/schema.h"
+
 #include <fstream>
 
 namespace parallax::train::detail {
@@ -135,6 +137,23 @@ void TrainerImpl::setup() {
     source_ =
         make_dataset_source(cfg_.data, seed, topo_->coord().dp, layout.dp, data_pos, data_pos_dp);
     scene_ = *source_->scene();  // the dataset's, as run_scene() reads it
+    // Evaluation reads data.val_split: a dataset without it is found now, not after training.
+    if (cfg_.model.name == "bev") {
+      const data::DatasetInfo info = data::read_dataset_info(cfg_.data.path);
+      if (!info.splits.count(cfg_.data.val_split)) {
+        std::vector<std::string> names;
+        for (const auto& [name, _] : info.splits) names.push_back(name);
+        PARALLAX_CHECK(cfg_.train.eval_every == 0, ConfigError,
+                       "key 'data.val_split': dataset '{}' has no split '{}' (its splits: {}); "
+                       "name one of them, or set train.eval_every=0 to train without evaluation",
+                       cfg_.data.path, cfg_.data.val_split, core::join(names, ", "));
+        core::log::warn(
+            "dataset '{}' has no split '{}' (data.val_split; its splits: {}): no evaluation at the "
+            "end of training",
+            cfg_.data.path, cfg_.data.val_split, core::join(names, ", "));
+        no_eval_split_ = true;
+      }
+    }
   } else {
     // Synthetic bev batches use the size's benchmark scene (tiny: the default 6 x 128x224 scene;
     // small and up: BEVFormer's 6 x 256x704 cameras and 200 x 200 BEV cells at 0.5 m).

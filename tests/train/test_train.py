@@ -367,6 +367,22 @@ class TrainTest(RunDirTest):
         self.assertIn("step", p.stdout)
         self.assertTrue(os.path.exists(os.path.join(run_dir, "plots", "loss.png")), trained.stderr[-3000:])
 
+    def test_a_dataset_without_the_val_split_trains_without_evaluation_or_fails_before_step_1(self):
+        data = os.path.join(self.d, "data")
+        run(["datagen", "--out", data, "--scenes", "4", "--val-scenes", "0", "--threads", "2",
+             "--samples-per-pixel", "1", "--height", "64", "--width", "112"])
+        common = ["train", "--config", BEV, f"experiment.output_dir={self.d}", f"data.path={data}",
+                  "data.batch_size=2", "train.steps=2", "schedule.warmup_steps=1", "train.device=cpu"]
+        # Only the final evaluation asked for (train.eval_every=0): trained, a warning, exit 0.
+        p = run([*common, "experiment.name=final_only", "train.eval_every=0"])
+        self.assertIn("has no split 'val' (data.val_split; its splits: train): no evaluation", p.stderr)
+        self.assertEqual(metrics(os.path.join(self.d, "final_only"), "eval"), [])
+        # Periodic evaluation asked for: refused before any step, naming the key.
+        p = run([*common, "experiment.name=periodic", "train.eval_every=1"], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("parallax: error: key 'data.val_split': dataset", p.stderr)
+        self.assertNotIn("step 1/", p.stderr)
+
 
 if __name__ == "__main__":
     PARALLAX = os.path.abspath(sys.argv.pop(1))
