@@ -1,16 +1,20 @@
 // Datasets on disk: generation determinism, reading back, and every bad-data case.
 #include "data/dataset.h"
 #include "core/error.h"
+#include "core/timer.h"
 #include "data/datagen.h"
 #include "data/loader.h"
+#include "data/sampler.h"
 #include "data/shard.h"
 #include "test_util.h"
 
 #include <hdf5.h>
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -354,6 +358,49 @@ TEST_F(BadDataTest, ShardEntriesResolvingOutsideTheFolderAreRefused) {
   fs::create_symlink("sub/shard.h5", dir_->file("train_00001.h5"));
   write_entry("sub/../train_00001.h5");
   EXPECT_EQ(Dataset::open(dir_->str(), "train")->size(), 7);
+}
+
+}  // namespace
+}  // namespace parallax::data
+
+namespace parallax::data {
+namespace {
+
+double proc_status_mib(const char* key) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind(key, 0) == 0) return std::stod(line.substr(std::strlen(key) + 1)) / 1024.0;
+  }
+  return 0;
+}
+
+// Issue 38's scale target: a dataset.json for 2,000,000 scenes (8,000 shards of 250; metadata
+// only, no shard files) loads in under 5 s and 500 MB, and an epoch's sampler list for it is 8
+// bytes a scene (the loader's only per-scene state; shards are opened, never read whole).
+TEST(DatasetScaleTest, TwoMillionScenesOfMetadataLoadUnderFiveSecondsAndHalfAGigabyte) {
+  testing::TempDir dir("scale");
+  DatasetInfo info;
+  info.generator = "metadata-only fixture";
+  SplitInfo si;
+  si.scenes = 2'000'000;
+  for (int64_t k = 0; k < 8'000; ++k) si.shards.push_back(fmt::format("train_{:05d}.h5", k));
+  info.splits["train"] = si;
+  write_dataset_json(dir.str(), info);
+  const double rss_before = proc_status_mib("VmRSS:");
+  core::Stopwatch clock;
+  const DatasetInfo got = read_dataset_info(dir.str());
+  const double load_s = clock.elapsed_s();
+  ASSERT_EQ(got.split("train").scenes, 2'000'000);
+  ASSERT_EQ(got.split("train").shards.size(), 8'000u);
+  const DistributedSampler sampler(got.split("train").scenes, 3, 8, true, 7);
+  const std::vector<int64_t> idx = sampler.indices(5);
+  EXPECT_EQ(static_cast<int64_t>(idx.size()), 250'000);
+  const double grown = proc_status_mib("VmHWM:") - rss_before;
+  std::printf("  2,000,000 scenes: dataset.json read in %.3f s; peak grew %.1f MiB\n", load_s,
+              grown);
+  EXPECT_LT(load_s, 5.0);
+  EXPECT_LT(grown, 500.0);
 }
 
 }  // namespace
