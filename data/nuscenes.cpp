@@ -263,6 +263,144 @@ YAML::Node load_yaml_map(const std::string& path, const std::string& flag) {
 
 // ---- Conversion -----------------------------------------------------------------------------
 
+// ---- Map expansion layers (maps/expansion/<location>.json, v1.3) -------------------------------
+
+using Pt = std::array<double, 2>;
+struct MapShape {
+  std::vector<std::vector<Pt> > rings;  // polygon: the exterior, then the holes; line: one ring
+  double x0 = 1e300, y0 = 1e300, x1 = -1e300, y1 = -1e300;  // global bounding box
+};
+// The BEV map classes, painted in this order (later over earlier), before the objects.
+enum MapLayer { kWalkway = 0, kDrivable, kCrossing, kDivider, kMapLayers };
+// Class index (in bev_classes) of each layer: background 0, then drivable_area, ped_crossing,
+// walkway, divider.
+const uint8_t kMapClass[kMapLayers] = {3, 1, 2, 4};
+
+struct NuMap {
+  std::array<std::vector<MapShape>, kMapLayers> layers;
+};
+
+NuMap load_map(const std::string& file) {
+  std::ifstream f(file, std::ios::binary);
+  if (!f) throw_error<DataError>("nuScenes: map expansion file '{}' is missing", file);
+  json j;
+  try {
+    j = json::parse(f);
+  } catch (const json::exception& e) {
+    throw_error<DataError>("nuScenes: map expansion file '{}' is not valid JSON: {}", file,
+                           e.what());
+  }
+  auto list = [&](const char* key) -> const json& {
+    const auto it = j.find(key);
+    if (it == j.end() || !it->is_array())
+      throw_error<DataError>("nuScenes: map expansion file '{}' has no list '{}'", file, key);
+    return *it;
+  };
+  auto text = [&](const json& r, const char* key, const char* layer) {
+    const auto it = r.find(key);
+    if (it == r.end() || !it->is_string())
+      throw_error<DataError>("nuScenes: map '{}' layer '{}': a record without a string '{}'", file,
+                             layer, key);
+    return it->get<std::string>();
+  };
+  std::unordered_map<std::string, Pt> nodes;
+  for (const auto& n : list("node")) {
+    const auto x = n.find("x"), y = n.find("y");
+    if (x == n.end() || y == n.end() || !x->is_number() || !y->is_number())
+      throw_error<DataError>("nuScenes: map '{}': node '{}' has no numeric x and y", file,
+                             text(n, "token", "node"));
+    nodes[text(n, "token", "node")] = {x->get<double>(), y->get<double>()};
+  }
+  auto ring = [&](const json& tokens, const std::string& what) {
+    std::vector<Pt> out;
+    if (!tokens.is_array())
+      throw_error<DataError>("nuScenes: map '{}': {} has no node list", file, what);
+    for (const auto& t : tokens) {
+      const auto it = t.is_string() ? nodes.find(t.get<std::string>()) : nodes.end();
+      if (it == nodes.end())
+        throw_error<DataError>("nuScenes: map '{}': {} points to a node that is not there", file,
+                               what);
+      out.push_back(it->second);
+    }
+    return out;
+  };
+  std::unordered_map<std::string, MapShape> polygons, lines;
+  auto bound = [](MapShape& s) {
+    for (const auto& r : s.rings) {
+      for (const Pt& p : r) {
+        s.x0 = std::min(s.x0, p[0]), s.y0 = std::min(s.y0, p[1]);
+        s.x1 = std::max(s.x1, p[0]), s.y1 = std::max(s.y1, p[1]);
+      }
+    }
+  };
+  for (const auto& p : list("polygon")) {
+    const std::string tok = text(p, "token", "polygon");
+    MapShape s;
+    s.rings.push_back(ring(p.value("exterior_node_tokens", json()), "polygon '" + tok + "'"));
+    for (const auto& h : p.value("holes", json::array()))
+      s.rings.push_back(ring(h.value("node_tokens", json()), "a hole of polygon '" + tok + "'"));
+    bound(s);
+    polygons[tok] = std::move(s);
+  }
+  for (const auto& l : list("line")) {
+    const std::string tok = text(l, "token", "line");
+    MapShape s;
+    s.rings.push_back(ring(l.value("node_tokens", json()), "line '" + tok + "'"));
+    bound(s);
+    lines[tok] = std::move(s);
+  }
+  auto polygon = [&](const std::string& tok, const char* layer) -> const MapShape& {
+    const auto it = polygons.find(tok);
+    if (it == polygons.end())
+      throw_error<DataError>(
+          "nuScenes: map '{}' layer '{}' points to polygon '{}', which is not "
+          "there",
+          file, layer, tok);
+    return it->second;
+  };
+  NuMap m;
+  for (const auto& r : list("drivable_area")) {
+    for (const auto& t : r.value("polygon_tokens", json::array()))
+      m.layers[kDrivable].push_back(polygon(t.get<std::string>(), "drivable_area"));
+  }
+  for (const auto& r : list("ped_crossing"))
+    m.layers[kCrossing].push_back(
+        polygon(text(r, "polygon_token", "ped_crossing"), "ped_crossing"));
+  for (const auto& r : list("walkway"))
+    m.layers[kWalkway].push_back(polygon(text(r, "polygon_token", "walkway"), "walkway"));
+  for (const char* layer : {"lane_divider", "road_divider"}) {
+    for (const auto& r : list(layer)) {
+      const auto it = lines.find(text(r, "line_token", layer));
+      if (it == lines.end())
+        throw_error<DataError>("nuScenes: map '{}' layer '{}' points to a line that is not there",
+                               file, layer);
+      m.layers[kDivider].push_back(it->second);
+    }
+  }
+  return m;
+}
+
+// Even-odd rule over all rings (exterior and holes).
+bool inside(const std::vector<std::vector<Pt> >& rings, double x, double y) {
+  bool in = false;
+  for (const auto& r : rings) {
+    for (size_t i = 0, k = r.size() - 1; i < r.size(); k = i++) {
+      if (((r[i][1] > y) != (r[k][1] > y)) &&
+          (x < (r[k][0] - r[i][0]) * (y - r[i][1]) / (r[k][1] - r[i][1]) + r[i][0]))
+        in = !in;
+    }
+  }
+  return in;
+}
+
+double segment_distance(const Pt& a, const Pt& b, double x, double y) {
+  const double dx = b[0] - a[0], dy = b[1] - a[1];
+  const double len2 = dx * dx + dy * dy;
+  double t = len2 > 0 ? ((x - a[0]) * dx + (y - a[1]) * dy) / len2 : 0.0;
+  t = std::clamp(t, 0.0, 1.0);
+  return std::hypot(a[0] + t * dx - x, a[1] + t * dy - y);
+}
+
 struct Job {
   std::string split;
   int64_t index = 0;  // within the split
@@ -281,6 +419,87 @@ struct Converter {
   std::vector<std::string> classes;
   int64_t height = 0, width = 0, stored_h = 0, stored_w = 0;
   bool passthrough = false;
+  // Map expansion layers by log location (empty: boxes only).
+  std::map<std::string, NuMap> maps;
+  uint8_t object_offset = 1;  // bev class of box class c: c + object_offset
+
+  const NuMap* map_of(const json& s) const {
+    if (maps.empty()) return nullptr;
+    const json& sc = scene.at(str(sample, s, "scene_token"), where(sample, s));
+    const json& lg = log.at(str(scene, sc, "log_token"), where(scene, sc));
+    return &maps.at(str(log, lg, "location"));
+  }
+
+  // The map layers into `bev` (before the objects): the grid's cell centres taken to the global
+  // frame by the reference pose's yaw and position (the maps are 2-D).
+  void paint_map(const NuMap& map, const geom::Pose& ref, at::Tensor& bev) const {
+    const BevGrid& g = o.bev;
+    const int64_t X = g.x_cells(), Y = g.y_cells();
+    uint8_t* p = bev.data_ptr<uint8_t>();
+    const double yaw = std::atan2(ref.R.m[1][0], ref.R.m[0][0]);
+    const double c = std::cos(yaw), s = std::sin(yaw);
+    auto to_global = [&](double x, double y) -> Pt {
+      x += o.ego_x_offset;
+      return {c * x - s * y + ref.t.x, s * x + c * y + ref.t.y};
+    };
+    auto to_ego = [&](const Pt& q) -> Pt {
+      const double dx = q[0] - ref.t.x, dy = q[1] - ref.t.y;
+      return {c * dx + s * dy - o.ego_x_offset, -s * dx + c * dy};
+    };
+    // The grid's global bounding box, to skip shapes far away.
+    double gx0 = 1e300, gy0 = 1e300, gx1 = -1e300, gy1 = -1e300;
+    for (double x : {g.x_min, g.x_max}) {
+      for (double y : {g.y_min, g.y_max}) {
+        const Pt q = to_global(x, y);
+        gx0 = std::min(gx0, q[0]), gy0 = std::min(gy0, q[1]);
+        gx1 = std::max(gx1, q[0]), gy1 = std::max(gy1, q[1]);
+      }
+    }
+    const double half = 0.5 * g.resolution;
+    for (int layer = 0; layer < kMapLayers; ++layer) {
+      for (const MapShape& sh : map.layers[static_cast<size_t>(layer)]) {
+        if (sh.x1 < gx0 - half || sh.x0 > gx1 + half || sh.y1 < gy0 - half || sh.y0 > gy1 + half)
+          continue;
+        std::vector<std::vector<Pt> > rings;
+        double ex0 = 1e300, ey0 = 1e300, ex1 = -1e300, ey1 = -1e300;
+        for (const auto& r : sh.rings) {
+          rings.emplace_back();
+          for (const Pt& q : r) {
+            const Pt e = to_ego(q);
+            rings.back().push_back(e);
+            ex0 = std::min(ex0, e[0]), ey0 = std::min(ey0, e[1]);
+            ex1 = std::max(ex1, e[0]), ey1 = std::max(ey1, e[1]);
+          }
+        }
+        const bool line = layer == kDivider;
+        const double m = line ? half : 0.0;
+        const auto ix0 = std::max<int64_t>(
+            0, static_cast<int64_t>(std::floor((ex0 - m - g.x_min) / g.resolution)));
+        const auto ix1 = std::min<int64_t>(
+            X - 1, static_cast<int64_t>(std::floor((ex1 + m - g.x_min) / g.resolution)));
+        const auto iy0 = std::max<int64_t>(
+            0, static_cast<int64_t>(std::floor((ey0 - m - g.y_min) / g.resolution)));
+        const auto iy1 = std::min<int64_t>(
+            Y - 1, static_cast<int64_t>(std::floor((ey1 + m - g.y_min) / g.resolution)));
+        for (int64_t ix = ix0; ix <= ix1; ++ix) {
+          const double x = g.x_min + (static_cast<double>(ix) + 0.5) * g.resolution;
+          for (int64_t iy = iy0; iy <= iy1; ++iy) {
+            const double y = g.y_min + (static_cast<double>(iy) + 0.5) * g.resolution;
+            bool hit = false;
+            if (line) {
+              // A divider: the cells whose centre lies within half a cell of it.
+              const auto& r = rings.front();
+              for (size_t i = 0; !hit && i + 1 < r.size(); ++i)
+                hit = segment_distance(r[i], r[i + 1], x, y) <= half;
+            } else {
+              hit = inside(rings, x, y);
+            }
+            if (hit) p[ix * Y + iy] = kMapClass[layer];
+          }
+        }
+      }
+    }
+  }
 
   // Counted across worker threads: boxes ignored by category.
   std::mutex m;
@@ -496,7 +715,9 @@ struct Converter {
     std::copy(rows.begin(), rows.end(), r.boxes.data_ptr<float>());
     r.velocities = at::empty({k, 2}, at::kFloat);
     std::copy(vel.begin(), vel.end(), r.velocities.data_ptr<float>());
-    r.bev_semantics = rasterise(r.boxes);
+    r.bev_semantics = at::zeros({o.bev.x_cells(), o.bev.y_cells()}, at::kByte);
+    if (const NuMap* map = map_of(s)) paint_map(*map, ref, r.bev_semantics);
+    rasterise(r.boxes, r.bev_semantics);
     {
       std::lock_guard<std::mutex> lock(m);
       for (const auto& [name, count] : skipped) ignored[name] += count;
@@ -505,13 +726,12 @@ struct Converter {
     return r;
   }
 
-  // BEV labels from the boxes' footprints (docs/data.md's rule for objects): a cell takes the
-  // class (index + 1; 0 is background) of a box whose footprint holds the cell's centre or that
-  // holds the box's centre.
-  at::Tensor rasterise(const at::Tensor& boxes) const {
+  // BEV labels from the boxes' footprints (docs/data.md's rule for objects), over the map layers:
+  // a cell takes the class (index + object_offset) of a box whose footprint holds the cell's
+  // centre or that holds the box's centre.
+  void rasterise(const at::Tensor& boxes, at::Tensor& bev) const {
     const BevGrid& g = o.bev;
     const int64_t X = g.x_cells(), Y = g.y_cells();
-    at::Tensor bev = at::zeros({X, Y}, at::kByte);
     uint8_t* p = bev.data_ptr<uint8_t>();
     const float* b = boxes.data_ptr<float>();
     for (int64_t i = 0; i < boxes.size(0); ++i) {
@@ -519,7 +739,7 @@ struct Converter {
       geom::Box box;
       box.x = row[kBoxX], box.y = row[kBoxY], box.z = row[kBoxZ];
       box.l = row[kBoxL], box.w = row[kBoxW], box.h = row[kBoxH], box.yaw = row[kBoxYaw];
-      const auto cls = static_cast<uint8_t>(row[kBoxClass] + 1);
+      const auto cls = static_cast<uint8_t>(row[kBoxClass] + object_offset);
       const double reach = 0.5 * std::hypot(box.l, box.w);
       const auto lo_x = std::max<int64_t>(
           0, static_cast<int64_t>(std::floor((box.x - reach - g.x_min) / g.resolution)));
@@ -541,7 +761,6 @@ struct Converter {
       if (fx >= 0 && fy >= 0 && fx < static_cast<double>(X) && fy < static_cast<double>(Y))
         p[static_cast<int64_t>(fx) * Y + static_cast<int64_t>(fy)] = cls;
     }
-    return bev;
   }
 };
 
@@ -583,6 +802,7 @@ std::string options_record(const NuScenesConvertOptions& o, const std::string& c
   j["bev"] = {o.bev.x_min, o.bev.x_max, o.bev.y_min, o.bev.y_max, o.bev.resolution};
   j["shard_scenes"] = o.shard_scenes;
   j["compression"] = o.compression;
+  j["maps"] = fs::is_directory(fs::path(o.dataroot) / "maps" / "expansion");
   return j.dump(2) + "\n";
 }
 
@@ -659,8 +879,8 @@ NuScenesConvertSummary convert_nuscenes(const NuScenesConvertOptions& opts) {
     if (cv.classes.empty())
       throw_error<UsageError>("convert: --classes '{}' maps no category", o.classes_file);
   }
-  if (cv.classes.size() > 254)
-    throw_error<UsageError>("convert: {} classes; at most 254 (BEV labels are uint8)",
+  if (cv.classes.size() > 250)
+    throw_error<UsageError>("convert: {} classes; at most 250 (BEV labels are uint8)",
                             cv.classes.size());
   for (size_t i = 0; i < cv.classes.size(); ++i)
     cv.class_index[cv.classes[i]] = static_cast<int64_t>(i);
@@ -677,6 +897,20 @@ NuScenesConvertSummary convert_nuscenes(const NuScenesConvertOptions& opts) {
   cv.scene = load_table(cv.dir, "scene");
   cv.log = load_table(cv.dir, "log");
   cv.index();
+  // Map expansion layers, when the folder is there: one file per log location.
+  const std::string expansion = join_path(join_path(o.dataroot, "maps"), "expansion");
+  if (fs::is_directory(expansion)) {
+    for (const auto& lg : cv.log.rows) {
+      const std::string loc = str(cv.log, lg, "location");
+      if (!cv.maps.count(loc)) cv.maps[loc] = load_map(join_path(expansion, loc + ".json"));
+    }
+    cv.object_offset = static_cast<uint8_t>(1 + kMapLayers);
+    core::log::info("convert nuscenes: map expansion layers of {} location(s) from '{}'",
+                    cv.maps.size(), expansion);
+  } else {
+    core::log::info("convert nuscenes: no '{}': BEV labels from the boxes' footprints alone",
+                    expansion);
+  }
   core::log::info(
       "convert nuscenes: {} tables read in {:.1f} s: {} scenes, {} samples, {} sample_data, {} "
       "annotations",
@@ -823,8 +1057,14 @@ NuScenesConvertSummary convert_nuscenes(const NuScenesConvertOptions& opts) {
   info.image_codec = o.image_codec;
   info.jpeg_quality = o.image_codec == "jpeg" ? (cv.passthrough ? 0 : o.quality) : 0;
   info.bev = o.bev;
-  info.bev_source = "box footprints";
   info.bev_classes = {"background"};
+  if (cv.maps.empty()) {
+    info.bev_source = "box footprints";
+  } else {
+    info.bev_source = "map expansion layers and box footprints";
+    for (const char* c : {"drivable_area", "ped_crossing", "walkway", "divider"})
+      info.bev_classes.push_back(c);
+  }
   for (const auto& c : cv.classes) info.bev_classes.push_back(c);
   info.box_classes = cv.classes;
   for (const auto& [split, samples] : by_split) {
@@ -919,6 +1159,10 @@ NuScenesConvertSummary convert_nuscenes(const NuScenesConvertOptions& opts) {
 
 namespace {
 
+// The synthetic log's location: one of the four the devkit's map API accepts (its map file then
+// holds the synthetic roads, not Boston's).
+constexpr const char* kSyntheticLocation = "boston-seaport";
+
 // A deterministic 32-hex-digit token.
 std::string make_token(uint64_t seed, const std::string& kind, int64_t a, int64_t b = 0) {
   uint64_t h = 1469598103934665603ULL;
@@ -1009,11 +1253,48 @@ void write_nuscenes_layout(const NuScenesLayoutOptions& lo) {
                  {"logfile", "parallax-synthetic"},
                  {"vehicle", "parallax"},
                  {"date_captured", "2026-11-29"},
-                 {"location", "synthetic"}});
+                 {"location", kSyntheticLocation}});
   map.push_back({{"token", make_token(seed, "map", 0)},
                  {"log_tokens", json::array({log_token})},
                  {"category", "semantic_prior"},
                  {"filename", ""}});
+
+  // The map expansion file of that location: each sample's roads (drivable_area), sidewalks
+  // (walkway) and lane lines (lane_divider; the centre line road_divider), in the global frame.
+  json m_node = json::array(), m_polygon = json::array(), m_line = json::array(),
+       m_drivable = json::array(), m_walkway = json::array(), m_lane_div = json::array(),
+       m_road_div = json::array();
+  int64_t map_id = 0;
+  auto map_node = [&](const geom::Pose& ego, double x, double y) {
+    const geom::Vec3 g = ego.apply({x, y, 0});
+    const std::string tok = make_token(seed, "map_node", map_id++);
+    m_node.push_back({{"token", tok}, {"x", g.x}, {"y", g.y}});
+    return tok;
+  };
+  auto map_polygon = [&](const geom::Pose& ego, const Road& road, double s0, double s1, double t0,
+                         double t1) {
+    json ext = json::array();
+    for (const auto& [s, t] : {std::pair{s0, t0}, {s1, t0}, {s1, t1}, {s0, t1}}) {
+      double x = 0, y = 0;
+      road.point(s, t, x, y);
+      ext.push_back(map_node(ego, x, y));
+    }
+    const std::string tok = make_token(seed, "map_polygon", map_id++);
+    m_polygon.push_back({{"token", tok}, {"exterior_node_tokens", ext}, {"holes", json::array()}});
+    return tok;
+  };
+  auto map_line = [&](const geom::Pose& ego, const Road& road, double s0, double s1, double t) {
+    json nodes = json::array();
+    for (double s : {s0, s1}) {
+      double x = 0, y = 0;
+      road.point(s, t, x, y);
+      nodes.push_back(map_node(ego, x, y));
+    }
+    const std::string tok = make_token(seed, "map_line", map_id++);
+    m_line.push_back({{"token", tok}, {"node_tokens", nodes}});
+    return tok;
+  };
+  int64_t placed = 0;  // samples placed so far: sample n sits near x = 500 n m
 
   json splits = json::object();
   int64_t scene_no = 0;
@@ -1048,8 +1329,11 @@ void write_nuscenes_layout(const NuScenesLayoutOptions& lo) {
       const std::string stoken = make_token(seed, "sample", scene_no, in_scene);
       // A random global ego pose (yaw only, on the ground, as nuScenes' localisation gives).
       std::mt19937_64 rng(core::derive_seed(sseed, static_cast<uint64_t>(i), 977));
-      std::uniform_real_distribution<double> pos(-1500, 1500), ang(-geom::kPi, geom::kPi);
-      const double ex = pos(rng), ey = pos(rng), eyaw = ang(rng);
+      // Samples 500 m apart in x (each one's map reaches ~120 m from it, so they never overlap).
+      std::uniform_real_distribution<double> jitter(-100, 100), side(-1000, 1000),
+          ang(-geom::kPi, geom::kPi);
+      const double ex = 500.0 * static_cast<double>(placed++) + jitter(rng), ey = side(rng),
+                   eyaw = ang(rng);
       const geom::Pose ego{geom::Mat3::rot_z(eyaw), {ex, ey, 0}};
       sample.push_back({{"token", stoken},
                         {"timestamp", ts},
@@ -1065,6 +1349,24 @@ void write_nuscenes_layout(const NuScenesLayoutOptions& lo) {
       (*scene_row)["last_sample_token"] = stoken;
       (*scene_row)["nbr_samples"] = in_scene + 1;
       const SceneRecord& r = g.record;
+      for (const Road& road : g.layout.roads) {
+        const double s0 = std::max(road.s_min, -100.0), s1 = std::min(road.s_max, 100.0);
+        const double hw = road.half_width();
+        m_drivable.push_back(
+            {{"token", make_token(seed, "drivable_area", map_id++)},
+             {"polygon_tokens", json::array({map_polygon(ego, road, s0, s1, -hw, hw)})}});
+        for (double sign : {1.0, -1.0}) {
+          const double a = sign * hw, b = sign * (hw + road.sidewalk);
+          m_walkway.push_back(
+              {{"token", make_token(seed, "walkway", map_id++)},
+               {"polygon_token", map_polygon(ego, road, s0, s1, std::min(a, b), std::max(a, b))}});
+        }
+        for (int k = 1; k < road.lanes; ++k) {
+          const std::string line = map_line(ego, road, s0, s1, -hw + k * road.lane_width);
+          (k == road.forward_lanes ? m_road_div : m_lane_div)
+              .push_back({{"token", make_token(seed, "divider", map_id++)}, {"line_token", line}});
+        }
+      }
       for (size_t c = 0; c < cams.size(); ++c) {
         const int64_t cts = ts + static_cast<int64_t>(c) * 8000;  // cameras fire in turn
         const std::string sd_token =
@@ -1174,6 +1476,31 @@ void write_nuscenes_layout(const NuScenesLayoutOptions& lo) {
       {"map", &map}};
   for (const auto& [name, j] : out) write_json_file(join_path(tables, name + ".json"), *j);
   write_json_file(join_path(o.out, "parallax_splits.json"), splits);
+  {
+    const std::string dir = join_path(join_path(o.out, "maps"), "expansion");
+    fs::create_directories(dir, ec);
+    if (ec) throw_error<IoError>("cannot create '{}': {}", dir, ec.message());
+    json mj = {{"version", "1.3"},
+               {"canvas_edge", json::array({10000.0, 10000.0})},
+               {"node", m_node},
+               {"polygon", m_polygon},
+               {"line", m_line},
+               {"drivable_area", m_drivable},
+               {"road_segment", json::array()},
+               {"road_block", json::array()},
+               {"lane", json::array()},
+               {"ped_crossing", json::array()},
+               {"walkway", m_walkway},
+               {"stop_line", json::array()},
+               {"carpark_area", json::array()},
+               {"road_divider", m_road_div},
+               {"lane_divider", m_lane_div},
+               {"traffic_light", json::array()},
+               {"arcline_path_3", json::object()},
+               {"connectivity", json::object()},
+               {"lane_connector", json::array()}};
+    write_json_file(join_path(dir, std::string(kSyntheticLocation) + ".json"), mj);
+  }
   core::log::info("datagen: wrote a nuScenes {} layout to {}: {} scenes, {} samples, {} boxes",
                   lo.version, o.out, scene.size(), sample.size(), annotation.size());
 }

@@ -14,8 +14,10 @@
   is not installed: scripts/setup.sh installs it into its own venv, PARALLAX_NUSCENES_PYTHON);
 - resume: a conversion whose shard and dataset.json were lost (and a killed run's .tmp left)
   keeps the complete shards and rewrites the missing one bitwise; other options are refused;
+- the map expansion layers (drivable area, walkways, dividers) rasterised into the BEV labels
+  match the generator's road cells; without the maps folder the labels are the boxes' footprints;
 - bad input, each one `parallax: error:` line naming the file, table or token, with no shard or
-  dataset.json committed: a missing table, a missing JPEG, a truncated JPEG, a wrong version
+  dataset.json committed: a missing table, a missing map file, a missing JPEG, a truncated JPEG, a wrong version
   folder, a full disk (a file size limit); an unmapped category is ignored and counted.
 
 Usage: test_nuscenes.py <parallax>
@@ -114,12 +116,14 @@ class NuScenesTest(unittest.TestCase):
         with open(os.path.join(out, "dataset.json")) as f:
             info = json.load(f)
         self.assertEqual(info["image_codec"], "jpeg")
-        self.assertEqual(info["bev_source"], "box footprints")
+        self.assertEqual(info["bev_source"], "map expansion layers and box footprints")
+        self.assertEqual(info["bev_classes"][:6], ["background", "drivable_area", "ped_crossing", "walkway",
+                                                   "divider", "car"])
         self.assertEqual(info["box_classes"][0], "car")
         self.assertEqual({k: v["scenes"] for k, v in info["splits"].items()}, {"train": 5, "val": 3})
         rc, _, err = run("inspect", out)  # every scene read, decoded and checked
         self.assertEqual(rc, 0, err)
-        worst = {"centre": 0.0, "yaw": 0.0, "calib": 0.0, "psnr": 1e9}
+        worst = {"centre": 0.0, "yaw": 0.0, "calib": 0.0, "psnr": 1e9, "road_iou": 1.0}
         sq, count = 0.0, 0
         for split in ("train", "val"):
             nat, conv = scenes(self.native, split), scenes(out, split)
@@ -140,11 +144,20 @@ class NuScenesTest(unittest.TestCase):
                 for k in ("intrinsics", "cam_to_ego"):
                     worst["calib"] = max(worst["calib"], np.abs(a[k].astype(np.float64) - b[k]).max())
                 worst["psnr"] = min(worst["psnr"], min(psnr(a["images"][c], b["images"][c]) for c in range(6)))
+                # BEV from the map layers: the drivable area (with the crossings and dividers on
+                # it) against the generator's road and marking cells, objects set aside.
+                na, nb = a["bev_semantics"], b["bev_semantics"]
+                objects = (na >= 3) | (nb >= 5)
+                road_a = np.isin(na, [1, 2]) & ~objects
+                road_b = np.isin(nb, [1, 2, 4]) & ~objects
+                worst["road_iou"] = min(worst["road_iou"], (road_a & road_b).sum() / (road_a | road_b).sum())
+                self.assertGreater(int(np.sum(nb == 3)), 0)  # walkways
                 sq += float(np.sum((a["images"].astype(np.float64) - b["images"]) ** 2))
                 count += a["images"].size
         pooled = 10 * np.log10(255.0 ** 2 / (sq / count))
         print(f"\n  round trip: centres {worst['centre']:.3g} m, yaws {worst['yaw']:.3g} rad, calibrations "
-              f"{worst['calib']:.3g}, PSNR {pooled:.1f} dB (worst camera {worst['psnr']:.1f} dB)", file=sys.stderr)
+              f"{worst['calib']:.3g}, PSNR {pooled:.1f} dB (worst camera {worst['psnr']:.1f} dB), "
+              f"road IoU >= {worst['road_iou']:.4f}", file=sys.stderr)
         # The issue's bounds. The arithmetic: float32 centres of up to 25 m (ulp 2e-6) moved by a
         # double-precision pose of up to 1500 m and back; yaws through a quaternion in double.
         self.assertLessEqual(worst["centre"], 1e-4)
@@ -156,6 +169,10 @@ class NuScenesTest(unittest.TestCase):
         # worst camera 34.1 dB; libjpeg-turbo's accurate DCT is exact integer arithmetic, so the
         # same on any x86-64 CPU): the issue's 35 dB over the images, 30 dB for any one camera.
         self.assertGreaterEqual(pooled, 35.0)
+        # The same road rectangles on both sides; only cells whose centre lies within rounding of
+        # a road edge (the map went through global coordinates and back) may differ: measured
+        # 0-5 cells of ~900 road cells a scene.
+        self.assertGreaterEqual(worst["road_iou"], 0.99)
         self.assertGreaterEqual(worst["psnr"], 30.0)
 
     def test_a_model_trains_on_the_converted_dataset_and_eval_writes_its_sample_tokens(self):
@@ -195,6 +212,24 @@ class NuScenesTest(unittest.TestCase):
         self.assertEqual(sum(len(b) for b in gt["results"].values()),
                          sum(int(np.sum(s["boxes"][:, 8] > 0)) for s in scenes(out, "val").values()))
 
+    def test_without_map_expansion_the_bev_is_the_box_footprints(self):
+        root = self.copy_root("nomaps")
+        shutil.rmtree(os.path.join(root, "maps"))
+        out, with_maps = os.path.join(self.tmp, "nomaps_out"), os.path.join(self.tmp, "maps_out")
+        for r, o in ((root, out), (self.root, with_maps)):
+            rc, _, err = self.convert(o, root=r)
+            self.assertEqual(rc, 0, err)
+        with open(os.path.join(out, "dataset.json")) as f:
+            info = json.load(f)
+        self.assertEqual(info["bev_source"], "box footprints")
+        self.assertEqual(info["bev_classes"], ["background"] + info["box_classes"])
+        a, b = scenes(out, "val"), scenes(with_maps, "val")
+        for i in a:
+            # The same object cells and classes, painted over the map layers in the other.
+            na, nb = a[i]["bev_semantics"].astype(int), b[i]["bev_semantics"].astype(int)
+            self.assertTrue(np.array_equal(na >= 1, nb >= 5))
+            self.assertTrue(np.array_equal(na[na >= 1], nb[nb >= 5] - 4))
+
     def test_conversion_to_half_size_scales_the_intrinsics_exactly(self):
         out = os.path.join(self.tmp, "half")
         rc, _, err = self.convert(out, "--image-size", "64", "112", "--image-codec", "raw")
@@ -217,8 +252,10 @@ class NuScenesTest(unittest.TestCase):
 import json, sys
 from nuscenes.nuscenes import NuScenes
 from nuscenes.utils.geometry_utils import BoxVisibility
+from nuscenes.map_expansion.map_api import NuScenesMap
 nusc = NuScenes(version="v1.0-mini", dataroot=sys.argv[1], verbose=False)
-out = {}
+m = NuScenesMap(dataroot=sys.argv[1], map_name=nusc.log[0]["location"])
+out = {"map": [len(m.drivable_area), len(m.walkway), len(m.lane_divider) + len(m.road_divider)]}
 for s in nusc.sample:
     for ch, sd in s["data"].items():
         path, boxes, K = nusc.get_sample_data(sd, box_vis_level=BoxVisibility.NONE)
@@ -230,6 +267,7 @@ json.dump(out, sys.stdout)
         p = subprocess.run([DEVKIT_PY, "-c", script, self.root], capture_output=True, text=True, timeout=600)
         self.assertEqual(p.returncode, 0, p.stderr[-3000:])
         got = json.loads(p.stdout)
+        self.assertTrue(all(n > 0 for n in got["map"]), got["map"])  # the devkit's map API reads the map
         out = os.path.join(self.tmp, "conv_devkit")
         rc, _, err = self.convert(out)
         self.assertEqual(rc, 0, err)
@@ -306,6 +344,12 @@ json.dump(out, sys.stdout)
         out = os.path.join(self.tmp, "bad1")
         rc, _, err = self.convert(out, root=root)
         self.assert_one_error_line(rc, err, "table 'instance' is missing", "instance.json")
+        self.assert_nothing_committed(out)
+        # A map expansion folder without the log location's map.
+        root = self.copy_root("no_map_file")
+        os.remove(os.path.join(root, "maps", "expansion", "boston-seaport.json"))
+        rc, _, err = self.convert(out, root=root)
+        self.assert_one_error_line(rc, err, "map expansion file", "boston-seaport.json", "is missing")
         self.assert_nothing_committed(out)
         # A wrong version folder.
         rc, _, err = self.convert(out, "--version", "v1.0-trainval")
