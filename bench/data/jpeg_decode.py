@@ -1,5 +1,5 @@
-"""Decodes the JPEGs that `data_bench jpeg --out DIR` wrote with Pillow, on one thread, full size and
-with Pillow's draft mode (libjpeg's DCT scaling, as `decode_jpeg(..., scale)`): scenes/s per core,
+"""Decodes the JPEGs that `data_bench jpeg --out DIR` wrote with Pillow (and torchvision.io.decode_jpeg
+on the CPU where torchvision is installed), on one thread, full size and with Pillow's draft mode (libjpeg's DCT scaling, as `decode_jpeg(..., scale)`): scenes/s per core,
 one JSON line per scale, for docs/PERFORMANCE.md beside data_bench's own lines (same files, same run:
 bench/data/jpeg_bench.sh).
 
@@ -59,6 +59,36 @@ def main():
         rates.sort()
         print(json.dumps({"bench": "jpeg_to_input", "impl": f"Pillow {Image.__version__}", "dct_scale": scale,
                           "augment": False, "to": [fh, fw],
+                          "scenes_per_s_per_core": round(rates[len(rates) // 2], 2)}))
+    torchvision_rows(data, scenes, a.repeats, fh, fw)
+
+
+def torchvision_rows(data, scenes, repeats, fh, fw):
+    """torchvision.io.decode_jpeg on the CPU (one thread), full size (it has no DCT scaling), and
+    + a resize to the model's input (torch's antialiased bilinear interpolate)."""
+    try:
+        import torch
+        import torchvision
+        from torchvision.io import decode_jpeg
+    except ImportError as e:
+        print(json.dumps({"bench": "jpeg_decode", "impl": "torchvision", "skipped": str(e)}))
+        return
+    torch.set_num_threads(1)
+    tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in data]
+    for resize in (False, True):
+        rates = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for t in tensors:
+                img = decode_jpeg(t)
+                if resize:
+                    img = torch.nn.functional.interpolate(img.unsqueeze(0).float(), size=(fh, fw), mode="bilinear",
+                                                          antialias=True, align_corners=False)
+            rates.append(scenes / (time.perf_counter() - t0))
+        rates.sort()
+        print(json.dumps({"bench": "jpeg_to_input" if resize else "jpeg_decode",
+                          "impl": f"torchvision {torchvision.__version__}", "dct_scale": 1, "augment": False,
+                          **({"to": [fh, fw]} if resize else {}),
                           "scenes_per_s_per_core": round(rates[len(rates) // 2], 2)}))
 
 
