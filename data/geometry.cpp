@@ -208,4 +208,28 @@ Camera round_to_float(const Camera& c) {
   return o;
 }
 
+// The largest-diagonal branch, so no division by a small number.
+std::array<double, 4> quaternion_wxyz(const Mat3& r) {
+  const auto& m = r.m;
+  const double tr = m[0][0] + m[1][1] + m[2][2];
+  std::array<double, 4> q{};
+  if (tr > 0) {
+    const double s = 2 * std::sqrt(1 + tr);
+    q = {0.25 * s, (m[2][1] - m[1][2]) / s, (m[0][2] - m[2][0]) / s, (m[1][0] - m[0][1]) / s};
+  } else if (m[0][0] > m[1][1] && m[0][0] > m[2][2]) {
+    const double s = 2 * std::sqrt(1 + m[0][0] - m[1][1] - m[2][2]);
+    q = {(m[2][1] - m[1][2]) / s, 0.25 * s, (m[0][1] + m[1][0]) / s, (m[0][2] + m[2][0]) / s};
+  } else if (m[1][1] > m[2][2]) {
+    const double s = 2 * std::sqrt(1 + m[1][1] - m[0][0] - m[2][2]);
+    q = {(m[0][2] - m[2][0]) / s, (m[0][1] + m[1][0]) / s, 0.25 * s, (m[1][2] + m[2][1]) / s};
+  } else {
+    const double s = 2 * std::sqrt(1 + m[2][2] - m[0][0] - m[1][1]);
+    q = {(m[1][0] - m[0][1]) / s, (m[0][2] + m[2][0]) / s, (m[1][2] + m[2][1]) / s, 0.25 * s};
+  }
+  if (q[0] < 0) {
+    for (double& v : q) v = -v;
+  }
+  return q;
+}
+
 }  // namespace parallax::data::geom

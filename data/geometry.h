@@ -100,6 +100,9 @@ struct Box {
   Vec3 centre() const { return {x, y, z}; }
 };
 
+// A rotation matrix's unit quaternion [w, x, y, z] (pyquaternion's and nuScenes' order), w >= 0.
+std::array<double, 4> quaternion_wxyz(const Mat3& r);
+
 // Wraps an angle to (-pi, pi].
 double wrap_angle(double a);
 

@@ -117,31 +117,6 @@ geom::Mat3 quat_to_mat(double w, double x, double y, double z) {
   return r;
 }
 
-// A rotation matrix's quaternion [w, x, y, z] with w >= 0 (the largest-diagonal branch, so no
-// division by a small number).
-std::array<double, 4> mat_to_quat(const geom::Mat3& r) {
-  const auto& m = r.m;
-  const double tr = m[0][0] + m[1][1] + m[2][2];
-  std::array<double, 4> q{};
-  if (tr > 0) {
-    const double s = 2 * std::sqrt(1 + tr);
-    q = {0.25 * s, (m[2][1] - m[1][2]) / s, (m[0][2] - m[2][0]) / s, (m[1][0] - m[0][1]) / s};
-  } else if (m[0][0] > m[1][1] && m[0][0] > m[2][2]) {
-    const double s = 2 * std::sqrt(1 + m[0][0] - m[1][1] - m[2][2]);
-    q = {(m[2][1] - m[1][2]) / s, 0.25 * s, (m[0][1] + m[1][0]) / s, (m[0][2] + m[2][0]) / s};
-  } else if (m[1][1] > m[2][2]) {
-    const double s = 2 * std::sqrt(1 + m[1][1] - m[0][0] - m[2][2]);
-    q = {(m[0][2] - m[2][0]) / s, (m[0][1] + m[1][0]) / s, 0.25 * s, (m[1][2] + m[2][1]) / s};
-  } else {
-    const double s = 2 * std::sqrt(1 + m[2][2] - m[0][0] - m[1][1]);
-    q = {(m[1][0] - m[0][1]) / s, (m[0][2] + m[2][0]) / s, (m[1][2] + m[2][1]) / s, 0.25 * s};
-  }
-  if (q[0] < 0) {
-    for (double& v : q) v = -v;
-  }
-  return q;
-}
-
 geom::Pose compose(const geom::Pose& a, const geom::Pose& b) {  // a after b
   return {a.R * b.R, a.R * b.t + a.t};
 }
@@ -608,6 +583,17 @@ struct Converter {
 
     SceneRecord r;
     r.sample_token = token;
+    {
+      // The stored ego frame in the global frame: the reference pose after the origin shift.
+      geom::Pose e = ref;
+      e.t = ref.apply(shift);
+      r.ego_to_global = at::eye(4, at::kDouble);
+      double* T = r.ego_to_global.data_ptr<double>();
+      for (int i = 0; i < 3; ++i) {
+        for (int j = 0; j < 3; ++j) T[i * 4 + j] = e.R.m[i][j];
+      }
+      T[3] = e.t.x, T[7] = e.t.y, T[11] = e.t.z;
+    }
     const auto n = static_cast<int64_t>(o.cameras.size());
     r.intrinsics = at::empty({n, 3, 3}, at::kFloat);
     r.cam_to_ego = at::empty({n, 4, 4}, at::kFloat);
@@ -1174,7 +1160,7 @@ std::string make_token(uint64_t seed, const std::string& kind, int64_t a, int64_
 }
 
 json quat_json(const geom::Mat3& r) {
-  const auto q = mat_to_quat(r);
+  const auto q = geom::quaternion_wxyz(r);
   return json::array({q[0], q[1], q[2], q[3]});
 }
 json vec_json(const geom::Vec3& v) {
@@ -1210,7 +1196,9 @@ void write_nuscenes_layout(const NuScenesLayoutOptions& lo) {
   fs::create_directories(tables, ec);
   if (ec) throw_error<IoError>("cannot create '{}': {}", tables, ec.message());
   const auto& cams = nuscenes_cameras();
-  for (const auto& c : cams) {
+  std::vector<std::string> dirs = cams;
+  dirs.push_back("LIDAR_TOP");
+  for (const auto& c : dirs) {
     fs::create_directories(fs::path(o.out) / "samples" / c, ec);
     if (ec) throw_error<IoError>("cannot create '{}/samples/{}': {}", o.out, c, ec.message());
   }
@@ -1248,6 +1236,10 @@ void write_nuscenes_layout(const NuScenesLayoutOptions& lo) {
     sensor.push_back(
         {{"token", sensor_tokens.back()}, {"channel", cams[i]}, {"modality", "camera"}});
   }
+  // A LIDAR_TOP per sample (its keyframe's ego pose is the sample's reference, for the converter
+  // and for the devkit's evaluation), without points: its files are empty.
+  const std::string lidar_sensor = make_token(seed, "sensor", 100);
+  sensor.push_back({{"token", lidar_sensor}, {"channel", "LIDAR_TOP"}, {"modality", "lidar"}});
   const std::string log_token = make_token(seed, "log", 0);
   log.push_back({{"token", log_token},
                  {"logfile", "parallax-synthetic"},
@@ -1349,6 +1341,36 @@ void write_nuscenes_layout(const NuScenesLayoutOptions& lo) {
       (*scene_row)["last_sample_token"] = stoken;
       (*scene_row)["nbr_samples"] = in_scene + 1;
       const SceneRecord& r = g.record;
+      {
+        const int64_t id = scene_no * 1000 + in_scene;
+        const std::string sd_token = make_token(seed, "sample_data", id, 100);
+        const std::string ep_token = make_token(seed, "ego_pose", id, 100);
+        const std::string cs_token = make_token(seed, "calibrated_sensor", id, 100);
+        const std::string file =
+            fmt::format("samples/LIDAR_TOP/parallax-synthetic__LIDAR_TOP__{}.pcd.bin", ts);
+        std::ofstream(join_path(o.out, file), std::ios::binary | std::ios::trunc);
+        calibrated_sensor.push_back({{"token", cs_token},
+                                     {"sensor_token", lidar_sensor},
+                                     {"translation", json::array({0.94, 0.0, 1.84})},
+                                     {"rotation", json::array({1.0, 0.0, 0.0, 0.0})},
+                                     {"camera_intrinsic", json::array()}});
+        ego_pose.push_back({{"token", ep_token},
+                            {"timestamp", ts},
+                            {"rotation", quat_json(ego.R)},
+                            {"translation", vec_json(ego.t)}});
+        sample_data.push_back({{"token", sd_token},
+                               {"sample_token", stoken},
+                               {"ego_pose_token", ep_token},
+                               {"calibrated_sensor_token", cs_token},
+                               {"timestamp", ts},
+                               {"fileformat", "pcd"},
+                               {"is_key_frame", true},
+                               {"height", 0},
+                               {"width", 0},
+                               {"filename", file},
+                               {"prev", ""},
+                               {"next", ""}});
+      }
       for (const Road& road : g.layout.roads) {
         const double s0 = std::max(road.s_min, -100.0), s1 = std::min(road.s_max, 100.0);
         const double hw = road.half_width();

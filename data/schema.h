@@ -94,6 +94,10 @@ struct SceneRecord {
   // sample (the nuScenes sample token), "" when absent.
   at::Tensor velocities;
   std::string sample_token;
+  // Optional: the ego frame's pose in the source's global frame, float64 [4, 4] (a converted
+  // nuScenes scene: the reference ego pose, the ego origin offset included), so detections can be
+  // written in the global frame the source's ground truth is in.
+  at::Tensor ego_to_global;
   // Writer only: each camera's JPEG bytes to store as they are (a converter passing a source's
   // JPEG files through without decoding); `images` is then not read. Needs a JPEG ShardWriter.
   std::vector<std::vector<uint8_t>> jpeg;

@@ -67,6 +67,7 @@ constexpr const char* kJpegOffsets = "images_jpeg_offsets";
 // Optional per scene (a converted dataset): box velocities and the source's sample id.
 constexpr const char* kVelocities = "velocities";
 constexpr const char* kSampleToken = "sample_token";
+constexpr const char* kEgoToGlobal = "ego_to_global";
 
 struct JpegImages {
   at::Tensor bytes;    // uint8 [total]
@@ -345,18 +346,31 @@ SceneRecord ShardReader::read_impl(int64_t index, const DatasetInfo* info,
   return rec;
 }
 
-std::string ShardReader::sample_token(int64_t index) const {
+SampleMeta ShardReader::sample_meta(int64_t index) const {
   const std::string w = where(index);
   if (!has_scene(index)) throw_error<DataError>("{}: no such scene in this shard", w);
   h5::Hdf5Lock lock;
   h5::Id group(H5Gopen2(file_, ("scenes/" + scene_name(index)).c_str(), H5P_DEFAULT),
                w + ": cannot open group");
-  return h5::read_string_attribute(group, kSampleToken, w).value_or("");
+  SampleMeta m;
+  m.token = h5::read_string_attribute(group, kSampleToken, w).value_or("");
+  if (h5::link_exists(group, kEgoToGlobal)) {
+    const std::string ctx = fmt::format("{}: dataset '{}'", w, kEgoToGlobal);
+    h5::Id ds(H5Dopen2(group, kEgoToGlobal, H5P_DEFAULT), ctx + ": cannot open");
+    const h5::DatasetShape shape = h5::dataset_shape(ds, ctx);
+    if (shape.type_class != H5T_FLOAT || shape.dims != std::vector<int64_t>{4, 4})
+      throw_error<DataError>("{} is {}, expected float [4, 4]", ctx, shape.describe());
+    m.ego_to_global =
+        h5::read_tensor(ds, shape, at::kDouble, ctx + ": cannot read (corrupt shard?)");
+    if (!m.ego_to_global.isfinite().all().item<bool>())
+      throw_error<DataError>("{} holds NaN or infinite values", ctx);
+  }
+  return m;
 }
 
-std::vector<std::string> split_sample_tokens(const DatasetInfo& info, const std::string& split) {
+std::vector<SampleMeta> split_sample_meta(const DatasetInfo& info, const std::string& split) {
   const SplitInfo& si = info.split(split);
-  std::vector<std::string> out;
+  std::vector<SampleMeta> out;
   for (const auto& shard : si.shards) {
     const ShardReader r(join_path(info.dir, shard));
     for (int64_t idx : r.scene_indices()) {
@@ -364,7 +378,7 @@ std::vector<std::string> split_sample_tokens(const DatasetInfo& info, const std:
         throw_error<DataError>("{}: scene index outside the split's {} scenes", r.where(idx),
                                si.scenes);
       if (static_cast<int64_t>(out.size()) <= idx) out.resize(static_cast<size_t>(idx) + 1);
-      out[static_cast<size_t>(idx)] = r.sample_token(idx);
+      out[static_cast<size_t>(idx)] = r.sample_meta(idx);
     }
   }
   out.resize(static_cast<size_t>(si.scenes));
@@ -501,6 +515,8 @@ void ShardWriter::write(const SceneRecord& s) {
   if (s.velocities.defined())
     h5::write_tensor(group, kVelocities, s.velocities, {0, {}, true}, ctx);
   if (!s.sample_token.empty()) h5::write_string_attribute(group, kSampleToken, s.sample_token, ctx);
+  if (s.ego_to_global.defined())
+    h5::write_tensor(group, kEgoToGlobal, s.ego_to_global.contiguous(), {0, {}, true}, ctx);
   ++written_;
 }
 

@@ -22,6 +22,13 @@
 
 namespace parallax::data {
 
+// What a scene says of its source sample: its token ("" where it has none) and its ego pose in
+// the source's global frame (float64 [4, 4]; undefined where it has none).
+struct SampleMeta {
+  std::string token;
+  at::Tensor ego_to_global;
+};
+
 class ShardReader {
  public:
   // Opens `path`, checks its `schema_version` attribute and lists its scenes. Throws DataError
@@ -49,8 +56,8 @@ class ShardReader {
   SceneRecord read(int64_t index, const DatasetInfo& info, const Selection& sel) const;
   // The stored shapes and types of scene `index`'s datasets, without reading their data.
   std::map<std::string, h5::DatasetShape> shapes(int64_t index) const;
-  // Scene `index`'s sample token ("" when it has none), without reading its data.
-  std::string sample_token(int64_t index) const;
+  // Scene `index`'s sample token and ego pose (SampleMeta), without reading its data.
+  SampleMeta sample_meta(int64_t index) const;
   // "'<path>' scene 000123": the prefix of messages about that scene.
   std::string where(int64_t index) const;
 
@@ -62,9 +69,9 @@ class ShardReader {
   std::vector<int64_t> indices_;
 };
 
-// The sample token of every scene of a split, by index ("" where a scene has none), reading only
-// the scene groups' attributes. DataError naming the shard for unreadable shards.
-std::vector<std::string> split_sample_tokens(const DatasetInfo& info, const std::string& split);
+// What a split's scenes say of their source samples, by index (SampleMeta). Reads only those (no
+// images). DataError naming the shard for unreadable shards or a malformed pose.
+std::vector<SampleMeta> split_sample_meta(const DatasetInfo& info, const std::string& split);
 
 // True when `path` is an HDF5 file with a /scenes group (a data shard); false for any other file,
 // including non-HDF5 files. Never throws for unreadable files.

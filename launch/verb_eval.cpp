@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/strings.h"
+#include "data/geometry.h"
 #include "data/loader.h"
 #include "data/schema.h"
 #include "data/shard.h"
@@ -110,11 +111,16 @@ void write_file(const fs::path& file, const std::string& text) {
 
 // `rows` (train::EvalDetections) as the nuScenes detection submission JSON: every scene of the
 // split is a sample (token = its sample token, or its scene index), listed even without boxes.
-// Ground truth carries detection_score -1, as the devkit's ground-truth boxes do.
+// Boxes are in the scene's ego frame, or in the source's global frame where the scene holds its
+// ego pose (a converted nuScenes dataset: what the devkit's ground truth is in). Ground truth
+// carries detection_score -1, as the devkit's ground-truth boxes do.
 std::string submission_json(const at::Tensor& rows, bool predictions,
-                            const std::vector<std::string>& tokens,
+                            const std::vector<data::SampleMeta>& samples,
                             const std::vector<std::string>& classes, const std::string& meta) {
-  const auto scenes = static_cast<int64_t>(tokens.size());
+  const auto scenes = static_cast<int64_t>(samples.size());
+  std::vector<std::string> tokens;
+  for (size_t i = 0; i < samples.size(); ++i)
+    tokens.push_back(samples[i].token.empty() ? std::to_string(i) : samples[i].token);
   const at::Tensor r = rows.to(at::kDouble).contiguous();
   const int64_t cols = r.size(1);
   const double* p = r.data_ptr<double>();
@@ -125,12 +131,26 @@ std::string submission_json(const at::Tensor& rows, bool predictions,
     PARALLAX_CHECK(sample >= 0 && sample < scenes, Error,
                    "eval: scene index {} outside the split's {} scenes", sample, scenes);
     const double yaw = q[8];
+    double x = q[2], y = q[3], z = q[4];
+    std::array<double, 4> rot = {std::cos(yaw / 2), 0.0, 0.0, std::sin(yaw / 2)};
+    const at::Tensor& pose = samples[static_cast<size_t>(sample)].ego_to_global;
+    if (pose.defined()) {
+      const double* T = pose.data_ptr<double>();
+      namespace geom = data::geom;
+      geom::Mat3 R;
+      for (int a = 0; a < 3; ++a) {
+        for (int b = 0; b < 3; ++b) R.m[a][b] = T[a * 4 + b];
+      }
+      const geom::Vec3 g = R * geom::Vec3{x, y, z} + geom::Vec3{T[3], T[7], T[11]};
+      x = g.x, y = g.y, z = g.z;
+      rot = geom::quaternion_wxyz(R * geom::Mat3::rot_z(yaw));
+    }
     by_sample[static_cast<size_t>(sample)].push_back(fmt::format(
         "{{\"sample_token\": \"{}\", \"translation\": [{}, {}, {}], \"size\": [{}, {}, {}], "
-        "\"rotation\": [{}, 0.0, 0.0, {}], \"velocity\": [0.0, 0.0], \"detection_name\": {}, "
+        "\"rotation\": [{}, {}, {}, {}], \"velocity\": [0.0, 0.0], \"detection_name\": {}, "
         "\"detection_score\": {}, \"attribute_name\": \"\"}}",
-        tokens[static_cast<size_t>(sample)], q[2], q[3], q[4], q[6], q[5], q[7], std::cos(yaw / 2),
-        std::sin(yaw / 2), core::json_quote(classes.at(static_cast<size_t>(std::lround(q[1])))),
+        tokens[static_cast<size_t>(sample)], x, y, z, q[6], q[5], q[7], rot[0], rot[1], rot[2],
+        rot[3], core::json_quote(classes.at(static_cast<size_t>(std::lround(q[1])))),
         predictions ? q[9] : -1.0));
   }
   std::string out = fmt::format("{{\"meta\": {},\n\"results\": {{", meta);
@@ -302,12 +322,9 @@ int verb_eval(const std::vector<std::string>& argv) {
         core::json_quote(source), core::json_quote(split), core::join(quoted, ", "));
     // Each scene's sample token where the dataset holds one (a converted nuScenes dataset), else
     // its index in the split.
-    std::vector<std::string> tokens = data::split_sample_tokens(info, split);
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      if (tokens[i].empty()) tokens[i] = std::to_string(i);
-    }
-    write_file(pred_file, submission_json(det.pred, true, tokens, scene.box_classes, meta));
-    write_file(gt_file, submission_json(det.gt, false, tokens, scene.box_classes, meta));
+    const std::vector<data::SampleMeta> samples = data::split_sample_meta(info, split);
+    write_file(pred_file, submission_json(det.pred, true, samples, scene.box_classes, meta));
+    write_file(gt_file, submission_json(det.gt, false, samples, scene.box_classes, meta));
     std::printf("predictions: %s\nground truth: %s\n", pred_file.string().c_str(),
                 gt_file.string().c_str());
   }

@@ -258,6 +258,8 @@ m = NuScenesMap(dataroot=sys.argv[1], map_name=nusc.log[0]["location"])
 out = {"map": [len(m.drivable_area), len(m.walkway), len(m.lane_divider) + len(m.road_divider)]}
 for s in nusc.sample:
     for ch, sd in s["data"].items():
+        if not ch.startswith("CAM"):
+            continue
         path, boxes, K = nusc.get_sample_data(sd, box_vis_level=BoxVisibility.NONE)
         out[s["token"] + "/" + ch] = {"K": K.tolist(), "boxes": [
             {"c": b.center.tolist(), "wlh": b.wlh.tolist(), "R": b.rotation_matrix.tolist(), "name": b.name}
@@ -305,6 +307,62 @@ json.dump(out, sys.stdout)
         # The same bounds as the round trip (the camera frame: one more rigid move in double).
         self.assertLessEqual(worst_c, 1e-4)
         self.assertLessEqual(worst_r, 1e-5)
+
+    def test_the_devkit_scores_an_eval_dump_against_its_own_ground_truth(self):
+        """`eval --dump-predictions` on a converted dataset writes nuScenes sample tokens and boxes in
+        the global frame: the devkit's DetectionEval, reading the ground truth from the nuScenes
+        folder itself, scores our ground-truth dump (as a submission) at AP 1 with zero errors."""
+        if not os.path.exists(DEVKIT_PY):
+            self.skipTest(f"nuscenes-devkit not installed ({DEVKIT_PY}; scripts/setup.sh installs it)")
+        out = os.path.join(self.tmp, "conv_score")
+        rc, _, err = self.convert(out, "--ego-x-offset", "1.3")  # any origin: the pose undoes it
+        self.assertEqual(rc, 0, err)
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        common = ["--config", os.path.join(src, "configs", "bev_tiny.yaml"), f"data.path={out}",
+                  "data.batch_size=2", "train.device=cpu"]
+        rc, _, err = run("train", *common, f"experiment.output_dir={self.tmp}", "experiment.name=score",
+                         "train.steps=1", "train.eval_every=0", env=env)
+        self.assertEqual(rc, 0, err[-3000:])
+        preds = os.path.join(self.tmp, "score.json")
+        rc, _, err = run("eval", *common, "--checkpoint", os.path.join(self.tmp, "score"), "--dump-predictions",
+                         preds, env=env)
+        self.assertEqual(rc, 0, err[-3000:])
+        with open(os.path.join(self.tmp, "score_gt.json")) as f:
+            sub = json.load(f)
+        for boxes in sub["results"].values():
+            for b in boxes:
+                b["detection_score"] = 1.0
+        submission = os.path.join(self.tmp, "submission.json")
+        with open(submission, "w") as f:
+            json.dump(sub, f)
+        with open(self.splits) as f:
+            val_scenes = json.load(f)["val"]
+        script = r"""
+import json, sys
+import nuscenes.eval.common.loaders as loaders
+from nuscenes.nuscenes import NuScenes
+from nuscenes.eval.common.config import config_factory
+from nuscenes.eval.detection.evaluate import DetectionEval
+val = json.loads(sys.argv[3])
+loaders.create_splits_scenes = lambda verbose=False: {"mini_val": val, "mini_train": []}
+nusc = NuScenes(version="v1.0-mini", dataroot=sys.argv[1], verbose=False)
+ev = DetectionEval(nusc, config_factory("detection_cvpr_2019"), sys.argv[2], "mini_val", sys.argv[4], verbose=False)
+metrics, _ = ev.evaluate()
+m = metrics.serialize()
+json.dump({"ap": m["mean_dist_aps"], "tp": m["label_tp_errors"], "gt": len(ev.gt_boxes.all)}, sys.stdout)
+"""
+        p = subprocess.run([DEVKIT_PY, "-c", script, self.root, submission, json.dumps(val_scenes),
+                            os.path.join(self.tmp, "devkit_eval")], capture_output=True, text=True, timeout=600)
+        self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        print(f"\n  devkit on our ground-truth dump: AP {r['ap']}, {r['gt']} ground-truth boxes", file=sys.stderr)
+        self.assertGreater(r["gt"], 0)
+        for cls in ("car", "pedestrian", "bicycle"):
+            self.assertAlmostEqual(r["ap"][cls], 1.0, places=6, msg=cls)
+            # Translation, scale and orientation errors: the same boxes, moved there and back.
+            for err_name in ("trans_err", "scale_err", "orient_err"):
+                self.assertLess(r["tp"][cls][err_name], 1e-4, f"{cls} {err_name}")
 
     def test_resume_keeps_complete_shards_and_refuses_other_options(self):
         out = os.path.join(self.tmp, "resume")
