@@ -110,13 +110,22 @@ std::vector<std::string> list_links(hid_t loc, const std::string& context) {
   return names;
 }
 
-std::optional<int64_t> read_int_attribute(hid_t loc, const std::string& name,
-                                          const std::string& context) {
+namespace {
+// The attribute `name` of `loc`, opened, or nullopt when it is absent.
+std::optional<Id> open_attribute(hid_t loc, const std::string& name, const std::string& context) {
   quiet_errors();
   const htri_t e = H5Aexists(loc, name.c_str());
   if (e < 0) fail(context);
   if (e == 0) return std::nullopt;
-  Id attr(H5Aopen(loc, name.c_str(), H5P_DEFAULT), context);
+  return Id(H5Aopen(loc, name.c_str(), H5P_DEFAULT), context);
+}
+}  // namespace
+
+std::optional<int64_t> read_int_attribute(hid_t loc, const std::string& name,
+                                          const std::string& context) {
+  std::optional<Id> opened = open_attribute(loc, name, context);
+  if (!opened) return std::nullopt;
+  const Id& attr = *opened;
   Id space(H5Aget_space(attr), context);
   const hssize_t n = H5Sget_simple_extent_npoints(space);
   if (n != 1)
@@ -251,11 +260,9 @@ void write_string_attribute(hid_t loc, const std::string& name, const std::strin
 
 std::optional<std::string> read_string_attribute(hid_t loc, const std::string& name,
                                                  const std::string& context) {
-  quiet_errors();
-  const htri_t e = H5Aexists(loc, name.c_str());
-  if (e < 0) fail(context);
-  if (e == 0) return std::nullopt;
-  Id attr(H5Aopen(loc, name.c_str(), H5P_DEFAULT), context);
+  std::optional<Id> opened = open_attribute(loc, name, context);
+  if (!opened) return std::nullopt;
+  const Id& attr = *opened;
   Id type(H5Aget_type(attr), context);
   if (H5Tget_class(type) != H5T_STRING || H5Tis_variable_str(type) > 0)
     throw_error<DataError>("{}: attribute '{}' is not a fixed-length string", context, name);

@@ -1287,6 +1287,28 @@ void write_nuscenes_layout(const NuScenesLayoutOptions& lo) {
     return tok;
   };
   int64_t placed = 0;  // samples placed so far: sample n sits near x = 500 n m
+  // One sensor reading of a keyframe sample: its ego pose and its sample_data record.
+  auto add_sample_data = [&](const std::string& sd_token, const std::string& ep_token,
+                             const std::string& cs_token, const std::string& sample_token,
+                             int64_t ts, const geom::Pose& ego, const char* format, int64_t h,
+                             int64_t w, const std::string& file) {
+    ego_pose.push_back({{"token", ep_token},
+                        {"timestamp", ts},
+                        {"rotation", quat_json(ego.R)},
+                        {"translation", vec_json(ego.t)}});
+    sample_data.push_back({{"token", sd_token},
+                           {"sample_token", sample_token},
+                           {"ego_pose_token", ep_token},
+                           {"calibrated_sensor_token", cs_token},
+                           {"timestamp", ts},
+                           {"fileformat", format},
+                           {"is_key_frame", true},
+                           {"height", h},
+                           {"width", w},
+                           {"filename", file},
+                           {"prev", ""},
+                           {"next", ""}});
+  };
 
   json splits = json::object();
   int64_t scene_no = 0;
@@ -1354,22 +1376,7 @@ void write_nuscenes_layout(const NuScenesLayoutOptions& lo) {
                                      {"translation", json::array({0.94, 0.0, 1.84})},
                                      {"rotation", json::array({1.0, 0.0, 0.0, 0.0})},
                                      {"camera_intrinsic", json::array()}});
-        ego_pose.push_back({{"token", ep_token},
-                            {"timestamp", ts},
-                            {"rotation", quat_json(ego.R)},
-                            {"translation", vec_json(ego.t)}});
-        sample_data.push_back({{"token", sd_token},
-                               {"sample_token", stoken},
-                               {"ego_pose_token", ep_token},
-                               {"calibrated_sensor_token", cs_token},
-                               {"timestamp", ts},
-                               {"fileformat", "pcd"},
-                               {"is_key_frame", true},
-                               {"height", 0},
-                               {"width", 0},
-                               {"filename", file},
-                               {"prev", ""},
-                               {"next", ""}});
+        add_sample_data(sd_token, ep_token, cs_token, stoken, ts, ego, "pcd", 0, 0, file);
       }
       for (const Road& road : g.layout.roads) {
         const double s0 = std::max(road.s_min, -100.0), s1 = std::min(road.s_max, 100.0);
@@ -1422,22 +1429,8 @@ void write_nuscenes_layout(const NuScenesLayoutOptions& lo) {
              {"camera_intrinsic", json::array({json::array({cam.K.fx, 0.0, cam.K.cx}),
                                                json::array({0.0, cam.K.fy, cam.K.cy}),
                                                json::array({0.0, 0.0, 1.0})})}});
-        ego_pose.push_back({{"token", ep_token},
-                            {"timestamp", cts},
-                            {"rotation", quat_json(ego.R)},
-                            {"translation", vec_json(ego.t)}});
-        sample_data.push_back({{"token", sd_token},
-                               {"sample_token", stoken},
-                               {"ego_pose_token", ep_token},
-                               {"calibrated_sensor_token", cs_token},
-                               {"timestamp", cts},
-                               {"fileformat", "jpg"},
-                               {"is_key_frame", true},
-                               {"height", o.gen.height},
-                               {"width", o.gen.width},
-                               {"filename", file},
-                               {"prev", ""},
-                               {"next", ""}});
+        add_sample_data(sd_token, ep_token, cs_token, stoken, cts, ego, "jpg", o.gen.height,
+                        o.gen.width, file);
       }
       // Boxes: ego -> global. Each object is its own instance (the scenes are independent).
       const float* b = r.boxes.data_ptr<float>();

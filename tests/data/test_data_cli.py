@@ -19,6 +19,19 @@ def run(*args):
     return p.returncode, p.stdout, p.stderr
 
 
+def assert_one_error_line(test, rc, err, *needles):
+    """A failed command printed exactly one `parallax: error:` line (besides log lines) holding every
+    needle, and no HDF5 diagnostics; returns the line."""
+    test.assertNotEqual(rc, 0)
+    lines = [l for l in err.splitlines() if l.strip() and not l.startswith("[parallax")]
+    test.assertEqual(len(lines), 1, f"expected one error line, got: {err!r}")
+    test.assertTrue(lines[0].startswith("parallax: error: "), lines[0])
+    for n in needles:
+        test.assertIn(n, lines[0])
+    test.assertNotIn("HDF5-DIAG", err)
+    return lines[0]
+
+
 class DataCliTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -34,13 +47,7 @@ class DataCliTest(unittest.TestCase):
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
     def assert_one_error_line(self, rc, err, *needles):
-        self.assertNotEqual(rc, 0)
-        lines = [l for l in err.splitlines() if l.strip() and not l.startswith("[parallax")]
-        self.assertEqual(len(lines), 1, f"expected one error line, got: {err!r}")
-        self.assertTrue(lines[0].startswith("parallax: error: "), lines[0])
-        for n in needles:
-            self.assertIn(n, lines[0])
-        self.assertNotIn("HDF5-DIAG", err)
+        return assert_one_error_line(self, rc, err, *needles)
 
     def test_help_lists_the_verbs_and_their_options(self):
         rc, out, _ = run("--help")

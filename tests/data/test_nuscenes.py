@@ -35,6 +35,9 @@ import unittest
 import h5py
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_data_cli  # noqa: E402  (assert_one_error_line)
+
 PARALLAX = None
 SMALL = ["--height", "128", "--width", "224", "--threads", "2", "--seed", "5"]
 DEVKIT_PY = os.environ.get("PARALLAX_NUSCENES_PYTHON", os.path.join(
@@ -96,13 +99,7 @@ class NuScenesTest(unittest.TestCase):
                    "--workers", "2", "--bev-range", "25", *extra)
 
     def assert_one_error_line(self, rc, err, *needles):
-        self.assertNotEqual(rc, 0)
-        lines = [l for l in err.splitlines() if l.strip() and not l.startswith("[parallax")]
-        self.assertEqual(len(lines), 1, f"expected one error line, got: {err!r}")
-        self.assertTrue(lines[0].startswith("parallax: error: "), lines[0])
-        for n in needles:
-            self.assertIn(n, lines[0])
-        return lines[0]
+        return test_data_cli.assert_one_error_line(self, rc, err, *needles)
 
     def copy_root(self, name):
         d = os.path.join(self.tmp, name)
