@@ -69,9 +69,15 @@ std::string WeightsReport::summary() const {
   return core::join(parts, "; ");
 }
 
+bool is_fp8_state(const std::string& name) {
+  static const std::string kHistory = ".fp8.amax_history";
+  return name.size() > kHistory.size() &&
+         name.compare(name.size() - kHistory.size(), kHistory.size(), kHistory) == 0;
+}
+
 bool is_aux_tensor(const std::string& name) {
   const std::string aux = std::string(models::kAuxModule) + ".";
-  return name.compare(0, aux.size(), aux) == 0;
+  return name.compare(0, aux.size(), aux) == 0 || is_fp8_state(name);
 }
 
 namespace {
@@ -183,7 +189,8 @@ WeightsReport match_weights(const std::map<std::string, at::Tensor>& model,
   for (const auto& [name, t] : model) {
     const auto it = source.shapes().find(name);
     if (it == source.shapes().end()) {
-      report.missing.push_back(name);
+      // A run switched to precision.fp8.recipe=delayed starts its histories empty.
+      if (!is_fp8_state(name)) report.missing.push_back(name);
       continue;
     }
     const std::vector<int64_t> want = wanted_shape(name, t, options);

@@ -71,9 +71,13 @@ struct WeightsOptions {
       boxes_of;
 };
 
-// A training-only tensor of a model (models/model.h, kAuxModule: "aux.<module>..."): never
-// exported, and not "unexpected" when a model without it loads a checkpoint that has it.
+// A training-only tensor of a model (models/model.h, kAuxModule: "aux.<module>...", or an FP8
+// layer's scaling history, is_fp8_state): never exported, and not "unexpected" when a model
+// without it loads a checkpoint that has it.
 bool is_aux_tensor(const std::string& name);
+// The delayed FP8 recipe's amax history ("<layer>.fp8.amax_history", kernels/fp8.h): not "missing"
+// either when a checkpoint without it is loaded (the history starts empty).
+bool is_fp8_state(const std::string& name);
 
 // Loads `module`'s parameters and buffers from `path`: an exported weights .h5 file, or a
 // checkpoint (a checkpoint directory, a checkpoints directory or a run directory). Values are

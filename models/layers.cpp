@@ -31,7 +31,22 @@ DenseLinearImpl::DenseLinearImpl(int64_t in_features, int64_t out_features, bool
   if (with_bias) bias = register_parameter("bias", core::init_zeros({out_features}));
 }
 
+void DenseLinearImpl::enable_fp8(const kernels::fp8::Fp8Options& options) {
+  PARALLAX_CHECK(fp8.is_empty(), Error, "FP8: this linear layer is FP8 already");
+  PARALLAX_CHECK(!lora_a.defined() && !quantized(), ConfigError,
+                 "key 'precision.mode': fp8 does not combine with {} on the same linear layer",
+                 lora_a.defined() ? "a LoRA adapter" : "QAT quantizers");
+  PARALLAX_CHECK(kernels::fp8::fp8_linear_supported(weight.size(1), weight.size(0)), ConfigError,
+                 "key 'precision.mode': fp8 needs linear layers whose in and out features are "
+                 "multiples of 16, got a weight [out {}, in {}]",
+                 weight.size(0), weight.size(1));
+  fp8 = register_module("fp8", kernels::fp8::Fp8Linear(options));
+}
+
 void DenseLinearImpl::add_lora(int64_t rank, double alpha, double dropout) {
+  PARALLAX_CHECK(fp8.is_empty(), ConfigError,
+                 "LoRA: this linear layer computes in FP8 (precision.mode=fp8 and LoRA do not "
+                 "combine)");
   PARALLAX_CHECK(!lora_a.defined(), Error, "LoRA: this linear layer already has an adapter");
   PARALLAX_CHECK(!quantized(), Error,
                  "LoRA: this linear layer has QAT quantizers (LoRA and QAT do not combine)");
@@ -69,6 +84,9 @@ at::Tensor DenseLinearImpl::lora_forward(const at::Tensor& x) {
 }
 
 void DenseLinearImpl::add_quantizers() {
+  PARALLAX_CHECK(fp8.is_empty(), ConfigError,
+                 "QAT: this linear layer computes in FP8 (precision.mode=fp8 and QAT do not "
+                 "combine)");
   PARALLAX_CHECK(!quantized(), Error, "QAT: this linear layer already has quantizers");
   PARALLAX_CHECK(!lora_a.defined(), Error,
                  "QAT: this linear layer has a LoRA adapter (LoRA and QAT do not combine)");

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "core/linear_spec.h"
+#include "kernels/fp8.h"
 #include "models/checkpointable.h"
 #include "models/onnx/emitter.h"
 #include "models/quant.h"
@@ -81,10 +82,15 @@ class Block : public CheckpointableBlock {
 //   y = fq(x) fq(W)^T + b
 // (the adapter and the quantizers are not combined: add_quantizers() refuses a layer with an
 // adapter and add_lora() one with quantizers).
+//
+// FP8 (precision.mode=fp8, kernels/fp8.h): enable_fp8() registers the submodule "fp8" and the
+// forward runs its three GEMMs in FP8; it refuses a layer with an adapter or quantizers, and they
+// refuse it.
 class DenseLinearImpl : public torch::nn::Module {
  public:
   DenseLinearImpl(int64_t in_features, int64_t out_features, bool bias = true);
   at::Tensor forward(const at::Tensor& x) {
+    if (!fp8.is_empty()) return fp8->forward(x, weight, bias);
     if (lora_a.defined()) return lora_forward(x);
     if (!input_quantizer.is_empty()) return quant_forward(x);
     return at::linear(x, weight, bias);
@@ -102,8 +108,13 @@ class DenseLinearImpl : public torch::nn::Module {
   void add_quantizers();
   bool quantized() const { return !input_quantizer.is_empty(); }
 
-  at::Tensor weight, bias;    // bias undefined without one
-  at::Tensor lora_a, lora_b;  // undefined without an adapter
+  // parallax::Error when the layer has an adapter, quantizers or FP8 already, or a shape the FP8
+  // GEMMs do not take (kernels::fp8::fp8_linear_supported).
+  void enable_fp8(const kernels::fp8::Fp8Options& options);
+
+  at::Tensor weight, bias;               // bias undefined without one
+  kernels::fp8::Fp8Linear fp8{nullptr};  // empty unless FP8
+  at::Tensor lora_a, lora_b;             // undefined without an adapter
   TensorQuantizer input_quantizer{nullptr}, weight_quantizer{nullptr};  // empty without QAT
 
  private:

@@ -370,4 +370,27 @@ Cost VitClassifier::analytic_cost(const VitSpec& spec, int64_t image_size, int64
          linear_cost(spec.dim, num_classes, true, 1);
 }
 
+int enable_fp8(torch::nn::Module& model, const kernels::fp8::Fp8Options& options) {
+  int n = 0;
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    if (dynamic_cast<AttentionImpl*>(m.get()) == nullptr &&
+        dynamic_cast<MlpBlockImpl*>(m.get()) == nullptr)
+      continue;
+    for (const auto& child : m->named_children()) {
+      torch::nn::Module* c = child.value().get();
+      if (auto* d = dynamic_cast<DenseLinearImpl*>(c)) {
+        d->enable_fp8(options);
+      } else if (auto* col = dynamic_cast<parallel::tensor::ColumnParallelLinearImpl*>(c)) {
+        col->enable_fp8(options);
+      } else if (auto* row = dynamic_cast<parallel::tensor::RowParallelLinearImpl*>(c)) {
+        row->enable_fp8(options);
+      } else {
+        continue;
+      }
+      ++n;
+    }
+  }
+  return n;
+}
+
 }  // namespace parallax::models

@@ -197,4 +197,13 @@ at::Tensor normalize_images(const at::Tensor& images, at::ScalarType dtype);
 // kernels::add_layer_norm when its CUDA kernel takes x.
 at::Tensor layer_norm_in_dtype(torch::nn::LayerNorm& ln, const at::Tensor& x, bool fused = true);
 
+// precision.mode=fp8: the linear layers of every ViT attention and MLP block inside `model` (qkv,
+// proj, fc1, fc2; dense or tensor-parallel) compute in FP8 (kernels/fp8.h). The patch embedding,
+// the heads and everything outside the blocks stay in bf16: the patch embedding and a
+// classification head are a few percent of the FLOPs and the first and last layers are where
+// FP8's rounding costs the most accuracy (torchao's and Transformer Engine's recipes leave them
+// out too). Returns the number of layers; ConfigError naming the key when a layer cannot
+// (a LoRA adapter or QAT quantizers on it, a shape that is not a multiple of 16).
+int enable_fp8(torch::nn::Module& model, const kernels::fp8::Fp8Options& options);
+
 }  // namespace parallax::models

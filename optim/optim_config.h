@@ -70,21 +70,41 @@ struct ScheduleConfig {
   }
 };
 
+// precision.fp8: how FP8 scales its tensors (kernels/fp8.h).
+struct Fp8Config {
+  std::string recipe = "current";
+  int64_t amax_history = 16;
+
+  template <class V>
+  void visit(V& v) {
+    v("recipe", recipe,
+      "fp8 scaling: current (amax of the tensor being cast, torchao's default) or delayed (max "
+      "over an amax history, Transformer Engine's)",
+      core::Check::one_of({"current", "delayed"}));
+    v("amax_history", amax_history, "fp8 delayed scaling: steps of amax history",
+      core::Check::between(1, 1024));
+  }
+};
+
 struct PrecisionConfig {
   std::string mode = "fp32";
   double loss_scale_init = 65536.0;
   int64_t loss_scale_growth_interval = 2000;
   double loss_scale_min = 1.0;
+  Fp8Config fp8;
 
   template <class V>
   void visit(V& v) {
-    v("mode", mode, "compute precision (bf16/fp16 via autocast, fp32 master weights)",
-      core::Check::one_of({"fp32", "bf16", "fp16"}));
+    v("mode", mode,
+      "compute precision (bf16/fp16 via autocast, fp32 master weights; fp8: bf16 with the ViT "
+      "blocks' linear layers on FP8 tensor cores)",
+      core::Check::one_of({"fp32", "bf16", "fp16", "fp8"}));
     v("loss_scale_init", loss_scale_init, "fp16 initial loss scale", core::Check::positive());
     v("loss_scale_growth_interval", loss_scale_growth_interval,
       "fp16: double the scale after this many steps without inf/NaN", core::Check::at_least(1));
     v("loss_scale_min", loss_scale_min, "fp16: abort if the scale must fall below this",
       core::Check::positive());
+    v("fp8", fp8);
   }
 };
 

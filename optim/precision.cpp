@@ -11,6 +11,7 @@ constexpr core::EnumName<Precision> kPrecisions[] = {
     {Precision::kFp32, "fp32"},
     {Precision::kBf16, "bf16"},
     {Precision::kFp16, "fp16"},
+    {Precision::kFp8, "fp8"},
 };
 }  // namespace
 

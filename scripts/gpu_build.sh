@@ -31,6 +31,11 @@ if ls .debs/libturbojpeg*.deb >/dev/null 2>&1; then
   EXTRA+=(-DTURBOJPEG_ROOT="$PWD/.deps/turbojpeg/usr")
   echo "[gpu_build] libjpeg-turbo from .debs/ (JPEG image shards enabled)"
 fi
+# torchao (the PyTorch side of bench/train/fp8_compare.sh) from a carried wheel
+# (`pip download torchao==0.17.0 --no-deps -d .debs` on a machine with network).
+if ls .debs/torchao-*.whl >/dev/null 2>&1 && ! python3 -c "import torchao" 2>/dev/null; then
+  python3 -m pip install --no-deps --no-index -q .debs/torchao-*.whl && echo "[gpu_build] torchao from .debs/"
+fi
 start=$(date +%s)
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_HOST_COMPILER="$CXX" "${EXTRA[@]}"
 cmake --build "$BUILD" -j "$(nproc)"

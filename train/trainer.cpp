@@ -246,6 +246,8 @@ std::map<std::string, at::Tensor> TrainerImpl::compute_step(
   }
   if (!found_inf_) engine_->update(lr);
   scaler_->update(found_inf_);
+  // The delayed recipe's amaxes of this step into the histories (kernels/fp8.h).
+  if (!fp8_layers_.empty()) kernels::fp8::roll_histories(fp8_layers_, fp8_reduce_);
   return terms;
 }
 

@@ -166,6 +166,11 @@ class TrainerImpl {
   models::ReplicaMean replica_mean_;
   optim::PrecisionPolicy precision_;
   std::unique_ptr<optim::LossScaler> scaler_;
+  // precision.mode=fp8: the model's FP8 layers (kernels/fp8.h) and the MAX all-reduce of the
+  // delayed recipe's amaxes over the replicas of this rank's layers (dp, then tp).
+  void enable_fp8();
+  std::vector<kernels::fp8::Fp8LinearImpl*> fp8_layers_;
+  kernels::fp8::AmaxReducer fp8_reduce_;
   std::unique_ptr<BatchSource> source_;
   std::unique_ptr<ck::Checkpointer> checkpointer_;
   std::unique_ptr<ck::CheckpointReader> resume_;  // open only during setup

@@ -44,9 +44,47 @@ c10::Device pick_device(const TrainConfig& cfg, const comm::World& world) {
 
 }  // namespace
 
+void TrainerImpl::enable_fp8() {
+  kernels::fp8::Fp8Options o;
+  o.recipe = kernels::fp8::parse_recipe(cfg_.precision.fp8.recipe, "precision.fp8.recipe");
+  o.amax_history = cfg_.precision.fp8.amax_history;
+  const int n = models::enable_fp8(*model_, o);
+  PARALLAX_CHECK(n > 0, ConfigError,
+                 "key 'precision.mode': fp8 computes the ViT blocks' linear layers in FP8, and "
+                 "model '{}'{} has none; use precision.mode=bf16",
+                 cfg_.model.name, cfg_.model.name == "bev" ? " with this backbone" : "");
+  fp8_layers_ = kernels::fp8::fp8_layers(*model_);
+  for (auto* l : fp8_layers_) l->to(device_);
+  std::vector<comm::CommPtr> groups;
+  for (const char* g : {"dp", "tp"}) {
+    const comm::CommPtr& c = topo_->group(g);
+    if (c && c->size() > 1) groups.push_back(c);
+  }
+  if (!groups.empty()) {
+    fp8_reduce_ = [groups](at::Tensor& amax) {
+      for (const auto& c : groups) c->all_reduce_async(amax, comm::ReduceOp::kMax)->wait_stream();
+    };
+  }
+  core::log::info(
+      "precision fp8: {} linear layers (the ViT blocks' qkv, proj, fc1, fc2) on FP8 tensor cores, "
+      "E4M3 forward and E5M2 gradients, {} scaling{}",
+      n, o.recipe == kernels::fp8::Recipe::kDelayed ? "delayed" : "current",
+      o.recipe == kernels::fp8::Recipe::kDelayed
+          ? fmt::format(" over {} steps of amax history", o.amax_history)
+          : "");
+}
+
 void TrainerImpl::setup() {
   device_ = pick_device(cfg_.train, world_);
   precision_ = optim::make_precision_policy(cfg_.precision, device_.type());
+  if (precision_.fp8()) {
+    // Before anything is built: the device decides.
+    const std::string blocker = kernels::fp8::fp8_device_blocker(device_);
+    PARALLAX_CHECK(blocker.empty(), ConfigError,
+                   "key 'precision.mode': fp8 needs an NVIDIA GPU with FP8 tensor cores: {}; use "
+                   "precision.mode=bf16",
+                   blocker);
+  }
   // Ranks sharing a node share its cores: without this, every rank would start one intra-op
   // thread per core and they would all fight over them.
   const int local_ranks = std::max(1, world_.launch().local_world_size);
@@ -312,6 +350,8 @@ void TrainerImpl::setup() {
     hooks_.transform_model(*model_);
     model_->to(device_);  // parameters the transform added
   }
+  // After the pretrained weights (which hold no scaling state), before the resume (which does).
+  if (precision_.fp8()) enable_fp8();
   // ZeRO-3 over several ranks reads each rank's shard of the model after the engine has sharded
   // it (below), so no rank reads the whole model from the checkpoint; a deferred pipeline model
   // reads it into its recipes (above).
@@ -427,6 +467,8 @@ void TrainerImpl::setup() {
     o.layout = layout;
     checkpointer_ = std::make_unique<ck::Checkpointer>(ckpt_dir.string(), o);
   }
+  // A resumed delayed-scaling history decides the scales from the first step on.
+  for (auto* l : fp8_layers_) l->history_loaded();
   // Last, once the run is known to start: a resume that fails to load changes nothing on disk.
   open_run_directory(config_text);
 }

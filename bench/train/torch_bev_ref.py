@@ -795,10 +795,27 @@ def split_dtensor_groups(groups):
     return out
 
 
+def to_float8(model):
+    """torchao's float8 training (convert_to_float8_training with its default Float8LinearConfig:
+    tensorwise current scaling, E4M3 forward, E5M2 gradients) on the ViT blocks' linear layers only
+    (qkv, proj, fc1, fc2), the layers Parallax's precision.mode=fp8 converts."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def blocks_only(mod, fqn):
+        parts = fqn.split(".")
+        return len(parts) >= 2 and (parts[-2], parts[-1]) in {("attn", "qkv"), ("attn", "proj"),
+                                                              ("mlp", "fc1"), ("mlp", "fc2")}
+
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=blocks_only)
+    return model
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=32, help="samples (6-camera scenes) per GPU")
     ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
+    ap.add_argument("--float8", action="store_true",
+                    help="torchao float8 training on the ViT blocks' linear layers (with --mode compile, as torchao advises)")
     ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="DDP gradient all-reduce dtype (bf16: PyTorch's bf16_compress_hook)")
     ap.add_argument("--warmup", type=int, default=15)
@@ -856,6 +873,9 @@ def main():
     opt = torch.optim.SGD(groups, lr=1e-3) if a.check else torch.optim.AdamW(groups, lr=a.lr, fused=cuda)
     if distributed and a.tp == 1:
         model, variant = wrap_ddp(model, [local_rank] if cuda else None, a.grad_dtype)
+    if a.float8:
+        to_float8(model.module if hasattr(model, "module") else model)
+        variant += "+float8"
     fwd = torch.compile(model) if a.mode == "compile" else model
     dp_rank = rank // a.tp  # the tp ranks of a model replica see the same batches
     gen = torch.Generator().manual_seed(1000 + dp_rank)  # each data-parallel rank draws its own batches

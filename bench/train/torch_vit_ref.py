@@ -27,10 +27,27 @@ VIT_B16_FWD_FLOPS = 2 * 17.56e9
 PEAK_BF16 = 989e12
 
 
+def to_float8(model):
+    """torchao's float8 training (convert_to_float8_training with its default Float8LinearConfig:
+    tensorwise current scaling, E4M3 forward, E5M2 gradients) on the ViT blocks' linear layers only
+    (qkv, proj, fc1, fc2), the layers Parallax's precision.mode=fp8 converts."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def blocks_only(mod, fqn):
+        parts = fqn.split(".")
+        return len(parts) >= 2 and (parts[-2], parts[-1]) in {("attn", "qkv"), ("attn", "proj"),
+                                                              ("mlp", "fc1"), ("mlp", "fc2")}
+
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=blocks_only)
+    return model
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=128, help="per GPU")
     ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
+    ap.add_argument("--float8", action="store_true",
+                    help="torchao float8 training on the ViT blocks' linear layers (with --mode compile, as torchao advises)")
     ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="DDP gradient all-reduce dtype (bf16: PyTorch's bf16_compress_hook)")
     ap.add_argument("--wrap", choices=["ddp", "fsdp2"], default="ddp",
@@ -61,6 +78,9 @@ def main():
         variant = "-fsdp2"
     elif distributed:
         model, variant = wrap_ddp(model, [local_rank] if cuda else None, a.grad_dtype)
+    if a.float8:
+        to_float8(model.module if hasattr(model, "module") else model)
+        variant += "+float8"
     fwd = torch.compile(model) if a.mode == "compile" else model
     # Fused AdamW on both sides (Parallax's optimizer is ATen's fused kernel); FSDP2's DTensor
     # parameters take it too.

@@ -359,7 +359,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const LinearSpec& spec, TpPtr
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
   const at::Tensor in = sequence_parallel() ? all_gather_sequence(x, tp_) : copy_to_tp(x, tp_);
-  at::Tensor y = at::linear(in, weight, bias);
+  at::Tensor y = fp8.is_empty() ? at::linear(in, weight, bias) : fp8->forward(in, weight, bias);
   return spec_.gather_output ? gather_from_tp(y, tp_) : y;
 }
 
@@ -387,7 +387,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(const LinearSpec& spec, TpPtr tp)
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   const at::Tensor in = spec_.input_is_parallel ? x : scatter_to_tp(x, tp_);
-  const at::Tensor partial = at::linear(in, weight);
+  const at::Tensor partial = fp8.is_empty() ? at::linear(in, weight) : fp8->forward(in, weight);
   at::Tensor y =
       sequence_parallel() ? reduce_scatter_to_sequence(partial, tp_) : reduce_from_tp(partial, tp_);
   return bias.defined() ? y + bias : y;
@@ -395,6 +395,46 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
 
 std::vector<std::pair<std::string, ParamLayout>> RowParallelLinearImpl::param_layouts() const {
   return {{"weight", ParamLayout{1, 1, tp_->rank(), tp_->size()}}};
+}
+
+namespace {
+
+// Enables FP8 on a tp layer's local GEMM: `options` with the tp group's MAX all-reduce.
+kernels::fp8::Fp8Linear tp_fp8(torch::nn::Module& layer, const at::Tensor& weight,
+                               const LinearSpec& spec, const TpPtr& tp,
+                               kernels::fp8::Fp8Options options) {
+  PARALLAX_CHECK(
+      kernels::fp8::fp8_linear_supported(weight.size(1), weight.size(0)), ConfigError,
+      "key 'precision.mode': fp8 needs linear layers whose in and out features are "
+      "multiples of 16; layer '{}' holds a weight [out {}, in {}] on each of {} tp ranks",
+      spec.name, weight.size(0), weight.size(1), tp->size());
+  if (tp->size() > 1) {
+    TpGroup* g = tp.get();
+    options.reduce = [g](at::Tensor& amax) {
+      finish(g->comm().all_reduce_async(amax, comm::ReduceOp::kMax));
+    };
+  }
+  return layer.register_module("fp8", kernels::fp8::Fp8Linear(std::move(options)));
+}
+
+}  // namespace
+
+void ColumnParallelLinearImpl::enable_fp8(kernels::fp8::Fp8Options options) {
+  PARALLAX_CHECK(fp8.is_empty(), Error, "FP8: layer '{}' is FP8 already", spec_.name);
+  // The input arrives whole (all-gathered under SP); the weight's rows and the output gradient's
+  // columns are this rank's.
+  options.input_sharded = false;
+  options.weight_sharded = options.grad_sharded = true;
+  fp8 = tp_fp8(*this, weight, spec_, tp_, std::move(options));
+}
+
+void RowParallelLinearImpl::enable_fp8(kernels::fp8::Fp8Options options) {
+  PARALLAX_CHECK(fp8.is_empty(), Error, "FP8: layer '{}' is FP8 already", spec_.name);
+  // The input's and the weight's columns are this rank's; the partial output's gradient is whole
+  // (g's backward is the identity; under SP it is all-gathered).
+  options.input_sharded = options.weight_sharded = true;
+  options.grad_sharded = false;
+  fp8 = tp_fp8(*this, weight, spec_, tp_, std::move(options));
 }
 
 LinearFactory parallel_linear_factory(TpPtr tp) {

@@ -37,6 +37,7 @@
 #pragma once
 
 #include "core/linear_spec.h"
+#include "kernels/fp8.h"
 #include "parallel/comm/communicator.h"
 
 #include <ATen/core/Tensor.h>
@@ -169,8 +170,13 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public LayoutProvider
   at::Tensor forward(const at::Tensor& x);
   std::vector<std::pair<std::string, ParamLayout>> param_layouts() const override;
   const LinearSpec& spec() const { return spec_; }
+  // The local GEMM in FP8 (kernels/fp8.h), the amax of every tensor sharded over the tp group
+  // all-reduced with MAX so that all tp ranks cast with one scale. ConfigError when the local
+  // weight's shape does not take the FP8 GEMMs.
+  void enable_fp8(kernels::fp8::Fp8Options options);
 
   at::Tensor weight, bias;
+  kernels::fp8::Fp8Linear fp8{nullptr};  // empty unless FP8
 
  private:
   bool sequence_parallel() const { return tp_->sequence_parallel() && spec_.in_sequence_region; }
@@ -187,8 +193,13 @@ class RowParallelLinearImpl : public torch::nn::Module, public LayoutProvider {
   at::Tensor forward(const at::Tensor& x);
   std::vector<std::pair<std::string, ParamLayout>> param_layouts() const override;
   const LinearSpec& spec() const { return spec_; }
+  // The local GEMM in FP8 (kernels/fp8.h), the amax of every tensor sharded over the tp group
+  // all-reduced with MAX so that all tp ranks cast with one scale. ConfigError when the local
+  // weight's shape does not take the FP8 GEMMs.
+  void enable_fp8(kernels::fp8::Fp8Options options);
 
   at::Tensor weight, bias;
+  kernels::fp8::Fp8Linear fp8{nullptr};  // empty unless FP8
 
  private:
   bool sequence_parallel() const { return tp_->sequence_parallel() && spec_.in_sequence_region; }

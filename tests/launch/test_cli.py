@@ -78,6 +78,21 @@ class CliTest(unittest.TestCase):
         self.assertEqual(set(c), {"experiment", "model", "data", "parallel", "precision", "optim",
                                   "schedule", "train", "checkpoint", "export", "qat", "lora", "distill"})
 
+    def test_fp8_without_fp8_tensor_cores_is_one_error_line(self):
+        # precision.mode=fp8 needs compute capability 8.9 or newer: on the CPU it is refused before
+        # anything is built or written; bad recipe keys are refused by the config itself.
+        cfg = os.path.join(SRC, "configs", "bev_tiny.yaml")
+        with tempfile.TemporaryDirectory() as d:
+            rc, _, err = run("train", "--config", cfg, "train.device=cpu", "precision.mode=fp8",
+                             f"experiment.output_dir={d}", "model.backbone=vit")
+            self.assert_one_error_line(rc, err, "key 'precision.mode': fp8 needs an NVIDIA GPU with FP8 tensor cores",
+                                       "cpu", "precision.mode=bf16")
+            self.assertEqual(os.listdir(d), [])
+        rc, _, err = run("train", "--config", cfg, "precision.fp8.recipe=tensorwise")
+        self.assert_one_error_line(rc, err, "precision.fp8.recipe", "tensorwise")
+        rc, _, err = run("train", "--config", cfg, "precision.fp8.amax_history=0")
+        self.assert_one_error_line(rc, err, "precision.fp8.amax_history")
+
     def test_bad_override_and_bad_file_name_the_key(self):
         cfg = os.path.join(SRC, "configs", "mlp_demo.yaml")
         rc, _, err = run("train", "--config", cfg, "optim.lrr=1")
