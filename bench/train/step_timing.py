@@ -1,4 +1,4 @@
-"""Step timing and DDP wrapping shared by the PyTorch reference scripts (torch_vit_ref.py,
+"""Step timing, DDP wrapping and torchao float8 conversion shared by the PyTorch reference scripts (torch_vit_ref.py,
 torch_bev_ref.py).
 
 Parallax reports the wall time of each logged interval of `train.log_every` steps divided by its
@@ -69,3 +69,19 @@ def wrap_ddp(model, device_ids, grad_dtype):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     return ddp, "+bf16grads"
+
+
+def to_float8(model):
+    """torchao's float8 training (convert_to_float8_training with its default Float8LinearConfig:
+    tensorwise current scaling, E4M3 forward, E5M2 gradients) on the ViT blocks' linear layers only
+    (qkv, proj, fc1, fc2), the layers Parallax's precision.mode=fp8 converts."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def blocks_only(mod, fqn):
+        parts = fqn.split(".")
+        return len(parts) >= 2 and (parts[-2], parts[-1]) in {("attn", "qkv"), ("attn", "proj"),
+                                                              ("mlp", "fc1"), ("mlp", "fc2")}
+
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=blocks_only)
+    return model
+

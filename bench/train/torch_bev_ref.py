@@ -68,7 +68,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from step_timing import init_process, median_step_ms, wrap_ddp  # same folder: python puts the script's folder on sys.path
+from step_timing import init_process, median_step_ms, to_float8, wrap_ddp  # same folder: python puts the script's folder on sys.path
 
 PEAK_BF16 = 989e12  # H100/H200 dense bf16, as Parallax's trainer (train/trainer.cpp)
 BOX_CODE_SIZE = 8
@@ -793,21 +793,6 @@ def split_dtensor_groups(groups):
             if ps:
                 out.append({**g, "params": ps})
     return out
-
-
-def to_float8(model):
-    """torchao's float8 training (convert_to_float8_training with its default Float8LinearConfig:
-    tensorwise current scaling, E4M3 forward, E5M2 gradients) on the ViT blocks' linear layers only
-    (qkv, proj, fc1, fc2), the layers Parallax's precision.mode=fp8 converts."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    def blocks_only(mod, fqn):
-        parts = fqn.split(".")
-        return len(parts) >= 2 and (parts[-2], parts[-1]) in {("attn", "qkv"), ("attn", "proj"),
-                                                              ("mlp", "fc1"), ("mlp", "fc2")}
-
-    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=blocks_only)
-    return model
 
 
 def main():

@@ -20,26 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from step_timing import init_process, median_step_ms, wrap_ddp  # same folder: python puts the script's folder on sys.path
+from step_timing import init_process, median_step_ms, to_float8, wrap_ddp  # same folder: python puts the script's folder on sys.path
 
 # Forward multiply-adds of ViT-B/16 at 224 (timm/fvcore: 17.56 GMACs); training = 3x forward.
 VIT_B16_FWD_FLOPS = 2 * 17.56e9
 PEAK_BF16 = 989e12
-
-
-def to_float8(model):
-    """torchao's float8 training (convert_to_float8_training with its default Float8LinearConfig:
-    tensorwise current scaling, E4M3 forward, E5M2 gradients) on the ViT blocks' linear layers only
-    (qkv, proj, fc1, fc2), the layers Parallax's precision.mode=fp8 converts."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    def blocks_only(mod, fqn):
-        parts = fqn.split(".")
-        return len(parts) >= 2 and (parts[-2], parts[-1]) in {("attn", "qkv"), ("attn", "proj"),
-                                                              ("mlp", "fc1"), ("mlp", "fc2")}
-
-    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=blocks_only)
-    return model
 
 
 def main():
