@@ -93,8 +93,9 @@ TEST(Fp8StateTest, DelayedHistoriesRoundTripAndResumeBitwise) {
   // The next step of both: the same loss and the same histories, bit for bit.
   EXPECT_TRUE(at::equal(train_step(*model, batch), train_step(*resumed, batch)));
   for (const auto& it : model->named_buffers()) {
-    if (is_fp8_state(it.key()))
+    if (is_fp8_state(it.key())) {
       EXPECT_TRUE(at::equal(it.value(), resumed->named_buffers()[it.key()])) << it.key();
+    }
   }
 
   // The exporter's model (no FP8) loads the checkpoint: the histories are not "unexpected".
