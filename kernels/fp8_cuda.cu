@@ -128,27 +128,6 @@ __global__ void cast_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
 constexpr int kVRows = 64, kVCols = 128, kVStride = kVCols + 8;
 
 template <typename T>
-__device__ __forceinline__ void load8(const T* p, float v[8]) {
-  if constexpr (sizeof(T) == 2) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-    const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = to_f(e[j]);
-  } else {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-    v[0] = a.x;
-    v[1] = a.y;
-    v[2] = a.z;
-    v[3] = a.w;
-    v[4] = b.x;
-    v[5] = b.y;
-    v[6] = b.z;
-    v[7] = b.w;
-  }
-}
-
-template <typename T>
 __global__ void __launch_bounds__(kThreads)
     cast_vec_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
                     const float* __restrict__ amax_for_scale, float fmax, float floor, bool e5m2,
@@ -209,67 +188,32 @@ int blocks_for(int64_t n) {
   return static_cast<int>(want < 1 ? 1 : (want > 4096 ? 4096 : want));
 }
 
-}  // namespace
-
-int fp8_amax(DType t, const void* x, int64_t n, float* amax, cudaStream_t stream) {
+template <typename T>
+int amax_t(const T* x, int64_t n, float* amax, cudaStream_t stream) {
   cudaError_t e = cudaMemsetAsync(amax, 0, sizeof(float), stream);
   if (e != cudaSuccess) return static_cast<int>(e);
   if (n == 0) return 0;
   const int blocks = blocks_for(n);
   if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
-    switch (t) {
-      case DType::kBFloat16:
-        amax_vec_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), n,
-                                                         amax);
-        break;
-      case DType::kFloat16:
-        amax_vec_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const __half*>(x), n, amax);
-        break;
-      default:
-        amax_vec_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(x), n, amax);
-    }
-    return static_cast<int>(cudaGetLastError());
-  }
-  switch (t) {
-    case DType::kBFloat16:
-      amax_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), n, amax);
-      break;
-    case DType::kFloat16:
-      amax_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const __half*>(x), n, amax);
-      break;
-    default:
-      amax_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(x), n, amax);
+    amax_vec_kernel<<<blocks, kThreads, 0, stream>>>(x, n, amax);
+  } else {
+    amax_kernel<<<blocks, kThreads, 0, stream>>>(x, n, amax);
   }
   return static_cast<int>(cudaGetLastError());
 }
 
-int fp8_cast(DType t, const void* x, int64_t rows, int64_t cols, const float* amax_for_scale,
-             float fmax, float floor, bool e5m2, void* out, void* out_t, int64_t rows_pad,
-             float* inv_scale, float* amax_accum, cudaStream_t stream) {
-  if (rows_pad < rows || cols <= 0) return static_cast<int>(cudaErrorInvalidValue);
-  auto* o = static_cast<unsigned char*>(out);
-  auto* ot = static_cast<unsigned char*>(out_t);
+template <typename T>
+int cast_t(const T* x, int64_t rows, int64_t cols, const float* amax_for_scale, float fmax,
+           float floor, bool e5m2, unsigned char* out, unsigned char* out_t, int64_t rows_pad,
+           float* inv_scale, float* amax_accum, cudaStream_t stream) {
   if (cols % 8 == 0 && rows_pad % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     const int64_t vrows = ((out_t != nullptr ? rows_pad : rows) + kVRows - 1) / kVRows;
     const int64_t vcols = (cols + kVCols - 1) / kVCols;
     if (vcols <= 65535) {
       const dim3 grid(static_cast<unsigned>(vrows < 1 ? 1 : vrows), static_cast<unsigned>(vcols));
-      switch (t) {
-        case DType::kBFloat16:
-          cast_vec_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows,
-                                                         cols, amax_for_scale, fmax, floor, e5m2, o,
-                                                         ot, rows_pad, inv_scale, amax_accum);
-          break;
-        case DType::kFloat16:
-          cast_vec_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __half*>(x), rows, cols,
-                                                         amax_for_scale, fmax, floor, e5m2, o, ot,
-                                                         rows_pad, inv_scale, amax_accum);
-          break;
-        default:
-          cast_vec_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x), rows, cols,
-                                                         amax_for_scale, fmax, floor, e5m2, o, ot,
-                                                         rows_pad, inv_scale, amax_accum);
-      }
+      cast_vec_kernel<<<grid, kThreads, 0, stream>>>(x, rows, cols, amax_for_scale, fmax, floor,
+                                                     e5m2, out, out_t, rows_pad, inv_scale,
+                                                     amax_accum);
       return static_cast<int>(cudaGetLastError());
     }
   }
@@ -279,23 +223,41 @@ int fp8_cast(DType t, const void* x, int64_t rows, int64_t cols, const float* am
   if (grid_cols > 65535 || grid_rows > 2147483647) return static_cast<int>(cudaErrorInvalidValue);
   const dim3 grid(static_cast<unsigned>(grid_rows < 1 ? 1 : grid_rows),
                   static_cast<unsigned>(grid_cols));
+  cast_kernel<<<grid, kThreads, 0, stream>>>(x, rows, cols, amax_for_scale, fmax, floor, e5m2, out,
+                                             out_t, rows_pad, inv_scale, amax_accum);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+int fp8_amax(DType t, const void* x, int64_t n, float* amax, cudaStream_t stream) {
   switch (t) {
     case DType::kBFloat16:
-      cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols,
-                                                 amax_for_scale, fmax, floor, e5m2, o, ot, rows_pad,
-                                                 inv_scale, amax_accum);
-      break;
+      return amax_t(static_cast<const __nv_bfloat16*>(x), n, amax, stream);
     case DType::kFloat16:
-      cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __half*>(x), rows, cols,
-                                                 amax_for_scale, fmax, floor, e5m2, o, ot, rows_pad,
-                                                 inv_scale, amax_accum);
-      break;
+      return amax_t(static_cast<const __half*>(x), n, amax, stream);
     default:
-      cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x), rows, cols,
-                                                 amax_for_scale, fmax, floor, e5m2, o, ot, rows_pad,
-                                                 inv_scale, amax_accum);
+      return amax_t(static_cast<const float*>(x), n, amax, stream);
   }
-  return static_cast<int>(cudaGetLastError());
+}
+
+int fp8_cast(DType t, const void* x, int64_t rows, int64_t cols, const float* amax_for_scale,
+             float fmax, float floor, bool e5m2, void* out, void* out_t, int64_t rows_pad,
+             float* inv_scale, float* amax_accum, cudaStream_t stream) {
+  if (rows_pad < rows || cols <= 0) return static_cast<int>(cudaErrorInvalidValue);
+  auto* o = static_cast<unsigned char*>(out);
+  auto* ot = static_cast<unsigned char*>(out_t);
+  switch (t) {
+    case DType::kBFloat16:
+      return cast_t(static_cast<const __nv_bfloat16*>(x), rows, cols, amax_for_scale, fmax, floor,
+                    e5m2, o, ot, rows_pad, inv_scale, amax_accum, stream);
+    case DType::kFloat16:
+      return cast_t(static_cast<const __half*>(x), rows, cols, amax_for_scale, fmax, floor, e5m2, o,
+                    ot, rows_pad, inv_scale, amax_accum, stream);
+    default:
+      return cast_t(static_cast<const float*>(x), rows, cols, amax_for_scale, fmax, floor, e5m2, o,
+                    ot, rows_pad, inv_scale, amax_accum, stream);
+  }
 }
 
 }  // namespace parallax::kernels::cuda

@@ -18,66 +18,6 @@ namespace {
 constexpr int kWarps = 4;  // warps (rows in flight) per block
 constexpr int kThreads = 32 * kWarps;
 
-// ---- 8-element vector load/store as fp32 -----------------------------------------------------
-
-__device__ __forceinline__ void load8(const float* p, float* f) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0];
-  const float4 b = reinterpret_cast<const float4*>(p)[1];
-  f[0] = a.x;
-  f[1] = a.y;
-  f[2] = a.z;
-  f[3] = a.w;
-  f[4] = b.x;
-  f[5] = b.y;
-  f[6] = b.z;
-  f[7] = b.w;
-}
-__device__ __forceinline__ void store8(float* p, const float* f) {
-  reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
-  reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
-}
-// 16-bit types: one 16-byte vector of four pairs, converted through the pair type's intrinsics.
-template <typename T>
-struct Pair16;
-template <>
-struct Pair16<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-  static __device__ __forceinline__ float2 to_float2(type h) { return __bfloat1622float2(h); }
-  static __device__ __forceinline__ type from_floats(float a, float b) {
-    return __floats2bfloat162_rn(a, b);
-  }
-};
-template <>
-struct Pair16<__half> {
-  using type = __half2;
-  static __device__ __forceinline__ float2 to_float2(type h) { return __half22float2(h); }
-  static __device__ __forceinline__ type from_floats(float a, float b) {
-    return __floats2half2_rn(a, b);
-  }
-};
-
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, float* f) {
-  using P = Pair16<T>;
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const typename P::type* h = reinterpret_cast<const typename P::type*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = P::to_float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-template <typename T>
-__device__ __forceinline__ void store8(T* p, const float* f) {
-  using P = Pair16<T>;
-  uint4 v;
-  typename P::type* h = reinterpret_cast<typename P::type*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = P::from_floats(f[2 * i], f[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = v;
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

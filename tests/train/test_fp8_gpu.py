@@ -5,8 +5,10 @@ layers in FP8 (kernels/fp8.h) must train like bf16.
 - bev/base (configs/bench/w2_bev_base.yaml, synthetic scenes, SGD with momentum) for 200 steps on
   one GPU: the loss at the end is within 1% of the same run in bf16, both run here, with a second
   bf16 run as the control (its spread is printed);
-- the same under ZeRO-3 on two GPUs and under tensor parallelism tp 2 (whose sharded tensors' amax
-  is all-reduced over the tp group, so both ranks cast with one scale);
+- the same under DDP and ZeRO-3 on two GPUs and under tensor parallelism tp 2 (whose sharded
+  tensors' amax is all-reduced over the tp group, so both ranks cast with one scale);
+- and no single step after the first 60 (the warm-up transient) spikes above the bf16 runs' own
+  maximum over the same steps by more than 2%;
 - the delayed recipe resumes bitwise: a run checkpointed at step 3 and resumed computes step 4's
   loss from the restored weights and amax histories exactly as the uninterrupted run does.
 
@@ -32,14 +34,27 @@ SRC = tt.SRC
 W1 = os.path.join(SRC, "configs", "bench", "w1_vit_b16.yaml")
 W2 = os.path.join(SRC, "configs", "bench", "w2_bev_base.yaml")
 STEPS = 200
-# The final loss: the mean of the losses logged at the last three log steps (180, 190 and 200 with
-# train.log_every=10), so that one noisy step does not decide.
-LAST = 3
+# The final loss: the mean of the last 50 steps' losses (train.log_every=1). The batches cycle
+# through 8 distinct synthetic scenes whose losses differ by ~2% at this point of training, so one
+# step's loss measures which scene came last as much as the model; 50 steps average over every
+# scene about six times.
+LAST = 50
+# Spikes: from step 61 (after the warm-up transient, whose losses fall from ~40 to ~5.5), no FP8
+# step may exceed the larger of the two bf16 runs' maxima over the same steps by more than 2%.
+# Measured 2026-11-30 on 2 x H200 (bev/base, these settings, 7 runs of 200 steps): the bf16 and
+# FP8 maxima over steps 61-200 all lie in [5.514, 5.544], a spread of 0.54%, so 2% is ~4x it; the
+# isolated one-step spikes seen in three FP8 runs logged every 10 steps were +4% to +10% (issue 39,
+# open).
+SPIKE_FROM, SPIKE_BOUND = 61, 0.02
 
 
 def final_loss(run_dir):
     rows = tt.metrics(run_dir)
     return statistics.mean(r["loss"] for r in rows[-LAST:])
+
+
+def late_max(run_dir):
+    return max(r["loss"] for r in tt.metrics(run_dir) if r["step"] >= SPIKE_FROM)
 
 
 def fp8_gpu():
@@ -57,7 +72,7 @@ class Fp8GpuTest(tt.RunDirTest):
     # steps (measured 2026-11-30 on an H200: the grid sampler's atomics reorder sums from run to
     # run, and AdamW turns each rounding difference into a full-size update, CONVENTIONS.md), so
     # the comparison would measure chaos, not FP8. The control run below prints that spread.
-    COMMON = ["train.device=cuda", f"train.steps={STEPS}", "train.log_every=10", "optim.name=sgd", "optim.lr=0.01",
+    COMMON = ["train.device=cuda", f"train.steps={STEPS}", "train.log_every=1", "optim.name=sgd", "optim.lr=0.01",
               "optim.momentum=0.9"]
 
     def train(self, config, name, *extra, ranks=1):
@@ -71,7 +86,7 @@ class Fp8GpuTest(tt.RunDirTest):
                 self.assertIn("precision fp8:", p.stdout + p.stderr)
         runs = {m: tt.metrics(os.path.join(self.d, f"{label}_{m}")) for m in ("bf16", "fp8", "bf16again")}
         for m, rows in runs.items():
-            print(f"  {label} {m}: " + " ".join(f"{r['step']}:{r['loss']:.4f}" for r in rows[::4]), file=sys.stderr)
+            print(f"  {label} {m}: " + " ".join(f"{r['step']}:{r['loss']:.4f}" for r in rows[19::20]), file=sys.stderr)
         a = final_loss(os.path.join(self.d, f"{label}_bf16"))
         b = final_loss(os.path.join(self.d, f"{label}_fp8"))
         c = final_loss(os.path.join(self.d, f"{label}_bf16again"))
@@ -80,18 +95,26 @@ class Fp8GpuTest(tt.RunDirTest):
               f"({abs(c - a) / abs(a):.4%} apart)", file=sys.stderr)
         self.assertLess(a, runs["bf16"][0]["loss"], "bf16 did not train")
         self.assertLessEqual(rel, 0.01)
+        peak = max(late_max(os.path.join(self.d, f"{label}_{m}")) for m in ("bf16", "bf16again"))
+        spike = late_max(os.path.join(self.d, f"{label}_fp8"))
+        print(f"  {label}: largest loss from step {SPIKE_FROM}: fp8 {spike:.4f}, bf16 {peak:.4f}", file=sys.stderr)
+        self.assertLessEqual(spike, peak * (1 + SPIKE_BOUND), "an FP8 step spiked above bf16's losses")
 
     def test_bev_base_200_steps_end_within_one_percent_of_bf16(self):
         self.compare("bev_base", "data.batch_size=8")
 
-    # Open (issue 39): measured 2026-11-30 on 2 x H200, this run ended 18.8% above bf16 (6.446 against
-    # 5.428; the bf16 control 0.18% apart), while at step 60 all of ZeRO-2, ZeRO-3 and ZeRO-3 built
-    # whole were within 0.3% of bf16. Not yet explained; kept failing-expected so that a fix shows
-    # as an unexpected success.
-    @unittest.expectedFailure
+    # Issue 39 measured this run 18.8% above bf16 once (2026-11-30, logged every 10 steps, the final
+    # loss from 3 logged steps). Rerun with every step logged, ZeRO-3 and DDP ended within 0.1% of
+    # bf16 (docs/PERFORMANCE.md, "The ZeRO-3 gap, rerun"). Isolated one-step spikes seen when logging
+    # every 10 steps (3 of 200 logged FP8 steps on two GPUs, all in one call; none in ~680 bf16
+    # steps, ~220 one-GPU FP8 steps or 600 two-GPU FP8 steps logged every step) stay open there.
     @unittest.skipIf(tt.gpu_count() < 2, "needs two GPUs")
     def test_zero3_on_two_gpus(self):
         self.compare("zero3", "data.batch_size=4", "parallel.zero.stage=3", ranks=2)
+
+    @unittest.skipIf(tt.gpu_count() < 2, "needs two GPUs")
+    def test_ddp_on_two_gpus(self):
+        self.compare("ddp", "data.batch_size=4", ranks=2)
 
     @unittest.skipIf(tt.gpu_count() < 2, "needs two GPUs")
     def test_tensor_parallel_tp2(self):
