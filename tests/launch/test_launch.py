@@ -31,6 +31,7 @@ SRC = os.environ.get("PARALLAX_SOURCE_DIR", os.path.join(os.path.dirname(__file_
 MLP = os.path.join(SRC, "configs", "mlp_demo.yaml")
 STEPS = 1500       # long enough to kill mid-run on a loaded 2-core machine, short enough to finish
 CKPT_EVERY = 50
+RDZV_S = 6  # --rdzv-timeout of the two-node store-host tests (rendezvous of two local launchers: < 1 s)
 
 EXIT_DETERMINISTIC, EXIT_EXHAUSTED, EXIT_PREEMPTED = 3, 4, 143
 DEVICE = os.environ.get("PARALLAX_LAUNCH_TEST_DEVICE", "cpu")
@@ -393,13 +394,13 @@ class LaunchTest(unittest.TestCase):
         self.check_exactly_once_and_equal("nodes")
 
     def store_host_fails(self, name, sig, grace_s, extra=()):
-        """Two nodes of one rank each, --rdzv-timeout 10; once node 0 (the store host) has trained 5
+        """Two nodes of one rank each, --rdzv-timeout RDZV_S; once node 0 (the store host) has trained 5
         rows its launcher gets `sig`. Returns node 1's (returncode, stderr, seconds to its end)."""
         if DEVICE == "cuda" and gpu_count() < 2:
             self.skipTest("each node takes its own GPU: needs 2")
         port = free_port()
-        common = ["--nproc-per-node", "1", "--nnodes", "2", "--master", f"127.0.0.1:{port}", "--rdzv-timeout", "10",
-                  "--grace-period", str(grace_s)]
+        common = ["--nproc-per-node", "1", "--nnodes", "2", "--master", f"127.0.0.1:{port}", "--rdzv-timeout",
+                  str(RDZV_S), "--grace-period", str(grace_s)]
         n0 = self.launch(name, [*common, "--node-rank", "0"], *extra, gpus="0")
         n1 = self.launch(name, [*common, "--node-rank", "1"], *extra, gpus="1")
         try:
@@ -427,9 +428,9 @@ class LaunchTest(unittest.TestCase):
         errors = [line for line in err1.splitlines() if line.startswith("parallax: error:")]
         self.assertEqual(len(errors), 1, err1[-3000:])
         self.assertIn("store at 127.0.0.1", errors[0])
-        self.assertIn("did not answer within 10 s (--rdzv-timeout)", errors[0])
+        self.assertIn(f"did not answer within {RDZV_S} s (--rdzv-timeout)", errors[0])
         # The deadline, the workers' grace period, and slack for a loaded 2-core machine.
-        self.assertLess(took, 10 + 2 + 20)
+        self.assertLess(took, RDZV_S + 2 + 20)
 
     def test_a_killed_store_host_ends_the_other_node_with_one_line_messages(self):
         """Issue 35, item 6: node 0's launcher (the store host) is killed while the workers checkpoint
@@ -442,7 +443,7 @@ class LaunchTest(unittest.TestCase):
         self.assertNotRegex(err1, r"frame #\d+")
         errors = [line for line in err1.splitlines() if line.startswith("parallax: error:")]
         self.assertTrue(errors, err1[-3000:])
-        self.assertLess(took, 10 + 5 + 30)
+        self.assertLess(took, RDZV_S + 5 + 30)
 
 
 if __name__ == "__main__":

@@ -188,16 +188,16 @@ class PipelineTest(tt.RunDirTest):
 
     def test_precision_modes_under_pipeline(self):
         # bf16 autocast: 8 significant bits per activation; fp16 with loss scaling: 11. Both stay
-        # within 2e-2 of their own pp 1 run over 3 SGD steps (kind N: measured <= 9.7e-5 over the
-        # kernel variants of TOLERANCES.md's Verification section).
+        # within 2e-2 of their own pp 1 run over 2 SGD steps (kind N: measured <= 9.7e-5 over 3 steps
+        # on the kernel variants of TOLERANCES.md's Verification section).
         for mode in ["bf16", "fp16"]:
             with self.subTest(mode):
-                self.vit(f"{mode}1", 1, "train.steps=3", f"precision.mode={mode}", "data.batch_size=4",
+                self.vit(f"{mode}1", 1, "train.steps=2", f"precision.mode={mode}", "data.batch_size=4",
                          *tt.sgd(VIT_LR))
-                self.vit(f"{mode}2", 2, "train.steps=3", f"precision.mode={mode}", "parallel.pp=2",
+                self.vit(f"{mode}2", 2, "train.steps=2", f"precision.mode={mode}", "parallel.pp=2",
                          "data.batch_size=4", *tt.sgd(VIT_LR))
                 a, b = losses(os.path.join(self.d, f"{mode}1")), losses(os.path.join(self.d, f"{mode}2"))
-                self.assert_losses(b, a, [1, 2, 3], 2e-2, mode)
+                self.assert_losses(b, a, [1, 2], 2e-2, mode)
 
     def test_dataset_evaluation_and_activation_checkpointing_under_pipeline(self):
         # Real HDF5 data (the side inputs reach the later stages from the loader), evaluation with
@@ -228,8 +228,10 @@ class PipelineTest(tt.RunDirTest):
         self.assertIn("map", e2)
 
     def test_meta_init_builds_only_this_ranks_stage_bitwise(self):
+        # Two micro-batches per step (fewer than the 4 stages: a legal 1F1B with a longer bubble) keep
+        # the b16 compute small; what is compared is the build.
         args = ["model.name=vit_cls", "model.size=b16", "model.num_classes=8", "data.batch_size=1",
-                "train.grad_accum=4", "train.steps=2", "parallel.pp=4", *tt.sgd(0.01)]
+                "train.grad_accum=2", "train.steps=2", "parallel.pp=4", *tt.sgd(0.01)]
         out, peak = {}, {}
         for meta in ("true", "false"):
             name = f"meta_{meta}"
