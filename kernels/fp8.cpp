@@ -90,7 +90,8 @@ at::Tensor scale_from_amax(const at::Tensor& amax, Format f) {
 }
 
 Casted cast_to_fp8(const at::Tensor& x, const at::Tensor& amax_for_scale, Format f, bool rowmajor,
-                   bool transposed, int64_t pad_t, const at::Tensor& amax_out, bool fused) {
+                   bool transposed, int64_t pad_t, const at::Tensor& amax_out, bool fused,
+                   bool col_sum) {
   PARALLAX_CHECK(x.dim() == 2, Error, "fp8 cast: expected a 2-D tensor, got {} dims", x.dim());
   PARALLAX_CHECK(pad_t >= 1, Error, "fp8 cast: pad_t must be >= 1, got {}", pad_t);
   const int64_t rows = x.size(0), cols = x.size(1), rows_pad = round_up(rows, pad_t);
@@ -104,14 +105,27 @@ Casted cast_to_fp8(const at::Tensor& x, const at::Tensor& amax_for_scale, Format
     if (rowmajor) c.data = at::empty({rows, cols}, fp8);
     if (transposed) c.data_t = at::empty({cols, rows_pad}, fp8);
     c.inv_scale = at::empty({1}, x.options().dtype(at::kFloat));
+    at::Tensor partial;
+    if (col_sum) {
+      const int64_t tiles = (rows + cuda::kFp8CastTileRows - 1) / cuda::kFp8CastTileRows;
+      partial = at::empty({tiles, cols}, x.options().dtype(at::kFloat));
+    }
     detail::check_launch(cuda::fp8_cast(detail::dtype_of(x), x.data_ptr(), rows, cols,
                                         amax_for_scale.data_ptr<float>(), max_finite(f), kAmaxFloor,
                                         f == Format::kE5M2, rowmajor ? c.data.data_ptr() : nullptr,
                                         transposed ? c.data_t.data_ptr() : nullptr, rows_pad,
                                         c.inv_scale.data_ptr<float>(),
                                         amax_out.defined() ? amax_out.data_ptr<float>() : nullptr,
+                                        col_sum ? partial.data_ptr<float>() : nullptr,
                                         c10::cuda::getCurrentCUDAStream().stream()),
                          "fp8", "cast");
+    if (col_sum) {
+      c.col_sum = at::empty({cols}, x.options().dtype(at::kFloat));
+      detail::check_launch(cuda::fp8_col_sum(partial.data_ptr<float>(), partial.size(0), cols,
+                                             c.col_sum.data_ptr<float>(),
+                                             c10::cuda::getCurrentCUDAStream().stream()),
+                           "fp8", "column sum");
+    }
     return c;
   }
 #endif
@@ -126,6 +140,7 @@ Casted cast_to_fp8(const at::Tensor& x, const at::Tensor& amax_for_scale, Format
   }
   c.inv_scale = scale.reciprocal();
   if (amax_out.defined()) amax_out.copy_(at::maximum(amax_out, amax(x, false)));
+  if (col_sum) c.col_sum = x.sum(0, false, at::kFloat);
   return c;
 }
 
@@ -153,12 +168,14 @@ bool fp8_linear_supported(int64_t in_features, int64_t out_features) {
 
 namespace {
 
-// The amax a tensor's scale comes from: slot 0 input, 1 weight, 2 output gradient.
-at::Tensor scale_source(Fp8LinearImpl& self, int slot, const at::Tensor& t, bool sharded) {
+// The amax a tensor's scale comes from: slot 0 input, 1 weight, 2 output gradient. `handed`: t's
+// amax from the kernel that wrote it (undefined: computed here).
+at::Tensor scale_source(Fp8LinearImpl& self, int slot, const at::Tensor& t, bool sharded,
+                        const at::Tensor& handed = {}) {
   const Fp8Options& o = self.options();
   if (o.recipe == Recipe::kDelayed && self.initialized())
     return self.history_amax.narrow(0, slot, 1);
-  at::Tensor a = amax(t, o.fused);
+  at::Tensor a = handed.defined() ? handed : amax(t, o.fused);
   if (sharded && o.reduce) o.reduce(a);
   return a;
 }
@@ -169,9 +186,32 @@ at::Tensor record_slot(Fp8LinearImpl& self, int slot) {
   return self.step_amax.narrow(0, slot, 1);
 }
 
+// Writes gelu(x) or, with dy, dy * gelu'(x); `amax` (wanted or not) of the result as stored.
+at::Tensor gelu_run(const at::Tensor& x, const at::Tensor& dy, bool want_amax,
+                    at::Tensor& amax_out) {
+#ifdef PARALLAX_WITH_CUDA_KERNELS
+  if (fused_ok(x) && (!dy.defined() || (fused_ok(dy) && dy.scalar_type() == x.scalar_type() &&
+                                        dy.sizes() == x.sizes()))) {
+    c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+    if (want_amax) amax_out = at::empty({1}, x.options().dtype(at::kFloat));
+    detail::check_launch(
+        cuda::fp8_gelu(detail::dtype_of(x), x.data_ptr(), dy.defined() ? dy.data_ptr() : nullptr,
+                       out.data_ptr(), x.numel(), want_amax ? amax_out.data_ptr<float>() : nullptr,
+                       c10::cuda::getCurrentCUDAStream().stream()),
+        "fp8", "gelu");
+    return out;
+  }
+#endif
+  at::Tensor out = dy.defined() ? at::gelu_backward(dy, x) : at::gelu(x);
+  if (want_amax) amax_out = amax(out, false);
+  return out;
+}
+
 struct Fp8LinearFn : public torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& weight, const at::Tensor& bias, int64_t self_ptr) {
+                            const at::Tensor& weight, const at::Tensor& bias,
+                            const at::Tensor& x_amax, int64_t self_ptr) {
     auto& self = *reinterpret_cast<Fp8LinearImpl*>(self_ptr);
     const Fp8Options& o = self.options();
     const int64_t k = x.size(-1), n = weight.size(0);
@@ -180,8 +220,9 @@ struct Fp8LinearFn : public torch::autograd::Function<Fp8LinearFn> {
     at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
     const bool need_dw = weight.requires_grad(), need_dx = x.requires_grad();
 
-    const Casted cx = cast_to_fp8(x2, scale_source(self, 0, x2, o.input_sharded), Format::kE4M3,
-                                  true, need_dw, kGranule, record_slot(self, 0), o.fused);
+    const Casted cx = cast_to_fp8(
+        x2, scale_source(self, 0, x2, o.input_sharded, x_amax.numel() ? x_amax : at::Tensor()),
+        Format::kE4M3, true, need_dw, kGranule, record_slot(self, 0), o.fused);
     const Casted cw = cast_to_fp8(w, scale_source(self, 1, w, o.weight_sharded), Format::kE4M3,
                                   true, need_dx, 1, record_slot(self, 1), o.fused);
     const bool has_bias = bias.numel() > 0;
@@ -207,12 +248,17 @@ struct Fp8LinearFn : public torch::autograd::Function<Fp8LinearFn> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x_t = saved[0], &inv_x = saved[1], &w_t = saved[2], &inv_w = saved[3];
     at::Tensor g = grads[0];
+    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor g_amax = self.take_grad_amax(g);
     const int64_t n = g.size(-1);
     at::Tensor g2 = g.reshape({-1, n});
     if (!g2.is_contiguous()) g2 = g2.contiguous();
     const bool need_dx = w_t.defined(), need_dw = x_t.defined();
-    const Casted cg = cast_to_fp8(g2, scale_source(self, 2, g2, o.grad_sharded), Format::kE5M2,
-                                  need_dx, need_dw, kGranule, record_slot(self, 2), o.fused);
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    // The bias gradient (the columns' sums of g) comes from the cast's read of g.
+    const Casted cg =
+        cast_to_fp8(g2, scale_source(self, 2, g2, o.grad_sharded, g_amax), Format::kE5M2, need_dx,
+                    need_dw, kGranule, record_slot(self, 2), o.fused, has_bias);
     at::Tensor dx, dw, db;
     if (need_dx) {
       // [M, N] x [N, K]: w_t is [K, N] contiguous, so w_t.t() is the column-major mat2.
@@ -228,9 +274,35 @@ struct Fp8LinearFn : public torch::autograd::Function<Fp8LinearFn> {
                           at::kFloat, false)
                .to(ctx->saved_data["weight_dtype"].toScalarType());
     }
-    if (ctx->saved_data["has_bias"].toBool())
-      db = g2.sum(0, false, at::kFloat).to(ctx->saved_data["bias_dtype"].toScalarType());
-    return {dx, dw, db, at::Tensor()};
+    if (has_bias) db = cg.col_sum.to(ctx->saved_data["bias_dtype"].toScalarType());
+    return {dx, dw, db, at::Tensor(), at::Tensor()};
+  }
+};
+
+struct GeluFn : public torch::autograd::Function<GeluFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& pre,
+                            int64_t producer_ptr, int64_t consumer_ptr) {
+    auto* consumer = reinterpret_cast<Fp8LinearImpl*>(consumer_ptr);
+    const bool want = consumer != nullptr && consumer->wants_current_amax();
+    at::Tensor a;
+    at::Tensor h = gelu_run(pre, {}, want, a);
+    if (want) consumer->hand_off_input_amax(h, a);
+    ctx->save_for_backward({pre});
+    ctx->saved_data["producer"] = producer_ptr;
+    return h;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor& dh = grads[0];
+    if (!dh.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor pre = ctx->get_saved_variables()[0];
+    auto* producer = reinterpret_cast<Fp8LinearImpl*>(ctx->saved_data["producer"].toInt());
+    const bool want = producer != nullptr && producer->wants_current_amax();
+    at::Tensor a;
+    at::Tensor dpre = gelu_run(pre, dh, want, a);
+    if (want) producer->hand_off_grad_amax(dpre, a);
+    return {dpre, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -262,9 +334,42 @@ at::Tensor Fp8LinearImpl::forward(const at::Tensor& x, const at::Tensor& weight,
   if (opts_.recipe == Recipe::kDelayed &&
       (!step_amax.defined() || step_amax.device() != amax_history.device()))
     step_amax = at::zeros({3}, amax_history.options());
-  // Autograd functions take no undefined tensor: no bias is an empty one.
+  // Autograd functions take no undefined tensor: no bias (or no handed amax) is an empty one.
+  at::Tensor x_amax = take_input_amax(x);
+  if (!x_amax.defined()) x_amax = at::empty({0}, weight.options().dtype(at::kFloat));
   return Fp8LinearFn::apply(x, weight, bias.defined() ? bias : at::empty({0}, weight.options()),
-                            reinterpret_cast<int64_t>(this));
+                            x_amax, reinterpret_cast<int64_t>(this));
+}
+
+void Fp8LinearImpl::hand_off_input_amax(const at::Tensor& x, const at::Tensor& amax) {
+  pending_input_ = {x, amax};
+}
+
+void Fp8LinearImpl::hand_off_grad_amax(const at::Tensor& g, const at::Tensor& amax) {
+  pending_grad_ = {g, amax};
+}
+
+at::Tensor Fp8LinearImpl::take(HandOff& slot, const at::Tensor& t) {
+  at::Tensor a;
+  if (slot.tensor.defined() && t.defined() &&
+      slot.tensor.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
+    a = slot.amax;
+    ++hand_offs_taken_;
+  }
+  slot = {};
+  return a;
+}
+
+at::Tensor gelu(const at::Tensor& pre, Fp8LinearImpl* producer, Fp8LinearImpl* consumer) {
+  return GeluFn::apply(pre, reinterpret_cast<int64_t>(producer),
+                       reinterpret_cast<int64_t>(consumer));
+}
+
+Fp8LinearImpl* fp8_child(torch::nn::Module& layer) {
+  for (const auto& item : layer.named_children()) {
+    if (item.key() == "fp8") return dynamic_cast<Fp8LinearImpl*>(item.value().get());
+  }
+  return nullptr;
 }
 
 void roll_histories(const std::vector<Fp8LinearImpl*>& layers, const AmaxReducer& reduce) {
@@ -288,7 +393,13 @@ void roll_histories(const std::vector<Fp8LinearImpl*>& layers, const AmaxReducer
     }
     l.amax_history.select(1, 0).copy_(flat.narrow(0, static_cast<int64_t>(3 * i), 3));
     l.step_amax.zero_();
-    l.history_amax = l.amax_history.amax(1);
+    // In place: a CUDA graph that captured this step (train.cuda_graph) reads the scales from the
+    // address it saw, so the tensor must stay the same one step after step.
+    if (l.history_amax.defined() && l.history_amax.device() == l.amax_history.device()) {
+      l.history_amax.copy_(l.amax_history.amax(1));
+    } else {
+      l.history_amax = l.amax_history.amax(1);
+    }
     l.initialized_ = true;
   }
 }

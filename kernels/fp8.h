@@ -70,13 +70,16 @@ struct Casted {
   at::Tensor data_t;     // [K, Mp] fp8 contiguous, the transpose, Mp = M rounded up to pad_t
                          // (columns M.. are zero); undefined unless asked for
   at::Tensor inv_scale;  // [1] fp32: 1 / scale, what _scaled_mm multiplies by
+  at::Tensor col_sum;    // [K] fp32: x's column sums (undefined unless asked for)
 };
 // Casts the 2-D tensor x (fp32, bf16 or fp16) to format f with scale_from_amax(amax_for_scale).
 // `amax_out` (optional, 1-element fp32 on x's device): max-accumulates max |x| into it (the
-// delayed recipe's record of this step). `fused` = false: the ATen composition.
+// delayed recipe's record of this step). `col_sum`: also x's column sums in fp32, from the same
+// read of x (an output gradient's: the bias gradient), summed in a fixed order, so bitwise
+// reproducible though not in ATen's order. `fused` = false: the ATen composition.
 Casted cast_to_fp8(const at::Tensor& x, const at::Tensor& amax_for_scale, Format f, bool rowmajor,
                    bool transposed, int64_t pad_t = 1, const at::Tensor& amax_out = {},
-                   bool fused = true);
+                   bool fused = true, bool col_sum = false);
 
 // Why `device` cannot run FP8 GEMMs ("" when it can): the CPU (training in FP8 runs on GPUs
 // only), or a CUDA device of compute capability below 8.9 (no FP8 tensor cores: before Ada and
@@ -111,6 +114,22 @@ class Fp8LinearImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
 
   const Fp8Options& options() const { return opts_; }
+
+  // Hand-offs from the kernel that wrote a tensor this layer will cast (gelu() below): the amax of
+  // its next input (forward) or of its next output gradient (backward), so that the layer need not
+  // read the tensor once more for it. Taken by the next forward or backward only, and only when it
+  // gets that very tensor (the hand-off keeps it alive, and the layer compares identity); anything
+  // else (a dropout between the two) falls back to the layer's own amax pass.
+  void hand_off_input_amax(const at::Tensor& x, const at::Tensor& amax);
+  void hand_off_grad_amax(const at::Tensor& g, const at::Tensor& amax);
+  // Whether the next cast scales by a current amax (the current recipe, or the delayed recipe
+  // before its first roll): only then is a hand-off of use.
+  bool wants_current_amax() const { return opts_.recipe == Recipe::kCurrent || !initialized_; }
+  // How many hand-offs were taken (tests: whether the fused path ran).
+  int64_t hand_offs_taken() const { return hand_offs_taken_; }
+  // The hand-off for `t` (undefined when there is none for it); clears the slot either way.
+  at::Tensor take_input_amax(const at::Tensor& x) { return take(pending_input_, x); }
+  at::Tensor take_grad_amax(const at::Tensor& g) { return take(pending_grad_, g); }
   // Delayed: whether a step has been rolled into the history (else the layer scales by the
   // current amax). Recomputed from the history after a checkpoint load by history_loaded().
   bool initialized() const { return initialized_; }
@@ -122,10 +141,28 @@ class Fp8LinearImpl : public torch::nn::Module {
 
  private:
   friend void roll_histories(const std::vector<Fp8LinearImpl*>&, const AmaxReducer&);
+  struct HandOff {
+    at::Tensor tensor, amax;
+  };
+  at::Tensor take(HandOff& slot, const at::Tensor& t);
   Fp8Options opts_;
   bool initialized_ = false;
+  HandOff pending_input_, pending_grad_;
+  int64_t hand_offs_taken_ = 0;
 };
 TORCH_MODULE(Fp8Linear);
+
+// h = gelu(pre), the erf form, between two FP8 linear layers: `producer` computed pre and
+// `consumer` takes h (either may be null). On CUDA one kernel writes h and its amax, handed to the
+// consumer, and the backward's one kernel writes d pre and its amax, handed to the producer: each
+// layer skips an amax pass over the MLP's widest tensor (bench/NOTES.md lever 35). The values are
+// ATen's gelu and gelu_backward arithmetic (fp32, rounded once to pre's dtype); elsewhere, or for
+// inputs the kernel does not take, ATen's ops and the layers' own amax passes.
+at::Tensor gelu(const at::Tensor& pre, Fp8LinearImpl* producer, Fp8LinearImpl* consumer);
+
+// The Fp8Linear a linear layer registered as its child "fp8" (models/layers.h, the tp layers), or
+// nullptr.
+Fp8LinearImpl* fp8_child(torch::nn::Module& layer);
 
 // Delayed recipe, at the end of each optimizer step: MAX-reduces every layer's step amaxes over
 // the replicas with `reduce` (one collective for all layers; unset: none), pushes them into the

@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/param_init.h"
+#include "kernels/fp8.h"
 #include "kernels/layer_norm.h"
 #include "kernels/qkv_pack.h"
 #include "parallel/tensor/tensor_parallel.h"
@@ -127,7 +128,13 @@ MlpBlockImpl::MlpBlockImpl(const TransformerBlockOptions& o) : dropout_(o.dropou
 }
 
 at::Tensor MlpBlockImpl::forward(const at::Tensor& x) {
-  at::Tensor h = maybe_dropout(at::gelu(fc1_.forward<at::Tensor>(x)), dropout_, is_training());
+  const at::Tensor pre = fc1_.forward<at::Tensor>(x);
+  auto* fp8_in = kernels::fp8::fp8_child(*fc1_.ptr());
+  auto* fp8_out = kernels::fp8::fp8_child(*fc2_.ptr());
+  // Between FP8 layers the GELU hands each layer the amax it would otherwise read the tensor for.
+  at::Tensor h = fp8_in != nullptr || fp8_out != nullptr ? kernels::fp8::gelu(pre, fp8_in, fp8_out)
+                                                         : at::gelu(pre);
+  h = maybe_dropout(h, dropout_, is_training());
   return maybe_dropout(fc2_.forward<at::Tensor>(h), dropout_, is_training());
 }
 

@@ -5,8 +5,10 @@
 # layers: the ViT blocks' qkv, proj, fc1, fc2; bench/train/torch_{vit,bev}_ref.py --float8).
 # Workloads: w1 (ViT-B/16, batch 128), bev_large (bev/large, batch BEV_BATCH, default 8), bev_3b
 # (bev/3b, batch 2; Parallax only: its PyTorch mirror is not compiled at this size here). Prints one
-# JSON line per run; Parallax's is the median of its logged intervals after the first.
-#   bench/train/fp8_compare.sh [--delayed] [--parallax-only] [w1] [bev_large] [bev_3b]
+# JSON line per run; Parallax's is the median of its logged intervals after the first. --graph (w1):
+# also every Parallax run with train.cuda_graph=true, and torch.compile(mode="reduce-overhead"), the
+# PyTorch side's CUDA graphs.
+#   bench/train/fp8_compare.sh [--delayed] [--graph] [--parallax-only] [w1] [bev_large] [bev_3b]
 # torchao must be importable (scripts/gpu_build.sh installs a carried wheel from .debs/).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,11 +17,13 @@ BUILD=${PARALLAX_BUILD_DIR:-build-gpu}
 OUTDIR=${OUTDIR:-/tmp/parallax_fp8}
 BEV_BATCH=${BEV_BATCH:-8}
 DELAYED=0
+GRAPH=0
 TORCH=1
 WORK=()
 for a in "$@"; do
   case "$a" in
     --delayed) DELAYED=1 ;;
+    --graph) GRAPH=1 ;;
     --parallax-only) TORCH=0 ;;
     w1|bev_large|bev_3b) WORK+=("$a") ;;
     *) echo "fp8_compare: unknown argument $a" >&2; exit 2 ;;
@@ -59,6 +63,12 @@ for w in "${WORK[@]}"; do
       if ((TORCH)); then
         python3 bench/train/torch_vit_ref.py --batch 128 --mode compile
         python3 bench/train/torch_vit_ref.py --batch 128 --mode compile --float8
+      fi
+      if ((GRAPH)); then
+        parallax w1_bf16graph "W1 vit_b16" 128 "${W1[@]}" train.cuda_graph=true
+        parallax w1_fp8graph "W1 vit_b16" 128 "${W1[@]}" precision.mode=fp8 train.cuda_graph=true
+        if ((DELAYED)); then parallax w1_fp8delayedgraph "W1 vit_b16" 128 "${W1[@]}" precision.mode=fp8 precision.fp8.recipe=delayed train.cuda_graph=true; fi
+        if ((TORCH)); then python3 bench/train/torch_vit_ref.py --batch 128 --mode compile-graphs; fi
       fi
       ;;
     bev_large)

@@ -30,7 +30,9 @@ PEAK_BF16 = 989e12
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=128, help="per GPU")
-    ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
+    ap.add_argument("--mode", choices=["eager", "compile", "compile-graphs"], default="eager",
+                    help="compile-graphs: torch.compile(mode='reduce-overhead'), forward and backward "
+                         "replayed as CUDA graphs (the comparison for Parallax's train.cuda_graph)")
     ap.add_argument("--float8", action="store_true",
                     help="torchao float8 training on the ViT blocks' linear layers (with --mode compile, as torchao advises)")
     ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
@@ -66,7 +68,12 @@ def main():
     if a.float8:
         to_float8(model.module if hasattr(model, "module") else model)
         variant += "+float8"
-    fwd = torch.compile(model) if a.mode == "compile" else model
+    if a.mode == "compile":
+        fwd = torch.compile(model)
+    elif a.mode == "compile-graphs":
+        fwd = torch.compile(model, mode="reduce-overhead")
+    else:
+        fwd = model
     # Fused AdamW on both sides (Parallax's optimizer is ATen's fused kernel); FSDP2's DTensor
     # parameters take it too.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=cuda)

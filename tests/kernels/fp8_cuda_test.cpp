@@ -37,7 +37,7 @@ TEST(Fp8CudaTest, FusedAmaxAndCastAreAtensBitForBit) {
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
     for (auto [rows, cols] :
-         std::vector<std::pair<int64_t, int64_t>>{{37, 64}, {1000, 2304}, {4096, 768}}) {
+         std::vector<std::pair<int64_t, int64_t>>{{37, 64}, {50, 20}, {1000, 2304}, {4096, 768}}) {
       for (f8::Format f : {f8::Format::kE4M3, f8::Format::kE5M2}) {
         SCOPED_TRACE(std::string(c10::toString(dt)) + " " + std::to_string(rows) + "x" +
                      std::to_string(cols) + " " + f8::to_string(f));
@@ -57,6 +57,27 @@ TEST(Fp8CudaTest, FusedAmaxAndCastAreAtensBitForBit) {
         EXPECT_TRUE(same_bits(c1.inv_scale, c2.inv_scale));
         EXPECT_TRUE(at::equal(rec_fused, rec_aten));
         EXPECT_TRUE(at::equal(rec_fused, a_aten));
+        // Column sums (the bias gradient) from the same cast, with and without the row-major
+        // copy: the FP8 bytes do not change, and the sums are reproducible bit for bit. Against
+        // ATen's sum: both are fp32 sums of the same `rows` exact terms in different orders,
+        // each within (rows - 1) 2^-24 sum |x| of the exact sum (Higham, Thm 4.2).
+        for (bool rowmajor : {true, false}) {
+          const f8::Casted s1 = f8::cast_to_fp8(x, from, f, rowmajor, true, 16, {}, true, true);
+          const f8::Casted s2 = f8::cast_to_fp8(x, from, f, rowmajor, true, 16, {}, true, true);
+          const f8::Casted s3 = f8::cast_to_fp8(x, from, f, rowmajor, true, 16, {}, false, true);
+          if (rowmajor) {
+            EXPECT_TRUE(same_bits(s1.data, c2.data));
+          }
+          EXPECT_TRUE(same_bits(s1.data_t, c2.data_t));
+          ASSERT_TRUE(s1.col_sum.defined() && s3.col_sum.defined());
+          ASSERT_EQ(s1.col_sum.sizes(), at::IntArrayRef({cols}));
+          EXPECT_TRUE(same_bits(s1.col_sum, s2.col_sum));
+          const at::Tensor xd = x.to(at::kDouble);
+          const at::Tensor bound = xd.abs().sum(0) * (2.0 * (rows - 1) * std::ldexp(1.0, -24));
+          const at::Tensor err = (s1.col_sum.to(at::kDouble) - s3.col_sum.to(at::kDouble)).abs();
+          EXPECT_TRUE((err <= bound).all().item<bool>())
+              << "column sums: max excess " << (err - bound).max().item<double>();
+        }
       }
     }
   }
@@ -124,6 +145,13 @@ TEST(Fp8CudaTest, LinearMatchesItsDequantizedProductAndTheBf16Layer) {
     const at::Tensor dw_err = (w.grad().to(at::kDouble) - dw_ref).abs();
     EXPECT_TRUE((dw_err <= dw_bound).all().item<bool>())
         << "dw: max excess " << (dw_err - dw_bound).max().item<double>();
+    // The bias gradient: g's column sums (from the cast kernel), an fp32 sum of `rows` exact terms,
+    // within (rows - 1) 2^-24 sum |g| of the exact sum; fp32 like b.
+    const at::Tensor gd = g.to(at::kDouble);
+    const at::Tensor db_err = (b.grad().to(at::kDouble) - gd.sum(0)).abs();
+    const at::Tensor db_bound = gd.abs().sum(0) * ((rows - 1) * std::ldexp(1.0, -24));
+    EXPECT_TRUE((db_err <= db_bound).all().item<bool>())
+        << "db: max excess " << (db_err - db_bound).max().item<double>();
 
     // Against the bf16 layer: y16 = x W^T + b with bf16 operands, accumulated in fp32 and rounded
     // once to bf16. Both are compared with `exact` (the bf16 operands' product in fp64):
@@ -146,4 +174,81 @@ TEST(Fp8CudaTest, LinearMatchesItsDequantizedProductAndTheBf16Layer) {
                 static_cast<long long>(rows), static_cast<long long>(k), static_cast<long long>(n),
                 rel);
   }
+}
+
+// The GELU kernel between two FP8 layers (f8::gelu): forward and backward against ATen's gelu and
+// gelu_backward, and the amax it hands the next layer equal to that layer's own amax pass. Both
+// evaluate the same fp32 formula (erff, expf) and round once to the dtype: the fp32 values agree
+// to a few ulps (2^-21 relatively; erff and expf are within 2 ulps, the rest is the same sequence
+// of roundings), and the stored values then to one ulp of the dtype (2^-7 relatively for bf16,
+// 2^-10 for fp16, 2^-20 for fp32 with the few-ulp slack). The backward's sum cdf + x pdf cancels
+// for negative x, so its slack is relative to dy (|cdf| + |x pdf|), not to the result.
+// n = 999: the scalar kernel; 768000: the vectorised one.
+TEST(Fp8CudaTest, GeluKernelIsAtensGeluAndHandsOnTheAmax) {
+  if (!fp8_gpu()) GTEST_SKIP() << "no GPU with FP8 tensor cores";
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const double ulp = dt == at::kFloat
+                           ? std::ldexp(1.0, -20)
+                           : (dt == at::kHalf ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7));
+    for (int64_t n : {999, 768000}) {
+      SCOPED_TRACE(std::string(c10::toString(dt)) + " n=" + std::to_string(n));
+      const at::Tensor p0 = (at::randn({n}, cuda) * 3).to(dt);
+      const at::Tensor dh = at::randn({n}, cuda).to(dt);
+      f8::Fp8Linear consumer(f8::Fp8Options{});
+      at::Tensor pre = p0.clone().set_requires_grad(true);
+      const at::Tensor h = f8::gelu(pre, nullptr, consumer.get());
+      const at::Tensor handed = consumer->take_input_amax(h);
+      ASSERT_TRUE(handed.defined());
+      EXPECT_TRUE(at::equal(handed, f8::amax(h.detach(), false)));
+      h.backward(dh);
+
+      const at::Tensor pd = p0.to(at::kDouble);
+      const at::Tensor h_ref = at::gelu(p0);
+      const at::Tensor h_err = (h.detach().to(at::kDouble) - h_ref.to(at::kDouble)).abs();
+      EXPECT_TRUE((h_err <= h_ref.to(at::kDouble).abs() * ulp).all().item<bool>())
+          << "gelu: max excess "
+          << (h_err - h_ref.to(at::kDouble).abs() * ulp).max().item<double>();
+      const at::Tensor d_ref = at::gelu_backward(dh, p0);
+      const at::Tensor cdf = 0.5 * (1 + at::erf(pd * M_SQRT1_2));
+      const at::Tensor pdf = at::exp(-0.5 * pd * pd) * (M_2_SQRTPI * M_SQRT1_2 * 0.5);
+      const at::Tensor d_bound = d_ref.to(at::kDouble).abs() * ulp + dh.to(at::kDouble).abs() *
+                                                                         (cdf + pd.abs() * pdf) *
+                                                                         std::ldexp(1.0, -19);
+      const at::Tensor d_err = (pre.grad().to(at::kDouble) - d_ref.to(at::kDouble)).abs();
+      EXPECT_TRUE((d_err <= d_bound).all().item<bool>())
+          << "gelu backward: max excess " << (d_err - d_bound).max().item<double>();
+      std::printf("gelu %s n=%lld: forward %lld, backward %lld of %lld values differ from ATen's\n",
+                  c10::toString(dt), static_cast<long long>(n),
+                  static_cast<long long>((h.detach() != h_ref).sum().item<int64_t>()),
+                  static_cast<long long>((pre.grad() != d_ref).sum().item<int64_t>()),
+                  static_cast<long long>(n));
+    }
+  }
+
+  // Two FP8 layers around it, the W1 MLP's shapes: with the hand-offs and without (the layers'
+  // own amax passes over the same tensors) every output and gradient is the same bit for bit.
+  const int64_t rows = 3152, k = 768, hidden = 3072;
+  const at::Tensor x0 = at::randn({rows, k}, cuda).to(at::kBFloat16);
+  const at::Tensor w1 = at::randn({hidden, k}, cuda) * 0.02,
+                   w2 = at::randn({k, hidden}, cuda) * 0.02;
+  const at::Tensor g = at::randn({rows, k}, cuda).to(at::kBFloat16);
+  std::vector<at::Tensor> out[2];
+  int64_t taken[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    f8::Fp8Linear l1(f8::Fp8Options{}), l2(f8::Fp8Options{});
+    at::Tensor x = x0.clone().set_requires_grad(true), a = w1.clone().set_requires_grad(true),
+               b = w2.clone().set_requires_grad(true);
+    at::Tensor c1 = at::zeros({hidden}, cuda).set_requires_grad(true),
+               c2 = at::zeros({k}, cuda).set_requires_grad(true);
+    const at::Tensor h =
+        f8::gelu(l1->forward(x, a, c1), i == 0 ? l1.get() : nullptr, i == 0 ? l2.get() : nullptr);
+    const at::Tensor y = l2->forward(h, b, c2);
+    y.backward(g);
+    out[i] = {y, x.grad(), a.grad(), c1.grad(), b.grad(), c2.grad()};
+    taken[i] = l1->hand_offs_taken() + l2->hand_offs_taken();
+  }
+  EXPECT_EQ(taken[0], 2);
+  EXPECT_EQ(taken[1], 0);
+  for (std::size_t j = 0; j < out[0].size(); ++j) EXPECT_TRUE(same_bits(out[0][j], out[1][j])) << j;
 }

@@ -299,3 +299,79 @@ TEST(Fp8Test, DelayedRecipeScalesFromTheHistory) {
   EXPECT_TRUE(b->initialized());
   EXPECT_TRUE(at::equal(b->history_amax, a->amax_history.amax(1)));
 }
+
+namespace {
+
+// fc2(gelu(fc1(x))) with two FP8 layers, and every gradient: through f8::gelu with the layers
+// named (`hand_off`) or without (the layers compute their amaxes themselves). `between` is applied
+// to the GELU's output before fc2 (identity: none).
+struct MlpRun {
+  at::Tensor y, dx, dw1, db1, dw2, db2;
+};
+MlpRun run_mlp(f8::Fp8Linear& l1, f8::Fp8Linear& l2, const at::Tensor& x0, const at::Tensor& w1,
+               const at::Tensor& w2, const at::Tensor& g, bool hand_off,
+               at::Tensor (*between)(const at::Tensor&) = nullptr) {
+  at::Tensor x = x0.clone().set_requires_grad(true);
+  at::Tensor a = w1.clone().set_requires_grad(true), b = w2.clone().set_requires_grad(true);
+  at::Tensor c1 = at::zeros({w1.size(0)}).set_requires_grad(true);
+  at::Tensor c2 = at::zeros({w2.size(0)}).set_requires_grad(true);
+  at::Tensor h =
+      f8::gelu(l1->forward(x, a, c1), hand_off ? l1.get() : nullptr, hand_off ? l2.get() : nullptr);
+  if (between != nullptr) h = between(h);
+  const at::Tensor y = l2->forward(h, b, c2);
+  y.backward(g);
+  return {y, x.grad(), a.grad(), c1.grad(), b.grad(), c2.grad()};
+}
+
+}  // namespace
+
+// The GELU between two FP8 layers hands fc2 the amax of its input and fc1 the amax of its output
+// gradient, from the kernel that wrote each (on a GPU; here ATen's gelu and amax). The amax is the
+// one the layer would compute itself, so every output and gradient is the same bit for bit, and
+// each layer takes exactly one hand-off per step. A tensor between the GELU and fc2 (a dropout)
+// is not the handed one: no hand-off is taken, and nothing changes. Under the delayed recipe,
+// once a step is rolled the scales come from the histories and nothing is handed.
+TEST(Fp8Test, GeluBetweenFp8LayersHandsEachLayerTheAmaxItWouldCompute) {
+  const int64_t rows = 37, k = 64, hidden = 128;
+  const at::Tensor x = (at::randn({rows, k}) * 2).to(at::kBFloat16);
+  const at::Tensor w1 = at::randn({hidden, k}) * 0.05, w2 = at::randn({k, hidden}) * 0.05;
+  const at::Tensor g = at::randn({rows, k}).to(at::kBFloat16);
+  f8::Fp8Linear l1(f8::Fp8Options{}), l2(f8::Fp8Options{}), r1(f8::Fp8Options{}),
+      r2(f8::Fp8Options{});
+  const MlpRun fused = run_mlp(l1, l2, x, w1, w2, g, true);
+  const MlpRun plain = run_mlp(r1, r2, x, w1, w2, g, false);
+  EXPECT_EQ(l1->hand_offs_taken(), 1);  // its output gradient's amax
+  EXPECT_EQ(l2->hand_offs_taken(), 1);  // its input's amax
+  EXPECT_EQ(r1->hand_offs_taken() + r2->hand_offs_taken(), 0);
+  for (auto [a, b] : {std::pair{fused.y, plain.y},
+                      {fused.dx, plain.dx},
+                      {fused.dw1, plain.dw1},
+                      {fused.db1, plain.db1},
+                      {fused.dw2, plain.dw2},
+                      {fused.db2, plain.db2}}) {
+    ASSERT_TRUE(a.defined() && b.defined());
+    EXPECT_TRUE(at::equal(a, b));
+  }
+  // The GELU itself: ATen's.
+  const at::Tensor pre = at::randn({rows, hidden}).to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(f8::gelu(pre, nullptr, nullptr), at::gelu(pre)));
+
+  // A dropout-like op between: a new tensor, so fc2 computes its own amax.
+  f8::Fp8Linear d1(f8::Fp8Options{}), d2(f8::Fp8Options{});
+  const MlpRun between =
+      run_mlp(d1, d2, x, w1, w2, g, true, [](const at::Tensor& h) { return h * 1.0; });
+  EXPECT_EQ(d2->hand_offs_taken(), 0);
+  EXPECT_EQ(d1->hand_offs_taken(), 1);  // fc1 still gets the GELU backward's own output
+  EXPECT_TRUE(at::equal(between.y, plain.y));
+  EXPECT_TRUE(at::equal(between.dw1, plain.dw1));
+
+  // Delayed: the first step scales by current amaxes (hand-offs taken), later ones do not.
+  f8::Fp8Options delayed;
+  delayed.recipe = f8::Recipe::kDelayed;
+  f8::Fp8Linear e1(delayed), e2(delayed);
+  run_mlp(e1, e2, x, w1, w2, g, true);
+  EXPECT_EQ(e1->hand_offs_taken() + e2->hand_offs_taken(), 2);
+  f8::roll_histories({e1.get(), e2.get()}, {});
+  run_mlp(e1, e2, x, w1, w2, g, true);
+  EXPECT_EQ(e1->hand_offs_taken() + e2->hand_offs_taken(), 2);
+}

@@ -23,7 +23,6 @@ Usage: test_fp8_gpu.py <parallax binary> <mpirun>
 """
 import os
 import statistics
-import subprocess
 import sys
 import unittest
 
@@ -57,14 +56,7 @@ def late_max(run_dir):
     return max(r["loss"] for r in tt.metrics(run_dir) if r["step"] >= SPIKE_FROM)
 
 
-def fp8_gpu():
-    """Whether GPU 0 has FP8 tensor cores (compute capability >= 8.9)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=60).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return bool(out) and float(out[0]) >= 8.9
+fp8_gpu = tt.fp8_gpu
 
 
 class Fp8GpuTest(tt.RunDirTest):

@@ -57,6 +57,16 @@ def gpu_count():
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
+def fp8_gpu():
+    """Whether GPU 0 has FP8 tensor cores (compute capability >= 8.9)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return bool(out) and float(out[0]) >= 8.9
+
+
 def weights(run_dir):
     run(["export", "--run", run_dir, "--format", "weights"])
     with h5py.File(os.path.join(run_dir, "export", "weights.h5"), "r") as f:
