@@ -535,6 +535,12 @@ CommPtr make_gloo_world(const std::shared_ptr<WorldContext>& ctx, const CommOpti
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
   try {
     pg = GlooCommunicator::make_pg(*ctx, uid, ctx->rank, ctx->size, options);
+    // As for a child group (create_child): a rank whose side of connectFullMesh finished first,
+    // and which then drops the communicator (a run that stops on a config error at once), closes
+    // the connection a slower peer is still setting up ("Connection closed by peer", seen in CI:
+    // zero_gloo_np2, 2026-11-30). Leave only once every rank is connected.
+    pg->barrier()->wait(std::chrono::milliseconds(
+        std::max<int64_t>(1, static_cast<int64_t>(options.init_timeout_s * 1000))));
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
