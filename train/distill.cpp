@@ -41,6 +41,15 @@ at::Tensor on_grid(const at::Tensor& teacher, const at::Tensor& like) {
   return at::upsample_bilinear2d(t, {like.size(2), like.size(3)}, /*align_corners=*/false);
 }
 
+// Each channel of each sample of `x` [B, C, X, Y] (fp32) to zero mean and unit variance over
+// its X x Y cells (the biased variance, plus kStdEps so that a constant channel maps to zeros).
+at::Tensor standardise(const at::Tensor& x) {
+  constexpr double kStdEps = 1e-5;
+  const at::Tensor mean = x.mean({2, 3}, /*keepdim=*/true);
+  const at::Tensor var = (x - mean).pow(2).mean({2, 3}, /*keepdim=*/true);
+  return (x - mean) / (var + kStdEps).sqrt();
+}
+
 }  // namespace
 
 std::shared_ptr<models::Model> build_teacher(const RunConfig& cfg, const core::SceneSpec& scene) {
@@ -82,15 +91,17 @@ std::map<std::string, at::Tensor> loss_terms(const DistillConfig& cfg, const cor
                                              torch::nn::Module* projection) {
   std::map<std::string, at::Tensor> out;
   const double t = cfg.temperature;
-  const char* logits = pred.count("bev_logits") ? "bev_logits" : "logits";
-  if (cfg.seg_kl > 0 && pred.count(logits)) {
+  const bool bev = pred.count("bev_logits") > 0;
+  const char* logits = bev ? "bev_logits" : "logits";
+  const double kl_weight = bev ? cfg.seg_kl : cfg.logit_kl;
+  if (kl_weight > 0 && pred.count(logits)) {
     // Over the class dimension (1) of every cell (or sample): T^2 KL(p_teacher || p_student), in
     // fp32 whatever the autocast dtype; the mean over cells and samples.
     const at::Tensor s = at::log_softmax(pred.at(logits).to(at::kFloat) / t, 1);
     const at::Tensor q =
         at::log_softmax(teacher_pred.at(logits).to(at::kFloat) / t, 1);  // same label grid
     const at::Tensor kl = (q.exp() * (q - s)).sum(1).mean();
-    out["seg_kl"] = kl * (t * t * cfg.seg_kl);
+    out[bev ? "seg_kl" : "logit_kl"] = kl * (t * t * kl_weight);
   }
   if (cfg.heatmap > 0 && pred.count("heatmap")) {
     const at::Tensor s = pred.at("heatmap").to(at::kFloat);
@@ -105,11 +116,16 @@ std::map<std::string, at::Tensor> loss_terms(const DistillConfig& cfg, const cor
               .forward(
                   f.to(dynamic_cast<torch::nn::Conv2dImpl&>(*projection).weight.scalar_type()));
     }
-    const at::Tensor g = on_grid(teacher_pred.at("bev_features"), f);
+    at::Tensor g = on_grid(teacher_pred.at("bev_features"), f);
     PARALLAX_CHECK(f.sizes() == g.sizes(), ConfigError,
                    "distill.feature: the student's BEV features {} do not match the teacher's {}",
                    f.sizes(), g.sizes());
-    out["feature"] = at::mse_loss(f.to(at::kFloat), g.to(at::kFloat)) * cfg.feature;
+    f = f.to(at::kFloat);
+    if (cfg.feature_norm == "channel") {
+      f = standardise(f);
+      g = standardise(g);
+    }
+    out["feature"] = at::mse_loss(f, g) * cfg.feature;
   }
   return out;
 }
@@ -120,9 +136,15 @@ TrainerHooks hooks(const RunConfig& cfg) {
                  "key 'distill.teacher': model '{}' has no logits, heatmap or BEV features to "
                  "distill (bev and vit_cls do)",
                  cfg.model.name);
-  PARALLAX_CHECK(d.seg_kl + d.heatmap + d.feature > 0, ConfigError,
-                 "keys 'distill.seg_kl', 'distill.heatmap', 'distill.feature': every weight is 0, "
-                 "so the teacher would not be used");
+  if (cfg.model.name == "bev") {
+    PARALLAX_CHECK(d.seg_kl + d.heatmap + d.feature > 0, ConfigError,
+                   "keys 'distill.seg_kl', 'distill.heatmap', 'distill.feature': every weight is "
+                   "0, so the teacher would not be used");
+  } else {
+    PARALLAX_CHECK(d.logit_kl > 0, ConfigError,
+                   "key 'distill.logit_kl': every weight is 0, so the teacher would not be used "
+                   "(vit_cls distils its class logits only)");
+  }
   auto state = std::make_shared<State>();
   state->cfg = &cfg;
   TrainerHooks h;
@@ -143,7 +165,7 @@ TrainerHooks hooks(const RunConfig& cfg) {
     models::ModelConfig tc = teacher_config(c);
     const int64_t sc = student->spec().bev_channels;
     const int64_t tch = models::make_bev_spec(tc, student->spec().scene).bev_channels;
-    if (sc == tch) return;
+    if (sc == tch && c.distill.adapter != "always") return;
     auto aux = std::make_shared<torch::nn::Module>();
     state->projection = aux->register_module(
         "distill_proj", torch::nn::Conv2d(torch::nn::Conv2dOptions(sc, tch, 1)));

@@ -12,15 +12,21 @@
 // restores the student's).
 //
 // Loss terms, each weighted and logged as loss_<name>:
-//   seg_kl   T^2 KL(softmax(teacher / T) || softmax(student / T)) over the classes of every BEV
-//   cell
-//            (bev: the segmentation logits; vit_cls: the class logits), mean over cells and samples
-//            (Hinton et al. 2015);
+//   logit_kl (vit_cls) T^2 KL(softmax(teacher / T) || softmax(student / T)) over the class
+//            logits, mean over samples (Hinton et al. 2015);
+//   seg_kl   (bev) the same over the segmentation classes of every BEV cell, mean over cells and
+//            samples; off by default (issue 40: on bev_tiny the KL alone cost the student 0.06
+//            mIoU and 0.09 mAP; the unweighted mean over cells is mostly background, where the
+//            task's cross-entropy weighs classes by 1/sqrt(frequency); docs/trainers.md);
 //   heatmap  mean squared error between the sigmoid detection heatmaps (bev);
 //   feature  mean squared error between the BEV feature maps (the BEV encoder's output), through a
-//            learned 1x1 convolution student -> teacher channels when the counts differ. The
-//            projection is a training-only module of the student ("aux.distill_proj": in the last
-//            unit, checkpointed, never exported; models/model.h).
+//            learned 1x1 convolution student -> teacher channels (the adapter) when the counts
+//            differ (distill.adapter=always: also when they match), each map standardised per
+//            sample and channel over the BEV cells first (distill.feature_norm=channel, the
+//            default; PKD, Cao et al. 2022): raw feature scales differ between backbones by
+//            orders of magnitude, and an unnormalised MSE either swamps the task loss or vanishes.
+//            The adapter is a training-only module of the student ("aux.distill_proj": in the
+//            last unit, checkpointed, never exported; models/model.h).
 // A teacher whose query grid differs from the student's (another size: bev small has 0.5 m cells,
 // tiny 1 m) has its heatmap and features bilinearly resampled to the student's grid; the
 // segmentation logits are on the dataset's label grid for every size.
@@ -52,9 +58,12 @@ struct DistillConfig {
   std::string teacher_backbone;  // "" : the student's model.backbone
   double temperature = 4.0;
   double student_loss = 1.0;
-  double seg_kl = 1.0;
+  double logit_kl = 1.0;
+  double seg_kl = 0.0;
   double heatmap = 1.0;
   double feature = 1.0;
+  std::string feature_norm = "channel";
+  std::string adapter = "always";
 
   template <class V>
   void visit(V& v) {
@@ -68,7 +77,11 @@ struct DistillConfig {
       core::Check::positive());
     v("student_loss", student_loss, "weight of the student's own task loss",
       core::Check::at_least(0));
-    v("seg_kl", seg_kl, "weight of the KL term on the segmentation (vit_cls: class) logits",
+    v("logit_kl", logit_kl, "vit_cls: weight of the KL term on the class logits (Hinton et al.)",
+      core::Check::at_least(0));
+    v("seg_kl", seg_kl,
+      "bev: weight of the KL term on every BEV cell's segmentation logits (0 by default: measured "
+      "to cost the student accuracy, docs/trainers.md)",
       core::Check::at_least(0));
     v("heatmap", heatmap, "weight of the MSE between the sigmoid detection heatmaps (bev)",
       core::Check::at_least(0));
@@ -76,6 +89,17 @@ struct DistillConfig {
       "weight of the MSE between the BEV feature maps, through a learned 1x1 projection when the "
       "channel counts differ (bev)",
       core::Check::at_least(0));
+    v("feature_norm", feature_norm,
+      "feature KD on standardised maps: channel = each channel of each sample to zero mean and "
+      "unit variance over the BEV cells, for the student (after the adapter) and the teacher "
+      "alike, so the term weighs how the maps' patterns agree, not their scales (PKD, Cao et al. "
+      "2022); none = raw features",
+      core::Check::one_of({"channel", "none"}));
+    v("adapter", adapter,
+      "the learned 1x1 convolution student -> teacher channels before feature KD: auto = only "
+      "when the channel counts differ, always = also when they match (students and teachers of "
+      "different backbones encode their channels differently)",
+      core::Check::one_of({"auto", "always"}));
   }
 };
 

@@ -99,7 +99,7 @@ class CalibrationStop {
     if (start.dp && start.dp->size() > 1 && PreemptionSignals::installed())
       vote_.emplace(*start.dp, start.device, kVoteTimeoutS);
   }
-  void check(int pass, int64_t batch) {
+  void check(int pass, int64_t batch, int64_t of = -1) {
     const bool stop = vote_ ? vote_->should_stop() : PreemptionSignals::requested();
     if (!stop) return;
     vote_.reset();  // should_stop() returned true: no vote is outstanding
@@ -107,7 +107,7 @@ class CalibrationStop {
     throw PreemptedError(fmt::format(
         "preempted during the QAT calibration (pass {}, before batch {} of {}): nothing was "
         "trained or saved; run the same command again to calibrate from train.load_from",
-        pass, batch + 1, batches_));
+        pass, batch + 1, of >= 0 ? of : batches_));
   }
   // The vote's last round is waited for (its result is for the trainer's own vote to see).
   void finish() { vote_.reset(); }
@@ -200,6 +200,86 @@ void set_state(const std::vector<Layer>& ls, QuantState state) {
   }
 }
 
+std::vector<int64_t> hardest(const std::vector<double>& losses, int64_t k) {
+  const auto n = static_cast<int64_t>(losses.size());
+  PARALLAX_CHECK(k >= 1 && k <= n, ConfigError,
+                 "keys 'qat.calib_batches' and 'qat.calib_pool': {} calibration batches cannot be "
+                 "chosen from a pool of {}",
+                 k, n);
+  for (int64_t i = 0; i < n; ++i) {
+    PARALLAX_CHECK(std::isfinite(losses[static_cast<std::size_t>(i)]), ConfigError,
+                   "key 'qat.calib_select': the fp32 loss of calibration pool batch {} (of {}) is "
+                   "{}; a model that is not finite on its own training data cannot be calibrated "
+                   "(check train.load_from and the data)",
+                   i + 1, n, losses[static_cast<std::size_t>(i)]);
+  }
+  std::vector<int64_t> order(static_cast<std::size_t>(n));
+  for (int64_t i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return losses[static_cast<std::size_t>(a)] > losses[static_cast<std::size_t>(b)];
+  });
+  order.resize(static_cast<std::size_t>(k));
+  return order;
+}
+
+int64_t calib_pool(const QatConfig& cfg) {
+  if (cfg.calib_pool == 0) return 20 * cfg.calib_batches;
+  PARALLAX_CHECK(cfg.calib_pool >= cfg.calib_batches, ConfigError,
+                 "keys 'qat.calib_pool' and 'qat.calib_batches': a pool of {} batches cannot "
+                 "supply {} calibration batches; set qat.calib_pool >= qat.calib_batches (or 0: 20 "
+                 "x calib_batches)",
+                 cfg.calib_pool, cfg.calib_batches);
+  return cfg.calib_pool;
+}
+
+namespace {
+
+// qat.calib_select=hardest: draws the pool, scores each batch by the fp32 loss (the caller holds
+// eval mode and no-grad; every quantizer off) and keeps the calib_batches hardest, in stream order.
+// Holds at most calib_batches + 1 batches: a kept batch is dropped once calib_batches harder ones
+// are held (ties: the earlier one stays, as hardest() decides).
+std::vector<core::TensorDict> hardest_batches(const std::vector<Layer>& ls, const QatConfig& cfg,
+                                              const TrainingStart& start, CalibrationStop& stop,
+                                              std::map<std::string, double>& m) {
+  set_state(ls, QuantState::kDisabled);
+  const int64_t pool = calib_pool(cfg);
+  std::vector<double> losses;
+  std::map<int64_t, core::TensorDict> kept;
+  double sum = 0;
+  for (int64_t i = 0; i < pool; ++i) {
+    stop.check(0, i, pool);
+    core::TensorDict b = start.next_batch();
+    const double loss = start.model.loss(b, start.forward(b)).total.item<double>();
+    losses.push_back(loss);
+    sum += loss;
+    kept.emplace(i, std::move(b));
+    if (static_cast<int64_t>(kept.size()) > cfg.calib_batches) {
+      // hardest() over the losses so far (a NaN is reported here, at its batch).
+      const std::vector<int64_t> top = hardest(losses, cfg.calib_batches);
+      const std::set<int64_t> keep(top.begin(), top.end());
+      for (auto it = kept.begin(); it != kept.end();)
+        it = keep.count(it->first) ? std::next(it) : kept.erase(it);
+    }
+  }
+  const std::vector<int64_t> top = hardest(losses, cfg.calib_batches);
+  std::vector<core::TensorDict> out;
+  double lowest = INFINITY;
+  for (const auto& [i, b] : kept) {
+    out.push_back(b);
+    lowest = std::min(lowest, losses[static_cast<std::size_t>(i)]);
+  }
+  m["calib_pool"] = static_cast<double>(pool);
+  m["calib_pool_loss_mean"] = sum / static_cast<double>(pool);
+  m["calib_loss_min"] = lowest;
+  core::log::info(
+      "QAT: calibrating on the {} hardest of {} batches (qat.calib_select=hardest): fp32 loss >= "
+      "{:.4g}, against a pool mean of {:.4g}",
+      top.size(), pool, lowest, m["calib_pool_loss_mean"]);
+  return out;
+}
+
+}  // namespace
+
 std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatConfig& cfg,
                                         const TrainingStart& start) {
   core::Stopwatch clock;
@@ -207,10 +287,14 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatC
   start.model.eval();
   at::NoGradGuard no_grad;
   CalibrationStop stop(start, cfg.calib_batches);
+  std::map<std::string, double> m;
   const bool histogram = cfg.calibrator != "max";
   // The batches, kept for the second pass only (the histograms' range is pass 1's max): drawn and
-  // run one at a time, so the max calibrator holds one batch whatever calib_batches is.
+  // run one at a time, so the max calibrator holds one batch whatever calib_batches is. The
+  // hardest selection holds its chosen batches from the start.
   std::vector<core::TensorDict> batches;
+  const bool select = cfg.calib_select == "hardest";
+  if (select) batches = hardest_batches(ls, cfg, start, stop, m);
   const auto n = static_cast<int64_t>(ls.size());
   for (const auto& l : ls) {
     if (l.weight) l.weight->set_state(QuantState::kDisabled);
@@ -218,6 +302,10 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatC
   }
   for (int64_t i = 0; i < cfg.calib_batches; ++i) {
     stop.check(1, i);
+    if (select) {
+      start.forward(batches[static_cast<std::size_t>(i)]);
+      continue;
+    }
     core::TensorDict b = start.next_batch();
     start.forward(b);
     if (histogram) batches.push_back(std::move(b));
@@ -267,7 +355,6 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatC
     if (l.weight) l.weight->set_state(QuantState::kQuantizing);
   }
   if (was_training) start.model.train();
-  std::map<std::string, double> m;
   m["calib_layers"] = static_cast<double>(n);
   int64_t adds = 0;
   for (const auto& l : ls) adds += l.is_add();
@@ -400,6 +487,7 @@ TrainerHooks hooks(const RunConfig& cfg) {
   PARALLAX_CHECK(!cfg.qat.sensitivity || !uses_synthetic_data(cfg), ConfigError,
                  "key 'qat.sensitivity': the report compares evaluations, which need a dataset; "
                  "set data.path (and data.synthetic=false) or qat.sensitivity=false");
+  if (cfg.qat.calib_select == "hardest") (void)calib_pool(cfg.qat);  // a bad pool: now, not later
   auto state = std::make_shared<State>();
   state->cfg = &cfg;
   TrainerHooks h;

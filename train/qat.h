@@ -48,6 +48,8 @@ struct QatConfig {
   std::string calibrator = "max";
   double percentile = 99.99;
   int64_t calib_batches = 8;
+  std::string calib_select = "first";
+  int64_t calib_pool = 0;
   std::vector<std::string> skip;
   bool sensitivity = false;
 
@@ -66,6 +68,14 @@ struct QatConfig {
       core::Check::between(50, 100));
     v("calib_batches", calib_batches, "training batches per rank the calibration runs over",
       core::Check::at_least(1));
+    v("calib_select", calib_select,
+      "which batches calibrate: first = the first calib_batches of the training stream; hardest "
+      "= the calib_batches with the highest fp32 loss among the first calib_pool",
+      core::Check::one_of({"first", "hardest"}));
+    v("calib_pool", calib_pool,
+      "calib_select=hardest: training batches per rank scored by their fp32 loss (0: 20 x "
+      "calib_batches, so the hardest 5% calibrate)",
+      core::Check::at_least(0));
     v("skip", skip,
       "module-path globs of layers left unquantized (a glob also matches a layer inside a module "
       "it names, e.g. 'heads' or 'encoder.conv.0'); each must match at least one layer");
@@ -107,12 +117,26 @@ std::string amax_fingerprint(const std::vector<Layer>& layers);
 // Sets every quantizer of `layers` to `state`.
 void set_state(const std::vector<Layer>& layers, models::QuantState state);
 
+// qat.calib_select=hardest: the positions in `losses` (a pool's fp32 losses, in stream order) of
+// the `k` highest, highest first; ties go to the earlier batch. ConfigError for a NaN loss (named
+// by its position) or k outside [1, losses.size()].
+std::vector<int64_t> hardest(const std::vector<double>& losses, int64_t k);
+
+// qat.calib_pool resolved: 20 x calib_batches when 0. ConfigError naming the keys when a pool
+// smaller than calib_batches is set.
+int64_t calib_pool(const QatConfig& cfg);
+
 // Calibrates the activation quantizers over `cfg.calib_batches` batches of `start` (see the file
-// comment; collective over start.dp) and leaves every quantizer quantizing. Throws
-// train::PreemptedError on every rank alike when a preemption signal arrived (train/preemption.h).
-// Returns the statistics logged: calib_quantizers, calib_layers, calib_amax_min, calib_amax_max,
-// calib_amax_mean (over the input quantizers), calib_weight_amax_max, calib_unseen (layers whose
-// input the forward never reached: amax 0, they quantize everything to 0), calib_s.
+// comment; collective over start.dp) and leaves every quantizer quantizing. With
+// cfg.calib_select=hardest it first draws calib_pool(cfg) batches, scores each by the model's fp32
+// loss (eval mode, no grad, every quantizer off) and calibrates on the calib_batches highest
+// (hardest() above; each rank from its own stream), holding at most calib_batches + 1 batches.
+// Throws train::PreemptedError on every rank alike when a preemption signal arrived
+// (train/preemption.h). Returns the statistics logged: calib_quantizers, calib_layers,
+// calib_amax_min, calib_amax_max, calib_amax_mean (over the input quantizers),
+// calib_weight_amax_max, calib_unseen (layers whose input the forward never reached: amax 0, they
+// quantize everything to 0), calib_s; with hardest also calib_pool, calib_pool_loss_mean and
+// calib_loss_min (the lowest loss calibrated on).
 std::map<std::string, double> calibrate(const std::vector<Layer>& layers, const QatConfig& cfg,
                                         const TrainingStart& start);
 

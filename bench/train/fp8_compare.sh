@@ -87,6 +87,7 @@ for w in "${WORK[@]}"; do
       B3=(--config configs/bench/w2_bev_base.yaml model.size=3b data.batch_size=2)
       parallax bev3b_bf16 "bev_3b" 2 "${B3[@]}"
       parallax bev3b_fp8 "bev_3b" 2 "${B3[@]}" precision.mode=fp8
+      if ((DELAYED)); then parallax bev3b_fp8delayed "bev_3b" 2 "${B3[@]}" precision.mode=fp8 precision.fp8.recipe=delayed; fi
       ;;
   esac
 done

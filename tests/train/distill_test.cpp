@@ -90,6 +90,78 @@ TEST(DistillTest, KlTermEqualsTheFloat64Computation) {
   // fp32: log_softmax and the products and sums of 3 classes over 8 cells: a few units of fp32
   // rounding (2^-24) relative to the terms' magnitudes (|q log q| <= 1, logits / T <= ~6): 1e-5.
   EXPECT_NEAR(terms.at("seg_kl").item<double>(), want, 1e-5 * (1 + std::abs(want)));
+  // vit_cls: class logits [samples, classes], weighted by logit_kl (seg_kl does not apply). The
+  // 8 cells as 8 samples: the same mean.
+  cfg.logit_kl = 0.5;
+  cfg.seg_kl = 0;
+  auto rows = [](const at::Tensor& x) { return x.permute({0, 2, 3, 1}).reshape({8, 3}); };
+  const auto cls =
+      train::distill::loss_terms(cfg, {{"logits", rows(s)}}, {{"logits", rows(t)}}, nullptr);
+  ASSERT_EQ(cls.size(), 1u);
+  EXPECT_NEAR(cls.at("logit_kl").item<double>(), want, 1e-5 * (1 + std::abs(want)));
+}
+
+// The feature term against a float64 hand computation: the student's map through the 1x1 adapter
+// (4 -> 6 channels), both maps standardised per sample and channel over their cells
+// (feature_norm=channel, the default) or raw (none), then the mean squared difference, weighted.
+TEST(DistillTest, FeatureTermWithTheAdapterEqualsTheFloat64Computation) {
+  at::manual_seed(3);
+  const int64_t B = 2, Cs = 4, Ct = 6, X = 3, Y = 5;
+  const at::Tensor f = at::randn({B, Cs, X, Y}) * 4 + 1, g = at::randn({B, Ct, X, Y}) * 0.1 - 2;
+  torch::nn::Conv2d proj(torch::nn::Conv2dOptions(Cs, Ct, 1));
+  for (const char* norm : {"channel", "none"}) {
+    SCOPED_TRACE(norm);
+    train::DistillConfig cfg;
+    cfg.seg_kl = cfg.heatmap = 0;
+    cfg.feature = 0.7;
+    cfg.feature_norm = norm;
+    const auto terms = train::distill::loss_terms(cfg, {{"bev_features", f}}, {{"bev_features", g}},
+                                                  proj.ptr().get());
+    ASSERT_EQ(terms.size(), 1u);
+    // float64: p[b][o][x][y] = bias[o] + sum_c W[o][c] f[b][c][x][y].
+    const at::Tensor fd = f.to(at::kDouble), gd = g.to(at::kDouble);
+    const at::Tensor w = proj->weight.detach().to(at::kDouble).view({Ct, Cs});
+    const at::Tensor bias = proj->bias.detach().to(at::kDouble);
+    std::vector<double> p(B * Ct * X * Y), t(B * Ct * X * Y);
+    auto at4 = [&](int64_t b, int64_t c, int64_t x, int64_t y) {
+      return ((b * Ct + c) * X + x) * Y + y;
+    };
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t o = 0; o < Ct; ++o)
+        for (int64_t x = 0; x < X; ++x)
+          for (int64_t y = 0; y < Y; ++y) {
+            double v = bias[o].item<double>();
+            for (int64_t c = 0; c < Cs; ++c)
+              v += w[o][c].item<double>() * fd[b][c][x][y].item<double>();
+            p[at4(b, o, x, y)] = v;
+            t[at4(b, o, x, y)] = gd[b][o][x][y].item<double>();
+          }
+    if (std::string(norm) == "channel") {
+      for (auto* m : {&p, &t}) {
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t o = 0; o < Ct; ++o) {
+            double mean = 0, var = 0;
+            for (int64_t i = 0; i < X * Y; ++i) mean += (*m)[at4(b, o, 0, 0) + i];
+            mean /= X * Y;
+            for (int64_t i = 0; i < X * Y; ++i)
+              var += std::pow((*m)[at4(b, o, 0, 0) + i] - mean, 2);
+            var /= X * Y;  // biased, as the code's
+            for (int64_t i = 0; i < X * Y; ++i)
+              (*m)[at4(b, o, 0, 0) + i] =
+                  ((*m)[at4(b, o, 0, 0) + i] - mean) / std::sqrt(var + 1e-5);
+          }
+      }
+    }
+    double want = 0;
+    for (std::size_t i = 0; i < p.size(); ++i) want += (p[i] - t[i]) * (p[i] - t[i]);
+    want = want / static_cast<double>(p.size()) * 0.7;
+    // fp32: the mean of 180 non-negative squares in any order is within gamma_180 = 1.1e-5 of it
+    // (relative); each square's operands carry the 1x1 conv's 5-term sums (bias + 4 products) or
+    // the standardisation's 15-cell means and variance, a few tens of u relative to the map's
+    // scale, at most doubled in the square: 3e-5 relative covers both.
+    EXPECT_NEAR(terms.at("feature").item<double>(), want, 3e-5 * std::abs(want)) << want;
+    if (std::string(norm) == "channel") EXPECT_LT(want, 4 * 0.7);  // 2 (1 - r) <= 4 per channel
+  }
 }
 
 TEST(DistillTest, GradientsReachOnlyTheStudentAndTheTeacherIsUnchanged) {
@@ -120,6 +192,7 @@ TEST(DistillTest, GradientsReachOnlyTheStudentAndTheTeacherIsUnchanged) {
   }
   EXPECT_NE(tp.at("heatmap").size(2), pred.at("heatmap").size(2)) << "the grids should differ here";
   train::DistillConfig cfg;
+  cfg.seg_kl = 1;  // every bev term (the KL over cells is off by default)
   const auto terms = train::distill::loss_terms(cfg, pred, tp, proj.ptr().get());
   ASSERT_EQ(terms.size(), 3u);
   at::Tensor total = at::zeros({});

@@ -12,7 +12,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <set>
 #include <vector>
 
@@ -289,6 +291,104 @@ TEST(QatTest, ASkipGlobThatMatchesNothingIsRefusedNamingTheKey) {
     EXPECT_NE(std::string(e.what()).find("key 'qat.skip': '*.nothing' matches no"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// qat.calib_select=hardest: the pool's highest fp32 losses, highest first, ties to the earlier
+// batch; a NaN loss or an impossible count is one ConfigError naming it.
+TEST(QatTest, HardestPicksTheHighestLossesAndBreaksTiesByStreamOrder) {
+  EXPECT_EQ(train::qat::hardest({1, 5, 3, 5, 2}, 2), (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(train::qat::hardest({1, 5, 3, 5, 2}, 3), (std::vector<int64_t>{1, 3, 2}));
+  EXPECT_EQ(train::qat::hardest({4, 4, 4}, 2), (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(train::qat::hardest({-1, -3}, 2), (std::vector<int64_t>{0, 1}));
+  auto error = [](const std::vector<double>& l, int64_t k) {
+    try {
+      train::qat::hardest(l, k);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error({1, NAN, 2}, 1).find("pool batch 2 (of 3) is nan"), std::string::npos)
+      << error({1, NAN, 2}, 1);
+  EXPECT_NE(error({1, 2}, 3).find("3 calibration batches cannot be chosen from a pool of 2"),
+            std::string::npos);
+  train::QatConfig cfg;
+  cfg.calib_batches = 8;
+  EXPECT_EQ(train::qat::calib_pool(cfg), 160);  // the top 5%
+  cfg.calib_pool = 8;
+  EXPECT_EQ(train::qat::calib_pool(cfg), 8);
+  cfg.calib_pool = 7;
+  EXPECT_THROW(train::qat::calib_pool(cfg), ConfigError);
+}
+
+// Calibrating with calib_select=hardest draws the whole pool, and every amax is then the one that
+// calibrating on exactly the highest-loss batches gives (bit for bit: the same forwards on the
+// same batches), for the max and the histogram calibrators; twice the same.
+TEST(QatTest, HardestCalibratesOnTheHighestLossBatchesOfThePool) {
+  constexpr int64_t kPool = 6, kChosen = 2;
+  for (const char* calibrator : {"max", "mse"}) {
+    SCOPED_TRACE(calibrator);
+    at::manual_seed(21);
+    auto model = bev_tiny();
+    model->eval();
+    std::vector<core::TensorDict> pool;
+    std::vector<double> losses;
+    for (int64_t i = 0; i < kPool; ++i) {
+      at::manual_seed(100 + i);
+      pool.push_back(model->example_batch(1));
+      at::NoGradGuard g;
+      losses.push_back(model->loss(pool.back(), model->forward(pool.back())).total.item<double>());
+    }
+    std::vector<int64_t> top = train::qat::hardest(losses, kChosen);
+    ASSERT_NE(top, (std::vector<int64_t>{0, 1})) << "the pool's first batches are its hardest: the "
+                                                    "test could not tell the selections apart";
+    std::sort(top.begin(), top.end());
+    const std::vector<double> sorted_losses = [&] {
+      auto l = losses;
+      std::sort(l.rbegin(), l.rend());
+      return l;
+    }();
+    auto run = [&](const std::string& select, const std::vector<int64_t>& stream, int* drawn,
+                   std::map<std::string, double>* metrics) {
+      at::manual_seed(21);  // the same weights as `model`
+      auto m = bev_tiny();
+      train::QatConfig cfg;
+      cfg.calibrator = calibrator;
+      cfg.calib_batches = kChosen;
+      cfg.calib_select = select;
+      cfg.calib_pool = kPool;
+      const auto ls = train::qat::apply(*m, cfg);
+      const parallel::comm::CommPtr none;
+      const train::TrainingStart start{
+          *m,
+          false,
+          none,
+          c10::Device(c10::kCPU),
+          [&] {
+            return pool[static_cast<std::size_t>(stream[static_cast<std::size_t>((*drawn)++)])];
+          },
+          [&](const core::TensorDict& b) { return m->forward(b); }};
+      *metrics = train::qat::calibrate(ls, cfg, start);
+      return train::qat::amax_fingerprint(ls);
+    };
+    int drawn = 0;
+    std::map<std::string, double> mh, mh2, mf;
+    const std::string hard = run("hardest", {0, 1, 2, 3, 4, 5}, &drawn, &mh);
+    EXPECT_EQ(drawn, kPool);
+    drawn = 0;
+    EXPECT_EQ(run("hardest", {0, 1, 2, 3, 4, 5}, &drawn, &mh2), hard) << "not deterministic";
+    drawn = 0;
+    EXPECT_EQ(run("first", top, &drawn, &mf), hard)
+        << "hardest did not calibrate on batches " << top[0] << " and " << top[1];
+    EXPECT_EQ(drawn, kChosen);
+    drawn = 0;
+    EXPECT_NE(run("first", {0, 1, 2, 3, 4, 5}, &drawn, &mf), hard)
+        << "the first two calibrate alike";
+    EXPECT_EQ(mh.at("calib_pool"), kPool);
+    // The model's loss on the same batch, recomputed inside calibrate(): the same ops, bitwise.
+    EXPECT_EQ(mh.at("calib_loss_min"), sorted_losses[kChosen - 1]);
+    EXPECT_GT(mh.at("calib_loss_min"), mh.at("calib_pool_loss_mean"));
   }
 }
 

@@ -9,6 +9,7 @@ layers in FP8 (kernels/fp8.h) must train like bf16.
   tensors' amax is all-reduced over the tp group, so both ranks cast with one scale);
 - and no single step after the first 60 (the warm-up transient) spikes above the bf16 runs' own
   maximum over the same steps by more than 2%;
+- activation checkpointing recomputes the FP8 blocks exactly: every loss equals the run without it;
 - the delayed recipe resumes bitwise: a run checkpointed at step 3 and resumed computes step 4's
   loss from the restored weights and amax histories exactly as the uninterrupted run does.
 
@@ -111,6 +112,23 @@ class Fp8GpuTest(tt.RunDirTest):
     @unittest.skipIf(tt.gpu_count() < 2, "needs two GPUs")
     def test_tensor_parallel_tp2(self):
         self.compare("tp2", "data.batch_size=8", "parallel.tp=2", ranks=2)
+
+    def test_activation_checkpointing_matches_the_run_without(self):
+        # train.activation_checkpointing=full recomputes each block's forward, FP8 casts included,
+        # in its backward: the same tensors cast with the same scales (the delayed recipe's history
+        # only changes when a step is rolled; re-recording an amax is a MAX), so every step's loss
+        # equals the run without checkpointing bit for bit, under both recipes.
+        common = ["model.size=tiny", "train.benchmark=false", "data.synthetic=true", "data.batch_size=16",
+                  "precision.mode=fp8", "precision.fp8.amax_history=4", "train.log_every=1", "train.steps=5"]
+        for recipe in ("current", "delayed"):
+            for ac in ("none", "full"):
+                self.train(W1, f"{recipe}_{ac}", *common, f"precision.fp8.recipe={recipe}",
+                           f"train.activation_checkpointing={ac}")
+            a = tt.losses(os.path.join(self.d, f"{recipe}_none"))
+            b = tt.losses(os.path.join(self.d, f"{recipe}_full"))
+            print(f"  {recipe}: " + " ".join(f"{s}:{a[s]:.6f}/{b[s]:.6f}" for s in sorted(a)), file=sys.stderr)
+            self.assertEqual(sorted(a), list(range(1, 6)))
+            self.assertEqual(a, b, f"{recipe}: checkpointed losses differ")
 
     def test_delayed_recipe_resumes_bitwise(self):
         common = ["model.size=tiny", "train.benchmark=false", "data.synthetic=true", "data.batch_size=16",

@@ -329,6 +329,9 @@ class QatTest(tt.RunDirTest):
             ([load, "qat.calibrator=minmax"], 1, "qat.calibrator"),
             ([load, "qat.skip=['*.nothing']"], 1, "key 'qat.skip': '*.nothing' matches no"),
             ([], 1, "key 'train.load_from'"),
+            ([load, "qat.calib_select=hardest", "qat.calib_batches=4", "qat.calib_pool=3"], 1,
+             "keys 'qat.calib_pool' and 'qat.calib_batches': a pool of 3 batches cannot supply 4"),
+            ([load, "qat.calib_select=toughest"], 1, "qat.calib_select"),
             ([load, "model.backbone=vit", "parallel.tp=2"], 2, "keys 'qat.enabled' and 'parallel.tp'"),
         ]
         for i, (extra, ranks, msg) in enumerate(cases):
