@@ -28,6 +28,9 @@ const std::vector<Verb>& verbs() {
       {"inspect", "describe and verify a dataset folder or an HDF5 data shard", verb_inspect},
       {"launch", "run N workers per node with restarts and graceful preemption (torchrun style)",
        verb_launch},
+      {"quantize",
+       "choose which layers to quantize to INT8 within an accuracy budget, export the Q/DQ ONNX",
+       verb_quantize},
       {"plan", "which parallel layout to run on N GPUs: memory and step time of every layout",
        verb_plan},
   };

@@ -21,6 +21,7 @@ int verb_convert(const std::vector<std::string>& args);
 int verb_inspect(const std::vector<std::string>& args);
 int verb_launch(const std::vector<std::string>& args);
 int verb_plan(const std::vector<std::string>& args);
+int verb_quantize(const std::vector<std::string>& args);
 
 // Every verb that works, in the order `parallax --help` lists them.
 const std::vector<Verb>& verbs();

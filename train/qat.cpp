@@ -471,6 +471,178 @@ int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& ls,
 
 namespace {
 
+// Per unit of model.units() with quantized layers: its name and the indices of its layers in `ls`
+// (a residual Add belongs to the unit of its block's first conv, as in the sensitivity report).
+struct UnitLayers {
+  std::string unit;
+  std::vector<std::size_t> layers;
+};
+std::vector<UnitLayers> unit_layers(models::Model& model, const std::vector<Layer>& ls) {
+  std::vector<UnitLayers> out;
+  for (const auto& unit : model.units()) {
+    const std::set<std::string> params(unit.param_names.begin(), unit.param_names.end());
+    UnitLayers u{unit.name, {}};
+    for (std::size_t i = 0; i < ls.size(); ++i) {
+      const Layer& l = ls[i];
+      if (params.count(l.path + (l.is_add() ? ".conv1.conv.weight" : ".weight")))
+        u.layers.push_back(i);
+    }
+    if (!u.layers.empty()) out.push_back(std::move(u));
+  }
+  return out;
+}
+
+}  // namespace
+
+SweepResult sweep(models::Model& model, const std::vector<Layer>& ls, const QatConfig& cfg,
+                  const TrainingStart& start) {
+  const std::string& key = cfg.budget_metric;
+  SweepResult r;
+  auto metric = [&](const std::map<std::string, double>& m) {
+    const auto it = m.find(key);
+    PARALLAX_CHECK(it != m.end(), ConfigError,
+                   "key 'qat.budget_metric': the evaluation reports no '{}' (it has {})", key, [&] {
+                     std::vector<std::string> k;
+                     for (const auto& [name, v] : m) k.push_back(name);
+                     return core::join(k, ", ");
+                   }());
+    return it->second;
+  };
+  // Quantize every layer but those in `fp16` (indices into ls), evaluate.
+  auto evaluate = [&](const std::set<std::size_t>& fp16) {
+    for (std::size_t i = 0; i < ls.size(); ++i) {
+      const QuantState s = fp16.count(i) ? QuantState::kDisabled : QuantState::kQuantizing;
+      ls[i].input->set_state(s);
+      if (ls[i].weight) ls[i].weight->set_state(s);
+    }
+    ++r.evals;
+    return start.evaluate();
+  };
+  // Weight elements per layer (an Add has none).
+  std::vector<double> weight_elems(ls.size(), 0);
+  {
+    const auto params = model.named_parameters();
+    for (std::size_t i = 0; i < ls.size(); ++i) {
+      if (ls[i].is_add()) continue;
+      if (const at::Tensor* w = params.find(ls[i].path + ".weight"))
+        weight_elems[i] = static_cast<double>(w->numel());
+    }
+  }
+  double all_elems = 0;
+  for (double e : weight_elems) all_elems += e;
+  auto fraction = [&](const std::set<std::size_t>& fp16) {
+    double q = 0;
+    for (std::size_t i = 0; i < ls.size(); ++i)
+      if (!fp16.count(i)) q += weight_elems[i];
+    return all_elems > 0 ? q / all_elems : 0.0;
+  };
+  const auto fp32 = evaluate([&] {
+    std::set<std::size_t> every;
+    for (std::size_t i = 0; i < ls.size(); ++i) every.insert(i);
+    return every;
+  }());
+  r.fp32 = metric(fp32);
+  const auto all = evaluate({});
+  const double budget = cfg.budget / 100;  // points -> the metric's fraction
+  const auto units = unit_layers(model, ls);
+  struct Ranked {
+    std::size_t unit;
+    double drop;
+  };
+  std::vector<Ranked> ranked;
+  std::vector<std::string> steps_json;
+  std::set<std::size_t> fp16;
+  double value = metric(all);
+  auto step_json = [&](const std::vector<std::string>& fp16_units, double v) {
+    return fmt::format(
+        "{{\"fp16_units\": [{}], \"{}\": {}, \"drop_points\": {}, \"int8_layers\": {}, "
+        "\"int8_weight_fraction\": {}}}",
+        [&] {
+          std::vector<std::string> q;
+          for (const auto& u : fp16_units) q.push_back(core::json_quote(u));
+          return core::join(q, ", ");
+        }(),
+        key, core::json_number(v), core::json_number((r.fp32 - v) * 100),
+        static_cast<int64_t>(ls.size() - fp16.size()), core::json_number(fraction(fp16)));
+  };
+  steps_json.push_back(step_json({}, value));
+  std::vector<std::string> unit_json;
+  if (r.fp32 - value > budget) {
+    // One unit quantized at a time: its drop alone.
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      std::set<std::size_t> others;
+      for (std::size_t i = 0; i < ls.size(); ++i) others.insert(i);
+      for (std::size_t i : units[u].layers) others.erase(i);
+      ranked.push_back({u, r.fp32 - metric(evaluate(others))});
+      unit_json.push_back(fmt::format("{{\"unit\": {}, \"layers\": {}, \"drop_points\": {}}}",
+                                      core::json_quote(units[u].unit), units[u].layers.size(),
+                                      core::json_number(ranked.back().drop * 100)));
+    }
+    std::stable_sort(ranked.begin(), ranked.end(),
+                     [](const Ranked& a, const Ranked& b) { return a.drop > b.drop; });
+    // Greedy: the most sensitive unit unquantized next, until within the budget; at least one
+    // unit stays quantized (all of them in fp16 is not an INT8 model).
+    for (std::size_t k = 0; k + 1 < ranked.size() && r.fp32 - value > budget; ++k) {
+      const UnitLayers& u = units[ranked[k].unit];
+      for (std::size_t i : u.layers) fp16.insert(i);
+      r.fp16_units.push_back(u.unit);
+      value = metric(evaluate(fp16));
+      steps_json.push_back(step_json(r.fp16_units, value));
+      core::log::info("QAT sweep: {} unquantized ({} layers in fp16): {} {:.4f} ({:+.2f} points)",
+                      u.unit, fp16.size(), key, value, (value - r.fp32) * 100);
+    }
+  }
+  r.met = r.fp32 - value <= budget;
+  r.chosen = value;
+  r.layers = static_cast<int64_t>(ls.size());
+  r.int8_layers = static_cast<int64_t>(ls.size() - fp16.size());
+  r.int8_weight_fraction = fraction(fp16);
+  for (std::size_t i : fp16) r.skip.push_back(ls[i].path);
+  set_state(ls, QuantState::kQuantizing);
+  if (!start.report_dir.empty()) {
+    std::vector<std::string> skip_q;
+    for (const auto& p : r.skip) skip_q.push_back(core::json_quote(p));
+    const std::string json = fmt::format(
+        "{{\n  \"metric\": {},\n  \"budget_points\": {},\n  \"met\": {},\n  \"fp32\": {},\n  "
+        "\"quantized\": {},\n  \"units\": [{}],\n  \"steps\": [\n    {}\n  ],\n  \"fp16_units\": "
+        "[{}],\n  \"skip\": [{}],\n  \"layers\": {},\n  \"int8_layers\": {},\n  "
+        "\"int8_weight_fraction\": {},\n  \"chosen\": {}\n}}\n",
+        core::json_quote(key), core::json_number(cfg.budget), r.met ? "true" : "false",
+        json_metrics(fp32), json_metrics(all), core::join(unit_json, ", "),
+        core::join(steps_json, ",\n    "),
+        [&] {
+          std::vector<std::string> q;
+          for (const auto& u : r.fp16_units) q.push_back(core::json_quote(u));
+          return core::join(q, ", ");
+        }(),
+        core::join(skip_q, ", "), r.layers, r.int8_layers,
+        core::json_number(r.int8_weight_fraction), core::json_number(value));
+    const std::string path =
+        (std::filesystem::path(start.report_dir) / "quantize_sweep.json").string();
+    {
+      std::ofstream f(path + ".tmp");
+      f << json;
+      f.close();
+      PARALLAX_CHECK(f.good(), IoError, "QAT sweep: cannot write '{}'", path + ".tmp");
+    }
+    std::filesystem::rename(path + ".tmp", path);
+  }
+  core::log::info(
+      "QAT sweep ({} within {} points of fp32 {:.4f}): {}; {} of {} layers INT8 ({:.1f}% of the "
+      "weights), {} {:.4f}",
+      key, cfg.budget, r.fp32, r.met ? "met" : "NOT met", r.int8_layers, r.layers,
+      100 * r.int8_weight_fraction, key, value);
+  PARALLAX_CHECK(r.met, ConfigError,
+                 "key 'qat.budget': no INT8 configuration keeps {} within {} points of fp32's "
+                 "{:.4f}: with every unit but the least sensitive in fp16 it is {:.4f} (report: "
+                 "quantize_sweep.json in the run directory); raise the budget, calibrate "
+                 "differently (qat.calibrator, qat.calib_select) or fine-tune with qat.mode=qat",
+                 key, cfg.budget, r.fp32, value);
+  return r;
+}
+
+namespace {
+
 // What a QAT run keeps between its hooks: the layers the transform quantized.
 struct State {
   const RunConfig* cfg = nullptr;
@@ -487,6 +659,13 @@ TrainerHooks hooks(const RunConfig& cfg) {
   PARALLAX_CHECK(!cfg.qat.sensitivity || !uses_synthetic_data(cfg), ConfigError,
                  "key 'qat.sensitivity': the report compares evaluations, which need a dataset; "
                  "set data.path (and data.synthetic=false) or qat.sensitivity=false");
+  PARALLAX_CHECK(cfg.qat.budget == 0 || !uses_synthetic_data(cfg), ConfigError,
+                 "key 'qat.budget': the sweep compares evaluations, which need a dataset; set "
+                 "data.path (and data.synthetic=false) or qat.budget=0");
+  PARALLAX_CHECK(cfg.qat.budget == 0 || parse_qat_mode(cfg.qat.mode) == QatMode::kPtq, ConfigError,
+                 "key 'qat.budget': the sweep chooses which layers a PTQ model quantizes; set "
+                 "qat.mode=ptq (then fine-tune the chosen configuration with qat.mode=qat and "
+                 "qat.skip from its quantize_sweep.json)");
   if (cfg.qat.calib_select == "hardest") (void)calib_pool(cfg.qat);  // a bad pool: now, not later
   auto state = std::make_shared<State>();
   state->cfg = &cfg;
@@ -527,6 +706,14 @@ TrainerHooks hooks(const RunConfig& cfg) {
     if (c.sensitivity) {
       m["sensitivity_evals"] =
           static_cast<double>(sensitivity_report(start.model, state->layers, start));
+    }
+    if (c.budget > 0) {
+      const SweepResult r = sweep(start.model, state->layers, c, start);
+      m["sweep_evals"] = static_cast<double>(r.evals);
+      m["sweep_int8_layers"] = static_cast<double>(r.int8_layers);
+      m["sweep_int8_weight_fraction"] = r.int8_weight_fraction;
+      m["sweep_" + c.budget_metric] = r.chosen;
+      m["sweep_fp32_" + c.budget_metric] = r.fp32;
     }
     core::log::info(
         "QAT: calibrated {} quantizers over {} batch(es) per rank in {:.2f} s: activation amax in "

@@ -52,6 +52,8 @@ struct QatConfig {
   int64_t calib_pool = 0;
   std::vector<std::string> skip;
   bool sensitivity = false;
+  double budget = 0;
+  std::string budget_metric = "map";
 
   template <class V>
   void visit(V& v) {
@@ -82,6 +84,13 @@ struct QatConfig {
     v("sensitivity", sensitivity,
       "after calibration, evaluate with one model unit quantized at a time and write the drop of "
       "each eval metric to <run>/sensitivity.json (needs a dataset)");
+    v("budget", budget,
+      "qat.mode=ptq: the automated mixed-precision sweep (0: off): keep the most sensitive units "
+      "unquantized, greedily, until INT8 is within this many points (x 100) of fp32's "
+      "budget_metric; writes <run>/quantize_sweep.json (parallax quantize runs it)",
+      core::Check::at_least(0));
+    v("budget_metric", budget_metric, "the eval metric the sweep's budget is on",
+      core::Check::one_of({"map", "miou", "nds"}));
   }
 };
 
@@ -148,6 +157,29 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& layers, const 
 // Returns the number of evaluations run.
 int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& layers,
                            const TrainingStart& start);
+
+// The automated mixed-precision sweep (qat.budget > 0, qat.mode=ptq; docs/trainers.md): with
+// every quantizer calibrated, evaluates fp32 and all-INT8; if INT8 loses more than cfg.budget
+// points (the metric x 100) of cfg.budget_metric, evaluates each unit of model.units() quantized
+// alone, then leaves units unquantized, the most sensitive first (ties in unit order), one more
+// per evaluation, until INT8 is within the budget (at least one unit stays INT8). Writes
+// <start.report_dir>/quantize_sweep.json (rank 0): every evaluation and step, and `skip`, the
+// module paths of the layers left unquantized, which qat.skip takes. A calibrated quantizer passes
+// its input through when disabled and its amax does not depend on the others (calibration runs
+// with every quantizer passing through), so a PTQ run with qat.skip = skip computes the chosen
+// step's evaluation. Leaves every quantizer quantizing. When no step meets the budget: the report,
+// then a ConfigError naming qat.budget. Collective over start.dp.
+struct SweepResult {
+  bool met = false;
+  std::vector<std::string> skip;  // layer paths left unquantized
+  std::vector<std::string> fp16_units;
+  double fp32 = 0, chosen = 0;  // the metric
+  int64_t int8_layers = 0, layers = 0;
+  double int8_weight_fraction = 0;  // weight elements of the quantized layers / all layers'
+  int64_t evals = 0;
+};
+SweepResult sweep(models::Model& model, const std::vector<Layer>& layers, const QatConfig& cfg,
+                  const TrainingStart& start);
 
 // The ONNX export of a quantized model (docs/export.md, "QAT models"): emitter hooks that put
 // QuantizeLinear -> DequantizeLinear (int8, zero point 0, scale = max(amax, kMinAmax) / 127) on

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# fp32 against PTQ and QAT INT8 (docs/PERFORMANCE.md, "Quantization"). Run from the repository root.
+# fp32 against PTQ and QAT INT8, and the mixed-precision sweep (docs/PERFORMANCE.md, "Quantization").
+# Run from the repository root.
 #   bench/train/qat_compare.sh                     # bev_tiny on the CPU (the recorded CPU numbers)
 #   MODEL="model.size=base model.backbone=vit" DEVICE=cuda BATCH=8 STEPS=1500 QAT_STEPS=300 \
 #     SCENES=400 VAL_SCENES=50 THREADS=0 PRECISION=bf16 LR=3e-4 QAT_LR=3e-5 \
@@ -31,7 +32,10 @@ time $P train $C experiment.name=qat train.load_from=$OUT/fp32 qat.enabled=true 
 # The fp32 model trained as many more steps, for an equal-steps comparison with QAT.
 time $P train $C experiment.name=fp32_more train.load_from=$OUT/fp32 train.steps=$QAT_STEPS \
   train.eval_every=$QAT_STEPS optim.lr=$QAT_LR
-for r in fp32 ptq qat fp32_more; do
+# The automated mixed-precision sweep (parallax quantize): INT8 within BUDGET_MAP points of mAP.
+time $P quantize --run $OUT/fp32 --budget-map ${BUDGET_MAP:-0.5} qat.calib_batches=8 \
+  || echo "quantize: the budget was not met (see $OUT/fp32_int8_sweep/quantize_sweep.json)"
+for r in fp32 ptq qat fp32_more fp32_int8; do
   echo "$r: $(grep '"kind": "eval"' $OUT/$r/metrics.jsonl | tail -n 1)"
 done
 echo ALLDONE

@@ -322,6 +322,66 @@ class QatTest(tt.RunDirTest):
         self.assertIn("preempted during the evaluation", out)
         self.assertFalse(os.path.exists(metrics))
 
+    def test_quantize_sweep_meets_its_budget_and_the_export_honours_the_skip_list(self):
+        """`parallax quantize` (issue 40): the sweep leaves the most sensitive units unquantized until
+        INT8 is within the budget; the result run's config.yaml holds the chosen qat.skip, its
+        evaluation is the sweep's chosen step, and its ONNX has Q/DQ on exactly the kept layers."""
+        data = os.path.join(self.d, "data")
+        tt.run(["datagen", "--out", data, "--scenes", "6", "--val-scenes", "3", "--threads", "2",
+                "--samples-per-pixel", "1"])
+        self.bev("fp32", f"data.path={data}", "train.steps=12", "optim.lr=3e-3")
+        fp32 = os.path.join(self.d, "fp32")
+        common = [f"data.path={data}", f"train.load_from={fp32}", "qat.enabled=true", "qat.mode=ptq",
+                  "qat.calib_batches=2"]
+        # A budget every configuration meets: the sweep evaluates fp32 and all-INT8 only.
+        self.bev("probe", *common, "qat.budget=100")
+        with open(os.path.join(self.d, "probe", "quantize_sweep.json")) as f:
+            probe = json.load(f)
+        self.assertTrue(probe["met"])
+        self.assertEqual(probe["skip"], [])
+        self.assertEqual(len(probe["steps"]), 1)
+        # The metric INT8 hurts most, with a budget of half its drop: the greedy steps must run.
+        drops = {m: probe["fp32"][m] - probe["quantized"][m] for m in ("map", "miou", "nds")}
+        metric = max(drops, key=drops.get)
+        self.assertGreater(drops[metric], 0, f"INT8 loses nothing on bev_tiny here: {drops}")
+        budget = drops[metric] * 100 / 2
+        p = tt.run(["quantize", "--run", fp32, f"--budget-{metric}", f"{budget:.6f}", "--parity-frames", "2",
+                    "qat.calib_batches=2", "train.log_every=1", "data.batch_size=2"])
+        self.assertIn("PASS", p.stdout)
+        with open(os.path.join(self.d, "fp32_int8_sweep", "quantize_sweep.json")) as f:
+            rep = json.load(f)
+        self.assertTrue(rep["met"])
+        self.assertGreaterEqual(len(rep["steps"]), 2, "no unit was left unquantized")
+        self.assertTrue(rep["skip"])
+        self.assertLessEqual(rep["fp32"][metric] - rep["chosen"], budget / 100 + 1e-12)
+        # Each step leaves the next most sensitive unit unquantized.
+        order = [u["unit"] for u in sorted(rep["units"], key=lambda u: -u["drop_points"])]
+        self.assertEqual(rep["fp16_units"], order[:len(rep["fp16_units"])])
+        self.assertEqual(rep["steps"][-1]["fp16_units"], rep["fp16_units"])
+        for a, b in zip(rep["steps"], rep["steps"][1:]):
+            self.assertGreater(a["int8_layers"], b["int8_layers"])
+        # The result run: qat.skip in its config, its quantizers exactly the kept layers, its
+        # evaluation the chosen step's (same calibration batches, disabled = absent quantizers).
+        run = os.path.join(self.d, "fp32_int8")
+        cfg = read(os.path.join(run, "config.yaml"))
+        for path in rep["skip"]:
+            self.assertIn(path, cfg)
+        prep = tt.metrics(run, "prepare")[0]
+        self.assertEqual(prep["calib_layers"], rep["int8_layers"])
+        self.assertEqual(rep["layers"] - rep["int8_layers"], len(rep["skip"]))
+        ev = tt.metrics(run, "eval")[0]
+        self.assertAlmostEqual(ev[metric], rep["chosen"], places=9)
+        import onnx
+        g = onnx.load(os.path.join(run, "export", "model.onnx")).graph
+        q = [n for n in g.node if n.op_type == "QuantizeLinear"]
+        self.assertEqual(len(q), prep["calib_quantizers"] + prep["calib_adds"])
+        # A budget on synthetic data, or outside ptq: one error naming the key.
+        for extra, msg in ((["data.synthetic=true", "qat.budget=1"], "key 'qat.budget'"),
+                           ([f"data.path={data}", "qat.mode=qat", "qat.budget=1"], "qat.mode=ptq")):
+            p = self.bev("bad", f"train.load_from={fp32}", "qat.enabled=true", *extra, check=False)
+            self.assertNotEqual(p.returncode, 0)
+            self.assertIn(msg, [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")][0])
+
     def test_bad_inputs_are_one_clear_error_line(self):
         load = self.base("data.synthetic=true")
         common = ["data.synthetic=true", "qat.enabled=true", "train.steps=1"]

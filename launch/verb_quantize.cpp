@@ -1,0 +1,177 @@
+// `parallax quantize`: the automated mixed-precision sweep of a trained fp32 run (docs/trainers.md,
+// "The mixed-precision sweep"), in three child processes of this binary:
+//   1. <name>_sweep: a PTQ run of the run's config (train.load_from = the run) with qat.budget,
+//      which calibrates, evaluates per unit and greedily leaves the most sensitive units
+//      unquantized until INT8 is within the budget (train/qat.h, sweep()): quantize_sweep.json;
+//   2. <name>: a PTQ run with qat.skip = the chosen layers, so its config.yaml records them and its
+//      checkpoint holds exactly the quantizers kept; its evaluation is the sweep's chosen step's;
+//   3. `parallax export --run <name> --format onnx`: the Q/DQ graph of the kept quantizers, gated
+//      on ONNX Runtime against the fake-quantized forward (the QAT parity gate).
+// One process (CPU or one GPU), like export; the children are this binary, so their errors are the
+// usual `parallax: error:` lines.
+#include "core/error.h"
+#include "core/log.h"
+#include "core/strings.h"
+#include "launch/args.h"
+#include "launch/verbs.h"
+
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace parallax::launch {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Runs this binary with `args`, waits, and returns its exit status (128 + signal when killed).
+int run_self(const std::vector<std::string>& args) {
+  std::vector<std::string> all{"/proc/self/exe"};
+  all.insert(all.end(), args.begin(), args.end());
+  core::log::info("quantize: parallax {}", core::join(args, " "));
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  PARALLAX_CHECK(pid >= 0, Error, "quantize: cannot start a child process (fork failed)");
+  if (pid == 0) {
+    std::vector<char*> argv;
+    for (auto& a : all) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv("/proc/self/exe", argv.data());
+    std::_Exit(127);
+  }
+  // The child is a training or export run with its own deadlines (every collective and I/O wait
+  // of the trainer has one); it shares this process group, so a Ctrl-C reaches it too.
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    PARALLAX_CHECK(errno == EINTR, Error, "quantize: waitpid failed");
+  }
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
+}  // namespace
+
+int verb_quantize(const std::vector<std::string>& argv) {
+  Args args("quantize",
+            "Choose which layers of a trained fp32 run to quantize to INT8 within an accuracy "
+            "budget: a per-unit sensitivity sweep, then the most sensitive units kept unquantized "
+            "(greedily) until INT8 is within the budget of fp32; writes a PTQ run whose qat.skip "
+            "holds the choice, and exports its Q/DQ ONNX through the parity gate.");
+  args.option("run", "DIR", "the trained fp32 run directory (its config.yaml and checkpoints)")
+      .option("budget-map", "POINTS", "the largest mAP drop allowed, in points (0.5 = 0.005)")
+      .option("budget-miou", "POINTS", "the same on mIoU")
+      .option("budget-nds", "POINTS", "the same on NDS")
+      .option("name", "NAME", "the result run's name, beside the run (default: <run>_int8)")
+      .option("parity-frames", "N", "frames the ONNX parity gate compares (default: export's)")
+      .overrides(
+          "config overrides for the PTQ runs, e.g. qat.calibrator=percentile qat.calib_batches=16 "
+          "qat.calib_select=hardest")
+      .epilog(
+          "example:\n"
+          "  parallax quantize --run runs/bev_base --budget-map 0.5 qat.calib_select=hardest\n"
+          "writes runs/bev_base_int8_sweep (the sweep: quantize_sweep.json), runs/bev_base_int8 "
+          "(config.yaml with qat.skip, the calibrated checkpoint) and "
+          "runs/bev_base_int8/export/model.onnx");
+  args.parse(argv);
+  if (args.help_requested()) {
+    std::fputs(args.help_text().c_str(), stdout);
+    return 0;
+  }
+  PARALLAX_CHECK(args.has("run"), UsageError,
+                 "quantize: --run DIR is required; see 'parallax quantize --help'");
+  std::string metric, budget;
+  for (const char* m : {"map", "miou", "nds"}) {
+    const std::string opt = std::string("budget-") + m;
+    if (!args.has(opt)) continue;
+    PARALLAX_CHECK(metric.empty(), UsageError,
+                   "quantize: give one budget (--budget-{} and --{} were both given)", metric, opt);
+    metric = m;
+    budget = args.get(opt);
+  }
+  PARALLAX_CHECK(!metric.empty(), UsageError,
+                 "quantize: a budget is required: --budget-map POINTS (or --budget-miou, "
+                 "--budget-nds)");
+  double points = 0;
+  try {
+    std::size_t used = 0;
+    points = std::stod(budget, &used);
+    PARALLAX_CHECK(used == budget.size(), UsageError, "x");
+  } catch (const std::exception&) {
+    throw_error<UsageError>("quantize: --budget-{} '{}' is not a number", metric, budget);
+  }
+  PARALLAX_CHECK(points > 0 && std::isfinite(points), UsageError,
+                 "quantize: --budget-{} must be above 0 points (got {})", metric, budget);
+  fs::path run = fs::path(args.get("run")).lexically_normal();
+  if (run.filename().empty()) run = run.parent_path();
+  const fs::path config = run / "config.yaml";
+  std::error_code ec;
+  PARALLAX_CHECK(fs::is_regular_file(config, ec), ConfigError,
+                 "quantize: '{}' is not a run directory: it has no config.yaml", run.string());
+  const fs::path parent = run.has_parent_path() ? run.parent_path() : fs::path(".");
+  const std::string name = args.has("name") ? args.get("name") : run.filename().string() + "_int8";
+  const std::string sweep_name = name + "_sweep";
+
+  std::vector<std::string> common{"train",
+                                  "--config",
+                                  config.string(),
+                                  "experiment.output_dir=" + parent.string(),
+                                  "train.load_from=" + run.string(),
+                                  "qat.enabled=true",
+                                  "qat.mode=ptq",
+                                  "train.resume="};
+  for (const auto& o : args.override_args()) common.push_back(o);
+
+  std::vector<std::string> a = common;
+  a.push_back("experiment.name=" + sweep_name);
+  a.push_back(fmt::format("qat.budget={}", budget));
+  a.push_back("qat.budget_metric=" + metric);
+  if (int rc = run_self(a); rc != 0) return rc;
+
+  const fs::path report = parent / sweep_name / "quantize_sweep.json";
+  YAML::Node r;
+  try {
+    r = YAML::LoadFile(report.string());  // JSON is YAML
+  } catch (const std::exception& e) {
+    throw_error<IoError>("quantize: cannot read the sweep's report '{}': {}", report.string(),
+                         e.what());
+  }
+  std::vector<std::string> skip;
+  for (const auto& s : r["skip"]) skip.push_back(s.as<std::string>());
+  std::vector<std::string> quoted;
+  for (const auto& s : skip) quoted.push_back("'" + s + "'");
+
+  a = common;
+  a.push_back("experiment.name=" + name);
+  a.push_back("qat.skip=[" + core::join(quoted, ",") + "]");
+  if (int rc = run_self(a); rc != 0) return rc;
+
+  std::vector<std::string> e{"export", "--run", (parent / name).string(), "--format", "onnx"};
+  if (args.has("parity-frames")) {
+    e.push_back("--parity-frames");
+    e.push_back(args.get("parity-frames"));
+  }
+  if (int rc = run_self(e); rc != 0) return rc;
+
+  std::fprintf(stdout,
+               "quantize: %s within %s points of fp32 (%.4f): INT8 %.4f with %lld of %lld layers "
+               "INT8 (%.1f%% of the weights); %zu layer(s) left unquantized%s%s\n"
+               "  sweep:  %s\n  run:    %s (config.yaml holds qat.skip)\n  onnx:   %s\n",
+               metric.c_str(), budget.c_str(), r["fp32"][metric].as<double>(),
+               r["chosen"].as<double>(), r["int8_layers"].as<long long>(),
+               r["layers"].as<long long>(), 100 * r["int8_weight_fraction"].as<double>(),
+               skip.size(), skip.empty() ? "" : ": ", core::join(skip, ", ").c_str(),
+               report.string().c_str(), (parent / name).string().c_str(),
+               (parent / name / "export" / "model.onnx").string().c_str());
+  return 0;
+}
+
+}  // namespace parallax::launch
