@@ -83,15 +83,16 @@ at::Tensor DenseLinearImpl::lora_forward(const at::Tensor& x) {
   return at::linear(x, weight, bias) + at::linear(at::linear(h, lora_a), lora_b) * lora_scale_;
 }
 
-void DenseLinearImpl::add_quantizers() {
+void DenseLinearImpl::add_quantizers(bool learn_scales) {
   PARALLAX_CHECK(fp8.is_empty(), ConfigError,
                  "QAT: this linear layer computes in FP8 (precision.mode=fp8 and QAT do not "
                  "combine)");
   PARALLAX_CHECK(!quantized(), Error, "QAT: this linear layer already has quantizers");
   PARALLAX_CHECK(!lora_a.defined(), Error,
                  "QAT: this linear layer has a LoRA adapter (LoRA and QAT do not combine)");
-  input_quantizer = register_module("input_quantizer", TensorQuantizer(0));
-  weight_quantizer = register_module("weight_quantizer", TensorQuantizer(weight.size(0)));
+  input_quantizer = register_module("input_quantizer", TensorQuantizer(0, learn_scales));
+  weight_quantizer =
+      register_module("weight_quantizer", TensorQuantizer(weight.size(0), learn_scales));
   // A model built without storage has no weight values yet: the transform gives the amax its
   // recipe, the weight's (train/qat.cpp).
   if (core::deferred_init() != nullptr) return;
@@ -173,9 +174,9 @@ at::Tensor ResidualConvBlock::forward_impl(const at::Tensor& x) {
   return (y + x).relu_();
 }
 
-void ResidualConvBlock::add_quantizers() {
+void ResidualConvBlock::add_quantizers(bool learn_scales) {
   PARALLAX_CHECK(!quantized(), Error, "ResidualConvBlock: quantizers added twice");
-  add_quantizer = register_module("add_quantizer", TensorQuantizer(0));
+  add_quantizer = register_module("add_quantizer", TensorQuantizer(0, learn_scales));
 }
 
 Cost ResidualConvBlock::analytic_cost(int64_t channels, int64_t h, int64_t w) {

@@ -104,8 +104,9 @@ class DenseLinearImpl : public torch::nn::Module {
   void merge_lora();
 
   // Registers the quantizers (disabled; the weight's amax from the current weight).
-  // parallax::Error when the layer has an adapter or quantizers already.
-  void add_quantizers();
+  // parallax::Error when the layer has an adapter or quantizers already. learn_scales:
+  // TensorQuantizerImpl.
+  void add_quantizers(bool learn_scales = false);
   bool quantized() const { return !input_quantizer.is_empty(); }
 
   // parallax::Error when the layer has an adapter, quantizers or FP8 already, or a shape the FP8
@@ -167,7 +168,7 @@ class ResidualConvBlock : public Block {
   Cost cost() const override { return analytic_cost(channels_, h_, w_); }
   static Cost analytic_cost(int64_t channels, int64_t h, int64_t w);
   // parallax::Error when it has them already.
-  void add_quantizers();
+  void add_quantizers(bool learn_scales = false);
   bool quantized() const { return !add_quantizer.is_empty(); }
 
   TensorQuantizer add_quantizer{nullptr};

@@ -12,10 +12,12 @@
 
 namespace parallax::models {
 
-TensorQuantizerImpl::TensorQuantizerImpl(int64_t channels) : channels_(channels) {
+TensorQuantizerImpl::TensorQuantizerImpl(int64_t channels, bool learn_scales)
+    : channels_(channels), learn_(learn_scales) {
   PARALLAX_CHECK(channels >= 0, Error, "TensorQuantizer: channels {} must be >= 0", channels);
   // [1] rather than a 0-dim tensor per tensor: checkpoints and weights.h5 hold 1-D shapes.
-  amax = register_buffer("amax", core::init_zeros({channels > 0 ? channels : 1}));
+  at::Tensor init = core::init_zeros({channels > 0 ? channels : 1});
+  amax = learn_scales ? register_parameter("amax", init) : register_buffer("amax", init);
 }
 
 void TensorQuantizerImpl::begin_pass(CalibPass pass, double range) {
@@ -84,26 +86,43 @@ namespace {
 // x * (1 / s) rounds to another float than x / s for some x, which then lands on the other side
 // of a rounding boundary (a one-step difference that the layers after it spread).
 // Backward: the straight-through estimator clipped to the range (models/quant.h).
+// With `learn` (the scale requires a gradient) also LSQ's gradient for the scale (models/quant.h).
 struct FakeQuantize : public torch::autograd::Function<FakeQuantize> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& s) {
-    const at::Tensor q = at::div(x, s).round_();  // round half to even (nearbyint)
+                            const at::Tensor& s, bool learn) {
+    const at::Tensor xs = at::div(x, s);
+    const at::Tensor q = xs.round();  // round half to even (nearbyint)
     at::Tensor y = q.clamp(static_cast<double>(kQuantMin), static_cast<double>(kQuantMax));
-    ctx->save_for_backward({y.eq(q)});  // inside the range: the gradient passes
+    const at::Tensor inside = y.eq(q);  // inside the range: the gradient passes
+    if (learn) {
+      // d y / d s per element: the level minus x / s inside, the saturated level outside.
+      ctx->save_for_backward({inside, y - xs.masked_fill(inside.logical_not(), 0)});
+      ctx->saved_data["scale_sizes"] = s.sizes().vec();
+      const double per_scale = static_cast<double>(x.numel()) / static_cast<double>(s.numel());
+      ctx->saved_data["g"] = 1.0 / std::sqrt(per_scale * static_cast<double>(kQuantMax));
+    } else {
+      ctx->save_for_backward({inside});
+    }
     return y.mul_(s);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const at::Tensor inside = ctx->get_saved_variables()[0];
-    return {grads[0].masked_fill(inside.logical_not(), 0), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor gx = grads[0].masked_fill(saved[0].logical_not(), 0);
+    if (saved.size() < 2) return {gx, at::Tensor(), at::Tensor()};
+    const auto sizes = ctx->saved_data["scale_sizes"].toIntVector();
+    const at::Tensor gs = at::sum_to(grads[0].to(at::kFloat) * saved[1], c10::IntArrayRef(sizes)) *
+                          ctx->saved_data["g"].toDouble();
+    return {gx, gs, at::Tensor()};
   }
 };
 
 }  // namespace
 
 at::Tensor fake_quantize(const at::Tensor& x, const at::Tensor& scale) {
-  if (at::GradMode::is_enabled() && x.requires_grad())
-    return FakeQuantize::apply(x, scale.detach());
+  const bool learn = at::GradMode::is_enabled() && scale.requires_grad();
+  if (learn || (at::GradMode::is_enabled() && x.requires_grad()))
+    return FakeQuantize::apply(x, learn ? scale : scale.detach(), learn);
   return at::div(x, scale)
       .round_()
       .clamp_(static_cast<double>(kQuantMin), static_cast<double>(kQuantMax))
@@ -195,10 +214,11 @@ at::Tensor QuantConv2dImpl::effective_weight() {
   return quantized() ? weight_quantizer->forward(weight) : weight;
 }
 
-void QuantConv2dImpl::add_quantizers() {
+void QuantConv2dImpl::add_quantizers(bool learn_scales) {
   PARALLAX_CHECK(!quantized(), Error, "QuantConv2d: quantizers added twice");
-  input_quantizer = register_module("input_quantizer", TensorQuantizer(0));
-  weight_quantizer = register_module("weight_quantizer", TensorQuantizer(weight.size(0)));
+  input_quantizer = register_module("input_quantizer", TensorQuantizer(0, learn_scales));
+  weight_quantizer =
+      register_module("weight_quantizer", TensorQuantizer(weight.size(0), learn_scales));
   // Built without storage: the transform gives the amax its recipe, the weight's (train/qat.cpp).
   if (core::deferred_init() == nullptr) {
     at::NoGradGuard no_grad;

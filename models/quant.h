@@ -51,13 +51,16 @@ enum class CalibPass { kMax, kHistogram };
 class TensorQuantizerImpl : public torch::nn::Module {
  public:
   // channels 0: one amax per tensor; > 0: one per slice of axis 0 (weights [out, ...]).
-  explicit TensorQuantizerImpl(int64_t channels = 0);
+  // learn_scales (qat.learn_scales, LSQ): "amax" is a parameter, not a buffer, and a quantizing
+  // forward gives it the LSQ gradient (fake_quantize()); the optimizer trains it with the weights.
+  explicit TensorQuantizerImpl(int64_t channels = 0, bool learn_scales = false);
 
   // disabled / calibrating: x unchanged (calibrating also collects); quantizing: fake-quantized
   // (in float32, returned in x's dtype).
   at::Tensor forward(const at::Tensor& x);
 
   QuantState state() const { return state_; }
+  bool learns_scale() const { return learn_; }
   void set_state(QuantState s) { state_ = s; }
   bool per_channel() const { return channels_ > 0; }
   int64_t channels() const { return channels_; }
@@ -82,11 +85,12 @@ class TensorQuantizerImpl : public torch::nn::Module {
   using Observer = std::function<void(const at::Tensor& quotient)>;
   void set_observer(Observer observer) { observer_ = std::move(observer); }
 
-  at::Tensor amax;  // buffer "amax"
+  at::Tensor amax;  // buffer "amax" (a parameter when the scale is learned)
 
  private:
   Observer observer_;
   int64_t channels_;
+  bool learn_ = false;
   QuantState state_ = QuantState::kDisabled;
   CalibPass pass_ = CalibPass::kMax;
   double hist_range_ = 0;
@@ -96,7 +100,12 @@ TORCH_MODULE(TensorQuantizer);
 
 // clamp(nearbyint(x / scale), -128, 127) * scale for float32 `x` and a float32 `scale`
 // broadcastable to it (per tensor: [1]; per channel: [C, 1, ...]), with the clipped
-// straight-through gradient for x (none for the scale). What a quantizing TensorQuantizer computes.
+// straight-through gradient for x. What a quantizing TensorQuantizer computes.
+// The scale gets a gradient only when it requires one (a learned scale, under grad mode): LSQ's
+// (Esser et al., "Learned Step Size Quantization", 2020), d y / d s = clamp(nearbyint(x / s)) -
+// x / s inside the range and the saturated level (-128 or 127) outside, times LSQ's gradient
+// scale g = 1 / sqrt(n * 127), n the elements of x per scale value, summed over the elements
+// that share the scale.
 at::Tensor fake_quantize(const at::Tensor& x, const at::Tensor& scale);
 
 // The per-output-channel max of |w| (axis 0), float32 [out]: a weight quantizer's amax.
@@ -123,8 +132,8 @@ class QuantConv2dImpl : public torch::nn::Conv2dImpl {
       : torch::nn::Conv2dImpl(options) {}
   at::Tensor forward(const at::Tensor& x);
   // Registers "input_quantizer" and "weight_quantizer" (disabled; weight amax from the current
-  // weight). parallax::Error when it already has them.
-  void add_quantizers();
+  // weight; learned scales: TensorQuantizerImpl). parallax::Error when it already has them.
+  void add_quantizers(bool learn_scales = false);
   bool quantized() const { return !input_quantizer.is_empty(); }
   // The weight the forward uses: fake-quantized when the weight quantizer is on.
   at::Tensor effective_weight();

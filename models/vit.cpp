@@ -14,6 +14,8 @@
 #include <torch/autograd.h>
 #include <torch/nn/init.h>
 
+#include <cmath>
+
 namespace parallax::models {
 
 namespace {
@@ -114,10 +116,31 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const int64_t heads = qkv.size(-1) / (3 * head_dim_);
   // [B, T, 3, H, hd] -> 3 x [B, H, T, hd]: strided views, the last dim stays contiguous for SDPA.
   const auto qkv_views = SplitQkv::apply(qkv, heads, head_dim_);
-  at::Tensor o = at::scaled_dot_product_attention(qkv_views[0], qkv_views[1], qkv_views[2]);
+  at::Tensor o;
+  const auto on = [](const TensorQuantizer& q) { return q->state() != QuantState::kDisabled; };
+  if (quantized() && (on(q_quantizer) || on(k_quantizer) || on(v_quantizer) || on(p_quantizer))) {
+    // QAT: the attention as the Q/DQ graph computes it (see the class comment).
+    const at::Tensor q = q_quantizer->forward(qkv_views[0]);
+    const at::Tensor k = k_quantizer->forward(qkv_views[1]);
+    const at::Tensor v = v_quantizer->forward(qkv_views[2]);
+    const at::Tensor s =
+        at::matmul(q, k.transpose(-2, -1)).mul(1.0 / std::sqrt(static_cast<double>(head_dim_)));
+    const at::Tensor p = at::softmax(s, -1, at::kFloat);
+    o = at::matmul(p_quantizer->forward(p).to(v.scalar_type()), v);
+  } else {
+    o = at::scaled_dot_product_attention(qkv_views[0], qkv_views[1], qkv_views[2]);
+  }
   o = o.transpose(1, 2).reshape({b, t, heads * head_dim_});
   if (rows) o = o.view({b * t, heads * head_dim_});
   return maybe_dropout(proj_.forward<at::Tensor>(o), dropout_, is_training());
+}
+
+void AttentionImpl::add_quantizers(bool learn_scales) {
+  PARALLAX_CHECK(!quantized(), Error, "QAT: this attention already has quantizers");
+  q_quantizer = register_module("q_quantizer", TensorQuantizer(0, learn_scales));
+  k_quantizer = register_module("k_quantizer", TensorQuantizer(0, learn_scales));
+  v_quantizer = register_module("v_quantizer", TensorQuantizer(0, learn_scales));
+  p_quantizer = register_module("p_quantizer", TensorQuantizer(0, learn_scales));
 }
 
 MlpBlockImpl::MlpBlockImpl(const TransformerBlockOptions& o) : dropout_(o.dropout) {

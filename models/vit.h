@@ -49,11 +49,24 @@ struct TransformerBlockOptions {
 
 // Multi-head self-attention: qkv (kColumn, 3 fused parts) -> SDPA -> proj (kRow). [B, T, D] ->
 // [B, T, D]; under sequence parallelism [R, D] row shards of the flattened tokens -> the same.
+//
+// QAT (train/qat.h, qat.attention): add_quantizers() registers four per-tensor quantizers on the
+// inputs of the two attention matmuls, "q_quantizer", "k_quantizer", "v_quantizer" (the heads'
+// q, k, v) and "p_quantizer" (the softmax output), where TensorRT's INT8 attention reads Q/DQ
+// pairs. While any of them is not disabled the forward runs the attention as explicit math
+// instead of SDPA: s = fq(q) fq(k)^T / sqrt(hd), p = softmax(s) (float32), o = fq(p) fq(v), the
+// graph models/onnx/vit_onnx.cpp writes.
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const TransformerBlockOptions& o);
   at::Tensor forward(const at::Tensor& x);
   onnx::Value emit_onnx(onnx::Emitter& e, const onnx::Value& x);  // models/onnx/vit_onnx.cpp
+
+  // parallax::Error when the quantizers exist already. learn_scales: TensorQuantizerImpl.
+  void add_quantizers(bool learn_scales = false);
+  bool quantized() const { return !q_quantizer.is_empty(); }
+  TensorQuantizer q_quantizer{nullptr}, k_quantizer{nullptr}, v_quantizer{nullptr},
+      p_quantizer{nullptr};  // empty without qat.attention
 
  private:
   int64_t head_dim_, tokens_;

@@ -9,6 +9,7 @@
 #include "core/strings.h"
 #include "core/timer.h"
 #include "models/layers.h"
+#include "models/vit.h"
 #include "train/lora.h"
 #include "train/preemption.h"
 #include "train/run_config.h"
@@ -45,8 +46,15 @@ namespace {
 using models::CalibPass;
 using models::QuantState;
 
-// The quantizable layer at `module`, if it is one: its quantizers (empty before apply()).
-bool quantizable(torch::nn::Module* module, Layer* out) {
+// The quantizable layer at `module`, if it is one: its quantizers (empty before apply()). An
+// attention (its four inputs: layers() lists them) only when `attention`.
+bool quantizable(torch::nn::Module* module, Layer* out, bool attention) {
+  if (auto* a = dynamic_cast<models::AttentionImpl*>(module)) {
+    out->kind = Layer::Kind::kAttention;
+    out->input = a->quantized() ? a->q_quantizer.ptr() : nullptr;
+    out->weight = nullptr;
+    return attention || a->quantized();
+  }
   if (auto* d = dynamic_cast<models::DenseLinearImpl*>(module)) {
     out->input = d->input_quantizer.is_empty() ? nullptr : d->input_quantizer.ptr();
     out->weight = d->weight_quantizer.is_empty() ? nullptr : d->weight_quantizer.ptr();
@@ -58,12 +66,15 @@ bool quantizable(torch::nn::Module* module, Layer* out) {
     return true;
   }
   if (auto* r = dynamic_cast<models::ResidualConvBlock*>(module)) {
+    out->kind = Layer::Kind::kAdd;
     out->input = r->add_quantizer.is_empty() ? nullptr : r->add_quantizer.ptr();
     out->weight = nullptr;
     return true;
   }
   return false;
 }
+
+constexpr const char* kAttentionInputs[] = {"q", "k", "v", "p"};
 
 // Whether `glob` names the layer at `path` or a module containing it (a dotted prefix of it).
 bool skip_matches(const std::string& glob, const std::string& path) {
@@ -134,12 +145,41 @@ std::string amax_fingerprint(const std::vector<Layer>& ls) {
   return fmt::format("{:08x}", static_cast<uint32_t>(crc));
 }
 
+std::string Layer::module_path() const {
+  return kind == Kind::kAttention ? path.substr(0, path.rfind('.')) : path;
+}
+
+std::string Layer::unit_param() const {
+  switch (kind) {
+    case Kind::kAdd:
+      return path + ".conv1.conv.weight";
+    case Kind::kAttention:
+      return module_path() + ".qkv.weight";
+    case Kind::kLinear:
+      break;
+  }
+  return path + ".weight";
+}
+
 std::vector<Layer> layers(torch::nn::Module& model) {
   std::vector<Layer> out;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     Layer l;
-    if (!quantizable(item.value().get(), &l) || !l.input) continue;
+    if (!quantizable(item.value().get(), &l, false) || !l.input) continue;
     l.path = item.key();
+    if (l.kind == Layer::Kind::kAttention) {
+      // q, k, v, p: the order the forward quantizes them in.
+      auto* a = dynamic_cast<models::AttentionImpl*>(item.value().get());
+      const models::TensorQuantizer* qs[] = {&a->q_quantizer, &a->k_quantizer, &a->v_quantizer,
+                                             &a->p_quantizer};
+      for (int i = 0; i < 4; ++i) {
+        Layer in = l;
+        in.path = l.path + "." + kAttentionInputs[i];
+        in.input = qs[i]->ptr();
+        out.push_back(std::move(in));
+      }
+      continue;
+    }
     out.push_back(std::move(l));
   }
   return out;
@@ -151,7 +191,7 @@ std::vector<Layer> apply(models::Model& model, const QatConfig& cfg, int64_t* sk
   int64_t n_skipped = 0;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     Layer l;
-    if (!quantizable(item.value().get(), &l)) continue;
+    if (!quantizable(item.value().get(), &l, cfg.attention)) continue;
     const std::string& path = item.key();
     all.push_back(path);
     bool skip = false;
@@ -165,11 +205,14 @@ std::vector<Layer> apply(models::Model& model, const QatConfig& cfg, int64_t* sk
       continue;
     }
     if (auto* d = dynamic_cast<models::DenseLinearImpl*>(item.value().get())) {
-      d->add_quantizers();
+      d->add_quantizers(cfg.learn_scales);
     } else if (auto* c = dynamic_cast<models::QuantConv2dImpl*>(item.value().get())) {
-      c->add_quantizers();
+      c->add_quantizers(cfg.learn_scales);
+    } else if (auto* a = dynamic_cast<models::AttentionImpl*>(item.value().get())) {
+      a->add_quantizers(cfg.learn_scales);
     } else {
-      dynamic_cast<models::ResidualConvBlock*>(item.value().get())->add_quantizers();
+      dynamic_cast<models::ResidualConvBlock*>(item.value().get())
+          ->add_quantizers(cfg.learn_scales);
     }
   }
   for (std::size_t g = 0; g < cfg.skip.size(); ++g) {
@@ -356,10 +399,15 @@ std::map<std::string, double> calibrate(const std::vector<Layer>& ls, const QatC
   }
   if (was_training) start.model.train();
   m["calib_layers"] = static_cast<double>(n);
-  int64_t adds = 0;
-  for (const auto& l : ls) adds += l.is_add();
+  int64_t adds = 0, attention = 0, weights = 0;
+  for (const auto& l : ls) {
+    adds += l.is_add();
+    attention += l.kind == Layer::Kind::kAttention;
+    weights += l.weight != nullptr;
+  }
   m["calib_adds"] = static_cast<double>(adds);
-  m["calib_quantizers"] = static_cast<double>(2 * n - adds);
+  if (attention > 0) m["calib_attention_inputs"] = static_cast<double>(attention);
+  m["calib_quantizers"] = static_cast<double>(n + weights);
   m["calib_batches"] = static_cast<double>(cfg.calib_batches);
   m["calib_unseen"] = (maxes <= 0).sum().item<double>();
   const at::Tensor seen = amax.masked_select(maxes > 0);
@@ -385,6 +433,27 @@ std::string json_metrics(const std::map<std::string, double>& m) {
   return "{" + core::join(items, ", ") + "}";
 }
 
+// Per unit of model.units() with quantized layers: its name and the indices of its layers in `ls`
+// (Layer::unit_param() places each: a residual Add in its block's first conv's unit, an attention
+// input in its qkv's). The sensitivity report and the sweep measure the same units.
+struct UnitLayers {
+  std::string unit;
+  std::vector<std::size_t> layers;
+};
+std::vector<UnitLayers> unit_layers(models::Model& model, const std::vector<Layer>& ls) {
+  std::vector<UnitLayers> out;
+  for (const auto& unit : model.units()) {
+    const std::set<std::string> params(unit.param_names.begin(), unit.param_names.end());
+    UnitLayers u{unit.name, {}};
+    for (std::size_t i = 0; i < ls.size(); ++i) {
+      const Layer& l = ls[i];
+      if (params.count(l.unit_param())) u.layers.push_back(i);
+    }
+    if (!u.layers.empty()) out.push_back(std::move(u));
+  }
+  return out;
+}
+
 }  // namespace
 
 int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& ls,
@@ -404,18 +473,14 @@ int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& ls,
     std::map<std::string, double> metrics;
   };
   std::vector<Row> rows;
-  for (const auto& unit : model.units()) {
-    const std::set<std::string> params(unit.param_names.begin(), unit.param_names.end());
-    Row row{unit.name, 0, {}};
-    for (const auto& l : ls) {
-      // A residual Add belongs to the unit of its block's first conv.
-      const bool mine = params.count(l.path + (l.is_add() ? ".conv1.conv.weight" : ".weight")) > 0;
-      row.layers += mine;
-      const QuantState s = mine ? QuantState::kQuantizing : QuantState::kDisabled;
-      l.input->set_state(s);
-      if (l.weight) l.weight->set_state(s);
+  // Units with nothing quantized are left out (no drop to measure).
+  for (const auto& unit : unit_layers(model, ls)) {
+    Row row{unit.unit, static_cast<int64_t>(unit.layers.size()), {}};
+    set_state(ls, QuantState::kDisabled);
+    for (std::size_t i : unit.layers) {
+      ls[i].input->set_state(QuantState::kQuantizing);
+      if (ls[i].weight) ls[i].weight->set_state(QuantState::kQuantizing);
     }
-    if (row.layers == 0) continue;  // nothing of this unit is quantized: no drop to measure
     row.metrics = run_eval();
     rows.push_back(std::move(row));
   }
@@ -469,31 +534,6 @@ int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& ls,
   return evals;
 }
 
-namespace {
-
-// Per unit of model.units() with quantized layers: its name and the indices of its layers in `ls`
-// (a residual Add belongs to the unit of its block's first conv, as in the sensitivity report).
-struct UnitLayers {
-  std::string unit;
-  std::vector<std::size_t> layers;
-};
-std::vector<UnitLayers> unit_layers(models::Model& model, const std::vector<Layer>& ls) {
-  std::vector<UnitLayers> out;
-  for (const auto& unit : model.units()) {
-    const std::set<std::string> params(unit.param_names.begin(), unit.param_names.end());
-    UnitLayers u{unit.name, {}};
-    for (std::size_t i = 0; i < ls.size(); ++i) {
-      const Layer& l = ls[i];
-      if (params.count(l.path + (l.is_add() ? ".conv1.conv.weight" : ".weight")))
-        u.layers.push_back(i);
-    }
-    if (!u.layers.empty()) out.push_back(std::move(u));
-  }
-  return out;
-}
-
-}  // namespace
-
 SweepResult sweep(models::Model& model, const std::vector<Layer>& ls, const QatConfig& cfg,
                   const TrainingStart& start) {
   const std::string& key = cfg.budget_metric;
@@ -523,7 +563,7 @@ SweepResult sweep(models::Model& model, const std::vector<Layer>& ls, const QatC
   {
     const auto params = model.named_parameters();
     for (std::size_t i = 0; i < ls.size(); ++i) {
-      if (ls[i].is_add()) continue;
+      if (!ls[i].weight) continue;
       if (const at::Tensor* w = params.find(ls[i].path + ".weight"))
         weight_elems[i] = static_cast<double>(w->numel());
     }
@@ -597,7 +637,12 @@ SweepResult sweep(models::Model& model, const std::vector<Layer>& ls, const QatC
   r.layers = static_cast<int64_t>(ls.size());
   r.int8_layers = static_cast<int64_t>(ls.size() - fp16.size());
   r.int8_weight_fraction = fraction(fp16);
-  for (std::size_t i : fp16) r.skip.push_back(ls[i].path);
+  // An attention's four inputs are skipped by its module path (with its qkv and proj, of the same
+  // unit and so also in fp16).
+  for (std::size_t i : fp16) {
+    const std::string p = ls[i].module_path();
+    if (std::find(r.skip.begin(), r.skip.end(), p) == r.skip.end()) r.skip.push_back(p);
+  }
   set_state(ls, QuantState::kQuantizing);
   if (!start.report_dir.empty()) {
     std::vector<std::string> skip_q;
@@ -666,6 +711,17 @@ TrainerHooks hooks(const RunConfig& cfg) {
                  "key 'qat.budget': the sweep chooses which layers a PTQ model quantizes; set "
                  "qat.mode=ptq (then fine-tune the chosen configuration with qat.mode=qat and "
                  "qat.skip from its quantize_sweep.json)");
+  PARALLAX_CHECK(!cfg.qat.learn_scales || parse_qat_mode(cfg.qat.mode) == QatMode::kQat,
+                 ConfigError,
+                 "key 'qat.learn_scales': scales are learned by training; set qat.mode=qat (PTQ "
+                 "takes no step)");
+  // ZeRO keeps fp32 masters (stage 1-2) or shards the parameters (3) from before the calibration
+  // writes the amax into the model's tensors: the calibration would not reach them.
+  PARALLAX_CHECK(!cfg.qat.learn_scales || cfg.parallel.zero.stage == 0, ConfigError,
+                 "keys 'qat.learn_scales' and 'parallel.zero.stage': learned scales train under "
+                 "DDP or one process in this version (zero.stage is {}); set "
+                 "parallel.zero.stage=0 or qat.learn_scales=false",
+                 cfg.parallel.zero.stage);
   if (cfg.qat.calib_select == "hardest") (void)calib_pool(cfg.qat);  // a bad pool: now, not later
   auto state = std::make_shared<State>();
   state->cfg = &cfg;
@@ -690,9 +746,10 @@ TrainerHooks hooks(const RunConfig& cfg) {
     }
     core::log::info(
         "QAT ({}): INT8 fake quantization on {} layers ({} skipped by qat.skip); "
-        "calibrator {}{}",
+        "calibrator {}{}{}",
         c.mode, state->layers.size(), skipped, c.calibrator,
-        c.calibrator == "percentile" ? fmt::format(" ({})", c.percentile) : "");
+        c.calibrator == "percentile" ? fmt::format(" ({})", c.percentile) : "",
+        c.learn_scales ? "; scales learned (LSQ) from the calibration on" : "");
   };
   h.prepare = [state](const TrainingStart& start) {
     const QatConfig& c = state->cfg->qat;
@@ -759,6 +816,10 @@ class QdqHooks : public models::onnx::EmitHooks {
                                 const models::onnx::Value& x) override {
     return wrap(e, block, "add", x);
   }
+  models::onnx::Value attention_input(models::onnx::Emitter& e, const std::string& attention,
+                                      const char* which, const models::onnx::Value& x) override {
+    return wrap(e, attention + "." + which, "attention", x);
+  }
 
  private:
   // `x` through the layer's `what` ("input" / "weight") quantizer, if it has one; its amax buffer
@@ -769,9 +830,12 @@ class QdqHooks : public models::onnx::EmitHooks {
     if (it == by_path_.end()) return x;
     const std::string kind = what;
     if ((kind == "add") != it->second.is_add()) return x;
+    const bool attention = it->second.kind == Layer::Kind::kAttention;
+    if ((kind == "attention") != attention) return x;
     const auto& q = kind == "weight" ? it->second.weight : it->second.input;
     if (!q) return x;
-    e.mark_read(layer + "." + kind + "_quantizer.amax");
+    // An attention input's quantizer is "<attention>.<q|k|v|p>_quantizer".
+    e.mark_read(layer + (attention ? "" : "." + kind) + "_quantizer.amax");
     std::string q_output;
     const models::onnx::Value y = qdq(e, layer, what, x, *q, &q_output);
     if (kind != "weight") {

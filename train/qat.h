@@ -21,9 +21,11 @@
 // calibrate() throws train::PreemptedError, and the trainer exits kExitPreempted with nothing
 // saved (nothing was trained; the run starts again from train.load_from).
 //
+// With qat.attention the inputs of every ViT attention's two matmuls are quantized too (q, k, v
+// and the softmax output, one per-tensor quantizer each: models::AttentionImpl).
+//
 // Limits: tensor and pipeline parallelism (parallel.tp > 1, parallel.pp > 1) are refused; LoRA
-// and distillation do not combine with QAT in this version; the attention matmuls are not
-// quantized. `parallax export` writes the
+// and distillation do not combine with QAT in this version. `parallax export` writes the
 // Q/DQ ONNX graph (export_hooks()).
 #pragma once
 
@@ -51,6 +53,8 @@ struct QatConfig {
   std::string calib_select = "first";
   int64_t calib_pool = 0;
   std::vector<std::string> skip;
+  bool attention = false;
+  bool learn_scales = false;
   bool sensitivity = false;
   double budget = 0;
   std::string budget_metric = "map";
@@ -81,6 +85,13 @@ struct QatConfig {
     v("skip", skip,
       "module-path globs of layers left unquantized (a glob also matches a layer inside a module "
       "it names, e.g. 'heads' or 'encoder.conv.0'); each must match at least one layer");
+    v("attention", attention,
+      "also quantize the inputs of every ViT attention's two matmuls (q, k, v and the softmax "
+      "output, per tensor), as TensorRT's INT8 attention reads them; a skip glob naming the "
+      "attention (e.g. '*.attn') leaves them unquantized with its qkv and proj");
+    v("learn_scales", learn_scales,
+      "qat.mode=qat: train every quantizer's amax (activations and weights) with the weights, by "
+      "LSQ's gradient (learned step size), starting from the calibration");
     v("sensitivity", sensitivity,
       "after calibration, evaluate with one model unit quantized at a time and write the drop of "
       "each eval metric to <run>/sensitivity.json (needs a dataset)");
@@ -103,18 +114,29 @@ namespace qat {
 
 // A quantized layer: its module path and its quantizers. A Linear or Conv has `input` (per tensor)
 // and `weight` (per output channel); a residual Add (models::ResidualConvBlock) has only `input`,
-// the quantizer its two summands share (`weight` null).
+// the quantizer its two summands share (`weight` null); an attention matmul input (qat.attention,
+// models::AttentionImpl) has only `input`, and its path is the attention's with ".q", ".k", ".v"
+// or ".p" appended (the quantizer is the module "<attention>.q_quantizer", ...).
 struct Layer {
+  enum class Kind { kLinear, kAdd, kAttention };
   std::string path;
+  Kind kind = Kind::kLinear;
   std::shared_ptr<models::TensorQuantizerImpl> input, weight;
-  bool is_add() const { return !weight; }
+  bool is_add() const { return kind == Kind::kAdd; }
+  // The module path a qat.skip glob names to leave this layer unquantized: the path, or the
+  // attention's for an attention input.
+  std::string module_path() const;
+  // The parameter that places the layer in a unit of Model::units(): its weight; a residual Add's
+  // first conv weight; an attention input's qkv weight.
+  std::string unit_param() const;
 };
 
 // Every layer of `model` with quantizers, in module order.
 std::vector<Layer> layers(torch::nn::Module& model);
 
 // Adds quantizers (disabled) to every DenseLinear, QuantConv2d and residual Add
-// (ResidualConvBlock) of `model` but those `cfg.skip` names; returns the layers quantized and, in
+// (ResidualConvBlock), and with cfg.attention every ViT attention, of `model` but those `cfg.skip`
+// names; returns the layers quantized and, in
 // `skipped`, how many were skipped. ConfigError naming the key when a skip glob matches no layer
 // (listing some that exist), or when no layer is left.
 std::vector<Layer> apply(models::Model& model, const QatConfig& cfg, int64_t* skipped = nullptr);

@@ -5,7 +5,11 @@
 #   MODEL="model.size=base model.backbone=vit" DEVICE=cuda BATCH=8 STEPS=1500 QAT_STEPS=300 \
 #     SCENES=400 VAL_SCENES=50 THREADS=0 PRECISION=bf16 LR=3e-4 QAT_LR=3e-5 \
 #     bench/train/qat_compare.sh                   # bev base on one GPU
+#   MODEL="model.backbone=vit" QAT_EXTRA="qat.attention=true" DEVICE=cuda BATCH=8 STEPS=2000 \
+#     QAT_STEPS=300 SCENES=400 VAL_SCENES=64 THREADS=16 SWEEP=0 \
+#     bench/train/qat_compare.sh                   # INT8 attention (the case that hurts), one GPU
 # The QAT fine-tune and PTQ start from the fp32 run; every run evaluates on the same val scenes.
+# QAT_EXTRA: overrides for the PTQ, QAT and quantize runs; when set, ptq_base is PTQ without them.
 set -x
 P=${PARALLAX:-build/bin/parallax}
 OUT=${OUT:-/tmp/qr}
@@ -22,20 +26,33 @@ LR=${LR:-1e-3}
 QAT_LR=${QAT_LR:-1e-4}
 mkdir -p "$OUT"
 [[ $DEVICE == cpu ]] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-time $P datagen --out $OUT/data --scenes $SCENES --val-scenes $VAL_SCENES --threads $THREADS --samples-per-pixel 1
+# Resumable: a run whose metrics.jsonl holds an eval row, and a finished dataset, are kept.
+done_run() { grep -q '"kind": "eval"' "$OUT/$1/metrics.jsonl" 2>/dev/null || { rm -rf "${OUT:?}/$1"; false; }; }
+[[ -f $OUT/data/.done ]] || { time $P datagen --out $OUT/data --scenes $SCENES --val-scenes $VAL_SCENES --threads $THREADS --samples-per-pixel 1 && touch $OUT/data/.done; }
 C="--config configs/bev_tiny.yaml $MODEL experiment.output_dir=$OUT data.path=$OUT/data train.device=$DEVICE
    data.batch_size=$BATCH train.log_every=50 precision.mode=$PRECISION"
-time $P train $C experiment.name=fp32 train.steps=$STEPS train.eval_every=$STEPS optim.lr=$LR
-time $P train $C experiment.name=ptq train.load_from=$OUT/fp32 qat.enabled=true qat.mode=ptq qat.calib_batches=8
-time $P train $C experiment.name=qat train.load_from=$OUT/fp32 qat.enabled=true qat.mode=qat qat.calib_batches=8 \
-  train.steps=$QAT_STEPS train.eval_every=$QAT_STEPS optim.lr=$QAT_LR
+done_run fp32 || time $P train $C experiment.name=fp32 train.steps=$STEPS train.eval_every=$STEPS optim.lr=$LR
+QAT_EXTRA=${QAT_EXTRA:-}
+RUNS="fp32 ptq qat fp32_more"
+if [[ -n $QAT_EXTRA ]]; then
+  done_run ptq_base || time $P train $C experiment.name=ptq_base train.load_from=$OUT/fp32 qat.enabled=true qat.mode=ptq \
+    qat.calib_batches=8
+  RUNS="$RUNS ptq_base"
+fi
+done_run ptq || time $P train $C experiment.name=ptq train.load_from=$OUT/fp32 qat.enabled=true qat.mode=ptq qat.calib_batches=8 \
+  $QAT_EXTRA
+done_run qat || time $P train $C experiment.name=qat train.load_from=$OUT/fp32 qat.enabled=true qat.mode=qat qat.calib_batches=8 \
+  train.steps=$QAT_STEPS train.eval_every=$QAT_STEPS optim.lr=$QAT_LR $QAT_EXTRA
 # The fp32 model trained as many more steps, for an equal-steps comparison with QAT.
-time $P train $C experiment.name=fp32_more train.load_from=$OUT/fp32 train.steps=$QAT_STEPS \
+done_run fp32_more || time $P train $C experiment.name=fp32_more train.load_from=$OUT/fp32 train.steps=$QAT_STEPS \
   train.eval_every=$QAT_STEPS optim.lr=$QAT_LR
 # The automated mixed-precision sweep (parallax quantize): INT8 within BUDGET_MAP points of mAP.
-time $P quantize --run $OUT/fp32 --budget-map ${BUDGET_MAP:-0.5} qat.calib_batches=8 \
-  || echo "quantize: the budget was not met (see $OUT/fp32_int8_sweep/quantize_sweep.json)"
-for r in fp32 ptq qat fp32_more fp32_int8; do
+if [[ ${SWEEP:-1} != 0 ]]; then
+  time $P quantize --run $OUT/fp32 --budget-map ${BUDGET_MAP:-0.5} qat.calib_batches=8 $QAT_EXTRA \
+    || echo "quantize: the budget was not met (see $OUT/fp32_int8_sweep/quantize_sweep.json)"
+  RUNS="$RUNS fp32_int8"
+fi
+for r in $RUNS; do
   echo "$r: $(grep '"kind": "eval"' $OUT/$r/metrics.jsonl | tail -n 1)"
 done
 echo ALLDONE

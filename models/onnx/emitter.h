@@ -100,6 +100,13 @@ class EmitHooks {
   // Each input `x` of the residual Add of block `block` (module path). A QAT run inserts the
   // block's shared Q/DQ pair (models::ResidualConvBlock::add_quantizer).
   virtual Value add_input(Emitter& e, const std::string& block, const Value& x) { return x; }
+  // An input of an attention matmul of attention `attention` (module path): `which` is "q", "k",
+  // "v" (the heads' [B, H, T, hd]) or "p" (the softmax output). A QAT run with qat.attention
+  // inserts that input's Q/DQ pair (models::AttentionImpl::add_quantizers).
+  virtual Value attention_input(Emitter& e, const std::string& attention, const char* which,
+                                const Value& x) {
+    return x;
+  }
 };
 
 struct EmitOptions {

@@ -17,9 +17,16 @@ onnx::Value AttentionImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& x) {
   const onnx::Value parts =
       e.transpose(e.reshape(qkv, {0, 0, 3, heads, head_dim_}), {2, 0, 3, 1, 4});
   std::vector<onnx::Value> qkv_parts;
+  const std::string attention = e.path();
   for (int64_t i = 0; i < 3; ++i) {
-    qkv_parts.push_back(e.op("Gather", {parts, e.constant(at::scalar_tensor(i, at::kLong))},
-                             {{"axis", int64_t{0}}}));
+    const onnx::Value part = e.op("Gather", {parts, e.constant(at::scalar_tensor(i, at::kLong))},
+                                  {{"axis", int64_t{0}}});
+    // QAT (qat.attention): the Q/DQ pairs of q, k, v, in the order the forward quantizes them.
+    qkv_parts.push_back(e.hooks().attention_input(e, attention,
+                                                  i == 0   ? "q"
+                                                  : i == 1 ? "k"
+                                                           : "v",
+                                                  part));
   }
   // softmax(q k^T / sqrt(hd)) v: SDPA's default scale. The softmax runs in float32 (as autocast
   // runs it; the fused kernels accumulate it in float32).
@@ -27,6 +34,7 @@ onnx::Value AttentionImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& x) {
   scores = e.mul(scores, e.scalar(1.0 / std::sqrt(static_cast<double>(head_dim_)), e.dtype()));
   if (e.dtype() != at::kFloat) scores = e.cast(scores, at::kFloat);
   onnx::Value attn = e.op("Softmax", {scores}, {{"axis", int64_t{-1}}});
+  attn = e.hooks().attention_input(e, attention, "p", attn);
   if (e.dtype() != at::kFloat) attn = e.cast(attn, e.dtype());
   onnx::Value o = e.matmul(attn, qkv_parts[2]);                            // [B, H, T, hd]
   o = e.reshape(e.transpose(o, {0, 2, 1, 3}), {0, 0, heads * head_dim_});  // [B, T, H * hd]

@@ -228,8 +228,8 @@ class ExportTest(unittest.TestCase):
         runs = [train("vit_fresh_ptq", BEV, *vit, f"train.load_from={fresh}", "qat.enabled=true", "qat.mode=ptq",
                       "qat.calib_batches=1"),
                 train("vit_trained_qat", BEV, *vit, f"train.load_from={base}", "qat.enabled=true", "qat.mode=qat",
-                      "train.steps=4")]
-        for run_dir in runs:
+                      "train.steps=4", "qat.attention=true")]
+        for run_dir, attention in zip(runs, [False, True]):
             p = run(["export", "--run", run_dir, "--format", "onnx", "--parity-frames", "2"], check=False)
             self.assertEqual(p.returncode, 0, f"{run_dir}: {p.stderr[-3000:]}")
             with open(os.path.join(run_dir, "export", "parity.json")) as f:
@@ -246,6 +246,14 @@ class ExportTest(unittest.TestCase):
             consts = {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
             acts = [n for n in g.node if n.op_type == "QuantizeLinear" and n.input[0] not in consts]
             self.assertEqual(ties["tensors"], len(acts))
+            # qat.attention (the trained run): a Q/DQ pair on q, k and v (each a Gather of the fused
+            # qkv) and on the softmax output of every attention, and none without it.
+            producer = {o: n for n in g.node for o in n.output}
+            fed_by = [producer[n.input[0]].op_type for n in acts if n.input[0] in producer]
+            softmaxes = sum(n.op_type == "Softmax" for n in g.node)
+            self.assertGreater(softmaxes, 0)
+            self.assertEqual(fed_by.count("Softmax"), softmaxes if attention else 0)
+            self.assertEqual(fed_by.count("Gather"), 3 * softmaxes if attention else 0)
             self.assertGreater(ties["ties"], 0.01 * ties["elements"])
             self.assertLess(ties["ties"], 0.03 * ties["elements"])
             self.assertLess(ties["ort_rounded_otherwise"], ties["ties"])

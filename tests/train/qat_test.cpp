@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "models/layers.h"
 #include "models/perception_model.h"
+#include "models/vit.h"
 #include "train/trainer.h"
 
 #include <ATen/ATen.h>
@@ -278,6 +279,188 @@ TEST(QatTest, AResidualAddQuantizesBothInputsWithOneSharedScale) {
   auto fq = [&](const at::Tensor& t) { return (t / s).round().clamp(-128, 127) * s; };
   EXPECT_TRUE(at::equal(block.forward_impl(x), (fq(y) + fq(x)).relu()));
   EXPECT_FALSE(at::equal(block.forward_impl(x), (y + x).relu())) << "quantization changed nothing";
+}
+
+// qat.learn_scales (LSQ): amax is a parameter; the loss sum(w * y) gives it
+// sum_i w_i * dy_i/ds * g / 127 (s = amax / 127), dy/ds = nearbyint(x / s) - x / s inside the
+// range and the saturated level outside, g = 1 / sqrt(n * 127) with n the elements per scale.
+// The reference sums the same float32 quotients in float64. ATen rounds each term (the level minus
+// the quotient, the product with the output's gradient: 2u), sums n = 250 of them in float32 in
+// any order (gamma_n), then scales by g and divides by 127 (2u): within (n + 4) u of sum |terms|
+// (tests/TOLERANCES.md, "The model"); the bound below is (n + 8) u.
+TEST(QatTest, LearnedScalesGetTheLsqGradientPerTensorAndPerChannel) {
+  at::manual_seed(29);
+  for (const int64_t channels : {int64_t{0}, int64_t{4}}) {
+    SCOPED_TRACE(channels ? "per channel" : "per tensor");
+    models::TensorQuantizer q(channels, /*learn_scales=*/true);
+    EXPECT_TRUE(q->amax.requires_grad());
+    EXPECT_EQ(q->named_parameters().size(), 1u);
+    EXPECT_EQ(q->named_buffers().size(), 0u);
+    const int64_t c = channels ? channels : 1;
+    const at::Tensor amax = at::rand({c}) + 1.0;
+    q->freeze(amax);
+    const at::Tensor x = (at::randn({c, 250}) * 1.5).requires_grad_(true);
+    const at::Tensor w = at::randn({c, 250});
+    (q->forward(x) * w).sum().backward();
+    ASSERT_TRUE(q->amax.grad().defined());
+    const float* px = x.data_ptr<float>();
+    const float* pw = w.data_ptr<float>();
+    const float* pg = x.grad().data_ptr<float>();
+    const double n = channels ? 250.0 : static_cast<double>(x.numel());
+    const double g = 1.0 / std::sqrt(n * 127.0);
+    std::vector<double> want(static_cast<std::size_t>(c), 0), mag(static_cast<std::size_t>(c), 0);
+    int64_t clipped = 0;
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const int64_t ch = channels ? i / 250 : 0;
+      const float s = amax[ch].item<float>() / 127.0f;
+      const float xs = px[i] / s;
+      const float level = std::nearbyint(xs);
+      const bool in = level >= -128.0f && level <= 127.0f;
+      clipped += !in;
+      const double dyds =
+          in ? static_cast<double>(level) - xs : std::fmin(std::fmax(level, -128), 127);
+      const double term = static_cast<double>(pw[i]) * dyds * g / 127.0;
+      want[static_cast<std::size_t>(ch)] += term;
+      mag[static_cast<std::size_t>(ch)] += std::fabs(term);
+      ASSERT_EQ(pg[i], in ? pw[i] : 0.0f) << "the input's gradient stays the clipped STE";
+    }
+    EXPECT_GT(clipped, 10);
+    for (int64_t k = 0; k < c; ++k) {
+      EXPECT_NEAR(q->amax.grad()[k].item<double>(), want[static_cast<std::size_t>(k)],
+                  (250 + 8) * std::ldexp(1.0, -24) * mag[static_cast<std::size_t>(k)])
+          << "scale " << k;
+    }
+  }
+  // A frozen (buffer) amax gets none.
+  models::TensorQuantizer frozen(0);
+  EXPECT_FALSE(frozen->amax.requires_grad());
+}
+
+// qat.attention: the inputs of the two attention matmuls (q, k, v, and the softmax output p), one
+// per-tensor quantizer each. Quantizing, the attention is fq(softmax(fq(q) fq(k)^T / sqrt(hd)))
+// fq(v): the reference below runs the same ATen matmuls and softmax on the same strided views (so
+// the same floats reach each quantizer) and quantizes with reference_fq's float arithmetic, so
+// the two agree exactly. Disabled, the module is bitwise the unquantized one (SDPA).
+TEST(QatTest, AttentionQuantizesTheMatmulInputsAndSoftmaxOutput) {
+  at::manual_seed(23);
+  models::TransformerBlockOptions o;
+  o.dim = 32;
+  o.heads = 4;
+  o.mlp_hidden = 64;
+  o.tokens = 10;
+  models::Attention attn(o);
+  const at::Tensor x = at::randn({2, 10, 32}) * 2;
+  at::NoGradGuard g;
+  const at::Tensor fp32 = attn->forward(x);
+  attn->add_quantizers();
+  EXPECT_THROW(attn->add_quantizers(), Error);
+  EXPECT_TRUE(at::equal(attn->forward(x), fp32)) << "disabled quantizers must change nothing";
+  // The pieces, as the forward makes them.
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> child;
+  for (const auto& it : attn->named_children()) child[it.key()] = it.value();
+  auto linear = [&](const char* name, const at::Tensor& in) {
+    return std::dynamic_pointer_cast<models::DenseLinearImpl>(child.at(name))->forward(in);
+  };
+  const at::Tensor parts = linear("qkv", x).view({2, 10, 3, 4, 8}).permute({2, 0, 3, 1, 4});
+  const at::Tensor q = parts[0], k = parts[1], v = parts[2];
+  const double inv = 1.0 / std::sqrt(8.0);
+  // Calibrating: pass-through (the explicit math, so within rounding of SDPA), and each quantizer
+  // sees its input.
+  models::TensorQuantizer* qs[] = {&attn->q_quantizer, &attn->k_quantizer, &attn->v_quantizer,
+                                   &attn->p_quantizer};
+  for (auto* qz : qs) (*qz)->begin_pass(models::CalibPass::kMax);
+  // Explicit float32 math against SDPA's (another blocking of the same sums): the scores' dot
+  // products (K = 8) and the output's (K = 10 tokens, then proj's K = 32) each within gamma_K of
+  // their magnitudes, which are O(1) to O(10) here: a few 1e-6 at most; 1e-5 (rtol and atol)
+  // holds that with margin, and a wrong path (no scale, unnormalised p) is off by O(1).
+  EXPECT_TRUE(at::allclose(attn->forward(x), fp32, 1e-5, 1e-5));
+  const at::Tensor p = at::softmax(at::matmul(q, k.transpose(-2, -1)).mul(inv), -1, at::kFloat);
+  EXPECT_EQ(attn->q_quantizer->calib_max().item<float>(), q.abs().max().item<float>());
+  EXPECT_EQ(attn->k_quantizer->calib_max().item<float>(), k.abs().max().item<float>());
+  EXPECT_EQ(attn->v_quantizer->calib_max().item<float>(), v.abs().max().item<float>());
+  EXPECT_EQ(attn->p_quantizer->calib_max().item<float>(), p.abs().max().item<float>());
+  for (auto* qz : qs) (*qz)->freeze((*qz)->calib_max().clone());
+  auto fq = [](const at::Tensor& t, float amax) {
+    at::Tensor c = t.contiguous().clone();
+    float* d = c.data_ptr<float>();
+    for (int64_t i = 0; i < c.numel(); ++i) d[i] = reference_fq(d[i], amax);
+    return c;
+  };
+  auto amax = [](models::TensorQuantizer& qz) { return qz->amax.item<float>(); };
+  const at::Tensor fq_q = fq(q, amax(attn->q_quantizer)), fq_k = fq(k, amax(attn->k_quantizer)),
+                   fq_v = fq(v, amax(attn->v_quantizer));
+  const at::Tensor pq =
+      fq(at::softmax(at::matmul(fq_q, fq_k.transpose(-2, -1)).mul(inv), -1, at::kFloat),
+         amax(attn->p_quantizer));
+  // The model's p_quantizer input is a softmax of the model's own fq(q) fq(k)^T (contiguous
+  // outputs of fake_quantize, as here).
+  const at::Tensor want = linear("proj", at::matmul(pq, fq_v).transpose(1, 2).reshape({2, 10, 32}));
+  const at::Tensor got = attn->forward(x);
+  EXPECT_TRUE(at::equal(got, want)) << "max diff " << (got - want).abs().max().item<double>();
+  EXPECT_FALSE(at::allclose(got, fp32, 1e-4, 1e-4)) << "quantization changed nothing";
+  // The softmax output's grid is amax_p / 127: every level of fq(p) is a multiple of it.
+  const at::Tensor levels = pq / (amax(attn->p_quantizer) / 127.0f);
+  EXPECT_TRUE(at::allclose(levels, levels.round(), 0, 1e-3));
+}
+
+// qat.attention on a ViT backbone: four layers per attention (q, k, v, p; kind kAttention, path
+// "<attention>.<input>"), in the units of their blocks; a glob naming the attention skips its
+// inputs with its qkv and proj; without qat.attention none.
+TEST(QatTest, AttentionLayersBelongToTheirBlocksAndSkipByTheAttentionsPath) {
+  models::ModelConfig mc;
+  mc.name = "bev";
+  mc.size = "tiny";
+  mc.backbone = "vit";
+  auto count = [](const std::vector<train::qat::Layer>& ls) {
+    int64_t n = 0;
+    for (const auto& l : ls) n += l.kind == train::qat::Layer::Kind::kAttention;
+    return n;
+  };
+  train::QatConfig cfg;
+  {
+    auto model = models::build_model(mc, models::benchmark_scene("tiny"));
+    EXPECT_EQ(count(train::qat::apply(*model, cfg)), 0);
+  }
+  auto model = models::build_model(mc, models::benchmark_scene("tiny"));
+  int64_t attentions = 0;
+  for (const auto& m : model->modules(false))
+    attentions += dynamic_cast<models::AttentionImpl*>(m.get()) != nullptr;
+  ASSERT_GT(attentions, 1);
+  cfg.attention = true;
+  const auto ls = train::qat::apply(*model, cfg);
+  EXPECT_EQ(count(ls), 4 * attentions);
+  std::set<std::string> params;
+  for (const auto& it : model->named_parameters()) params.insert(it.key());
+  std::set<std::string> buffers;
+  for (const auto& it : model->named_buffers()) buffers.insert(it.key());
+  std::set<std::string> unit_params;
+  for (const auto& u : model->units())
+    unit_params.insert(u.param_names.begin(), u.param_names.end());
+  for (const auto& l : ls) {
+    EXPECT_TRUE(params.count(l.unit_param()) && unit_params.count(l.unit_param())) << l.path;
+    if (l.kind != train::qat::Layer::Kind::kAttention) continue;
+    const std::string which = l.path.substr(l.path.rfind('.') + 1);
+    EXPECT_TRUE(which == "q" || which == "k" || which == "v" || which == "p") << l.path;
+    EXPECT_EQ(l.module_path() + "." + which, l.path);
+    EXPECT_TRUE(buffers.count(l.path + "_quantizer.amax")) << l.path;
+    EXPECT_FALSE(l.input->per_channel());
+  }
+  // Skipping one attention by its path: its four inputs, its qkv and proj.
+  const std::string first =
+      ls[static_cast<std::size_t>(std::find_if(ls.begin(), ls.end(),
+                                               [](const auto& l) {
+                                                 return l.kind ==
+                                                        train::qat::Layer::Kind::kAttention;
+                                               }) -
+                                  ls.begin())]
+          .module_path();
+  cfg.skip = {first};
+  auto again = models::build_model(mc, models::benchmark_scene("tiny"));
+  int64_t skipped = 0;
+  const auto ls2 = train::qat::apply(*again, cfg, &skipped);
+  EXPECT_EQ(skipped, 3) << "the attention, its qkv and its proj";
+  EXPECT_EQ(ls2.size(), ls.size() - 6);
+  for (const auto& l : ls2) EXPECT_NE(l.module_path().rfind(first, 0), 0u) << l.path;
 }
 
 TEST(QatTest, ASkipGlobThatMatchesNothingIsRefusedNamingTheKey) {

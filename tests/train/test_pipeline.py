@@ -105,7 +105,7 @@ class PipelineTest(tt.RunDirTest):
         step 1 under 1f1b (both ranks timed out in recv), and the same under `parallax launch`. Every
         schedule at pp 2, and 1f1b and zb at pp 4, on MPI and on gloo started by mpirun, and 1f1b on gloo
         started by the launcher, matches one process (gloo's send/recv waiter waited in issue order: tests/parallel
-        pipeline_gloo_np2/np4 send messages of 4 KiB to 64 MiB)."""
+        pipeline_gloo_np2/np4 send messages of 4 KiB to 16 MiB)."""
         sgd = tt.sgd(VIT_LR)
         run = ["train.steps=2", "data.batch_size=4", "parallel.timeout_s=60", *sgd]
         self.vit("one", 1, *run)

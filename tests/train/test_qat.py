@@ -382,6 +382,42 @@ class QatTest(tt.RunDirTest):
             self.assertNotEqual(p.returncode, 0)
             self.assertIn(msg, [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")][0])
 
+    def test_learned_scales_start_from_the_calibration_and_train_under_ddp(self):
+        """qat.learn_scales (LSQ) on 2 ranks: step 1 runs with the calibrated amax (its loss is bitwise
+        the frozen run's, so the calibration reached the trained tensors), then every amax moves by
+        AdamW's step: at most lr x |m / sqrt(v)| per step, bias-corrected at most (1 - b1) /
+        sqrt(1 - b2) = 3.17 for the default betas, and no weight decay on these 1-D parameters. The
+        trained scales export to a Q/DQ graph that passes the parity gate."""
+        load = self.base("data.synthetic=true")
+        lr = 1e-3
+        qat = ["data.synthetic=true", load, "qat.enabled=true", "qat.calib_batches=2", "train.steps=3",
+               f"optim.lr={lr}"]
+        self.bev("frozen", *qat, ranks=2)
+        p = self.bev("lsq", *qat, "qat.learn_scales=true", "checkpoint.every=2", ranks=2)
+        self.assertIn("scales learned (LSQ)", p.stdout + p.stderr)
+        f, l = tt.losses(os.path.join(self.d, "frozen")), tt.losses(os.path.join(self.d, "lsq"))
+        self.assertEqual(f[1], l[1])
+        self.assertNotEqual(f[3], l[3])
+        # A resume from step 2 restores the learned amax and their optimizer state: step 3 bitwise.
+        step2 = os.path.join(self.d, "lsq", "checkpoints", "step_00000002")
+        self.bev("lsq_resumed", *qat, "qat.learn_scales=true", f"train.resume={step2}", ranks=2)
+        self.assertEqual(tt.losses(os.path.join(self.d, "lsq_resumed")), {3: l[3]})
+        wf, wl = tt.weights(os.path.join(self.d, "frozen")), tt.weights(os.path.join(self.d, "lsq"))
+        amax = [k for k in wf if k.endswith("quantizer.amax")]
+        self.assertGreater(len(amax), 20)
+        self.assertEqual(sorted(amax), sorted(k for k in wl if k.endswith("quantizer.amax")))
+        moved = 0
+        for k in amax:
+            d = np.abs(wl[k].astype(np.float64) - wf[k])
+            self.assertTrue(np.all(np.isfinite(wl[k])) and np.all(wl[k] > 0), k)
+            self.assertLessEqual(d.max(), 3 * 3.17 * lr * 1.001, k)
+            moved += bool(d.max() > 0)
+        self.assertGreater(moved, 0.9 * len(amax))
+        run_dir = os.path.join(self.d, "lsq")
+        tt.run(["export", "--run", run_dir, "--format", "onnx", "--parity-frames", "1"])
+        with open(os.path.join(run_dir, "export", "parity.json")) as fh:
+            self.assertEqual(json.load(fh)["verdict"], "pass")
+
     def test_bad_inputs_are_one_clear_error_line(self):
         load = self.base("data.synthetic=true")
         common = ["data.synthetic=true", "qat.enabled=true", "train.steps=1"]
@@ -393,6 +429,9 @@ class QatTest(tt.RunDirTest):
              "keys 'qat.calib_pool' and 'qat.calib_batches': a pool of 3 batches cannot supply 4"),
             ([load, "qat.calib_select=toughest"], 1, "qat.calib_select"),
             ([load, "model.backbone=vit", "parallel.tp=2"], 2, "keys 'qat.enabled' and 'parallel.tp'"),
+            ([load, "qat.learn_scales=true", "qat.mode=ptq"], 1, "key 'qat.learn_scales': scales are learned"),
+            ([load, "qat.learn_scales=true", "parallel.zero.stage=1"], 2,
+             "keys 'qat.learn_scales' and 'parallel.zero.stage'"),
         ]
         for i, (extra, ranks, msg) in enumerate(cases):
             p = self.bev(f"bad{i}", *common, *extra, ranks=ranks, check=False)
