@@ -9,6 +9,10 @@
 # be split over calls).
 #   bench/train/distill_compare.sh                     # CPU (slow: ~1.5 steps/s on 2 cores)
 #   DEVICE=cuda THREADS=16 bench/train/distill_compare.sh
+#   STUDENT=model.backbone=vit OUT=/tmp/dvit DEVICE=cuda THREADS=16 VARIANTS=defaults: \
+#     bench/train/distill_compare.sh                   # the teacher's architecture, trained shorter
+# STUDENT: overrides (comma-separated) of the student, alone and distilled (default: none, the
+# conv backbone).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 P=${PARALLAX:-build/bin/parallax}
@@ -20,6 +24,7 @@ VAL_SCENES=${VAL_SCENES:-64}
 TEACHER_STEPS=${TEACHER_STEPS:-2000}
 STUDENT_STEPS=${STUDENT_STEPS:-300}
 SEEDS=${SEEDS:-1 2 3}
+IFS=',' read -ra STUDENT_OV <<< "${STUDENT:-}"
 # name:overrides (overrides comma-separated): the table of docs/PERFORMANCE.md. "old" is the
 # defaults before issue 40 (the KL over BEV cells on, raw features, no adapter at equal widths);
 # "defaults" the current ones.
@@ -44,12 +49,14 @@ train() {  # name, overrides...
 }
 train teacher model.backbone=vit "train.steps=$TEACHER_STEPS" "train.eval_every=$TEACHER_STEPS"
 for seed in $SEEDS; do
-  train "alone_s$seed" "experiment.seed=$seed" "train.steps=$STUDENT_STEPS" "train.eval_every=$STUDENT_STEPS"
+  train "alone_s$seed" "experiment.seed=$seed" "train.steps=$STUDENT_STEPS" "train.eval_every=$STUDENT_STEPS" \
+    ${STUDENT_OV[@]+"${STUDENT_OV[@]}"}
   for v in $VARIANTS; do
     name=${v%%:*}; ov=${v#*:}
     IFS=',' read -ra extra <<< "$ov"
     train "${name}_s$seed" "experiment.seed=$seed" "train.steps=$STUDENT_STEPS" "train.eval_every=$STUDENT_STEPS" \
-      "distill.teacher=$OUT/teacher" distill.teacher_backbone=vit "${extra[@]}"
+      "distill.teacher=$OUT/teacher" distill.teacher_backbone=vit ${STUDENT_OV[@]+"${STUDENT_OV[@]}"} \
+      ${extra[@]+"${extra[@]}"}
   done
 done
 python3 - "$OUT" <<'PY'
