@@ -13,7 +13,7 @@
 namespace parallax::models {
 
 TensorQuantizerImpl::TensorQuantizerImpl(int64_t channels, bool learn_scales)
-    : channels_(channels), learn_(learn_scales) {
+    : channels_(channels) {
   PARALLAX_CHECK(channels >= 0, Error, "TensorQuantizer: channels {} must be >= 0", channels);
   // [1] rather than a 0-dim tensor per tensor: checkpoints and weights.h5 hold 1-D shapes.
   at::Tensor init = core::init_zeros({channels > 0 ? channels : 1});

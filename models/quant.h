@@ -60,7 +60,6 @@ class TensorQuantizerImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
 
   QuantState state() const { return state_; }
-  bool learns_scale() const { return learn_; }
   void set_state(QuantState s) { state_ = s; }
   bool per_channel() const { return channels_ > 0; }
   int64_t channels() const { return channels_; }
@@ -90,7 +89,6 @@ class TensorQuantizerImpl : public torch::nn::Module {
  private:
   Observer observer_;
   int64_t channels_;
-  bool learn_ = false;
   QuantState state_ = QuantState::kDisabled;
   CalibPass pass_ = CalibPass::kMax;
   double hist_range_ = 0;
