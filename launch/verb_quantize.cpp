@@ -16,15 +16,22 @@
 #include "launch/verbs.h"
 
 #include <fmt/format.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace parallax::launch {
@@ -32,27 +39,110 @@ namespace {
 
 namespace fs = std::filesystem;
 
+using Clock = std::chrono::steady_clock;
+
+// A child stopped (SIGSTOP, SIGTSTP) this long is stopped for good: this binary never stops its
+// own children, so somebody did, and a stopped child would hold the sweep forever.
+constexpr double kStoppedLimitS = 60;
+// After SIGTERM, a child that has not exited in this long gets SIGKILL. The children are training
+// and export runs: on SIGTERM they stop before their next batch (the trainer's preemption path).
+constexpr double kTermGraceS = 30;
+
+std::string describe(const std::vector<std::string>& args) {
+  for (const auto& a : args) {
+    if (a.rfind("experiment.name=", 0) == 0) return fmt::format("'{}' ({})", a.substr(16), args[0]);
+  }
+  return fmt::format("'parallax {}'", args.empty() ? "" : args[0]);
+}
+
+// Stops the child: SIGTERM (and SIGCONT, so a stopped child can act on it), then SIGKILL after
+// kTermGraceS; reaps it.
+void stop_child(pid_t pid) {
+  ::kill(pid, SIGTERM);
+  ::kill(pid, SIGCONT);
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(kTermGraceS));
+  int status = 0;
+  while (Clock::now() < deadline) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid || (r < 0 && errno != EINTR)) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ::kill(pid, SIGKILL);
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }  // SIGKILL cannot be ignored: this returns
+}
+
 // Runs this binary with `args`, waits, and returns its exit status (128 + signal when killed).
-int run_self(const std::vector<std::string>& args) {
+// The child dies with this process (PR_SET_PDEATHSIG: SIGTERM, so a training child stops as on
+// preemption); it shares this process group, so a Ctrl-C reaches it too. The wait has a deadline:
+// `timeout_s` (0: none; the child's own waits have theirs), and kStoppedLimitS for a child that
+// stays stopped. Either stops the child and throws one error naming it.
+int run_self(const std::vector<std::string>& args, double timeout_s) {
   std::vector<std::string> all{"/proc/self/exe"};
   all.insert(all.end(), args.begin(), args.end());
   core::log::info("quantize: parallax {}", core::join(args, " "));
   std::fflush(stdout);
   std::fflush(stderr);
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
-  PARALLAX_CHECK(pid >= 0, Error, "quantize: cannot start a child process (fork failed)");
-  if (pid == 0) {
-    std::vector<char*> argv;
-    for (auto& a : all) argv.push_back(a.data());
-    argv.push_back(nullptr);
+  PARALLAX_CHECK(pid >= 0, Error, "quantize: cannot start a child process (fork failed: {})",
+                 std::strerror(errno));
+  if (pid == 0) {  // only async-signal-safe calls until exec
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(127);  // this process died before prctl
     ::execv("/proc/self/exe", argv.data());
-    std::_Exit(127);
+    ::_exit(127);
   }
-  // The child is a training or export run with its own deadlines (every collective and I/O wait
-  // of the trainer has one); it shares this process group, so a Ctrl-C reaches it too.
+  const auto start = Clock::now();
+  std::optional<Clock::time_point> stopped_since;
+  int stop_signal = 0;
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
-    PARALLAX_CHECK(errno == EINTR, Error, "quantize: waitpid failed");
+  while (true) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG | WUNTRACED | WCONTINUED);
+    if (r < 0) {
+      PARALLAX_CHECK(errno == EINTR, Error, "quantize: waiting for the child run {} (pid {}): {}",
+                     describe(args), pid, std::strerror(errno));
+      continue;
+    }
+    if (r == pid) {
+      if (WIFEXITED(status) || WIFSIGNALED(status)) break;
+      if (WIFSTOPPED(status)) {
+        stopped_since = Clock::now();
+        stop_signal = WSTOPSIG(status);
+        core::log::warn(
+            "quantize: the child run {} (pid {}) was stopped by signal {}; it is ended as failed "
+            "if it is still stopped in {:.0f} s",
+            describe(args), pid, stop_signal,
+            timeout_s > 0 ? std::min(timeout_s, kStoppedLimitS) : kStoppedLimitS);
+      } else if (WIFCONTINUED(status)) {
+        stopped_since.reset();
+      }
+      continue;
+    }
+    const auto now = Clock::now();
+    const double ran = std::chrono::duration<double>(now - start).count();
+    const double stopped =
+        stopped_since ? std::chrono::duration<double>(now - *stopped_since).count() : 0.0;
+    const double stopped_limit =
+        timeout_s > 0 ? std::min(timeout_s, kStoppedLimitS) : kStoppedLimitS;
+    if ((timeout_s > 0 && ran > timeout_s) || (stopped_since && stopped > stopped_limit)) {
+      stop_child(pid);
+      std::string why =
+          timeout_s > 0 && ran > timeout_s
+              ? fmt::format("ran past --timeout {} s", timeout_s)
+              : fmt::format("has been stopped (signal {}) for {:.0f} s", stop_signal, stopped);
+      if (stopped_since && timeout_s > 0 && ran > timeout_s)
+        why += fmt::format(", stopped (signal {}) for the last {:.0f} s", stop_signal, stopped);
+      throw_error<Error>(
+          "quantize: the child run {} (pid {}) {}; it was ended (SIGTERM, then SIGKILL after "
+          "{:.0f} s). What it saved is in its run directory.",
+          describe(args), pid, why, kTermGraceS);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
@@ -72,6 +162,10 @@ int verb_quantize(const std::vector<std::string>& argv) {
       .option("budget-nds", "POINTS", "the same on NDS")
       .option("name", "NAME", "the result run's name, beside the run (default: <run>_int8)")
       .option("parity-frames", "N", "frames the ONNX parity gate compares (default: export's)")
+      .option("timeout", "SECONDS",
+              "the longest each child run (sweep, result run, export) may take; 0: no limit, "
+              "beyond the deadlines of the child's own waits (default: 0). A child stopped "
+              "(SIGSTOP) for 60 s, or --timeout if shorter, is ended as failed")
       .overrides(
           "config overrides for the PTQ runs, e.g. qat.calibrator=percentile qat.calib_batches=16 "
           "qat.calib_select=hardest")
@@ -110,6 +204,19 @@ int verb_quantize(const std::vector<std::string>& argv) {
   }
   PARALLAX_CHECK(points > 0 && std::isfinite(points), UsageError,
                  "quantize: --budget-{} must be above 0 points (got {})", metric, budget);
+  double timeout_s = 0;
+  if (args.has("timeout")) {
+    const std::string t = args.get("timeout");
+    try {
+      std::size_t used = 0;
+      timeout_s = std::stod(t, &used);
+      PARALLAX_CHECK(used == t.size(), UsageError, "x");
+    } catch (const std::exception&) {
+      throw_error<UsageError>("quantize: --timeout '{}' is not a number of seconds", t);
+    }
+    PARALLAX_CHECK(timeout_s >= 0 && std::isfinite(timeout_s), UsageError,
+                   "quantize: --timeout must be 0 (no limit) or more seconds (got {})", t);
+  }
   fs::path run = fs::path(args.get("run")).lexically_normal();
   if (run.filename().empty()) run = run.parent_path();
   const fs::path config = run / "config.yaml";
@@ -134,7 +241,7 @@ int verb_quantize(const std::vector<std::string>& argv) {
   a.push_back("experiment.name=" + sweep_name);
   a.push_back(fmt::format("qat.budget={}", budget));
   a.push_back("qat.budget_metric=" + metric);
-  if (int rc = run_self(a); rc != 0) return rc;
+  if (int rc = run_self(a, timeout_s); rc != 0) return rc;
 
   const fs::path report = parent / sweep_name / "quantize_sweep.json";
   YAML::Node r;
@@ -152,14 +259,14 @@ int verb_quantize(const std::vector<std::string>& argv) {
   a = common;
   a.push_back("experiment.name=" + name);
   a.push_back("qat.skip=[" + core::join(quoted, ",") + "]");
-  if (int rc = run_self(a); rc != 0) return rc;
+  if (int rc = run_self(a, timeout_s); rc != 0) return rc;
 
   std::vector<std::string> e{"export", "--run", (parent / name).string(), "--format", "onnx"};
   if (args.has("parity-frames")) {
     e.push_back("--parity-frames");
     e.push_back(args.get("parity-frames"));
   }
-  if (int rc = run_self(e); rc != 0) return rc;
+  if (int rc = run_self(e, timeout_s); rc != 0) return rc;
 
   std::fprintf(stdout,
                "quantize: %s within %s points of fp32 (%.4f): INT8 %.4f with %lld of %lld layers "

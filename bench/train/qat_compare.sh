@@ -7,7 +7,10 @@
 #     bench/train/qat_compare.sh                   # bev base on one GPU
 #   MODEL="model.backbone=vit" QAT_EXTRA="qat.attention=true" DEVICE=cuda BATCH=8 STEPS=2000 \
 #     QAT_STEPS=300 SCENES=400 VAL_SCENES=64 THREADS=16 SWEEP=0 \
-#     bench/train/qat_compare.sh                   # INT8 attention (the case that hurts), one GPU
+#     bench/train/qat_compare.sh                   # INT8 attention at 128 x 224, one GPU
+#   ... the same with HEIGHT=256 WIDTH=704 SEED=7  # at nuScenes' 256 x 704: the case that hurts
+#   ... then, on the same OUT, VARIANT=_lsq QAT_EXTRA="qat.attention=true qat.learn_scales=true"
+#     (VARIANT names the ptq/qat runs, so variants share the fp32 model and its fp32_more)
 # The QAT fine-tune and PTQ start from the fp32 run; every run evaluates on the same val scenes.
 # QAT_EXTRA: overrides for the PTQ, QAT and quantize runs; when set, ptq_base is PTQ without them.
 set -x
@@ -24,24 +27,29 @@ THREADS=${THREADS:-2}
 PRECISION=${PRECISION:-fp32}
 LR=${LR:-1e-3}
 QAT_LR=${QAT_LR:-1e-4}
+HEIGHT=${HEIGHT:-128}
+WIDTH=${WIDTH:-224}
+SEED=${SEED:-42}
+VARIANT=${VARIANT:-}
 mkdir -p "$OUT"
 [[ $DEVICE == cpu ]] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # Resumable: a run whose metrics.jsonl holds an eval row, and a finished dataset, are kept.
 done_run() { grep -q '"kind": "eval"' "$OUT/$1/metrics.jsonl" 2>/dev/null || { rm -rf "${OUT:?}/$1"; false; }; }
-[[ -f $OUT/data/.done ]] || { time $P datagen --out $OUT/data --scenes $SCENES --val-scenes $VAL_SCENES --threads $THREADS --samples-per-pixel 1 && touch $OUT/data/.done; }
+[[ -f $OUT/data/.done ]] || { time $P datagen --out $OUT/data --scenes $SCENES --val-scenes $VAL_SCENES --height $HEIGHT --width $WIDTH --threads $THREADS --samples-per-pixel 1 && touch $OUT/data/.done; }
 C="--config configs/bev_tiny.yaml $MODEL experiment.output_dir=$OUT data.path=$OUT/data train.device=$DEVICE
-   data.batch_size=$BATCH train.log_every=50 precision.mode=$PRECISION"
+   data.batch_size=$BATCH data.num_workers=${WORKERS:-1} train.log_every=50 precision.mode=$PRECISION
+   experiment.seed=$SEED"
 done_run fp32 || time $P train $C experiment.name=fp32 train.steps=$STEPS train.eval_every=$STEPS optim.lr=$LR
 QAT_EXTRA=${QAT_EXTRA:-}
-RUNS="fp32 ptq qat fp32_more"
+RUNS="fp32 ptq$VARIANT qat$VARIANT fp32_more"
 if [[ -n $QAT_EXTRA ]]; then
   done_run ptq_base || time $P train $C experiment.name=ptq_base train.load_from=$OUT/fp32 qat.enabled=true qat.mode=ptq \
     qat.calib_batches=8
   RUNS="$RUNS ptq_base"
 fi
-done_run ptq || time $P train $C experiment.name=ptq train.load_from=$OUT/fp32 qat.enabled=true qat.mode=ptq qat.calib_batches=8 \
+done_run ptq$VARIANT || time $P train $C experiment.name=ptq$VARIANT train.load_from=$OUT/fp32 qat.enabled=true qat.mode=ptq qat.calib_batches=8 \
   $QAT_EXTRA
-done_run qat || time $P train $C experiment.name=qat train.load_from=$OUT/fp32 qat.enabled=true qat.mode=qat qat.calib_batches=8 \
+done_run qat$VARIANT || time $P train $C experiment.name=qat$VARIANT train.load_from=$OUT/fp32 qat.enabled=true qat.mode=qat qat.calib_batches=8 \
   train.steps=$QAT_STEPS train.eval_every=$QAT_STEPS optim.lr=$QAT_LR $QAT_EXTRA
 # The fp32 model trained as many more steps, for an equal-steps comparison with QAT.
 done_run fp32_more || time $P train $C experiment.name=fp32_more train.load_from=$OUT/fp32 train.steps=$QAT_STEPS \

@@ -14,7 +14,8 @@
   each one `parallax: error:` line naming the key;
 - issue 35: SIGTERM during a long calibration (1 rank, and to one of 2 ranks) and during the
   evaluation (`parallax train` ptq and its training loop, `parallax eval`) stops within seconds with
-  exit 143 (the QAT export of a ViT model passing its parity gate is in
+  exit 143; `parallax quantize` ends a child stopped past --timeout with one error, and its child
+  dies with it (the QAT export of a ViT model passing its parity gate is in
   tests/export/test_onnx_export.py).
 
 Usage: test_qat.py <parallax binary> <mpirun>
@@ -101,7 +102,7 @@ class QatTest(tt.RunDirTest):
         self.assertEqual(sorted(set(ptq) - set(base)), sorted(k[len("model/"):] for k in amax))
         # `parallax eval` takes the QAT checkpoint (fake-quantized forward).
         p = tt.run(["eval", "--config", tt.BEV, "--checkpoint", ck, f"data.path={data}", "train.device=cpu",
-                    "data.batch_size=2", "qat.enabled=true"])
+                    "data.batch_size=2", "qat.enabled=true", "--out", os.path.join(self.d, "eval_val.json")])
         self.assertIn("miou", p.stdout)
         # The ONNX export writes QuantizeLinear/DequantizeLinear on the input (per tensor) and the
         # weight (per output channel, axis 0) of every quantized layer, and passes the QAT parity
@@ -381,6 +382,63 @@ class QatTest(tt.RunDirTest):
             p = self.bev("bad", f"train.load_from={fp32}", "qat.enabled=true", *extra, check=False)
             self.assertNotEqual(p.returncode, 0)
             self.assertIn(msg, [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")][0])
+
+    def test_quantize_ends_a_stopped_child_and_its_child_dies_with_it(self):
+        """`parallax quantize` waits for its child runs with a deadline: a child stopped (SIGSTOP)
+        past --timeout (or 60 s) is ended (SIGTERM + SIGCONT, SIGKILL after 30 s) and quantize
+        exits with one error naming the run and "stopped"; when quantize itself is killed, its
+        child gets SIGTERM (PR_SET_PDEATHSIG) and ends within seconds instead of running on."""
+        data = os.path.join(self.d, "data")
+        tt.run(["datagen", "--out", data, "--scenes", "2", "--val-scenes", "2", "--threads", "2",
+                "--samples-per-pixel", "1"])
+        self.bev("fp32", f"data.path={data}", "train.steps=2")
+        fp32 = os.path.join(self.d, "fp32")
+
+        def child_of(pid):
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                return None
+            return kids[0] if kids else None
+
+        def alive(pid):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            except OSError:
+                return False
+
+        cmd = ["quantize", "--run", fp32, "--budget-map", "1", "qat.calib_batches=1", "data.batch_size=1"]
+        p, log = self.popen([*cmd, "--timeout", "4"])
+        self.wait_for(lambda: child_of(p.pid) is not None)
+        kid = child_of(p.pid)
+        t0 = time.time()
+        os.kill(kid, signal.SIGSTOP)
+        try:
+            rc = p.wait(timeout=40)  # --timeout 4, then SIGTERM: the trainer stops before its next batch
+        except subprocess.TimeoutExpired:
+            self.fail("quantize still waits for its stopped child:\n" + read(log)[-3000:])
+        out = read(log)
+        self.assertNotEqual(rc, 0, out[-3000:])
+        self.assertLess(time.time() - t0, 40)
+        errors = [l for l in out.splitlines() if l.startswith("parallax: error:")]
+        self.assertEqual(len(errors), 1, out[-3000:])
+        self.assertIn("the child run 'fp32_int8_sweep' (train)", errors[0])
+        self.assertIn("ran past --timeout 4 s, stopped (signal 19) for the last", errors[0])
+        self.wait_for(lambda: not alive(kid), timeout=10)
+
+        # A calibration over a million batches: the child would run for hours without the SIGTERM.
+        p, log = self.popen([*cmd, "qat.calib_batches=1000000"])
+        self.wait_for(lambda: child_of(p.pid) is not None)
+        kid = child_of(p.pid)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+        self.wait_for(lambda: not alive(kid), timeout=15)
+
+        p = tt.run(["quantize", "--run", fp32, "--budget-map", "1", "--timeout", "soon"], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("parallax: error: quantize: --timeout 'soon' is not a number of seconds", p.stderr)
 
     def test_learned_scales_start_from_the_calibration_and_train_under_ddp(self):
         """qat.learn_scales (LSQ) on 2 ranks: step 1 runs with the calibrated amax (its loss is bitwise
