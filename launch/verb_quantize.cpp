@@ -14,6 +14,7 @@
 #include "core/strings.h"
 #include "launch/args.h"
 #include "launch/verbs.h"
+#include "parallel/comm/world.h"
 
 #include <fmt/format.h>
 #include <sys/prctl.h>
@@ -179,6 +180,19 @@ int verb_quantize(const std::vector<std::string>& argv) {
   if (args.help_requested()) {
     std::fputs(args.help_text().c_str(), stdout);
     return 0;
+  }
+  {
+    // The children are this binary: under mpirun they would inherit the launcher's rank variables
+    // and fail in MPI_Init (a page of OpenMPI's text), under a world of several ranks each rank
+    // would run the whole sweep. One process does it all.
+    const auto launch = parallel::comm::detect_launch();
+    PARALLAX_CHECK(launch.launcher == parallel::comm::Launcher::kSingle ||
+                       (launch.world_size == 1 && !launch.use_mpi),
+                   UsageError,
+                   "quantize: runs as one process (CPU or one GPU) and starts its own child runs; "
+                   "it was started by {} in a world of {} rank(s): run 'parallax quantize' "
+                   "directly, not under a launcher",
+                   parallel::comm::to_string(launch.launcher), launch.world_size);
   }
   PARALLAX_CHECK(args.has("run"), UsageError,
                  "quantize: --run DIR is required; see 'parallax quantize --help'");

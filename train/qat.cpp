@@ -243,19 +243,26 @@ void set_state(const std::vector<Layer>& ls, QuantState state) {
   }
 }
 
+namespace {
+
+// One error naming the pool batch whose fp32 loss is not finite.
+void check_pool_loss(double loss, int64_t i, int64_t n) {
+  PARALLAX_CHECK(std::isfinite(loss), ConfigError,
+                 "key 'qat.calib_select': the fp32 loss of calibration pool batch {} (of {}) is "
+                 "{}; a model that is not finite on its own training data cannot be calibrated "
+                 "(check train.load_from and the data)",
+                 i + 1, n, loss);
+}
+
+}  // namespace
+
 std::vector<int64_t> hardest(const std::vector<double>& losses, int64_t k) {
   const auto n = static_cast<int64_t>(losses.size());
   PARALLAX_CHECK(k >= 1 && k <= n, ConfigError,
                  "keys 'qat.calib_batches' and 'qat.calib_pool': {} calibration batches cannot be "
                  "chosen from a pool of {}",
                  k, n);
-  for (int64_t i = 0; i < n; ++i) {
-    PARALLAX_CHECK(std::isfinite(losses[static_cast<std::size_t>(i)]), ConfigError,
-                   "key 'qat.calib_select': the fp32 loss of calibration pool batch {} (of {}) is "
-                   "{}; a model that is not finite on its own training data cannot be calibrated "
-                   "(check train.load_from and the data)",
-                   i + 1, n, losses[static_cast<std::size_t>(i)]);
-  }
+  for (int64_t i = 0; i < n; ++i) check_pool_loss(losses[static_cast<std::size_t>(i)], i, n);
   std::vector<int64_t> order(static_cast<std::size_t>(n));
   for (int64_t i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
@@ -295,13 +302,18 @@ std::vector<core::TensorDict> hardest_batches(const std::vector<Layer>& ls, cons
     const double loss = start.model.loss(b, start.forward(b)).total.item<double>();
     losses.push_back(loss);
     sum += loss;
+    check_pool_loss(loss, i, pool);  // a NaN is reported here, at its batch
     kept.emplace(i, std::move(b));
     if (static_cast<int64_t>(kept.size()) > cfg.calib_batches) {
-      // hardest() over the losses so far (a NaN is reported here, at its batch).
-      const std::vector<int64_t> top = hardest(losses, cfg.calib_batches);
-      const std::set<int64_t> keep(top.begin(), top.end());
-      for (auto it = kept.begin(); it != kept.end();)
-        it = keep.count(it->first) ? std::next(it) : kept.erase(it);
+      // Drop the easiest kept batch: the lowest loss, of equal losses the later batch (hardest()'s
+      // order), so the kept set is hardest() of the losses so far, in O(calib_batches) per batch.
+      auto easiest = kept.begin();
+      for (auto it = std::next(kept.begin()); it != kept.end(); ++it) {
+        const double l = losses[static_cast<std::size_t>(it->first)];
+        const double e = losses[static_cast<std::size_t>(easiest->first)];
+        if (l < e || (l == e && it->first > easiest->first)) easiest = it;
+      }
+      kept.erase(easiest);
     }
   }
   const std::vector<int64_t> top = hardest(losses, cfg.calib_batches);

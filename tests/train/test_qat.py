@@ -14,8 +14,8 @@
   each one `parallax: error:` line naming the key;
 - issue 35: SIGTERM during a long calibration (1 rank, and to one of 2 ranks) and during the
   evaluation (`parallax train` ptq and its training loop, `parallax eval`) stops within seconds with
-  exit 143; `parallax quantize` ends a child stopped past --timeout with one error, and its child
-  dies with it (the QAT export of a ViT model passing its parity gate is in
+  exit 143; `parallax quantize` ends a child stopped past --timeout with one error, its child
+  dies with it, and under mpirun it is one error (the QAT export of a ViT model passing its parity gate is in
   tests/export/test_onnx_export.py).
 
 Usage: test_qat.py <parallax binary> <mpirun>
@@ -435,6 +435,17 @@ class QatTest(tt.RunDirTest):
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=10)
         self.wait_for(lambda: not alive(kid), timeout=15)
+
+        # Under mpirun the children would fail in MPI_Init: one error before anything starts.
+        for ranks in (1, 2):
+            p = subprocess.run([tt.MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(ranks), tt.PARALLAX,
+                                *cmd], capture_output=True, text=True, timeout=60)
+            self.assertNotEqual(p.returncode, 0)
+            lines = {l for l in p.stderr.splitlines() if l.startswith("parallax: error:")}
+            self.assertEqual(len(lines), 1, p.stderr[-2000:])
+            self.assertIn("quantize: runs as one process (CPU or one GPU) and starts its own child runs; it was "
+                          f"started by OpenMPI in a world of {ranks} rank(s)", lines.pop())
+            self.assertNotIn("orte_init", p.stderr)
 
         p = tt.run(["quantize", "--run", fp32, "--budget-map", "1", "--timeout", "soon"], check=False)
         self.assertNotEqual(p.returncode, 0)
