@@ -226,6 +226,11 @@ class Engine {
   // release_full_params() (evaluation, export, reading weights in tests). No-op where they are.
   virtual void gather_full_params() {}
   virtual void release_full_params() {}
+  // Between gather_full_params() and release_full_params(): the parameters were written in place
+  // (QAT's calibration of learned scales writes their amax), the same values on every rank of the
+  // model replicas; keep the writes (ZeRO-3: each rank copies its part into its shard). No
+  // collective. No-op where the module's parameters are the engine's own storage.
+  virtual void commit_full_params() {}
 
   // What a checkpoint holds, in the single-process names and shapes so that any layout loads any
   // other (parallel/state.h): of `module` (this engine's model), the engine's pieces where it

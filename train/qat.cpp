@@ -727,13 +727,6 @@ TrainerHooks hooks(const RunConfig& cfg) {
                  ConfigError,
                  "key 'qat.learn_scales': scales are learned by training; set qat.mode=qat (PTQ "
                  "takes no step)");
-  // ZeRO keeps fp32 masters (stage 1-2) or shards the parameters (3) from before the calibration
-  // writes the amax into the model's tensors: the calibration would not reach them.
-  PARALLAX_CHECK(!cfg.qat.learn_scales || cfg.parallel.zero.stage == 0, ConfigError,
-                 "keys 'qat.learn_scales' and 'parallel.zero.stage': learned scales train under "
-                 "DDP or one process in this version (zero.stage is {}); set "
-                 "parallel.zero.stage=0 or qat.learn_scales=false",
-                 cfg.parallel.zero.stage);
   if (cfg.qat.calib_select == "hardest") (void)calib_pool(cfg.qat);  // a bad pool: now, not later
   auto state = std::make_shared<State>();
   state->cfg = &cfg;

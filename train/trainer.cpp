@@ -300,6 +300,9 @@ bool TrainerImpl::prepare() {
       core::log::warn("{}", e.what());
       return false;
     }
+    // What prepare wrote into the parameters (QAT's learned scales: their calibrated amax) is
+    // kept: ZeRO-3 copies it into the shards before the gathered parameters are released.
+    engine_->commit_full_params();
   }
   // A resume's buffers (and the prepared ones) are the same on every rank; DDP's buffer broadcast
   // (parallel.ddp.broadcast_buffers) keeps them so.

@@ -320,6 +320,18 @@ void ParamShards::release_all() {
   for (auto& f : flats_) free_flat(f);
 }
 
+void ParamShards::commit_all() {
+  if (!active_) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  PARALLAX_CHECK(summoned_, Error,
+                 "ZeRO-3: commit_all() outside gather_all() .. release_all(): nothing is gathered");
+  for (std::size_t i = 0; i < flats_.size(); ++i) {
+    Flat& f = flats_[i];
+    const at::Tensor part = f.full.narrow(0, shard_begin(i), f.shard.numel());
+    if (!part.is_same(f.shard)) f.shard.copy_(part);
+  }
+}
+
 int64_t ParamShards::held_bytes() const {
   int64_t bytes = 0;
   for (const auto& f : flats_) {

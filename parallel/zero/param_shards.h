@@ -96,6 +96,10 @@ class ParamShards : public core::UnitHooks {
   // Collective: gathers every unit and keeps them whole until release_all() (evaluation, export).
   void gather_all();
   void release_all();
+  // Between gather_all() and release_all(): copies this rank's part of every full buffer into its
+  // shard, keeping what was written into the gathered parameters (the same values on every rank).
+  // No collective.
+  void commit_all();
 
   // Bytes of the parameters this rank holds now: shards plus gathered full buffers.
   int64_t held_bytes() const;

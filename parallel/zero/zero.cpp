@@ -449,6 +449,10 @@ void ZeroEngine::gather_full_params() {
   if (shards_) shards_->gather_all();
 }
 
+void ZeroEngine::commit_full_params() {
+  if (shards_) shards_->commit_all();
+}
+
 void ZeroEngine::release_full_params() {
   if (!shards_) return;
   try {

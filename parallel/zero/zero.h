@@ -91,6 +91,7 @@ class ZeroEngine : public Engine {
   std::vector<StatePiece> model_state() override;
   void gather_full_params() override;
   void release_full_params() override;
+  void commit_full_params() override;
 
   // What memory() measures after a step, predicted for fp32 `params` (this rank's, registration
   // order; parallel/build_engine.h: predicted_memory): the buckets this engine would build and
