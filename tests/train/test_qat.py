@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train as tt  # noqa: E402
+from test_stopped_rank import alive, children  # noqa: E402
 from test_zero_checkpoint import metadata  # noqa: E402
 
 
@@ -395,19 +396,8 @@ class QatTest(tt.RunDirTest):
         fp32 = os.path.join(self.d, "fp32")
 
         def child_of(pid):
-            try:
-                with open(f"/proc/{pid}/task/{pid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                return None
+            kids = children(pid)
             return kids[0] if kids else None
-
-        def alive(pid):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-            except OSError:
-                return False
 
         cmd = ["quantize", "--run", fp32, "--budget-map", "1", "qat.calib_batches=1", "data.batch_size=1"]
         p, log = self.popen([*cmd, "--timeout", "4"])
