@@ -20,6 +20,7 @@ namespace parallax::core {
 // its backward, per unit of the chain, computed from the model's own shapes (nothing runs).
 struct ActivationQuery {
   int compute_bytes = 4;  // bytes of the autocast dtype (bf16/fp16: 2); 4 without autocast
+  bool fp8 = false;       // precision.mode=fp8: the ViT blocks' linears save FP8 inputs (1 byte)
   bool cuda = false;      // fused CUDA paths keep different tensors (e.g. bev sampling)
   int tp = 1;             // tensor-parallel ranks (the layers' shards)
   bool sequence_parallel = false;

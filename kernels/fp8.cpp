@@ -33,10 +33,12 @@ constexpr core::EnumName<Recipe> kRecipes[] = {
 constexpr int64_t kGranule = 16;
 
 #ifdef PARALLAX_WITH_CUDA_KERNELS
+// The kernels load 16 bytes at a time: a tensor at an odd offset of a flat buffer (a weight under
+// ZeRO, detail::aligned16) takes the ATen composition, which gives the same bits.
 bool fused_ok(const at::Tensor& x) {
   const auto t = x.scalar_type();
   return x.is_cuda() && x.is_contiguous() &&
-         (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
+         (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && detail::aligned16(x);
 }
 #endif
 

@@ -7,6 +7,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+
 namespace parallax::kernels::detail {
 
 // The launchers' dtype for a float32/bfloat16/float16 tensor (callers check the dtype first).
@@ -19,6 +21,14 @@ inline cuda::DType dtype_of(const at::Tensor& t) {
     default:
       return cuda::DType::kFloat32;
   }
+}
+
+// Whether `t`'s data starts on a 16-byte boundary, as the kernels' vector loads need. A tensor can
+// be a view at any element offset of a larger buffer: ZeRO packs the parameters, of every size,
+// into flat buffers (its shards and gathered parameters; a learned LSQ amax of one element shifts
+// every parameter after it), so a kernel checks each pointer it loads vectors from.
+inline bool aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
 // Throws parallax::Error naming the kernel and the CUDA error when a launcher returned non-zero.

@@ -54,7 +54,11 @@ torch::autograd::variable_list forward_impl(torch::autograd::AutogradContext* ct
   const int64_t cols = x.size(-1), rows = x.numel() / cols;
   const at::Tensor xc = x.contiguous();
   const at::Tensor rc = residual.defined() ? residual.contiguous() : at::Tensor();
-  const at::Tensor g = weight.to(at::kFloat).contiguous(), b = bias.to(at::kFloat).contiguous();
+  at::Tensor g = weight.to(at::kFloat).contiguous(), b = bias.to(at::kFloat).contiguous();
+  // The kernels read gamma and beta 8 floats at a time: a parameter at an odd offset of a flat
+  // buffer (ZeRO) is read from an aligned copy (cols floats).
+  if (!detail::aligned16(g)) g = g.clone();
+  if (!detail::aligned16(b)) b = b.clone();
   at::Tensor y = at::empty_like(xc, at::MemoryFormat::Contiguous);
   at::Tensor sum = rc.defined() ? at::empty_like(xc, at::MemoryFormat::Contiguous) : at::Tensor();
   const auto stat = x.options().dtype(at::kFloat);
@@ -130,12 +134,6 @@ struct FusedAddLayerNorm : public torch::autograd::Function<FusedAddLayerNorm> {
 
 #endif  // PARALLAX_WITH_CUDA_KERNELS
 
-#ifdef PARALLAX_WITH_CUDA_KERNELS
-bool aligned16(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-}
-#endif
-
 }  // namespace
 
 bool fused_layer_norm_supported(const at::Tensor& x, const at::Tensor& residual,
@@ -149,12 +147,12 @@ bool fused_layer_norm_supported(const at::Tensor& x, const at::Tensor& residual,
   if (!weight.defined() || !bias.defined() || weight.numel() != cols || bias.numel() != cols)
     return false;
   if (weight.device() != x.device() || bias.device() != x.device()) return false;
-  if (!x.is_contiguous() || !aligned16(x)) return false;
+  if (!x.is_contiguous() || !detail::aligned16(x)) return false;
   if (residual.defined()) {
     if (residual.scalar_type() != t || residual.sizes() != x.sizes() ||
         residual.device() != x.device())
       return false;
-    if (!residual.is_contiguous() || !aligned16(residual)) return false;
+    if (!residual.is_contiguous() || !detail::aligned16(residual)) return false;
   }
   return true;
 #else

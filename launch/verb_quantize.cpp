@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
+#include "core/subprocess.h"
 #include "launch/args.h"
 #include "launch/verbs.h"
 #include "parallel/comm/world.h"
@@ -54,24 +55,6 @@ std::string describe(const std::vector<std::string>& args) {
     if (a.rfind("experiment.name=", 0) == 0) return fmt::format("'{}' ({})", a.substr(16), args[0]);
   }
   return fmt::format("'parallax {}'", args.empty() ? "" : args[0]);
-}
-
-// Stops the child: SIGTERM (and SIGCONT, so a stopped child can act on it), then SIGKILL after
-// kTermGraceS; reaps it.
-void stop_child(pid_t pid) {
-  ::kill(pid, SIGTERM);
-  ::kill(pid, SIGCONT);
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(kTermGraceS));
-  int status = 0;
-  while (Clock::now() < deadline) {
-    const pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid || (r < 0 && errno != EINTR)) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ::kill(pid, SIGKILL);
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }  // SIGKILL cannot be ignored: this returns
 }
 
 // Runs this binary with `args`, waits, and returns its exit status (128 + signal when killed).
@@ -131,7 +114,7 @@ int run_self(const std::vector<std::string>& args, double timeout_s) {
     const double stopped_limit =
         timeout_s > 0 ? std::min(timeout_s, kStoppedLimitS) : kStoppedLimitS;
     if ((timeout_s > 0 && ran > timeout_s) || (stopped_since && stopped > stopped_limit)) {
-      stop_child(pid);
+      core::stop_child(pid, kTermGraceS);
       std::string why =
           timeout_s > 0 && ran > timeout_s
               ? fmt::format("ran past --timeout {} s", timeout_s)

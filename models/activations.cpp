@@ -27,17 +27,21 @@ struct BlockShape {
 //   (3e: SDPA saves q, k, v as views of it), SDPA's output (e) and logsumexp (4 per head), the
 //   head-merged copy proj takes (e), the fused add+LayerNorm's input y (s) and stats (8), fc1's
 //   input (e), GELU's input (e f) and fc2's input (e f).
+// Under fp8 (kernels/fp8.h) the four linear layers save their inputs as FP8 copies (the transposed
+// layout the weight gradient's GEMM reads, 1 byte per element) instead of e; the tensors they were
+// cast from (the LayerNorm outputs, the head-merged copy, GELU's output) are then saved by nobody.
 // Under tp the column-parallel outputs (qkv, attention, fc1, GELU) are 1/tp; under sequence
 // parallelism so are the LayerNorm regions, while each column layer saves its all-gathered input.
 double block_saved(const BlockShape& b, const ActivationQuery& q, double s) {
   const double e = q.compute_bytes, t = q.tp;
+  const double li = q.fp8 ? 1 : e;  // a linear layer's saved input, bytes per element
   const double region = q.sequence_parallel ? 1.0 / t : 1.0;
   // Without autocast the LayerNorm output is the linear's input itself; with it the linear casts
   // (and saves) its own copy: either way e bytes per element.
   const double norms = region * (2 * s * b.dim + 16);
-  const double column_inputs = 2 * e * b.dim;  // qkv's and fc1's inputs (gathered under SP)
+  const double column_inputs = 2 * li * b.dim;  // qkv's and fc1's inputs (gathered under SP)
   const double sharded =
-      (3 * e * b.dim + e * b.dim + 4 * b.heads + e * b.dim + 2 * e * b.hidden) / t;
+      (3 * e * b.dim + e * b.dim + 4 * b.heads + li * b.dim + e * b.hidden + li * b.hidden) / t;
   return b.tokens * (norms + column_inputs + sharded);
 }
 

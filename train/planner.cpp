@@ -19,6 +19,7 @@ struct Stages {
 models::ActivationQuery query(const RunConfig& cfg, const Layout& l, bool cuda) {
   models::ActivationQuery q;
   q.compute_bytes = optim::make_precision_policy(cfg.precision, c10::kCPU).compute_bytes();
+  q.fp8 = optim::parse_precision(cfg.precision.mode) == optim::Precision::kFp8;
   q.cuda = cuda;
   q.tp = l.tp;
   q.sequence_parallel = l.sequence_parallel && l.tp > 1;
@@ -297,11 +298,12 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     const Activations a = activations(b, st, l, r, cfg, hw.cuda);
     rm.activations = a.peak;
     rm.transient = a.transient;
-    double stage_params = 0, largest_unit_params = 0, stage_trainable = 0;
+    double stage_params = 0, largest_unit_params = 0, stage_trainable = 0, stage_fp8 = 0;
     std::vector<double> unit_params(b.units.size(), 0.0);
     for (const auto& p : b.params) {
       if (st.rank_of_unit[static_cast<std::size_t>(p.unit)] != r) continue;
       stage_params += static_cast<double>(p.numel);
+      if (p.fp8) stage_fp8 += static_cast<double>(p.numel);
       if (p.trainable) stage_trainable += static_cast<double>(p.numel);
       unit_params[static_cast<std::size_t>(p.unit)] += static_cast<double>(p.numel);
     }
@@ -309,7 +311,17 @@ Row predict_with(Inventory& inv, const RunConfig& cfg, const Layout& l, const Ha
     max_trainable_elems = std::max(max_trainable_elems, stage_trainable);
     for (double x : unit_params) largest_unit_params = std::max(largest_unit_params, x);
     // Autocast keeps one low-precision copy of every weight the step uses (its cast cache).
-    if (bf) rm.autocast_copies = 2 * stage_params;
+    // Under fp8 the FP8 layers cast their (fp32) weights themselves, one FP8 copy per micro-batch
+    // that autograd keeps until that micro-batch's backward: one at a time without a pipeline, at
+    // most the schedule's in-flight micro-batches with one.
+    if (bf) {
+      double in_flight = 1;
+      if (l.pp > 1)
+        for (std::size_t s = 0; s < st.built->in_flight.size(); ++s)
+          if (static_cast<int>(s) % l.pp == r)
+            in_flight = std::max(in_flight, static_cast<double>(st.built->in_flight[s]));
+      rm.autocast_copies = 2 * (stage_params - stage_fp8) + stage_fp8 * in_flight;
+    }
     // ZeRO-3 gathers a unit (and prefetches the next) in fp32.
     if (l.zero == 3 && l.dp > 1) rm.comm_buffers = 2 * 4 * largest_unit_params;
     rm.context = hw.cuda ? hw.context_gib * kGiB : 0;
@@ -455,8 +467,21 @@ std::vector<int> divisors(int n) {
 
 }  // namespace
 
+namespace {
+
+// FP8 needs GPUs (the trainer's own refusal, before anything is built).
+void check_precision(const RunConfig& cfg, const Hardware& hw) {
+  PARALLAX_CHECK(hw.cuda || optim::parse_precision(cfg.precision.mode) != optim::Precision::kFp8,
+                 ConfigError,
+                 "key 'precision.mode': fp8 needs NVIDIA GPUs with FP8 tensor cores, not CPU "
+                 "ranks; plan with --device h100 or h200, or use precision.mode=bf16");
+}
+
+}  // namespace
+
 Row predict(const RunConfig& cfg, const Layout& layout, const Hardware& hw) {
   check_supported(cfg);
+  check_precision(cfg, hw);
   Inventory inv(cfg);
   return predict_with(inv, cfg, layout, hw);
 }
@@ -495,6 +520,7 @@ double activation_bytes(const RunConfig& cfg, int tp, bool sequence_parallel, in
 std::vector<Row> plan(const RunConfig& cfg, const Request& req) {
   check_supported(cfg);
   const Hardware& hw = req.hw;
+  check_precision(cfg, hw);
   const int n = hw.gpus;
   PARALLAX_CHECK(n >= 1 && hw.nodes >= 1 && n % hw.nodes == 0, UsageError,
                  "plan: --gpus {} must be a positive multiple of --nodes {}", n, hw.nodes);

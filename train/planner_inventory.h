@@ -13,6 +13,7 @@
 #include "core/param_init.h"
 #include "core/strings.h"
 #include "core/timer.h"
+#include "kernels/fp8.h"
 #include "models/model.h"
 #include "optim/precision.h"
 #include "parallel/build_engine.h"
@@ -103,6 +104,7 @@ struct Param {
   int unit = 0;
   bool tp_sharded = false;
   bool trainable = true;  // false: a frozen LoRA base weight
+  bool fp8 = false;       // precision.mode=fp8: a weight its FP8 layer casts once per micro-batch
 };
 struct Built {
   std::string error;  // why the model cannot be built at this tp
@@ -186,6 +188,10 @@ class Inventory {
                        "parallel.tp=1 for LoRA in this version");
         (void)lora::apply(*b.model, cfg_.lora);
       }
+      // FP8: the layers the trainer converts (the same refusals), whose inputs and weights are
+      // saved as FP8 copies (models::ActivationQuery::fp8).
+      if (optim::parse_precision(cfg_.precision.mode) == optim::Precision::kFp8)
+        (void)apply_fp8(*b.model, cfg_);
     } catch (const ConfigError& e) {
       b.error = e.what();
       return cache_.emplace(key, std::move(b)).first->second;
@@ -195,6 +201,11 @@ class Inventory {
     std::map<std::string, int> unit_of;
     for (std::size_t u = 0; u < b.units.size(); ++u)
       for (const auto& n : b.units[u].param_names) unit_of[n] = static_cast<int>(u);
+    std::set<std::string> fp8_weights;
+    for (const auto& item : b.model->named_modules()) {
+      if (kernels::fp8::fp8_child(*item.value()) != nullptr)
+        fp8_weights.insert(item.key() + ".weight");
+    }
     for (const auto& item : b.model->named_parameters()) {
       Param p;
       p.name = item.key();
@@ -203,6 +214,7 @@ class Inventory {
       p.unit = unit_of.count(p.name) ? unit_of.at(p.name) : 0;
       p.tp_sharded = layouts.count(p.name) != 0;
       p.trainable = item.value().requires_grad();
+      p.fp8 = fp8_weights.count(p.name) != 0;
       b.params.push_back(std::move(p));
     }
     b.chain = b.model->chain_length();

@@ -29,6 +29,9 @@
 #include <memory>
 #include <string>
 
+namespace torch::nn {
+class Module;
+}
 namespace parallax::models {
 class Model;
 }
@@ -132,5 +135,11 @@ class Trainer {
 
 // The plain trainer: Trainer(cfg).fit().
 TrainSummary run_training(RunConfig& cfg);
+
+// precision.mode=fp8 applied to `model`: the ViT blocks' linear layers compute in FP8
+// (models::enable_fp8) with cfg's precision.fp8 recipe. Returns how many layers; ConfigError naming
+// precision.mode when the model has none. The trainer and `parallax plan` (which predicts the FP8
+// layers' saved bytes) both apply it.
+int apply_fp8(torch::nn::Module& model, const RunConfig& cfg);
 
 }  // namespace parallax::train

@@ -169,6 +169,9 @@ class TrainerImpl {
   // precision.mode=fp8: the model's FP8 layers (kernels/fp8.h) and the MAX all-reduce of the
   // delayed recipe's amaxes over the replicas of this rank's layers (dp, then tp).
   void enable_fp8();
+  // The delayed FP8 recipe's amax histories from the resumed checkpoint, where the model was read
+  // into its recipes before enable_fp8() added them (a pipeline built with parallel.meta_init).
+  void load_fp8_histories();
   std::vector<kernels::fp8::Fp8LinearImpl*> fp8_layers_;
   kernels::fp8::AmaxReducer fp8_reduce_;
   std::unique_ptr<BatchSource> source_;

@@ -45,14 +45,9 @@ c10::Device pick_device(const TrainConfig& cfg, const comm::World& world) {
 }  // namespace
 
 void TrainerImpl::enable_fp8() {
-  kernels::fp8::Fp8Options o;
-  o.recipe = kernels::fp8::parse_recipe(cfg_.precision.fp8.recipe, "precision.fp8.recipe");
-  o.amax_history = cfg_.precision.fp8.amax_history;
-  const int n = models::enable_fp8(*model_, o);
-  PARALLAX_CHECK(n > 0, ConfigError,
-                 "key 'precision.mode': fp8 computes the ViT blocks' linear layers in FP8, and "
-                 "model '{}'{} has none; use precision.mode=bf16",
-                 cfg_.model.name, cfg_.model.name == "bev" ? " with this backbone" : "");
+  const int n = train::apply_fp8(*model_, cfg_);
+  const kernels::fp8::Recipe recipe =
+      kernels::fp8::parse_recipe(cfg_.precision.fp8.recipe, "precision.fp8.recipe");
   fp8_layers_ = kernels::fp8::fp8_layers(*model_);
   for (auto* l : fp8_layers_) l->to(device_);
   std::vector<comm::CommPtr> groups;
@@ -68,9 +63,9 @@ void TrainerImpl::enable_fp8() {
   core::log::info(
       "precision fp8: {} linear layers (the ViT blocks' qkv, proj, fc1, fc2) on FP8 tensor cores, "
       "E4M3 forward and E5M2 gradients, {} scaling{}",
-      n, o.recipe == kernels::fp8::Recipe::kDelayed ? "delayed" : "current",
-      o.recipe == kernels::fp8::Recipe::kDelayed
-          ? fmt::format(" over {} steps of amax history", o.amax_history)
+      n, recipe == kernels::fp8::Recipe::kDelayed ? "delayed" : "current",
+      recipe == kernels::fp8::Recipe::kDelayed
+          ? fmt::format(" over {} steps of amax history", cfg_.precision.fp8.amax_history)
           : "");
 }
 
@@ -352,6 +347,16 @@ void TrainerImpl::setup() {
   }
   // After the pretrained weights (which hold no scaling state), before the resume (which does).
   if (precision_.fp8()) enable_fp8();
+  // A deferred pipeline model read the checkpoint into its recipes (above), before the FP8 layers
+  // and their histories existed: they are read here, so that the resume stays bitwise.
+  if (resume_ && defer && deferred_source == resume_->dir() && !fp8_layers_.empty()) {
+    comm::agree_on(*world_comm_, device_,
+                   fmt::format("resume from '{}': loading the FP8 amax histories", resume_->dir()),
+                   [&]() -> int64_t {
+                     load_fp8_histories();
+                     return 0;
+                   });
+  }
   // ZeRO-3 over several ranks reads each rank's shard of the model after the engine has sharded
   // it (below), so no rank reads the whole model from the checkpoint; a deferred pipeline model
   // reads it into its recipes (above).
@@ -473,6 +478,23 @@ void TrainerImpl::setup() {
   open_run_directory(config_text);
 }
 
+void TrainerImpl::load_fp8_histories() {
+  const auto& saved = resume_->metadata().tensors;
+  int loaded = 0;
+  for (const auto& item : model_->named_modules()) {
+    auto* layer = dynamic_cast<kernels::fp8::Fp8LinearImpl*>(item.value().get());
+    if (layer == nullptr || !layer->amax_history.defined()) continue;
+    // The layer's own tensor "amax_history" under the model path "<layer>.fp8.": a checkpoint
+    // saved under the current recipe has none, and the history starts empty (docs/training.md).
+    ck::WeightsOptions o;
+    o.prefix = std::string(ck::kModelPrefix) + item.key() + ".";
+    if (!saved.count(o.prefix + "amax_history")) continue;
+    ck::load_weights(*resume_, *layer, o);
+    ++loaded;
+  }
+  core::log::info("resume: {} FP8 amax histories read from '{}'", loaded, resume_->dir());
+}
+
 void TrainerImpl::open_run_directory(const std::string& config_text) {
   if (!rank0_) {
     metrics_ = std::make_unique<MetricsWriter>();
@@ -517,3 +539,19 @@ void TrainerImpl::check_graph_capturable() const {
 }
 
 }  // namespace parallax::train::detail
+
+namespace parallax::train {
+
+int apply_fp8(torch::nn::Module& model, const RunConfig& cfg) {
+  kernels::fp8::Fp8Options o;
+  o.recipe = kernels::fp8::parse_recipe(cfg.precision.fp8.recipe, "precision.fp8.recipe");
+  o.amax_history = cfg.precision.fp8.amax_history;
+  const int n = models::enable_fp8(model, o);
+  PARALLAX_CHECK(n > 0, ConfigError,
+                 "key 'precision.mode': fp8 computes the ViT blocks' linear layers in FP8, and "
+                 "model '{}'{} has none; use precision.mode=bf16",
+                 cfg.model.name, cfg.model.name == "bev" ? " with this backbone" : "");
+  return n;
+}
+
+}  // namespace parallax::train

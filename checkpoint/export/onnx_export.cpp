@@ -1,13 +1,13 @@
 #include "checkpoint/export/onnx_export.h"
 
 #include "checkpoint/export/onnx_graph.h"
-#include "checkpoint/export/subprocess.h"
 #include "checkpoint/files.h"
 #include "checkpoint/h5.h"
 #include "checkpoint/tensor_io.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
+#include "core/subprocess.h"
 #include "core/timer.h"
 
 #include <onnx/common/version.h>
@@ -29,6 +29,10 @@
 namespace fs = std::filesystem;
 
 namespace parallax::checkpoint::exporter {
+
+using core::last_line;
+using core::ProcessResult;
+using core::run_process;
 
 namespace {
 

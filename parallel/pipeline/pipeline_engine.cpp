@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <set>
 #include <tuple>
@@ -887,9 +888,37 @@ std::vector<StatePiece> PipelineEngine::model_state() {
   };
   for (const auto& item : module_->named_parameters())
     if (mine.count(item.key())) whole(item.key(), item.value());
-  if (pp_->rank() == 0)
-    for (const auto& item : module_->named_buffers())
-      if (item.value().defined()) whole(item.key(), item.value());
+  // A buffer belongs to the stage that holds its module's parameters, the stage whose rank runs
+  // the module and so updates it (an FP8 layer's amax history, a norm's running statistics): that
+  // rank saves it, since every other rank's copy is stale. A buffer of no stage's module (no
+  // parameters under it, or parameters on several stages) is the same on every rank: pipeline
+  // rank 0 saves it.
+  std::map<std::string, int> stage_of_module;  // -1: parameters on several stages
+  for (int s = 0; s + 1 < static_cast<int>(bounds_.size()); ++s) {
+    for (int u = bounds_[s]; u < bounds_[s + 1]; ++u) {
+      for (const auto& name : units_[u].param_names) {
+        for (std::size_t dot = name.find('.'); dot != std::string::npos;
+             dot = name.find('.', dot + 1)) {
+          const auto [it, fresh] = stage_of_module.emplace(name.substr(0, dot), s);
+          if (!fresh && it->second != s) it->second = -1;
+        }
+      }
+    }
+  }
+  const auto owner_stage = [&](const std::string& buffer) {
+    for (std::size_t dot = buffer.rfind('.'); dot != std::string::npos && dot > 0;
+         dot = buffer.rfind('.', dot - 1)) {
+      const auto it = stage_of_module.find(buffer.substr(0, dot));
+      if (it != stage_of_module.end()) return it->second;
+    }
+    return -1;
+  };
+  const std::set<int> my_stages(my_stages_.begin(), my_stages_.end());
+  for (const auto& item : module_->named_buffers()) {
+    if (!item.value().defined()) continue;
+    const int s = owner_stage(item.key());
+    if (s >= 0 ? my_stages.count(s) != 0 : pp_->rank() == 0) whole(item.key(), item.value());
+  }
   return out;
 }
 

@@ -5,8 +5,8 @@
 // a parity gate that fails on one frame (the real ONNX Runtime tool, naming output and frame).
 // None of them leaves a model file, a partial file or a staging folder behind.
 #include "checkpoint/export/onnx_export.h"
-#include "checkpoint/export/subprocess.h"
 #include "core/error.h"
+#include "core/subprocess.h"
 #include "models/mlp.h"
 #include "models/model.h"
 #include "models/onnx/ops.h"
@@ -474,7 +474,7 @@ TEST(OnnxExportTest, AnInterruptionStopsTheFramesAndTheToolLeavingNothing) {
   };
   stopped = false;
   try {
-    run_process({"sleep", "30.5"}, 60, [&] {
+    core::run_process({"sleep", "30.5"}, 60, [&] {
       if (elapsed() > 0.3) throw Stop{};
     });
   } catch (const Stop&) {

@@ -252,3 +252,27 @@ TEST(Fp8CudaTest, GeluKernelIsAtensGeluAndHandsOnTheAmax) {
   EXPECT_EQ(taken[1], 0);
   for (std::size_t j = 0; j < out[0].size(); ++j) EXPECT_TRUE(same_bits(out[0][j], out[1][j])) << j;
 }
+
+TEST(Fp8CudaTest, TensorsAtAnOddOffsetTakeTheAtenPathWithTheSameBits) {
+  // A weight under ZeRO is a view into a flat buffer at any element offset; the kernels load 16
+  // bytes at a time, so such a tensor takes the ATen composition (the same bits, as above) instead
+  // of faulting with "misaligned address".
+  if (!fp8_gpu()) GTEST_SKIP() << "no GPU with FP8 tensor cores";
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const int64_t rows = 96, cols = 64;
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dt));
+    const at::Tensor flat = at::randn({1 + rows * cols}, cuda).to(dt);
+    const at::Tensor x = flat.narrow(0, 1, rows * cols).view({rows, cols});
+    ASSERT_NE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16, 0u);
+    const at::Tensor aligned = x.clone();
+    const at::Tensor a = f8::amax(x, true);
+    EXPECT_TRUE(at::equal(a, f8::amax(aligned, true)));
+    const f8::Casted c1 = f8::cast_to_fp8(x, a, f8::Format::kE4M3, true, true, 16, {}, true);
+    const f8::Casted c2 = f8::cast_to_fp8(aligned, a, f8::Format::kE4M3, true, true, 16, {}, true);
+    torch::cuda::synchronize();  // a misaligned read is reported asynchronously
+    EXPECT_TRUE(same_bits(c1.data, c2.data));
+    EXPECT_TRUE(same_bits(c1.data_t, c2.data_t));
+    EXPECT_TRUE(same_bits(c1.inv_scale, c2.inv_scale));
+  }
+}

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <cstdint>
 #include <tuple>
 
 namespace parallax::kernels {
@@ -110,6 +111,36 @@ TEST(FusedLayerNormCudaTest, UnsupportedInputsFallBackToAten) {
   const at::Tensor y = add_layer_norm(wide, {}, w, b, 1e-6).first;
   // The fallback is this very call (fp32 weights, no cast): the same kernel on the same inputs.
   EXPECT_TRUE(at::equal(y, at::layer_norm(wide, {1280}, w, b, 1e-6)));
+}
+
+TEST(FusedLayerNormCudaTest, GammaAndBetaAtAnOddOffsetOfAFlatBuffer) {
+  // Under ZeRO a LayerNorm's weight and bias are views into a flat buffer at any element offset
+  // (a learned LSQ amax of one element before them). The kernels read them 8 floats at a time, so
+  // such views are read from aligned copies: the outputs and all gradients are those of aligned
+  // parameters bit for bit (before, 2 x H200 under ZeRO-3: "CUDA error: misaligned address").
+  SKIP_WITHOUT_CUDA();
+  at::manual_seed(5);
+  const auto opt = at::TensorOptions().device(at::kCUDA);
+  const int64_t cols = 768;
+  const at::Tensor x = at::randn({64, cols}, opt).to(at::kBFloat16),
+                   r = at::randn({64, cols}, opt).to(at::kBFloat16);
+  const at::Tensor dy = at::randn({64, cols}, opt).to(at::kBFloat16), ds = at::randn_like(dy);
+  const at::Tensor leaf = at::randn({1 + 2 * cols}, opt).requires_grad_(true);
+  const at::Tensor w = leaf.narrow(0, 1, cols), b = leaf.narrow(0, 1 + cols, cols);
+  ASSERT_NE(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16, 0u);
+  ASSERT_TRUE(fused_layer_norm_supported(x, r, w, b));
+  at::Tensor xg = x.clone().requires_grad_(true), rg = r.clone().requires_grad_(true);
+  auto [y, sum] = add_layer_norm(xg, rg, w, b, 1e-6, true);
+  ((y.to(at::kFloat) * dy.to(at::kFloat)).sum() + (sum.to(at::kFloat) * ds.to(at::kFloat)).sum())
+      .backward();
+  torch::cuda::synchronize();  // a misaligned read is reported asynchronously
+  const LnRun want = run_fused(x, r, w.detach().clone(), b.detach().clone(), dy, ds);
+  EXPECT_TRUE(at::equal(y, want.y));
+  EXPECT_TRUE(at::equal(sum, want.sum));
+  EXPECT_TRUE(at::equal(xg.grad(), want.dx));
+  EXPECT_TRUE(at::equal(rg.grad(), want.dres));
+  EXPECT_TRUE(at::equal(leaf.grad().narrow(0, 1, cols), want.dw));
+  EXPECT_TRUE(at::equal(leaf.grad().narrow(0, 1 + cols, cols), want.db));
 }
 
 }  // namespace

@@ -210,3 +210,55 @@ TEST(PlannerLayouts, PipelineKeepsTheScheduleInFlightMicroBatches) {
   ASSERT_TRUE(gp.reason.empty()) << gp.reason;
   EXPECT_NEAR(gp.ranks[0].activations / f1b.ranks[0].activations, 8.0 / 2.0, 1e-9);
 }
+
+TEST(PlannerMemory, Fp8SavesTheBlocksLinearInputsAndWeightsAsFp8) {
+  // precision.mode=fp8 (kernels/fp8.h): each of a ViT block's four linear layers saves its input as
+  // an FP8 copy (1 byte per element instead of bf16's 2) and casts its fp32 weight to FP8 itself
+  // (no autocast bf16 copy; one FP8 copy per micro-batch). Against bf16, on the same layout:
+  // activations shrink by exactly micro-batch x tokens x blocks x (3 dim + hidden) bytes (the
+  // inputs of qkv, proj and fc1 are dim wide, fc2's hidden wide) and the weight copies by one byte
+  // per FP8 weight element; nothing else changes.
+  const std::vector<std::string> vit{"model.name=vit_cls", "model.size=tiny",
+                                     "model.num_classes=16"};
+  std::vector<std::string> bf = vit, f8 = vit;
+  bf.push_back("precision.mode=bf16");
+  f8.push_back("precision.mode=fp8");
+  const train::RunConfig cbf = config(bf), cf8 = config(f8);
+  // The shapes, from the model itself.
+  auto model = models::build_model(cbf.model, train::run_scene(cbf));
+  double tokens = 0, dim = 0, hidden = 0, blocks = 0, fp8_weights = 0;
+  for (const auto& item : model->named_parameters()) {
+    const std::string& n = item.key();
+    const auto ends = [&](const std::string& s) {
+      return n.size() > s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0;
+    };
+    const at::Tensor& t = item.value();
+    if (ends("pos_embed"))
+      tokens = static_cast<double>(t.size(1)), dim = static_cast<double>(t.size(2));
+    if (ends("mlp.fc1.weight")) hidden = static_cast<double>(t.size(0)), ++blocks;
+    if (ends("attn.qkv.weight") || ends("attn.proj.weight") || ends("mlp.fc1.weight") ||
+        ends("mlp.fc2.weight"))
+      fp8_weights += static_cast<double>(t.numel());
+  }
+  ASSERT_GT(tokens * dim * hidden * blocks, 0);
+  train::planner::Hardware hw;
+  hw.gpus = 1;
+  train::planner::Layout l;
+  l.micro_batch = 4;
+  l.micro_batches = 2;
+  const auto a = train::planner::predict(cbf, l, hw);
+  const auto b = train::planner::predict(cf8, l, hw);
+  ASSERT_TRUE(a.reason.empty()) << a.reason;
+  ASSERT_TRUE(b.reason.empty()) << b.reason;
+  EXPECT_DOUBLE_EQ(a.ranks[0].activations - b.ranks[0].activations,
+                   4 * tokens * blocks * (3 * dim + hidden));
+  EXPECT_DOUBLE_EQ(a.ranks[0].autocast_copies - b.ranks[0].autocast_copies, fp8_weights);
+  EXPECT_DOUBLE_EQ(a.ranks[0].params, b.ranks[0].params);
+  EXPECT_DOUBLE_EQ(a.ranks[0].optimizer, b.ranks[0].optimizer);
+  // The trainer's refusals: a model without ViT blocks, and CPU ranks (no FP8 tensor cores).
+  std::vector<std::string> conv{"model.backbone=conv", "precision.mode=fp8"};
+  const auto c = train::planner::predict(config(conv), l, hw);
+  EXPECT_NE(c.reason.find("precision.mode"), std::string::npos) << c.reason;
+  hw.cuda = false;
+  EXPECT_THROW((void)train::planner::predict(cf8, l, hw), ConfigError);
+}

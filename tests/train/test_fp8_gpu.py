@@ -11,7 +11,9 @@ layers in FP8 (kernels/fp8.h) must train like bf16.
   maximum over the same steps by more than 2%;
 - activation checkpointing recomputes the FP8 blocks exactly: every loss equals the run without it;
 - the delayed recipe resumes bitwise: a run checkpointed at step 3 and resumed computes step 4's
-  loss from the restored weights and amax histories exactly as the uninterrupted run does.
+  loss from the restored weights and amax histories exactly as the uninterrupted run does; the same
+  under pipeline parallelism (pp 2 on two GPUs, built whole and with parallel.meta_init), whose
+  losses also stay near one GPU's.
 
 The 1% is the issue's acceptance bound, not derived from the arithmetic: FP8's rounding (3 mantissa
 bits forward, 2 for gradients) changes every step's update, and what is asserted is that training
@@ -144,6 +146,40 @@ class Fp8GpuTest(tt.RunDirTest):
             # histories (its backward is the first place where run-to-run atomics could enter).
             self.assertEqual(a[s], b[s], f"loss at step {s}")
 
+    @unittest.skipIf(tt.gpu_count() < 2, "needs two GPUs")
+    def test_pipeline_pp2_trains_and_resumes_bitwise(self):
+        # parallel.pp=2 (1f1b, 4 micro-batches, NCCL between the stages), delayed recipe: each stage's
+        # layers record and roll their own histories, and the checkpoint takes each layer's history
+        # from the rank whose stage runs it (pipeline rank 0's copy of stage 1's layers never
+        # changes). Resumed at step 3, built whole and built without storage (parallel.meta_init,
+        # where the model is read into its recipes before the FP8 layers exist), step 4's loss is
+        # the uninterrupted run's bit for bit. Against one GPU with the same micro-batches the
+        # losses stay within 2e-2 (each stage runs the same FP8 casts and GEMMs on the same
+        # micro-batches; the global gradient norm for clipping is summed in another order, and an
+        # FP8 rounding that this flips moves a value by up to 2^-3: the bf16 bound of
+        # test_pipeline.py, not a derived one; the test prints the measured difference).
+        common = ["model.size=tiny", "train.benchmark=false", "data.synthetic=true", "data.batch_size=16",
+                  "train.grad_accum=4", "precision.mode=fp8", "precision.fp8.recipe=delayed",
+                  "precision.fp8.amax_history=4", "train.log_every=1", "checkpoint.every=3", "optim.grad_clip=1.0"]
+        pp = ["parallel.pp=2", "parallel.pp_schedule=1f1b"]
+        self.train(W1, "one", *common, "train.steps=6")
+        self.train(W1, "ref", *common, *pp, "train.steps=6", ranks=2)
+        a, one = tt.losses(os.path.join(self.d, "ref")), tt.losses(os.path.join(self.d, "one"))
+        self.assertEqual(sorted(a), list(range(1, 7)))
+        worst = max(abs(a[s] - one[s]) / abs(one[s]) for s in one)
+        print(f"  pp2 fp8 against one GPU: max loss rel diff {worst:.3g}", file=sys.stderr)
+        for s in one:
+            self.assertAlmostEqual(a[s], one[s], delta=2e-2 * abs(one[s]), msg=f"step {s}")
+        for meta in ("false", "true"):
+            name = f"legs_{meta}"
+            self.train(W1, name, *common, *pp, "train.steps=3", ranks=2)
+            p = self.train(W1, name, *common, *pp, "train.steps=6", "train.resume=auto",
+                           f"parallel.meta_init={meta}", ranks=2)
+            self.assertEqual("model built without storage" in p.stdout + p.stderr, meta == "true")
+            b = tt.losses(os.path.join(self.d, name))
+            self.assertEqual(sorted(b), list(range(1, 7)))
+            for s in range(1, 5):
+                self.assertEqual(a[s], b[s], f"meta_init={meta}: loss at step {s}")
 
 if __name__ == "__main__":
     tt.PARALLAX, tt.MPIRUN = sys.argv[1], sys.argv[2]

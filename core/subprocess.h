@@ -1,13 +1,16 @@
-// Running a helper program (the ONNX Runtime parity tool) with a deadline: argv passed as is (no
-// shell, so paths need no quoting), stdout and stderr captured together, and the child stopped
-// (SIGTERM, then SIGKILL after 5 s) when the deadline passes.
+// Child processes with deadlines. run_process(): a helper program (the export's ONNX Runtime
+// parity tool) run with argv as is (no shell, so paths need no quoting), stdout and stderr captured
+// together, and the child stopped (SIGTERM, then SIGKILL after 5 s) when the deadline passes.
+// stop_child(): the same stop for any child (`parallax quantize`'s runs).
 #pragma once
+
+#include <sys/types.h>
 
 #include <functional>
 #include <string>
 #include <vector>
 
-namespace parallax::checkpoint::exporter {
+namespace parallax::core {
 
 struct ProcessResult {
   int exit_code = -1;  // the exit status; 128 + signal when a signal ended it
@@ -22,7 +25,12 @@ struct ProcessResult {
 ProcessResult run_process(const std::vector<std::string>& argv, double timeout_s,
                           const std::function<void()>& interruption = {});
 
+// Stops child process `pid` (of this process): SIGTERM, with SIGCONT so that a stopped child acts
+// on it, then SIGKILL when it has not ended after `grace_s` seconds; reaps it and returns its wait
+// status. Used by run_process() at its deadline and by `parallax quantize` for its child runs.
+int stop_child(pid_t pid, double grace_s);
+
 // The last non-empty line of `text` ("" if none).
 std::string last_line(const std::string& text);
 
-}  // namespace parallax::checkpoint::exporter
+}  // namespace parallax::core

@@ -1,4 +1,4 @@
-#include "checkpoint/export/subprocess.h"
+#include "core/subprocess.h"
 
 #include "core/error.h"
 #include "core/strings.h"
@@ -17,11 +17,14 @@
 
 extern char** environ;
 
-namespace parallax::checkpoint::exporter {
+namespace parallax::core {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// SIGTERM's grace before SIGKILL for the helper programs run_process() starts.
+constexpr double kGraceS = 5;
 
 // Closes a file descriptor on scope exit.
 struct Fd {
@@ -48,27 +51,30 @@ bool wait_until(pid_t pid, Clock::time_point deadline, int& status) {
   }
 }
 
-// Stops the child: SIGTERM, then SIGKILL after 5 s; returns its status.
-int stop_child(pid_t pid) {
-  int status = 0;
-  ::kill(pid, SIGTERM);
-  if (!wait_until(pid, Clock::now() + std::chrono::seconds(5), status)) {
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, &status, 0);  // SIGKILL cannot be ignored: this returns
-  }
-  return status;
-}
-
 // The running child: stopped and reaped on scope exit unless reaped already (an exception from
 // the interruption callback, or any other, never leaves it running).
 struct Child {
   pid_t pid = -1;
   ~Child() {
-    if (pid > 0) stop_child(pid);
+    if (pid > 0) stop_child(pid, kGraceS);
   }
 };
 
 }  // namespace
+
+int stop_child(pid_t pid, double grace_s) {
+  int status = 0;
+  ::kill(pid, SIGTERM);
+  ::kill(pid, SIGCONT);  // a stopped child acts on SIGTERM only once it runs again
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(grace_s));
+  if (!wait_until(pid, deadline, status)) {
+    ::kill(pid, SIGKILL);
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }  // SIGKILL cannot be ignored: this returns
+  }
+  return status;
+}
 
 ProcessResult run_process(const std::vector<std::string>& argv, double timeout_s,
                           const std::function<void()>& interruption) {
@@ -127,7 +133,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, double timeout_s
   }
   result.timed_out = true;
   child.pid = -1;
-  result.exit_code = status_code(stop_child(pid));
+  result.exit_code = status_code(stop_child(pid, kGraceS));
   return result;
 }
 
@@ -145,4 +151,4 @@ std::string last_line(const std::string& text) {
   return "";
 }
 
-}  // namespace parallax::checkpoint::exporter
+}  // namespace parallax::core
