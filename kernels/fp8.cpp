@@ -33,12 +33,12 @@ constexpr core::EnumName<Recipe> kRecipes[] = {
 constexpr int64_t kGranule = 16;
 
 #ifdef PARALLAX_WITH_CUDA_KERNELS
-// The kernels load 16 bytes at a time: a tensor at an odd offset of a flat buffer (a weight under
-// ZeRO, detail::aligned16) takes the ATen composition, which gives the same bits.
+// Any alignment: the launchers take their 16-byte vector kernels only for aligned pointers (a
+// weight at an odd offset of ZeRO's flat buffers gets the element-wise kernels, the same bits).
 bool fused_ok(const at::Tensor& x) {
   const auto t = x.scalar_type();
   return x.is_cuda() && x.is_contiguous() &&
-         (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && detail::aligned16(x);
+         (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
 }
 #endif
 
@@ -93,7 +93,7 @@ at::Tensor scale_from_amax(const at::Tensor& amax, Format f) {
 
 Casted cast_to_fp8(const at::Tensor& x, const at::Tensor& amax_for_scale, Format f, bool rowmajor,
                    bool transposed, int64_t pad_t, const at::Tensor& amax_out, bool fused,
-                   bool col_sum) {
+                   bool col_sum, bool gelu) {
   PARALLAX_CHECK(x.dim() == 2, Error, "fp8 cast: expected a 2-D tensor, got {} dims", x.dim());
   PARALLAX_CHECK(pad_t >= 1, Error, "fp8 cast: pad_t must be >= 1, got {}", pad_t);
   const int64_t rows = x.size(0), cols = x.size(1), rows_pad = round_up(rows, pad_t);
@@ -118,7 +118,7 @@ Casted cast_to_fp8(const at::Tensor& x, const at::Tensor& amax_for_scale, Format
                                         transposed ? c.data_t.data_ptr() : nullptr, rows_pad,
                                         c.inv_scale.data_ptr<float>(),
                                         amax_out.defined() ? amax_out.data_ptr<float>() : nullptr,
-                                        col_sum ? partial.data_ptr<float>() : nullptr,
+                                        col_sum ? partial.data_ptr<float>() : nullptr, gelu,
                                         c10::cuda::getCurrentCUDAStream().stream()),
                          "fp8", "cast");
     if (col_sum) {
@@ -134,15 +134,17 @@ Casted cast_to_fp8(const at::Tensor& x, const at::Tensor& amax_for_scale, Format
   (void)fused;
   const float fmax = max_finite(f);
   const at::Tensor scale = scale_from_amax(amax_for_scale, f);
-  const at::Tensor q = (x.to(at::kFloat) * scale).clamp(-fmax, fmax).to(scalar_type(f));
+  // The folded GELU: what gelu_run() writes, cast.
+  const at::Tensor src = gelu ? at::gelu(x) : x;
+  const at::Tensor q = (src.to(at::kFloat) * scale).clamp(-fmax, fmax).to(scalar_type(f));
   if (rowmajor) c.data = q;
   if (transposed) {
     c.data_t = rows_pad == rows ? q.t().contiguous() : at::zeros({cols, rows_pad}, fp8);
     if (rows_pad != rows) c.data_t.narrow(1, 0, rows).copy_(q.t());
   }
   c.inv_scale = scale.reciprocal();
-  if (amax_out.defined()) amax_out.copy_(at::maximum(amax_out, amax(x, false)));
-  if (col_sum) c.col_sum = x.sum(0, false, at::kFloat);
+  if (amax_out.defined()) amax_out.copy_(at::maximum(amax_out, amax(src, false)));
+  if (col_sum) c.col_sum = src.sum(0, false, at::kFloat);
   return c;
 }
 
@@ -210,21 +212,29 @@ at::Tensor gelu_run(const at::Tensor& x, const at::Tensor& dy, bool want_amax,
   return out;
 }
 
+// y = x W^T + b in FP8. `gelu_producer` >= 0: x is the GELU's input `pre` and the layer's input is
+// gelu(pre), computed by the input's cast and never stored (Fp8LinearImpl::forward_gelu); the
+// backward then returns d pre, and hands its amax to the producer (an Fp8LinearImpl*, 0: none)
+// as GeluFn does. -1: a plain layer.
 struct Fp8LinearFn : public torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight, const at::Tensor& bias,
-                            const at::Tensor& x_amax, int64_t self_ptr) {
+                            const at::Tensor& x_amax, int64_t self_ptr, int64_t gelu_producer) {
     auto& self = *reinterpret_cast<Fp8LinearImpl*>(self_ptr);
     const Fp8Options& o = self.options();
+    const bool gelu = gelu_producer >= 0;
     const int64_t k = x.size(-1), n = weight.size(0);
     at::Tensor x2 = x.reshape({-1, k});
     if (!x2.is_contiguous()) x2 = x2.contiguous();
     at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
     const bool need_dw = weight.requires_grad(), need_dx = x.requires_grad();
+    PARALLAX_CHECK(!gelu || (o.recipe == Recipe::kDelayed && self.initialized()), Error,
+                   "fp8 linear: the folded GELU needs the delayed recipe's scale (its input's "
+                   "amax is not known before the cast)");
 
     const Casted cx = cast_to_fp8(
         x2, scale_source(self, 0, x2, o.input_sharded, x_amax.numel() ? x_amax : at::Tensor()),
-        Format::kE4M3, true, need_dw, kGranule, record_slot(self, 0), o.fused);
+        Format::kE4M3, true, need_dw, kGranule, record_slot(self, 0), o.fused, false, gelu);
     const Casted cw = cast_to_fp8(w, scale_source(self, 1, w, o.weight_sharded), Format::kE4M3,
                                   true, need_dx, 1, record_slot(self, 1), o.fused);
     const bool has_bias = bias.numel() > 0;
@@ -233,8 +243,10 @@ struct Fp8LinearFn : public torch::autograd::Function<Fp8LinearFn> {
     // Output GEMM with fast accumulation, the grads without (torchao's Float8LinearConfig).
     at::Tensor y = at::_scaled_mm(cx.data, cw.data.t(), cx.inv_scale, cw.inv_scale, b, std::nullopt,
                                   at::kBFloat16, /*use_fast_accum=*/true);
-    ctx->save_for_backward({cx.data_t, cx.inv_scale, cw.data_t, cw.inv_scale});
+    ctx->save_for_backward(
+        {cx.data_t, cx.inv_scale, cw.data_t, cw.inv_scale, gelu ? x : at::Tensor()});
     ctx->saved_data["self"] = self_ptr;
+    ctx->saved_data["gelu_producer"] = gelu_producer;
     ctx->saved_data["has_bias"] = has_bias;
     ctx->saved_data["bias_dtype"] = bias.scalar_type();
     ctx->saved_data["weight_dtype"] = weight.scalar_type();
@@ -250,7 +262,8 @@ struct Fp8LinearFn : public torch::autograd::Function<Fp8LinearFn> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x_t = saved[0], &inv_x = saved[1], &w_t = saved[2], &inv_w = saved[3];
     at::Tensor g = grads[0];
-    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (!g.defined())
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const at::Tensor g_amax = self.take_grad_amax(g);
     const int64_t n = g.size(-1);
     at::Tensor g2 = g.reshape({-1, n});
@@ -277,7 +290,16 @@ struct Fp8LinearFn : public torch::autograd::Function<Fp8LinearFn> {
                .to(ctx->saved_data["weight_dtype"].toScalarType());
     }
     if (has_bias) db = cg.col_sum.to(ctx->saved_data["bias_dtype"].toScalarType());
-    return {dx, dw, db, at::Tensor(), at::Tensor()};
+    const int64_t gelu_producer = ctx->saved_data["gelu_producer"].toInt();
+    if (gelu_producer >= 0 && dx.defined()) {
+      // d pre = dx * gelu'(pre), as GeluFn's backward computes it.
+      auto* producer = reinterpret_cast<Fp8LinearImpl*>(gelu_producer);
+      const bool want = producer != nullptr && producer->wants_current_amax();
+      at::Tensor a;
+      dx = gelu_run(saved[4], dx, want, a);
+      if (want) producer->hand_off_grad_amax(dx, a);
+    }
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -340,7 +362,25 @@ at::Tensor Fp8LinearImpl::forward(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor x_amax = take_input_amax(x);
   if (!x_amax.defined()) x_amax = at::empty({0}, weight.options().dtype(at::kFloat));
   return Fp8LinearFn::apply(x, weight, bias.defined() ? bias : at::empty({0}, weight.options()),
-                            x_amax, reinterpret_cast<int64_t>(this));
+                            x_amax, reinterpret_cast<int64_t>(this), int64_t{-1});
+}
+
+bool Fp8LinearImpl::folds_gelu() const {
+  return opts_.recipe == Recipe::kDelayed && initialized_ && opts_.fused;
+}
+
+at::Tensor Fp8LinearImpl::forward_gelu(const at::Tensor& pre, const at::Tensor& weight,
+                                       const at::Tensor& bias, Fp8LinearImpl* producer) {
+  PARALLAX_CHECK(folds_gelu(), Error,
+                 "fp8 linear: forward_gelu needs the delayed recipe after its first step");
+  PARALLAX_CHECK(pre.dim() >= 1 && weight.dim() == 2 && pre.size(-1) == weight.size(1), Error,
+                 "fp8 linear: input [..., {}] does not fit the weight [{}, {}]",
+                 pre.dim() ? pre.size(-1) : 0, weight.size(0), weight.size(1));
+  if (!step_amax.defined() || step_amax.device() != amax_history.device())
+    step_amax = at::zeros({3}, amax_history.options());
+  return Fp8LinearFn::apply(pre, weight, bias.defined() ? bias : at::empty({0}, weight.options()),
+                            at::empty({0}, weight.options().dtype(at::kFloat)),
+                            reinterpret_cast<int64_t>(this), reinterpret_cast<int64_t>(producer));
 }
 
 void Fp8LinearImpl::hand_off_input_amax(const at::Tensor& x, const at::Tensor& amax) {

@@ -76,10 +76,11 @@ struct Casted {
 // `amax_out` (optional, 1-element fp32 on x's device): max-accumulates max |x| into it (the
 // delayed recipe's record of this step). `col_sum`: also x's column sums in fp32, from the same
 // read of x (an output gradient's: the bias gradient), summed in a fixed order, so bitwise
-// reproducible though not in ATen's order. `fused` = false: the ATen composition.
+// reproducible though not in ATen's order. `fused` = false: the ATen composition. `gelu`: casts
+// gelu(x) (what gelu() below writes, never stored) instead of x; the amax and sums are its.
 Casted cast_to_fp8(const at::Tensor& x, const at::Tensor& amax_for_scale, Format f, bool rowmajor,
                    bool transposed, int64_t pad_t = 1, const at::Tensor& amax_out = {},
-                   bool fused = true, bool col_sum = false);
+                   bool fused = true, bool col_sum = false, bool gelu = false);
 
 // Why `device` cannot run FP8 GEMMs ("" when it can): the CPU (training in FP8 runs on GPUs
 // only), or a CUDA device of compute capability below 8.9 (no FP8 tensor cores: before Ada and
@@ -114,6 +115,15 @@ class Fp8LinearImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
 
   const Fp8Options& options() const { return opts_; }
+
+  // y = gelu(pre) W^T + b, the GELU folded into this layer's input cast (bench/NOTES.md, lever
+  // 39): gelu(pre) is never written in bf16, and the backward returns d pre (handing its amax to
+  // `producer`, the layer that computed pre, as gelu() does). The same bits as gelu() followed by
+  // forward(). Only where folds_gelu(): the delayed recipe's scale is known before the cast (the
+  // current recipe would need the amax of gelu(pre) first), on the fused kernels.
+  bool folds_gelu() const;
+  at::Tensor forward_gelu(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
+                          Fp8LinearImpl* producer);
 
   // Hand-offs from the kernel that wrote a tensor this layer will cast (gelu() below): the amax of
   // its next input (forward) or of its next output gradient (backward), so that the layer need not

@@ -22,9 +22,12 @@ int fp8_amax(DType t, const void* x, int64_t n, float* amax, cudaStream_t stream
 //     of x's rows t * kFp8CastTileRows .. (t + 1) * kFp8CastTileRows - 1, summed in a fixed order
 //     (the caller sums the rows: the bias gradient when x is an output gradient).
 constexpr int kFp8CastTileRows = 64;
+//   gelu: cast gelu(x) (erf form, fp32, rounded to t as fp8_gelu writes it) instead of x: the
+//     amax and the column sums are then gelu(x)'s.
 int fp8_cast(DType t, const void* x, int64_t rows, int64_t cols, const float* amax_for_scale,
              float fmax, float floor, bool e5m2, void* out, void* out_t, int64_t rows_pad,
-             float* inv_scale, float* amax_accum, float* col_partial, cudaStream_t stream);
+             float* inv_scale, float* amax_accum, float* col_partial, bool gelu,
+             cudaStream_t stream);
 
 // out[c] = sum over t < tiles of partial[t * cols + c] (fp32), in a fixed order: the bias
 // gradient from fp8_cast's col_partial.

@@ -26,7 +26,8 @@ inline cuda::DType dtype_of(const at::Tensor& t) {
 // Whether `t`'s data starts on a 16-byte boundary, as the kernels' vector loads need. A tensor can
 // be a view at any element offset of a larger buffer: ZeRO packs the parameters, of every size,
 // into flat buffers (its shards and gathered parameters; a learned LSQ amax of one element shifts
-// every parameter after it), so a kernel checks each pointer it loads vectors from.
+// every parameter after it), so a kernel checks each pointer it loads vectors from (the FP8
+// launchers check theirs in kernels/fp8_cuda.cu).
 inline bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }

@@ -15,6 +15,7 @@
 #include <torch/nn/init.h>
 
 #include <cmath>
+#include <cstdlib>
 
 namespace parallax::models {
 
@@ -150,10 +151,24 @@ MlpBlockImpl::MlpBlockImpl(const TransformerBlockOptions& o) : dropout_(o.dropou
   register_module("fc2", fc2_.ptr());
 }
 
+namespace {
+// PARALLAX_FP8_NO_GELU_FOLD set: the GELU and fc2's cast stay two kernels (benchmarks' A/B of
+// bench/NOTES.md lever 39, and the test that the fold changes no bit).
+const bool kNoGeluFold = std::getenv("PARALLAX_FP8_NO_GELU_FOLD") != nullptr;
+}  // namespace
+
 at::Tensor MlpBlockImpl::forward(const at::Tensor& x) {
   const at::Tensor pre = fc1_.forward<at::Tensor>(x);
   auto* fp8_in = kernels::fp8::fp8_child(*fc1_.ptr());
   auto* fp8_out = kernels::fp8::fp8_child(*fc2_.ptr());
+  // Under the delayed recipe a dense FP8 fc2 casts gelu(pre) itself: the GELU's output is never
+  // written (the same bits; kernels/fp8.h, Fp8LinearImpl::forward_gelu). Not with dropout between
+  // the two layers, nor for a row-parallel fc2 (tensor parallelism).
+  auto* dense_fc2 = dynamic_cast<DenseLinearImpl*>(fc2_.ptr().get());
+  if (fp8_out != nullptr && dense_fc2 != nullptr && fp8_out->folds_gelu() &&
+      (dropout_ == 0 || !is_training()) && !kNoGeluFold) {
+    return fp8_out->forward_gelu(pre, dense_fc2->weight, dense_fc2->bias, fp8_in);
+  }
   // Between FP8 layers the GELU hands each layer the amax it would otherwise read the tensor for.
   at::Tensor h = fp8_in != nullptr || fp8_out != nullptr ? kernels::fp8::gelu(pre, fp8_in, fp8_out)
                                                          : at::gelu(pre);

@@ -253,10 +253,10 @@ TEST(Fp8CudaTest, GeluKernelIsAtensGeluAndHandsOnTheAmax) {
   for (std::size_t j = 0; j < out[0].size(); ++j) EXPECT_TRUE(same_bits(out[0][j], out[1][j])) << j;
 }
 
-TEST(Fp8CudaTest, TensorsAtAnOddOffsetTakeTheAtenPathWithTheSameBits) {
-  // A weight under ZeRO is a view into a flat buffer at any element offset; the kernels load 16
-  // bytes at a time, so such a tensor takes the ATen composition (the same bits, as above) instead
-  // of faulting with "misaligned address".
+TEST(Fp8CudaTest, TensorsAtAnOddOffsetCastWithTheSameBits) {
+  // A weight under ZeRO is a view into a flat buffer at any element offset. The vector kernels
+  // load 16 bytes at a time, so the launchers give such a tensor the element-wise kernels: the
+  // same bits as an aligned copy, and no "misaligned address" fault.
   if (!fp8_gpu()) GTEST_SKIP() << "no GPU with FP8 tensor cores";
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   const int64_t rows = 96, cols = 64;
@@ -275,4 +275,38 @@ TEST(Fp8CudaTest, TensorsAtAnOddOffsetTakeTheAtenPathWithTheSameBits) {
     EXPECT_TRUE(same_bits(c1.data_t, c2.data_t));
     EXPECT_TRUE(same_bits(c1.inv_scale, c2.inv_scale));
   }
+}
+
+TEST(Fp8CudaTest, FoldedGeluIsTheGeluThenTheLayerBitForBit) {
+  // Fp8LinearImpl::forward_gelu (the delayed recipe's fc2 casting gelu(pre) itself) against
+  // gelu() then forward(), W1's MLP shapes: the output, d pre, dW, dB and the recorded amaxes are
+  // the same bits (the cast computes gelu(pre) rounded to bf16, as the GELU kernel writes it).
+  if (!fp8_gpu()) GTEST_SKIP() << "no GPU with FP8 tensor cores";
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const int64_t rows = 3152, k = 768, hidden = 3072;
+  const at::Tensor p0 = (at::randn({rows, hidden}, cuda) * 2).to(at::kBFloat16);
+  const at::Tensor w0 = at::randn({k, hidden}, cuda) * 0.02;
+  const at::Tensor g = at::randn({rows, k}, cuda).to(at::kBFloat16);
+  f8::Fp8Options o;
+  o.recipe = f8::Recipe::kDelayed;
+  o.amax_history = 2;
+  std::vector<at::Tensor> out[2];
+  for (int i = 0; i < 2; ++i) {
+    f8::Fp8Linear l(o), producer(o);
+    for (auto* m : {l.get(), producer.get()}) {
+      m->to(at::kCUDA);
+      m->amax_history.fill_(4.f);
+      m->history_loaded();
+    }
+    ASSERT_TRUE(l->folds_gelu());
+    at::Tensor pre = p0.clone().set_requires_grad(true), w = w0.clone().set_requires_grad(true);
+    at::Tensor b = at::zeros({k}, cuda).set_requires_grad(true);
+    const at::Tensor y = i == 0 ? l->forward_gelu(pre, w, b, producer.get())
+                                : l->forward(f8::gelu(pre, producer.get(), l.get()), w, b);
+    y.backward(g);
+    torch::cuda::synchronize();
+    out[i] = {y, pre.grad(), w.grad(), b.grad(), l->step_amax.clone()};
+  }
+  const char* names[] = {"y", "d pre", "dW", "dB", "recorded amaxes"};
+  for (int j = 0; j < 5; ++j) EXPECT_TRUE(same_bits(out[0][j], out[1][j])) << names[j];
 }

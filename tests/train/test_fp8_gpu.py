@@ -132,6 +132,22 @@ class Fp8GpuTest(tt.RunDirTest):
             self.assertEqual(sorted(a), list(range(1, 6)))
             self.assertEqual(a, b, f"{recipe}: checkpointed losses differ")
 
+    def test_folded_gelu_changes_no_bit(self):
+        # Under the delayed recipe fc2 casts gelu(pre) itself from step 2 on (bench/NOTES.md lever 39);
+        # PARALLAX_FP8_NO_GELU_FOLD keeps the GELU kernel and the cast apart. Every loss is equal.
+        common = ["model.size=tiny", "train.benchmark=false", "data.synthetic=true", "data.batch_size=16",
+                  "precision.mode=fp8", "precision.fp8.recipe=delayed", "precision.fp8.amax_history=4",
+                  "train.log_every=1", "train.steps=5"]
+        self.train(W1, "fold", *common)
+        os.environ["PARALLAX_FP8_NO_GELU_FOLD"] = "1"
+        try:
+            self.train(W1, "nofold", *common)
+        finally:
+            del os.environ["PARALLAX_FP8_NO_GELU_FOLD"]
+        a, b = tt.losses(os.path.join(self.d, "fold")), tt.losses(os.path.join(self.d, "nofold"))
+        self.assertEqual(sorted(a), list(range(1, 6)))
+        self.assertEqual(a, b)
+
     def test_delayed_recipe_resumes_bitwise(self):
         common = ["model.size=tiny", "train.benchmark=false", "data.synthetic=true", "data.batch_size=16",
                   "precision.mode=fp8", "precision.fp8.recipe=delayed", "precision.fp8.amax_history=4",
