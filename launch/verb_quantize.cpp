@@ -14,8 +14,10 @@
 #include "core/strings.h"
 #include "core/subprocess.h"
 #include "launch/args.h"
+#include "launch/exit_codes.h"
 #include "launch/verbs.h"
 #include "parallel/comm/world.h"
+#include "train/preemption.h"
 
 #include <fmt/format.h>
 #include <sys/prctl.h>
@@ -61,8 +63,20 @@ std::string describe(const std::vector<std::string>& args) {
 // The child dies with this process (PR_SET_PDEATHSIG: SIGTERM, so a training child stops as on
 // preemption); it shares this process group, so a Ctrl-C reaches it too. The wait has a deadline:
 // `timeout_s` (0: none; the child's own waits have theirs), and kStoppedLimitS for a child that
-// stays stopped. Either stops the child and throws one error naming it.
+// stays stopped. Either stops the child and throws one error naming it. A SIGTERM or SIGINT to
+// this process (train::PreemptionSignals, installed by verb_quantize) is passed on to the child as
+// SIGTERM: the child stops as on preemption, this process waits for it (kTermGraceS, then SIGKILL)
+// and throws train::PreemptedError naming it.
 int run_self(const std::vector<std::string>& args, double timeout_s) {
+  const auto signal_name = [] {
+    return train::PreemptionSignals::signal_number() == SIGINT ? "SIGINT" : "SIGTERM";
+  };
+  if (train::PreemptionSignals::requested()) {
+    throw train::PreemptedError(fmt::format(
+        "quantize stopped by {} before the child run {}; nothing after it was run. Run the same "
+        "command again to start over.",
+        signal_name(), describe(args)));
+  }
   std::vector<std::string> all{"/proc/self/exe"};
   all.insert(all.end(), args.begin(), args.end());
   core::log::info("quantize: parallax {}", core::join(args, " "));
@@ -81,6 +95,16 @@ int run_self(const std::vector<std::string>& args, double timeout_s) {
     ::execv("/proc/self/exe", argv.data());
     ::_exit(127);
   }
+  // A signal to this process: the child has stopped (with `child`, its wait status).
+  const auto preempted = [&](int child) {
+    return train::PreemptedError(fmt::format(
+        "quantize stopped by {} during the child run {} (pid {}), which stopped as on preemption "
+        "({}); nothing after it was run. What it saved is in its run directory; run the same "
+        "command again to start over.",
+        signal_name(), describe(args), pid,
+        WIFEXITED(child) ? fmt::format("exit {}", WEXITSTATUS(child))
+                         : fmt::format("killed by signal {}", WTERMSIG(child))));
+  };
   const auto start = Clock::now();
   std::optional<Clock::time_point> stopped_since;
   int stop_signal = 0;
@@ -107,6 +131,7 @@ int run_self(const std::vector<std::string>& args, double timeout_s) {
       }
       continue;
     }
+    if (train::PreemptionSignals::requested()) throw preempted(core::stop_child(pid, kTermGraceS));
     const auto now = Clock::now();
     const double ran = std::chrono::duration<double>(now - start).count();
     const double stopped =
@@ -128,8 +153,58 @@ int run_self(const std::vector<std::string>& args, double timeout_s) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  // The child ended on the same signal (a Ctrl-C reaches the whole process group).
+  if (train::PreemptionSignals::requested()) throw preempted(status);
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
+// The sweep, the chosen PTQ run and its ONNX export, each a child run (verb_quantize).
+int run_all(const Args& args, const std::vector<std::string>& common, const fs::path& parent,
+            const std::string& name, const std::string& sweep_name, const std::string& budget,
+            const std::string& metric, double timeout_s) {
+  std::vector<std::string> a = common;
+  a.push_back("experiment.name=" + sweep_name);
+  a.push_back(fmt::format("qat.budget={}", budget));
+  a.push_back("qat.budget_metric=" + metric);
+  if (int rc = run_self(a, timeout_s); rc != 0) return rc;
+
+  const fs::path report = parent / sweep_name / "quantize_sweep.json";
+  YAML::Node r;
+  try {
+    r = YAML::LoadFile(report.string());  // JSON is YAML
+  } catch (const std::exception& e) {
+    throw_error<IoError>("quantize: cannot read the sweep's report '{}': {}", report.string(),
+                         e.what());
+  }
+  std::vector<std::string> skip;
+  for (const auto& s : r["skip"]) skip.push_back(s.as<std::string>());
+  std::vector<std::string> quoted;
+  for (const auto& s : skip) quoted.push_back("'" + s + "'");
+
+  a = common;
+  a.push_back("experiment.name=" + name);
+  a.push_back("qat.skip=[" + core::join(quoted, ",") + "]");
+  if (int rc = run_self(a, timeout_s); rc != 0) return rc;
+
+  std::vector<std::string> e{"export", "--run", (parent / name).string(), "--format", "onnx"};
+  if (args.has("parity-frames")) {
+    e.push_back("--parity-frames");
+    e.push_back(args.get("parity-frames"));
+  }
+  if (int rc = run_self(e, timeout_s); rc != 0) return rc;
+
+  std::fprintf(stdout,
+               "quantize: %s within %s points of fp32 (%.4f): INT8 %.4f with %lld of %lld layers "
+               "INT8 (%.1f%% of the weights); %zu layer(s) left unquantized%s%s\n"
+               "  sweep:  %s\n  run:    %s (config.yaml holds qat.skip)\n  onnx:   %s\n",
+               metric.c_str(), budget.c_str(), r["fp32"][metric].as<double>(),
+               r["chosen"].as<double>(), r["int8_layers"].as<long long>(),
+               r["layers"].as<long long>(), 100 * r["int8_weight_fraction"].as<double>(),
+               skip.size(), skip.empty() ? "" : ": ", core::join(skip, ", ").c_str(),
+               report.string().c_str(), (parent / name).string().c_str(),
+               (parent / name / "export" / "model.onnx").string().c_str());
+  return 0;
 }
 
 }  // namespace
@@ -234,48 +309,16 @@ int verb_quantize(const std::vector<std::string>& argv) {
                                   "train.resume="};
   for (const auto& o : args.override_args()) common.push_back(o);
 
-  std::vector<std::string> a = common;
-  a.push_back("experiment.name=" + sweep_name);
-  a.push_back(fmt::format("qat.budget={}", budget));
-  a.push_back("qat.budget_metric=" + metric);
-  if (int rc = run_self(a, timeout_s); rc != 0) return rc;
-
-  const fs::path report = parent / sweep_name / "quantize_sweep.json";
-  YAML::Node r;
+  // The first SIGTERM / SIGINT is passed on to the running child, which stops as on preemption;
+  // quantize then exits kExitPreempted. A second one exits at once (the child still gets SIGTERM
+  // through PR_SET_PDEATHSIG).
+  train::PreemptionSignals signals("stopping the child run (it stops as on preemption; exit 143)");
   try {
-    r = YAML::LoadFile(report.string());  // JSON is YAML
-  } catch (const std::exception& e) {
-    throw_error<IoError>("quantize: cannot read the sweep's report '{}': {}", report.string(),
-                         e.what());
+    return run_all(args, common, parent, name, sweep_name, budget, metric, timeout_s);
+  } catch (const train::PreemptedError& e) {
+    std::fprintf(stderr, "parallax: %s\n", e.what());
+    return kExitPreempted;
   }
-  std::vector<std::string> skip;
-  for (const auto& s : r["skip"]) skip.push_back(s.as<std::string>());
-  std::vector<std::string> quoted;
-  for (const auto& s : skip) quoted.push_back("'" + s + "'");
-
-  a = common;
-  a.push_back("experiment.name=" + name);
-  a.push_back("qat.skip=[" + core::join(quoted, ",") + "]");
-  if (int rc = run_self(a, timeout_s); rc != 0) return rc;
-
-  std::vector<std::string> e{"export", "--run", (parent / name).string(), "--format", "onnx"};
-  if (args.has("parity-frames")) {
-    e.push_back("--parity-frames");
-    e.push_back(args.get("parity-frames"));
-  }
-  if (int rc = run_self(e, timeout_s); rc != 0) return rc;
-
-  std::fprintf(stdout,
-               "quantize: %s within %s points of fp32 (%.4f): INT8 %.4f with %lld of %lld layers "
-               "INT8 (%.1f%% of the weights); %zu layer(s) left unquantized%s%s\n"
-               "  sweep:  %s\n  run:    %s (config.yaml holds qat.skip)\n  onnx:   %s\n",
-               metric.c_str(), budget.c_str(), r["fp32"][metric].as<double>(),
-               r["chosen"].as<double>(), r["int8_layers"].as<long long>(),
-               r["layers"].as<long long>(), 100 * r["int8_weight_fraction"].as<double>(),
-               skip.size(), skip.empty() ? "" : ": ", core::join(skip, ", ").c_str(),
-               report.string().c_str(), (parent / name).string().c_str(),
-               (parent / name / "export" / "model.onnx").string().c_str());
-  return 0;
 }
 
 }  // namespace parallax::launch

@@ -388,7 +388,8 @@ class QatTest(tt.RunDirTest):
         """`parallax quantize` waits for its child runs with a deadline: a child stopped (SIGSTOP)
         past --timeout (or 60 s) is ended (SIGTERM + SIGCONT, SIGKILL after 30 s) and quantize
         exits with one error naming the run and "stopped"; when quantize itself is killed, its
-        child gets SIGTERM (PR_SET_PDEATHSIG) and ends within seconds instead of running on."""
+        child gets SIGTERM (PR_SET_PDEATHSIG) and ends within seconds instead of running on; a
+        SIGTERM to quantize is passed on, and quantize exits 143 once its child has stopped."""
         data = os.path.join(self.d, "data")
         tt.run(["datagen", "--out", data, "--scenes", "2", "--val-scenes", "2", "--threads", "2",
                 "--samples-per-pixel", "1"])
@@ -425,6 +426,28 @@ class QatTest(tt.RunDirTest):
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=10)
         self.wait_for(lambda: not alive(kid), timeout=15)
+
+        # SIGTERM to quantize alone (as a scheduler sends it): passed on to the child, which stops
+        # its calibration as on preemption; quantize waits for it, then exits 143 with one line
+        # naming the child run. No child is left running.
+        p, log = self.popen([*cmd, "qat.calib_batches=1000000"])
+        self.wait_for(lambda: child_of(p.pid) is not None)
+        kid = child_of(p.pid)
+        self.wait_for(lambda: "INT8 fake quantization" in read(log))
+        time.sleep(1)  # into the calibration
+        os.kill(p.pid, signal.SIGTERM)
+        try:
+            rc = p.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            self.fail("quantize did not stop on SIGTERM:\n" + read(log)[-3000:])
+        out = read(log)
+        self.assertEqual(rc, 143, out[-3000:])
+        self.assertFalse(alive(kid), "quantize returned before its child ended")
+        stopped = [l for l in out.splitlines() if l.startswith("parallax: quantize stopped by SIGTERM")]
+        self.assertEqual(len(stopped), 1, out[-3000:])
+        self.assertIn("the child run 'fp32_int8_sweep' (train)", stopped[0])
+        self.assertIn("which stopped as on preemption (exit 143)", stopped[0])
+        self.assertNotIn("parallax: error:", out)
 
         # Under mpirun the children would fail in MPI_Init: one error before anything starts.
         for ranks in (1, 2):
