@@ -1,6 +1,7 @@
 #include "checkpoint/files.h"
 
 #include "core/error.h"
+#include "core/files.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -74,23 +75,9 @@ void write_durable(const std::string& path, const std::string& text) {
 
 void write_atomic(const std::string& path, const std::string& text,
                   const std::function<void()>& before_rename) {
-  const fs::path p(path);
-  const std::string tmp = path + ".tmp-" + random_hex(6);
-  try {
-    write_durable(tmp, text);
-    if (before_rename) before_rename();
-  } catch (...) {
-    std::error_code ec;
-    fs::remove(tmp, ec);
-    throw;
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int e = errno;
-    std::error_code ec;
-    fs::remove(tmp, ec);
-    throw_error<IoError>("cannot rename '{}' to '{}': {}", tmp, path, errno_text(e));
-  }
-  fsync_path(p.parent_path().empty() ? "." : p.parent_path().string(), true);
+  // The same durable protocol (temporary file fsynced, then before_rename, one rename, fsync of
+  // the folder), shared with every other writer of the tree.
+  core::write_file_atomic(path, text, before_rename);
 }
 
 std::string read_text(const std::string& path) {

@@ -14,7 +14,8 @@ void fsync_path(const std::string& path, bool directory);
 void write_durable(const std::string& path, const std::string& text);
 // Atomically replaces `path` with `text`: a temporary file beside it, fsync, rename over `path`,
 // fsync of the directory. A crash leaves either the old or the new content. `before_rename`, if
-// given, runs once the temporary file is durable; if it throws, `path` is left as it was.
+// given, runs once the temporary file is durable; if it throws, `path` is left as it was. A
+// directory, device node, FIFO or socket at `path` is refused (core::write_file_atomic).
 void write_atomic(const std::string& path, const std::string& text,
                   const std::function<void()>& before_rename = nullptr);
 // Whole file as a string; throws E-less IoError naming the path.

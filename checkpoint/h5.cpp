@@ -106,6 +106,19 @@ bool read_string_attr(hid_t obj, const char* name, std::string& out) {
   return true;
 }
 
+bool read_int64_attr(hid_t obj, const char* name, int64_t& out) {
+  if (H5Aexists(obj, name) <= 0) return false;
+  Id attr(H5Aopen(obj, name, H5P_DEFAULT));
+  if (!attr.valid()) return false;
+  Id ftype(H5Aget_type(attr));
+  Id space(H5Aget_space(attr));
+  if (!ftype.valid() || H5Tget_class(ftype) != H5T_INTEGER || !space.valid() ||
+      H5Sget_simple_extent_npoints(space) != 1) {
+    return false;
+  }
+  return H5Aread(attr, H5T_NATIVE_INT64, &out) >= 0;
+}
+
 Id dataset_create_plist() {
   Id dcpl(H5Pcreate(H5P_DATASET_CREATE));
   if (!dcpl.valid() || H5Pset_layout(dcpl, H5D_CONTIGUOUS) < 0 ||

@@ -47,6 +47,8 @@ void write_int64s_attr(hid_t obj, const char* name, const std::vector<int64_t>& 
 void write_int64_attr(hid_t obj, const char* name, int64_t value);
 // Returns false if the attribute does not exist.
 bool read_string_attr(hid_t obj, const char* name, std::string& out);
+// An integer attribute of any integer type (false if it does not exist or is not an integer).
+bool read_int64_attr(hid_t obj, const char* name, int64_t& out);
 
 // Dataset creation properties for checkpoint datasets: contiguous, no fill value written (every
 // byte is written by us), object times off (byte-identical files for identical content).

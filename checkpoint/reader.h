@@ -15,9 +15,9 @@
 // metadata.json whose checksum does not match or whose step is not its directory's, a foreign or
 // newer format version, a tensor missing, a dtype or shape that does not match the
 // destination, a missing or truncated rank file, a dataset that is missing or of the wrong shape,
-// a checksum mismatch. load() checks everything it can without reading data (names, dtypes,
-// shapes, files present with their recorded sizes, datasets present with their recorded shapes)
-// before it writes into any destination; a checksum mismatch found while reading leaves the
+// a checksum mismatch (ChecksumError). load() checks everything it can without reading data (names,
+// dtypes, shapes, files present with their recorded sizes, datasets present with their recorded
+// shapes) before it writes into any destination; a checksum mismatch found while reading leaves the
 // destinations read so far modified (the caller must not continue with them).
 //
 // Thread-safety: a reader is used by one thread at a time; separate readers may run concurrently.
@@ -107,12 +107,15 @@ class CheckpointReader {
   // crc32 differs from metadata.json's record.
   std::optional<std::string> config_text();
 
-  // Streams every shard (or those of tensors accepted by `filter`) and checks its crc32 and its
-  // file, and config.yaml; throws CheckpointError at the first problem. Returns the bytes verified.
-  // With `nonfinite`, also counts the NaN and infinite values of floating tensors on the bytes
-  // read (no extra I/O) and appends one record per tensor that has any, in name order.
+  // Streams every shard (or those of tensors accepted by `filter`, and among them those accepted
+  // by `shard_filter`) and checks its crc32 and its file, and config.yaml; throws CheckpointError
+  // at the first problem (ChecksumError, checkpoint/checksum_error.h, for a crc32 mismatch).
+  // Returns the bytes verified. With `nonfinite`, also counts the NaN and infinite values of
+  // floating tensors on the bytes read (no extra I/O) and appends one record per tensor that has
+  // any, in name order.
   int64_t verify_all(const std::function<bool(const TensorInfo&)>& filter = nullptr,
-                     std::vector<NonFiniteTensor>* nonfinite = nullptr);
+                     std::vector<NonFiniteTensor>* nonfinite = nullptr,
+                     const std::function<bool(const ShardInfo&)>& shard_filter = nullptr);
 
   const ReadStats& stats() const;
 

@@ -185,4 +185,21 @@ at::Tensor read_dataset_box(hid_t loc, const std::string& name, const std::vecto
                            lengths, context);
 }
 
+uint32_t dataset_crc32(hid_t loc, const std::string& name, int64_t block_bytes,
+                       const std::string& context) {
+  h5::Id dset(H5Dopen2(loc, name.c_str(), H5P_DEFAULT));
+  if (!dset.valid()) h5::fail<CheckpointError>(context);
+  const at::ScalarType dtype = dataset_dtype(dset, context);
+  const std::vector<int64_t> dims = h5::dataset_dims(dset, context);
+  uint32_t crc = 0;
+  h5::for_each_block(dims, static_cast<int64_t>(c10::elementSize(dtype)), block_bytes,
+                     [&](const h5::Block& b) {
+                       const at::Tensor part = read_open_dataset(
+                           dset, dtype, name, std::vector<int64_t>(b.start.begin(), b.start.end()),
+                           std::vector<int64_t>(b.count.begin(), b.count.end()), context);
+                       crc = crc32_update(crc, part.const_data_ptr(), b.bytes, /*parallel=*/true);
+                     });
+  return crc;
+}
+
 }  // namespace parallax::checkpoint::tensor_io

@@ -42,6 +42,11 @@ at::Tensor read_dataset(hid_t loc, const std::string& name, const std::string& c
 at::Tensor read_dataset_box(hid_t loc, const std::string& name, const std::vector<int64_t>& offsets,
                             const std::vector<int64_t>& lengths, const std::string& context);
 
+// The zlib crc32 of the bytes of dataset `name` as stored (C order; what write_dataset returned),
+// streamed in blocks of at most `block_bytes`. Throws CheckpointError naming `context`.
+uint32_t dataset_crc32(hid_t loc, const std::string& name, int64_t block_bytes,
+                       const std::string& context);
+
 // Stored dtype of dataset `dset` (attribute "dtype", else from the HDF5 type).
 at::ScalarType dataset_dtype(hid_t dset, const std::string& context);
 

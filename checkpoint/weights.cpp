@@ -1,10 +1,11 @@
 #include "checkpoint/weights.h"
 
-#include "checkpoint/files.h"
+#include "checkpoint/checksum_error.h"
 #include "checkpoint/finite.h"
 #include "checkpoint/h5.h"
 #include "checkpoint/tensor_io.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/log.h"
 #include "core/strings.h"
 #include "models/model.h"
@@ -128,12 +129,20 @@ class WeightsSource {
     std::vector<std::string> names;
     if (H5Ovisit(file_, H5_INDEX_NAME, H5_ITER_INC, collect_dataset, &names) < 0)
       h5::fail<CheckpointError>(fmt::format("cannot list the datasets of weights file '{}'", path));
+    std::vector<std::string> unrecorded;  // datasets without a checksum
     for (const std::string& name : names) {
       h5::Id d(H5Dopen2(file_, name.c_str(), H5P_DEFAULT));
       if (!d.valid())
         h5::fail<CheckpointError>(fmt::format("weights file '{}': cannot open '{}'", path, name));
       shapes_[name] = h5::dataset_dims(d, context(name));
+      int64_t crc = 0;
+      if (h5::read_int64_attr(d, kWeightsChecksumAttr, crc)) {
+        crcs_[name] = static_cast<uint32_t>(crc);
+      } else {
+        unrecorded.push_back(name);
+      }
     }
+    if (verify_) check_recorded(unrecorded);
   }
 
   // Saved tensors by module path, with their (global) shapes.
@@ -157,8 +166,14 @@ class WeightsSource {
       const std::vector<int64_t> offsets =
           b.offsets.empty() ? std::vector<int64_t>(static_cast<std::size_t>(b.dest.dim()), 0)
                             : b.offsets;
-      b.dest.copy_(tensor_io::read_dataset_box(file_, b.name, offsets, b.dest.sizes().vec(),
-                                               context(b.name)));
+      const at::Tensor stored = tensor_io::read_dataset_box(file_, b.name, offsets,
+                                                            b.dest.sizes().vec(), context(b.name));
+      // Verified before any of the tensor reaches the module.
+      const bool whole =
+          std::all_of(offsets.begin(), offsets.end(), [](int64_t o) { return o == 0; }) &&
+          stored.sizes().vec() == shapes_.at(b.name);
+      verify(b.name, whole ? &stored : nullptr);
+      b.dest.copy_(stored);
     }
   }
 
@@ -172,6 +187,40 @@ class WeightsSource {
   std::string context(const std::string& name) const {
     return fmt::format("weights file '{}', tensor '{}'", where_, name);
   }
+  // Files of format version 2 and later record a checksum for every tensor; older ones none (one
+  // warning, then they load unverified).
+  void check_recorded(const std::vector<std::string>& unrecorded) const {
+    if (unrecorded.empty()) return;
+    int64_t version = 0;
+    h5::read_int64_attr(file_, "format_version", version);
+    if (version >= 2) {
+      throw_error<CheckpointError>(
+          "weights file '{}' (format version {}): tensor '{}' has no '{}' attribute, which this "
+          "version records for every tensor; the file was altered: export it again",
+          where_, version, unrecorded.front(), kWeightsChecksumAttr);
+    }
+    core::log::warn(
+        "weights file '{}' holds no checksums (format version {}, written before they were "
+        "added): its tensors load without verification; export it again to add them",
+        where_, version);
+  }
+  // Checks tensor `name` against its recorded crc32, once: on `whole` (the dataset as just read,
+  // in its stored dtype) when given, else by streaming the dataset. Throws ChecksumError.
+  void verify(const std::string& name, const at::Tensor* whole) {
+    const auto it = crcs_.find(name);
+    if (!verify_ || it == crcs_.end() || verified_.count(name)) return;
+    const uint32_t got =
+        whole ? tensor_io::crc32_update(0, whole->const_data_ptr(),
+                                        static_cast<int64_t>(whole->nbytes()), /*parallel=*/true)
+              : tensor_io::dataset_crc32(file_, name, 64 << 20, context(name));
+    if (got != it->second) {
+      throw_error<ChecksumError>(
+          "weights file '{}': checksum mismatch for tensor '{}': crc32 {:08x} recorded, {:08x} "
+          "read; the file is corrupt (export it again)",
+          where_, name, it->second, got);
+    }
+    verified_.insert(name);
+  }
   std::unique_ptr<CheckpointReader> owned_;
   CheckpointReader* reader_ = nullptr;
   h5::Id file_;
@@ -179,6 +228,8 @@ class WeightsSource {
   bool verify_ = true;
   std::string where_;
   std::map<std::string, std::vector<int64_t>> shapes_;
+  std::map<std::string, uint32_t> crcs_;  // a weights file's recorded checksums
+  std::set<std::string> verified_;
 };
 
 // Module tensors against the saved ones: the report (CheckpointError when strict and not clean),
@@ -204,6 +255,26 @@ WeightsReport match_weights(const std::map<std::string, at::Tensor>& model,
     if (!model.count(n) && !is_aux_tensor(n)) report.unexpected.push_back(n);
   }
   finish(report, options, source.where());
+  if (!options.strict && report.loaded.empty() && !model.empty()) {
+    // Non-strict loading of nothing leaves the module as it was built: never what was meant.
+    const auto few = [](const std::vector<std::string>& names) {
+      const std::size_t n = std::min<std::size_t>(names.size(), 4);
+      return fmt::format(
+          "{}{} ({} in all)",
+          core::join(std::vector<std::string>(names.begin(), names.begin() + n), ", "),
+          names.size() > n ? ", ..." : "", names.size());
+    };
+    std::vector<std::string> saved, wanted;
+    for (const auto& [n, shape] : source.shapes()) saved.push_back(n);
+    for (const auto& [n, t] : model) wanted.push_back(n);
+    throw_error<CheckpointError>(
+        "'{}': nothing matched the module (non-strict loading would load 0 of its {} tensors): "
+        "it holds {}; the module has {}{}",
+        source.where(), model.size(), saved.empty() ? "no tensors" : few(saved), few(wanted),
+        report.mismatched.empty()
+            ? ""
+            : fmt::format("; {} name(s) match with another shape", report.mismatched.size()));
+  }
   return report;
 }
 
@@ -270,16 +341,13 @@ int64_t write_weights(const std::string& checkpoint_path, const std::string& out
   PARALLAX_CHECK(!names.empty(), CheckpointError,
                  "checkpoint '{}' holds no model tensors (prefix '{}')", reader.dir(),
                  kModelPrefix);
-  const fs::path out(out_file);
-  std::error_code ec;
-  if (!out.parent_path().empty()) {
-    fs::create_directories(out.parent_path(), ec);
-    if (ec)
-      throw_error<IoError>("cannot create '{}': {}", out.parent_path().string(), ec.message());
-  }
-  const std::string tmp = out_file + ".tmp-" + files::random_hex(4);
+  // An HDF5 file is written by name, at random offsets: never through a device node or a FIFO,
+  // and published in one rename (core/files.h); the temporary file goes on every error.
+  core::StagedFile staged("export: the weights file", out_file,
+                          "an HDF5 file is written at random offsets and renamed into place");
+  const std::string& tmp = staged.temp_path();
   h5::quiet_errors();
-  try {
+  {
     h5::Id fapl(H5Pcreate(H5P_FILE_ACCESS));
     H5Pset_fclose_degree(fapl, H5F_CLOSE_STRONG);
     h5::Id file(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl));
@@ -309,19 +377,15 @@ int64_t write_weights(const std::string& checkpoint_path, const std::string& out
             n, reader.dir(), c.nan, c.inf);
       }
       if (at::isFloatingType(t.scalar_type()) && t.scalar_type() != dtype) t = t.to(dtype);
-      tensor_io::write_dataset(file, flat, t, 64 << 20, staging,
-                               fmt::format("writing tensor '{}' to weights file '{}'", flat, tmp));
+      const std::string what = fmt::format("writing tensor '{}' to weights file '{}'", flat, tmp);
+      const uint32_t crc = tensor_io::write_dataset(file, flat, t, 64 << 20, staging, what);
+      h5::Id d(H5Dopen2(file, flat.c_str(), H5P_DEFAULT));
+      if (!d.valid()) h5::fail<IoError>(what);
+      h5::write_int64_attr(d, kWeightsChecksumAttr, crc);
     }
     if (H5Fclose(file.release()) < 0)
       h5::fail<IoError>(fmt::format("cannot write weights file '{}'", tmp));
-    files::fsync_path(tmp, false);
-    if (std::rename(tmp.c_str(), out_file.c_str()) != 0) {
-      throw_error<IoError>("cannot rename '{}' to '{}': {}", tmp, out_file, std::strerror(errno));
-    }
-    files::fsync_path(out.parent_path().empty() ? "." : out.parent_path().string(), true);
-  } catch (...) {
-    fs::remove(tmp, ec);
-    throw;
+    staged.commit();
   }
   core::log::info("export: wrote {} tensors of step {} to '{}' ({})", names.size(),
                   reader.metadata().step, out_file, dtype_name(dtype));

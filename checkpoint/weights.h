@@ -1,13 +1,15 @@
 // Weights only: loading model tensors by name into a module (from a checkpoint or an exported
 // weights.h5), and exporting a checkpoint's model tensors to one consolidated weights.h5.
 //
-// weights.h5 (format "parallax-weights", version 1), readable by h5py:
+// weights.h5 (format "parallax-weights", version 2), readable by h5py:
 //   - one dataset per model tensor (parameters and buffers) at the file's root, named by its flat
 //     module path ("backbone.blocks.0.attn.qkv.weight"), holding the whole (unsharded) tensor;
 //   - floating tensors in the export dtype: float32 as IEEE float32; bfloat16 as uint16 holding the
 //     raw bf16 bits (h5py: `np.asarray(d).astype(np.uint32) << 16` viewed as float32 is exact);
 //     integer and bool tensors (e.g. BatchNorm's num_batches_tracked) keep their dtype;
-//   - dataset attribute "dtype" ("float32", "bfloat16", "int64", ...);
+//   - dataset attributes "dtype" ("float32", "bfloat16", "int64", ...) and "crc32" (from format
+//     version 2: the zlib crc32 of the dataset's bytes as stored, C order, as checkpoint shards
+//     record it; every load verifies it; a version 1 file, without them, loads with a warning);
 //   - file attributes "format", "format_version", "step", "config_hash", "source" (the checkpoint).
 // Export streams tensor by tensor (one whole tensor in host memory at a time), writes to a
 // temporary file and renames it into place.
@@ -31,7 +33,8 @@ namespace parallax::checkpoint {
 
 inline constexpr const char* kModelPrefix = "model/";
 inline constexpr const char* kWeightsFormat = "parallax-weights";
-inline constexpr int kWeightsFormatVersion = 1;
+inline constexpr int kWeightsFormatVersion = 2;
+inline constexpr const char* kWeightsChecksumAttr = "crc32";
 
 struct ShapeMismatch {
   std::string name;
@@ -60,7 +63,9 @@ struct WeightsOptions {
   // Strict: any missing, unexpected or mismatched tensor is a CheckpointError listing them all, and
   // nothing is loaded. Non-strict: the tensors that match are loaded, the rest is reported.
   bool strict = true;
-  bool verify = true;  // checksums (checkpoints only; weights.h5 relies on HDF5's own checks)
+  // Checksums: a checkpoint's shards, a weights file's tensors (their "crc32" attributes); a
+  // mismatch is a ChecksumError (checkpoint/checksum_error.h) naming the file and the tensor.
+  bool verify = true;
   // Prefix of model tensors inside a checkpoint.
   std::string prefix = kModelPrefix;
   // For modules whose tensors are pieces of the saved (global) tensors (tensor parallelism): the

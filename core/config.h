@@ -35,6 +35,8 @@
 
 #include "core/error.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cstdint>
@@ -42,6 +44,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace parallax::core {
@@ -191,6 +194,21 @@ std::string type_name(const std::vector<T>&) {
   return "list of " + type_name(T{});
 }
 
+// A default as --help-config shows it: doubles in their shortest round-trip form (0.0003, not
+// YAML's 17 digits 0.00029999999999999997), everything else as YAML flow.
+template <class T>
+std::string listing_value(const T& value) {
+  if constexpr (std::is_same_v<T, double>) {
+    return fmt::format("{}", value);
+  } else if constexpr (std::is_same_v<T, std::vector<double>>) {
+    return fmt::format("[{}]", fmt::join(value, ", "));
+  } else {
+    YAML::Emitter e;
+    e << YAML::Flow << YAML::Node(value);
+    return e.c_str();
+  }
+}
+
 template <class T, class V>
 concept VisitableWith = requires(T& t, V& v) {
   t.visit(v);
@@ -203,9 +221,10 @@ class KeyLister {
  public:
   struct Entry {
     std::string path, type, doc, default_value;
+    std::vector<std::string> choices;  // the fixed set a string key must be in (Check::one_of)
   };
   template <class T>
-  void operator()(const char* key, T& value, const char* doc = "", const Check& = {}) {
+  void operator()(const char* key, T& value, const char* doc = "", const Check& check = {}) {
     const std::string path = detail::child_path(prefix_, key);
     if constexpr (detail::VisitableWith<T, KeyLister>) {
       KeyLister sub;
@@ -213,9 +232,8 @@ class KeyLister {
       value.visit(sub);
       entries_.insert(entries_.end(), sub.entries_.begin(), sub.entries_.end());
     } else {
-      YAML::Emitter e;
-      e << YAML::Flow << YAML::Node(value);
-      entries_.push_back({path, detail::type_name(value), doc, e.c_str()});
+      entries_.push_back(
+          {path, detail::type_name(value), doc, detail::listing_value(value), check.choices});
     }
   }
   const std::vector<Entry>& entries() const { return entries_; }

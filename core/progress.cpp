@@ -7,8 +7,13 @@
 
 namespace parallax::core {
 
-Progress::Progress(std::string what, int64_t total, double min_interval_s)
-    : what_(std::move(what)), total_(total), min_interval_s_(min_interval_s) {}
+Progress::Progress(std::string what, int64_t total, double min_interval_s, int64_t start)
+    : what_(std::move(what)), total_(total), min_interval_s_(min_interval_s) {
+  if (start >= 0) {
+    start_done_ = start;
+    resumed_at_ = start;
+  }
+}
 
 double Progress::eta_s(int64_t done) const {
   if (start_done_ < 0 || done <= start_done_) return NAN;
@@ -38,8 +43,17 @@ void Progress::update(int64_t done, const std::string& extra) {
 
 void Progress::finish(const std::string& extra) {
   const double t = clock_.elapsed_s();
-  log::info("{} done: {} in {} ({:.2f}/s){}", what_, total_, human_duration(t),
-            t > 0 ? static_cast<double>(total_) / t : 0.0, extra.empty() ? "" : " | " + extra);
+  // Only the items of this process count in its rate (a resumed run did the others earlier).
+  const int64_t here = total_ - resumed_at_;
+  if (resumed_at_ > 0 && here <= 0) {
+    log::info("{}: nothing to do, {} of {} were done before this process", what_, resumed_at_,
+              total_);
+    return;
+  }
+  const std::string resumed =
+      resumed_at_ > 0 ? fmt::format(" ({} in this process, resumed at {})", here, resumed_at_) : "";
+  log::info("{} done: {}{} in {} ({:.2f}/s){}", what_, total_, resumed, human_duration(t),
+            t > 0 ? static_cast<double>(here) / t : 0.0, extra.empty() ? "" : " | " + extra);
 }
 
 }  // namespace parallax::core

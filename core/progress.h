@@ -12,7 +12,10 @@ namespace parallax::core {
 
 class Progress {
  public:
-  Progress(std::string what, int64_t total, double min_interval_s = 5.0);
+  // `start` >= 0: the work resumes with that many items already done (a resumed run); rates and
+  // the ETA count only what this process does, from now. Otherwise the rate is measured from the
+  // first update(), so start-up cost does not skew the ETA.
+  Progress(std::string what, int64_t total, double min_interval_s = 5.0, int64_t start = -1);
 
   // Marks `done` items complete; `extra` is appended to the line (e.g. "loss 0.412").
   void update(int64_t done, const std::string& extra = "");
@@ -31,6 +34,7 @@ class Progress {
   double last_print_s_ = -1e9;
   int64_t start_done_ = -1;
   double start_s_ = 0;
+  int64_t resumed_at_ = 0;  // items done before this process (the `start` argument)
 };
 
 }  // namespace parallax::core

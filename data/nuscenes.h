@@ -19,7 +19,14 @@
 //
 // Conversion is parallel (samples on `workers` threads, written in order), atomic per shard
 // (ShardWriter) and resumable: `<out>/convert.json` records the options, and a rerun with the
-// same options keeps the shards that are complete and writes the rest. dataset.json comes last.
+// same options keeps the shards that are complete and verify (every scene read back through its
+// checksums; a shard that fails is converted again, with a warning naming it) and writes the
+// rest. dataset.json comes last.
+//
+// What the tables give is checked before it is used (docs/data.md, "nuScenes"): every path
+// (sample_data's `filename`, log's `location`) is relative with no '..' component, so nothing
+// outside the dataroot is read (a lexical rule: symlinked folders inside the dataroot work), and
+// every number stored as float32 is finite in float32. Values echoed in errors are clipped.
 //
 // Built without nlohmann-json (PARALLAX_WITH_NUSCENES unset), both throw a UsageError saying so.
 #pragma once
@@ -46,6 +53,9 @@ const std::vector<std::string>& nuscenes_cameras();
 const std::vector<std::string>& nuscenes_detection_classes();
 const std::map<std::string, std::string>& nuscenes_default_category_map();
 
+// The largest --image-size side (as `datagen --height/--width`).
+inline constexpr int64_t kNuScenesMaxImageSide = 4096;
+
 struct NuScenesConvertOptions {
   std::string dataroot, version = "v1.0-mini", out;
   std::vector<std::string> cameras;  // empty: nuscenes_cameras()
@@ -71,9 +81,10 @@ struct NuScenesConvertSummary {
   int64_t bytes = 0;
 };
 
-// Converts. UsageError for bad options, DataError naming the file, table or token for bad input
-// (missing tables, a missing or corrupt JPEG, a token that points nowhere), IoError for the
-// filesystem (a full disk: the shard being written is removed, the complete ones stay).
+// Converts. UsageError for bad options (a --splits scene the tables do not hold), DataError
+// naming the file, table or token for bad input (missing tables, a missing or corrupt JPEG, a
+// token that points nowhere, a path leaving the dataroot, a number beyond float32), IoError for
+// the filesystem (a full disk: the shard being written is removed, the complete ones stay).
 NuScenesConvertSummary convert_nuscenes(const NuScenesConvertOptions& opts);
 
 struct NuScenesLayoutOptions {

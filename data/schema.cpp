@@ -3,6 +3,7 @@
 #include "core/strings.h"
 
 #include "core/error.h"
+#include "core/files.h"
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -273,17 +274,7 @@ std::string dataset_json(const DatasetInfo& info) {
 }
 
 void write_dataset_json(const std::string& dir, const DatasetInfo& info) {
-  const std::string file = join_path(dir, "dataset.json");
-  const std::string tmp = file + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << dataset_json(info);
-    out.flush();
-    if (!out) throw_error<IoError>("cannot write '{}' (disk full or no permission?)", tmp);
-  }
-  std::error_code ec;
-  fs::rename(tmp, file, ec);
-  if (ec) throw_error<IoError>("cannot rename '{}' to '{}': {}", tmp, file, ec.message());
+  core::write_file_atomic(join_path(dir, "dataset.json"), dataset_json(info));
 }
 
 std::vector<int64_t> expected_shape(const DatasetInfo& info, const std::string& name) {

@@ -306,10 +306,13 @@ void Agent::spawn(int attempt) {
                                      "TORCHELASTIC_MAX_RESTARTS",
                                      "TORCHELASTIC_USE_AGENT_STORE",
                                      "TORCHELASTIC_RUN_ID"};
-    bool drop = core::starts_with(k, "OMPI_COMM_WORLD_");
+    bool drop = core::starts_with(k, "OMPI_COMM_WORLD_") ||
+                (o_.startup_timeout_s > 0 && k == "PARALLAX_STARTUP_TIMEOUT");
     for (const char* d : kDropped) drop = drop || k == d;
     if (!drop) base.push_back(kv);
   }
+  if (o_.startup_timeout_s > 0)
+    base.push_back(fmt::format("PARALLAX_STARTUP_TIMEOUT={}", o_.startup_timeout_s));
   for (int local = 0; local < o_.nproc_per_node; ++local) {
     Worker w;
     w.local_rank = local;

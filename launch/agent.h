@@ -31,11 +31,12 @@ struct AgentOptions {
   int master_port = 29500;  // 0 (standalone): node 0 picks a free port
   int max_restarts = 0;
   double monitor_interval_s = 0.2;
-  double grace_period_s = 10;            // SIGTERM -> SIGKILL when tearing a failed group down
-  double preempt_timeout_s = 600;        // forwarded SIGTERM -> SIGKILL: time for the checkpoint
-  double rdzv_timeout_s = 300;           // nodes joining an attempt; nodes finishing together
-  std::string log_dir;                   // <run dir>/logs: rank_<N>.log per worker
-  std::string exe;                       // the worker binary (this binary)
+  double grace_period_s = 10;      // SIGTERM -> SIGKILL when tearing a failed group down
+  double preempt_timeout_s = 600;  // forwarded SIGTERM -> SIGKILL: time for the checkpoint
+  double rdzv_timeout_s = 300;     // nodes joining an attempt; nodes finishing together
+  double startup_timeout_s = 0;    // > 0: the workers' PARALLAX_STARTUP_TIMEOUT (start-up deadline)
+  std::string log_dir;             // <run dir>/logs: rank_<N>.log per worker
+  std::string exe;                 // the worker binary (this binary)
   std::vector<std::string> worker_args;  // after the binary: e.g. train --config X ...
 };
 

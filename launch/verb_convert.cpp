@@ -1,5 +1,6 @@
 // `parallax convert nuscenes`: a nuScenes folder into a Parallax dataset (data/nuscenes.h).
 #include "core/error.h"
+#include "core/files.h"
 #include "core/log.h"
 #include "core/strings.h"
 #include "data/nuscenes.h"
@@ -11,8 +12,36 @@
 #include <cmath>
 #include <cstdio>
 #include <regex>
+#include <tuple>
+#include <utility>
 
 namespace parallax::launch {
+
+namespace {
+
+// `--image-size H W` (joined as "HxW" by verb_convert): each side in 8..kNuScenesMaxImageSide.
+std::pair<int64_t, int64_t> convert_image_size(const std::string& v) {
+  std::smatch m;
+  if (!std::regex_match(v, m, std::regex(R"((\d+)[x ,](\d+))")))
+    throw_error<UsageError>(
+        "convert: --image-size takes a height and a width (e.g. --image-size 256 704), got '{}'",
+        core::clip(v));
+  // Digits beyond the limit's are out of range whatever their value (no stoll overflow).
+  const std::string h = m[1], w = m[2];
+  auto side = [](const std::string& d) -> int64_t {
+    return d.size() > 6 ? data::kNuScenesMaxImageSide + 1 : std::stoll(d);
+  };
+  const int64_t height = side(h), width = side(w);
+  if (height < 8 || width < 8 || height > data::kNuScenesMaxImageSide ||
+      width > data::kNuScenesMaxImageSide) {
+    throw_error<UsageError>(
+        "convert: --image-size {} {} is out of range: the height and the width must be in 8..{}",
+        core::clip(h, 20), core::clip(w, 20), data::kNuScenesMaxImageSide);
+  }
+  return {height, width};
+}
+
+}  // namespace
 
 int verb_convert(const std::vector<std::string>& argv_in) {
   // `--image-size H W` takes two values: joined into one ("HxW") for the option parser.
@@ -38,7 +67,8 @@ int verb_convert(const std::vector<std::string>& argv_in) {
       .option("cameras", "LIST",
               "comma-separated camera channels, in the order the model sees them (default: the "
               "six, counter-clockwise from CAM_FRONT)")
-      .option("image-size", "H W", "stored image size (default: the source's; at most it)")
+      .option("image-size", "H W",
+              "stored image size, each side 8..4096 (default: the source's; at most it)")
       .option("image-codec", "C", "jpeg (the source's bytes when the size is kept) or raw", "jpeg")
       .option("quality", "Q", "JPEG quality 1..100 when images are re-encoded (resized)", "95")
       .option("workers", "N", "conversion threads (0: all cores)", "0")
@@ -68,7 +98,7 @@ int verb_convert(const std::vector<std::string>& argv_in) {
   }
   const std::string format = args.positional_value();
   if (format != "nuscenes") {
-    throw_error<UsageError>("convert: unknown format '{}'; formats: nuscenes", format);
+    throw_error<UsageError>("convert: unknown format '{}'; formats: nuscenes", core::clip(format));
   }
   for (const char* req : {"dataroot", "out"}) {
     if (!args.has(req))
@@ -78,21 +108,15 @@ int verb_convert(const std::vector<std::string>& argv_in) {
   o.dataroot = args.get("dataroot");
   o.version = args.get("version");
   o.out = args.get("out");
+  core::check_output_dir("convert: --out", o.out);  // a folder or new (core/files.h)
   if (args.has("cameras")) o.cameras = core::split(args.get("cameras"), ',');
   for (const auto& c : o.cameras) {
     if (c.empty())
-      throw_error<UsageError>("convert: --cameras '{}' holds an empty name", args.get("cameras"));
+      throw_error<UsageError>("convert: --cameras '{}' holds an empty name",
+                              core::clip(args.get("cameras")));
   }
-  if (args.has("image-size")) {
-    std::smatch m;
-    const std::string v = args.get("image-size");
-    if (!std::regex_match(v, m, std::regex(R"((\d{1,5})[x ,](\d{1,5}))")))
-      throw_error<UsageError>("convert: --image-size takes a height and a width, got '{}'", v);
-    o.height = std::stoll(m[1]);
-    o.width = std::stoll(m[2]);
-    if (o.height < 8 || o.width < 8)
-      throw_error<UsageError>("convert: --image-size {} {}: at least 8 x 8", o.height, o.width);
-  }
+  if (args.has("image-size"))
+    std::tie(o.height, o.width) = convert_image_size(args.get("image-size"));
   o.image_codec = args.get("image-codec");
   o.quality = static_cast<int>(args.get_int("quality", 1, 100));
   o.workers = static_cast<int>(args.get_int("workers", 0, 1024));
@@ -115,12 +139,12 @@ int verb_convert(const std::vector<std::string>& argv_in) {
   const data::NuScenesConvertSummary s = data::convert_nuscenes(o);
   std::string ignored;
   for (const auto& [name, n] : s.ignored_categories)
-    ignored += fmt::format("{}{} {}", ignored.empty() ? "" : ", ", name, n);
+    ignored += fmt::format("{}{} {}", ignored.empty() ? "" : ", ", core::clip(name), n);
   core::log::info(
       "convert: wrote {} ({} samples, {} boxes; {} boxes of unmapped categories ignored{}{}; {} "
       "shard(s) kept from an earlier run) in {:.1f} s",
-      o.out, s.samples, s.boxes, s.ignored_boxes, ignored.empty() ? "" : ": ", ignored,
-      s.shards_kept, s.seconds);
+      core::clip(o.out, 200), s.samples, s.boxes, s.ignored_boxes, ignored.empty() ? "" : ": ",
+      core::clip(ignored, 2000), s.shards_kept, s.seconds);
   return 0;
 }
 

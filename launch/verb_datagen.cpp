@@ -1,5 +1,6 @@
 // `parallax datagen`: generate a synthetic multi-camera dataset (data/datagen.h).
 #include "core/error.h"
+#include "core/files.h"
 #include "core/log.h"
 #include "core/strings.h"
 #include "data/datagen.h"
@@ -76,6 +77,7 @@ int verb_datagen(const std::vector<std::string>& argv) {
   // 128), and every size bounded before anything is allocated (docs/data.md, "Limits").
   data::DatagenOptions o;
   o.out = args.get("out");
+  core::check_output_dir("datagen: --out", o.out);  // a folder or new (core/files.h)
   const std::string jobs = "every scene's job is listed up front";
   o.train_scenes = args.get_int("scenes", 1, kMaxScenes, jobs);
   o.val_scenes = args.has("val-scenes") ? args.get_int("val-scenes", 0, kMaxScenes, jobs)

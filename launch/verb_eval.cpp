@@ -2,12 +2,12 @@
 // any number of ranks (alone, or under mpirun / srun / torchrun; the data-parallel group is the
 // world), and optionally its detections and the ground truth in the nuScenes detection submission
 // format, for external scorers (tools/nuscenes_score.py).
-#include "checkpoint/files.h"
 #include "checkpoint/finite.h"
 #include "checkpoint/format.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/weights.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/rng.h"
 #include "core/strings.h"
 #include "data/geometry.h"
@@ -20,25 +20,24 @@
 #include "models/model.h"
 #include "optim/precision.h"
 #include "parallel/comm/factory.h"
+#include "parallel/comm/startup.h"
 #include "parallel/comm/world.h"
 #include "train/evaluate.h"
 #include "train/lora.h"
 #include "train/preemption.h"
 #include "train/qat.h"
 #include "train/run_config.h"
+#include "train/trainer.h"
 
 #include <ATen/Parallel.h>
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <thread>
+#include <tuple>
 
 namespace fs = std::filesystem;
 
@@ -50,63 +49,6 @@ namespace comm = parallel::comm;
 // A JSON number; NaN and infinities (e.g. the IoU of a class that never occurs) become null.
 std::string json_number(double v) {
   return std::isfinite(v) ? fmt::format("{}", v) : "null";
-}
-
-// Closes a descriptor on every path.
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-// Writes all of `text` to `fd`; false with errno set on a failure (ENOSPC, EIO ...).
-bool write_all(int fd, const std::string& text) {
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    done += static_cast<size_t>(n);
-  }
-  return ::fsync(fd) == 0;
-}
-
-// Writes `text` to `file` as a whole or not at all, and leaves no temporary file behind on any
-// failure (unwritable folder, full disk, a directory in the way) nor, where the file system has
-// O_TMPFILE (Linux: ext4, xfs, btrfs, tmpfs), when the process is killed: the content goes into an
-// unnamed file in the target's folder, which is named only once complete (linked at `file`, or,
-// when `file` exists, at a temporary name renamed over it at once). Elsewhere a named temporary
-// file, removed on every error. Throws IoError naming the file and the cause.
-void write_file(const fs::path& file, const std::string& text) {
-  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  const std::string tmp = file.string() + ".tmp-" + checkpoint::files::random_hex(4);
-  auto fail = [&](const std::string& what, int err) {
-    std::error_code ignored;
-    fs::remove(tmp, ignored);
-    throw_error<IoError>("eval: cannot write '{}': {}: {}", file.string(), what,
-                         std::strerror(err));
-  };
-  Fd out;
-#ifdef O_TMPFILE
-  out.fd = ::open(dir.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0644);
-#endif
-  if (out.fd >= 0) {
-    if (!write_all(out.fd, text)) fail("writing", errno);
-    const std::string proc = fmt::format("/proc/self/fd/{}", out.fd);
-    if (::linkat(AT_FDCWD, proc.c_str(), AT_FDCWD, file.c_str(), AT_SYMLINK_FOLLOW) == 0) return;
-    if (errno != EEXIST) fail("linking", errno);
-    // `file` exists: replaced atomically through a name that lives only until the rename.
-    if (::linkat(AT_FDCWD, proc.c_str(), AT_FDCWD, tmp.c_str(), AT_SYMLINK_FOLLOW) != 0)
-      fail("linking", errno);
-  } else {
-    out.fd = ::open(tmp.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
-    if (out.fd < 0) fail(fmt::format("creating '{}'", tmp), errno);
-    if (!write_all(out.fd, text)) fail(fmt::format("writing '{}'", tmp), errno);
-  }
-  if (::rename(tmp.c_str(), file.c_str()) != 0) fail(fmt::format("renaming '{}'", tmp), errno);
 }
 
 // `rows` (train::EvalDetections) as the nuScenes detection submission JSON: every scene of the
@@ -161,8 +103,75 @@ std::string submission_json(const at::Tensor& rows, bool predictions,
   return out + "}}\n";
 }
 
+// The predictions and the ground truth of `det` as submission JSON (submission_json).
+std::pair<std::string, std::string> submissions(const train::EvalDetections& det,
+                                                const std::string& source, const std::string& split,
+                                                const std::vector<std::string>& classes,
+                                                const data::DatasetInfo& info) {
+  std::vector<std::string> quoted;
+  for (const auto& c : classes) quoted.push_back(core::json_quote(c));
+  const std::string meta = fmt::format(
+      "{{\"use_camera\": true, \"use_lidar\": false, \"use_radar\": false, \"use_map\": false, "
+      "\"use_external\": false, \"parallax_checkpoint\": {}, \"parallax_split\": {}, "
+      "\"classes\": [{}]}}",
+      core::json_quote(source), core::json_quote(split), core::join(quoted, ", "));
+  // Each scene's sample token where the dataset holds one (a converted nuScenes dataset), else
+  // its index in the split.
+  const std::vector<data::SampleMeta> samples = data::split_sample_meta(info, split);
+  return {submission_json(det.pred, true, samples, classes, meta),
+          submission_json(det.gt, false, samples, classes, meta)};
+}
+
 fs::path with_suffix(const fs::path& file, const std::string& suffix) {
   return file.parent_path() / (file.stem().string() + suffix + file.extension().string());
+}
+
+// The files eval writes (core/files.h; docs/training.md, "Evaluating a checkpoint"), metrics
+// first, then the predictions and the ground truth; checked before any work. --out may be a
+// character device or a FIFO, written through (`--out /dev/stdout`). --dump-predictions must be a
+// regular file (or new): the ground truth, and without --out the metrics, are named from its path
+// and written beside it, and they must be regular files (or new) too. Without `split` (not known
+// yet) the default metrics file is left out.
+std::vector<core::OutputFile> eval_outputs(const Args& args, const std::string* split) {
+  using core::OutputRule;
+  const std::string beside = "it is named from --dump-predictions and written beside it";
+  std::vector<core::OutputFile> files;
+  if (args.has("out")) {
+    files.push_back({"eval: --out", args.get("out"), "", OutputRule::kStream, ""});
+  }
+  if (args.has("dump-predictions")) {
+    const std::string pred = args.get("dump-predictions");
+    const std::string why =
+        "the ground truth (<stem>_gt) and, without --out, the metrics (<stem>_metrics) are named "
+        "from its path and written beside it";
+    // First on its own: a path refused here names no derived file.
+    core::check_output_file("eval: --dump-predictions", pred, OutputRule::kFile, why);
+    if (!args.has("out")) {
+      files.push_back({"eval: the metrics file (from --dump-predictions)",
+                       with_suffix(pred, "_metrics").string(), "", OutputRule::kFile, beside});
+    }
+    files.push_back({"eval: --dump-predictions", pred, "", OutputRule::kFile, why});
+    files.push_back({"eval: the ground truth file (from --dump-predictions)",
+                     with_suffix(pred, "_gt").string(), "", OutputRule::kFile, beside});
+  } else if (!args.has("out") && split) {
+    files.push_back({"eval: the metrics file (default, from the split)",
+                     fmt::format("eval_{}.json", *split), "", OutputRule::kFile,
+                     "its name is eval's default; give --out"});
+  }
+  for (const auto& f : files) core::check_output_file(f.what, f.path, f.rule, f.why_file);
+  // No two outputs in one file ('a.json' and './a.json' alike).
+  auto real = [](const std::string& p) {
+    std::error_code ec;
+    return fs::weakly_canonical(fs::absolute(p, ec), ec);
+  };
+  for (size_t i = 0; i < files.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      PARALLAX_CHECK(real(files[i].path) != real(files[j].path), UsageError,
+                     "{} '{}' is the same file as {} '{}'; give another path", files[i].what,
+                     files[i].path, files[j].what, files[j].path);
+    }
+  }
+  return files;
 }
 
 }  // namespace
@@ -200,6 +209,7 @@ int verb_eval(const std::vector<std::string>& argv) {
                  "eval: --config FILE is required; see 'parallax eval --help'");
   PARALLAX_CHECK(args.has("checkpoint"), UsageError,
                  "eval: --checkpoint PATH is required; see 'parallax eval --help'");
+  eval_outputs(args, nullptr);  // the paths given, before any work (core/files.h)
   train::RunConfig cfg = train::load_run_config(args.get("config"), args.override_args());
   PARALLAX_CHECK(cfg.model.name == "bev" && !cfg.data.synthetic, UsageError,
                  "eval: needs a bev model trained on a dataset (config '{}' has model.name={}, "
@@ -214,6 +224,7 @@ int verb_eval(const std::vector<std::string>& argv) {
                             split, cfg.data.path, core::join(names, ", "));
   }
   cfg.data.val_split = split;
+  std::vector<core::OutputFile> outputs = eval_outputs(args, &split);
   const std::string ckpt = args.get("checkpoint");
   std::error_code ec;
   PARALLAX_CHECK(fs::exists(ckpt, ec), CheckpointError,
@@ -223,7 +234,9 @@ int verb_eval(const std::vector<std::string>& argv) {
 
   // The world, the device and the communicator, as the trainer picks them (train/trainer.cpp).
   comm::WorldOptions wopts;
-  wopts.init_timeout_s = cfg.parallel.init_timeout_s;
+  // The start-up deadline bounds every wait before the first step (parallel/comm/startup.h).
+  wopts.init_timeout_s =
+      parallel::comm::startup_deadline_s(cfg.parallel.init_timeout_s, cfg.parallel.timeout_s);
   // The first SIGTERM / SIGINT stops the evaluation before its next batch on every rank (exit 143,
   // nothing written); a second one exits at once (train/preemption.h). Installed before the
   // rendezvous, as `parallax train` does.
@@ -233,15 +246,19 @@ int verb_eval(const std::vector<std::string>& argv) {
   if (cfg.train.device != "cpu" && world.device()) device = *world.device();
   PARALLAX_CHECK(cfg.train.device != "cuda" || device.is_cuda(), ConfigError,
                  "key 'train.device' is 'cuda' but rank {} sees no CUDA device", world.rank());
+  // precision.mode=fp8 as `parallax train` takes it: refused where FP8 cannot run, before any work.
+  const bool fp8 = optim::parse_precision(cfg.precision.mode) == optim::Precision::kFp8;
+  if (fp8) train::require_fp8_device(device);
   const int local_ranks = std::max(1, world.launch().local_world_size);
   at::set_num_threads(
       cfg.train.threads > 0
           ? cfg.train.threads
           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_ranks));
   const auto& p = cfg.parallel;
-  comm::CommOptions opts = comm::make_comm_options(
-      p.timeout_s, p.init_timeout_s, p.checkpoint_timeout_s, p.debug_collectives,
-      p.flight_recorder_size, p.allreduce, static_cast<int64_t>(p.ring_chunk_mb * (1 << 20)));
+  comm::CommOptions opts =
+      comm::make_comm_options(p.timeout_s, comm::startup_deadline_s(p.init_timeout_s, p.timeout_s),
+                              p.checkpoint_timeout_s, p.debug_collectives, p.flight_recorder_size,
+                              p.allreduce, static_cast<int64_t>(p.ring_chunk_mb * (1 << 20)));
   opts.nccl_blocking = p.nccl_blocking;
   std::string backend = p.backend;
   if (backend == "auto" && device.is_cpu()) backend = world.has_mpi() ? "mpi" : "gloo";
@@ -270,6 +287,7 @@ int verb_eval(const std::vector<std::string>& argv) {
   checkpoint::require_finite(*model, fmt::format("eval: checkpoint '{}'", source),
                              "refusing to evaluate non-finite weights; evaluate an earlier "
                              "checkpoint");
+  if (fp8) train::apply_fp8(*model, cfg);  // the FP8 layers the trainer's evaluation runs
   model->to(device);
   const auto precision = optim::make_precision_policy(cfg.precision, device.type());
   train::EvalDetections det;
@@ -300,33 +318,17 @@ int verb_eval(const std::vector<std::string>& argv) {
     first = false;
   }
   json += "}}\n";
-  fs::path out;
-  if (args.has("out")) {
-    out = args.get("out");
-  } else if (args.has("dump-predictions")) {
-    out = with_suffix(args.get("dump-predictions"), "_metrics");
-  } else {
-    out = fmt::format("eval_{}.json", split);
-  }
-  write_file(out, json);
-  std::printf("metrics: %s\n", out.string().c_str());
+  // Every file or none (core/files.h): a failed write leaves no metrics without predictions.
+  outputs[0].text = json;
   if (args.has("dump-predictions")) {
-    const fs::path pred_file = args.get("dump-predictions");
-    const fs::path gt_file = with_suffix(pred_file, "_gt");
-    std::vector<std::string> quoted;
-    for (const auto& c : scene.box_classes) quoted.push_back(core::json_quote(c));
-    const std::string meta = fmt::format(
-        "{{\"use_camera\": true, \"use_lidar\": false, \"use_radar\": false, \"use_map\": false, "
-        "\"use_external\": false, \"parallax_checkpoint\": {}, \"parallax_split\": {}, "
-        "\"classes\": [{}]}}",
-        core::json_quote(source), core::json_quote(split), core::join(quoted, ", "));
-    // Each scene's sample token where the dataset holds one (a converted nuScenes dataset), else
-    // its index in the split.
-    const std::vector<data::SampleMeta> samples = data::split_sample_meta(info, split);
-    write_file(pred_file, submission_json(det.pred, true, samples, scene.box_classes, meta));
-    write_file(gt_file, submission_json(det.gt, false, samples, scene.box_classes, meta));
-    std::printf("predictions: %s\nground truth: %s\n", pred_file.string().c_str(),
-                gt_file.string().c_str());
+    std::tie(outputs[1].text, outputs[2].text) =
+        submissions(det, source, split, scene.box_classes, info);
+  }
+  core::write_outputs(outputs);
+  std::printf("metrics: %s\n", outputs[0].path.c_str());
+  if (outputs.size() == 3) {
+    std::printf("predictions: %s\nground truth: %s\n", outputs[1].path.c_str(),
+                outputs[2].path.c_str());
   }
   return 0;
 }

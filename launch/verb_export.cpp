@@ -6,6 +6,7 @@
 #include "checkpoint/reader.h"
 #include "checkpoint/weights.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/rng.h"
 #include "data/datagen.h"
 #include "data/dataset.h"
@@ -93,6 +94,10 @@ int export_weights(const Args& args, const Settings& s, const std::string& run,
       args.has("checkpoint") ? args.get("checkpoint") : (fs::path(run) / "checkpoints").string();
   const std::string out =
       args.has("out") ? args.get("out") : (fs::path(run) / "export" / "weights.h5").string();
+  // Before any work (core/files.h): weights.h5 is a regular file or new, never a device node.
+  core::check_output_file(args.has("out") ? "export: --out" : "export: the weights file", out,
+                          core::OutputRule::kFile,
+                          "an HDF5 file is written at random offsets and renamed into place");
   const at::ScalarType type = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   int64_t n = 0;
   if (cfg && cfg->lora.rank > 0) {
@@ -249,7 +254,15 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
     e.add_context(fmt::format("opset from {}", s.origin(args, "opset")));
     throw;
   }
-  // The cheap checks first: a checkpoint to export, ONNX Runtime for the gate, a folder to write.
+  // The cheap checks first: the output path, a checkpoint to export, ONNX Runtime for the gate, a
+  // folder to write. model.onnx is a regular file or new, never a device node, FIFO or folder: its
+  // siblings (model.onnx.data, parity.h5, parity.json, the staging folder) are written beside it.
+  const std::string out =
+      args.has("out") ? args.get("out") : (fs::path(run) / "export" / "model.onnx").string();
+  core::check_output_file(args.has("out") ? "export: --out" : "export: the model file", out,
+                          core::OutputRule::kFile,
+                          "the export writes model.onnx.data, parity.h5, parity.json and its "
+                          "staging folder beside it");
   const std::string source =
       args.has("checkpoint") ? args.get("checkpoint") : (fs::path(run) / "checkpoints").string();
   std::unique_ptr<checkpoint::CheckpointReader> opened;
@@ -262,8 +275,6 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
   }
   checkpoint::CheckpointReader& reader = *opened;
   if (s.cfg.parity_frames > 0) checkpoint::exporter::check_parity_runtime(o);
-  const std::string out =
-      args.has("out") ? args.get("out") : (fs::path(run) / "export" / "model.onnx").string();
   checkpoint::exporter::prepare_output_dir(out);
 
   const core::SceneSpec scene = train::run_scene(*cfg);
@@ -385,7 +396,7 @@ int verb_export(const std::vector<std::string>& argv) {
           "See docs/export.md.\n\n"
           "weights: weights.h5 holds one dataset per parameter and buffer, named by its flat "
           "module path\n"
-          "(e.g. 'backbone.blocks.0.attn.qkv.weight'), fp32 or bf16 (bf16 as uint16 bits, "
+          "(e.g. 'encoder.vit.block0.attn.qkv.weight'), fp32 or bf16 (bf16 as uint16 bits, "
           "attribute\n"
           "dtype=bfloat16); see docs/checkpoints.md.\n\n"
           "examples:\n"
@@ -393,7 +404,7 @@ int verb_export(const std::vector<std::string>& argv) {
           "  parallax export --run runs/bev_tiny --format onnx --dtype fp16 --batch 1\n"
           "  parallax export --run runs/bev_tiny --format weights --dtype bf16\n"
           "  parallax export --run runs/bev_tiny --format weights --checkpoint "
-          "runs/bev_tiny/checkpoints/step_00001000");
+          "runs/bev_tiny/checkpoints/step_00000400");
   args.parse(argv);
   if (args.help_requested()) {
     std::fputs(args.help_text().c_str(), stdout);

@@ -57,7 +57,9 @@ int verb_inspect(const std::vector<std::string>& argv) {
       .flag("shards",
             "checkpoints: also list every shard of every tensor (its rank file, its box or flat "
             "range, its crc32)")
-      .option("scene-lines", "N", "per-scene shape lines to print for a shard", "10")
+      .option("scene-lines", "N",
+              "per-scene shape lines to print: a shard's, or each split's first shard's (0: none)",
+              "10")
       .epilog(
           "examples:\n"
           "  parallax inspect datasets/synth\n"

@@ -92,6 +92,11 @@ int verb_launch(const std::vector<std::string>& argv) {
               "on SIGTERM/SIGINT, seconds the workers get to checkpoint before SIGKILL", "600")
       .option("rdzv-timeout", "S", "seconds for every node to join (each attempt, and the end)",
               "300")
+      .option("startup-timeout", "S",
+              "the workers' start-up deadline: every wait before the first step (MPI init, "
+              "store, rendezvous, communicator creation) ends within S s with one line naming "
+              "the phase (sets PARALLAX_STARTUP_TIMEOUT; the smallest of it, "
+              "parallel.init_timeout_s and parallel.timeout_s holds)")
       .option("log-dir", "DIR",
               "per-rank logs rank_<N>.log (default: <run dir>/logs for train, else ./logs)")
       .epilog(
@@ -149,6 +154,8 @@ int verb_launch(const std::vector<std::string>& argv) {
   o.grace_period_s = args.get_double("grace-period", 0, kMaxWaitS, false, day);
   o.preempt_timeout_s = args.get_double("preempt-timeout", 0, kMaxWaitS, true, day);
   o.rdzv_timeout_s = args.get_double("rdzv-timeout", 0, kMaxWaitS, true, day);
+  if (args.has("startup-timeout"))
+    o.startup_timeout_s = args.get_double("startup-timeout", 0, kMaxWaitS, true, day);
   if (args.flag_set("standalone")) {
     PARALLAX_CHECK(o.nnodes == 1 && !args.has("master"), UsageError,
                    "launch: --standalone is one node with its own store: it excludes --nnodes > 1 "

@@ -9,7 +9,9 @@
 //      on ONNX Runtime against the fake-quantized forward (the QAT parity gate).
 // One process (CPU or one GPU), like export; the children are this binary, so their errors are the
 // usual `parallax: error:` lines.
+#include "checkpoint/reader.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/log.h"
 #include "core/strings.h"
 #include "core/subprocess.h"
@@ -18,6 +20,7 @@
 #include "launch/verbs.h"
 #include "parallel/comm/world.h"
 #include "train/preemption.h"
+#include "train/run_config.h"
 
 #include <fmt/format.h>
 #include <sys/prctl.h>
@@ -33,6 +36,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <string>
 #include <thread>
@@ -157,6 +161,39 @@ int run_self(const std::vector<std::string>& args, double timeout_s) {
   if (train::PreemptionSignals::requested()) throw preempted(status);
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
+// What the child runs would find only after the sweep (minutes, and its folders on disk): the
+// export's --parity-frames, the run's checkpoint that train.load_from reads, and the config the
+// children are given (the run's, with the overrides). Each is one error before any child starts.
+void check_before_children(const Args& args, const fs::path& run, const fs::path& config) {
+  if (args.has("parity-frames"))
+    args.get_int("parity-frames", 0, std::numeric_limits<int>::max(),
+                 "the frames the export's parity gate compares");
+  if (args.has("name")) {
+    const std::string name = args.get("name"), own = run.filename().string();
+    PARALLAX_CHECK(name != own && name + "_sweep" != own, UsageError,
+                   "quantize: --name '{}' would write its runs into the run it quantizes ('{}'); "
+                   "give another name",
+                   name, run.string());
+  }
+  try {
+    checkpoint::CheckpointReader latest(run.string());  // its checkpoints/latest, verified
+  } catch (const CheckpointError& e) {
+    throw_error<CheckpointError>(
+        "quantize: run '{}' has no checkpoint to quantize (its trained weights are the sweep's "
+        "train.load_from): {}",
+        run.string(), e.what());
+  }
+  std::vector<std::string> overrides{"train.load_from=" + run.string(), "qat.enabled=true",
+                                     "qat.mode=ptq", "train.resume="};
+  for (const auto& o : args.override_args()) overrides.push_back(o);
+  try {
+    train::load_run_config(config.string(), overrides);
+  } catch (Error& e) {
+    e.add_context("the config of quantize's child runs: the run's config.yaml and the overrides");
+    throw;
+  }
 }
 
 // The sweep, the chosen PTQ run and its ONNX export, each a child run (verb_quantize).
@@ -298,6 +335,14 @@ int verb_quantize(const std::vector<std::string>& argv) {
   const fs::path parent = run.has_parent_path() ? run.parent_path() : fs::path(".");
   const std::string name = args.has("name") ? args.get("name") : run.filename().string() + "_int8";
   const std::string sweep_name = name + "_sweep";
+  // Its two runs are folders beside the run, checked before any child starts (core/files.h).
+  const std::string bad_name = core::path_component_problem(name);
+  PARALLAX_CHECK(bad_name.empty(), UsageError,
+                 "quantize: --name '{}' must be one folder name, and it {}", name, bad_name);
+  core::check_output_dir("quantize: the sweep's run directory", (parent / sweep_name).string());
+  core::check_output_dir(args.has("name") ? "quantize: --name" : "quantize: the result run",
+                         (parent / name).string());
+  check_before_children(args, run, config);
 
   std::vector<std::string> common{"train",
                                   "--config",

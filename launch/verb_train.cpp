@@ -1,8 +1,10 @@
 // `parallax train`: load the config, then train (or print the resolved config / its keys).
 #include "core/config.h"
+#include "core/strings.h"
 #include "launch/args.h"
 #include "launch/exit_codes.h"
 #include "launch/verbs.h"
+#include "parallel/comm/startup.h"
 #include "parallel/comm/world.h"
 #include "parallel/pipeline/schedule.h"
 #include "train/preemption.h"
@@ -11,9 +13,46 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
+#include <string>
+#include <vector>
 
 namespace parallax::launch {
+namespace {
+
+// Whether `text` holds `word` with no letter, digit or '_' on either side.
+bool names_word(const std::string& text, const std::string& word) {
+  const auto part = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  for (auto at = text.find(word); at != std::string::npos; at = text.find(word, at + 1)) {
+    const std::size_t end = at + word.size();
+    if ((at == 0 || !part(text[at - 1])) && (end == text.size() || !part(text[end]))) return true;
+  }
+  return false;
+}
+
+// `--help-config`: every key, its type, default and meaning. A key validated against a fixed set
+// (core::Check::one_of) ends its meaning with the set, as its error message names it, unless the
+// meaning already names every choice.
+void print_config_keys() {
+  train::RunConfig defaults;
+  for (const auto& e : core::list_keys(defaults)) {
+    std::string doc = e.doc;
+    const bool named = std::all_of(e.choices.begin(), e.choices.end(), [&](const std::string& c) {
+      return c.empty() || names_word(doc, c);
+    });
+    if (!named) {
+      std::vector<std::string> choices;
+      for (const auto& c : e.choices) choices.push_back(c.empty() ? "''" : c);
+      doc += fmt::format("{}(one of {})", doc.empty() ? "" : " ", core::join(choices, "|"));
+    }
+    std::printf("%-40s %-16s %-14s %s\n", e.path.c_str(), e.type.c_str(), e.default_value.c_str(),
+                doc.c_str());
+  }
+}
+
+}  // namespace
 
 int verb_train(const std::vector<std::string>& argv) {
   Args args("train",
@@ -27,7 +66,8 @@ int verb_train(const std::vector<std::string>& argv) {
             "checked timeline with its bubble, and exit")
       .flag("help-config", "list every config key with its type, default and meaning, and exit")
       .overrides(
-          "config overrides, Hydra style: optim.lr=3e-4 parallel.dp=2 model.img_size[0]=224 ~key")
+          "config overrides, Hydra style: optim.lr=3e-4 parallel.dp=2 optim.betas[1]=0.95 "
+          "~schedule.warmup_steps (~key restores the default)")
       .epilog(
           "examples:\n"
           "  parallax train --config configs/bev_tiny.yaml\n"
@@ -42,11 +82,7 @@ int verb_train(const std::vector<std::string>& argv) {
     return 0;
   }
   if (args.flag_set("help-config")) {
-    train::RunConfig defaults;
-    for (const auto& e : core::list_keys(defaults)) {
-      std::printf("%-40s %-16s %-14s %s\n", e.path.c_str(), e.type.c_str(), e.default_value.c_str(),
-                  e.doc.c_str());
-    }
+    print_config_keys();
     return 0;
   }
   if (!args.has("config")) {
@@ -68,7 +104,9 @@ int verb_train(const std::vector<std::string>& argv) {
   // The World (MPI or TCPStore rendezvous, device selection) lives for the whole run and is
   // destroyed after every communicator the trainer created.
   parallel::comm::WorldOptions wopts;
-  wopts.init_timeout_s = cfg.parallel.init_timeout_s;
+  // The start-up deadline bounds every wait before the first step (parallel/comm/startup.h).
+  wopts.init_timeout_s =
+      parallel::comm::startup_deadline_s(cfg.parallel.init_timeout_s, cfg.parallel.timeout_s);
   // The first SIGTERM/SIGINT stops training after the current step with a checkpoint, the
   // second exits at once (train/preemption.h); installed before the rendezvous so that a signal
   // during start-up is not lost.

@@ -101,16 +101,20 @@ struct ParallelConfig {
       "with tp > 1: shard LayerNorm, dropout and residual regions along the tokens (all-gather "
       "before each column-parallel layer, reduce-scatter after each row-parallel one)");
     v("meta_init", meta_init,
-      "ZeRO-3 over several ranks and pipeline stages: build the model without storage and "
+      "ZeRO-3 over several ranks, or pipeline stages: build the model without storage and "
       "materialise only what this rank owns (its shard, unit by unit, or its stages) with the "
-      "values a full build gives, so no rank holds the whole model (not with train.load_from, a "
-      "model transform such as LoRA or QAT, or a resumed pipeline run)");
+      "values a full build gives, or read tensor by tensor from train.load_from or a resumed "
+      "checkpoint, so no rank holds the whole model; also under LoRA and QAT (not under "
+      "distillation, whose runs build whole); false: every rank builds the whole model");
     v("backend", backend, "communication backend",
       core::Check::one_of({"auto", "mpi", "nccl", "gloo"}));
     v("allreduce", allreduce, "all-reduce algorithm: backend native or the explicit ring",
       core::Check::one_of({"native", "ring"}));
     v("timeout_s", timeout_s, "timeout of a steady-state collective", core::Check::positive());
-    v("init_timeout_s", init_timeout_s, "timeout of communicator creation and rendezvous",
+    v("init_timeout_s", init_timeout_s,
+      "the start-up deadline: every wait before the first step (MPI init, the store, the "
+      "rendezvous, communicator creation) ends within the smallest of this, timeout_s and "
+      "$PARALLAX_STARTUP_TIMEOUT (parallax launch --startup-timeout)",
       core::Check::positive());
     v("checkpoint_timeout_s", checkpoint_timeout_s, "timeout of checkpoint barriers",
       core::Check::positive());

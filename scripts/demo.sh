@@ -23,7 +23,9 @@ fi
 # mpirun refuses to run as root unless told; the demo may run in a container as root.
 if [[ $(id -u) -eq 0 ]]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 start=$(date +%s)
-mpirun --oversubscribe --bind-to none -np "$RANKS" "$BIN" train --config "$CONFIG" "$@"
+# train.resume=auto: a second demo continues (or, finished, just reports) the first one's run; the
+# trainer refuses to start again from step 0 over a run's checkpoints. An override in "$@" wins.
+mpirun --oversubscribe --bind-to none -np "$RANKS" "$BIN" train --config "$CONFIG" train.resume=auto "$@"
 echo
 echo "[demo] trained in $(( $(date +%s) - start ))s on $RANKS CPU ranks; run directory: $RUN"
 echo "[demo]   resolved config: $RUN/config.yaml"

@@ -5,7 +5,7 @@
 set -euo pipefail
 
 PY=${PARALLAX_PYTHON:-python3}
-APT_PKGS=(cmake ninja-build g++ libopenmpi-dev openmpi-bin libhdf5-dev libfmt-dev libyaml-cpp-dev
+APT_PKGS=(cmake ninja-build g++ ccache libopenmpi-dev openmpi-bin libhdf5-dev libfmt-dev libyaml-cpp-dev
           libgtest-dev libonnx-dev libprotobuf-dev protobuf-compiler clang-format libgloo-dev
           libturbojpeg0-dev nlohmann-json3-dev)
 # module name -> pip requirement

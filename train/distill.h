@@ -70,7 +70,8 @@ struct DistillConfig {
     v("teacher", teacher,
       "the teacher's weights: a run directory, a checkpoint or a weights.h5 ('' : no "
       "distillation)");
-    v("teacher_size", teacher_size, "the teacher's model.size ('' : the student's)");
+    v("teacher_size", teacher_size, "the teacher's model.size ('' : the student's)",
+      core::Check::one_of({"", "tiny", "small", "base", "large", "3b", "b16"}));
     v("teacher_backbone", teacher_backbone, "the teacher's model.backbone ('' : the student's)",
       core::Check::one_of({"", "vit", "conv"}));
     v("temperature", temperature, "softmax temperature T of the KL term (scaled by T^2)",
@@ -86,8 +87,10 @@ struct DistillConfig {
     v("heatmap", heatmap, "weight of the MSE between the sigmoid detection heatmaps (bev)",
       core::Check::at_least(0));
     v("feature", feature,
-      "weight of the MSE between the BEV feature maps, through a learned 1x1 projection when the "
-      "channel counts differ (bev)",
+      "bev: weight of the MSE between the student's and the teacher's BEV feature maps; the "
+      "student's go through a learned 1x1 projection first (distill.adapter: always by default, "
+      "auto only when the channel counts differ) and both are standardised per "
+      "distill.feature_norm (0: no feature term, no projection)",
       core::Check::at_least(0));
     v("feature_norm", feature_norm,
       "feature KD on standardised maps: channel = each channel of each sample to zero mean and "

@@ -1,6 +1,7 @@
 #include "train/metrics.h"
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/strings.h"
 
 #include <fmt/format.h>
@@ -15,7 +16,6 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
-#include <random>
 #include <sstream>
 
 namespace fs = std::filesystem;
@@ -113,43 +113,7 @@ MetricsTrim trim_metrics(const std::string& path, int64_t last_step) {
     }
   }
   if (out.dropped == 0 && out.broken == 0) return out;
-  const std::string tmp = path + ".tmp-" + std::to_string(std::random_device{}());
-  try {
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) throw_error<IoError>("cannot create '{}': {}", tmp, std::strerror(errno));
-    size_t done = 0;
-    while (done < kept.size()) {
-      const ssize_t n = ::write(fd, kept.data() + done, kept.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        const int e = errno;
-        ::close(fd);
-        throw_error<IoError>("cannot write '{}': {}", tmp, std::strerror(e));
-      }
-      done += static_cast<size_t>(n);
-    }
-    try {
-      fsync_or_throw(fd, tmp);
-    } catch (...) {
-      ::close(fd);
-      throw;
-    }
-    if (::close(fd) != 0) throw_error<IoError>("cannot close '{}': {}", tmp, std::strerror(errno));
-    if (std::rename(tmp.c_str(), path.c_str()) != 0)
-      throw_error<IoError>("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno));
-  } catch (...) {
-    fs::remove(tmp, ec);
-    throw;
-  }
-  const fs::path dir = fs::path(path).parent_path();
-  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    const int rc = ::fsync(dfd);
-    const int e = errno;
-    ::close(dfd);
-    if (rc != 0)
-      throw_error<IoError>("cannot sync '{}' to disk: {}", dir.string(), std::strerror(e));
-  }
+  core::write_file_atomic(path, kept);  // temporary file, fsync, rename, fsync of the folder
   return out;
 }
 

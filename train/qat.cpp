@@ -4,6 +4,7 @@
 #include "checkpoint/save_state.h"
 #include "core/enum_names.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/log.h"
 #include "core/param_init.h"
 #include "core/strings.h"
@@ -517,13 +518,7 @@ int64_t sensitivity_report(models::Model& model, const std::vector<Layer>& ls,
   }
   json += "\n  ]\n}\n";
   const std::string path = (std::filesystem::path(start.report_dir) / "sensitivity.json").string();
-  {
-    std::ofstream f(path + ".tmp");
-    f << json;
-    f.close();
-    PARALLAX_CHECK(f.good(), IoError, "QAT sensitivity report: cannot write '{}'", path + ".tmp");
-  }
-  std::filesystem::rename(path + ".tmp", path);
+  core::write_file_atomic(path, json);
   // The units that lose the most mIoU first.
   std::sort(rows.begin(), rows.end(), [&](const Row& a, const Row& b) {
     const auto get = [&](const Row& r) {
@@ -676,13 +671,7 @@ SweepResult sweep(models::Model& model, const std::vector<Layer>& ls, const QatC
         core::json_number(r.int8_weight_fraction), core::json_number(value));
     const std::string path =
         (std::filesystem::path(start.report_dir) / "quantize_sweep.json").string();
-    {
-      std::ofstream f(path + ".tmp");
-      f << json;
-      f.close();
-      PARALLAX_CHECK(f.good(), IoError, "QAT sweep: cannot write '{}'", path + ".tmp");
-    }
-    std::filesystem::rename(path + ".tmp", path);
+    core::write_file_atomic(path, json);
   }
   core::log::info(
       "QAT sweep ({} within {} points of fp32 {:.4f}): {}; {} of {} layers INT8 ({:.1f}% of the "

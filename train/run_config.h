@@ -23,6 +23,7 @@ struct ExperimentConfig {
   std::string name = "default";
   int64_t seed = 42;
   std::string output_dir = "runs";
+  bool overwrite = false;
 
   template <class V>
   void visit(V& v) {
@@ -31,6 +32,10 @@ struct ExperimentConfig {
       core::Check::path_component());
     v("seed", seed, "global seed (model init, data order, augmentation)", core::Check::at_least(0));
     v("output_dir", output_dir, "parent folder of run directories (relative or absolute)");
+    v("overwrite", overwrite,
+      "start again from step 0 in a run directory that holds an earlier run's checkpoints "
+      "(train.resume empty): its checkpoints, metrics, plots and config are deleted first; "
+      "false refuses such a start");
   }
 };
 

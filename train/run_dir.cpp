@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <exception>
 #include <optional>
 #include <sstream>
 #include <utility>
@@ -65,6 +66,54 @@ const char* const kWrittenEntries[] = {
     "metrics.jsonl", "checkpoints",     "plots",
     "profile",       "sensitivity.json"};
 
+// The entries an earlier run leaves that experiment.overwrite=true deletes (not .lock: it is held).
+const char* const kRunOutputs[] = {"config.yaml",     checkpoint::kConfigHistoryDir,
+                                   "metrics.jsonl",   "checkpoints",
+                                   "plots",           "profile",
+                                   "sensitivity.json"};
+
+// The newest committed checkpoint's folder name in <run>/checkpoints ("" when none): a `latest`
+// pointer, or a step_XXXXXXXX folder with its metadata.json.
+std::string committed_checkpoint(const fs::path& run) {
+  std::error_code ec;
+  const fs::path ckpts = run / "checkpoints";
+  if (!fs::is_directory(ckpts, ec)) return "";
+  std::string newest;
+  for (fs::directory_iterator it(ckpts, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code e;
+    if (core::starts_with(name, "step_") && fs::exists(it->path() / "metadata.json", e))
+      newest = std::max(newest, name);
+  }
+  if (newest.empty() && fs::exists(ckpts / "latest", ec)) newest = "latest";
+  return newest;
+}
+
+void refuse_or_overwrite(const fs::path& run, const ExperimentConfig& cfg) {
+  const std::string found = committed_checkpoint(run);
+  if (found.empty()) return;
+  if (!cfg.overwrite) {
+    throw_error<ConfigError>(
+        "run directory '{}' holds checkpoints of an earlier run (newest: {}) and train.resume is "
+        "empty, so this job would start again from step 0 over them; choose one: "
+        "train.resume=auto (continue that run), experiment.name=<another name> (a new run beside "
+        "it), or experiment.overwrite=true (delete that run's checkpoints, metrics and plots, and "
+        "start again here)",
+        core::clip(run.string(), 300), found);
+  }
+  for (const char* entry : kRunOutputs) {
+    std::error_code ec;
+    fs::remove_all(run / entry, ec);
+    if (ec)
+      throw_error<IoError>("experiment.overwrite=true: cannot delete '{}': {}",
+                           core::clip((run / entry).string(), 300), ec.message());
+  }
+  core::log::warn(
+      "experiment.overwrite=true: deleted the earlier run's checkpoints (newest: {}), metrics, "
+      "plots and config in '{}'",
+      found, core::clip(run.string(), 300));
+}
+
 // The run directory itself may be a symbolic link (to a bigger disk, say): a WARN names where the
 // run goes. A symbolic link among what the job writes inside it is refused: writes through it
 // would land elsewhere, silently, in a file that another job or user may own. So is one among the
@@ -112,25 +161,43 @@ void check_run_name(const std::string& name) {
 }
 
 RunDirectory::RunDirectory(RunDirectory&& other) noexcept
-    : path_(std::move(other.path_)), fd_(std::exchange(other.fd_, -1)) {}
+    : path_(std::move(other.path_)),
+      fd_(std::exchange(other.fd_, -1)),
+      created_(std::exchange(other.created_, false)),
+      uncaught_(other.uncaught_) {}
 
 RunDirectory& RunDirectory::operator=(RunDirectory&& other) noexcept {
   if (this != &other) {
     if (fd_ >= 0) ::close(fd_);
     path_ = std::move(other.path_);
     fd_ = std::exchange(other.fd_, -1);
+    created_ = std::exchange(other.created_, false);
+    uncaught_ = other.uncaught_;
   }
   return *this;
 }
 
 RunDirectory::~RunDirectory() {
+  // A job that created the directory and fails during start-up leaves none behind: only what it
+  // wrote itself is removed, and the directory only when that leaves it empty.
+  if (created_ && fd_ >= 0 && std::uncaught_exceptions() > uncaught_) {
+    std::error_code ec;
+    for (const char* entry : {"config.yaml", "metrics.jsonl"}) fs::remove(path_ / entry, ec);
+    for (const char* folder : {"checkpoints", "plots", "profile"})
+      fs::remove(path_ / folder, ec);      // only when empty
+    fs::remove(path_ / kRunLockFile, ec);  // the lock goes with the descriptor closed below
+    ::close(fd_);
+    fd_ = -1;
+    if (fs::remove(path_, ec)) return;  // only an empty directory is removed
+  }
   if (fd_ >= 0) ::close(fd_);  // closing the last descriptor of the open file releases the flock
 }
 
-RunDirectory RunDirectory::open_local(const ExperimentConfig& cfg) {
+RunDirectory RunDirectory::open_local(const ExperimentConfig& cfg, bool fresh) {
   check_run_name(cfg.name);
   fs::path path = fs::path(cfg.output_dir) / cfg.name;
   std::error_code ec;
+  const bool existed = fs::exists(path, ec) || fs::is_symlink(path, ec);
   fs::create_directories(path, ec);
   if (ec)
     throw_error<IoError>("cannot create run directory '{}': {}", core::clip(path.string(), 300),
@@ -143,6 +210,7 @@ RunDirectory RunDirectory::open_local(const ExperimentConfig& cfg) {
                          core::clip(lock.string(), 300), errno_text(errno));
   }
   RunDirectory dir(path, fd);  // owns fd from here: closed on every error below
+  dir.uncaught_ = std::uncaught_exceptions();
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     if (err == EWOULDBLOCK) {
@@ -160,17 +228,20 @@ RunDirectory RunDirectory::open_local(const ExperimentConfig& cfg) {
     throw_error<IoError>("cannot write the lock file '{}': {}", core::clip(lock.string(), 300),
                          errno_text(errno));
   }
+  // Checked under the lock: another job may be writing checkpoints until it lets go.
+  if (fresh) refuse_or_overwrite(path, cfg);
+  dir.created_ = !existed;
   return dir;
 }
 
-RunDirectory RunDirectory::open(const ExperimentConfig& cfg, parallel::comm::Communicator& world,
-                                const c10::Device& device) {
-  if (world.size() == 1) return open_local(cfg);
+RunDirectory RunDirectory::open(const ExperimentConfig& cfg, bool fresh,
+                                parallel::comm::Communicator& world, const c10::Device& device) {
+  if (world.size() == 1) return open_local(cfg, fresh);
   // Rank 0 opens (and locks) the directory; every failure of rank 0 reaches the other ranks, as its
   // own message, before any of them goes on.
   std::optional<RunDirectory> dir;
   parallel::comm::agree_on(world, device, "", [&]() -> int64_t {
-    if (world.rank() == 0) dir.emplace(open_local(cfg));
+    if (world.rank() == 0) dir.emplace(open_local(cfg, fresh));
     return 0;
   });
   if (dir) return std::move(*dir);

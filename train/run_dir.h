@@ -21,6 +21,15 @@
 // checkpoints/ when it leads out of that folder, a symbolic link is an IoError naming it and its
 // target: writes (and resumes) through it would reach elsewhere.
 //
+// A rerun never clobbers a run: a job that starts fresh (train.resume empty) in a directory that
+// holds committed checkpoints is refused (ConfigError naming the three ways on: train.resume=auto,
+// a new experiment.name, or experiment.overwrite=true). experiment.overwrite=true deletes what an
+// earlier run wrote there (the entries listed in run_dir.cpp, nothing else) before the job starts.
+//
+// A job that created the directory and fails before its first step (a config error found late)
+// leaves no directory behind: ~RunDirectory, unwinding before keep(), removes what it created when
+// nothing else was put there (a launcher's logs/ folder, say, keeps it).
+//
 // Readers of a run directory (`parallax export`, `parallax inspect`) take no lock.
 #pragma once
 
@@ -44,12 +53,14 @@ class RunDirectory {
   // which must suit `world`'s backend). Throws, on every rank, ConfigError for a bad
   // experiment.name and IoError when the directory cannot be created or another live job holds
   // it (naming that job's pid, host and start time).
-  static RunDirectory open(const ExperimentConfig& cfg, parallel::comm::Communicator& world,
-                           const c10::Device& device);
+  // `fresh`: the job starts from step 0 (train.resume is empty), so committed checkpoints in the
+  // directory are refused unless cfg.overwrite (see the file comment).
+  static RunDirectory open(const ExperimentConfig& cfg, bool fresh,
+                           parallel::comm::Communicator& world, const c10::Device& device);
   // One process: checks experiment.name, creates the directory, checks it for symbolic links (see
   // the file comment) and takes its lock without waiting. Throws as open does, and IoError for a
   // symbolic link inside the directory.
-  static RunDirectory open_local(const ExperimentConfig& cfg);
+  static RunDirectory open_local(const ExperimentConfig& cfg, bool fresh = false);
 
   RunDirectory(RunDirectory&& other) noexcept;
   RunDirectory& operator=(RunDirectory&& other) noexcept;
@@ -60,12 +71,16 @@ class RunDirectory {
   const std::filesystem::path& path() const { return path_; }
   // True on the process that holds the lock (rank 0).
   bool locked() const { return fd_ >= 0; }
+  // The job got past its start-up: the directory stays, whatever happens later.
+  void keep() { created_ = false; }
 
  private:
   RunDirectory(std::filesystem::path path, int fd) : path_(std::move(path)), fd_(fd) {}
 
   std::filesystem::path path_;
-  int fd_ = -1;  // the locked .lock file, or -1
+  int fd_ = -1;           // the locked .lock file, or -1
+  bool created_ = false;  // this job created the directory and has not kept it yet
+  int uncaught_ = 0;      // std::uncaught_exceptions() when opened
 };
 
 // Throws ConfigError naming key 'experiment.name' and its value unless the name is one folder

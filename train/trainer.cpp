@@ -23,16 +23,14 @@ double peak_memory_gb(const c10::Device& device) {
 }
 
 void run_plot_tool(const fs::path& run_dir) {
-  const char* src = std::getenv("PARALLAX_SOURCE_DIR");
-  const fs::path tool = fs::path(src ? src : PARALLAX_SOURCE_DIR) / "tools" / "plot_metrics.py";
+  const fs::path tool = fs::path(core::source_dir()) / "tools" / "plot_metrics.py";
   std::error_code ec;
   if (!fs::exists(tool, ec)) {
     core::log::warn("plots skipped: '{}' not found", tool.string());
     return;
   }
-  const char* py = std::getenv("PARALLAX_PYTHON");
-  const std::string cmd = fmt::format("'{}' '{}' '{}' 2>&1", py && *py ? py : PARALLAX_PYTHON_EXE,
-                                      tool.string(), run_dir.string());
+  const std::string cmd =
+      fmt::format("'{}' '{}' '{}' 2>&1", core::python_exe(), tool.string(), run_dir.string());
   std::string output;
   int rc = -1;
   if (std::FILE* pipe = popen(cmd.c_str(), "r")) {
@@ -367,8 +365,8 @@ TrainSummary TrainerImpl::fit() {
       total, global_batch, cfg_.data.batch_size, cfg_.train.grad_accum, topo_->layout().dp,
       cfg_.precision.mode);
 
-  core::Progress progress("step", total, 5.0);
-  if (start_step_ > 0) progress.update(start_step_);
+  // Rates and the ETA count the steps of this process only (a resumed run did the others).
+  core::Progress progress("step", total, 5.0, start_step_);
   core::Stopwatch run_clock, interval_clock;
   int64_t interval_steps = 0;
   double first_step_s = 0;
@@ -419,9 +417,9 @@ TrainSummary TrainerImpl::fit() {
       const double v = terms["loss"].item<double>();
       if (!std::isfinite(v)) {
         throw_error<NumericsError>(
-            "loss is {} at step {} on rank {} (metrics so far are in {}); lower optim.lr "
-            "or check the data",
-            nonfinite_name(v), step, world_.rank(), (run_dir_ / "metrics.jsonl").string());
+            "loss is {} at step {} on rank {} (metrics so far are in {}); {}", nonfinite_name(v),
+            step, world_.rank(), (run_dir_ / "metrics.jsonl").string(),
+            nonfinite_loss_hint(step, "lower optim.lr or check the data"));
       }
     }
     if (!log_now) {
@@ -448,9 +446,9 @@ TrainSummary TrainerImpl::fit() {
     const double loss = packed[0].item<double>();  // "loss" sorts first
     if (!std::isfinite(loss)) {
       throw_error<NumericsError>(
-          "loss is {} at step {} (data-parallel mean; last finite log is in {}); lower "
-          "optim.lr or use precision.mode=bf16",
-          nonfinite_name(loss), step, (run_dir_ / "metrics.jsonl").string());
+          "loss is {} at step {} (data-parallel mean; last finite log is in {}); {}",
+          nonfinite_name(loss), step, (run_dir_ / "metrics.jsonl").string(),
+          nonfinite_loss_hint(step, "lower optim.lr or use precision.mode=bf16"));
     }
     const double interval_s = interval_clock.elapsed_s();
     const double step_ms = 1000.0 * interval_s / interval_steps;
@@ -510,8 +508,10 @@ TrainSummary TrainerImpl::fit() {
   const int64_t ran = total - start_step_;
   if (ran > 1)
     summary.samples_per_s = (ran - 1) * global_batch / std::max(1e-9, run_s - first_step_s);
-  progress.finish(fmt::format("final loss {:.4f}, {:.1f} samples/s", summary.final_loss,
-                              summary.samples_per_s));
+  if (start_step_ < total) {
+    progress.finish(fmt::format("final loss {:.4f}, {:.1f} samples/s", summary.final_loss,
+                                summary.samples_per_s));
+  }
   // The last record: tells followers (tools/tb_sidecar.py) the run is complete.
   metrics_->write(
       "summary", summary.steps,

@@ -141,5 +141,9 @@ TrainSummary run_training(RunConfig& cfg);
 // precision.mode when the model has none. The trainer and `parallax plan` (which predicts the FP8
 // layers' saved bytes) both apply it.
 int apply_fp8(torch::nn::Module& model, const RunConfig& cfg);
+// precision.mode=fp8 on `device`: ConfigError naming precision.mode where it has no FP8 tensor
+// cores (the CPU, GPUs below compute capability 8.9). `parallax train` and `parallax eval` refuse
+// alike, before anything is built.
+void require_fp8_device(const c10::Device& device);
 
 }  // namespace parallax::train

@@ -6,6 +6,8 @@
 //                      data, the model, the parallel plan applied and the engine built
 //   trainer_state.cpp  checkpoints: saving, loading on resume, and the config comparison that
 //                      names what changed when a load fails
+//   trainer_load.cpp   which checkpoint a resume trusts (checksums verified), and what the
+//                      weights of train.load_from are blamed for
 #pragma once
 
 #include "train/trainer.h"
@@ -18,6 +20,7 @@
 #include "checkpoint/resume.h"
 #include "checkpoint/training_state.h"
 #include "checkpoint/weights.h"
+#include "core/build_info.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/param_init.h"
@@ -99,6 +102,14 @@ class TrainerImpl {
                         const std::function<void()>& load) const;
   // A checkpoint committed before non-finite saves were refused may hold NaN: refuse to train on.
   void check_resumed_state_finite() const;
+  // The checkpoint to resume from (ck::find_resume_point), agreed by every rank. Under
+  // train.resume=auto the ranks also stream the shards' checksums of the one chosen, each its
+  // share, and fall back to an older checkpoint (with a warning) when one does not match, as for a
+  // truncated shard. Warns (rank 0) that train.load_from is ignored when a checkpoint is found.
+  std::optional<ck::ResumePoint> choose_resume_point(const std::string& checkpoints_dir);
+  // The advice of the non-finite loss error at `step`: `otherwise`, unless it is the first step of
+  // a run that started from train.load_from's weights (no update yet: they are the likely cause).
+  std::string nonfinite_loss_hint(int64_t step, const std::string& otherwise) const;
   // Rank 0: creates the run directory, records `config_text` as config.yaml (the replaced one goes
   // to config_history/), trims metrics.jsonl to the rows of steps <= start_step_ and opens it.
   // Other ranks get a disabled metrics writer.

@@ -3,6 +3,7 @@
 #include "train/trainer_impl.h"
 
 #include "data/schema.h"
+#include "parallel/comm/startup.h"
 
 #include <fstream>
 
@@ -72,14 +73,7 @@ void TrainerImpl::enable_fp8() {
 void TrainerImpl::setup() {
   device_ = pick_device(cfg_.train, world_);
   precision_ = optim::make_precision_policy(cfg_.precision, device_.type());
-  if (precision_.fp8()) {
-    // Before anything is built: the device decides.
-    const std::string blocker = kernels::fp8::fp8_device_blocker(device_);
-    PARALLAX_CHECK(blocker.empty(), ConfigError,
-                   "key 'precision.mode': fp8 needs an NVIDIA GPU with FP8 tensor cores: {}; use "
-                   "precision.mode=bf16",
-                   blocker);
-  }
+  if (precision_.fp8()) train::require_fp8_device(device_);  // before anything is built
   // Ranks sharing a node share its cores: without this, every rank would start one intra-op
   // thread per core and they would all fight over them.
   const int local_ranks = std::max(1, world_.launch().local_world_size);
@@ -89,9 +83,10 @@ void TrainerImpl::setup() {
           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_ranks);
   at::set_num_threads(threads);
   const auto& p = cfg_.parallel;
-  comm::CommOptions opts = comm::make_comm_options(
-      p.timeout_s, p.init_timeout_s, p.checkpoint_timeout_s, p.debug_collectives,
-      p.flight_recorder_size, p.allreduce, static_cast<int64_t>(p.ring_chunk_mb * (1 << 20)));
+  comm::CommOptions opts =
+      comm::make_comm_options(p.timeout_s, comm::startup_deadline_s(p.init_timeout_s, p.timeout_s),
+                              p.checkpoint_timeout_s, p.debug_collectives, p.flight_recorder_size,
+                              p.allreduce, static_cast<int64_t>(p.ring_chunk_mb * (1 << 20)));
   opts.nccl_blocking = p.nccl_blocking;
   std::string backend = p.backend;
   if (backend == "auto" && device_.is_cpu()) backend = world_.has_mpi() ? "mpi" : "gloo";
@@ -107,7 +102,8 @@ void TrainerImpl::setup() {
   const comm::Layout layout = plan_.layout;
   // First collective on world_comm_: rank 0 checks, creates and locks the run directory for the
   // whole run, and every rank learns the outcome (a second job on it fails here on every rank).
-  run_directory_.emplace(RunDirectory::open(cfg_.experiment, *world_comm_, device_));
+  run_directory_.emplace(
+      RunDirectory::open(cfg_.experiment, cfg_.train.resume.empty(), *world_comm_, device_));
   run_dir_ = run_directory_->path();
   topo_ = std::make_unique<comm::Topology>(world_comm_, layout);
   rank0_ = world_.rank() == 0;
@@ -118,9 +114,10 @@ void TrainerImpl::setup() {
   // before any further collective.
   const fs::path ckpt_dir = run_dir_ / "checkpoints";
   const std::string config_text = resolved_yaml(cfg_);
+  const std::optional<ck::ResumePoint> chosen = choose_resume_point(ckpt_dir.string());
   const std::vector<int64_t> steps = comm::agree_on(
       *world_comm_, device_, "resume: choosing and opening the checkpoint", [&]() -> int64_t {
-        const auto point = ck::find_resume_point(cfg_.train.resume, ckpt_dir.string());
+        const std::optional<ck::ResumePoint>& point = chosen;
         if (!point) {
           if (cfg_.train.resume == "auto")
             core::log::info("train.resume=auto: no checkpoint in {}, starting fresh",
@@ -476,6 +473,8 @@ void TrainerImpl::setup() {
   for (auto* l : fp8_layers_) l->history_loaded();
   // Last, once the run is known to start: a resume that fails to load changes nothing on disk.
   open_run_directory(config_text);
+  // Start-up is over: from here on the run directory stays, whatever happens.
+  if (run_directory_) run_directory_->keep();
 }
 
 void TrainerImpl::load_fp8_histories() {
@@ -509,7 +508,7 @@ void TrainerImpl::open_run_directory(const std::string& config_text) {
   const std::string metrics_path = (run_dir_ / "metrics.jsonl").string();
   const MetricsTrim trim = trim_metrics(metrics_path, start_step_);
   if (trim.dropped + trim.broken > 0) {
-    core::log::info(
+    core::log::warn(
         "{}: kept {} row(s) up to step {}, dropped {} later or summary row(s) and {} torn line(s)",
         metrics_path, trim.kept, start_step_, trim.dropped, trim.broken);
   }
@@ -541,6 +540,14 @@ void TrainerImpl::check_graph_capturable() const {
 }  // namespace parallax::train::detail
 
 namespace parallax::train {
+
+void require_fp8_device(const c10::Device& device) {
+  const std::string blocker = kernels::fp8::fp8_device_blocker(device);
+  PARALLAX_CHECK(blocker.empty(), ConfigError,
+                 "key 'precision.mode': fp8 needs an NVIDIA GPU with FP8 tensor cores: {}; use "
+                 "precision.mode=bf16",
+                 blocker);
+}
 
 int apply_fp8(torch::nn::Module& model, const RunConfig& cfg) {
   kernels::fp8::Fp8Options o;

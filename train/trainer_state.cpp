@@ -1,5 +1,6 @@
 // The trainer's checkpoints: save, load on resume, config comparison (train/trainer_impl.h has the
 // class).
+#include "checkpoint/checksum_error.h"
 #include "train/trainer_impl.h"
 
 namespace parallax::train::detail {
@@ -69,6 +70,8 @@ void TrainerImpl::with_config_hint(const std::vector<std::string>& prefixes,
                                    const std::function<void()>& load) const {
   try {
     load();
+  } catch (const ck::ChecksumError&) {
+    throw;  // corrupt bytes: no config key explains them
   } catch (const CheckpointError& e) {
     if (config_changes_.empty()) throw;
     auto suspects = ck::changes_under(config_changes_, prefixes);

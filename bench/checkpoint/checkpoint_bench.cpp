@@ -40,7 +40,31 @@ namespace comm = parallax::parallel::comm;
 
 namespace {
 
+constexpr const char* kUsage =
+    "usage: mpirun -np N checkpoint_bench [--state-mb 1024] [--tensors 96] [--mode ddp|zero]\n"
+    "                                     [--async] [--repeat 3] [--dir DIR] [--block-mb 64]\n"
+    "                                     [--keep] [--no-verify]\n"
+    "\n"
+    "Saves and loads a training state (a model of state_mb / 3 in `tensors` tensors, plus AdamW's\n"
+    "two moments) and prints one JSON line per repetition: save and load GiB/s of the slowest\n"
+    "rank, the RSS before the save and the peak RSS during save and load.\n"
+    "\n"
+    "  --state-mb MB    state per rank in MiB (default 1024)\n"
+    "  --tensors N     model tensors, of varied sizes (default 96)\n"
+    "  --mode M        ddp: everything replicated (each rank writes ~1/N); zero: the optimizer\n"
+    "                  state sharded over the ranks as flat ranges (ZeRO-1) (default ddp)\n"
+    "  --async         save in a background thread (checkpoint.async)\n"
+    "  --repeat N      repetitions, one JSON line each (default 3)\n"
+    "  --dir DIR       where the checkpoints go (default: <tmp>/parallax_ckpt_bench, removed)\n"
+    "  --block-mb MB   largest block written at once (default 64)\n"
+    "  --keep          keep the checkpoints afterwards\n"
+    "  --no-verify     loads skip the checksums\n"
+    "  --help          this text\n"
+    "\n"
+    "example: mpirun -np 2 checkpoint_bench --state-mb 1024 --mode ddp (docs/checkpoints.md)\n";
+
 struct Options {
+  bool help = false;
   double state_mb = 1024;
   int tensors = 96;
   std::string mode = "ddp";
@@ -60,7 +84,9 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw_error<UsageError>("{} needs a value", a);
       return argv[++i];
     };
-    if (a == "--state-mb")
+    if (a == "--help" || a == "-h")
+      o.help = true;
+    else if (a == "--state-mb")
       o.state_mb = std::stod(next());
     else if (a == "--tensors")
       o.tensors = std::stoi(next());
@@ -79,7 +105,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--no-verify")
       o.verify = false;
     else
-      throw_error<UsageError>("unknown option '{}'", a);
+      throw_error<UsageError>("unknown option '{}' (see checkpoint_bench --help)", a);
   }
   if (o.mode != "ddp" && o.mode != "zero") throw_error<UsageError>("--mode must be ddp or zero");
   return o;
@@ -116,6 +142,10 @@ void drop_page_cache(const std::string& dir) {
 int main(int argc, char** argv) {
   try {
     const Options opt = parse(argc, argv);
+    if (opt.help) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
     comm::World world;
     comm::CommPtr wc = comm::make_world_communicator(world, "mpi");
     const int rank = world.rank(), n = world.size();

@@ -4,8 +4,11 @@
 #include "checkpoint/files.h"
 #include "checkpoint/h5.h"
 #include "checkpoint/tensor_io.h"
+#include "core/build_info.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/log.h"
+#include "core/progress.h"
 #include "core/strings.h"
 #include "core/subprocess.h"
 #include "core/timer.h"
@@ -322,14 +325,12 @@ void validate(const OnnxExportOptions& o) {
 
 std::string parity_python(const OnnxExportOptions& o) {
   if (!o.python.empty()) return o.python;
-  const char* py = std::getenv("PARALLAX_PYTHON");
-  return py && *py ? py : PARALLAX_PYTHON_EXE;
+  return core::python_exe();
 }
 
 std::string parity_tool(const OnnxExportOptions& o) {
   if (!o.tool.empty()) return o.tool;
-  const char* src = std::getenv("PARALLAX_SOURCE_DIR");
-  return (fs::path(src && *src ? src : PARALLAX_SOURCE_DIR) / "tools" / "onnx_parity.py").string();
+  return (fs::path(core::source_dir()) / "tools" / "onnx_parity.py").string();
 }
 
 void check_parity_runtime(const OnnxExportOptions& o) {
@@ -368,9 +369,16 @@ void check_parity_runtime(const OnnxExportOptions& o) {
 }
 
 void prepare_output_dir(const std::string& model_file) {
+  // Nothing named from the model file's path lands beside a device node, FIFO or folder, and no
+  // rename replaces one (core/files.h).
   const fs::path dir = fs::path(model_file).parent_path().empty()
                            ? fs::path(".")
                            : fs::path(model_file).parent_path();
+  for (const fs::path& f : {fs::path(model_file), fs::path(model_file + ".data"), dir / "parity.h5",
+                            dir / "parity.json"}) {
+    core::check_output_file("ONNX export: output", f.string(), core::OutputRule::kFile,
+                            "the export writes a regular file there, renamed into place");
+  }
   std::error_code ec;
   fs::create_directories(dir, ec);
   PARALLAX_CHECK(!ec, IoError, "ONNX export: cannot create the output folder '{}': {}",
@@ -528,6 +536,8 @@ OnnxExportResult export_onnx(models::Model& model, const ParityFrames& frames,
     {
       at::NoGradGuard no_grad;
       ParityFile file(staged_h5.string(), frames.count, config);
+      // A line at the first frame, then every 5 s with the rate and the ETA (core/progress.h).
+      core::Progress progress("export: parity reference frames", frames.count);
       for (int64_t f = 0; f < frames.count; ++f) {
         interruption_point();
         const core::TensorDict frame = frames.frame(f);
@@ -570,6 +580,7 @@ OnnxExportResult export_onnx(models::Model& model, const ParityFrames& frames,
         }
         for (const auto& n : inputs) file.write("inputs/" + n, f, frame.at(n));
         for (const auto& [n, t] : ref) file.write("outputs/" + n, f, t);
+        progress.update(f + 1);
       }
       file.close();
     }
@@ -577,6 +588,8 @@ OnnxExportResult export_onnx(models::Model& model, const ParityFrames& frames,
     result.reference_s = forward_s;
     clock.reset();
     const std::string py = parity_python(o);
+    core::log::info("export: ONNX Runtime runs the {} parity frames ({})", frames.count,
+                    parity_tool(o));
     const ProcessResult r =
         run_process({py, parity_tool(o), "--model", staged_model.string(), "--frames",
                      staged_h5.string(), "--out", staged_json.string()},

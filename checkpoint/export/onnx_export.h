@@ -155,7 +155,9 @@ std::string parity_tool(const OnnxExportOptions& options);
 void check_parity_runtime(const OnnxExportOptions& options);
 
 // Creates the folder of `model_file` and checks that files can be created in it; throws IoError
-// naming the folder otherwise.
+// naming the folder otherwise. First throws UsageError naming the path when `model_file` or a
+// file the export writes beside it (model_file.data, parity.h5, parity.json) exists and is not a
+// regular file (a device node, FIFO, directory or socket: core/files.h), before creating anything.
 void prepare_output_dir(const std::string& model_file);
 
 // Exports `model` (weights loaded; any device, exported from CPU copies) to `model_file` and, when

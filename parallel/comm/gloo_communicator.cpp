@@ -1,4 +1,6 @@
 #include "parallel/comm/gloo_communicator.h"
+#include "parallel/comm/deadline_call.h"
+#include "parallel/comm/startup.h"
 
 #include "core/error.h"
 #include "parallel/comm/comm_base.h"
@@ -547,8 +549,8 @@ CommPtr make_gloo_world(const std::shared_ptr<WorldContext>& ctx, const CommOpti
     ctx->failed = true;
     throw_error<TimeoutError>(
         "creating the gloo world communicator failed on world rank {} within the init timeout "
-        "({:.0f} s): {}",
-        ctx->rank, options.init_timeout_s, std::string(e.what()).substr(0, 400));
+        "({:.0f} s): {}{}",
+        ctx->rank, options.init_timeout_s, one_line_what(e), startup_stragglers(ctx->launch));
   }
   std::vector<int> ranks(static_cast<size_t>(ctx->size));
   for (int i = 0; i < ctx->size; ++i) ranks[static_cast<size_t>(i)] = i;

@@ -1,4 +1,5 @@
 #include "parallel/comm/mpi_communicator.h"
+#include "parallel/comm/startup.h"
 
 #include "core/error.h"
 
@@ -121,8 +122,8 @@ std::shared_ptr<MpiCommunicator> MpiCommunicator::create_world(
       ctx->failed = true;
       throw_error<TimeoutError>(
           "creating the mpi world communicator timed out after {:.1f} s on world rank {}: not "
-          "every rank arrived (init timeout)",
-          options.init_timeout_s, ctx->rank);
+          "every rank arrived (init timeout){}",
+          options.init_timeout_s, ctx->rank, startup_stragglers(ctx->launch));
     }
     if (++spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(200));
   }

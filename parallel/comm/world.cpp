@@ -5,6 +5,7 @@
 #include "core/strings.h"
 #include "parallel/comm/comm_base.h"
 #include "parallel/comm/deadline_call.h"
+#include "parallel/comm/startup.h"
 #include "parallel/comm/world_context.h"
 
 #include <ATen/Context.h>
@@ -483,7 +484,8 @@ std::string WorldContext::next_world_uid(const std::string& backend) {
 namespace {
 
 // Polls an MPI request until done or `timeout_s` passes (CommError naming `what`).
-void mpi_wait_for(MPI_Request* req, double timeout_s, const std::string& what) {
+void mpi_wait_for(MPI_Request* req, double timeout_s, const std::string& what,
+                  const LaunchInfo* launch = nullptr) {
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(timeout_s));
   int done = 0;
@@ -493,7 +495,8 @@ void mpi_wait_for(MPI_Request* req, double timeout_s, const std::string& what) {
     if (done) return;
     if (Clock::now() > deadline) {
       throw_error<TimeoutError>(
-          "{} timed out after {:.1f} s (init timeout): not every rank arrived", what, timeout_s);
+          "{} timed out after {:.1f} s (init timeout): not every rank arrived{}", what, timeout_s,
+          launch ? startup_stragglers(*launch) : "");
     }
     if (++spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
@@ -508,7 +511,7 @@ std::vector<uint8_t> WorldContext::broadcast_from_root(std::vector<uint8_t> byte
     int64_t n = static_cast<int64_t>(bytes.size());
     MPI_Request req;
     MPI_Ibcast(&n, 1, MPI_INT64_T, 0, MPI_COMM_WORLD, &req);
-    mpi_wait_for(&req, timeout_s, fmt::format("broadcast of '{}' from rank 0", key));
+    mpi_wait_for(&req, timeout_s, fmt::format("broadcast of '{}' from rank 0", key), &launch);
     bytes.resize(static_cast<size_t>(n));
     MPI_Ibcast(bytes.data(), static_cast<int>(n), MPI_BYTE, 0, MPI_COMM_WORLD, &req);
     mpi_wait_for(&req, timeout_s, fmt::format("broadcast of '{}' from rank 0", key));
@@ -525,8 +528,8 @@ std::vector<uint8_t> WorldContext::broadcast_from_root(std::vector<uint8_t> byte
     store->wait({k}, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
   } catch (const std::exception& e) {
     throw_error<TimeoutError>(
-        "rank {}: waiting for '{}' from rank 0 through the store timed out after {:.1f} s: {}",
-        rank, key, timeout_s, one_line_what(e));
+        "rank {}: waiting for '{}' from rank 0 through the store timed out after {:.1f} s: {}{}",
+        rank, key, timeout_s, one_line_what(e), startup_stragglers(launch));
   }
   return store->get(k);
 }
@@ -585,9 +588,9 @@ c10::intrusive_ptr<c10d::Store> make_store(detail::WorldContext& ctx) {
           fmt::format("/worker/attempt_{}", attempt && *attempt ? attempt : "0"), tcp);
     } catch (const std::exception& e) {
       throw_error<CommError>(
-          "rank {}: cannot {} the TCPStore at {}:{} within {:.0f} s (init timeout): {}", ctx.rank,
+          "rank {}: cannot {} the TCPStore at {}:{} within {:.0f} s (init timeout): {}{}", ctx.rank,
           o.isServer ? "host" : "reach", l.master_addr, l.master_port, ctx.init_timeout_s,
-          one_line_what(e));
+          one_line_what(e), startup_stragglers(l));
     }
   }
   // MPI (or a single process): rank 0 hosts the store, its address travels through MPI.
@@ -659,7 +662,7 @@ World::World(WorldOptions options) : ctx_(std::make_shared<detail::WorldContext>
 #endif
   auto& c = *ctx_;
   c.launch = detect_launch();
-  c.init_timeout_s = options.init_timeout_s;
+  c.init_timeout_s = startup_deadline_s(options.init_timeout_s, options.init_timeout_s);
   c.rank = c.launch.rank;
   c.size = c.launch.world_size;
   if (c.launch.use_mpi) {
@@ -667,7 +670,13 @@ World::World(WorldOptions options) : ctx_(std::make_shared<detail::WorldContext>
     MPI_Initialized(&initialized);
     if (!initialized) {
       int provided = 0;
-      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      {
+        // MPI_Init_thread has no deadline of its own: it waits in the launcher's fence for every
+        // rank of the job, and one stopped before it would hold this rank forever.
+        StartupPhase phase("MPI initialisation (MPI_Init_thread waits for every rank of the job)",
+                           c.init_timeout_s, c.launch);
+        MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      }
       c.mpi_owned = true;
       if (provided < MPI_THREAD_SERIALIZED) {
         MPI_Finalize();

@@ -2,6 +2,7 @@
 // weights-only loading (strict and non-strict), weights export, and exact resume of a model +
 // AdamW + RNG through a checkpoint.
 #include "checkpoint/checkpointer.h"
+#include "checkpoint/checksum_error.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/training_state.h"
 #include "checkpoint/weights.h"
@@ -19,6 +20,8 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <optional>
 #include <thread>
 
 using namespace parallax;
@@ -216,6 +219,76 @@ TEST(CheckpointWeightsTest, ExportFp32AndBf16LoadBack) {
     EXPECT_TRUE(
         bitwise_equal(b.named_parameters()[p.key()], p.value().to(at::kBFloat16).to(at::kFloat)))
         << p.key();
+  }
+}
+
+// weights.h5 records each tensor's crc32 (attribute "crc32", the algorithm of the checkpoint
+// shards) and every load verifies it: a tensor read whole on the bytes read, one read as boxes
+// (tensor parallelism) by streaming the dataset. A flipped byte is a ChecksumError naming the file
+// and the tensor. Non-strict loading that matches nothing is refused, naming keys of both sides.
+TEST(CheckpointWeightsTest, WeightsFileChecksumsAreVerifiedOnEveryLoad) {
+  ScratchDir tmp("crc");
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(ckpt_test::fresh_seed());
+  Net saved(16);
+  randomize(saved, gen);
+  const std::string f = (tmp / "weights.h5").string();
+  export_weights(save_module(tmp, saved, 3), f, at::kFloat);
+  // fc1.weight [16, 8] read as two boxes of rows, as a tensor-parallel rank reads its slice.
+  WeightsOptions boxes;
+  boxes.boxes_of = [](const std::string& name,
+                      const at::Tensor& local) -> std::optional<TensorBoxes> {
+    if (name != "fc1.weight") return std::nullopt;
+    TensorBoxes b;
+    b.shape = local.sizes().vec();
+    b.boxes.emplace_back(local.narrow(0, 0, 8), std::vector<int64_t>{0, 0});
+    b.boxes.emplace_back(local.narrow(0, 8, 8), std::vector<int64_t>{8, 0});
+    return b;
+  };
+  Net clean(16);
+  EXPECT_TRUE(load_weights(clean, f, boxes).clean());
+  EXPECT_TRUE(bitwise_equal(clean.fc1->weight, saved.fc1->weight));
+
+  // One byte in the middle of fc1.weight's data, found by its bytes (a contiguous dataset).
+  std::string bytes;
+  {
+    std::ifstream in(f, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const at::Tensor w = saved.fc1->weight.detach().contiguous();
+  const std::string image(static_cast<const char*>(w.const_data_ptr()), w.nbytes());
+  const std::size_t at = bytes.find(image);
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + image.size() / 2] ^= 0x5A;
+  std::ofstream(f, std::ios::binary | std::ios::trunc) << bytes;
+  for (const WeightsOptions& o : {WeightsOptions{}, boxes}) {
+    Net a(16);
+    try {
+      load_weights(a, f, o);
+      ADD_FAILURE() << "a corrupt weights file loaded";
+    } catch (const ChecksumError& e) {
+      EXPECT_NE(std::string(e.what()).find("weights file '" + f +
+                                           "': checksum mismatch for tensor 'fc1.weight'"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+
+  struct Other : torch::nn::Module {
+    Other() { register_module("enc", torch::nn::Linear(3, 3)); }
+  } other;
+  WeightsOptions lax;
+  lax.strict = false;
+  try {
+    load_weights(other, (tmp / "checkpoints").string(), lax);
+    ADD_FAILURE() << "non-strict loading of nothing was accepted";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("nothing matched the module (non-strict loading would "
+                                         "load 0 of its 2 tensors): it holds bn.bias, "
+                                         "bn.num_batches_tracked, bn.running_mean, "
+                                         "bn.running_var, ... (9 in all); the module has enc.bias, "
+                                         "enc.weight (2 in all)"),
+              std::string::npos)
+        << e.what();
   }
 }
 

@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "parallel/comm/factory.h"
 #include "parallel/comm/flight_recorder.h"
+#include "parallel/comm/startup.h"
 #include "parallel/comm/topology.h"
 #include "parallel/comm/world.h"
 
@@ -13,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <thread>
 
 using namespace parallax;
 using namespace parallax::parallel::comm;
@@ -193,6 +195,42 @@ TEST(OptionsTest, ConfigValuesBecomeCommOptions) {
       error_of<ConfigError>([] { make_comm_options(30, 60, 900, false, 64, "tree"); });
   EXPECT_NE(err.find("'tree'"), std::string::npos) << err;
   EXPECT_THROW(make_comm_options(0, 60, 900, false, 64, "native"), ConfigError);
+}
+
+// The start-up deadline is the smallest of init_timeout_s, timeout_s and $PARALLAX_STARTUP_TIMEOUT.
+TEST(StartupTest, DeadlineIsTheSmallestOfTheKeysAndTheVariable) {
+  ::unsetenv("PARALLAX_STARTUP_TIMEOUT");
+  EXPECT_EQ(startup_deadline_s(300, 600), 300);
+  EXPECT_EQ(startup_deadline_s(300, 10), 10);
+  ::setenv("PARALLAX_STARTUP_TIMEOUT", "42.5", 1);
+  EXPECT_EQ(startup_deadline_s(300, 600), 42.5);
+  EXPECT_EQ(startup_deadline_s(300, 10), 10);
+  for (const char* bad : {"0", "-1", "abc", "5s", "inf", "nan"}) {
+    ::setenv("PARALLAX_STARTUP_TIMEOUT", bad, 1);
+    const std::string err = error_of<ConfigError>([] { startup_deadline_s(300, 600); });
+    EXPECT_NE(err.find("PARALLAX_STARTUP_TIMEOUT"), std::string::npos) << bad << ": " << err;
+  }
+  ::unsetenv("PARALLAX_STARTUP_TIMEOUT");
+}
+
+// A phase that ends in time disarms its watchdog (the process goes on); one that outlives the
+// deadline ends the process with one line naming the phase (a death test: a child process).
+TEST(StartupTest, APhasePastTheDeadlineEndsTheProcessWithOneLine) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // re-executes the binary: LibTorch has threads
+  LaunchInfo launch;
+  launch.launcher = Launcher::kOpenMpi;
+  launch.rank = 1;
+  launch.world_size = 4;
+  launch.local_world_size = 2;
+  { StartupPhase quick("a quick phase", 30, launch); }
+  EXPECT_EXIT(
+      {
+        StartupPhase slow("a stuck phase", 0.2, launch);
+        std::this_thread::sleep_for(std::chrono::seconds(30));
+      },
+      ::testing::ExitedWithCode(1),
+      "parallax: error: rank 1 of 4: start-up did not finish: a stuck phase still waited after 0 s"
+      ".*2 rank\\(s\\) run on other hosts");
 }
 
 TEST(FlightRecorderTest, RingBufferKeepsTheNewestEntries) {

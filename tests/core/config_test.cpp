@@ -7,6 +7,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 
 namespace fs = std::filesystem;
@@ -267,6 +268,26 @@ TEST_F(ConfigTest, LongValuesAreCutInErrorMessages) {
                      "...(1048576 bytes)..." + std::string(40, 'v') + "'");
 }
 
+// A NUL byte cut the value there without a word ("ab\0cd" read as "ab"): one error naming the
+// file, the line and the key, whether the NUL is written as an escape or raw.
+TEST_F(ConfigTest, NulByteInAValueIsAnErrorNamingTheKey) {
+  const auto escaped = write("nul.yaml", "optim:\n  lr: 0.1\nrun_name: \"ab\\0cd\"\n");
+  std::string msg = error_of([&] { load_config<RootCfg>(escaped, {}); });
+  EXPECT_EQ(msg.rfind(escaped + ":3:", 0), 0u) << msg;
+  EXPECT_NE(msg.find("the value of key 'run_name' holds a NUL byte (at character 2 of 'ab\\0cd')"),
+            std::string::npos)
+      << msg;
+  const char kRaw[] = "steps: 3\noptim:\n  name: sg\0d\n";
+  const auto raw = write("raw.yaml", std::string(kRaw, sizeof(kRaw) - 1));
+  msg = error_of([&] { load_config<RootCfg>(raw, {}); });
+  EXPECT_EQ(msg.rfind(raw + ":3:", 0), 0u) << msg;
+  EXPECT_NE(msg.find("'optim.name'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("NUL byte"), std::string::npos) << msg;
+  const auto listed = write("list.yaml", "tags: [a, \"b\\x00\"]\n");
+  msg = error_of([&] { load_config<RootCfg>(listed, {}); });
+  EXPECT_NE(msg.find("the value of key 'tags[1]' holds a NUL byte"), std::string::npos) << msg;
+}
+
 TEST_F(ConfigTest, ConfigPathThatIsNotAFileSaysWhatItIs) {
   const auto sub = dir_ / "configs";
   write("configs/bev.yaml", "steps: 1\n");
@@ -509,6 +530,21 @@ TEST_F(ConfigTest, KeyListingCoversEveryLeaf) {
   EXPECT_EQ(paths,
             (std::vector<std::string>{"run_name", "flag", "steps", "tags", "optim.name", "optim.lr",
                                       "optim.betas", "model.width", "model.sizes"}));
+}
+
+// --help-config shows a double as its shortest round-trip text (YAML's emitter writes 3e-4 as
+// 0.00029999999999999997) and a choice key's fixed set.
+TEST_F(ConfigTest, KeyListingShowsShortestFloatsAndChoices) {
+  RootCfg cfg;
+  cfg.optim.lr = 3e-4;
+  cfg.optim.betas = {0.1 + 0.2, 0.95};
+  std::map<std::string, parallax::core::KeyLister::Entry> by_path;
+  for (const auto& k : parallax::core::list_keys(cfg)) by_path[k.path] = k;
+  EXPECT_EQ(by_path["optim.lr"].default_value, "0.0003");
+  EXPECT_EQ(by_path["optim.betas"].default_value, "[0.30000000000000004, 0.95]");
+  EXPECT_EQ(by_path["model.sizes"].default_value, "[224, 224]");
+  EXPECT_EQ(by_path["optim.name"].choices, (std::vector<std::string>{"adamw", "sgd"}));
+  EXPECT_TRUE(by_path["steps"].choices.empty());
 }
 
 }  // namespace

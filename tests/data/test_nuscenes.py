@@ -18,7 +18,14 @@
   match the generator's road cells; without the maps folder the labels are the boxes' footprints;
 - bad input, each one `parallax: error:` line naming the file, table or token, with no shard or
   dataset.json committed: a missing table, a missing map file, a missing JPEG, a truncated JPEG, a wrong version
-  folder, a full disk (a file size limit); an unmapped category is ignored and counted.
+  folder, a full disk (a file size limit); an unmapped category is ignored and counted;
+- hostile tables (issue: a review by a hostile user): a sample_data filename with a '..'
+  component or an absolute one, and a log location with '..', are refused (nothing outside the
+  dataroot is read), while a symlinked samples folder converts; numbers beyond float32 (1e39,
+  1e300) are refused naming the table and the token; a 50 MB location is echoed clipped; a kept
+  shard with flipped bytes is verified on resume, converted again and then inspects; an
+  out-of-range --image-size names the limit; a --splits scene that does not exist is refused;
+  the tables' reading prints progress lines with an ETA.
 
 Usage: test_nuscenes.py <parallax>
 """
@@ -456,6 +463,195 @@ json.dump({"ap": m["mean_dist_aps"], "tp": m["label_tp_errors"], "gt": len(ev.gt
         line = self.assert_one_error_line(p.returncode, p.stderr, "train_00000.h5")
         self.assertRegex(line, r"disk full|cannot|write", line)
         self.assert_nothing_committed(out)
+
+
+class HostileTablesTest(unittest.TestCase):
+    """What a hostile (or careless) nuScenes folder or command line must not get past the converter.
+    One small fake dataroot (2 + 1 samples) serves every case; each case's dataroot copies its
+    tables (and maps) and symlinks `samples/` to the original's, as users symlink it to another
+    disk, so the symlinked folder is exercised by every conversion here."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="parallax_nuscenes_hostile_")
+        cls.root = os.path.join(cls.tmp, "nusc")
+        rc, _, err = run("datagen", "--scenes", "2", "--val-scenes", "1", "--height", "64", "--width", "112",
+                         "--threads", "2", "--seed", "7", "--out", cls.root, "--layout", "nuscenes",
+                         "--image-codec", "jpeg", "--samples-per-scene", "2")
+        assert rc == 0, err
+        cls.splits = os.path.join(cls.root, "parallax_splits.json")
+        with open(os.path.join(cls.root, "v1.0-mini", "sample_data.json")) as f:
+            # The first camera record is the first converted sample's CAM_FRONT.
+            cls.first_cam = next(r for r in json.load(f) if r["fileformat"] == "jpg")
+        # A JPEG and a map file outside every dataroot, which a table could point to.
+        cls.outside = os.path.join(cls.tmp, "outside")
+        os.makedirs(cls.outside)
+        shutil.copy(os.path.join(cls.root, cls.first_cam["filename"]), os.path.join(cls.outside, "x.jpg"))
+        shutil.copy(os.path.join(cls.root, "maps", "expansion", "boston-seaport.json"),
+                    os.path.join(cls.outside, "boston-seaport.json"))
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def assert_one_error_line(self, rc, err, *needles):
+        return test_data_cli.assert_one_error_line(self, rc, err, *needles)
+
+    def dataroot(self, name, edit=None):
+        """A dataroot `<tmp>/<name>`: the tables and maps copied, `samples/` a symlink to the
+        original's; `edit(tables)` changes {table name: rows} before they are written."""
+        d = os.path.join(self.tmp, name)
+        shutil.copytree(os.path.join(self.root, "v1.0-mini"), os.path.join(d, "v1.0-mini"))
+        shutil.copytree(os.path.join(self.root, "maps"), os.path.join(d, "maps"))
+        os.symlink(os.path.join(self.root, "samples"), os.path.join(d, "samples"))
+        if edit:
+            tables = {}
+            for t in ("sample_data", "calibrated_sensor", "ego_pose", "sample_annotation", "log"):
+                with open(os.path.join(d, "v1.0-mini", t + ".json")) as f:
+                    tables[t] = json.load(f)
+            edit(tables)
+            for t, rows in tables.items():
+                with open(os.path.join(d, "v1.0-mini", t + ".json"), "w") as f:
+                    json.dump(rows, f)
+        return d
+
+    def convert(self, root, out=None, *extra):
+        out = out or root + "_out"
+        return run("convert", "nuscenes", "--dataroot", root, "--out", out, "--splits", self.splits,
+                   "--workers", "2", "--bev-range", "10", *extra)
+
+    def assert_refused(self, root, *needles):
+        rc, _, err = self.convert(root)
+        line = self.assert_one_error_line(rc, err, *needles)
+        self.assertLess(len(line), 1000, line[:2000])
+        out = root + "_out"
+        self.assertEqual(glob.glob(os.path.join(out, "*.h5")), [])
+        self.assertFalse(os.path.exists(os.path.join(out, "dataset.json")))
+        return line
+
+    def set_first_camera(self, key, value):
+        def edit(t):
+            next(r for r in t["sample_data"] if r["token"] == self.first_cam["token"])[key] = value
+        return edit
+
+    def test_a_symlinked_samples_folder_converts(self):
+        # The path rule is lexical: samples/ linked to another disk (outside the dataroot) is read.
+        root = self.dataroot("symlinked")
+        self.assertTrue(os.path.islink(os.path.join(root, "samples")))
+        rc, _, err = self.convert(root)
+        self.assertEqual(rc, 0, err)
+        rc, _, err = run("inspect", root + "_out")
+        self.assertEqual(rc, 0, err)
+
+    def test_reading_the_tables_prints_progress_lines_with_an_eta(self):
+        # The tables' reading (minutes of JSON on v1.0-trainval, silent before) and the samples:
+        # lines with an ETA, on stderr with the other log lines.
+        rc, _, err = self.convert(self.root, os.path.join(self.tmp, "progress_out"))
+        self.assertEqual(rc, 0, err)
+        self.assertRegex(err, r"convert tables \(KiB\) 0/\d+ \(0%\) .*\| ETA \S+")
+        self.assertRegex(err, r"convert tables \(KiB\) (\d+)/\1 \(100%\) \| [^|]+/s \| log\.json \| elapsed \S+ \| ETA 0s")
+        self.assertRegex(err, r"convert maps \(KiB\) (\d+)/\1 \(100%\) .*\| ETA 0s")
+        self.assertRegex(err, r"convert sample (\d+)/\1 \(100%\) .*\| ETA 0s")
+
+    def test_a_filename_with_dotdot_is_refused(self):
+        # '../outside/x.jpg' from <tmp>/dotdot is a real JPEG: the rule refuses it, not the file.
+        path = "../outside/x.jpg"
+        root = self.dataroot("dotdot", self.set_first_camera("filename", path))
+        self.assertTrue(os.path.isfile(os.path.join(root, path)))
+        self.assert_refused(root, "sample_data.json", self.first_cam["token"], path, "'..'", "filename")
+
+    def test_an_absolute_filename_is_refused(self):
+        path = os.path.join(self.outside, "x.jpg")
+        root = self.dataroot("absolute", self.set_first_camera("filename", path))
+        self.assert_refused(root, "sample_data.json", self.first_cam["token"], path, "absolute")
+
+    def test_a_location_with_dotdot_is_refused(self):
+        # maps/expansion/../../../outside/boston-seaport.json is the real map file outside.
+        loc = "../../../outside/boston-seaport"
+
+        def edit(t):
+            t["log"][0]["location"] = loc
+        root = self.dataroot("location", edit)
+        self.assertTrue(os.path.isfile(os.path.join(root, "maps", "expansion", loc + ".json")))
+        self.assert_refused(root, "log.json", "location", loc, "'..'")
+
+    def test_a_50mb_location_is_echoed_clipped(self):
+        def edit(t):
+            t["log"][0]["location"] = "x" * 50_000_000
+        root = self.dataroot("long_location", edit)
+        line = self.assert_refused(root, "log.json", "location", "50000000 bytes")
+        self.assertLess(len(line), 1000)
+
+    def test_numbers_beyond_float32_are_refused_naming_the_table_and_token(self):
+        cam = self.first_cam
+
+        def cs(t):
+            return next(r for r in t["calibrated_sensor"] if r["token"] == cam["calibrated_sensor_token"])
+
+        def first_ann(t):
+            return t["sample_annotation"][0]
+        cases = [  # (name, edit, table file, token of the record)
+            ("cs_translation", lambda t: cs(t)["translation"].__setitem__(0, 1e39), "calibrated_sensor.json",
+             cam["calibrated_sensor_token"]),
+            ("intrinsic", lambda t: cs(t)["camera_intrinsic"][0].__setitem__(0, 1e300), "calibrated_sensor.json",
+             cam["calibrated_sensor_token"]),
+            ("ego_pose", lambda t: next(r for r in t["ego_pose"] if r["token"] == cam["ego_pose_token"])[
+                "translation"].__setitem__(1, -1e300), "ego_pose.json", cam["ego_pose_token"]),
+            ("ann_size", lambda t: first_ann(t)["size"].__setitem__(2, 1e39), "sample_annotation.json", None),
+        ]
+        for name, edit, table, token in cases:
+            with self.subTest(name):
+                tokens = {}
+
+                def edit_and_note(t, edit=edit):
+                    edit(t)
+                    tokens["ann"] = first_ann(t)["token"]
+                root = self.dataroot("f32_" + name, edit_and_note)
+                self.assert_refused(root, table, token or tokens["ann"], "float32")
+
+    def test_resume_redoes_a_kept_shard_whose_checksums_fail(self):
+        root = self.dataroot("resume")
+        out = root + "_out"
+        rc, _, err = self.convert(root, out, "--shard-scenes", "1")
+        self.assertEqual(rc, 0, err)
+        shard = os.path.join(out, "train_00000.h5")
+        with open(shard, "rb") as f:
+            good = f.read()
+        # Flip bytes inside the first camera's JPEG (stored as the source file's bytes).
+        with open(os.path.join(self.root, self.first_cam["filename"]), "rb") as f:
+            jpeg = f.read()
+        at = good.find(jpeg[:256])
+        self.assertGreater(at, 0)
+        bad = bytearray(good)
+        for i in range(at + 600, at + 616):
+            bad[i] ^= 0xFF
+        with open(shard, "wb") as f:
+            f.write(bad)
+        rc, _, err = self.convert(root, out, "--shard-scenes", "1")
+        self.assertEqual(rc, 0, err)
+        warn = [l for l in err.splitlines() if "WARN" in l and "train_00000.h5" in l]
+        self.assertEqual(len(warn), 1, err)
+        self.assertIn("converting it again", warn[0])
+        self.assertIn("resuming: 2 complete shard(s) kept, 1 of 3 samples to go", err)
+        self.assertRegex(err, r"convert verify kept shard 3/3 \(100%\) .*\| ETA \S+")
+        with open(shard, "rb") as f:
+            self.assertEqual(f.read(), good)
+        rc, _, err = run("inspect", out)
+        self.assertEqual(rc, 0, err)
+
+    def test_an_out_of_range_image_size_names_the_limit(self):
+        rc, _, err = run("convert", "nuscenes", "--dataroot", self.root, "--out", os.path.join(self.tmp, "size"),
+                         "--image-size", "100000", "100")
+        self.assert_one_error_line(rc, err, "--image-size 100000 100", "out of range", "8..4096")
+
+    def test_a_splits_scene_that_does_not_exist_is_refused(self):
+        splits = os.path.join(self.tmp, "typo_splits.json")
+        with open(splits, "w") as f:
+            json.dump({"train": ["scene-0000"], "val": ["scene-0001", "scene-00002"]}, f)
+        out = os.path.join(self.tmp, "typo_out")
+        rc, _, err = run("convert", "nuscenes", "--dataroot", self.root, "--out", out, "--splits", splits)
+        self.assert_one_error_line(rc, err, "scene-00002", splits, "scene.json")
+        self.assertFalse(os.path.exists(os.path.join(out, "dataset.json")))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@
   folder of a SIGKILLed export is removed by the next export while a running export's is kept, the
   parity frames stream (2e9 frames are refused at the first, for want of disk, naming the flag), and
   --parity-frames out of range is reported as such.
+- the outputs never replace what is not theirs (core/files.h): --out of either format that is a
+  character device, a FIFO, a directory or empty, and an ONNX export whose parity.json or
+  model.onnx.data beside --out is a FIFO or a device node, are refused before any work (before the
+  checkpoint is opened), one line naming the option and the path, and nothing is written.
 (Non-finite weights, layers without emitters and a failing gate are covered by export_tests.)
 
 usage: test_onnx_export.py PARALLAX
@@ -26,6 +30,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -167,8 +172,13 @@ class ExportTest(unittest.TestCase):
                   "export.parity_frames=4")
         run(["export", "--run", d])
         self.check_export(d, dtype="fp16", batch=2, frames=4)
-        run(["export", "--run", d, "--dtype", "fp32", "--batch", "dynamic", "--parity-frames", "3"])
+        p = run(["export", "--run", d, "--dtype", "fp32", "--batch", "dynamic", "--parity-frames", "3"])
         self.check_export(d, dtype="fp32", batch="dynamic", frames=3)
+        # Progress lines (a long --parity-frames ran silently for minutes): the first frame at once,
+        # then every 5 s and the last, with the rate and the ETA; then ONNX Runtime's part.
+        for line in ("export: parity reference frames 1/3 (33%)", "export: parity reference frames 3/3 (100%)",
+                     "| ETA ", "export: ONNX Runtime runs the 3 parity frames"):
+            self.assertIn(line, p.stderr)
         # --format overrides export.format too; export.dtype=fp16 is an ONNX dtype, named as the source
         # of the error until --dtype overrides it.
         self.assertIn("(export.dtype)", run(["export", "--run", d, "--format", "weights"], check=False).stderr)
@@ -213,6 +223,47 @@ class ExportTest(unittest.TestCase):
         exp = os.path.join(d, "export")
         self.assertEqual(sorted(os.listdir(exp)), ["model.onnx"])
         os.remove(os.path.join(exp, "model.onnx"))
+
+    def test_outputs_never_replace_device_nodes_fifos_or_folders(self):
+        """Hostile-user review: the atomic write swapped a regular file in for a device node or a
+        FIFO at --out, and wrote the parity files beside it. The run has no checkpoint: each refusal
+        comes before the checkpoint is opened."""
+        d = tempfile.mkdtemp(dir=TMP, prefix="targets_")
+        null = os.path.join(d, "null")
+        try:
+            os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        except PermissionError as e:
+            self.skipTest(f"cannot make a device node here: {e}")
+        fifo, folder = os.path.join(d, "fifo"), os.path.join(d, "folder")
+        os.mkfifo(fifo)
+        os.mkdir(folder)
+        # Files the export writes beside model.onnx, named from its path: one taken in each folder.
+        beside = {"parity.json": os.path.join(d, "json"), "model.onnx.data": os.path.join(d, "data")}
+        for b in beside.values():
+            os.mkdir(b)
+        os.mkfifo(os.path.join(beside["parity.json"], "parity.json"))
+        os.mknod(os.path.join(beside["model.onnx.data"], "model.onnx.data"), stat.S_IFCHR | 0o666,
+                 os.makedev(1, 3))
+        run_dir = os.path.join(TMP, "targets_no_checkpoint")
+        os.makedirs(run_dir, exist_ok=True)
+        shutil.copy(os.path.join(RUNS["errors"], "config.yaml"), run_dir)
+        folders = [d, folder, *beside.values()]
+        listing = {p: sorted(os.listdir(p)) for p in folders}
+        for fmt in ("onnx", "weights"):
+            for path, words in ((null, ["is a character device"]), (fifo, ["is a FIFO"]),
+                                (folder, ["is a directory"]), ("", ["empty path"])):
+                with self.subTest(format=fmt, path=path):
+                    line = self.expect_error(["export", "--run", run_dir, "--format", fmt, "--out", path],
+                                             f"export: --out '{path}' ", *words)
+                    self.assertNotIn("checkpoint", line)
+        for name, kind in (("parity.json", "a FIFO"), ("model.onnx.data", "a character device")):
+            with self.subTest(beside=name):
+                taken = os.path.join(beside[name], name)
+                self.expect_error(["export", "--run", RUNS["errors"], "--parity-frames", "0", "--out",
+                                   os.path.join(beside[name], "model.onnx")], f"'{taken}' is {kind}")
+        self.assertEqual({p: sorted(os.listdir(p)) for p in folders}, listing)
+        self.assertTrue(stat.S_ISCHR(os.stat(null).st_mode))
+        self.assertTrue(stat.S_ISFIFO(os.stat(fifo).st_mode))
 
     def test_the_qat_export_of_a_vit_model_passes_its_parity_gate_fresh_and_trained(self):
         """Issue 35 item 2. The repro: a 4-step ViT run, 4 QAT steps from it, export with 2 parity

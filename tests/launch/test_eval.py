@@ -8,7 +8,12 @@
 - the dumped predictions and ground truth (nuScenes submission JSON) re-scored by
   tools/nuscenes_score.py give the printed mAP, per-class AP, ATE/ASE/AOE and NDS;
 - bad input (no checkpoint there, an unknown split, weights holding NaN, a dump target that cannot
-  be written) is one clear error line, and a failed dump leaves no temporary file.
+  be written) is one clear error line, and a failed dump leaves no temporary file;
+- the outputs never replace what is not theirs (core/files.h): --out is written through a
+  character device (null; full: "No space left on device", rc 1, nothing left behind) and a FIFO;
+  a directory, a socket, an empty path and, for --dump-predictions (whose _gt and _metrics files
+  are named from its path), a device node or FIFO are refused before any work, as is a derived
+  file's path taken by one. So is datagen --out that is not a folder.
 
 Usage: test_eval.py <parallax binary> <mpirun>
 """
@@ -16,10 +21,14 @@ import json
 import math
 import os
 import shutil
+import socket
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import unittest
+import zlib
 
 import h5py
 
@@ -66,6 +75,40 @@ def run(args, ranks=1, check=True, timeout=300):
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
     return p
+
+
+def char_device(path, minor):
+    """A character device node (major 1: minor 3 null, 7 full) at `path`, or a skip reason where this
+    process may not make one (no CAP_MKNOD) or open it (a nodev mount)."""
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
+        with open(path, "wb"):
+            pass
+    except OSError as e:
+        if os.path.lexists(path):
+            os.remove(path)
+        return f"cannot make or open a device node here: {e}"
+    return None
+
+
+class FifoReader:
+    """Reads a FIFO to its end on a thread (so that a writer's open does not block forever)."""
+
+    def __init__(self, path):
+        self.path, self.data = path, None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        with open(self.path, "rb") as f:
+            self.data = f.read()
+
+    def close(self):
+        try:  # a writer that never came: open the write end once so that the reader sees EOF
+            os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        self.thread.join(10)
 
 
 class EvalTest(unittest.TestCase):
@@ -196,6 +239,7 @@ class EvalTest(unittest.TestCase):
             a = f[name][()]
             a.flat[a.size // 2] = float("nan")
             f[name][...] = a
+            f[name].attrs["crc32"] = zlib.crc32(a.tobytes())  # every load verifies it
         return bad, name
 
     def test_bad_input_is_one_clear_error_line(self):
@@ -206,6 +250,9 @@ class EvalTest(unittest.TestCase):
             # Weights holding NaN used to score mIoU 0 with rc 0.
             (["--checkpoint", bad], [f"eval: checkpoint '{bad}': tensor '{tensor}' holds 1 NaN and 0 infinite",
                                      "refusing to evaluate"]),
+            # Accepted on the CPU while train refused it: the same refusal, before any work.
+            (["--checkpoint", self.ckpt, "precision.mode=fp8"],
+             ["key 'precision.mode': fp8 needs an NVIDIA GPU with FP8 tensor cores", "cpu", "precision.mode=bf16"]),
         ):
             p = run(["eval", "--config", BEV, *args, *self.cfg], check=False)
             self.assertNotEqual(p.returncode, 0)
@@ -215,21 +262,105 @@ class EvalTest(unittest.TestCase):
             for n in needles:
                 self.assertIn(n, lines[0])
 
-    def test_a_failed_dump_leaves_no_temporary_file(self):
-        # The predictions' target is a directory: the rename cannot replace it. The error names the
-        # file, and nothing is left beside it but what was written whole (the metrics JSON).
+    def one_error(self, p):
+        self.assertNotEqual(p.returncode, 0, p.stdout[-2000:])
+        errors = [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")]
+        self.assertEqual(len(errors), 1, p.stderr[-2000:])
+        return errors[0]
+
+    def test_a_refused_dump_target_is_refused_before_work_and_leaves_nothing(self):
+        # The predictions' target is a directory: the rename would replace it. It is refused
+        # before the evaluation (it left <stem>_metrics.json behind), and nothing is written.
         folder = os.path.join(self.d, "dump")
         os.makedirs(os.path.join(folder, "preds.json"))
         p = run(["eval", "--config", BEV, "--checkpoint", self.ckpt, "--dump-predictions",
                  os.path.join(folder, "preds.json"), *self.cfg], check=False)
-        self.assertNotEqual(p.returncode, 0)
-        self.assertEqual(sorted(os.listdir(folder)), ["preds.json", "preds_metrics.json"])
-        errors = [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")]
-        self.assertEqual(len(errors), 1, p.stderr[-2000:])
-        self.assertIn(f"cannot write '{os.path.join(folder, 'preds.json')}'", errors[0])
+        line = self.one_error(p)
+        self.assertIn(f"--dump-predictions '{os.path.join(folder, 'preds.json')}' is a directory", line)
+        self.assertEqual(sorted(os.listdir(folder)), ["preds.json"])
         self.assertEqual(os.listdir(os.path.join(folder, "preds.json")), [])
-        with open(os.path.join(folder, "preds_metrics.json")) as f:
-            self.assertIn("miou", json.load(f)["metrics"])
+
+    def test_outputs_never_replace_device_nodes_fifos_sockets_or_folders(self):
+        """Hostile-user review: --dump-predictions /dev/null (as root) turned /dev/null into a file
+        and wrote /dev/null_gt and /dev/null_metrics; /dev/full returned 0. In a temporary folder:
+        each refusal is one line naming the option and the path, made before any work (the
+        checkpoint named does not exist, and its error does not come first), and leaves the
+        folder as it was."""
+        d = tempfile.mkdtemp(dir=self.d, prefix="targets_")
+        null, full = os.path.join(d, "null"), os.path.join(d, "full")
+        skip = char_device(null, 3) or char_device(full, 7)
+        if skip:
+            self.skipTest(skip)
+        fifo = os.path.join(d, "fifo")
+        os.mkfifo(fifo)
+        sock_path = os.path.join(d, "sock")
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(sock_path)
+        self.addCleanup(sock.close)
+        folder = os.path.join(d, "folder")
+        os.mkdir(folder)
+        taken = os.path.join(d, "taken.json")  # a new file whose ground truth's name is a FIFO
+        os.mkfifo(os.path.join(d, "taken_gt.json"))
+        before = sorted(os.listdir(d))
+        nowhere = os.path.join(self.d, "no_checkpoint_here")
+        for option, path, words in (
+                ("--out", folder, ["is a directory"]),
+                ("--out", sock_path, ["is a socket"]),
+                ("--out", "", ["empty path"]),
+                ("--out", d + "/", ["names a folder"]),
+                ("--dump-predictions", null, ["is a character device", "_gt"]),
+                ("--dump-predictions", fifo, ["is a FIFO"]),
+                ("--dump-predictions", folder, ["is a directory"]),
+                ("--dump-predictions", "", ["empty path"]),
+                ("--dump-predictions", taken, [f"ground truth file (from --dump-predictions) '{d}/taken_gt.json' "
+                                               "is a FIFO"])):
+            with self.subTest(option=option, path=path):
+                p = run(["eval", "--config", BEV, "--checkpoint", nowhere, option, path, *self.cfg],
+                        check=False)
+                line = self.one_error(p)
+                if path != taken:
+                    words = [f"parallax: error: eval: {option} '{path}' ", *words]
+                for w in words:
+                    self.assertIn(w, line)
+                self.assertNotIn("no_checkpoint_here", line)
+                self.assertEqual(sorted(os.listdir(d)), before)
+        # No two outputs in one file.
+        p = run(["eval", "--config", BEV, "--checkpoint", nowhere, "--out", os.path.join(d, "same.json"),
+                 "--dump-predictions", os.path.join(d, ".", "same.json"), *self.cfg], check=False)
+        self.assertIn("is the same file as eval: --out", self.one_error(p))
+        self.assertTrue(stat.S_ISCHR(os.stat(null).st_mode))
+        self.assertTrue(stat.S_ISFIFO(os.stat(fifo).st_mode))
+        # datagen's --out is a folder: a device node is refused before anything is generated.
+        p = run(["datagen", "--out", null, "--scenes", "1"], check=False)
+        self.assertIn(f"datagen: --out '{null}' is a character device, not a folder", self.one_error(p))
+
+        # Written through: the metrics JSON to a FIFO (a reader on the other end) beside a dump,
+        # and to the null device; the nodes stay what they were and nothing lands beside them.
+        dump = os.path.join(d, "dump", "preds.json")
+        reader = FifoReader(fifo)
+        try:
+            run(["eval", "--config", BEV, "--checkpoint", self.ckpt, "--out", fifo, "--dump-predictions", dump,
+                 *self.cfg])
+        finally:
+            reader.close()
+        self.assertIn("miou", json.loads(reader.data)["metrics"])
+        self.assertEqual(sorted(os.listdir(os.path.dirname(dump))), ["preds.json", "preds_gt.json"])
+        run(["eval", "--config", BEV, "--checkpoint", self.ckpt, "--out", null, *self.cfg])
+        self.assertTrue(stat.S_ISCHR(os.stat(null).st_mode))
+        self.assertTrue(stat.S_ISFIFO(os.stat(fifo).st_mode))
+        self.assertEqual(sorted(os.listdir(d)), sorted(before + ["dump"]))
+
+        # The full device: rc 1, one line naming the option, the path and the cause; no predictions
+        # or ground truth are left (every file or none).
+        dump = os.path.join(d, "full_dump", "preds.json")
+        p = run(["eval", "--config", BEV, "--checkpoint", self.ckpt, "--out", full, "--dump-predictions", dump,
+                 *self.cfg], check=False)
+        line = self.one_error(p)
+        self.assertEqual(p.returncode, 1)
+        for w in (f"eval: --out '{full}'", "No space left on device"):
+            self.assertIn(w, line)
+        self.assertFalse(os.path.exists(os.path.dirname(dump)))  # the folder it made is gone too
+        self.assertTrue(stat.S_ISCHR(os.stat(full).st_mode))
 
     def test_help(self):
         p = run(["eval", "--help"])

@@ -6,6 +6,7 @@
 // alive after forward + loss, minus those alive before, are what autograd (and the predictions)
 // keep for the backward of one micro-batch.
 #include "train/planner.h"
+#include "core/build_info.h"
 #include "models/model.h"
 #include "optim/precision.h"
 #include "train/run_config.h"
@@ -74,7 +75,7 @@ class CountingAllocator : public c10::Allocator {
 train::RunConfig config(const std::vector<std::string>& overrides) {
   std::vector<std::string> o{"train.benchmark=true"};
   o.insert(o.end(), overrides.begin(), overrides.end());
-  return train::load_run_config(PARALLAX_SOURCE_DIR "/configs/bev_tiny.yaml", o);
+  return train::load_run_config(core::source_dir() + "/configs/bev_tiny.yaml", o);
 }
 
 // Bytes one forward + loss of `batch` samples keeps, measured.

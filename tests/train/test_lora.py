@@ -111,11 +111,14 @@ class LoraTest(tt.RunDirTest):
         tt.run(self.common("base", "train.steps=1"))
         tt.run(["export", "--run", os.path.join(self.d, "base"), "--format", "weights"])
         w = os.path.join(self.d, "base", "export", "weights.h5")
-        with h5py.File(w, "r+") as f:
+        with h5py.File(w, "r") as f:
             name = sorted(k for k in f if k.endswith("qkv.weight"))[0]
-            a = f[name][()]
+
+        def nan_fourth(a):
             a.flat[3] = np.nan
-            f[name][...] = a
+            return a
+
+        tt.rewrite_tensor(w, name, nan_fourth)
         # The last: ZeRO-3 over 2 ranks, whose model is built without storage (the base read one
         # tensor at a time for its fingerprint, each tensor checked as it is read).
         for key, ranks, extra in (("train.load_from", 1, ()), ("lora.base", 1, ()),

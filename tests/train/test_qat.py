@@ -24,6 +24,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -463,6 +464,30 @@ class QatTest(tt.RunDirTest):
         p = tt.run(["quantize", "--run", fp32, "--budget-map", "1", "--timeout", "soon"], check=False)
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("parallax: error: quantize: --timeout 'soon' is not a number of seconds", p.stderr)
+
+        # Checked only after the sweep (8.9 s, 16.4 s), leaving its folder: now each is one error
+        # at once, before any child run starts or any folder is made. So is a run without a
+        # checkpoint, which left an empty <run>_int8_sweep.
+        bare = os.path.join(self.d, "bare")
+        os.makedirs(bare)
+        shutil.copy(os.path.join(fp32, "config.yaml"), bare)
+        for old in glob.glob(os.path.join(self.d, "fp32_int8*")):
+            shutil.rmtree(old)
+        before = sorted(os.listdir(self.d))
+        for args, needle in ((["--run", fp32, "--name", ""], "--name"),
+                             (["--run", fp32, "--parity-frames", "-1"], "--parity-frames"),
+                             (["--run", fp32, "--name", "fp32"], "would write its runs into the run it quantizes"),
+                             (["--run", fp32, "optim.lrr=1"], "unknown key 'optim.lrr'"),
+                             (["--run", bare], f"quantize: run '{bare}' has no checkpoint to quantize")):
+            t0 = time.time()
+            p = tt.run(["quantize", *args, "--budget-map", "1"], check=False)
+            self.assertNotEqual(p.returncode, 0, args)
+            errors = [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")]
+            self.assertEqual(len(errors), 1, p.stderr[-2000:])
+            self.assertIn(needle, errors[0])
+            self.assertNotIn("quantize: parallax train", p.stderr)  # no child started
+            self.assertLess(time.time() - t0, 5, args)
+            self.assertEqual(sorted(os.listdir(self.d)), before, args)
 
     def test_learned_scales_start_from_the_calibration_and_train_under_ddp_and_zero(self):
         """qat.learn_scales (LSQ) on 2 ranks (DDP, and ZeRO-1/2/3): step 1 runs with the calibrated amax

@@ -278,6 +278,40 @@ class ResumeIntegrityTest(tt.RunDirTest):
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             self.assertEqual(f.read(), before)
 
+    def test_a_checksum_mismatch_in_latest_falls_back_and_is_not_blamed_on_the_config(self):
+        """A byte flipped inside a shard's data (the file keeps its size, so only the checksum can
+        tell) made train.resume=auto refuse, blaming "config keys changed since the checkpoint was
+        saved". On 2 ranks (rank 1 verifies rank_00001.h5) it falls back like a truncated shard; an
+        explicit train.resume names the corruption alone."""
+        name = "crc"
+        ckpts = os.path.join(self.d, name, "checkpoints")
+
+        def corrupt(step):
+            """Flips a byte of a model tensor's data in rank_00001.h5 of `step`; returns the tensor."""
+            step_dir = os.path.join(ckpts, f"step_{step:08d}")
+            with open(os.path.join(step_dir, "metadata.json")) as f:
+                tensors = json.load(f)["tensors"]
+            tensor = next(n for n, t in sorted(tensors.items()) if n.startswith("model/") and t["shape"]
+                          and any(s["file"] == "rank_00001.h5" for s in t["shards"]))
+            tt.flip_byte(os.path.join(step_dir, "rank_00001.h5"), tensor)
+            return step_dir, tensor
+
+        tt.run(self.common(name, "train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=4"), 2)
+        _, tensor = corrupt(6)
+        self.check_resumes_from(name, 2, 4, r"latest' names step_00000006, which cannot be resumed from: .*"
+                                            r"checksum mismatch in shard file 'rank_00001\.h5' for tensor '"
+                                            + re.escape(tensor) + "'")
+        # The resumed run saved steps 6 and 8 anew. An explicit path to a corrupt one, with a changed
+        # config (train.steps): the error names the shard and the tensor, not the config.
+        step8, tensor = corrupt(8)
+        p = tt.run(self.common(name, "train.steps=9", f"train.resume={step8}"), check=False)
+        self.assertNotEqual(p.returncode, 0)
+        errors = [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")]
+        self.assertEqual(len(errors), 1, p.stderr[-3000:])
+        self.assertIn(f"checksum mismatch in shard file 'rank_00001.h5' for tensor '{tensor}'", errors[0])
+        self.assertIn("train.steps: 8 -> 9", p.stderr)  # the config did change...
+        self.assertNotIn("config keys changed", errors[0])  # ...but it is not blamed
+
     def test_the_latest_pointer_is_accepted_by_inspect_and_export(self):
         run_dir = os.path.join(self.d, "ptr")
         tt.run(self.common("ptr", "train.steps=2", "checkpoint.every=1"))

@@ -6,7 +6,11 @@
 - the lock of a SIGKILLed job does not block the next one (the kernel drops a dead process's flock;
   the .lock file it leaves behind does not matter);
 - under mpirun, when another job holds the lock, every rank exits with the error (none waits in a
-  collective for rank 0).
+  collective for rank 0);
+- a rerun never clobbers a run (issue 58): a fresh start (train.resume empty) in a directory that
+  holds checkpoints is refused with one line naming the three ways on, and loses nothing;
+  train.resume=auto continues, experiment.overwrite=true starts again; a config error found after
+  the directory was made (1 and 2 ranks) leaves no directory behind.
 
 Usage: test_run_dir.py <parallax binary> <mpirun>
 """
@@ -143,6 +147,77 @@ class RunLockTest(unittest.TestCase):
         self.assertLess(elapsed, 60)
         self.assertFalse(os.path.exists(os.path.join(run_dir, "config.yaml")))
         self.assertFalse(os.path.exists(os.path.join(run_dir, "metrics.jsonl")))
+
+
+class RerunTest(unittest.TestCase):
+    """A rerun never clobbers a run; a late config error leaves no run directory (issue 58)."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.d = self.tmp.name
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def train(self, name, *extra, np=1):
+        cmd = [PARALLAX, "train", "--config", MLP, f"experiment.output_dir={self.d}", f"experiment.name={name}",
+               "model.size=tiny", "train.log_every=1", "train.threads=1", *extra]
+        if np > 1:
+            cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(np), *cmd]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    def rows(self, name):
+        with open(os.path.join(self.d, name, "metrics.jsonl")) as f:
+            return [json.loads(l) for l in f if l.strip()]
+
+    def test_a_fresh_start_over_a_runs_checkpoints_is_refused_and_loses_nothing(self):
+        run = os.path.join(self.d, "r")
+        first = self.train("r", "train.steps=2")
+        self.assertEqual(first.returncode, 0, first.stderr[-3000:])
+        with open(os.path.join(run, "checkpoints", "latest")) as f:
+            latest = f.read()
+        before = self.rows("r")
+        again = self.train("r", "train.steps=4", "experiment.seed=7")
+        self.assertEqual(again.returncode, 3, again.stderr[-3000:])  # deterministic: launch never restarts it
+        errors = error_lines(again.stderr)
+        self.assertEqual(len(errors), 1, again.stderr)
+        for way in ("holds checkpoints of an earlier run", "train.resume=auto", "experiment.name=",
+                    "experiment.overwrite=true"):
+            self.assertIn(way, errors[0])
+        with open(os.path.join(run, "checkpoints", "latest")) as f:
+            self.assertEqual(f.read(), latest)
+        self.assertEqual(self.rows("r"), before)
+        with open(os.path.join(run, "config.yaml")) as f:
+            self.assertNotIn("seed: 7\n", f.read())
+        # The ways on: continue it ...
+        cont = self.train("r", "train.steps=4", "train.resume=auto")
+        self.assertEqual(cont.returncode, 0, cont.stderr[-3000:])
+        self.assertEqual([r["step"] for r in self.rows("r") if r["kind"] == "train"], [1, 2, 3, 4])
+        # ... or start again in it, deleting the earlier run's checkpoints and metrics.
+        over = self.train("r", "train.steps=1", "experiment.overwrite=true")
+        self.assertEqual(over.returncode, 0, over.stderr[-3000:])
+        self.assertIn("experiment.overwrite=true: deleted", over.stderr)
+        self.assertEqual([r["step"] for r in self.rows("r") if r["kind"] == "train"], [1])
+        self.assertEqual(sorted(os.listdir(os.path.join(run, "checkpoints"))), ["latest", "step_00000001"])
+
+    def test_a_late_config_error_leaves_no_run_directory(self):
+        missing = os.path.join(self.d, "no_such_weights.h5")
+        for np in (1, 2):
+            with self.subTest(np=np):
+                name = f"late{np}"
+                p = self.train(name, "train.steps=2", f"train.load_from={missing}", np=np)
+                self.assertNotEqual(p.returncode, 0)
+                self.assertTrue(error_lines(p.stderr), p.stderr[-3000:])
+                self.assertIn("no_such_weights.h5", error_lines(p.stderr)[0])
+                self.assertFalse(os.path.exists(os.path.join(self.d, name)), os.listdir(self.d))
+        # A directory that existed before the job stays, with what was in it.
+        keep = os.path.join(self.d, "kept")
+        os.makedirs(keep)
+        with open(os.path.join(keep, "notes.txt"), "w") as f:
+            f.write("mine\n")
+        p = self.train("kept", "train.steps=2", f"train.load_from={missing}")
+        self.assertNotEqual(p.returncode, 0)
+        self.assertEqual(sorted(os.listdir(keep)), [".lock", "notes.txt"])
 
 
 if __name__ == "__main__":

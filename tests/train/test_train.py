@@ -14,10 +14,12 @@ Usage: test_train.py <parallax binary> <mpirun>
 import json
 import re
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import unittest
+import zlib
 
 import h5py
 import numpy as np
@@ -65,6 +67,27 @@ def fp8_gpu():
     except (OSError, subprocess.SubprocessError):
         return False
     return bool(out) and float(out[0]) >= 8.9
+
+
+def rewrite_tensor(path, name, change):
+    """Replaces tensor `name` of weights file `path` by change(its array), as an h5py user editing a
+    weights.h5 does: with its new crc32 attribute (every load verifies it; docs/checkpoints.md)."""
+    with h5py.File(path, "r+") as f:
+        a = change(f[name][()])
+        f[name][...] = a
+        f[name].attrs["crc32"] = zlib.crc32(np.ascontiguousarray(a).tobytes())
+
+
+def flip_byte(path, dataset):
+    """Flips one byte in the middle of `dataset`'s data inside HDF5 file `path` (the file keeps its
+    size and its structure: only a checksum can tell)."""
+    with h5py.File(path, "r") as f:
+        at = f[dataset].id.get_offset() + f[dataset].id.get_storage_size() // 2
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0x5A]))
 
 
 def weights(run_dir):
@@ -244,6 +267,13 @@ class TrainTest(RunDirTest):
         src = os.path.join(self.d, "fresh")
         run(self.common("init", "train.steps=1", f"train.load_from={src}"))
         self.assertEqual([r["step"] for r in metrics(os.path.join(self.d, "init"))], [1])
+        # Resubmitted with both keys, it resumes its own checkpoint (resume wins) and says so once.
+        p = run(self.common("init", "train.steps=2", f"train.load_from={src}", "train.resume=auto"))
+        warns = [l for l in p.stderr.splitlines() if "WARN" in l and "is ignored" in l]
+        self.assertEqual(len(warns), 1, p.stderr[-3000:])
+        self.assertIn(f"train.load_from '{src}' is ignored: the run resumes from '{self.d}/init/checkpoints/"
+                      "step_00000001' (step 1)", warns[0])
+        self.assertEqual([r["step"] for r in metrics(os.path.join(self.d, "init"))], [1, 2])
         p = run(self.common("bad", "train.steps=1", f"train.load_from={self.d}/nowhere"), check=False)
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("parallax: error:", p.stderr)
@@ -329,23 +359,74 @@ class TrainTest(RunDirTest):
         self.assertNotEqual(p.returncode, 0)
         self.assertRegex(p.stderr, r"parallax: error: loss is (NaN|inf|-inf) at step \d+")
 
-    def test_load_from_weights_holding_nan_are_named_at_load_time(self):
+    def error_of(self, name, *extra):
+        """The one error line of a failing run `name`."""
+        p = run(self.common(name, "train.steps=2", *extra), check=False)
+        self.assertNotEqual(p.returncode, 0)
+        errors = [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")]
+        self.assertEqual(len(errors), 1, p.stderr[-2000:])
+        return errors[0], p.stderr
+
+    def test_load_from_weights_nan_overflow_corruption_and_no_match_are_named(self):
         # A NaN in train.load_from's weights names the file and the tensor before any step (it used
         # to surface as "loss is NaN at step 1 ... lower optim.lr").
         run(self.common("src", "train.steps=1"))
         run(["export", "--run", os.path.join(self.d, "src"), "--format", "weights"])
         w = os.path.join(self.d, "src", "export", "weights.h5")
-        with h5py.File(w, "r+") as f:
-            name = sorted(k for k in f if isinstance(f[k], h5py.Dataset) and f[k].ndim == 2)[0]
-            a = f[name][()]
+        with h5py.File(w, "r") as f:
+            keys = sorted(k for k in f if isinstance(f[k], h5py.Dataset))
+            name = [k for k in keys if f[k].ndim == 2][0]
+
+        def variant(label, change):
+            path = os.path.join(self.d, f"{label}.h5")
+            shutil.copy(w, path)
+            change(path)
+            return path
+
+        def one_nan(a):
             a.flat[1] = np.nan
-            f[name][...] = a
-        p = run(self.common("nanbase", "train.steps=2", f"train.load_from={w}"), check=False)
-        self.assertNotEqual(p.returncode, 0)
-        errors = [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")]
-        self.assertEqual(len(errors), 1, p.stderr[-2000:])
-        self.assertIn(f"train.load_from '{w}': tensor '{name}' holds 1 NaN", errors[0])
-        self.assertNotIn("at step", p.stderr)
+            return a
+
+        nan = variant("nan", lambda p: rewrite_tensor(p, name, one_nan))
+        error, stderr = self.error_of("nanbase", f"train.load_from={nan}")
+        self.assertIn(f"train.load_from '{nan}': tensor '{name}' holds 1 NaN", error)
+        self.assertNotIn("at step", stderr)
+        # Finite values that overflow in the forward: the first step's non-finite loss names the
+        # loaded weights, not the learning rate (no update has happened).
+        big = variant("big", lambda p: rewrite_tensor(p, name, lambda a: np.full_like(a, 3e38)))
+        error, _ = self.error_of("bigbase", f"train.load_from={big}")
+        self.assertRegex(error, r"loss is (NaN|inf|-inf) at step 1 ")
+        self.assertIn(f"no update has happened yet, so the weights loaded from train.load_from '{big}' are the "
+                      "likely cause", error)
+        self.assertNotIn("optim.lr", error)
+        # weights.h5 carries a crc32 per tensor, which h5py reads: a byte flipped inside a tensor's data
+        # is refused naming the file and the tensor.
+        with h5py.File(w, "r") as f:
+            self.assertEqual(int(f[name].attrs["crc32"]), zlib.crc32(f[name][()].tobytes()))
+        flipped = variant("flipped", lambda p: flip_byte(p, name))
+        error, _ = self.error_of("flipped", f"train.load_from={flipped}")
+        self.assertIn(f"weights file '{flipped}': checksum mismatch for tensor '{name}'", error)
+        # A file written before the checksums (format version 1) still loads, with one warning.
+        def strip(p):
+            with h5py.File(p, "r+") as f:
+                f.attrs["format_version"] = 1
+                for k in f:
+                    del f[k].attrs["crc32"]
+        old = variant("old", strip)
+        p = run(self.common("oldbase", "train.steps=1", f"train.load_from={old}"))
+        warns = [l for l in p.stderr.splitlines() if "WARN" in l]
+        self.assertEqual(len(warns), 1, p.stderr[-2000:])
+        self.assertIn(f"weights file '{old}' holds no checksums", warns[0])
+        # Non-strict loading that matches nothing is refused, naming some keys of both sides.
+        foreign = os.path.join(self.d, "foreign.h5")
+        with h5py.File(foreign, "w") as f:
+            for k in ("decoder.fc.bias", "decoder.fc.weight", "encoder.conv.bias", "encoder.conv.weight", "z"):
+                f[k] = np.ones(3, np.float32)
+        error, _ = self.error_of("foreign", f"train.load_from={foreign}", "train.strict_load=false")
+        self.assertIn(f"'{foreign}': nothing matched the module (non-strict loading would load 0 of its", error)
+        self.assertIn("it holds decoder.fc.bias, decoder.fc.weight, encoder.conv.bias, encoder.conv.weight, ... "
+                      "(5 in all); the module has ", error)
+        self.assertIn(f"the module has {', '.join(keys[:4])}, ...", error)
 
     def test_cuda_graph_on_the_cpu_is_refused_naming_the_key(self):
         # The GPU side (graph against eager, 1 and 2 GPUs) is tests/train/test_cuda_graph.py.

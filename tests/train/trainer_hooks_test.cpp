@@ -3,6 +3,7 @@
 // term, and an extra checkpoint entry saved and read back on resume.
 #include "checkpoint/reader.h"
 #include "checkpoint/save_state.h"
+#include "core/build_info.h"
 #include "models/model.h"
 #include "parallel/comm/world.h"
 #include "train/trainer.h"
@@ -22,7 +23,7 @@ using namespace parallax;
 namespace {
 
 std::string source_dir() {
-  return PARALLAX_SOURCE_DIR;
+  return core::source_dir();
 }
 
 train::RunConfig config(const fs::path& out, const std::string& name,
