@@ -92,10 +92,12 @@ function(parallax_add_gtest name)
     DISCOVERY_TIMEOUT 120)
 endfunction()
 
-# parallax_add_mpi_test(<name> TARGET <exe> NP <n> [FILTER <gtest filter>] [TIMEOUT s] [LABELS ...])
-# Runs the whole executable (or the filtered tests) under `mpirun -np <n> --oversubscribe`.
+# parallax_add_mpi_test(<name> TARGET <exe> NP <n> [FILTER <gtest filter>] [TIMEOUT s] [COST s]
+#                       [LABELS ...])
+# Runs the whole executable (or the filtered tests) under `mpirun -np <n> --oversubscribe`. COST:
+# seconds alone on a quiet 2-core machine, so ctest starts the long ones first.
 function(parallax_add_mpi_test name)
-  cmake_parse_arguments(A "" "TARGET;NP;FILTER;TIMEOUT" "LABELS;ARGS" ${ARGN})
+  cmake_parse_arguments(A "" "TARGET;NP;FILTER;TIMEOUT;COST" "LABELS;ARGS" ${ARGN})
   if(NOT A_TIMEOUT)
     set(A_TIMEOUT 300)
   endif()
@@ -108,4 +110,7 @@ function(parallax_add_mpi_test name)
                    $<TARGET_FILE:${A_TARGET}> ${_filter} ${A_ARGS})
   set_tests_properties(${name} PROPERTIES LABELS "mpi;${A_LABELS}" TIMEOUT ${A_TIMEOUT}
                                           ENVIRONMENT "${PARALLAX_TEST_ENV}")
+  if(A_COST)
+    set_tests_properties(${name} PROPERTIES COST ${A_COST})
+  endif()
 endfunction()

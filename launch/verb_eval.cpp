@@ -249,11 +249,7 @@ int verb_eval(const std::vector<std::string>& argv) {
   // precision.mode=fp8 as `parallax train` takes it: refused where FP8 cannot run, before any work.
   const bool fp8 = optim::parse_precision(cfg.precision.mode) == optim::Precision::kFp8;
   if (fp8) train::require_fp8_device(device);
-  const int local_ranks = std::max(1, world.launch().local_world_size);
-  at::set_num_threads(
-      cfg.train.threads > 0
-          ? cfg.train.threads
-          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_ranks));
+  at::set_num_threads(train::intra_op_threads(cfg.train.threads, world.launch().local_world_size));
   const auto& p = cfg.parallel;
   comm::CommOptions opts =
       comm::make_comm_options(p.timeout_s, comm::startup_deadline_s(p.init_timeout_s, p.timeout_s),

@@ -51,7 +51,7 @@ struct TrainConfig {
   bool strict_load = true;
   std::string device = "auto";
   bool benchmark = false;
-  int threads = 0;            // intra-op CPU threads per rank; 0: cores / ranks on the node
+  int threads = 0;            // intra-op CPU threads per rank; 0: train::intra_op_threads
   int64_t profile_steps = 0;  // > 0: Chrome trace of that many steps
   int64_t profile_start = 5;
   bool cuda_graph = false;        // capture the whole step into a CUDA graph (train/cuda_graph.h)
@@ -77,7 +77,8 @@ struct TrainConfig {
     v("device", device, "compute device", core::Check::one_of({"auto", "cpu", "cuda"}));
     v("benchmark", benchmark, "benchmark mode: synthetic batches, no eval or checkpoints");
     v("threads", threads,
-      "intra-op CPU threads per rank (0: cores on the node / ranks on the node)",
+      "intra-op CPU threads per rank (0: $OMP_NUM_THREADS where set, else this process's cores / "
+      "ranks on the node)",
       core::Check::at_least(0));
     v("profile_steps", profile_steps,
       "record this many steps with the Kineto profiler into <run>/profile/trace_rank<r>.json (0: "

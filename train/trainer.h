@@ -145,5 +145,10 @@ int apply_fp8(torch::nn::Module& model, const RunConfig& cfg);
 // cores (the CPU, GPUs below compute capability 8.9). `parallax train` and `parallax eval` refuse
 // alike, before anything is built.
 void require_fp8_device(const c10::Device& device);
+// Intra-op CPU threads of a rank (`parallax train` and `parallax eval`): `configured`
+// (train.threads) when positive; else OMP_NUM_THREADS where it is a positive integer (its first
+// entry), as PyTorch reads it; else the cores this process may run on (its affinity mask), at most
+// the node's cores / `local_ranks`. At least 1.
+int intra_op_threads(int configured, int local_ranks);
 
 }  // namespace parallax::train

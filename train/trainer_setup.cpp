@@ -5,6 +5,10 @@
 #include "data/schema.h"
 #include "parallel/comm/startup.h"
 
+#include <sched.h>
+
+#include <charconv>
+#include <cstdlib>
 #include <fstream>
 
 namespace parallax::train::detail {
@@ -75,12 +79,8 @@ void TrainerImpl::setup() {
   precision_ = optim::make_precision_policy(cfg_.precision, device_.type());
   if (precision_.fp8()) train::require_fp8_device(device_);  // before anything is built
   // Ranks sharing a node share its cores: without this, every rank would start one intra-op
-  // thread per core and they would all fight over them.
-  const int local_ranks = std::max(1, world_.launch().local_world_size);
-  const int threads =
-      cfg_.train.threads > 0
-          ? cfg_.train.threads
-          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_ranks);
+  // thread per core and they would all fight over them (intra_op_threads).
+  const int threads = intra_op_threads(cfg_.train.threads, world_.launch().local_world_size);
   at::set_num_threads(threads);
   const auto& p = cfg_.parallel;
   comm::CommOptions opts =
@@ -540,6 +540,38 @@ void TrainerImpl::check_graph_capturable() const {
 }  // namespace parallax::train::detail
 
 namespace parallax::train {
+
+int intra_op_threads(int configured, int local_ranks) {
+  if (configured > 0) return configured;
+  // OMP_NUM_THREADS as PyTorch reads it (torchrun sets it to 1 for several ranks per node): its
+  // first entry, a positive integer; anything else is named once and ignored.
+  if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr && *env != '\0') {
+    const std::string value(env);
+    const std::string first = value.substr(0, value.find(','));
+    int n = 0;
+    const auto [end, ec] = std::from_chars(first.data(), first.data() + first.size(), n);
+    if (ec == std::errc() && end == first.data() + first.size() && n > 0) return n;
+    static const bool warned = [&] {
+      core::log::warn(
+          "OMP_NUM_THREADS='{}' is not a positive integer; ignored (train.threads=0: "
+          "cores / ranks on the node)",
+          core::clip(value));
+      return true;
+    }();
+    (void)warned;
+  }
+  // The cores this process may run on (taskset, cgroup cpusets, mpirun --bind-to), shared with the
+  // other ranks of the node.
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+    cores = cores > 0 ? std::min(cores, CPU_COUNT(&set)) : CPU_COUNT(&set);
+  }
+  const int node_share =
+      static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, local_ranks);
+  return std::max(1, std::min(cores, std::max(1, node_share)));
+}
 
 void require_fp8_device(const c10::Device& device) {
   const std::string blocker = kernels::fp8::fp8_device_blocker(device);

@@ -101,6 +101,23 @@ std::shared_ptr<void> keep(std::vector<at::Tensor> t, std::shared_ptr<void> extr
   return std::make_shared<Keep>(Keep{std::move(t), std::move(extra)});
 }
 
+// Runs `call`, a blocking MPI communicator constructor (MPI_Comm_dup, MPI_Comm_split), under the
+// start-up watchdog (startup.h). They are collectives with no deadline (MPI 3 has no nonblocking
+// split), and every member arriving first (the caller's barrier or allgather, which have
+// deadlines) does not help when one is stopped between that and this call: measured on a loaded
+// 2-core machine, a rank stopped 0.9 s into start-up held the other in MPI_Comm_split forever.
+template <class F>
+void within_deadline(const std::string& what, const WorldContext& ctx, double deadline_s, F call) {
+  StartupPhase phase(what, deadline_s, ctx.launch);
+  call();
+}
+
+std::string members_of(const std::vector<int>& world_ranks) {
+  std::string s;
+  for (int r : world_ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return "world ranks [" + s + "]";
+}
+
 }  // namespace
 
 std::shared_ptr<MpiCommunicator> MpiCommunicator::create_world(
@@ -128,7 +145,8 @@ std::shared_ptr<MpiCommunicator> MpiCommunicator::create_world(
     if (++spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   MPI_Comm comm;
-  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  within_deadline("creating the mpi world communicator (MPI_Comm_dup waits for every rank)", *ctx,
+                  options.init_timeout_s, [&] { MPI_Comm_dup(MPI_COMM_WORLD, &comm); });
   std::vector<int> ranks(static_cast<size_t>(ctx->size));
   for (int i = 0; i < ctx->size; ++i) ranks[static_cast<size_t>(i)] = i;
   return std::make_shared<MpiCommunicator>(ctx, comm, "world", ctx->next_world_uid("mpi"),
@@ -141,8 +159,12 @@ MpiCommunicator::MpiCommunicator(std::shared_ptr<WorldContext> ctx, MPI_Comm com
       comm_(comm) {
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
-  MPI_Comm_dup(comm_, &p2p_);
-  MPI_Comm_dup(comm_, &ring_);
+  within_deadline(fmt::format("creating communicator '{}' (MPI_Comm_dup waits for {})", name_,
+                              members_of(world_ranks_)),
+                  *ctx_, options_.init_timeout_s, [&] {
+                    MPI_Comm_dup(comm_, &p2p_);
+                    MPI_Comm_dup(comm_, &ring_);
+                  });
   void* ub = nullptr;
   int flag = 0;
   MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
@@ -416,8 +438,13 @@ std::shared_ptr<CommBase> MpiCommunicator::create_child(int color, const std::ve
     if (members[i] == rank_) key = static_cast<int>(i);
   }
   MPI_Comm child = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child),
-            "MPI_Comm_split");
+  within_deadline(
+      fmt::format("creating communicator '{}' (MPI_Comm_split waits for every member of '{}': {})",
+                  name, name_, members_of(world_ranks_)),
+      *ctx_, options_.init_timeout_s, [&] {
+        check_mpi(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child),
+                  "MPI_Comm_split");
+      });
   if (color < 0 || child == MPI_COMM_NULL) return nullptr;
   std::vector<int> wr;
   for (int m : members) wr.push_back(world_ranks_[static_cast<size_t>(m)]);

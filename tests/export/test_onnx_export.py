@@ -87,8 +87,11 @@ def setUpModule():
                             "train.steps=1")
     RUNS["vit_cls"] = train("vit_cls", MLP, "model.name=vit_cls", "model.size=tiny", "model.num_classes=10",
                             "data.batch_size=2", "train.steps=1")
-    # Never exported successfully: the bad-input cases must not leave a model.onnx here.
-    RUNS["errors"] = train("errors", MLP, "model.size=tiny", "train.steps=1")
+    # Never exported successfully: the bad-input cases must not leave a model.onnx here. A copy of
+    # the mlp run made before any export (its config and checkpoints; the same model, no second
+    # training).
+    RUNS["errors"] = os.path.join(TMP, "errors")
+    shutil.copytree(RUNS["mlp"], RUNS["errors"])
 
 
 def tearDownModule():

@@ -18,10 +18,26 @@ Merge bound: the export computes W + s (B A) in fp32: B A is a sum of r products
 the product's), the scaling and the addition one each: |merged - exact| <= gamma(r + 3) (|W| +
 s |B| |A|) elementwise.
 
+CI time (2 cores): what each run costs beyond what the assertions read.
+- The vit_cls base (3 steps) is trained once per file (`Shared`) for the tests that adapt it; none
+  writes into its folder (exports go to the test's folder with --out). Each used to train its own
+  (1 to 3 steps: any trained base serves them).
+- The trainer's plots (tools/plot_metrics.py, ~1 s of CPU per run, most of a vit_cls tiny run)
+  are not drawn: no test here reads them (test_train.py does). PARALLAX_PYTHON, the interpreter the
+  trainer runs them with, is `false` for this file's runs (setUpModule), so each run logs "plots
+  skipped".
+- The LoRA eval test generates 64 x 112 images (was 128 x 224): the same model and merge on a
+  quarter of the pixels.
+- Independent runs go side by side (`side_by_side`): the failing runs (a failing mpirun waits ~2 s
+  for its ranks' teardown), the evaluations, and the ZeRO-3 test's legs two at a time.
+
 Usage: test_lora.py <parallax binary> <mpirun>
 """
+import concurrent.futures
+import json
 import os
 import sys
+import tempfile
 import unittest
 
 import h5py
@@ -35,6 +51,57 @@ U = 2.0 ** -24
 
 
 losses = tt.losses
+_saved_python = None
+
+
+def setUpModule():
+    global _saved_python
+    _saved_python = os.environ.get("PARALLAX_PYTHON")
+    os.environ["PARALLAX_PYTHON"] = "false"  # no plots (above)
+
+
+def tearDownModule():
+    if _saved_python is None:
+        os.environ.pop("PARALLAX_PYTHON", None)
+    else:
+        os.environ["PARALLAX_PYTHON"] = _saved_python
+    if Shared.tmp is not None:
+        Shared.tmp.cleanup()
+
+
+def side_by_side(*calls):
+    """Runs the independent calls (functions of no argument) at once; their values, in order (the
+    exception of a call that raised is raised here)."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(c) for c in calls]
+    return [f.result() for f in futures]
+
+
+def exported_weights(run_dir, out):
+    """tt.weights, written to `out` instead of <run_dir>/export (the shared base's folder stays
+    as it is)."""
+    tt.run(["export", "--run", run_dir, "--format", "weights", "--out", out])
+    with h5py.File(out, "r") as f:
+        w = {}
+        f.visititems(lambda n, o: w.__setitem__(n, o[()]) if isinstance(o, h5py.Dataset) else None)
+        return w
+
+
+class Shared:
+    """The base run the adapter tests start from, trained on first use in a folder of its own
+    (removed by tearDownModule); no test writes into it."""
+    tmp = None
+    run_dir = None
+
+    @classmethod
+    def base(cls):
+        """vit_cls tiny, 3 AdamW steps from seed 42 (LoraTest.COMMON), a checkpoint at step 3."""
+        if cls.run_dir is None:
+            cls.tmp = tempfile.TemporaryDirectory()
+            tt.run(["train", "--config", tt.MLP, f"experiment.output_dir={cls.tmp.name}", "experiment.name=base",
+                    *LoraTest.COMMON, "train.steps=3"])
+            cls.run_dir = os.path.join(cls.tmp.name, "base")
+        return cls.run_dir
 
 
 class LoraTest(tt.RunDirTest):
@@ -42,14 +109,14 @@ class LoraTest(tt.RunDirTest):
               "train.log_every=1", "train.device=cpu", "schedule.warmup_steps=1"]
 
     def lora(self, name, *extra, ranks=2, check=True):
-        return tt.run(self.common(name, "lora.rank=4", "lora.alpha=8",
-                                  f"lora.base={os.path.join(self.d, 'base')}", *extra), ranks=ranks,
-                      check=check)
+        return tt.run(self.common(name, "lora.rank=4", "lora.alpha=8", f"lora.base={Shared.base()}", *extra),
+                      ranks=ranks, check=check)
 
     def test_lora_trains_adapters_only_resumes_merges_and_refuses_another_base(self):
         d = self.d
-        tt.run(self.common("base", "train.steps=3"))
-        self.lora("l", "train.steps=4", "checkpoint.every=2")
+        # Beside it, the other base of the refusal at the end.
+        side_by_side(lambda: self.lora("l", "train.steps=4", "checkpoint.every=2"),
+                     lambda: tt.run(self.common("base2", "train.steps=2", "experiment.seed=7")))
         ck = os.path.join(d, "l", "checkpoints", "step_00000004")
         meta = metadata(ck)
         model = [k for k in meta["tensors"] if k.startswith("model/")]
@@ -59,7 +126,7 @@ class LoraTest(tt.RunDirTest):
         self.assertTrue(all(".lora_" in k for k in optim), optim)
         self.assertRegex(meta["extra"]["lora.base_fingerprint"], r"^[0-9a-f]{8}$")
         size = lambda c: sum(os.path.getsize(os.path.join(c, f)) for f in os.listdir(c))
-        base_ck = os.path.join(d, "base", "checkpoints", "step_00000003")
+        base_ck = os.path.join(Shared.base(), "checkpoints", "step_00000003")
         self.assertLess(size(ck), size(base_ck) / 5)
 
         # Resume from step 2: bitwise the same steps 3 and 4.
@@ -70,7 +137,7 @@ class LoraTest(tt.RunDirTest):
             self.assertEqual(a[s], b[s], f"step {s}")
 
         # The merged export: the base everywhere, W + s B A where adapted.
-        base = tt.weights(os.path.join(d, "base"))
+        base = exported_weights(Shared.base(), os.path.join(d, "base_weights.h5"))
         merged = tt.weights(os.path.join(d, "l"))
         self.assertEqual(sorted(merged), sorted(base))
         adapted = {k[len("model/"):-len(".lora_a")] for k in model if k.endswith(".lora_a")}
@@ -89,8 +156,7 @@ class LoraTest(tt.RunDirTest):
             bound = (r + 3) * U / (1 - (r + 3) * U) * (np.abs(W) + scale * (np.abs(B) @ np.abs(A)))
             self.assertTrue(np.all(np.abs(merged[k] - exact) <= bound), k)
 
-        # Another base: refused, naming both fingerprints.
-        tt.run(self.common("base2", "train.steps=2", "experiment.seed=7"))
+        # Another base (trained above): refused, naming both fingerprints.
         p = tt.run(self.common("w", "lora.rank=4", "lora.alpha=8", f"lora.base={os.path.join(d, 'base2')}",
                                "train.steps=4", f"train.resume={os.path.join(d, 'l', 'checkpoints', 'step_00000002')}"),
                    check=False)
@@ -100,7 +166,6 @@ class LoraTest(tt.RunDirTest):
         self.assertIn(meta["extra"]["lora.base_fingerprint"], p.stderr)
 
     def test_a_target_that_matches_nothing_is_refused(self):
-        tt.run(self.common("base", "train.steps=1"))
         p = self.lora("bad", "train.steps=1", "lora.targets=['*.qkv','*.nothing']", ranks=1, check=False)
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("key 'lora.targets': '*.nothing' matches no linear layer", p.stderr)
@@ -108,9 +173,8 @@ class LoraTest(tt.RunDirTest):
     def test_a_base_holding_nan_is_named_at_load_time(self):
         # Through either key, a NaN in the base is the tensor's name and the file, before any step
         # (it used to surface as "loss is NaN at step 1 ... lower optim.lr").
-        tt.run(self.common("base", "train.steps=1"))
-        tt.run(["export", "--run", os.path.join(self.d, "base"), "--format", "weights"])
-        w = os.path.join(self.d, "base", "export", "weights.h5")
+        w = os.path.join(self.d, "base_weights.h5")
+        tt.run(["export", "--run", Shared.base(), "--format", "weights", "--out", w])
         with h5py.File(w, "r") as f:
             name = sorted(k for k in f if k.endswith("qkv.weight"))[0]
 
@@ -121,10 +185,11 @@ class LoraTest(tt.RunDirTest):
         tt.rewrite_tensor(w, name, nan_fourth)
         # The last: ZeRO-3 over 2 ranks, whose model is built without storage (the base read one
         # tensor at a time for its fingerprint, each tensor checked as it is read).
-        for key, ranks, extra in (("train.load_from", 1, ()), ("lora.base", 1, ()),
-                                  ("lora.base", 2, ("parallel.zero.stage=3",))):
-            p = tt.run(self.common(f"nan_{key}_{ranks}", "train.steps=2", "lora.rank=4", f"{key}={w}", *extra),
-                       ranks=ranks, check=False)
+        cases = (("train.load_from", 1, ()), ("lora.base", 1, ()), ("lora.base", 2, ("parallel.zero.stage=3",)))
+        runs = side_by_side(*(lambda key=key, ranks=ranks, extra=extra: tt.run(
+            self.common(f"nan_{key}_{ranks}", "train.steps=2", "lora.rank=4", f"{key}={w}", *extra), ranks=ranks,
+            check=False) for key, ranks, extra in cases))
+        for (key, ranks, extra), p in zip(cases, runs):
             self.assertNotEqual(p.returncode, 0, key)
             errors = [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")]
             # One error; over 2 ranks each reads the same base and says the same line.
@@ -135,18 +200,22 @@ class LoraTest(tt.RunDirTest):
 
     def test_lora_under_zero3_gives_ddp_losses_and_resumes_from_train_load_from(self):
         # The base through train.load_from (which the trainer loads, resume included).
-        tt.run(self.common("base", "train.steps=2"))
-        base = f"train.load_from={os.path.join(self.d, 'base')}"
+        base = f"train.load_from={Shared.base()}"
         out = {}
+        _, p = side_by_side(*(lambda stage=stage: tt.run(
+            self.common(f"z{stage}", "lora.rank=4", base, "train.steps=4", "checkpoint.every=2",
+                        f"parallel.zero.stage={stage}"), ranks=2) for stage in (0, 3)))
         for stage in (0, 3):
-            p = tt.run(self.common(f"z{stage}", "lora.rank=4", base, "train.steps=4", "checkpoint.every=2",
-                                   f"parallel.zero.stage={stage}"), ranks=2)
             out[stage] = losses(os.path.join(self.d, f"z{stage}"))
         # ZeRO-3 builds the model without storage (parallel.meta_init, the default) and LoRA adds
         # its adapters as recipes: bitwise the full build's run, with the same base fingerprint.
+        # Beside it, the resume from z3's step 2 (checked below).
         self.assertIn("model built without storage", p.stdout + p.stderr)
-        tt.run(self.common("z3full", "lora.rank=4", base, "train.steps=4", "checkpoint.every=2",
-                           "parallel.zero.stage=3", "parallel.meta_init=false"), ranks=2)
+        step2 = os.path.join(self.d, "z3", "checkpoints", "step_00000002")
+        side_by_side(lambda: tt.run(self.common("z3full", "lora.rank=4", base, "train.steps=4", "checkpoint.every=2",
+                                                "parallel.zero.stage=3", "parallel.meta_init=false"), ranks=2),
+                     lambda: tt.run(self.common("z3r", "lora.rank=4", base, "train.steps=4", "parallel.zero.stage=3",
+                                                f"train.resume={step2}"), ranks=2))
         self.assertEqual(losses(os.path.join(self.d, "z3full")), out[3])
         fp = {n: metadata(os.path.join(self.d, n, "checkpoints", "step_00000002"))["extra"]["lora.base_fingerprint"]
               for n in ("z0", "z3", "z3full")}
@@ -159,9 +228,6 @@ class LoraTest(tt.RunDirTest):
         # Intel Xeon over the kernel variants of TOLERANCES.md). Later steps are not compared:
         # AdamW amplifies such differences chaotically (steps 3-4 serve the bitwise resume below).
         self.assert_losses(out[3], out[0], [2], 1e-5, "ZeRO-3 vs DDP")
-        step2 = os.path.join(self.d, "z3", "checkpoints", "step_00000002")
-        tt.run(self.common("z3r", "lora.rank=4", base, "train.steps=4", "parallel.zero.stage=3",
-                           f"train.resume={step2}"), ranks=2)
         resumed = losses(os.path.join(self.d, "z3r"))
         self.assertEqual(sorted(resumed), [3, 4])
         for s in resumed:
@@ -172,7 +238,7 @@ class LoraTest(tt.RunDirTest):
         adapters merged: the same metrics as evaluating the exported merged weights.h5."""
         data = os.path.join(self.d, "data")
         tt.run(["datagen", "--out", data, "--scenes", "4", "--val-scenes", "2", "--threads", "2",
-                "--samples-per-pixel", "1"])
+                "--samples-per-pixel", "1", "--height", "64", "--width", "112"])
         bev = ["--config", tt.BEV, f"experiment.output_dir={self.d}", f"data.path={data}",
                "model.backbone=vit", "data.batch_size=2", "train.device=cpu", "train.eval_every=0",
                "schedule.warmup_steps=1"]
@@ -183,11 +249,18 @@ class LoraTest(tt.RunDirTest):
         run = os.path.join(self.d, "lora")
         ck = os.path.join(run, "checkpoints", "step_00000002")
         out_ck, out_w = os.path.join(self.d, "eval_ck.json"), os.path.join(self.d, "eval_w.json")
-        p = tt.run(["eval", *bev, "--checkpoint", ck, "--out", out_ck, "lora.rank=2", "lora.alpha=4", base])
+        out_b = os.path.join(self.d, "eval_b.json")
+
+        def merged_export():
+            tt.run(["export", "--run", run, "--format", "weights"])
+            tt.run(["eval", *bev, "--checkpoint", os.path.join(run, "export", "weights.h5"), "--out", out_w])
+
+        # The three evaluations (one after the export) side by side.
+        p, _, _ = side_by_side(
+            lambda: tt.run(["eval", *bev, "--checkpoint", ck, "--out", out_ck, "lora.rank=2", "lora.alpha=4", base]),
+            merged_export,
+            lambda: tt.run(["eval", *bev, "--checkpoint", os.path.join(self.d, "base"), "--out", out_b]))
         self.assertIn("LoRA adapters merged", p.stdout)
-        tt.run(["export", "--run", run, "--format", "weights"])
-        tt.run(["eval", *bev, "--checkpoint", os.path.join(run, "export", "weights.h5"), "--out", out_w])
-        import json
         with open(out_ck) as f:
             got = json.load(f)["metrics"]
         with open(out_w) as f:
@@ -195,8 +268,6 @@ class LoraTest(tt.RunDirTest):
         self.assertIn("miou", got)
         self.assertEqual(got, want)  # one merge, the same forward: bitwise
         # The base alone scores differently (the adapters trained at a large rate).
-        out_b = os.path.join(self.d, "eval_b.json")
-        tt.run(["eval", *bev, "--checkpoint", os.path.join(self.d, "base"), "--out", out_b])
         with open(out_b) as f:
             self.assertNotEqual(json.load(f)["metrics"], got)
 

@@ -25,10 +25,12 @@
 
 Usage: test_pipeline.py <parallax binary> <mpirun>
 """
+import concurrent.futures
 import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 import unittest
 
@@ -64,6 +66,68 @@ BEV_LR = 0.01
 VIT_LR = 0.03
 
 
+# CI time (2 cores): what each run costs beyond what the assertions read.
+# - The trainer's plots (tools/plot_metrics.py, ~1 s and 0.6 s of CPU per run) are not drawn: no
+#   test here reads them (test_train.py does). PARALLAX_PYTHON, the interpreter the trainer runs
+#   them with, is `false` for this file's runs (set below), so each run logs "plots skipped".
+# - Independent runs go side by side, two at a time (`side_by_side`); a pipeline rank waiting for
+#   its peer leaves its core to the other run.
+# - Runs that several tests compare with are made once per file (`Shared`).
+def side_by_side(*calls, workers=2):
+    """Runs the independent calls (functions of no argument) `workers` at a time; their futures, in
+    order (`.result()` returns the call's value or raises its exception)."""
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(c) for c in calls]
+    return futures
+
+
+class Shared:
+    """Runs several tests compare with, made on first use in a folder of their own (removed by
+    tearDownModule)."""
+    tmp = None
+    cache = {}
+
+    @classmethod
+    def dir(cls):
+        if cls.tmp is None:
+            cls.tmp = tempfile.TemporaryDirectory()
+        return cls.tmp.name
+
+    @classmethod
+    def vit_reference(cls):
+        """The single-process vit_cls run every vit_cls pipeline comparison starts from: 6 SGD steps,
+        global batch 16 (4 x grad_accum 4). The rows of its first k steps are those of a k-step
+        run (the constant schedule does not depend on train.steps; checked bitwise once), so the
+        2- and 3-step comparisons take its first steps. Returns its run directory."""
+        if "vit_ref" not in cls.cache:
+            tt.run(["train", "--config", tt.MLP, f"experiment.output_dir={cls.dir()}", "experiment.name=vit_ref",
+                    *PipelineTest.COMMON, "model.name=vit_cls", "model.size=tiny", "model.num_classes=8",
+                    "data.batch_size=4", "train.steps=6", *tt.sgd(VIT_LR)])
+            cls.cache["vit_ref"] = os.path.join(cls.dir(), "vit_ref")
+        return cls.cache["vit_ref"]
+
+    @classmethod
+    def dataset(cls):
+        """A generated HDF5 dataset: 8 training scenes (the same with any number of val scenes), 2
+        val scenes."""
+        if "data" not in cls.cache:
+            data = os.path.join(cls.dir(), "data")
+            tt.run(["datagen", "--out", data, "--scenes", "8", "--val-scenes", "2", "--threads", "2",
+                    "--samples-per-pixel", "1"])
+            cls.cache["data"] = data
+        return cls.cache["data"]
+
+
+def tearDownModule():
+    if Shared.tmp is not None:
+        Shared.tmp.cleanup()
+
+
+def first_steps(rows, k):
+    """Rows of steps 1..k."""
+    return {s: r for s, r in rows.items() if s <= k}
+
+
 class PipelineTest(tt.RunDirTest):
     COMMON = ["train.log_every=1", "train.device=cpu", "schedule.name=constant",
               "schedule.warmup_steps=2", "optim.grad_clip=1.0", "train.grad_accum=4"]
@@ -85,12 +149,17 @@ class PipelineTest(tt.RunDirTest):
 
     def test_bev_pipeline_matches_one_process_under_every_schedule(self):
         run = ["train.steps=3", *tt.sgd(BEV_LR)]
-        self.bev("one", 1, *run)
+        scheds = [("1f1b", []), ("gpipe", []), ("zb", []), ("interleaved", ["parallel.pp_virtual_stages=2"])]
+        # The single process and the four pipelines side by side.
+        done = side_by_side(lambda: self.bev("one", 1, *run),
+                            *[lambda sched=sched, extra=extra: self.bev(sched, 2, *run, "parallel.pp=2",
+                                                                       f"parallel.pp_schedule={sched}", *extra)
+                              for sched, extra in scheds])
+        done[0].result()
         want = tt.rows(os.path.join(self.d, "one"))
-        for sched, extra in [("1f1b", []), ("gpipe", []), ("zb", []),
-                             ("interleaved", ["parallel.pp_virtual_stages=2"])]:
+        for (sched, _), run_done in zip(scheds, done[1:]):
             with self.subTest(sched):
-                self.bev(sched, 2, *run, "parallel.pp=2", f"parallel.pp_schedule={sched}", *extra)
+                run_done.result()
                 self.assert_matches(tt.rows(os.path.join(self.d, sched)), want, sched)
 
     def launch(self, name, ranks, *extra):
@@ -108,10 +177,9 @@ class PipelineTest(tt.RunDirTest):
         pipeline_gloo_np2/np4 send messages of 4 KiB to 16 MiB)."""
         sgd = tt.sgd(VIT_LR)
         run = ["train.steps=2", "data.batch_size=4", "parallel.timeout_s=60", *sgd]
-        self.vit("one", 1, *run)
-        want = tt.rows(os.path.join(self.d, "one"))
         cases = [(pp, sched) for sched in ("gpipe", "1f1b", "zb", "interleaved") for pp in (2,)]
         cases += [(4, "1f1b"), (4, "zb")]
+        names, calls = [], []
         for pp, sched in cases:
             layout = ["parallel.pp=" + str(pp), "parallel.pp_schedule=" + sched]
             if sched == "interleaved":
@@ -120,13 +188,19 @@ class PipelineTest(tt.RunDirTest):
             starters = [("mpirun", "mpi"), ("mpirun", "gloo")] + ([("launch", "gloo")] if sched == "1f1b" else [])
             for starter, backend in starters:
                 name = f"{sched}_pp{pp}_{starter}_{backend}"
-                with self.subTest(name):
-                    extra = [*run, *layout, "parallel.backend=" + backend]
-                    if starter == "mpirun":
-                        self.vit(name, pp, *extra)
-                    else:
-                        self.launch(name, pp, *extra)
-                    self.assert_matches(tt.rows(os.path.join(self.d, name)), want, name)
+                extra = [*run, *layout, "parallel.backend=" + backend]
+                names.append(name)
+                if starter == "mpirun":
+                    calls.append(lambda name=name, pp=pp, extra=extra: self.vit(name, pp, *extra))
+                else:
+                    calls.append(lambda name=name, pp=pp, extra=extra: self.launch(name, pp, *extra))
+        # Side by side (each is mostly start-up and pipeline waits at this size), the reference too.
+        ref_done, *done = side_by_side(Shared.vit_reference, *calls)
+        want = first_steps(tt.rows(ref_done.result()), 2)
+        for name, run_done in zip(names, done):
+            with self.subTest(name):
+                run_done.result()
+                self.assert_matches(tt.rows(os.path.join(self.d, name)), want, name)
 
     def test_a_micro_batch_that_changes_shape_is_one_error_and_every_rank_exits(self):
         """Issue 36: receives are posted with their buffers before the header arrives, so the shapes
@@ -136,9 +210,7 @@ class PipelineTest(tt.RunDirTest):
         activations, exits within parallel.timeout_s (10 s). The failing rank prints its line at
         once: its exit barrier waits at most 5 s for peers that may be stuck waiting for it
         (~World during an exception)."""
-        data = os.path.join(self.d, "data")
-        tt.run(["datagen", "--out", data, "--scenes", "8", "--val-scenes", "1", "--threads", "2",
-                "--samples-per-pixel", "1"])
+        data = Shared.dataset()
         start = time.monotonic()
         p = tt.run(["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", "experiment.name=ragged",
                     "model.backbone=vit", f"data.path={data}", "data.batch_size=3", "data.drop_last=false",
@@ -158,10 +230,13 @@ class PipelineTest(tt.RunDirTest):
     def test_reshard_matrix_and_export(self):
         # vit_cls: 4 units, so pp 4 has a unit per stage. The uninterrupted single-process run:
         sgd = tt.sgd(VIT_LR)
-        self.vit("ref", 1, "train.steps=6", "data.batch_size=4", *sgd)
-        want = tt.rows(os.path.join(self.d, "ref"))
-        # pp 2 (global batch 4 per micro-batch on one pipeline) for 2 steps, then one process.
-        self.vit("a", 2, "train.steps=2", "checkpoint.every=2", "parallel.pp=2", "data.batch_size=4", *sgd)
+        # pp 2 (global batch 4 per micro-batch on one pipeline) for 2 steps (beside the reference),
+        # then one process.
+        ref_done, a_done = side_by_side(Shared.vit_reference, lambda: self.vit(
+            "a", 2, "train.steps=2", "checkpoint.every=2", "parallel.pp=2", "data.batch_size=4", *sgd))
+        ref = ref_done.result()
+        a_done.result()
+        want = tt.rows(ref)
         self.vit("a", 1, "train.steps=3", "checkpoint.every=3", "train.resume=auto", "data.batch_size=4", *sgd)
         # Then pp 4 for a step, then dp 2 x pp 2 (2 samples per dp rank).
         self.vit("a", 4, "train.steps=4", "checkpoint.every=4", "train.resume=auto", "parallel.pp=4",
@@ -177,25 +252,29 @@ class PipelineTest(tt.RunDirTest):
         # tt.sgd_weight_bound (6 SGD steps of lr <= 3e-2, clip 1.0: 2.6e-3; measured 1.5e-8); a
         # stage's tensors missing, stale or put in another's place are off by the spread of the
         # weights, 1e-2 and more.
-        got_w, want_w = tt.weights(os.path.join(self.d, "a")), tt.weights(os.path.join(self.d, "ref"))
+        got_w, want_w = tt.weights(os.path.join(self.d, "a")), tt.weights(ref)
         self.assert_weights(got_w, want_w, tt.sgd_weight_bound(want, 1.0), "reshard matrix export")
 
     def test_data_parallel_times_pipeline_matches(self):
         sgd = tt.sgd(VIT_LR)
-        self.vit("one", 1, "train.steps=3", "data.batch_size=4", *sgd)
-        self.vit("dp2pp2", 4, "train.steps=3", "parallel.pp=2", "parallel.dp=2", "parallel.zero.stage=2", *sgd)
-        self.assert_matches(tt.rows(os.path.join(self.d, "dp2pp2")), tt.rows(os.path.join(self.d, "one")), "dp 2 x pp 2")
+        ref_done, run_done = side_by_side(Shared.vit_reference, lambda: self.vit(
+            "dp2pp2", 4, "train.steps=3", "parallel.pp=2", "parallel.dp=2", "parallel.zero.stage=2", *sgd))
+        run_done.result()
+        self.assert_matches(tt.rows(os.path.join(self.d, "dp2pp2")), first_steps(tt.rows(ref_done.result()), 3),
+                            "dp 2 x pp 2")
 
     def test_precision_modes_under_pipeline(self):
         # bf16 autocast: 8 significant bits per activation; fp16 with loss scaling: 11. Both stay
         # within 2e-2 of their own pp 1 run over 2 SGD steps (kind N: measured <= 9.7e-5 over 3 steps
         # on the kernel variants of TOLERANCES.md's Verification section).
-        for mode in ["bf16", "fp16"]:
+        modes = ["bf16", "fp16"]
+        done = side_by_side(*[lambda mode=mode, ranks=ranks: self.vit(
+            f"{mode}{ranks}", ranks, "train.steps=2", f"precision.mode={mode}", "data.batch_size=4",
+            *(["parallel.pp=2"] if ranks == 2 else []), *tt.sgd(VIT_LR)) for mode in modes for ranks in (1, 2)])
+        for i, mode in enumerate(modes):
             with self.subTest(mode):
-                self.vit(f"{mode}1", 1, "train.steps=2", f"precision.mode={mode}", "data.batch_size=4",
-                         *tt.sgd(VIT_LR))
-                self.vit(f"{mode}2", 2, "train.steps=2", f"precision.mode={mode}", "parallel.pp=2",
-                         "data.batch_size=4", *tt.sgd(VIT_LR))
+                done[2 * i].result()
+                done[2 * i + 1].result()
                 a, b = losses(os.path.join(self.d, f"{mode}1")), losses(os.path.join(self.d, f"{mode}2"))
                 self.assert_losses(b, a, [1, 2], 2e-2, mode)
 
@@ -204,14 +283,13 @@ class PipelineTest(tt.RunDirTest):
         # the stages gathered on every rank, and activation checkpointing per stage: the same
         # losses (step 1 derived, step 2 after an SGD step within RTOL) and evaluation as one
         # process.
-        data = os.path.join(self.d, "data")
-        tt.run(["datagen", "--out", data, "--scenes", "8", "--val-scenes", "2", "--threads", "2",
-                "--samples-per-pixel", "1"])
+        data = Shared.dataset()
         common = ["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", "model.backbone=vit",
                   f"data.path={data}", "data.batch_size=1", "train.steps=2", "train.eval_every=2",
                   "train.activation_checkpointing=full", *self.COMMON, *tt.sgd(BEV_LR)]
-        tt.run([*common, "experiment.name=one"])
-        tt.run([*common, "experiment.name=pp", "parallel.pp=2"], 2)
+        for done in side_by_side(lambda: tt.run([*common, "experiment.name=one"]),
+                                 lambda: tt.run([*common, "experiment.name=pp", "parallel.pp=2"], 2)):
+            done.result()
         one, pp = os.path.join(self.d, "one"), os.path.join(self.d, "pp")
         self.assert_matches(tt.rows(pp), tt.rows(one), "hdf5 data")
         # Evaluation after 2 SGD steps (weights within tt.sgd_weight_bound of each other): val_loss
@@ -229,13 +307,18 @@ class PipelineTest(tt.RunDirTest):
 
     def test_meta_init_builds_only_this_ranks_stage_bitwise(self):
         # Two micro-batches per step (fewer than the 4 stages: a legal 1F1B with a longer bubble) keep
-        # the b16 compute small; what is compared is the build.
+        # the b16 compute small; what is compared is the build. train.benchmark: no checkpoint at
+        # the end (654 MiB of weights and momentum per run, read by no assertion; it changes
+        # nothing else for vit_cls, whose batches are synthetic anyway).
         args = ["model.name=vit_cls", "model.size=b16", "model.num_classes=8", "data.batch_size=1",
-                "train.grad_accum=2", "train.steps=2", "parallel.pp=4", *tt.sgd(0.01)]
+                "train.grad_accum=2", "train.steps=2", "parallel.pp=4", "train.benchmark=true", *tt.sgd(0.01)]
         out, peak = {}, {}
-        for meta in ("true", "false"):
+        # Side by side: the peaks are each process's own (VmHWM).
+        done = side_by_side(*[lambda meta=meta: tt.run(self.common(f"meta_{meta}", *args, f"parallel.meta_init={meta}"), 4)
+                              for meta in ("true", "false")])
+        for meta, run_done in zip(("true", "false"), done):
             name = f"meta_{meta}"
-            p = tt.run(self.common(name, *args, f"parallel.meta_init={meta}"), 4)
+            p = run_done.result()
             out[meta] = tt.losses(os.path.join(self.d, name))
             m = re.search(r"model setup: host peak ([\d.]+) MiB above .* parameters: ([\d.]+) MiB", p.stdout + p.stderr)
             self.assertIsNotNone(m, (p.stdout + p.stderr)[-3000:])
@@ -256,31 +339,9 @@ class PipelineTest(tt.RunDirTest):
         sources = {"ckpt": os.path.join(self.d, "src", "checkpoints", "step_00000002"),
                    "h5": os.path.join(self.d, "src", "export", "weights.h5")}
         args = ["parallel.pp=2", *tt.sgd(0.01)]
-        for label, source in sources.items():
-            out = {}
-            for meta in ("true", "false"):
-                name = f"{label}_{meta}"
-                p = self.vit(name, 2, "train.steps=2", f"train.load_from={source}",
-                             f"parallel.meta_init={meta}", *args)
-                out[meta] = tt.losses(os.path.join(self.d, name))
-                log = p.stdout + p.stderr
-                self.assertEqual("each rank reads what it owns" in log, meta == "true", log[-3000:])
-            self.assertEqual(sorted(out["true"]), [1, 2], label)
-            self.assertEqual(out["true"], out["false"], label)
-            # The weights were loaded: not the initial model's step 1.
-            self.assertNotEqual(out["true"][1], tt.losses(os.path.join(self.d, "src"))[1], label)
-        # Resume: the same run resumed at step 2 with and without meta_init.
-        out = {}
-        for meta in ("true", "false"):
-            name = f"resume_{meta}"
-            shutil.copytree(os.path.join(self.d, "ckpt_false"), os.path.join(self.d, name))
-            p = self.vit(name, 2, "train.steps=4", "train.resume=auto", f"parallel.meta_init={meta}", *args)
-            out[meta] = tt.losses(os.path.join(self.d, name))
-            self.assertEqual("materialises its pipeline stages from" in p.stdout + p.stderr, meta == "true")
-        self.assertEqual(sorted(out["true"]), [1, 2, 3, 4])
-        self.assertEqual(out["true"], out["false"])
         # A NaN in a tensor only the last stage reads: that rank names it as it reads it, and the
-        # run ends with that one error (the other rank does not wait past its timeout).
+        # run ends with that one error (the other rank does not wait past its timeout). Checked at
+        # the end; the run (mostly the exit barrier's wait) goes in the background meanwhile.
         bad = os.path.join(self.d, "nan.h5")
         shutil.copy(sources["h5"], bad)
         def nan_first(w):
@@ -288,13 +349,53 @@ class PipelineTest(tt.RunDirTest):
             return w
 
         tt.rewrite_tensor(bad, "head.weight", nan_first)
-        t0 = time.time()
-        p = self.vit("nan", 2, "train.steps=1", f"train.load_from={bad}", "parallel.timeout_s=20", *args, check=False)
-        self.assertNotEqual(p.returncode, 0)
-        errors = [line for line in p.stderr.splitlines() if line.startswith("parallax: error:")]
-        self.assertEqual(len(errors), 1, p.stderr[-3000:])
-        self.assertIn(f"train.load_from '{bad}': tensor 'head.weight' holds 1 NaN", errors[0])
-        self.assertLess(time.time() - t0, 20 + 10)
+
+        def nan_run():
+            t0 = time.time()
+            p = self.vit("nan", 2, "train.steps=1", f"train.load_from={bad}", "parallel.timeout_s=20", *args,
+                         check=False)
+            return p, time.time() - t0
+
+        with concurrent.futures.ThreadPoolExecutor(1) as background:  # waits for it on the way out
+            nan_done = background.submit(nan_run)
+            loads = [(label, meta) for label in sources for meta in ("true", "false")]
+            done = dict(zip(loads, side_by_side(*[
+                lambda label=label, meta=meta: self.vit(f"{label}_{meta}", 2, "train.steps=2",
+                                                        f"train.load_from={sources[label]}",
+                                                        f"parallel.meta_init={meta}", *args)
+                for label, meta in loads])))
+            for label, source in sources.items():
+                out = {}
+                for meta in ("true", "false"):
+                    name = f"{label}_{meta}"
+                    p = done[label, meta].result()
+                    out[meta] = tt.losses(os.path.join(self.d, name))
+                    log = p.stdout + p.stderr
+                    self.assertEqual("each rank reads what it owns" in log, meta == "true", log[-3000:])
+                self.assertEqual(sorted(out["true"]), [1, 2], label)
+                self.assertEqual(out["true"], out["false"], label)
+                # The weights were loaded: not the initial model's step 1.
+                self.assertNotEqual(out["true"][1], tt.losses(os.path.join(self.d, "src"))[1], label)
+            # Resume: the same run resumed at step 2 with and without meta_init.
+            out = {}
+            for meta in ("true", "false"):
+                shutil.copytree(os.path.join(self.d, "ckpt_false"), os.path.join(self.d, f"resume_{meta}"))
+            done = side_by_side(*[lambda meta=meta: self.vit(f"resume_{meta}", 2, "train.steps=4", "train.resume=auto",
+                                                             f"parallel.meta_init={meta}", *args)
+                                  for meta in ("true", "false")])
+            for meta, run_done in zip(("true", "false"), done):
+                p = run_done.result()
+                out[meta] = tt.losses(os.path.join(self.d, f"resume_{meta}"))
+                self.assertEqual("materialises its pipeline stages from" in p.stdout + p.stderr, meta == "true")
+            self.assertEqual(sorted(out["true"]), [1, 2, 3, 4])
+            self.assertEqual(out["true"], out["false"])
+            # The NaN run (above).
+            p, elapsed = nan_done.result()
+            self.assertNotEqual(p.returncode, 0)
+            errors = [line for line in p.stderr.splitlines() if line.startswith("parallax: error:")]
+            self.assertEqual(len(errors), 1, p.stderr[-3000:])
+            self.assertIn(f"train.load_from '{bad}': tensor 'head.weight' holds 1 NaN", errors[0])
+            self.assertLess(elapsed, 20 + 10)
 
     def test_print_schedule(self):
         p = tt.run(["train", "--config", tt.BEV, "parallel.pp=4", "train.grad_accum=8", "--print-pp-schedule"])
@@ -315,9 +416,16 @@ class PipelineTest(tt.RunDirTest):
             (["parallel.pp=2", "parallel.pp_schedule=zb", "train.activation_checkpointing=full"], 2,
              "train.activation_checkpointing"),
         ]
-        for i, (extra, ranks, needle) in enumerate(cases):
-            with self.subTest(extra):  # a run of its own each (a fresh start never reuses a run)
-                p = self.vit(f"bad{i}", ranks, "train.steps=1", *extra, check=needle is not None and False)
+        # A run of its own each (a fresh start never reuses a run), all at once (they mostly wait for
+        # mpirun to end the job), with the last case's below.
+        done = side_by_side(*[lambda i=i, extra=extra, ranks=ranks: self.vit(f"bad{i}", ranks, "train.steps=1", *extra,
+                                                                             check=False)
+                              for i, (extra, ranks, _) in enumerate(cases)],
+                            lambda: tt.run(self.common("mlp", "model.size=tiny", "train.steps=1", "parallel.pp=4"), 4,
+                                           check=False), workers=len(cases) + 1)
+        for (extra, ranks, needle), run_done in zip(cases, done):
+            with self.subTest(extra):
+                p = run_done.result()
                 if needle is None:
                     self.assertEqual(p.returncode, 0, p.stderr[-2000:])
                     continue
@@ -326,11 +434,12 @@ class PipelineTest(tt.RunDirTest):
                 self.assertTrue(errors, f"{extra}: {p.stderr[-2000:]}")
                 self.assertIn(needle, errors[0], extra)
         # More stages than units: the tiny mlp has 3.
-        p = tt.run(self.common("mlp", "model.size=tiny", "train.steps=1", "parallel.pp=4"), 4, check=False)
+        p = done[-1].result()
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("only 3 units", p.stderr)
 
 
 if __name__ == "__main__":
     tt.PARALLAX, tt.MPIRUN = sys.argv[1], sys.argv[2]
+    os.environ["PARALLAX_PYTHON"] = "false"  # no plots (above)
     unittest.main(argv=sys.argv[:1], verbosity=2)

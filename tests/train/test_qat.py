@@ -18,8 +18,27 @@
   dies with it, and under mpirun it is one error (the QAT export of a ViT model passing its parity gate is in
   tests/export/test_onnx_export.py).
 
+CI time (2 cores): what each run costs beyond what the assertions read.
+- The fp32 base every qat/ptq run starts from (train.load_from: 2 steps on synthetic data) is
+  trained once per file (`Shared`); each test used to train its own (the ptq test on its dataset:
+  any fp32 weights serve, the ptq run evaluates them on the dataset). No test writes into its
+  folder (exports go to the test's folder with --out).
+- The trainer's plots (tools/plot_metrics.py, ~1 s of CPU per run) are not drawn: no test here
+  reads them (test_train.py does). PARALLAX_PYTHON, the interpreter the trainer runs them with, is
+  a script that skips tools/plot_metrics.py and runs anything else (the ONNX parity check,
+  tools/onnx_parity.py) with this interpreter (setUpModule).
+- The ptq test's dataset has 64 x 112 images (was 128 x 224): what it checks (the calibration's
+  counts, the sensitivity report's arithmetic, bitwise weights, the Q/DQ graph and its parity gate)
+  does not depend on the image size.
+- The bad-input runs (each refused before any step; a failing mpirun waits ~2 s for its ranks'
+  teardown) go side by side, as do quantize's two refusals under mpirun and the sweep test's two
+  refused runs.
+- The learned-scales test reads DDP's step-1 amax from the 3-step run's step-1 checkpoint (was a
+  1-step run of the same config: the constant schedule does not depend on train.steps).
+
 Usage: test_qat.py <parallax binary> <mpirun>
 """
+import concurrent.futures
 import glob
 import json
 import os
@@ -28,9 +47,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
+import h5py
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +65,67 @@ def read(path):
         return f.read()
 
 
+_saved_python = None
+
+
+def setUpModule():
+    """PARALLAX_PYTHON: a script that skips the trainer's plots and runs anything else with this
+    interpreter (or the PARALLAX_PYTHON given)."""
+    global _saved_python
+    _saved_python = os.environ.get("PARALLAX_PYTHON")
+    real = _saved_python or sys.executable
+    script = os.path.join(Shared.dir(), "python_without_plots")
+    with open(script, "w") as f:
+        f.write("#!/bin/sh\n"
+                "# The trainer's plots (tools/plot_metrics.py) are skipped; anything else runs.\n"
+                'case "$1" in */plot_metrics.py) exit 0 ;; esac\n'
+                f"exec '{real}' \"$@\"\n")
+    os.chmod(script, 0o755)
+    os.environ["PARALLAX_PYTHON"] = script
+
+
+def tearDownModule():
+    if _saved_python is None:
+        os.environ.pop("PARALLAX_PYTHON", None)
+    else:
+        os.environ["PARALLAX_PYTHON"] = _saved_python
+    if Shared.tmp is not None:
+        Shared.tmp.cleanup()
+
+
+def exported_weights(out, *source):
+    """tt.weights of `source` (["--run", dir] or ["--checkpoint", step dir]), written to `out`
+    (the shared base's folder stays as it is)."""
+    tt.run(["export", *source, "--format", "weights", "--out", out])
+    with h5py.File(out, "r") as f:
+        w = {}
+        f.visititems(lambda n, o: w.__setitem__(n, o[()]) if isinstance(o, h5py.Dataset) else None)
+        return w
+
+
+class Shared:
+    """What several tests start from, made on first use in a folder of its own (removed by
+    tearDownModule); no test writes into it."""
+    tmp = None
+    base_dir = None
+
+    @classmethod
+    def dir(cls):
+        if cls.tmp is None:
+            cls.tmp = tempfile.TemporaryDirectory()
+        return cls.tmp.name
+
+    @classmethod
+    def base(cls):
+        """The fp32 run the qat and ptq runs load (train.load_from): bev_tiny (conv backbone), 2
+        AdamW steps on synthetic data."""
+        if cls.base_dir is None:
+            tt.run(["train", "--config", tt.BEV, f"experiment.output_dir={cls.dir()}", "experiment.name=base",
+                    *QatTest.COMMON, "data.synthetic=true", "train.steps=2"])
+            cls.base_dir = os.path.join(cls.dir(), "base")
+        return cls.base_dir
+
+
 class QatTest(tt.RunDirTest):
     COMMON = ["train.log_every=1", "train.device=cpu", "data.batch_size=2", "schedule.name=constant",
               "schedule.warmup_steps=1"]
@@ -53,15 +135,15 @@ class QatTest(tt.RunDirTest):
                 *self.COMMON, *extra]
         return tt.run(args, ranks, check=check)
 
-    def base(self, *extra):
-        self.bev("base", "train.steps=2", *extra)
-        return f"train.load_from={os.path.join(self.d, 'base')}"
+    def base(self):
+        """train.load_from=<the shared fp32 base>."""
+        return f"train.load_from={Shared.base()}"
 
     def test_ptq_calibrates_evaluates_and_saves_without_a_step(self):
         data = os.path.join(self.d, "data")
         tt.run(["datagen", "--out", data, "--scenes", "6", "--val-scenes", "2", "--threads", "2",
-                "--samples-per-pixel", "1"])
-        load = self.base(f"data.path={data}")
+                "--samples-per-pixel", "1", "--height", "64", "--width", "112"])
+        load = self.base()
         self.bev("ptq", f"data.path={data}", load, "qat.enabled=true", "qat.mode=ptq",
                  "qat.calibrator=percentile", "qat.calib_batches=2", "train.steps=5",
                  "precision.mode=bf16", "qat.sensitivity=true")
@@ -98,13 +180,15 @@ class QatTest(tt.RunDirTest):
         self.assertEqual(len(amax), prep[0]["calib_quantizers"])
         self.assertEqual(meta["extra"]["qat.calibrator"], "percentile")
         # No step: the weights are the fp32 run's, bitwise.
-        base, ptq = tt.weights(os.path.join(self.d, "base")), tt.weights(run_dir)
+        base = exported_weights(os.path.join(self.d, "base_weights.h5"), "--run", Shared.base())
+        ptq = tt.weights(run_dir)
         for k, v in base.items():
             self.assertTrue(np.array_equal(ptq[k], v), k)
         self.assertEqual(sorted(set(ptq) - set(base)), sorted(k[len("model/"):] for k in amax))
         # `parallax eval` takes the QAT checkpoint (fake-quantized forward).
         p = tt.run(["eval", "--config", tt.BEV, "--checkpoint", ck, f"data.path={data}", "train.device=cpu",
-                    "data.batch_size=2", "qat.enabled=true", "--out", os.path.join(self.d, "eval_val.json")])
+                    "data.batch_size=2", "qat.enabled=true", "--out",
+                    os.path.join(self.d, "eval_val.json")])
         self.assertIn("miou", p.stdout)
         # The ONNX export writes QuantizeLinear/DequantizeLinear on the input (per tensor) and the
         # weight (per output channel, axis 0) of every quantized layer, and passes the QAT parity
@@ -146,7 +230,7 @@ class QatTest(tt.RunDirTest):
         self.assertIn("fp32", p.stderr)
 
     def test_qat_on_two_ranks_agrees_on_amax_and_resumes_bitwise(self):
-        load = self.base("data.synthetic=true")
+        load = self.base()
         qat = ["data.synthetic=true", load, "qat.enabled=true", "qat.calibrator=mse", "qat.calib_batches=2",
                "qat.skip=['heads.seg_out']"]
         os.environ["PARALLAX_LOG_ALL_RANKS"] = "1"
@@ -250,7 +334,7 @@ class QatTest(tt.RunDirTest):
         """Issue 35 item 3: qat.calib_batches=1000000 ignored the first SIGTERM (the trainer only looked
         at it between training steps). Now the calibration stops before its next batch (under mpirun
         every rank, when one rank is signalled: a vote over the group), nothing is saved, exit 143."""
-        load = self.base("data.synthetic=true")
+        load = self.base()
         for ranks in (1, 2):
             name = f"calib{ranks}"
             p, log = self.popen(["train", "--config", tt.BEV, f"experiment.output_dir={self.d}",
@@ -274,7 +358,7 @@ class QatTest(tt.RunDirTest):
         data = os.path.join(self.d, "data")
         tt.run(["datagen", "--out", data, "--scenes", "2", "--val-scenes", "30", "--threads", "2",
                 "--samples-per-pixel", "1"])
-        load = self.base("data.synthetic=true")  # no evaluation of its own
+        load = self.base()  # no evaluation of its own
         val = os.path.realpath(os.path.join(data, "val_00000.h5"))
 
         def evaluating(pid):
@@ -379,9 +463,13 @@ class QatTest(tt.RunDirTest):
         q = [n for n in g.node if n.op_type == "QuantizeLinear"]
         self.assertEqual(len(q), prep["calib_quantizers"] + prep["calib_adds"])
         # A budget on synthetic data, or outside ptq: one error naming the key.
-        for extra, msg in ((["data.synthetic=true", "qat.budget=1"], "key 'qat.budget'"),
-                           ([f"data.path={data}", "qat.mode=qat", "qat.budget=1"], "qat.mode=ptq")):
-            p = self.bev("bad", f"train.load_from={fp32}", "qat.enabled=true", *extra, check=False)
+        cases = ((["data.synthetic=true", "qat.budget=1"], "key 'qat.budget'"),
+                 ([f"data.path={data}", "qat.mode=qat", "qat.budget=1"], "qat.mode=ptq"))
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(self.bev, f"bad{i}", f"train.load_from={fp32}", "qat.enabled=true", *extra,
+                                check=False) for i, (extra, _) in enumerate(cases)]
+        for (extra, msg), run in zip(cases, runs):
+            p = run.result()
             self.assertNotEqual(p.returncode, 0)
             self.assertIn(msg, [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")][0])
 
@@ -451,9 +539,12 @@ class QatTest(tt.RunDirTest):
         self.assertNotIn("parallax: error:", out)
 
         # Under mpirun the children would fail in MPI_Init: one error before anything starts.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            runs = {ranks: pool.submit(subprocess.run, [tt.MPIRUN, "--oversubscribe", "--bind-to", "none", "-np",
+                                                        str(ranks), tt.PARALLAX, *cmd],
+                                       capture_output=True, text=True, timeout=60) for ranks in (1, 2)}
         for ranks in (1, 2):
-            p = subprocess.run([tt.MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(ranks), tt.PARALLAX,
-                                *cmd], capture_output=True, text=True, timeout=60)
+            p = runs[ranks].result()
             self.assertNotEqual(p.returncode, 0)
             lines = {l for l in p.stderr.splitlines() if l.startswith("parallax: error:")}
             self.assertEqual(len(lines), 1, p.stderr[-2000:])
@@ -495,12 +586,13 @@ class QatTest(tt.RunDirTest):
         AdamW's step: at most lr x |m / sqrt(v)| per step, bias-corrected at most (1 - b1) /
         sqrt(1 - b2) = 3.17 for the default betas, and no weight decay on these 1-D parameters. The
         trained scales export to a Q/DQ graph that passes the parity gate."""
-        load = self.base("data.synthetic=true")
+        load = self.base()
         lr = 1e-3
         qat = ["data.synthetic=true", load, "qat.enabled=true", "qat.calib_batches=2", "train.steps=3",
                f"optim.lr={lr}"]
         self.bev("frozen", *qat, ranks=2)
-        p = self.bev("lsq", *qat, "qat.learn_scales=true", "checkpoint.every=2", ranks=2)
+        # Checkpoints at steps 1-3: step 2 for the resume, step 1 for the ZeRO comparison below.
+        p = self.bev("lsq", *qat, "qat.learn_scales=true", "checkpoint.every=1", ranks=2)
         self.assertIn("scales learned (LSQ)", p.stdout + p.stderr)
         f, l = tt.losses(os.path.join(self.d, "frozen")), tt.losses(os.path.join(self.d, "lsq"))
         self.assertEqual(f[1], l[1])
@@ -533,8 +625,10 @@ class QatTest(tt.RunDirTest):
         # contract differently (tests/test_zero.py): within 4 ulp of the amax. Later steps are not
         # compared: a weight one ulp apart can flip an INT8 rounding (measured: 2.6e-4 relative in
         # the step-2 loss under ZeRO-1).
-        self.bev("lsq1", *qat, "qat.learn_scales=true", "train.steps=1", ranks=2)
-        ref = tt.weights(os.path.join(self.d, "lsq1"))
+        # DDP's amax after step 1: the lsq run's step-1 checkpoint (the state a 1-step run of the same
+        # config ends in: the constant schedule does not depend on train.steps).
+        ref = exported_weights(os.path.join(self.d, "lsq_step1.h5"), "--checkpoint",
+                               os.path.join(self.d, "lsq", "checkpoints", "step_00000001"))
         for stage in (1, 2, 3):
             name = f"lsq_zero{stage}"
             self.bev(name, *qat, "qat.learn_scales=true", "train.steps=1", f"parallel.zero.stage={stage}",
@@ -549,7 +643,7 @@ class QatTest(tt.RunDirTest):
             self.assertGreater(moved, 0.9 * len(amax), f"{name}: the scales did not train")
 
     def test_bad_inputs_are_one_clear_error_line(self):
-        load = self.base("data.synthetic=true")
+        load = self.base()
         common = ["data.synthetic=true", "qat.enabled=true", "train.steps=1"]
         cases = [
             ([load, "qat.calibrator=minmax"], 1, "qat.calibrator"),
@@ -561,8 +655,11 @@ class QatTest(tt.RunDirTest):
             ([load, "model.backbone=vit", "parallel.tp=2"], 2, "keys 'qat.enabled' and 'parallel.tp'"),
             ([load, "qat.learn_scales=true", "qat.mode=ptq"], 1, "key 'qat.learn_scales': scales are learned"),
         ]
-        for i, (extra, ranks, msg) in enumerate(cases):
-            p = self.bev(f"bad{i}", *common, *extra, ranks=ranks, check=False)
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            runs = [pool.submit(self.bev, f"bad{i}", *common, *extra, ranks=ranks, check=False)
+                    for i, (extra, ranks, _) in enumerate(cases)]
+        for (extra, ranks, msg), run in zip(cases, runs):
+            p = run.result()
             self.assertNotEqual(p.returncode, 0, extra)
             lines = [l for l in p.stderr.splitlines() if l.startswith("parallax: error:")]
             self.assertTrue(lines, p.stderr[-2000:])

@@ -19,9 +19,11 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import unittest
@@ -46,13 +48,41 @@ def checkpoints(run_dir):
 class ResumeIntegrityTest(tt.RunDirTest):
     COMMON = ["model.size=tiny", "train.log_every=1", "schedule.warmup_steps=2", "train.device=cpu"]
 
+    # A run that saved steps 2, 4 and 6, the start of the tests of a lost or broken `latest`.
+    SAVED = ("train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=4")
+
+    @classmethod
+    def setUpClass(cls):
+        cls.shared = tempfile.TemporaryDirectory()
+        cls.saved_runs = {}
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.shared.cleanup()
+
+    def saved_run(self, name, ranks, config):
+        """A copy, named `name` in this test's folder, of a run trained with `config` on `ranks`
+        ranks. Tests that start from the same run (6 steps saving 2, 4, 6: a lost or broken
+        `latest` on 1 and 2 ranks and a checksum mismatch on 2; 2 steps saving each with keep_last
+        1: the non-finite save on 1 rank and the `latest` pointer) share one training per class.
+        The copy is resumed under its own folder and name, which the resume lists among the
+        changed keys of its config warning."""
+        key = (ranks, tuple(config))
+        if key not in self.saved_runs:
+            saved = f"saved{len(self.saved_runs)}"
+            tt.run(["train", "--config", tt.MLP, f"experiment.output_dir={self.shared.name}",
+                    f"experiment.name={saved}", *self.COMMON, *config], ranks)
+            self.saved_runs[key] = os.path.join(self.shared.name, saved)
+        run_dir = os.path.join(self.d, name)
+        shutil.copytree(self.saved_runs[key], run_dir)
+        return run_dir
+
     # ---- item 3: no NaN checkpoint --------------------------------------------------------------
 
     def check_nonfinite_never_committed(self, ranks):
         name = f"diverge{ranks}"
-        run_dir = os.path.join(self.d, name)
         keep = ("checkpoint.every=1", "checkpoint.keep_last=1")
-        tt.run(self.common(name, "train.steps=2", *keep), ranks)
+        run_dir = self.saved_run(name, ranks, ("train.steps=2", *keep))
         # lr 1e39 is a finite double, but one AdamW step moves every weight by ~1e39: past float32's
         # range (3.4e38). Step 3's loss is still finite (computed before the update), so the first
         # thing to meet the infinite weights is the save of step 3.
@@ -248,8 +278,7 @@ class ResumeIntegrityTest(tt.RunDirTest):
     def test_lost_latest_resumes_from_the_newest_step_that_verifies(self):
         for ranks in (1, 2):
             name = f"lost{ranks}"
-            run_dir = os.path.join(self.d, name)
-            tt.run(self.common(name, "train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=4"), ranks)
+            run_dir = self.saved_run(name, ranks, self.SAVED)
             self.assertEqual(checkpoints(run_dir), ["latest", "step_00000002", "step_00000004", "step_00000006"])
             os.remove(os.path.join(run_dir, "checkpoints", "latest"))
             self.check_resumes_from(name, ranks, 6, r"checkpoints/latest' is missing")
@@ -258,9 +287,8 @@ class ResumeIntegrityTest(tt.RunDirTest):
 
     def test_latest_naming_a_broken_step_falls_back_to_an_older_one_and_never_starts_over(self):
         name = "broken"
-        run_dir = os.path.join(self.d, name)
+        run_dir = self.saved_run(name, 1, self.SAVED)
         ckpts = os.path.join(run_dir, "checkpoints")
-        tt.run(self.common(name, "train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=4"))
         # Step 6 lost a rank file (an interrupted copy, a full disk): the newest older step is used.
         os.remove(os.path.join(ckpts, "step_00000006", "rank_00000.h5"))
         self.check_resumes_from(name, 1, 4, r"latest' names step_00000006, which cannot be resumed from: "
@@ -296,7 +324,7 @@ class ResumeIntegrityTest(tt.RunDirTest):
             tt.flip_byte(os.path.join(step_dir, "rank_00001.h5"), tensor)
             return step_dir, tensor
 
-        tt.run(self.common(name, "train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=4"), 2)
+        self.saved_run(name, 2, self.SAVED)
         _, tensor = corrupt(6)
         self.check_resumes_from(name, 2, 4, r"latest' names step_00000006, which cannot be resumed from: .*"
                                             r"checksum mismatch in shard file 'rank_00001\.h5' for tensor '"
@@ -313,8 +341,8 @@ class ResumeIntegrityTest(tt.RunDirTest):
         self.assertNotIn("config keys changed", errors[0])  # ...but it is not blamed
 
     def test_the_latest_pointer_is_accepted_by_inspect_and_export(self):
-        run_dir = os.path.join(self.d, "ptr")
-        tt.run(self.common("ptr", "train.steps=2", "checkpoint.every=1"))
+        # The non-finite test's first run (keep_last=1 keeps step 2 alone: latest's step either way).
+        run_dir = self.saved_run("ptr", 1, ("train.steps=2", "checkpoint.every=1", "checkpoint.keep_last=1"))
         latest = os.path.join(run_dir, "checkpoints", "latest")
         ins = tt.run(["inspect", latest])
         self.assertIn("step 2", ins.stdout)

@@ -23,6 +23,7 @@
 
 Usage: test_tensor_parallel.py <parallax binary> <mpirun>
 """
+import concurrent.futures
 import json
 import os
 import shutil
@@ -81,6 +82,19 @@ BEV_LR = 0.01
 VIT_LR = 0.03
 
 
+# CI time (2 cores): what each run costs beyond what the assertions read.
+# - The trainer's plots (tools/plot_metrics.py, ~1 s and 0.6 s of CPU per run) are not drawn: no
+#   test here reads them (test_train.py does). PARALLAX_PYTHON, the interpreter the trainer runs
+#   them with, is `false` for this file's runs (set below), so each run logs "plots skipped".
+# - Independent runs go side by side, two at a time (`side_by_side`).
+def side_by_side(*calls, workers=2):
+    """Runs the independent calls (functions of no argument) `workers` at a time; their futures, in
+    order (`.result()` returns the call's value or raises its exception)."""
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(c) for c in calls]
+    return futures
+
+
 class TensorParallelTest(tt.RunDirTest):
     COMMON = ["train.log_every=1", "train.device=cpu", "schedule.name=constant",
               "schedule.warmup_steps=2", "optim.grad_clip=1.0"]
@@ -96,10 +110,14 @@ class TensorParallelTest(tt.RunDirTest):
 
     def test_bev_vit_backbone_two_ranks_match_one(self):
         run = ["train.steps=3", *tt.sgd(BEV_LR)]
-        self.bev("one", 1, *run)
+        # The single process and both tp 2 runs side by side.
+        done = side_by_side(lambda: self.bev("one", 1, *run),
+                            *[lambda sp=sp: self.bev(f"tp2{sp}", 2, *run, "parallel.tp=2",
+                                                     f"parallel.sequence_parallel={sp}") for sp in ("false", "true")])
+        for d in done:
+            d.result()
         ref = tt.rows(os.path.join(self.d, "one"))
         for sp in ("false", "true"):
-            self.bev(f"tp2{sp}", 2, *run, "parallel.tp=2", f"parallel.sequence_parallel={sp}")
             got = tt.rows(os.path.join(self.d, f"tp2{sp}"))
             self.assertEqual(sorted(got), [1, 2, 3])
             self.assert_first_step(got[1], ref[1], f"sp {sp}")
@@ -113,10 +131,12 @@ class TensorParallelTest(tt.RunDirTest):
 
     def test_any_tp_size_resumes_any_other(self):
         sgd = tt.sgd(VIT_LR)
-        self.vit("ref", 1, "train.steps=8", *sgd)
+        # The single-process run beside tp 2 + sequence parallel, steps 1-3.
+        for d in side_by_side(lambda: self.vit("ref", 1, "train.steps=8", *sgd),
+                              lambda: self.vit("a", 2, "train.steps=3", "parallel.tp=2",
+                                               "parallel.sequence_parallel=true", *sgd)):
+            d.result()
         ref = tt.rows(os.path.join(self.d, "ref"))
-        # tp 2 + sequence parallel, steps 1-3.
-        self.vit("a", 2, "train.steps=3", "parallel.tp=2", "parallel.sequence_parallel=true", *sgd)
         self.assert_first_step(tt.rows(os.path.join(self.d, "a"))[1], ref[1], "tp 2 + SP")
 
         def resume(name, source, ranks, steps, *extra):
@@ -166,11 +186,16 @@ class TensorParallelTest(tt.RunDirTest):
         ckpt = os.path.join(self.d, "src", "checkpoints", "step_00000002")
         tt.weights(os.path.join(self.d, "src"))
         h5 = os.path.join(self.d, "src", "export", "weights.h5")
-        for label, source in (("ckpt", ckpt), ("h5", h5)):
-            self.vit(f"one_{label}", 1, "train.steps=1", *sgd, f"train.load_from={source}")
+        sources = (("ckpt", ckpt), ("h5", h5))
+        done = side_by_side(*[c for label, source in sources for c in (
+            lambda label=label, source=source: self.vit(f"one_{label}", 1, "train.steps=1", *sgd,
+                                                        f"train.load_from={source}"),
+            lambda label=label, source=source: self.vit(f"tp_{label}", 2, "train.steps=1", *sgd, "parallel.tp=2",
+                                                        f"train.load_from={source}"))])
+        for i, (label, source) in enumerate(sources):
+            done[2 * i].result()
             want = tt.rows(os.path.join(self.d, f"one_{label}"))[1]
-            p = self.vit(f"tp_{label}", 2, "train.steps=1", *sgd, "parallel.tp=2",
-                         f"train.load_from={source}")
+            p = done[2 * i + 1].result()
             self.assertIn("train.load_from=", p.stdout + p.stderr)
             self.assertNotIn("missing", (p.stdout + p.stderr).split("train.load_from=")[1].split("\n")[0])
             self.assert_first_step(tt.rows(os.path.join(self.d, f"tp_{label}"))[1], want, f"tp 2 from {label}")
@@ -180,12 +205,18 @@ class TensorParallelTest(tt.RunDirTest):
 
     def test_activation_checkpointing_and_precision_under_tp(self):
         tp = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=3"]
-        self.vit("plain", 2, *tp)
-        self.vit("ac", 2, *tp, "train.activation_checkpointing=full")
+        modes = (("bf16", 2e-2), ("fp16", 2e-3))
+        # Every run side by side.
+        for d in side_by_side(lambda: self.vit("plain", 2, *tp),
+                              lambda: self.vit("ac", 2, *tp, "train.activation_checkpointing=full"),
+                              *[c for mode, _ in modes for c in (
+                                  lambda mode=mode: self.vit(f"{mode}1", 1, "train.steps=3", f"precision.mode={mode}",
+                                                             *tt.sgd(VIT_LR)),
+                                  lambda mode=mode: self.vit(f"{mode}2", 2, *tp, f"precision.mode={mode}",
+                                                             *tt.sgd(VIT_LR)))]):
+            d.result()
         self.assertEqual(losses(os.path.join(self.d, "ac")), losses(os.path.join(self.d, "plain")))
-        for mode, rtol in (("bf16", 2e-2), ("fp16", 2e-3)):
-            self.vit(f"{mode}1", 1, "train.steps=3", f"precision.mode={mode}", *tt.sgd(VIT_LR))
-            self.vit(f"{mode}2", 2, *tp, f"precision.mode={mode}", *tt.sgd(VIT_LR))
+        for mode, rtol in modes:
             r1, r2 = losses(os.path.join(self.d, f"{mode}1")), losses(os.path.join(self.d, f"{mode}2"))
             # bf16 keeps 8 significant bits (u = 2^-8 = 3.9e-3), fp16 11 (u = 4.9e-4): the tp split
             # rounds the row-parallel partial sums to them once more than one process does, so the
@@ -203,19 +234,24 @@ class TensorParallelTest(tt.RunDirTest):
             (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel"),
             (["parallel.tp=2", "model.num_classes=7"], 2, "7"),
         ]
-        for extra, ranks, needle in cases:
-            args = self.common("bad", "model.name=vit_cls", "model.size=tiny", "model.num_classes=8",
-                               "train.steps=1", *extra)
-            p = tt.run(args, ranks, check=False)
+        # All at once (each fails at start-up, then mostly waits for mpirun to end the job), each in a
+        # run directory of its own, with the conv backbone's run below.
+        done = side_by_side(*[lambda i=i, extra=extra, ranks=ranks: tt.run(
+            self.common(f"bad{i}", "model.name=vit_cls", "model.size=tiny", "model.num_classes=8", "train.steps=1",
+                        *extra), ranks, check=False) for i, (extra, ranks, _) in enumerate(cases)],
+                            lambda: tt.run(["train", "--config", tt.BEV, f"experiment.output_dir={self.d}",
+                                            "experiment.name=conv", "data.synthetic=true", "train.steps=1",
+                                            "parallel.tp=2"], 2, check=False), workers=len(cases) + 1)
+        for (extra, ranks, needle), d in zip(cases, done):
+            p = d.result()
             self.assertNotEqual(p.returncode, 0, extra)
             errors = [line for line in p.stderr.splitlines() if line.startswith("parallax: error:")]
             self.assertTrue(errors, f"{extra}: {p.stderr[-2000:]}")
             self.assertIn(needle, errors[0], extra)
-        p = tt.run(["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", "experiment.name=conv",
-                    "data.synthetic=true", "train.steps=1", "parallel.tp=2"], 2, check=False)
-        self.assertIn("conv backbone", p.stderr)
+        self.assertIn("conv backbone", done[-1].result().stderr)
 
 
 if __name__ == "__main__":
     tt.PARALLAX, tt.MPIRUN = sys.argv[1], sys.argv[2]
+    os.environ["PARALLAX_PYTHON"] = "false"  # no plots (above)
     unittest.main(argv=sys.argv[:1], verbosity=2)

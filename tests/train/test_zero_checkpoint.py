@@ -1,26 +1,27 @@
 #!/usr/bin/env python3
 """ZeRO checkpoints through the real `parallax` binary (issue 18, section 3):
 
-- `mpirun -np 2 parallax train ... parallel.zero.stage=2 checkpoint.every=5 train.steps=10` saves
+- `mpirun -np 2 parallax train ... parallel.zero.stage=2 checkpoint.every=5 train.steps=12` saves
   each rank's optimizer state as one flat range of each parameter's state (metadata.json "flat");
-- the run resumes (train.resume=auto, train.steps=12) under dp 2 stage 2 (the same layout), dp 2
+- copies of the run resume from its step-10 checkpoint (train.resume=<step 10>, train.steps=12)
+  under dp 2 stage 2 (the same layout), dp 2
   stage 1 with another parallel.ddp.bucket_mb (other flat ranges), dp 2 stage 0 (whole tensors),
   dp 1 stage 0, dp 4 stage 2 with another bucket_mb, and dp 3 stage 2 (ranges that cut rows in the
   middle, which the trainer could not save before flat shards); every leg continues;
-- the same-layout leg is bitwise equal to the uninterrupted run (per-step losses and exported
-  weights); the others agree at the 2 AdamW steps after the resume (step 11 derived, step 12 a
+- the same-layout leg is bitwise equal to the uninterrupted run, the saved run itself (per-step
+  losses and exported weights); the others agree at the 2 AdamW steps after the resume (step 11 derived, step 12 a
   measured margin; tests/TOLERANCES.md, "Equivalence tests": no longer AdamW trajectories);
 - `parallax export --format weights` of the ZeRO checkpoint holds exactly the checkpoint's model
   tensors and loads (train.load_from) as the checkpoint itself does. It is not compared with a
   stage-0 run's export: not bitwise equal (ATen's elementwise CPU kernels may round an element in
   a vector lane and in the scalar tail differently, and ZeRO's pieces move tensor ends; measured:
   net.2.bias[57], one ulp, after 2 steps);
-- the dp 3 leg's step-15 checkpoint (flat ranges cutting rows) passes `parallax inspect`, exports,
+- the dp 3 leg's step-12 checkpoint (flat ranges cutting rows) passes `parallax inspect`, exports,
   and resumes on one rank.
 
 ZeRO-3 (test_zero3_checkpoints_reshard_both_ways): each rank saves its flat range of every
 parameter ("model/..." tensors as flat shards) beside its optimizer pieces; dp 2 stage 3 resumes
-bitwise under dp 2 stage 3; dp 4 stage 3 resumes under dp 1 stage 0, and dp 2 stage 1 under
+from step 10 bitwise under dp 2 stage 3 (against its own steps 11-12); dp 4 stage 3 resumes under dp 1 stage 0, and dp 2 stage 1 under
 dp 4 stage 3, each against its own saved run's continuation (the 2 steps above); the export holds
 exactly the checkpoint's model tensors.
 
@@ -115,20 +116,23 @@ class ZeroCheckpointTest(tt.RunDirTest):
 
     def test_zero_checkpoint_resumes_under_every_layout_and_exports(self):
         d = self.d
-        self.train("z", 2, "parallel.zero.stage=2", "checkpoint.every=5", "train.steps=10")
-        self.train("ref", 2, "parallel.zero.stage=2", "train.steps=12")
+        # One uninterrupted 12-step run, saving at steps 5, 10 and 12: every leg resumes from its
+        # step-10 checkpoint, and its own steps 11-12 and final weights are the reference (the lr
+        # is constant after warmup, so its first 10 steps are those of a 10-step run; this replaces
+        # a 10-step run to resume plus a separate 12-step reference).
+        self.train("z", 2, "parallel.zero.stage=2", "checkpoint.every=5", "train.steps=12")
         step10 = os.path.join(d, "z", "checkpoints", "step_00000010")
         meta = metadata(step10)
         self.assertEqual(meta["format_version"], 3)
         shards = meta["tensors"]["optim/net.2.weight.exp_avg"]["shards"]
         self.assertEqual(sorted(s["file"] for s in shards), ["rank_00000.h5", "rank_00001.h5"])
         self.assertTrue(all("flat" in s and "offsets" not in s for s in shards), shards)
-        ref = tt.rows(os.path.join(d, "ref"))
+        ref = tt.rows(os.path.join(d, "z"))
 
         # The same layout: the same computation on bitwise the same state (exact).
-        self.resume("same", 2, "parallel.zero.stage=2")
-        self.assertEqual(losses(os.path.join(d, "same")), losses(os.path.join(d, "ref")))
-        wref = tt.weights(os.path.join(d, "ref"))
+        self.resume("same", 2, "parallel.zero.stage=2", at=10)
+        self.assertEqual(losses(os.path.join(d, "same")), losses(os.path.join(d, "z")))
+        wref = tt.weights(os.path.join(d, "z"))
         wsame = tt.weights(os.path.join(d, "same"))
         self.assertEqual(sorted(wsame), sorted(wref))
         for k in wref:
@@ -137,22 +141,26 @@ class ZeroCheckpointTest(tt.RunDirTest):
         # Other layouts: steps 11 and 12 against the uninterrupted run (assert_continues).
         legs = {
             "s1": (self.resume("s1", 2, "parallel.zero.stage=1", "parallel.ddp.bucket_mb=0.004",
-                               "parallel.ddp.first_bucket_mb=0.004"), True),
-            "s0": (self.resume("s0", 2, "parallel.zero.stage=0"), True),
-            "np1": (self.resume("np1", 1, "parallel.zero.stage=0"), False),
-            "np4": (self.resume("np4", 4, "parallel.zero.stage=2", "parallel.ddp.bucket_mb=0.002"), False),
-            "np3": (self.resume("np3", 3, "parallel.zero.stage=2"), False),
+                               "parallel.ddp.first_bucket_mb=0.004", at=10), True),
+            "s0": (self.resume("s0", 2, "parallel.zero.stage=0", at=10), True),
+            "np1": (self.resume("np1", 1, "parallel.zero.stage=0", at=10), False),
+            "np4": (self.resume("np4", 4, "parallel.zero.stage=2", "parallel.ddp.bucket_mb=0.002", at=10), False),
+            "np3": (self.resume("np3", 3, "parallel.zero.stage=2", at=10), False),
         }
         for name, (rows, same_dp) in legs.items():
             self.assert_continues(rows, ref, ref, same_dp, name)
 
-        # Export of the ZeRO checkpoint: exactly its model tensors, and it loads as the checkpoint.
-        wz = tt.weights(os.path.join(d, "z"))
-        self.assertEqual(sorted(wz), sorted(wref))
+        # Export of the ZeRO checkpoint (z's latest, step 12, saved by ZeRO-2 as flat ranges like
+        # step 10): exactly its model tensors, and it loads as the checkpoint.
+        step12 = os.path.join(d, "z", "checkpoints", "step_00000012")
+        self.assertTrue(all("flat" in s for s in metadata(step12)["tensors"]["optim/net.2.weight.exp_avg"]["shards"]))
+        wz = wref
+        self.assertEqual(sorted(wz), sorted(n[len("model/"):] for n in metadata(step12)["tensors"]
+                                            if n.startswith("model/")))
         for k in wz:
-            self.assertTrue(np.array_equal(wz[k], assemble(step10, "model/" + k)), k)
+            self.assertTrue(np.array_equal(wz[k], assemble(step12, "model/" + k)), k)
         self.train("from_export", 1, "train.steps=1", f"train.load_from={os.path.join(d, 'z', 'export', 'weights.h5')}")
-        self.train("from_ckpt", 1, "train.steps=1", f"train.load_from={step10}")
+        self.train("from_ckpt", 1, "train.steps=1", f"train.load_from={step12}")
         self.assertEqual(losses(os.path.join(d, "from_export")), losses(os.path.join(d, "from_ckpt")))
 
         # Three ranks cut the 64 x 64 weight inside rows: flat ranges that are not boxes.
@@ -171,16 +179,16 @@ class ZeroCheckpointTest(tt.RunDirTest):
 
     def test_zero3_checkpoints_reshard_both_ways(self):
         d = self.d
-        self.train("z3", 2, "parallel.zero.stage=3", "checkpoint.every=5", "train.steps=10")
-        self.train("ref3", 2, "parallel.zero.stage=3", "train.steps=12")
+        # As above: one uninterrupted 12-step run, resumed from its step-10 checkpoint.
+        self.train("z3", 2, "parallel.zero.stage=3", "checkpoint.every=5", "train.steps=12")
         step10 = os.path.join(d, "z3", "checkpoints", "step_00000010")
         shards = metadata(step10)["tensors"]["model/net.2.weight"]["shards"]
         self.assertEqual(len(shards), 2, shards)
         self.assertTrue(all("flat" in s for s in shards), shards)
         # The same layout: bitwise.
-        self.resume("same3", 2, "parallel.zero.stage=3", source="z3")
-        self.assertEqual(losses(os.path.join(d, "same3")), losses(os.path.join(d, "ref3")))
-        wref, wsame = tt.weights(os.path.join(d, "ref3")), tt.weights(os.path.join(d, "same3"))
+        self.resume("same3", 2, "parallel.zero.stage=3", source="z3", at=10)
+        self.assertEqual(losses(os.path.join(d, "same3")), losses(os.path.join(d, "z3")))
+        wref, wsame = tt.weights(os.path.join(d, "z3")), tt.weights(os.path.join(d, "same3"))
         self.assertEqual(sorted(wsame), sorted(wref))
         for k in wref:
             self.assertTrue(np.array_equal(wsame[k], wref[k]), f"{k} differs from the uninterrupted run")
@@ -195,11 +203,15 @@ class ZeroCheckpointTest(tt.RunDirTest):
             saved = tt.rows(os.path.join(d, source))
             self.assert_continues(rows, saved, saved, False, name)
 
-        # Export of the ZeRO-3 checkpoint: exactly its model tensors.
-        wz = tt.weights(os.path.join(d, "z3"))
-        self.assertEqual(sorted(wz), sorted(wref))
+        # Export of the ZeRO-3 checkpoint (z3's latest, step 12; wref above): exactly its model
+        # tensors, which ZeRO-3 saves as flat ranges.
+        step12 = os.path.join(d, "z3", "checkpoints", "step_00000012")
+        self.assertTrue(all("flat" in s for s in metadata(step12)["tensors"]["model/net.2.weight"]["shards"]))
+        wz = wref
+        self.assertEqual(sorted(wz), sorted(n[len("model/"):] for n in metadata(step12)["tensors"]
+                                            if n.startswith("model/")))
         for k in wz:
-            self.assertTrue(np.array_equal(wz[k], assemble(step10, "model/" + k)), k)
+            self.assertTrue(np.array_equal(wz[k], assemble(step12, "model/" + k)), k)
 
     def test_a_corrupt_zero3_shard_is_one_error_on_every_rank(self):
         """Issue 35, item 2: only rank 1 reads its ZeRO-3 shard; a corrupt one must not leave rank 0
