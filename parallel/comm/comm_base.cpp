@@ -373,10 +373,14 @@ std::string CommBase::peer_report(const Ticket& t) {
       ctx_->board->flush(std::chrono::milliseconds(1000));
       std::this_thread::sleep_for(SeqBoard::kFlushInterval *
                                   5);  // let the peers' last updates land
-      auto states = ctx_->board->read(uid_, world_ranks_, kReportStoreDeadline);
+      // At most the op's own timeout: a short parallel.timeout_s (a start-up deadline) is not
+      // doubled by the report when the store's host is the rank that stopped.
+      const auto store_deadline =
+          std::min(kReportStoreDeadline, std::chrono::milliseconds(static_cast<int64_t>(
+                                             std::max(0.1, options_.timeout_s) * 1000)));
+      auto states = ctx_->board->read(uid_, world_ranks_, store_deadline);
       // Which peers stopped responding at all (their board writer's heartbeat stalled).
-      const auto silent =
-          ctx_->board->unresponsive(world_ranks_, kSilenceWindow, kReportStoreDeadline);
+      const auto silent = ctx_->board->unresponsive(world_ranks_, kSilenceWindow, store_deadline);
       const int me = ctx_->rank;
       if (is_p2p(t.desc.kind)) {
         const int peer = world_ranks_.at(static_cast<size_t>(t.desc.root));
