@@ -15,7 +15,7 @@ CI time (2 cores): what each run costs beyond what the assertions read.
   again for every test.
 - The trainer's plots (tools/plot_metrics.py, ~1 s of CPU per run) are not drawn: no test here
   reads them (test_train.py does). PARALLAX_PYTHON, the interpreter the trainer runs them with, is
-  `false` for this file's runs (setUpModule), so each run logs "plots skipped".
+  a script that skips that tool for this file's runs (tt.SkippedPlots).
 - The bad-input runs, each refused before any step, go side by side.
 
 Usage: test_distill.py <parallax binary> <mpirun>
@@ -34,20 +34,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train as tt  # noqa: E402  (shared helpers: run, metrics, weights)
 
 
-_saved_python = None
+PLOTS = tt.SkippedPlots()  # no plots (above)
 
 
 def setUpModule():
-    global _saved_python
-    _saved_python = os.environ.get("PARALLAX_PYTHON")
-    os.environ["PARALLAX_PYTHON"] = "false"  # no plots (above)
+    PLOTS.start()
 
 
 def tearDownModule():
-    if _saved_python is None:
-        os.environ.pop("PARALLAX_PYTHON", None)
-    else:
-        os.environ["PARALLAX_PYTHON"] = _saved_python
+    PLOTS.stop()
 
 
 class DistillTest(tt.RunDirTest):

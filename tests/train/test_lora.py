@@ -24,8 +24,7 @@ CI time (2 cores): what each run costs beyond what the assertions read.
   (1 to 3 steps: any trained base serves them).
 - The trainer's plots (tools/plot_metrics.py, ~1 s of CPU per run, most of a vit_cls tiny run)
   are not drawn: no test here reads them (test_train.py does). PARALLAX_PYTHON, the interpreter the
-  trainer runs them with, is `false` for this file's runs (setUpModule), so each run logs "plots
-  skipped".
+  trainer runs them with, is a script that skips that tool for this file's runs (tt.SkippedPlots).
 - The LoRA eval test generates 64 x 112 images (was 128 x 224): the same model and merge on a
   quarter of the pixels.
 - Independent runs go side by side (`side_by_side`): the failing runs (a failing mpirun waits ~2 s
@@ -33,7 +32,6 @@ CI time (2 cores): what each run costs beyond what the assertions read.
 
 Usage: test_lora.py <parallax binary> <mpirun>
 """
-import concurrent.futures
 import json
 import os
 import sys
@@ -51,40 +49,22 @@ U = 2.0 ** -24
 
 
 losses = tt.losses
-_saved_python = None
+PLOTS = tt.SkippedPlots()  # no plots (above)
 
 
 def setUpModule():
-    global _saved_python
-    _saved_python = os.environ.get("PARALLAX_PYTHON")
-    os.environ["PARALLAX_PYTHON"] = "false"  # no plots (above)
+    PLOTS.start()
 
 
 def tearDownModule():
-    if _saved_python is None:
-        os.environ.pop("PARALLAX_PYTHON", None)
-    else:
-        os.environ["PARALLAX_PYTHON"] = _saved_python
+    PLOTS.stop()
     if Shared.tmp is not None:
         Shared.tmp.cleanup()
 
 
 def side_by_side(*calls):
-    """Runs the independent calls (functions of no argument) at once; their values, in order (the
-    exception of a call that raised is raised here)."""
-    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
-        futures = [pool.submit(c) for c in calls]
-    return [f.result() for f in futures]
-
-
-def exported_weights(run_dir, out):
-    """tt.weights, written to `out` instead of <run_dir>/export (the shared base's folder stays
-    as it is)."""
-    tt.run(["export", "--run", run_dir, "--format", "weights", "--out", out])
-    with h5py.File(out, "r") as f:
-        w = {}
-        f.visititems(lambda n, o: w.__setitem__(n, o[()]) if isinstance(o, h5py.Dataset) else None)
-        return w
+    """tt.side_by_side of every call at once; their values, in order."""
+    return [f.result() for f in tt.side_by_side(*calls, workers=len(calls))]
 
 
 class Shared:
@@ -137,7 +117,7 @@ class LoraTest(tt.RunDirTest):
             self.assertEqual(a[s], b[s], f"step {s}")
 
         # The merged export: the base everywhere, W + s B A where adapted.
-        base = exported_weights(Shared.base(), os.path.join(d, "base_weights.h5"))
+        base = tt.exported_weights(os.path.join(d, "base_weights.h5"), "--run", Shared.base())
         merged = tt.weights(os.path.join(d, "l"))
         self.assertEqual(sorted(merged), sorted(base))
         adapted = {k[len("model/"):-len(".lora_a")] for k in model if k.endswith(".lora_a")}

@@ -14,7 +14,7 @@ The activation model is held to 15% of a real forward in planner_tests (C++).
 CI time (2 cores): what each run costs beyond what the assertions read.
 - The trainer's plots (tools/plot_metrics.py, ~1 s of CPU per run) are not drawn: no test here
   reads them (test_train.py does). PARALLAX_PYTHON, the interpreter the trainer runs them with, is
-  `false` for this file's runs (setUpModule), so each run logs "plots skipped".
+  a script that skips that tool for this file's runs (tt.SkippedPlots).
 - --calibrate trains 50 steps or more (a warm-up, 20 at the batch, 20 at each doubling); on vit_cls
   tiny (~10 ms a step here) rather than bev tiny's ViT (~0.25 s): what the test reads is that it
   measures (an efficiency in (0, 1], a bandwidth), not the model's figures.
@@ -64,20 +64,15 @@ def run_bounded(args, timeout=120, limit_gib=6):
         return p.returncode, out.read().decode(), err.read().decode(), took, usage.ru_maxrss / 1024
 
 
-_saved_python = None
+PLOTS = tt.SkippedPlots()  # no plots (above)
 
 
 def setUpModule():
-    global _saved_python
-    _saved_python = os.environ.get("PARALLAX_PYTHON")
-    os.environ["PARALLAX_PYTHON"] = "false"  # no plots (above)
+    PLOTS.start()
 
 
 def tearDownModule():
-    if _saved_python is None:
-        os.environ.pop("PARALLAX_PYTHON", None)
-    else:
-        os.environ["PARALLAX_PYTHON"] = _saved_python
+    PLOTS.stop()
 
 
 class PlannerTest(tt.RunDirTest):

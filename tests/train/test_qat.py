@@ -51,7 +51,6 @@ import tempfile
 import time
 import unittest
 
-import h5py
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -65,42 +64,17 @@ def read(path):
         return f.read()
 
 
-_saved_python = None
+PLOTS = tt.SkippedPlots()  # no plots (above); the ONNX parity check still runs
 
 
 def setUpModule():
-    """PARALLAX_PYTHON: a script that skips the trainer's plots and runs anything else with this
-    interpreter (or the PARALLAX_PYTHON given)."""
-    global _saved_python
-    _saved_python = os.environ.get("PARALLAX_PYTHON")
-    real = _saved_python or sys.executable
-    script = os.path.join(Shared.dir(), "python_without_plots")
-    with open(script, "w") as f:
-        f.write("#!/bin/sh\n"
-                "# The trainer's plots (tools/plot_metrics.py) are skipped; anything else runs.\n"
-                'case "$1" in */plot_metrics.py) exit 0 ;; esac\n'
-                f"exec '{real}' \"$@\"\n")
-    os.chmod(script, 0o755)
-    os.environ["PARALLAX_PYTHON"] = script
+    PLOTS.start()
 
 
 def tearDownModule():
-    if _saved_python is None:
-        os.environ.pop("PARALLAX_PYTHON", None)
-    else:
-        os.environ["PARALLAX_PYTHON"] = _saved_python
+    PLOTS.stop()
     if Shared.tmp is not None:
         Shared.tmp.cleanup()
-
-
-def exported_weights(out, *source):
-    """tt.weights of `source` (["--run", dir] or ["--checkpoint", step dir]), written to `out`
-    (the shared base's folder stays as it is)."""
-    tt.run(["export", *source, "--format", "weights", "--out", out])
-    with h5py.File(out, "r") as f:
-        w = {}
-        f.visititems(lambda n, o: w.__setitem__(n, o[()]) if isinstance(o, h5py.Dataset) else None)
-        return w
 
 
 class Shared:
@@ -180,7 +154,7 @@ class QatTest(tt.RunDirTest):
         self.assertEqual(len(amax), prep[0]["calib_quantizers"])
         self.assertEqual(meta["extra"]["qat.calibrator"], "percentile")
         # No step: the weights are the fp32 run's, bitwise.
-        base = exported_weights(os.path.join(self.d, "base_weights.h5"), "--run", Shared.base())
+        base = tt.exported_weights(os.path.join(self.d, "base_weights.h5"), "--run", Shared.base())
         ptq = tt.weights(run_dir)
         for k, v in base.items():
             self.assertTrue(np.array_equal(ptq[k], v), k)
@@ -627,7 +601,7 @@ class QatTest(tt.RunDirTest):
         # the step-2 loss under ZeRO-1).
         # DDP's amax after step 1: the lsq run's step-1 checkpoint (the state a 1-step run of the same
         # config ends in: the constant schedule does not depend on train.steps).
-        ref = exported_weights(os.path.join(self.d, "lsq_step1.h5"), "--checkpoint",
+        ref = tt.exported_weights(os.path.join(self.d, "lsq_step1.h5"), "--checkpoint",
                                os.path.join(self.d, "lsq", "checkpoints", "step_00000001"))
         for stage in (1, 2, 3):
             name = f"lsq_zero{stage}"

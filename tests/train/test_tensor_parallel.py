@@ -23,7 +23,6 @@
 
 Usage: test_tensor_parallel.py <parallax binary> <mpirun>
 """
-import concurrent.futures
 import json
 import os
 import shutil
@@ -85,14 +84,18 @@ VIT_LR = 0.03
 # CI time (2 cores): what each run costs beyond what the assertions read.
 # - The trainer's plots (tools/plot_metrics.py, ~1 s and 0.6 s of CPU per run) are not drawn: no
 #   test here reads them (test_train.py does). PARALLAX_PYTHON, the interpreter the trainer runs
-#   them with, is `false` for this file's runs (set below), so each run logs "plots skipped".
+#   them with, is a script that skips that tool for this file's runs (tt.SkippedPlots).
 # - Independent runs go side by side, two at a time (`side_by_side`).
-def side_by_side(*calls, workers=2):
-    """Runs the independent calls (functions of no argument) `workers` at a time; their futures, in
-    order (`.result()` returns the call's value or raises its exception)."""
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(c) for c in calls]
-    return futures
+side_by_side = tt.side_by_side
+PLOTS = tt.SkippedPlots()  # no plots (above)
+
+
+def setUpModule():
+    PLOTS.start()
+
+
+def tearDownModule():
+    PLOTS.stop()
 
 
 class TensorParallelTest(tt.RunDirTest):
@@ -253,5 +256,4 @@ class TensorParallelTest(tt.RunDirTest):
 
 if __name__ == "__main__":
     tt.PARALLAX, tt.MPIRUN = sys.argv[1], sys.argv[2]
-    os.environ["PARALLAX_PYTHON"] = "false"  # no plots (above)
     unittest.main(argv=sys.argv[:1], verbosity=2)

@@ -11,6 +11,7 @@
 
 Usage: test_train.py <parallax binary> <mpirun>
 """
+import concurrent.futures
 import json
 import re
 import os
@@ -90,12 +91,60 @@ def flip_byte(path, dataset):
         fh.write(bytes([b[0] ^ 0x5A]))
 
 
-def weights(run_dir):
-    run(["export", "--run", run_dir, "--format", "weights"])
-    with h5py.File(os.path.join(run_dir, "export", "weights.h5"), "r") as f:
+def read_weights(path):
+    """Every tensor of a weights.h5: {name: array}."""
+    with h5py.File(path, "r") as f:
         out = {}
         f.visititems(lambda n, o: out.__setitem__(n, o[()]) if isinstance(o, h5py.Dataset) else None)
         return out
+
+
+def weights(run_dir):
+    run(["export", "--run", run_dir, "--format", "weights"])
+    return read_weights(os.path.join(run_dir, "export", "weights.h5"))
+
+
+def exported_weights(out, *source):
+    """The weights of `source` (["--run", dir] or ["--checkpoint", step dir]), exported to `out`
+    (a run shared by several tests stays as it is)."""
+    run(["export", *source, "--format", "weights", "--out", out])
+    return read_weights(out)
+
+
+def side_by_side(*calls, workers=2):
+    """Runs the independent calls (functions of no argument) `workers` at a time; their futures, in
+    order (`.result()` returns the call's value or raises its exception)."""
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(c) for c in calls]
+    return futures
+
+
+class SkippedPlots:
+    """For test files that read no plot: PARALLAX_PYTHON, the interpreter the trainer runs
+    tools/plot_metrics.py with (~1 s of CPU per run), becomes a script that skips that tool and runs
+    anything else (the ONNX parity check) with the interpreter given before. start() in
+    setUpModule, stop() in tearDownModule."""
+
+    def __init__(self):
+        self.saved = self.tmp = None
+
+    def start(self):
+        self.saved = os.environ.get("PARALLAX_PYTHON")
+        self.tmp = tempfile.TemporaryDirectory()
+        script = os.path.join(self.tmp.name, "python_without_plots")
+        with open(script, "w") as f:
+            f.write("#!/bin/sh\n"
+                    'case "$1" in */plot_metrics.py) exit 0 ;; esac\n'
+                    f"exec '{self.saved or sys.executable}' \"$@\"\n")
+        os.chmod(script, 0o755)
+        os.environ["PARALLAX_PYTHON"] = script
+
+    def stop(self):
+        if self.saved is None:
+            os.environ.pop("PARALLAX_PYTHON", None)
+        else:
+            os.environ["PARALLAX_PYTHON"] = self.saved
+        self.tmp.cleanup()
 
 
 # ---- Multi-rank equivalence: the first step, then SGD (tests/TOLERANCES.md, "Equivalence tests") ----
