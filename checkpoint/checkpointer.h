@@ -49,7 +49,7 @@
 #pragma once
 
 #include "checkpoint/save_state.h"
-#include "parallel/comm/topology.h"
+#include "comm/topology.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -65,7 +65,7 @@ struct CheckpointerOptions {
   bool async = false;       // snapshot to host memory and write in a background thread
   double timeout_s = 1800;  // how long ranks wait for each other (parallel.checkpoint_timeout_s)
   std::string config_hash;  // core::stable_hash of the resolved config text
-  parallel::comm::Layout layout;   // dp x tp x pp; the default (1, 1, 1) means dp = world
+  comm::RankLayout layout;  // dp x tp x pp; the default (1, 1, 1) means dp = world
   int64_t block_bytes = 64 << 20;  // largest single transfer (device staging, HDF5 write)
   std::string config_text;  // the resolved config, saved as config.yaml in each checkpoint ("": no)
   bool allow_nonfinite = false;  // commit NaN / inf tensors (only to test readers of such files)

@@ -35,7 +35,7 @@
 // Thread-safety: everything here is a pure function or a value type.
 #pragma once
 
-#include "parallel/comm/topology.h"
+#include "comm/topology.h"
 
 #include <c10/core/ScalarType.h>
 
@@ -114,7 +114,7 @@ using ExtraValue = std::variant<int64_t, double, std::string>;
 struct Metadata {
   int format_version = kFormatVersion;
   int64_t step = 0;
-  parallel::comm::Layout layout;  // dp x tp x pp at save time
+  comm::RankLayout layout;  // dp x tp x pp at save time
   int world = 1;
   std::string config_hash;  // core::stable_hash of the resolved config text
   std::string created;      // UTC, ISO 8601

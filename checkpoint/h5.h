@@ -1,4 +1,4 @@
-// Internal: what the checkpoint files need on top of core/h5.h (owned identifiers and error
+// Internal: what the checkpoint files need on top of h5io/h5.h (owned identifiers and error
 // capture): storage types per dtype, attributes, and the C-order block iterator
 // that streams a tensor through a bounded buffer. Not part of the public API.
 //
@@ -15,7 +15,7 @@
 // them and a background checkpoint writer never stalls the data loader for long.
 #pragma once
 
-#include "core/h5.h"
+#include "h5io/h5.h"
 
 #include <hdf5.h>
 
@@ -28,12 +28,12 @@
 
 namespace parallax::checkpoint::h5 {
 
-// The shared RAII and error layer (core/h5.h).
-using core::h5::describe;
-using core::h5::error_message;
-using core::h5::fail;
-using core::h5::Id;
-using core::h5::quiet_errors;
+// The shared RAII and error layer (h5io/h5.h).
+using h5io::describe;
+using h5io::error_message;
+using h5io::fail;
+using h5io::Id;
+using h5io::quiet_errors;
 
 // The HDF5 type a tensor of `dtype` is stored as: native IEEE floats and integers where HDF5 has
 // them (float32/64, int8..int64, uint8), else an unsigned integer of the same width holding the raw

@@ -4,6 +4,7 @@
 #include "checkpoint/files.h"
 #include "checkpoint/finite.h"
 #include "checkpoint/h5.h"
+#include "checkpoint/shard_files.h"
 #include "checkpoint/tensor_io.h"
 #include "core/boxes.h"
 #include "core/error.h"
@@ -26,8 +27,6 @@ namespace fs = std::filesystem;
 
 namespace parallax::checkpoint {
 namespace {
-
-constexpr size_t kMaxOpenFiles = 64;
 
 using core::Box;
 
@@ -110,8 +109,7 @@ struct CheckpointReader::Impl {
   std::string dir;
   Metadata meta;
   int64_t block_bytes = 64 << 20;
-  std::map<std::string, const FileInfo*> file_info;
-  std::map<std::string, h5::Id> open_files;
+  std::optional<ShardFiles> shard_files;  // set once the metadata is read
   // A shard is (file, tensor, piece): a rank file may hold several pieces of one tensor.
   using ShardKey = std::tuple<std::string, std::string, int>;
   static ShardKey key_of(const TensorInfo& t, const ShardInfo& s) {
@@ -125,82 +123,7 @@ struct CheckpointReader::Impl {
     std::vector<std::optional<uint32_t>> crcs;
   };
   std::map<ShardKey, FlatCheck> flat_checks;
-  std::set<std::string> checked_files;  // present with the recorded size
   ReadStats stats;
-
-  std::string path_of(const std::string& file) const { return (fs::path(dir) / file).string(); }
-
-  static std::string holds(const std::string& tensor) {
-    return tensor.empty() ? std::string() : fmt::format(" (it holds tensor '{}')", tensor);
-  }
-
-  // Checks presence and size of `file` (once).
-  void check_file(const std::string& file, const std::string& tensor) {
-    if (checked_files.count(file)) return;
-    const auto it = file_info.find(file);
-    if (it == file_info.end()) {
-      throw_error<CheckpointError>(
-          "checkpoint '{}': tensor '{}' refers to file '{}', which metadata.json does not list",
-          dir, tensor, file);
-    }
-    const std::string p = path_of(file);
-    const int64_t size = files::file_size(p);
-    if (size < 0) {
-      throw_error<CheckpointError>("checkpoint '{}': shard file '{}' (rank {}) is missing{}", dir,
-                                   file, it->second->rank, holds(tensor));
-    }
-    if (size != it->second->bytes) {
-      throw_error<CheckpointError>(
-          "checkpoint '{}': shard file '{}' (rank {}) is {}: {} bytes on disk, {} recorded in "
-          "metadata.json{}",
-          dir, file, it->second->rank, size < it->second->bytes ? "truncated" : "altered", size,
-          it->second->bytes, holds(tensor));
-    }
-    checked_files.insert(file);
-  }
-
-  hid_t file(const std::string& name, const std::string& tensor) {
-    auto it = open_files.find(name);
-    if (it != open_files.end()) return it->second;
-    check_file(name, tensor);
-    if (open_files.size() >= kMaxOpenFiles) open_files.clear();
-    h5::quiet_errors();
-    h5::Id fapl(H5Pcreate(H5P_FILE_ACCESS));
-    H5Pset_fclose_degree(fapl, H5F_CLOSE_STRONG);
-    h5::Id f(H5Fopen(path_of(name).c_str(), H5F_ACC_RDONLY, fapl));
-    if (!f.valid()) {
-      h5::fail<CheckpointError>(
-          fmt::format("checkpoint '{}': cannot open shard file '{}' (holds tensor '{}'; "
-                      "truncated or not HDF5?)",
-                      dir, name, tensor));
-    }
-    return open_files.emplace(name, std::move(f)).first->second;
-  }
-
-  h5::Id dataset(const TensorInfo& t, const ShardInfo& s) {
-    const hid_t f = file(s.file, t.name);
-    h5::quiet_errors();
-    const std::string path = piece_dataset(t.name, s.piece);
-    h5::Id d(H5Dopen2(f, path.c_str(), H5P_DEFAULT));
-    if (!d.valid()) {
-      h5::fail<CheckpointError>(
-          fmt::format("checkpoint '{}': shard file '{}' has no dataset '{}' for tensor '{}'", dir,
-                      s.file, path, t.name));
-    }
-    const std::string ctx =
-        fmt::format("checkpoint '{}': shard file '{}', tensor '{}'", dir, s.file, t.name);
-    const std::vector<int64_t> dims = h5::dataset_dims(d, ctx);
-    if (dims != s.stored_dims()) {
-      throw_error<CheckpointError>("{}: the dataset has shape {} but metadata.json records {} ({})",
-                                   ctx, dims, s.stored_dims(), s.describe());
-    }
-    h5::Id type(H5Dget_type(d));
-    if (!type.valid() || H5Tget_size(type) != c10::elementSize(t.dtype)) {
-      throw_error<CheckpointError>("{}: the dataset's element size does not match dtype {}", ctx,
-                                   dtype_name(t.dtype));
-    }
-    return d;
-  }
 
   void fail_checksum(const TensorInfo& t, const ShardInfo& s, uint32_t got) const {
     // Piece k > 0 of a tensor in its file is named by its dataset (the others by the tensor).
@@ -218,7 +141,7 @@ struct CheckpointReader::Impl {
                     NonFiniteCount* nonfinite = nullptr) {
     if (s.numel() == 0 || verified.count(key_of(t, s))) return;
     const bool scan = nonfinite != nullptr && can_be_nonfinite(t.dtype);
-    h5::Id d = dataset(t, s);
+    h5::Id d = shard_files->dataset(t, s);
     const hid_t type = h5::storage_type(t.dtype, t.name);
     const int64_t esize = static_cast<int64_t>(c10::elementSize(t.dtype));
     const int64_t budget = std::min<int64_t>(block_bytes, s.numel() * esize);
@@ -265,7 +188,7 @@ struct CheckpointReader::Impl {
     int64_t covered = 0;
     for (const ShardInfo& s : t.shards) {
       if (!may_overlap(t, s, r)) continue;
-      h5::Id d = dataset(t, s);
+      h5::Id d = shard_files->dataset(t, s);
       if (s.flat) {
         covered += read_flat(d, type, t, s, r, base, esize, opt);
         continue;
@@ -512,7 +435,7 @@ CheckpointReader::CheckpointReader(const std::string& path, int64_t block_bytes)
     throw_error<CheckpointError>("checkpoint '{}': {}", I.dir, e.what());
   }
   I.meta = Metadata::from_json(text, mpath);
-  for (const FileInfo& f : I.meta.files) I.file_info[f.name] = &f;
+  I.shard_files.emplace(I.dir, I.meta.files);
   // A step directory holds the step it is named for (the commit names it from the same step).
   fs::path d = fs::path(I.dir).lexically_normal();
   if (d.filename().empty()) d = d.parent_path();
@@ -572,7 +495,7 @@ void CheckpointReader::load(const std::vector<LoadTarget>& targets, const ReadOp
     r.offsets = tg.offsets.empty() ? std::vector<int64_t>(r.lengths.size(), 0) : tg.offsets;
     if (c10::multiply_integers(r.lengths) == 0) continue;
     for (const ShardInfo& s : t.shards) {
-      if (may_overlap(t, s, r)) I.dataset(t, s);
+      if (may_overlap(t, s, r)) I.shard_files->dataset(t, s);
     }
   }
   I.flat_checks.clear();
@@ -596,7 +519,7 @@ std::optional<std::string> CheckpointReader::config_text() {
   Impl& I = *impl_;
   if (!I.meta.config) return std::nullopt;
   const SideFile& c = *I.meta.config;
-  const std::string p = I.path_of(c.name);
+  const std::string p = I.shard_files->path_of(c.name);
   if (files::file_size(p) < 0)
     throw_error<CheckpointError>("checkpoint '{}': '{}' (the run's config) is missing", I.dir, p);
   const std::string text = files::read_text(p);
@@ -615,7 +538,7 @@ int64_t CheckpointReader::verify_all(const std::function<bool(const TensorInfo&)
                                      std::vector<NonFiniteTensor>* nonfinite,
                                      const std::function<bool(const ShardInfo&)>& shard_filter) {
   Impl& I = *impl_;
-  for (const FileInfo& f : I.meta.files) I.check_file(f.name, "");
+  for (const FileInfo& f : I.meta.files) I.shard_files->check_file(f.name, "");
   config_text();
   int64_t bytes = 0;
   for (const auto& [name, t] : I.meta.tensors) {

@@ -159,65 +159,61 @@ std::string entry_where(const TensorEntry& e) {
   return fmt::format("box {} + {}", e.offsets, e.tensor.sizes().vec());
 }
 
-std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world) {
-  std::map<std::string, std::vector<size_t>> by_name;
-  // Entries grouped by replica set; sets of one member are owned directly.
-  std::map<std::vector<int>, std::vector<size_t>> groups;
-  std::vector<OwnedEntry> owned;
-  std::vector<std::string> final_names(state.entries().size());
-  for (size_t i = 0; i < state.entries().size(); ++i) {
-    const TensorEntry& e = state.entries()[i];
-    const std::string name =
-        e.kind == TensorEntry::Kind::kRankLocal ? rank_local_name(rank, e.name) : e.name;
-    final_names[i] = name;
-    validate_tensor_name(name);
-    if (!e.tensor.defined())
-      throw_error<CheckpointError>("checkpoint entry '{}' has no tensor (undefined)", name);
-    by_name[name].push_back(i);
-    h5::storage_type(e.tensor.scalar_type(), name);  // throws for dtypes the format cannot store
-    const auto sizes = e.tensor.sizes();
-    if (e.flat) {
-      validate_flat(e, name, rank);
-    } else if (e.global_shape.size() != sizes.size() || e.offsets.size() != sizes.size()) {
-      throw_error<CheckpointError>(
-          "checkpoint entry '{}' on rank {}: a {}-d tensor with a {}-d global shape and {} offsets",
-          name, rank, sizes.size(), e.global_shape.size(), e.offsets.size());
-    }
-    for (size_t d = 0; d < sizes.size() && !e.flat; ++d) {
-      if (e.offsets[d] < 0 || e.offsets[d] + sizes[d] > e.global_shape[d]) {
-        throw_error<CheckpointError>(
-            "checkpoint entry '{}' on rank {}: box at offsets {} with shape {} lies outside the "
-            "global shape {}",
-            name, rank, e.offsets, sizes.vec(), e.global_shape);
-      }
-    }
-    std::vector<int> replicas;
-    switch (e.kind) {
-      case TensorEntry::Kind::kReplicatedAll:
-        replicas.resize(static_cast<size_t>(world));
-        std::iota(replicas.begin(), replicas.end(), 0);
-        break;
-      case TensorEntry::Kind::kRankLocal:
-        replicas = {rank};
-        break;
-      case TensorEntry::Kind::kExplicit:
-        replicas = e.replicas.empty() ? std::vector<int>{rank} : e.replicas;
-        break;
-    }
-    std::sort(replicas.begin(), replicas.end());
-    replicas.erase(std::unique(replicas.begin(), replicas.end()), replicas.end());
-    if (!std::binary_search(replicas.begin(), replicas.end(), rank)) {
-      throw_error<CheckpointError>("checkpoint entry '{}': rank {} is not among its replicas {}",
-                                   name, rank, replicas);
-    }
-    if (replicas.front() < 0 || replicas.back() >= world) {
-      throw_error<CheckpointError>(
-          "checkpoint entry '{}': replicas {} are not ranks of a world of {}", name, replicas,
-          world);
-    }
-    groups[replicas].push_back(i);
+namespace {
+
+// Checks entry `e` (saved as `name` on `rank`: defined, storable, its box or flat range inside its
+// global shape) and returns its replica set, sorted and with `rank` in it.
+std::vector<int> entry_replicas(const TensorEntry& e, const std::string& name, int rank,
+                                int world) {
+  validate_tensor_name(name);
+  if (!e.tensor.defined())
+    throw_error<CheckpointError>("checkpoint entry '{}' has no tensor (undefined)", name);
+  h5::storage_type(e.tensor.scalar_type(), name);  // throws for dtypes the format cannot store
+  const auto sizes = e.tensor.sizes();
+  if (e.flat) {
+    validate_flat(e, name, rank);
+  } else if (e.global_shape.size() != sizes.size() || e.offsets.size() != sizes.size()) {
+    throw_error<CheckpointError>(
+        "checkpoint entry '{}' on rank {}: a {}-d tensor with a {}-d global shape and {} offsets",
+        name, rank, sizes.size(), e.global_shape.size(), e.offsets.size());
   }
-  // Several entries of one name: disjoint pieces of the tensor (same global shape), or an error.
+  for (size_t d = 0; d < sizes.size() && !e.flat; ++d) {
+    if (e.offsets[d] < 0 || e.offsets[d] + sizes[d] > e.global_shape[d]) {
+      throw_error<CheckpointError>(
+          "checkpoint entry '{}' on rank {}: box at offsets {} with shape {} lies outside the "
+          "global shape {}",
+          name, rank, e.offsets, sizes.vec(), e.global_shape);
+    }
+  }
+  std::vector<int> replicas;
+  switch (e.kind) {
+    case TensorEntry::Kind::kReplicatedAll:
+      replicas.resize(static_cast<size_t>(world));
+      std::iota(replicas.begin(), replicas.end(), 0);
+      break;
+    case TensorEntry::Kind::kRankLocal:
+      replicas = {rank};
+      break;
+    case TensorEntry::Kind::kExplicit:
+      replicas = e.replicas.empty() ? std::vector<int>{rank} : e.replicas;
+      break;
+  }
+  std::sort(replicas.begin(), replicas.end());
+  replicas.erase(std::unique(replicas.begin(), replicas.end()), replicas.end());
+  if (!std::binary_search(replicas.begin(), replicas.end(), rank)) {
+    throw_error<CheckpointError>("checkpoint entry '{}': rank {} is not among its replicas {}",
+                                 name, rank, replicas);
+  }
+  if (replicas.front() < 0 || replicas.back() >= world) {
+    throw_error<CheckpointError>(
+        "checkpoint entry '{}': replicas {} are not ranks of a world of {}", name, replicas, world);
+  }
+  return replicas;
+}
+
+// Several entries of one name must be disjoint pieces of the tensor (same global shape).
+void check_pieces_disjoint(const SaveState& state,
+                           const std::map<std::string, std::vector<size_t>>& by_name, int rank) {
   for (const auto& [name, idx] : by_name) {
     if (idx.size() < 2) continue;
     for (size_t a = 0; a < idx.size(); ++a) {
@@ -243,6 +239,48 @@ std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world
       }
     }
   }
+}
+
+// Sorts this rank's pieces of each tensor in a deterministic order (by where they start) and
+// numbers them (OwnedEntry::piece); throws when a piece's dataset name is another tensor's.
+void number_pieces(std::vector<OwnedEntry>& owned) {
+  auto start = [](const OwnedEntry& e) -> std::vector<int64_t> {
+    if (!e.flat) return e.offsets;
+    const auto boxes = core::flat_range_boxes(e.global_shape, e.flat->begin, e.flat->end);
+    return boxes.empty() ? std::vector<int64_t>{} : boxes.front().offsets;
+  };
+  std::sort(owned.begin(), owned.end(), [&](const OwnedEntry& a, const OwnedEntry& b) {
+    return a.name != b.name ? a.name < b.name : start(a) < start(b);
+  });
+  std::set<std::string> names_here;
+  for (const auto& e : owned) names_here.insert(e.name);
+  for (size_t i = 1; i < owned.size(); ++i) {
+    if (owned[i].name != owned[i - 1].name) continue;
+    owned[i].piece = owned[i - 1].piece + 1;
+    const std::string path = piece_dataset(owned[i].name, owned[i].piece);
+    PARALLAX_CHECK(!names_here.count(path), CheckpointError,
+                   "checkpoint: tensor '{}' is named like piece {} of tensor '{}' in the rank file",
+                   path, owned[i].piece, owned[i].name);
+  }
+}
+
+}  // namespace
+
+std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world) {
+  std::map<std::string, std::vector<size_t>> by_name;
+  // Entries grouped by replica set; sets of one member are owned directly.
+  std::map<std::vector<int>, std::vector<size_t>> groups;
+  std::vector<OwnedEntry> owned;
+  std::vector<std::string> final_names(state.entries().size());
+  for (size_t i = 0; i < state.entries().size(); ++i) {
+    const TensorEntry& e = state.entries()[i];
+    const std::string name =
+        e.kind == TensorEntry::Kind::kRankLocal ? rank_local_name(rank, e.name) : e.name;
+    final_names[i] = name;
+    groups[entry_replicas(e, name, rank, world)].push_back(i);
+    by_name[name].push_back(i);
+  }
+  check_pieces_disjoint(state, by_name, rank);
   for (const auto& [members, idx] : groups) {
     const int me =
         static_cast<int>(std::lower_bound(members.begin(), members.end(), rank) - members.begin());
@@ -263,25 +301,7 @@ std::vector<OwnedEntry> select_owned(const SaveState& state, int rank, int world
       owned.push_back(OwnedEntry{final_names[idx[j]], e.tensor, e.global_shape, e.offsets, e.flat});
     }
   }
-  // This rank's pieces of a tensor in a deterministic order (by where they start), numbered.
-  auto start = [](const OwnedEntry& e) -> std::vector<int64_t> {
-    if (!e.flat) return e.offsets;
-    const auto boxes = core::flat_range_boxes(e.global_shape, e.flat->begin, e.flat->end);
-    return boxes.empty() ? std::vector<int64_t>{} : boxes.front().offsets;
-  };
-  std::sort(owned.begin(), owned.end(), [&](const OwnedEntry& a, const OwnedEntry& b) {
-    return a.name != b.name ? a.name < b.name : start(a) < start(b);
-  });
-  std::set<std::string> names_here;
-  for (const auto& e : owned) names_here.insert(e.name);
-  for (size_t i = 1; i < owned.size(); ++i) {
-    if (owned[i].name != owned[i - 1].name) continue;
-    owned[i].piece = owned[i - 1].piece + 1;
-    const std::string path = piece_dataset(owned[i].name, owned[i].piece);
-    PARALLAX_CHECK(!names_here.count(path), CheckpointError,
-                   "checkpoint: tensor '{}' is named like piece {} of tensor '{}' in the rank file",
-                   path, owned[i].piece, owned[i].name);
-  }
+  number_pieces(owned);
   return owned;
 }
 

@@ -98,7 +98,7 @@ WeightsReport load_weights(CheckpointReader& reader, torch::nn::Module& module,
 // tensors, nothing read), but nothing is loaded: `readers` holds, per tensor of report.loaded, a
 // function that reads it (this rank's boxes under boxes_of) into a new CPU tensor of the module
 // tensor's shape and dtype, one tensor in memory at a time. `module` may be shape-only or built
-// under deferred construction (core/param_init.h): a rank materialises only what it owns from
+// under deferred construction (units/param_init.h): a rank materialises only what it owns from
 // pretrained weights or a checkpoint. The source stays open while a reader lives; readers may run
 // in any order, from one thread at a time.
 struct DeferredWeights {
@@ -117,7 +117,7 @@ int64_t export_weights(const std::string& checkpoint_path, const std::string& ou
                        at::ScalarType dtype, bool allow_nonfinite = false);
 // The same file with `tensors` (module paths, whole) as its datasets instead of the checkpoint's
 // model tensors, the checkpoint supplying the attributes (a LoRA run's merged model,
-// train/lora.h).
+// train/lora/lora.h).
 int64_t export_weights(const std::string& checkpoint_path, const std::string& out_file,
                        at::ScalarType dtype, bool allow_nonfinite,
                        const std::vector<std::pair<std::string, at::Tensor>>& tensors);

@@ -1,6 +1,7 @@
 // The geometry of tensor pieces: which boxes of a C-ordered tensor a flat element range covers.
-// Checkpoint shards (checkpoint/) and the engines' state pieces (parallel/engine.h) both use it;
-// it lives in core so that the checkpoint format knows no engine.
+// Plain index arithmetic on shapes, a value type and a pure function, knowing nothing of models,
+// engines or files; the engines' state pieces (parallel/engine.h) and the checkpoint format
+// (checkpoint/) both describe pieces with it.
 //
 // Thread-safety: pure functions. Errors: parallax::Error for a range outside the tensor.
 #pragma once

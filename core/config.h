@@ -138,6 +138,8 @@ class ConfigTree {
 namespace detail {
 
 std::string child_path(const std::string& parent, const std::string& key);
+// How a YAML value is named in messages: null, 'text' (clipped), a list, a mapping.
+std::string describe_node(const YAML::Node& n);
 [[noreturn]] void fail_at(const ConfigTree& tree, const std::string& path, const std::string& what);
 
 void read_value(const YAML::Node& n, const std::string& path, const ConfigTree& t, bool& out);

@@ -1,6 +1,6 @@
 // The hostile-input scan of a YAML config (core/config.h, "Hostile input"): yaml-cpp's event
-// stream checked before any node tree exists, then yaml-cpp's own load. Internal to
-// core/config.cpp.
+// stream checked before any node tree exists, then yaml-cpp's own load. Internal to the config
+// system (core/config.cpp for files, core/config_override.cpp for override values).
 #pragma once
 
 #include <yaml-cpp/yaml.h>

@@ -67,7 +67,7 @@ bool library_threadsafe() {
 }
 
 void fail(const std::string& context) {
-  core::h5::fail<DataError>(context);
+  h5io::fail<DataError>(context);
 }
 
 Hdf5Lock::Hdf5Lock() {

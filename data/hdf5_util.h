@@ -15,7 +15,7 @@
 // Keep work that needs no HDF5 (decoding, augmentation) outside those sections.
 #pragma once
 
-#include "core/h5.h"
+#include "h5io/h5.h"
 
 #include <hdf5.h>
 
@@ -29,9 +29,9 @@
 
 namespace parallax::data::h5 {
 
-// The shared RAII and error layer (core/h5.h).
-using core::h5::error_message;
-using core::h5::quiet_errors;
+// The shared RAII and error layer (h5io/h5.h).
+using h5io::error_message;
+using h5io::quiet_errors;
 
 // Throws DataError "<context>: HDF5: <error_message()>" (or just the context when HDF5 has no
 // message).
@@ -51,12 +51,12 @@ class Hdf5Lock {
   std::unique_lock<std::mutex> lock_;
 };
 
-// core::h5::Id with a checked constructor for the data layer: Id(h, context) takes ownership of
+// h5io::Id with a checked constructor for the data layer: Id(h, context) takes ownership of
 // `h` and throws DataError via fail(context) if `h` < 0.
-class Id : public core::h5::Id {
+class Id : public h5io::Id {
  public:
   Id() = default;
-  Id(hid_t id, const std::string& context) : core::h5::Id(id) {
+  Id(hid_t id, const std::string& context) : h5io::Id(id) {
     if (id < 0) fail(context);
   }
 };

@@ -142,6 +142,62 @@ at::Tensor decode_cameras(const JpegImages& j, const std::string& w,
   return out;
 }
 
+// Narrows `rec` to a selection of cameras at a decode scale (outside the HDF5 lock): the other
+// cameras are never decoded; the intrinsics follow the scale exactly. Checks the result against
+// `info` with the selection's cameras and image size.
+void apply_selection(SceneRecord& rec, const std::optional<JpegImages>& jpeg,
+                     const DatasetInfo& info, const ShardReader::Selection& sel,
+                     const std::string& w) {
+  const int64_t stored = rec.intrinsics.size(0);
+  std::vector<int64_t> cams = sel.cameras;
+  if (cams.empty()) {
+    for (int64_t c = 0; c < stored; ++c) cams.push_back(c);
+  }
+  for (int64_t c : cams) {
+    if (c < 0 || c >= stored)
+      throw_error<DataError>("{}: camera {} selected, the scene has {} (data.cameras)", w, c,
+                             stored);
+  }
+  const int s = sel.decode_scale;
+  if (s != 1 && s != 2 && s != 4 && s != 8)
+    throw_error<DataError>("{}: decode scale 1/{} (1, 2, 4 or 8)", w, s);
+  if (!jpeg && s != 1)
+    throw_error<DataError>("{}: raw images are read at full size (decode scale 1/{})", w, s);
+  const at::Tensor idx = at::tensor(cams, at::kLong);
+  if (jpeg) {
+    rec.images = decode_cameras(*jpeg, w, cams, s);
+  } else {
+    rec.images = rec.images.index_select(0, idx);
+  }
+  rec.intrinsics = rec.intrinsics.index_select(0, idx).contiguous();
+  rec.cam_to_ego = rec.cam_to_ego.index_select(0, idx).contiguous();
+  if (s != 1) {
+    float* K = rec.intrinsics.data_ptr<float>();
+    for (int64_t c = 0; c < rec.intrinsics.size(0); ++c) {
+      for (int e = 0; e < 6; ++e) K[c * 9 + e] /= static_cast<float>(s);  // exact: s = 2^k
+    }
+  }
+  DatasetInfo seen = info;
+  seen.cameras = static_cast<int64_t>(cams.size());
+  seen.image_height = rec.images.size(1);
+  seen.image_width = rec.images.size(2);
+  check_scene(rec, seen, w);
+}
+
+// The optional per-box velocities of a scene (nuScenes conversions): float [K, 2], K = the boxes'.
+void read_velocities(hid_t group, SceneRecord& rec, const std::string& w) {
+  if (!h5::link_exists(group, kVelocities)) return;
+  const std::string ctx = fmt::format("{}: dataset '{}'", w, kVelocities);
+  h5::Id ds(H5Dopen2(group, kVelocities, H5P_DEFAULT), ctx + ": cannot open");
+  const h5::DatasetShape shape = h5::dataset_shape(ds, ctx);
+  if (shape.type_class != H5T_FLOAT || shape.dims.size() != 2 || shape.dims[1] != 2 ||
+      shape.dims[0] != rec.boxes.size(0)) {
+    throw_error<DataError>("{} is {}, expected float [{}, 2] (one row per box)", ctx,
+                           shape.describe(), rec.boxes.size(0));
+  }
+  rec.velocities = h5::read_tensor(ds, shape, at::kFloat, ctx + ": cannot read (corrupt shard?)");
+}
+
 }  // namespace
 
 ShardReader::ShardReader(std::string path) : path_(std::move(path)) {
@@ -280,56 +336,10 @@ SceneRecord ShardReader::read_impl(int64_t index, const DatasetInfo* info,
         rec.boxes = std::move(t);
     }
     if (auto token = h5::read_string_attribute(group, kSampleToken, w)) rec.sample_token = *token;
-    if (h5::link_exists(group, kVelocities)) {
-      const std::string ctx = fmt::format("{}: dataset '{}'", w, kVelocities);
-      h5::Id ds(H5Dopen2(group, kVelocities, H5P_DEFAULT), ctx + ": cannot open");
-      const h5::DatasetShape shape = h5::dataset_shape(ds, ctx);
-      if (shape.type_class != H5T_FLOAT || shape.dims.size() != 2 || shape.dims[1] != 2 ||
-          shape.dims[0] != rec.boxes.size(0)) {
-        throw_error<DataError>("{} is {}, expected float [{}, 2] (one row per box)", ctx,
-                               shape.describe(), rec.boxes.size(0));
-      }
-      rec.velocities =
-          h5::read_tensor(ds, shape, at::kFloat, ctx + ": cannot read (corrupt shard?)");
-    }
+    read_velocities(group, rec, w);
   }
   if (sel) {
-    // A selection of cameras at a decode scale (outside the HDF5 lock): the others are never
-    // decoded; the intrinsics follow the scale exactly.
-    const int64_t stored = rec.intrinsics.size(0);
-    std::vector<int64_t> cams = sel->cameras;
-    if (cams.empty()) {
-      for (int64_t c = 0; c < stored; ++c) cams.push_back(c);
-    }
-    for (int64_t c : cams) {
-      if (c < 0 || c >= stored)
-        throw_error<DataError>("{}: camera {} selected, the scene has {} (data.cameras)", w, c,
-                               stored);
-    }
-    const int s = sel->decode_scale;
-    if (s != 1 && s != 2 && s != 4 && s != 8)
-      throw_error<DataError>("{}: decode scale 1/{} (1, 2, 4 or 8)", w, s);
-    if (!jpeg && s != 1)
-      throw_error<DataError>("{}: raw images are read at full size (decode scale 1/{})", w, s);
-    const at::Tensor idx = at::tensor(cams, at::kLong);
-    if (jpeg) {
-      rec.images = decode_cameras(*jpeg, w, cams, s);
-    } else {
-      rec.images = rec.images.index_select(0, idx);
-    }
-    rec.intrinsics = rec.intrinsics.index_select(0, idx).contiguous();
-    rec.cam_to_ego = rec.cam_to_ego.index_select(0, idx).contiguous();
-    if (s != 1) {
-      float* K = rec.intrinsics.data_ptr<float>();
-      for (int64_t c = 0; c < rec.intrinsics.size(0); ++c) {
-        for (int e = 0; e < 6; ++e) K[c * 9 + e] /= static_cast<float>(s);  // exact: s = 2^k
-      }
-    }
-    DatasetInfo seen = *info;
-    seen.cameras = static_cast<int64_t>(cams.size());
-    seen.image_height = rec.images.size(1);
-    seen.image_width = rec.images.size(2);
-    check_scene(rec, seen, w);
+    apply_selection(rec, jpeg, *info, *sel, w);
     return rec;
   }
   if (jpeg) rec.images = decode_cameras(*jpeg, w);  // outside the HDF5 lock

@@ -2,7 +2,7 @@
 
 #include "core/enum_names.h"
 #include "core/error.h"
-#include "core/param_init.h"
+#include "units/param_init.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -336,8 +336,8 @@ Fp8LinearImpl::Fp8LinearImpl(Fp8Options options) : opts_(std::move(options)) {
   PARALLAX_CHECK(opts_.amax_history >= 1, ConfigError,
                  "key 'precision.fp8.amax_history': must be >= 1, got {}", opts_.amax_history);
   if (opts_.recipe == Recipe::kDelayed) {
-    // Through core::init_zeros, so that a model built without storage records its recipe.
-    amax_history = register_buffer("amax_history", core::init_zeros({3, opts_.amax_history}));
+    // Through units::init_zeros, so that a model built without storage records its recipe.
+    amax_history = register_buffer("amax_history", units::init_zeros({3, opts_.amax_history}));
   }
 }
 

@@ -104,6 +104,16 @@ struct Fp8Options {
   bool fused = true;  // false: the ATen composition (tests)
 };
 
+// A linear layer whose GEMM can run in FP8: models/layers.h's DenseLinear and parallel/tensor's
+// column- and row-parallel layers, so that models::enable_fp8 switches every linear a block's
+// factory built without naming the tensor-parallel types. Errors: as each layer states (its shape
+// does not take the FP8 GEMMs, it is FP8 already).
+class Fp8Capable {
+ public:
+  virtual ~Fp8Capable() = default;
+  virtual void enable_fp8(const Fp8Options& options) = 0;
+};
+
 // One linear layer's FP8 state. Under the delayed recipe it holds the buffer "amax_history"
 // [3, H] fp32 (rows: input, weight, output gradient; column 0 the newest step) and this step's
 // running amaxes (not a buffer: roll_histories() empties it at each step's end); under the current

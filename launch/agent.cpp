@@ -1,22 +1,21 @@
+// The launcher agent of one node (agent.h): the watch over this node's workers (worker_process.h
+// starts them), the group's teardown, and the restart and preemption decisions it takes with the
+// other nodes' agents through the store (launch_store.h).
 #include "launch/agent.h"
 
 #include "core/error.h"
-#include "core/strings.h"
 #include "launch/exit_codes.h"
-#include "parallel/comm/deadline_call.h"
+#include "launch/launch_store.h"
+#include "launch/worker_process.h"
 
 #include <ATen/Context.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Logging.h>
 #include <fmt/format.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <errno.h>
-#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,13 +24,11 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <thread>
-
-extern char** environ;
 
 namespace fs = std::filesystem;
 
@@ -80,64 +77,6 @@ void sleep_s(double seconds) {
   std::this_thread::sleep_for(ms(seconds));
 }
 
-std::string bytes_str(const std::vector<uint8_t>& v) {
-  return std::string(v.begin(), v.end());
-}
-std::vector<uint8_t> str_bytes(const std::string& s) {
-  return std::vector<uint8_t>(s.begin(), s.end());
-}
-
-std::string describe_status(int status) {
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    const char* name = sigabbrev_np(sig);
-    return fmt::format("died on signal {} (SIG{})", sig, name ? name : "?");
-  }
-  return fmt::format("exited with code {}", WEXITSTATUS(status));
-}
-
-// The last `n` lines of `file` (at most 64 KiB read), each prefixed for the console.
-std::string tail_lines(const std::string& file, int n) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return "  | (no log)\n";
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  const std::streamoff start = std::max<std::streamoff>(0, size - 65536);
-  in.seekg(start);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::deque<std::string> lines;
-  for (const auto& l : core::split(text, '\n')) {
-    if (l.empty()) continue;
-    // Progress lines redraw with '\r': the last redraw is the line.
-    const auto cr = l.find_last_of('\r', l.size() >= 2 ? l.size() - 2 : 0);
-    lines.push_back(cr == std::string::npos ? l : l.substr(cr + 1));
-    if (static_cast<int>(lines.size()) > n) lines.pop_front();
-  }
-  std::string out;
-  for (const auto& l : lines) out += "  | " + core::clip(l, 400) + "\n";
-  return out.empty() ? "  | (empty log)\n" : out;
-}
-
-enum class Kind { kFail, kDeterministic, kPreempt };
-
-const char* kind_name(Kind k) {
-  switch (k) {
-    case Kind::kFail:
-      return "fail";
-    case Kind::kDeterministic:
-      return "deterministic";
-    case Kind::kPreempt:
-      return "preempt";
-  }
-  return "fail";
-}
-
-Kind kind_of(const std::string& name) {
-  if (name == "deterministic") return Kind::kDeterministic;
-  if (name == "preempt") return Kind::kPreempt;
-  return Kind::kFail;
-}
-
 struct Worker {
   int local_rank = 0;
   int rank = 0;
@@ -147,12 +86,6 @@ struct Worker {
   std::string log;
 };
 
-struct Failure {
-  Kind kind = Kind::kFail;
-  int node = 0;
-  std::string text;
-};
-
 class Agent {
  public:
   explicit Agent(const AgentOptions& o) : o_(o), world_(o.nproc_per_node * o.nnodes) {}
@@ -160,47 +93,6 @@ class Agent {
   int run();
 
  private:
-  // ---- store ---------------------------------------------------------------------------------
-  void open_store();
-  // Runs the store call `f` (which must own what it uses: it is copied into a helper thread) with
-  // a deadline of --rdzv-timeout: c10d's client calls have none, and a store host that is stopped
-  // (SIGSTOP, a hung node), not dead, would otherwise keep this launcher waiting forever. On the
-  // deadline the helper thread is left blocked (detached; it owns its copies) and the error names
-  // the store and the call.
-  template <class F>
-  auto store_call(const char* what, F f) -> decltype(f()) {
-    try {
-      const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                               std::chrono::duration<double>(o_.rdzv_timeout_s));
-      if (auto r = parallel::comm::call_with_deadline(std::move(f), deadline)) return *r;
-    } catch (const std::exception& e) {
-      throw_error<CommError>(
-          "launch: node {}: the launcher store at {}:{} failed during {} (did node 0's launcher "
-          "end?): {}",
-          o_.node_rank, o_.master_addr, port_, what, parallel::comm::one_line_what(e));
-    }
-    throw_error<CommError>(
-        "launch: node {}: the launcher store at {}:{} did not answer within {:.0f} s "
-        "(--rdzv-timeout) during {}: is node 0's launcher stopped or its host hung?",
-        o_.node_rank, o_.master_addr, port_, o_.rdzv_timeout_s, what);
-  }
-  int64_t counter(const std::string& key, int64_t add) {
-    return store_call("a counter update", [s = store_, key, add] { return s->add(key, add); });
-  }
-  // Waits until counter `key` reaches `target`; false on `deadline`, or when `stop()` is true.
-  template <class Stop>
-  bool wait_counter(const std::string& key, int64_t target, Clock::time_point deadline, Stop stop) {
-    while (counter(key, 0) < target) {
-      if (Clock::now() > deadline || stop()) return false;
-      sleep_s(std::min(o_.monitor_interval_s, 0.05));
-    }
-    return true;
-  }
-  std::optional<Failure> read_failure(int attempt);
-  // Records `f` as attempt's failure unless another was first; returns the recorded one and
-  // whether it is ours.
-  std::pair<Failure, bool> record_failure(int attempt, const Failure& f);
-
   // ---- workers -------------------------------------------------------------------------------
   void spawn(int attempt);
   void reap();  // collects exited workers (never blocks)
@@ -225,59 +117,12 @@ class Agent {
   AgentOptions o_;
   int world_;
   int port_ = 0;
-  c10::intrusive_ptr<c10d::TCPStore> store_;
+  std::unique_ptr<LaunchStore> store_;
   std::vector<Worker> workers_;
   std::string tee_file_;
   std::streamoff tee_offset_ = 0;
   int forwarded_ = 0;  // launcher signals already acted on
 };
-
-void Agent::open_store() {
-  c10d::TCPStoreOptions so;
-  so.port = static_cast<uint16_t>(o_.master_port);
-  so.isServer = o_.node_rank == 0;
-  so.waitWorkers = false;
-  so.numWorkers = std::nullopt;
-  so.timeout = ms(o_.rdzv_timeout_s);
-  try {
-    store_ = c10::make_intrusive<c10d::TCPStore>(o_.master_addr, so);
-  } catch (const std::exception& e) {
-    throw_error<CommError>(
-        "launch: node {}: cannot {} the launcher store at {}:{} within {:.0f} s: {}", o_.node_rank,
-        so.isServer ? "host" : "reach", o_.master_addr, o_.master_port, o_.rdzv_timeout_s,
-        parallel::comm::one_line_what(e));
-  }
-  port_ = store_->getPort();
-}
-
-std::optional<Failure> Agent::read_failure(int attempt) {
-  const std::string key = fmt::format("launch/failed/{}", attempt);
-  if (!store_call("a failure check", [s = store_, key] { return s->check({key}); }))
-    return std::nullopt;
-  const std::string v =
-      bytes_str(store_call("a failure read", [s = store_, key] { return s->get(key); }));
-  const auto parts = core::split(v, '|');
-  Failure f;
-  if (parts.size() >= 3) {
-    f.kind = kind_of(parts[0]);
-    f.node = std::atoi(parts[1].c_str());
-    f.text = v.substr(parts[0].size() + parts[1].size() + 2);
-  } else {
-    f.text = v;
-  }
-  return f;
-}
-
-std::pair<Failure, bool> Agent::record_failure(int attempt, const Failure& f) {
-  const std::string key = fmt::format("launch/failed/{}", attempt);
-  const std::string mine = fmt::format("{}|{}|{}", kind_name(f.kind), o_.node_rank, f.text);
-  const std::string now =
-      bytes_str(store_call("recording a failure", [s = store_, key, v = str_bytes(mine)] {
-        return s->compareSet(key, {}, v);
-      }));
-  if (now == mine) return {f, true};
-  return {*read_failure(attempt), false};
-}
 
 void Agent::spawn(int attempt) {
   workers_.clear();
@@ -286,64 +131,27 @@ void Agent::spawn(int attempt) {
   PARALLAX_CHECK(!ec, IoError, "launch: node {}: cannot create the log folder '{}': {}",
                  o_.node_rank, o_.log_dir, ec.message());
   // The environment every worker shares; launcher-specific variables are replaced.
-  std::vector<std::string> base;
-  for (char** e = environ; *e; ++e) {
-    const std::string kv = *e;
-    const std::string k = kv.substr(0, kv.find('='));
-    static const char* kDropped[] = {"RANK",
-                                     "WORLD_SIZE",
-                                     "LOCAL_RANK",
-                                     "LOCAL_WORLD_SIZE",
-                                     "GROUP_RANK",
-                                     "GROUP_WORLD_SIZE",
-                                     "ROLE_RANK",
-                                     "ROLE_WORLD_SIZE",
-                                     "MASTER_ADDR",
-                                     "MASTER_PORT",
-                                     "PMIX_RANK",
-                                     "PMI_RANK",
-                                     "TORCHELASTIC_RESTART_COUNT",
-                                     "TORCHELASTIC_MAX_RESTARTS",
-                                     "TORCHELASTIC_USE_AGENT_STORE",
-                                     "TORCHELASTIC_RUN_ID"};
-    bool drop = core::starts_with(k, "OMPI_COMM_WORLD_") ||
-                (o_.startup_timeout_s > 0 && k == "PARALLAX_STARTUP_TIMEOUT");
-    for (const char* d : kDropped) drop = drop || k == d;
-    if (!drop) base.push_back(kv);
-  }
-  if (o_.startup_timeout_s > 0)
-    base.push_back(fmt::format("PARALLAX_STARTUP_TIMEOUT={}", o_.startup_timeout_s));
+  const std::vector<std::string> base = inherited_worker_env(o_.startup_timeout_s);
   for (int local = 0; local < o_.nproc_per_node; ++local) {
     Worker w;
     w.local_rank = local;
     w.rank = o_.node_rank * o_.nproc_per_node + local;
     w.log = (fs::path(o_.log_dir) / fmt::format("rank_{}.log", w.rank)).string();
+    WorkerPlace place;
+    place.rank = w.rank;
+    place.local_rank = local;
+    place.world_size = world_;
+    place.nproc_per_node = o_.nproc_per_node;
+    place.node_rank = o_.node_rank;
+    place.nnodes = o_.nnodes;
+    place.master_addr = o_.master_addr;
+    place.master_port = port_;
+    place.attempt = attempt;
+    place.max_restarts = o_.max_restarts;
     std::vector<std::string> env = base;
-    const std::pair<const char*, std::string> vars[] = {
-        {"RANK", std::to_string(w.rank)},
-        {"WORLD_SIZE", std::to_string(world_)},
-        {"LOCAL_RANK", std::to_string(local)},
-        {"LOCAL_WORLD_SIZE", std::to_string(o_.nproc_per_node)},
-        {"GROUP_RANK", std::to_string(o_.node_rank)},
-        {"GROUP_WORLD_SIZE", std::to_string(o_.nnodes)},
-        {"ROLE_RANK", std::to_string(w.rank)},
-        {"ROLE_WORLD_SIZE", std::to_string(world_)},
-        {"MASTER_ADDR", o_.master_addr},
-        {"MASTER_PORT", std::to_string(port_)},
-        {"TORCHELASTIC_RESTART_COUNT", std::to_string(attempt)},
-        {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o_.max_restarts)},
-        {"TORCHELASTIC_USE_AGENT_STORE", "True"},
-        {"TORCHELASTIC_RUN_ID", "parallax"},
-    };
-    for (const auto& [k, v] : vars) env.push_back(fmt::format("{}={}", k, v));
-    std::vector<char*> envp;
-    for (auto& s : env) envp.push_back(s.data());
-    envp.push_back(nullptr);
+    for (auto& kv : torchrun_env(place)) env.push_back(std::move(kv));
     std::vector<std::string> args = {o_.exe};
     args.insert(args.end(), o_.worker_args.begin(), o_.worker_args.end());
-    std::vector<char*> argv;
-    for (auto& s : args) argv.push_back(s.data());
-    argv.push_back(nullptr);
 
     {  // A header per attempt, so a log that spans restarts reads in order.
       std::ofstream log(w.log, std::ios::app);
@@ -356,42 +164,12 @@ void Agent::spawn(int attempt) {
       std::error_code sec;
       tee_offset_ = static_cast<std::streamoff>(fs::file_size(w.log, sec));
     }
-    // fork + execve rather than posix_spawn for PR_SET_PDEATHSIG: a launcher that is killed
-    // (SIGKILL, the OOM killer) takes its workers with it instead of leaving them holding GPUs.
-    // Between fork and exec only async-signal-safe calls (the store's threads exist).
-    const pid_t parent = ::getpid();
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      // Own process group: a Ctrl-C on the terminal reaches the launcher only, which forwards it
-      // once (the worker would read a second copy as "exit now").
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(127);  // the launcher died before prctl
-      const int log = ::open(w.log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      const int nul = ::open("/dev/null", O_RDONLY);
-      if (log < 0 || nul < 0) ::_exit(126);
-      ::dup2(log, STDOUT_FILENO);
-      ::dup2(log, STDERR_FILENO);
-      ::dup2(nul, STDIN_FILENO);
-      ::close_range(3, ~0U, 0);  // the store's sockets and anything else of the launcher
-      struct sigaction dfl {};
-      dfl.sa_handler = SIG_DFL;
-      sigemptyset(&dfl.sa_mask);
-      ::sigaction(SIGTERM, &dfl, nullptr);
-      ::sigaction(SIGINT, &dfl, nullptr);
-      ::sigaction(SIGPIPE, &dfl, nullptr);
-      sigset_t none;
-      sigemptyset(&none);
-      ::sigprocmask(SIG_SETMASK, &none, nullptr);
-      ::execve(o_.exe.c_str(), argv.data(), envp.data());
-      ::_exit(127);
-    }
+    const pid_t pid = start_worker(o_.exe, std::move(args), std::move(env), w.log);
     if (pid < 0) {
       const int err = errno;
       throw_error<Error>("launch: node {}: cannot start rank {} ('{}'): {}", o_.node_rank, w.rank,
                          o_.exe, std::strerror(err));
     }
-    ::setpgid(pid, pid);  // also from the parent, so that kill(-pid) works at once
     w.pid = pid;
     w.running = true;
     workers_.push_back(w);
@@ -520,9 +298,9 @@ std::optional<Failure> Agent::monitor(int attempt) {
           "SIG{} received: forwarding SIGTERM to the workers (checkpoint, then exit {}); "
           "send it again to kill them",
           name ? name : "?", kExitPreempted));
-      Failure f{Kind::kPreempt, o_.node_rank,
+      Failure f{FailureKind::kPreempt, o_.node_rank,
                 fmt::format("node {} launcher received SIG{}", o_.node_rank, name ? name : "?")};
-      record_failure(attempt, f);
+      store_->record_failure(attempt, f);
       return preempt_wait(f, /*forward=*/true);
     }
     // 2. A local worker ended.
@@ -533,29 +311,29 @@ std::optional<Failure> Agent::monitor(int attempt) {
       f.node = o_.node_rank;
       const int code = WIFEXITED(w.status) ? WEXITSTATUS(w.status) : -1;
       if (code == kExitPreempted) {
-        f.kind = Kind::kPreempt;
+        f.kind = FailureKind::kPreempt;
         f.text = fmt::format("node {} rank {} stopped for preemption", o_.node_rank, w.rank);
-        record_failure(attempt, f);
+        store_->record_failure(attempt, f);
         return preempt_wait(f, /*forward=*/false);
       }
       // 126/127: the binary could not be started (the same next time).
       f.kind = code == kExitDeterministic || code == kExitUsage || code == 126 || code == 127
-                   ? Kind::kDeterministic
-                   : Kind::kFail;
+                   ? FailureKind::kDeterministic
+                   : FailureKind::kFail;
       f.text = fmt::format("node {} rank {} (local rank {}, pid {}) {}", o_.node_rank, w.rank,
                            w.local_rank, w.pid, describe_status(w.status));
       std::fprintf(stderr,
                    "parallax: launch: worker failed: %s (attempt %d); last lines of %s:\n%s",
                    f.text.c_str(), attempt, w.log.c_str(), tail_lines(w.log, 10).c_str());
       std::fflush(stderr);
-      auto [recorded, mine] = record_failure(attempt, f);
+      auto [recorded, mine] = store_->record_failure(attempt, f);
       (void)mine;
       teardown(o_.grace_period_s);
       return recorded;
     }
     // 3. Another node reported a failure or a preemption.
-    if (auto f = read_failure(attempt); f && f->node != o_.node_rank) {
-      if (f->kind == Kind::kPreempt) {
+    if (auto f = store_->read_failure(attempt); f && f->node != o_.node_rank) {
+      if (f->kind == FailureKind::kPreempt) {
         say(fmt::format("{}: waiting for the workers' checkpoint", f->text));
         return preempt_wait(*f, /*forward=*/false);
       }
@@ -566,16 +344,16 @@ std::optional<Failure> Agent::monitor(int attempt) {
     // 4. Every local worker succeeded: wait for the other nodes (or a failure among them).
     if (!any_running()) {
       if (!counted_done) {
-        counter(done_key, 1);
+        store_->counter(done_key, 1);
         counted_done = true;
         done_deadline = Clock::now() + ms(o_.rdzv_timeout_s);
       }
-      if (counter(done_key, 0) >= o_.nnodes) return std::nullopt;
+      if (store_->counter(done_key, 0) >= o_.nnodes) return std::nullopt;
       if (Clock::now() > done_deadline) {
         throw_error<TimeoutError>(
             "launch: node {}: this node's workers finished but only {} of {} nodes did within "
             "{:.0f} s",
-            o_.node_rank, counter(done_key, 0), o_.nnodes, o_.rdzv_timeout_s);
+            o_.node_rank, store_->counter(done_key, 0), o_.nnodes, o_.rdzv_timeout_s);
       }
     }
     sleep_s(o_.monitor_interval_s);
@@ -585,10 +363,10 @@ std::optional<Failure> Agent::monitor(int attempt) {
 void Agent::leave() {
   // Node 0 hosts the store: it stays until every agent has read the outcome (bounded).
   try {
-    counter("launch/bye", 1);
+    store_->counter("launch/bye", 1);
     if (o_.node_rank == 0 && o_.nnodes > 1) {
-      wait_counter("launch/bye", o_.nnodes, Clock::now() + std::chrono::seconds(30),
-                   [] { return false; });
+      store_->wait_counter("launch/bye", o_.nnodes, Clock::now() + std::chrono::seconds(30),
+                           [] { return false; });
     }
   } catch (const std::exception&) {
     // node 0 already gone: nothing left to coordinate
@@ -597,16 +375,18 @@ void Agent::leave() {
 
 int Agent::run() {
   SignalScope signals;
-  open_store();
+  store_ = std::make_unique<LaunchStore>(o_.master_addr, o_.master_port, o_.node_rank,
+                                         o_.rdzv_timeout_s, std::min(o_.monitor_interval_s, 0.05));
+  port_ = store_->port();
   say(fmt::format("{} worker(s) of {} (nodes {}), store {}:{}{}, logs in {}", o_.nproc_per_node,
                   world_, o_.nnodes, o_.master_addr, port_,
                   o_.node_rank == 0 ? " (hosted here)" : "", o_.log_dir));
   for (int attempt = 0;; ++attempt) {
     // Every node joins each attempt before any spawns it (also: all finished the last teardown).
     const std::string join = fmt::format("launch/join/{}", attempt);
-    counter(join, 1);
-    const bool joined = wait_counter(join, o_.nnodes, Clock::now() + ms(o_.rdzv_timeout_s),
-                                     [] { return g_signals.load() > 0; });
+    store_->counter(join, 1);
+    const bool joined = store_->wait_counter(join, o_.nnodes, Clock::now() + ms(o_.rdzv_timeout_s),
+                                             [] { return g_signals.load() > 0; });
     if (g_signals.load() > 0) {
       say("signal received before the workers started: exiting");
       leave();
@@ -615,7 +395,7 @@ int Agent::run() {
     PARALLAX_CHECK(joined, TimeoutError,
                    "launch: node {}: only {} of {} nodes joined attempt {} within {:.0f} s "
                    "(--rdzv-timeout); check --nnodes, --node-rank and --master on every node",
-                   o_.node_rank, counter(join, 0), o_.nnodes, attempt, o_.rdzv_timeout_s);
+                   o_.node_rank, store_->counter(join, 0), o_.nnodes, attempt, o_.rdzv_timeout_s);
     std::optional<Failure> outcome;
     try {
       spawn(attempt);
@@ -629,12 +409,12 @@ int Agent::run() {
       leave();
       return kExitOk;
     }
-    if (outcome->kind == Kind::kPreempt) {
+    if (outcome->kind == FailureKind::kPreempt) {
       say(fmt::format("preempted ({}): exit {}", outcome->text, kExitPreempted));
       leave();
       return kExitPreempted;
     }
-    if (outcome->kind == Kind::kDeterministic) {
+    if (outcome->kind == FailureKind::kDeterministic) {
       std::fprintf(stderr,
                    "parallax: error: launch: %s: a deterministic failure (config, layout or data "
                    "error, exit code %d or %d), not restarted\n",
@@ -644,9 +424,9 @@ int Agent::run() {
     }
     // The global budget: the agent whose failure was recorded counts the restart; every agent
     // reads the same count.
-    if (outcome->node == o_.node_rank) counter("launch/restarts", 1);
-    const bool counted = wait_counter("launch/restarts", attempt + 1,
-                                      Clock::now() + ms(o_.rdzv_timeout_s), [] { return false; });
+    if (outcome->node == o_.node_rank) store_->counter("launch/restarts", 1);
+    const bool counted = store_->wait_counter(
+        "launch/restarts", attempt + 1, Clock::now() + ms(o_.rdzv_timeout_s), [] { return false; });
     PARALLAX_CHECK(
         counted, TimeoutError,
         "launch: node {}: node {} did not count the restart of attempt {} within {:.0f} s",

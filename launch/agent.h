@@ -5,7 +5,7 @@
 //
 // Store (c10d::TCPStore, hosted by node 0's agent, so a dead or stopped worker never takes it
 // down). The agents' keys live under `launch/`; the workers see the same store through the prefix
-// /worker/attempt_<restart> (parallel/comm/world.cpp), so every attempt's keys are apart:
+// /worker/attempt_<restart> (comm/rendezvous.cpp), so every attempt's keys are apart:
 //   launch/join/<r>      counter: nodes ready to spawn attempt r (a barrier with a deadline)
 //   launch/failed/<r>    first failure of attempt r, set once (compareSet): "<kind>|<node>|<text>"
 //                        kind: fail, deterministic, preempt

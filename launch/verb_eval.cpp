@@ -2,34 +2,24 @@
 // any number of ranks (alone, or under mpirun / srun / torchrun; the data-parallel group is the
 // world), and optionally its detections and the ground truth in the nuScenes detection submission
 // format, for external scorers (tools/nuscenes_score.py).
-#include "checkpoint/finite.h"
 #include "checkpoint/format.h"
-#include "checkpoint/reader.h"
 #include "checkpoint/weights.h"
+#include "comm/world.h"
 #include "core/error.h"
 #include "core/files.h"
-#include "core/rng.h"
 #include "core/strings.h"
 #include "data/geometry.h"
-#include "data/loader.h"
 #include "data/schema.h"
 #include "data/shard.h"
 #include "launch/args.h"
+#include "launch/bootstrap.h"
 #include "launch/exit_codes.h"
 #include "launch/verbs.h"
-#include "models/model.h"
-#include "optim/precision.h"
-#include "parallel/comm/factory.h"
-#include "parallel/comm/startup.h"
-#include "parallel/comm/world.h"
 #include "train/evaluate.h"
-#include "train/lora.h"
 #include "train/preemption.h"
-#include "train/qat.h"
+#include "train/run.h"
 #include "train/run_config.h"
-#include "train/trainer.h"
 
-#include <ATen/Parallel.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -43,8 +33,6 @@ namespace fs = std::filesystem;
 
 namespace parallax::launch {
 namespace {
-
-namespace comm = parallel::comm;
 
 // A JSON number; NaN and infinities (e.g. the IoU of a class that never occurs) become null.
 std::string json_number(double v) {
@@ -232,79 +220,39 @@ int verb_eval(const std::vector<std::string>& argv) {
   const std::string source =
       checkpoint::is_weights_file(ckpt) ? ckpt : checkpoint::resolve_checkpoint(ckpt);
 
-  // The world, the device and the communicator, as the trainer picks them (train/trainer.cpp).
-  comm::WorldOptions wopts;
-  // The start-up deadline bounds every wait before the first step (parallel/comm/startup.h).
-  wopts.init_timeout_s =
-      parallel::comm::startup_deadline_s(cfg.parallel.init_timeout_s, cfg.parallel.timeout_s);
+  // The process's World for the evaluation's lifetime (launch/bootstrap.h); the run (the device,
+  // the world communicator as the data-parallel group, the precision policy and the model with
+  // the checkpoint's weights) is assembled as the trainer's is (train/run.h).
   // The first SIGTERM / SIGINT stops the evaluation before its next batch on every rank (exit 143,
   // nothing written); a second one exits at once (train/preemption.h). Installed before the
   // rendezvous, as `parallax train` does.
   train::PreemptionSignals signals("stopping the evaluation (no metrics are written; exit 143)");
-  comm::World world(wopts);
-  c10::Device device(c10::kCPU);
-  if (cfg.train.device != "cpu" && world.device()) device = *world.device();
-  PARALLAX_CHECK(cfg.train.device != "cuda" || device.is_cuda(), ConfigError,
-                 "key 'train.device' is 'cuda' but rank {} sees no CUDA device", world.rank());
-  // precision.mode=fp8 as `parallax train` takes it: refused where FP8 cannot run, before any work.
-  const bool fp8 = optim::parse_precision(cfg.precision.mode) == optim::Precision::kFp8;
-  if (fp8) train::require_fp8_device(device);
-  at::set_num_threads(train::intra_op_threads(cfg.train.threads, world.launch().local_world_size));
-  const auto& p = cfg.parallel;
-  comm::CommOptions opts =
-      comm::make_comm_options(p.timeout_s, comm::startup_deadline_s(p.init_timeout_s, p.timeout_s),
-                              p.checkpoint_timeout_s, p.debug_collectives, p.flight_recorder_size,
-                              p.allreduce, static_cast<int64_t>(p.ring_chunk_mb * (1 << 20)));
-  opts.nccl_blocking = p.nccl_blocking;
-  std::string backend = p.backend;
-  if (backend == "auto" && device.is_cpu()) backend = world.has_mpi() ? "mpi" : "gloo";
-  comm::CommPtr dp = comm::make_world_communicator(world, backend, opts);
-
-  const core::SceneSpec scene = data::loader_scene_spec(info, cfg.data);
-  core::seed_all(static_cast<uint64_t>(cfg.experiment.seed));
-  std::shared_ptr<models::Model> model;
-  std::string loaded;
-  if (cfg.lora.rank > 0 && !checkpoint::is_weights_file(source)) {
-    // A LoRA run's checkpoints hold its adapters: the base (lora.base or train.load_from, checked
-    // against the fingerprint the run saved) with the adapters merged in, as export does.
-    checkpoint::CheckpointReader reader(source);
-    model = train::lora::merged_model(cfg, scene, reader);
-    loaded = fmt::format("LoRA adapters merged into base {}", train::lora::base_path(cfg));
-  } else {
-    model = models::build_model(cfg.model, scene);
-    // A QAT run's checkpoints hold the quantizers' amax: the model is evaluated fake-quantized.
-    std::vector<train::qat::Layer> quantized;
-    if (cfg.qat.enabled) quantized = train::qat::apply(*model, cfg.qat);
-    loaded = checkpoint::load_weights(*model, source).summary();
-    train::qat::set_state(quantized, models::QuantState::kQuantizing);
-  }
-  // Weights holding NaN or inf (a diverged run's, or a hand-made file) would score a NaN loss and
-  // zero metrics with rc 0: refused, as export and inspect refuse them.
-  checkpoint::require_finite(*model, fmt::format("eval: checkpoint '{}'", source),
-                             "refusing to evaluate non-finite weights; evaluate an earlier "
-                             "checkpoint");
-  if (fp8) train::apply_fp8(*model, cfg);  // the FP8 layers the trainer's evaluation runs
-  model->to(device);
-  const auto precision = optim::make_precision_policy(cfg.precision, device.type());
+  const std::unique_ptr<comm::World> world = bootstrap_world(cfg);
+  train::RunOptions options;
+  options.weights = source;
+  const std::unique_ptr<train::Run> run = train::build_run(cfg, train::Purpose::kEval, options);
+  const core::SceneSpec& scene = run->scene;
   train::EvalDetections det;
   std::map<std::string, double> metrics;
   try {
-    metrics = train::evaluate(*model, cfg.data, scene, static_cast<uint64_t>(cfg.experiment.seed),
-                              *dp, device, precision, &det);
+    metrics =
+        train::evaluate(*run->model, cfg.data, scene, static_cast<uint64_t>(cfg.experiment.seed),
+                        *run->world_comm, run->device, run->precision, &det);
   } catch (const train::PreemptedError& e) {
     std::fprintf(stderr, "parallax: %s\n", e.what());
     return kExitPreempted;
   }
-  const int rank = world.rank();
-  dp->barrier();
+  const std::string& loaded = run->loaded;
+  const int rank = world->rank();
+  run->world_comm->barrier();
   if (rank != 0) return 0;
 
   std::printf("eval of %s on split '%s' of %s (%d rank(s), %s)\n", source.c_str(), split.c_str(),
-              cfg.data.path.c_str(), world.size(), loaded.c_str());
+              cfg.data.path.c_str(), world->size(), loaded.c_str());
   std::string json = fmt::format(
       "{{\"checkpoint\": {}, \"split\": {}, \"dataset\": {}, \"ranks\": {}, \"metrics\": {{",
       core::json_quote(source), core::json_quote(split), core::json_quote(cfg.data.path),
-      world.size());
+      world->size());
   bool first = true;
   for (const auto& [name, value] : metrics) {
     if (name == "eval_s") continue;  // timing, not a metric

@@ -16,9 +16,10 @@
 #include "launch/verbs.h"
 #include "models/model.h"
 #include "models/perception_model.h"
-#include "train/lora.h"
+#include "train/extension.h"
 #include "train/preemption.h"
-#include "train/qat.h"
+#include "train/qat/qat.h"
+#include "train/run.h"
 #include "train/run_config.h"
 
 #ifdef PARALLAX_WITH_ONNX
@@ -100,13 +101,18 @@ int export_weights(const Args& args, const Settings& s, const std::string& run,
                           "an HDF5 file is written at random offsets and renamed into place");
   const at::ScalarType type = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   int64_t n = 0;
-  if (cfg && cfg->lora.rank > 0) {
-    // A LoRA run's checkpoints hold its adapters: the base with the adapters merged in.
+  if (cfg && train::active_extension(*cfg) && !checkpoint::is_weights_file(source)) {
+    // A run of an extension (train/extension.h): its model as the extension restores it (a LoRA
+    // run's checkpoints hold its adapters: the base with the adapters merged in).
     checkpoint::CheckpointReader reader(source);
-    auto model = train::lora::merged_model(*cfg, train::run_scene(*cfg), reader);
+    train::RunOptions options;
+    options.weights = reader.dir();
+    const auto restored = train::build_run(*cfg, train::Purpose::kExport, options);
     std::vector<std::pair<std::string, at::Tensor>> tensors;
-    for (const auto& it : model->named_parameters()) tensors.emplace_back(it.key(), it.value());
-    for (const auto& it : model->named_buffers()) tensors.emplace_back(it.key(), it.value());
+    for (const auto& it : restored->model->named_parameters())
+      tensors.emplace_back(it.key(), it.value());
+    for (const auto& it : restored->model->named_buffers())
+      tensors.emplace_back(it.key(), it.value());
     n = checkpoint::export_weights(reader.dir(), out, type, args.flag_set("force"), tensors);
   } else {
     n = checkpoint::export_weights(source, out, type, /*allow_nonfinite=*/args.flag_set("force"));
@@ -277,20 +283,20 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
   if (s.cfg.parity_frames > 0) checkpoint::exporter::check_parity_runtime(o);
   checkpoint::exporter::prepare_output_dir(out);
 
-  const core::SceneSpec scene = train::run_scene(*cfg);
-  // A LoRA run: the base with its adapters merged in (no adapter nodes in the graph). A QAT run:
-  // the model fake-quantized with the checkpoint's amax, exported with QuantizeLinear /
-  // DequantizeLinear pairs on the inputs and weights of its Linear and Conv layers.
-  std::shared_ptr<models::Model> model;
+  // The model as the run's assembly restores it for export (train/run.h): a LoRA run's base with
+  // its adapters merged in (no adapter nodes in the graph); a QAT run's model fake-quantized with
+  // the checkpoint's amax, exported with QuantizeLinear / DequantizeLinear pairs on the inputs
+  // and weights of its Linear and Conv layers.
+  train::RunOptions options;
+  options.weights = reader.dir();
+  const std::unique_ptr<train::Run> restored =
+      train::build_run(*cfg, train::Purpose::kExport, options);
+  const std::shared_ptr<models::Model>& model = restored->model;
+  const core::SceneSpec& scene = restored->scene;
   std::unique_ptr<models::onnx::EmitHooks> qdq;
   std::unique_ptr<QatTies> ties;
-  if (cfg->lora.rank > 0) {
-    model = train::lora::merged_model(*cfg, scene, reader);
-  } else if (cfg->qat.enabled) {
-    model = models::build_model(cfg->model, scene);
-    const std::vector<train::qat::Layer> quantized = train::qat::apply(*model, cfg->qat);
-    checkpoint::load_weights(reader, *model);
-    train::qat::set_state(quantized, models::QuantState::kQuantizing);
+  const std::vector<train::qat::Layer> quantized = train::qat::layers(*model);
+  if (!quantized.empty()) {
     qdq = train::qat::export_hooks(quantized);
     o.hooks = qdq.get();
     ties = std::make_unique<QatTies>(*qdq, quantized);
@@ -301,9 +307,6 @@ int export_onnx(const Args& args, const Settings& s, const std::string& run,
         "export: run '{}' is a QAT run: its Q/DQ graph is written in fp32 (QuantizeLinear "
         "of float16 needs opset 19; this exporter writes opset 17); drop --dtype fp16",
         run);
-  } else {
-    model = models::build_model(cfg->model, scene);
-    checkpoint::load_weights(reader, *model);
   }
   // A fixed batch takes the frames in whole batches.
   const int64_t b = s.cfg.batch;

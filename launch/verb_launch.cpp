@@ -70,9 +70,8 @@ void check_workers(int64_t nproc, bool oversubscribe, bool cpu_worker) {
       gpus > 0 ? "one worker per GPU: more would share a GPU" : "one CPU worker per core");
 }
 
-}  // namespace
-
-int verb_launch(const std::vector<std::string>& argv) {
+// The launcher's own options (before `--`), with the help text `--help` prints.
+Args launch_args() {
   Args args("launch",
             "Run --nproc-per-node workers of a parallax command on this node, torchrun style: "
             "restart every node together when a worker fails (within a global budget), forward "
@@ -111,6 +110,41 @@ int verb_launch(const std::vector<std::string>& argv) {
           "configs/bev_tiny.yaml\n"
           "  parallax launch --nproc-per-node 8 --nnodes 2 --node-rank 0 --master node0:29500 \\\n"
           "      --max-restarts 3 -- train --config configs/bev_tiny.yaml");
+  return args;
+}
+
+// The rendezvous store's address into `o` (--standalone, --master HOST:PORT, or one node on a free
+// port of 127.0.0.1). Throws UsageError for a malformed or contradictory choice.
+void read_store_address(const Args& args, AgentOptions& o) {
+  if (args.flag_set("standalone")) {
+    PARALLAX_CHECK(o.nnodes == 1 && !args.has("master"), UsageError,
+                   "launch: --standalone is one node with its own store: it excludes --nnodes > 1 "
+                   "and --master");
+    o.master_addr = "127.0.0.1";
+    o.master_port = 0;
+  } else if (args.has("master")) {
+    const std::string m = args.get("master");
+    const auto colon = m.rfind(':');
+    PARALLAX_CHECK(colon != std::string::npos && colon > 0, UsageError,
+                   "launch: --master '{}' is not HOST:PORT", m);
+    o.master_addr = m.substr(0, colon);
+    char* end = nullptr;
+    const long port = std::strtol(m.c_str() + colon + 1, &end, 10);
+    PARALLAX_CHECK(*end == '\0' && port > 0 && port < 65536, UsageError,
+                   "launch: --master '{}': the port is not a TCP port", m);
+    o.master_port = static_cast<int>(port);
+  } else {
+    PARALLAX_CHECK(o.nnodes == 1, UsageError,
+                   "launch: --nnodes {} needs --master HOST:PORT (node 0's address)", o.nnodes);
+    o.master_addr = "127.0.0.1";
+    o.master_port = 0;  // one node: any free port
+  }
+}
+
+}  // namespace
+
+int verb_launch(const std::vector<std::string>& argv) {
+  Args args = launch_args();
   // Everything after `--` is the worker command.
   std::vector<std::string> mine, cmd;
   bool after = false;
@@ -156,29 +190,7 @@ int verb_launch(const std::vector<std::string>& argv) {
   o.rdzv_timeout_s = args.get_double("rdzv-timeout", 0, kMaxWaitS, true, day);
   if (args.has("startup-timeout"))
     o.startup_timeout_s = args.get_double("startup-timeout", 0, kMaxWaitS, true, day);
-  if (args.flag_set("standalone")) {
-    PARALLAX_CHECK(o.nnodes == 1 && !args.has("master"), UsageError,
-                   "launch: --standalone is one node with its own store: it excludes --nnodes > 1 "
-                   "and --master");
-    o.master_addr = "127.0.0.1";
-    o.master_port = 0;
-  } else if (args.has("master")) {
-    const std::string m = args.get("master");
-    const auto colon = m.rfind(':');
-    PARALLAX_CHECK(colon != std::string::npos && colon > 0, UsageError,
-                   "launch: --master '{}' is not HOST:PORT", m);
-    o.master_addr = m.substr(0, colon);
-    char* end = nullptr;
-    const long port = std::strtol(m.c_str() + colon + 1, &end, 10);
-    PARALLAX_CHECK(*end == '\0' && port > 0 && port < 65536, UsageError,
-                   "launch: --master '{}': the port is not a TCP port", m);
-    o.master_port = static_cast<int>(port);
-  } else {
-    PARALLAX_CHECK(o.nnodes == 1, UsageError,
-                   "launch: --nnodes {} needs --master HOST:PORT (node 0's address)", o.nnodes);
-    o.master_addr = "127.0.0.1";
-    o.master_port = 0;  // one node: any free port
-  }
+  read_store_address(args, o);
 
   // A restart must continue from the last checkpoint: `train` gets train.resume=auto unless the
   // command sets train.resume itself.

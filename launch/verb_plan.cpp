@@ -1,15 +1,17 @@
 // `parallax plan`: every parallel layout of a config on N GPUs (or CPU ranks), with its predicted
 // memory per rank and step time, ranked (train/planner.h, docs/planning.md).
+#include "comm/bandwidth.h"
+#include "comm/world.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/timer.h"
 #include "launch/agent.h"
 #include "launch/args.h"
+#include "launch/bootstrap.h"
 #include "launch/exit_codes.h"
 #include "launch/verbs.h"
-#include "parallel/comm/factory.h"
-#include "parallel/comm/world.h"
 #include "train/planner.h"
+#include "train/planner_calibrate.h"
 #include "train/run_config.h"
 
 #include <ATen/ATen.h>
@@ -20,6 +22,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 
 namespace parallax::launch {
@@ -66,36 +69,15 @@ train::planner::Hardware hardware_for(const std::string& device) {
 // time. The buffer holds ones and is averaged, so it must stay all ones: a wrong reduction is an
 // error rather than a number. Rank 0 writes the bandwidth in GB/s to FILE (and logs the figures).
 int measure_bandwidth(const std::string& file, bool cuda, int64_t mib) {
-  parallel::comm::World world;
-  parallel::comm::CommOptions o;
-  o.timeout_s = 120;
-  const auto comm = parallel::comm::make_world_communicator(world, cuda ? "nccl" : "gloo", o);
-  const int n = comm->size();
-  at::TensorOptions opts = at::TensorOptions().dtype(at::kFloat);
-  if (cuda) opts = opts.device(*world.device());
-  const int64_t elements = mib * (1 << 20) / 4;
-  at::Tensor buf = at::ones({elements}, opts);
-  using parallel::comm::ReduceOp;
-  for (int i = 0; i < 2; ++i) comm->all_reduce_async(buf, ReduceOp::kAvg)->wait();
-  const int reps = 5;
-  core::Stopwatch w;
-  for (int i = 0; i < reps; ++i) comm->all_reduce_async(buf, ReduceOp::kAvg)->wait();
-  const bool ones = buf.min().item<float>() == 1.0f && buf.max().item<float>() == 1.0f;
-  at::Tensor t = at::full({1}, w.elapsed_s() / reps, opts.dtype(at::kDouble));
-  comm->all_reduce_async(t, ReduceOp::kMax)->wait();
-  const double s = t.cpu().item<double>();
-  PARALLAX_CHECK(ones, CommError,
-                 "plan --measure-bandwidth: rank {}: the averaged buffer is not all ones",
-                 comm->rank());
-  const double bytes = static_cast<double>(elements) * 4.0;
-  const double busbw = 2.0 * (n - 1) / n * bytes / s / 1e9;
-  if (comm->rank() == 0) {
+  const auto world = bootstrap_world();  // this worker's, from the launcher's environment
+  const comm::Bandwidth b = comm::measure_bus_bandwidth(*world, cuda, mib);
+  if (b.rank == 0) {
     std::ofstream f(file);
-    f << fmt::format("{}\n", busbw);  // shortest round-trip form: read back exactly
+    f << fmt::format("{}\n", b.busbw_gbps);  // shortest round-trip form: read back exactly
     PARALLAX_CHECK(f.good(), IoError, "plan --measure-bandwidth: cannot write '{}'", file);
     core::log::info(
         "plan --measure-bandwidth: {} over {} ranks, {:.0f} bytes in {:.6f} s: {:.2f} GB/s",
-        comm->backend(), n, bytes, s, busbw);
+        b.backend, b.ranks, b.bytes, b.seconds, b.busbw_gbps);
   }
   return 0;
 }
@@ -137,9 +119,8 @@ double calibrate_bandwidth(int ranks, bool cuda, int64_t mib) {
   return gbps;
 }
 
-}  // namespace
-
-int verb_plan(const std::vector<std::string>& argv) {
+// The verb's command line.
+Args plan_args() {
   Args args("plan",
             "Which parallel layout to run a config on N GPUs of M GiB, and why: every valid "
             "combination of dp x tp x pp, ZeRO stage, sequence parallelism, micro-batch size and "
@@ -182,6 +163,67 @@ int verb_plan(const std::vector<std::string>& argv) {
           "model.size=3b\n"
           "  parallax plan --config configs/bench/w1_vit_b16.yaml --gpus 1 --calibrate\n"
           "  parallax plan --config configs/bev_tiny.yaml --device cpu --gpus 4 --json plan.json");
+  return args;
+}
+
+// --calibrate: the compute efficiency from training steps of the model in this process, and the
+// all-reduce bandwidth in a node from workers started through the launcher (`mib(cuda)`: their
+// buffer).
+void calibrate_hardware(train::planner::Request& req, const train::RunConfig& cfg,
+                        int64_t calibrate_batch,
+                        const std::function<int64_t(bool)>& bandwidth_mib) {
+  const auto world = bootstrap_world();  // the calibration runs the trainer in this process
+  PARALLAX_CHECK(world->size() == 1, UsageError,
+                 "plan --calibrate runs one process; start it without mpirun or torchrun");
+  req.hw = train::planner::calibrate(cfg, req.hw, 20, calibrate_batch);
+  // The bandwidth in a node: one all-reduce over as many local ranks as a node of the plan
+  // has, up to this machine's GPUs (CPU ranks: any number). Across nodes stays
+  // --inter-node-gbps: one machine cannot measure the network. CPU ranks: up to this
+  // machine's cores (the launcher's own cap: one CPU worker per core).
+  const int local = req.hw.cuda ? world->cuda_device_count() : usable_cpu_cores();
+  const int ranks = std::min(req.hw.gpus_per_node(), local);
+  const int64_t mib = bandwidth_mib(req.hw.cuda);
+  if (ranks >= 2) {
+    req.hw.intra_node_gbps = calibrate_bandwidth(ranks, req.hw.cuda, mib);
+    req.hw.source +=
+        fmt::format("; all-reduce bus bandwidth {:.2f} GB/s over {} local ranks ({} MiB)",
+                    req.hw.intra_node_gbps, ranks, mib);
+  } else {
+    req.hw.source += fmt::format(
+        "; bandwidth in a node: the default (a node of {} rank(s) on a "
+        "machine with {} has no all-reduce to measure)",
+        req.hw.gpus_per_node(), local);
+  }
+}
+
+// --json: every layout (fitting and rejected), and with --only-config every world rank's exact
+// Engine::memory() (what the trainer's "memory" metrics row reports).
+void write_plan_json(const Args& args, const std::vector<train::planner::Row>& rows,
+                     const train::planner::Request& req, const train::RunConfig& cfg) {
+  std::string doc = train::planner::render_json(rows, req.hw);
+  if (args.flag_set("only-config")) {
+    // Every world rank's exact Engine::memory() (what the trainer's "memory" metrics row
+    // reports).
+    std::string ranks;
+    for (const auto& m : train::planner::engine_memory(cfg, req.hw.gpus, req.hw.cuda)) {
+      ranks += fmt::format("{}{{\"params\": {}, \"grads\": {}, \"optimizer\": {}}}",
+                           ranks.empty() ? "" : ", ", m.params, m.grads, m.optimizer);
+    }
+    doc = doc.substr(0, doc.rfind(']')) + "],\n \"engine_memory\": [" + ranks + "]}\n";
+  }
+  if (args.get("json") == "-") {
+    std::fputs(doc.c_str(), stdout);
+  } else {
+    std::ofstream f(args.get("json"));
+    f << doc;
+    PARALLAX_CHECK(f.good(), IoError, "plan: cannot write '{}'", args.get("json"));
+  }
+}
+
+}  // namespace
+
+int verb_plan(const std::vector<std::string>& argv) {
+  Args args = plan_args();
   args.parse(argv);
   if (args.help_requested()) {
     std::fputs(args.help_text().c_str(), stdout);
@@ -224,30 +266,7 @@ int verb_plan(const std::vector<std::string>& argv) {
       args.has("calibrate-batch") ? args.get_int("calibrate-batch", 1, kMaxCalibrateBatch) : 0;
   core::log::set_level(core::log::Level::kWarn);
   train::RunConfig cfg = train::load_run_config(args.get("config"), args.override_args());
-  if (args.flag_set("calibrate")) {
-    parallel::comm::World world;  // the calibration runs the trainer in this process
-    PARALLAX_CHECK(world.size() == 1, UsageError,
-                   "plan --calibrate runs one process; start it without mpirun or torchrun");
-    req.hw = train::planner::calibrate(cfg, req.hw, 20, calibrate_batch);
-    // The bandwidth in a node: one all-reduce over as many local ranks as a node of the plan
-    // has, up to this machine's GPUs (CPU ranks: any number). Across nodes stays
-    // --inter-node-gbps: one machine cannot measure the network. CPU ranks: up to this
-    // machine's cores (the launcher's own cap: one CPU worker per core).
-    const int local = req.hw.cuda ? world.cuda_device_count() : usable_cpu_cores();
-    const int ranks = std::min(req.hw.gpus_per_node(), local);
-    const int64_t mib = bandwidth_mib(req.hw.cuda);
-    if (ranks >= 2) {
-      req.hw.intra_node_gbps = calibrate_bandwidth(ranks, req.hw.cuda, mib);
-      req.hw.source +=
-          fmt::format("; all-reduce bus bandwidth {:.2f} GB/s over {} local ranks ({} MiB)",
-                      req.hw.intra_node_gbps, ranks, mib);
-    } else {
-      req.hw.source += fmt::format(
-          "; bandwidth in a node: the default (a node of {} rank(s) on a "
-          "machine with {} has no all-reduce to measure)",
-          req.hw.gpus_per_node(), local);
-    }
-  }
+  if (args.flag_set("calibrate")) calibrate_hardware(req, cfg, calibrate_batch, bandwidth_mib);
 
   std::vector<train::planner::Row> rows;
   if (args.flag_set("only-config")) {
@@ -259,26 +278,7 @@ int verb_plan(const std::vector<std::string>& argv) {
     rows = train::planner::plan(cfg, req);
   }
   std::fputs(train::planner::render_table(rows, req.hw, top).c_str(), stdout);
-  if (args.has("json")) {
-    std::string doc = train::planner::render_json(rows, req.hw);
-    if (args.flag_set("only-config")) {
-      // Every world rank's exact Engine::memory() (what the trainer's "memory" metrics row
-      // reports).
-      std::string ranks;
-      for (const auto& m : train::planner::engine_memory(cfg, req.hw.gpus, req.hw.cuda)) {
-        ranks += fmt::format("{}{{\"params\": {}, \"grads\": {}, \"optimizer\": {}}}",
-                             ranks.empty() ? "" : ", ", m.params, m.grads, m.optimizer);
-      }
-      doc = doc.substr(0, doc.rfind(']')) + "],\n \"engine_memory\": [" + ranks + "]}\n";
-    }
-    if (args.get("json") == "-") {
-      std::fputs(doc.c_str(), stdout);
-    } else {
-      std::ofstream f(args.get("json"));
-      f << doc;
-      PARALLAX_CHECK(f.good(), IoError, "plan: cannot write '{}'", args.get("json"));
-    }
-  }
+  if (args.has("json")) write_plan_json(args, rows, req, cfg);
   return 0;
 }
 

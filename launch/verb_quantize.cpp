@@ -2,7 +2,7 @@
 // "The mixed-precision sweep"), in three child processes of this binary:
 //   1. <name>_sweep: a PTQ run of the run's config (train.load_from = the run) with qat.budget,
 //      which calibrates, evaluates per unit and greedily leaves the most sensitive units
-//      unquantized until INT8 is within the budget (train/qat.h, sweep()): quantize_sweep.json;
+//      unquantized until INT8 is within the budget (train/qat/qat.h, sweep()): quantize_sweep.json;
 //   2. <name>: a PTQ run with qat.skip = the chosen layers, so its config.yaml records them and its
 //      checkpoint holds exactly the quantizers kept; its evaluation is the sweep's chosen step's;
 //   3. `parallax export --run <name> --format onnx`: the Q/DQ graph of the kept quantizers, gated
@@ -10,6 +10,7 @@
 // One process (CPU or one GPU), like export; the children are this binary, so their errors are the
 // usual `parallax: error:` lines.
 #include "checkpoint/reader.h"
+#include "comm/world.h"
 #include "core/error.h"
 #include "core/files.h"
 #include "core/log.h"
@@ -18,7 +19,6 @@
 #include "launch/args.h"
 #include "launch/exit_codes.h"
 #include "launch/verbs.h"
-#include "parallel/comm/world.h"
 #include "train/preemption.h"
 #include "train/run_config.h"
 
@@ -280,14 +280,14 @@ int verb_quantize(const std::vector<std::string>& argv) {
     // The children are this binary: under mpirun they would inherit the launcher's rank variables
     // and fail in MPI_Init (a page of OpenMPI's text), under a world of several ranks each rank
     // would run the whole sweep. One process does it all.
-    const auto launch = parallel::comm::detect_launch();
-    PARALLAX_CHECK(launch.launcher == parallel::comm::Launcher::kSingle ||
-                       (launch.world_size == 1 && !launch.use_mpi),
-                   UsageError,
-                   "quantize: runs as one process (CPU or one GPU) and starts its own child runs; "
-                   "it was started by {} in a world of {} rank(s): run 'parallax quantize' "
-                   "directly, not under a launcher",
-                   parallel::comm::to_string(launch.launcher), launch.world_size);
+    const auto launch = comm::detect_launch();
+    PARALLAX_CHECK(
+        launch.launcher == comm::Launcher::kSingle || (launch.world_size == 1 && !launch.use_mpi),
+        UsageError,
+        "quantize: runs as one process (CPU or one GPU) and starts its own child runs; "
+        "it was started by {} in a world of {} rank(s): run 'parallax quantize' "
+        "directly, not under a launcher",
+        comm::to_string(launch.launcher), launch.world_size);
   }
   PARALLAX_CHECK(args.has("run"), UsageError,
                  "quantize: --run DIR is required; see 'parallax quantize --help'");

@@ -2,11 +2,11 @@
 #include "core/config.h"
 #include "core/strings.h"
 #include "launch/args.h"
+#include "launch/bootstrap.h"
 #include "launch/exit_codes.h"
 #include "launch/verbs.h"
-#include "parallel/comm/startup.h"
-#include "parallel/comm/world.h"
 #include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/schedule_check.h"
 #include "train/preemption.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -101,17 +101,11 @@ int verb_train(const std::vector<std::string>& argv) {
     std::fputs(parallel::pipeline::render(schedule).c_str(), stdout);
     return 0;
   }
-  // The World (MPI or TCPStore rendezvous, device selection) lives for the whole run and is
-  // destroyed after every communicator the trainer created.
-  parallel::comm::WorldOptions wopts;
-  // The start-up deadline bounds every wait before the first step (parallel/comm/startup.h).
-  wopts.init_timeout_s =
-      parallel::comm::startup_deadline_s(cfg.parallel.init_timeout_s, cfg.parallel.timeout_s);
   // The first SIGTERM/SIGINT stops training after the current step with a checkpoint, the
   // second exits at once (train/preemption.h); installed before the rendezvous so that a signal
   // during start-up is not lost.
   train::PreemptionSignals signals;
-  parallel::comm::World world(wopts);
+  const std::unique_ptr<comm::World> world = bootstrap_world(cfg);
   train::run_training(cfg);
   return train::preempted() ? kExitPreempted : kExitOk;
 }

@@ -1,5 +1,5 @@
 #include "models/backbone.h"
-#include "core/param_init.h"
+#include "units/param_init.h"
 
 #include "core/error.h"
 
@@ -50,7 +50,7 @@ ImageEncoderImpl::ImageEncoderImpl(const ImageEncoderOptions& o) : opts_(o) {
     in = o.conv.widths[s];
   }
   conv_neck_ = register_module(
-      "neck", core::layer<QuantConv2d>(torch::nn::Conv2dOptions(in, o.out_channels, 1)));
+      "neck", units::layer<QuantConv2d>(torch::nn::Conv2dOptions(in, o.out_channels, 1)));
 }
 
 at::Tensor ImageEncoderImpl::forward(const at::Tensor& images) {

@@ -29,7 +29,7 @@ struct ImageEncoderOptions {
   int64_t image_h = 128, image_w = 224;
   int64_t out_channels = 64;
   LinearFactory linear = dense_linear;
-  parallel::tensor::TpPtr tp;  // ViT: tensor-parallel blocks (models/vit.h)
+  units::TpLayersPtr tp = nullptr;  // ViT: tensor-parallel blocks (models/vit.h)
 };
 
 // Backbone + neck (ViT: LayerNorm'd tokens -> Linear; conv: 1x1 conv with bias).

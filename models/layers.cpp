@@ -1,7 +1,7 @@
 #include "models/layers.h"
 
 #include "core/error.h"
-#include "core/param_init.h"
+#include "units/param_init.h"
 
 #include <ATen/ATen.h>
 
@@ -27,8 +27,8 @@ int64_t count_parameters(const torch::nn::Module& m) {
 }
 
 DenseLinearImpl::DenseLinearImpl(int64_t in_features, int64_t out_features, bool with_bias) {
-  weight = register_parameter("weight", core::init_normal({out_features, in_features}, 0.02));
-  if (with_bias) bias = register_parameter("bias", core::init_zeros({out_features}));
+  weight = register_parameter("weight", units::init_normal({out_features, in_features}, 0.02));
+  if (with_bias) bias = register_parameter("bias", units::init_zeros({out_features}));
 }
 
 void DenseLinearImpl::enable_fp8(const kernels::fp8::Fp8Options& options) {
@@ -53,14 +53,14 @@ void DenseLinearImpl::add_lora(int64_t rank, double alpha, double dropout) {
   PARALLAX_CHECK(rank > 0, ConfigError, "LoRA: rank {} must be positive", rank);
   const int64_t in = weight.size(1), out = weight.size(0);
   const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-  // Through core::init_tensor, so that a model built without storage (parallel.meta_init) records
+  // Through units::init_tensor, so that a model built without storage (parallel.meta_init) records
   // the adapters' recipes too (fp32 on the CPU; the engine places them). Built otherwise, they take
   // the weight's dtype and device.
-  at::Tensor a = core::init_tensor({rank, in}, [rank, in, bound] {
+  at::Tensor a = units::init_tensor({rank, in}, [rank, in, bound] {
     return at::empty({rank, in}).uniform_(-bound, bound);
   });
-  at::Tensor b = core::init_zeros({out, rank});
-  if (core::deferred_init() == nullptr) {
+  at::Tensor b = units::init_zeros({out, rank});
+  if (units::deferred_init() == nullptr) {
     a = a.to(weight.options());
     b = b.to(weight.options());
   }
@@ -94,8 +94,8 @@ void DenseLinearImpl::add_quantizers(bool learn_scales) {
   weight_quantizer =
       register_module("weight_quantizer", TensorQuantizer(weight.size(0), learn_scales));
   // A model built without storage has no weight values yet: the transform gives the amax its
-  // recipe, the weight's (train/qat.cpp).
-  if (core::deferred_init() != nullptr) return;
+  // recipe, the weight's (train/qat/hooks.cpp).
+  if (units::deferred_init() != nullptr) return;
   at::NoGradGuard no_grad;
   weight_quantizer->amax.copy_(weight_amax(weight).to(weight_quantizer->amax.device()));
 }
@@ -138,10 +138,10 @@ int64_t norm_groups(int64_t channels) {
 
 ConvNormActImpl::ConvNormActImpl(const ConvNormActOptions& o) : opts_(o) {
   conv_ = register_module("conv",
-                          core::layer<QuantConv2d>(torch::nn::Conv2dOptions(o.in, o.out, o.kernel)
-                                                       .stride(o.stride)
-                                                       .padding(o.kernel / 2)
-                                                       .bias(false)));
+                          units::layer<QuantConv2d>(torch::nn::Conv2dOptions(o.in, o.out, o.kernel)
+                                                        .stride(o.stride)
+                                                        .padding(o.kernel / 2)
+                                                        .bias(false)));
   norm_ = register_module("norm", torch::nn::GroupNorm(norm_groups(o.out), o.out));
 }
 

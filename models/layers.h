@@ -1,5 +1,5 @@
 // Building blocks shared by the model zoo: cost accounting (parameters and forward FLOPs at the
-// configured input shape), the `Block` base class that activation checkpointing wraps, the linear
+// configured input shape), the `Block` base class that activation recompute wraps, the linear
 // factory that tensor parallelism swaps, and the linear and conv/norm layers.
 //
 // Cost convention: a multiply-add is 2 FLOPs; only matmuls, convolutions and attention
@@ -8,11 +8,11 @@
 // costed without being constructed (the 3b model); tests check it against real construction.
 #pragma once
 
-#include "core/linear_spec.h"
 #include "kernels/fp8.h"
-#include "models/checkpointable.h"
 #include "models/onnx/emitter.h"
 #include "models/quant.h"
+#include "models/recompute.h"
+#include "units/linear_spec.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
@@ -49,16 +49,16 @@ Cost conv_cost(int64_t in, int64_t out, int64_t kernel, bool bias, int64_t out_h
 // Sum of numel() over a module's parameters (recursively).
 int64_t count_parameters(const torch::nn::Module& m);
 
-// The linear layers of attention and MLP blocks are specs built by a factory (core/linear_spec.h):
+// The linear layers of attention and MLP blocks are specs built by a factory (units/linear_spec.h):
 // dense_linear below, or tensor parallelism's column- and row-parallel layers.
-using core::LinearFactory;
-using core::LinearRole;
-using core::LinearSpec;
+using units::LinearFactory;
+using units::LinearRole;
+using units::LinearSpec;
 
-// A residual block of the zoo: one tensor in, one tensor out, so that activation checkpointing
-// (models/checkpointable.h: set_checkpointing(true) makes forward() recompute forward_impl() in
+// A residual block of the zoo: one tensor in, one tensor out, so that activation recompute
+// (models/recompute.h: set_recompute(true) makes forward() recompute forward_impl() in
 // backward) and later pipeline stage partitioning can wrap it without knowing its insides.
-class Block : public CheckpointableBlock {
+class Block : public RecomputableBlock {
  public:
   virtual Cost cost() const = 0;
   // forward_impl() as ONNX nodes, inside the block's scope (models/onnx/emitter.h). The default
@@ -71,13 +71,13 @@ class Block : public CheckpointableBlock {
 // ~15% slower on ViT-B/16). Parameters "weight" [out, in] and "bias" [out] (as torch::nn::Linear),
 // initialised N(0, 0.02) and zero (ViT init).
 //
-// LoRA (train/lora.h, Hu et al. 2021, as PEFT's lora.Linear): add_lora(r, alpha, dropout) adds
+// LoRA (train/lora/lora.h, Hu et al. 2021, as PEFT's lora.Linear): add_lora(r, alpha, dropout) adds
 // parameters "lora_a" [r, in] (uniform in +-1/sqrt(in), PEFT's kaiming_uniform(a = sqrt(5))) and
 // "lora_b" [out, r] (zero, so the output does not change), and the forward becomes
 //   y = x W^T + b + (alpha / r) * dropout(x) A^T B^T.
 // merge_lora() folds the adapter into W (W += (alpha / r) B A) and removes the two parameters.
 //
-// QAT (train/qat.h, models/quant.h): add_quantizers() registers "input_quantizer" (per tensor)
+// QAT (train/qat/qat.h, models/quant.h): add_quantizers() registers "input_quantizer" (per tensor)
 // and "weight_quantizer" (per output channel), and the forward becomes
 //   y = fq(x) fq(W)^T + b
 // (the adapter and the quantizers are not combined: add_quantizers() refuses a layer with an
@@ -86,7 +86,7 @@ class Block : public CheckpointableBlock {
 // FP8 (precision.mode=fp8, kernels/fp8.h): enable_fp8() registers the submodule "fp8" and the
 // forward runs its three GEMMs in FP8; it refuses a layer with an adapter or quantizers, and they
 // refuse it.
-class DenseLinearImpl : public torch::nn::Module {
+class DenseLinearImpl : public torch::nn::Module, public kernels::fp8::Fp8Capable {
  public:
   DenseLinearImpl(int64_t in_features, int64_t out_features, bool bias = true);
   at::Tensor forward(const at::Tensor& x) {
@@ -111,7 +111,7 @@ class DenseLinearImpl : public torch::nn::Module {
 
   // parallax::Error when the layer has an adapter, quantizers or FP8 already, or a shape the FP8
   // GEMMs do not take (kernels::fp8::fp8_linear_supported).
-  void enable_fp8(const kernels::fp8::Fp8Options& options);
+  void enable_fp8(const kernels::fp8::Fp8Options& options) override;
 
   at::Tensor weight, bias;               // bias undefined without one
   kernels::fp8::Fp8Linear fp8{nullptr};  // empty unless FP8
@@ -155,11 +155,11 @@ TORCH_MODULE(ConvNormAct);
 
 // Two 3x3 ConvNormAct at `channels` with an identity skip, ReLU after the sum (ResNet basic block).
 //
-// QAT (train/qat.h): add_quantizers() registers "add_quantizer", one per-tensor quantizer shared
-// by both inputs of the residual Add (the skip x and the conv branch), so the two summands sit on
-// one INT8 grid: the Add's inputs then carry Q/DQ pairs with one scale, which TensorRT needs to run
-// the Add in INT8 instead of falling back to the higher precision around it (the GroupNorm between
-// conv2 and the Add rules out fusing it into the conv). Empty without QAT.
+// QAT (train/qat/qat.h): add_quantizers() registers "add_quantizer", one per-tensor quantizer
+// shared by both inputs of the residual Add (the skip x and the conv branch), so the two summands
+// sit on one INT8 grid: the Add's inputs then carry Q/DQ pairs with one scale, which TensorRT needs
+// to run the Add in INT8 instead of falling back to the higher precision around it (the GroupNorm
+// between conv2 and the Add rules out fusing it into the conv). Empty without QAT.
 class ResidualConvBlock : public Block {
  public:
   ResidualConvBlock(int64_t channels, int64_t h, int64_t w);

@@ -1,7 +1,7 @@
 #include "models/mlp.h"
 
 #include "core/error.h"
-#include "core/param_init.h"
+#include "units/param_init.h"
 
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
@@ -13,14 +13,14 @@ MlpModel::MlpModel(int64_t in_features, int64_t hidden, int64_t out_features, in
   net_ = register_module("net", torch::nn::Sequential());
   int64_t width = in_;
   for (int64_t i = 0; i < depth_; ++i) {
-    net_->push_back(core::layer<torch::nn::Linear>(torch::nn::LinearOptions(width, hidden_)));
+    net_->push_back(units::layer<torch::nn::Linear>(torch::nn::LinearOptions(width, hidden_)));
     net_->push_back(torch::nn::GELU());
     width = hidden_;
   }
-  net_->push_back(core::layer<torch::nn::Linear>(torch::nn::LinearOptions(width, out_)));
+  net_->push_back(units::layer<torch::nn::Linear>(torch::nn::LinearOptions(width, out_)));
   // The target function is part of the model definition (a buffer), so every rank agrees on it.
   const int64_t in = in_, out = out_;
-  teacher_ = register_buffer("teacher", core::init_tensor({in_, out_}, [in, out]() {
+  teacher_ = register_buffer("teacher", units::init_tensor({in_, out_}, [in, out]() {
                                return at::randn({in, out}) / std::sqrt(static_cast<double>(in));
                              }));
 }

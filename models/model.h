@@ -2,19 +2,20 @@
 //
 // A model maps a batch (named tensors from the data layer) to predictions and computes its own
 // loss terms, so the trainer stays model-agnostic. Models never call collectives themselves;
-// tensor-parallel layers borrowed from parallel/tensor do, and a loss may use the replica mean the
-// trainer installs (set_replica_mean). A model also exposes its ordered units (Unit, UnitHooks):
-// the grain at which the parallel engines gather and free parameters (ZeRO-3), cut pipeline stages,
-// checkpoint activations and quantise (docs/models.md, "Units").
+// the tensor-parallel layers they borrow through units/tp_layers.h do, and a loss may use the
+// replica mean the trainer installs (set_replica_mean). A model also exposes its ordered units
+// (Unit, UnitHooks): the grain at which the parallel engines gather and free parameters (ZeRO-3),
+// cut pipeline stages, recompute activations and quantise (docs/models.md, "Units").
 #pragma once
 
-#include "core/parallel_model.h"
 #include "core/scene.h"
 #include "core/tensor_dict.h"
-#include "core/unit_hooks.h"
 #include "models/layers.h"
 #include "models/model_config.h"
 #include "models/replica_mean.h"
+#include "units/parallel_model.h"
+#include "units/tp_layers.h"
+#include "units/unit_hooks.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -24,11 +25,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-namespace parallax::parallel::tensor {
-class TpGroup;  // parallel/tensor/tensor_parallel.h: the ViT's tensor-parallel blocks hold one
-using TpPtr = std::shared_ptr<TpGroup>;
-}  // namespace parallax::parallel::tensor
 
 namespace parallax::models {
 
@@ -41,12 +37,12 @@ struct ModuleCost {
 };
 
 // One unit: a contiguous piece of the forward that owns a disjoint set of parameters (defined in
-// core/unit_hooks.h, so that the parallel engines take unit lists without including models/).
-using Unit = core::Unit;
+// units/unit_hooks.h, so that the parallel engines take unit lists without including models/).
+using Unit = units::Unit;
 
-// The hooks a model calls around each unit's forward (core/unit_hooks.h: they live in core so
-// that the parallel engines, which may not include models/, implement them).
-using UnitHooks = core::UnitHooks;
+// The hooks a model calls around each unit's forward (units/unit_hooks.h: they live below models/
+// so that the parallel engines, which may not include models/, implement them).
+using UnitHooks = units::UnitHooks;
 
 // A unit named by module paths: it owns every parameter whose full name is one of `paths` or
 // lies under one of them (path + "."). Paths rather than a list of names, so parameters added
@@ -75,21 +71,22 @@ struct LossOutput {
   core::TensorDict terms;  // each named term (detached or not), for metrics
 };
 
-// The planner's activation model (core/parallel_model.h: the parallel engines read it too).
-using ActivationQuery = core::ActivationQuery;
+// The planner's activation model (units/parallel_model.h: the parallel engines read it too).
+using ActivationQuery = units::ActivationQuery;
 struct UnitActivation {
-  double saved = 0;             // bytes per sample kept from this unit's forward to its backward
-  double output = 0;            // bytes per sample of the unit's outputs (a pipeline message)
-  bool checkpointable = false;  // one of checkpointable_blocks(): recomputed under checkpointing
+  double saved = 0;           // bytes per sample kept from this unit's forward to its backward
+  double output = 0;          // bytes per sample of the unit's outputs (a pipeline message)
+  bool recomputable = false;  // one of recomputable_blocks(): recomputed under Recompute
 };
 
-// Activation checkpointing (core/parallel_model.h): the mode, and which blocks it wraps.
-using core::checkpointed_block;
-using core::Checkpointing;
+// Activation recompute (units/parallel_model.h; the config's train.activation_checkpointing): the
+// mode, and which blocks it wraps.
+using units::Recompute;
+using units::recomputed_block;
 
-// A model is a module and a core::ParallelModel: what parallel::parallelize() composes the
-// parallelisms over (units, the chain, costs, activation checkpointing, unit hooks).
-class Model : public torch::nn::Module, public core::ParallelModel {
+// A model is a module and a units::ParallelModel: what parallel::parallelize() composes the
+// parallelisms over (units, the chain, costs, activation recompute, unit hooks).
+class Model : public torch::nn::Module, public units::ParallelModel {
  public:
   std::shared_ptr<torch::nn::Module> as_module() override { return shared_from_this(); }
   // Predictions for a batch (keys are model-specific, e.g. "bev_logits", "heatmap").
@@ -98,8 +95,8 @@ class Model : public torch::nn::Module, public core::ParallelModel {
   virtual LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) = 0;
   // Forward FLOPs for one sample (multiply-add = 2 FLOPs); used for MFU (training ~ 3x forward).
   virtual double forward_flops_per_sample() const = 0;
-  // Blocks that activation checkpointing may wrap (transformer blocks); empty if none.
-  virtual std::vector<std::shared_ptr<torch::nn::Module>> checkpointable_blocks() { return {}; }
+  // Blocks that activation recompute may wrap (transformer blocks); empty if none.
+  virtual std::vector<std::shared_ptr<torch::nn::Module>> recomputable_blocks() { return {}; }
   // Decoded outputs for evaluation and export (e.g. "bev_labels" [B, X, Y] int64, "det_boxes"
   // [B, K, 9] and "det_scores" [B, K]); the default returns `pred` unchanged.
   virtual core::TensorDict postprocess(const core::TensorDict& pred) { return pred; }
@@ -131,7 +128,7 @@ class Model : public torch::nn::Module, public core::ParallelModel {
   virtual std::vector<onnx::Value> emit_onnx_unit(onnx::Emitter& e, int unit, const OnnxFlow& flow);
   virtual void emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow);
 
-  // The forward as a chain of its units, for pipeline stages (parallel/pipeline/), which run a
+  // The forward as a chain of its units, for pipeline stages (the pipeline engine), which run a
   // contiguous run of units on each rank and pass the tensors between them point-to-point:
   //   chain_begin(batch)            checks the batch; what unit 0 takes (e.g. {images})
   //   chain_unit(i, batch, in)      unit i on what unit i - 1 returned; side inputs (the camera
@@ -152,15 +149,15 @@ class Model : public torch::nn::Module, public core::ParallelModel {
   // Activation bytes per sample of each unit, in chain order (empty: the model has no
   // activation model; the planner then cannot estimate it). See ActivationQuery.
   virtual std::vector<UnitActivation> unit_activations(const ActivationQuery&) const { return {}; }
-  // Bytes per sample each unit keeps from its forward to its backward under activation
-  // checkpointing `mode` (train.activation_checkpointing: none | selective | full, wrapped as
-  // checkpointed_block() says): a wrapped block keeps only its input. Empty where the model has no
-  // activation model. `checkpointed`, if given, receives which units are recomputed. The pipeline
+  // Bytes per sample each unit keeps from its forward to its backward under activation recompute
+  // `mode` (train.activation_checkpointing: none | selective | full, wrapped as
+  // recomputed_block() says): a wrapped block keeps only its input. Empty where the model has no
+  // activation model. `recomputed`, if given, receives which units are recomputed. The pipeline
   // partition (second criterion) and `parallax plan` both use it.
-  std::vector<double> saved_activations(const ActivationQuery& q, Checkpointing mode,
-                                        std::vector<bool>* checkpointed = nullptr) const override;
-  // Wraps checkpointable_blocks() as checkpointed_block(mode, i) says; returns {wrapped, blocks}.
-  std::pair<int, int> apply_activation_checkpointing(Checkpointing mode) override;
+  std::vector<double> saved_activations(const ActivationQuery& q, Recompute mode,
+                                        std::vector<bool>* recomputed = nullptr) const override;
+  // Wraps recomputable_blocks() as recomputed_block(mode, i) says; returns {wrapped, blocks}.
+  std::pair<int, int> apply_recompute(Recompute mode) override;
   virtual std::vector<at::Tensor> chain_begin(const core::TensorDict& batch);
   virtual std::vector<at::Tensor> chain_unit(int unit, const core::TensorDict& batch,
                                              const std::vector<at::Tensor>& in);
@@ -234,14 +231,15 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
 // LinearFactory in models/layers.h). Models without such blocks (mlp) ignore it.
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
                                    const LinearFactory& linear);
-// Tensor parallel over `tp` (parallel/tensor/tensor_parallel.h; null: build_model(cfg, scene),
-// a group of one rank: the parallel layers with trivial collectives): the ViT blocks' linears
+// Tensor parallel over `tp` (units/tp_layers.h, implemented by the tensor-parallel group that the
+// caller built; null: build_model(cfg, scene), a group of one rank: the parallel layers with
+// trivial collectives): the ViT blocks' linears
 // column- and row-parallel (with sequence parallelism when `tp` asks), vit_cls's head
 // column-parallel. ConfigError naming the model for one without tensor-parallel layers (mlp, bev
 // with the conv backbone), and naming both numbers for shapes tp does not divide (heads, widths,
 // classes).
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
-                                   const parallel::tensor::TpPtr& tp);
+                                   const units::TpLayersPtr& tp);
 
 // The cost_breakdown() that build_model(cfg, scene) would report, computed from the config alone
 // without allocating the model (the 3b model has ~3e9 parameters). Same errors as build_model.

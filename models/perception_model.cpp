@@ -1,5 +1,5 @@
 #include "models/perception_model.h"
-#include "core/param_init.h"
+#include "units/param_init.h"
 
 #include "core/error.h"
 #include "models/camera_rig.h"
@@ -128,16 +128,16 @@ BevHeadsImpl::BevHeadsImpl(int64_t channels, int64_t head_channels, int64_t seg_
       ny_(ny) {
   const ConvNormActOptions o{channels, head_channels, 3, 1, true, nx, ny};
   seg_conv_ = register_module("seg_conv", ConvNormAct(o));
-  seg_out_ = register_module(
-      "seg_out", core::layer<QuantConv2d>(torch::nn::Conv2dOptions(head_channels, seg_classes, 1)));
+  seg_out_ = register_module("seg_out", units::layer<QuantConv2d>(torch::nn::Conv2dOptions(
+                                            head_channels, seg_classes, 1)));
   heat_conv_ = register_module("heat_conv", ConvNormAct(o));
-  heat_out_ = register_module("heat_out", core::layer<QuantConv2d>(torch::nn::Conv2dOptions(
+  heat_out_ = register_module("heat_out", units::layer<QuantConv2d>(torch::nn::Conv2dOptions(
                                               head_channels, box_classes, 1)));
   reg_conv_ = register_module("reg_conv", ConvNormAct(o));
-  reg_out_ = register_module("reg_out", core::layer<QuantConv2d>(torch::nn::Conv2dOptions(
+  reg_out_ = register_module("reg_out", units::layer<QuantConv2d>(torch::nn::Conv2dOptions(
                                             head_channels, kBoxCodeSize, 1)));
   // Prior probability 0.1 (CenterNet).
-  core::init_modify(heat_out_->bias, [](at::Tensor& b) { b.fill_(-std::log((1 - 0.1) / 0.1)); });
+  units::init_modify(heat_out_->bias, [](at::Tensor& b) { b.fill_(-std::log((1 - 0.1) / 0.1)); });
 }
 
 core::TensorDict BevHeadsImpl::forward(const at::Tensor& bev) {
@@ -157,7 +157,7 @@ Cost BevHeadsImpl::analytic_cost(int64_t channels, int64_t head_channels, int64_
 // ---- model ------------------------------------------------------------------------------------
 
 PerceptionModel::PerceptionModel(const BevModelSpec& spec, LinearFactory linear,
-                                 parallel::tensor::TpPtr tp)
+                                 units::TpLayersPtr tp)
     : spec_(spec) {
   spec_.encoder.linear = std::move(linear);
   spec_.encoder.tp = std::move(tp);
@@ -325,7 +325,7 @@ double PerceptionModel::forward_flops_per_sample() const {
   return f;
 }
 
-std::vector<std::shared_ptr<torch::nn::Module>> PerceptionModel::checkpointable_blocks() {
+std::vector<std::shared_ptr<torch::nn::Module>> PerceptionModel::recomputable_blocks() {
   std::vector<std::shared_ptr<torch::nn::Module>> out;
   for (const auto& b : encoder_->blocks()) out.push_back(b);
   for (const auto& b : bev_blocks_) out.push_back(b);

@@ -78,7 +78,7 @@ class PerceptionModel : public Model {
   // `linear` and `tp`: the ViT backbone's blocks tensor-parallel (models/vit.h); the conv
   // backbone, view transformer, BEV encoder and heads stay replicated.
   explicit PerceptionModel(const BevModelSpec& spec, LinearFactory linear = dense_linear,
-                           parallel::tensor::TpPtr tp = nullptr);
+                           units::TpLayersPtr tp = nullptr);
 
   core::TensorDict forward(const core::TensorDict& batch) override;
   // The chain (models/model.h): begin {images}; the units of units() in order; the heads unit
@@ -97,7 +97,7 @@ class PerceptionModel : public Model {
   LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) override;
   double forward_flops_per_sample() const override;
   // Every residual/transformer block: image backbone blocks, then BEV encoder blocks.
-  std::vector<std::shared_ptr<torch::nn::Module>> checkpointable_blocks() override;
+  std::vector<std::shared_ptr<torch::nn::Module>> recomputable_blocks() override;
   // The image encoder's units (ViT: "encoder.vit.embed", "encoder.vit.block<i>", "encoder.neck";
   // conv: "encoder"), "view", "bev_block<i>", "heads" (the three heads and the resampling of the
   // segmentation logits to the label grid).
@@ -130,7 +130,7 @@ class PerceptionModel : public Model {
   const BevModelSpec& spec() const { return spec_; }
   ImageEncoder& encoder() { return encoder_; }
   // forward() also returns "bev_features" [B, bev_channels, nx, ny], the BEV encoder's output that
-  // the heads read (feature distillation, train/distill.h). Off by default.
+  // the heads read (feature distillation, train/distill/distill.h). Off by default.
   void set_feature_output(bool on) { feature_output_ = on; }
   ViewTransformer& view_transformer() { return view_; }
 

@@ -1,7 +1,7 @@
 #include "models/quant.h"
 
 #include "core/error.h"
-#include "core/param_init.h"
+#include "units/param_init.h"
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -16,7 +16,7 @@ TensorQuantizerImpl::TensorQuantizerImpl(int64_t channels, bool learn_scales)
     : channels_(channels) {
   PARALLAX_CHECK(channels >= 0, Error, "TensorQuantizer: channels {} must be >= 0", channels);
   // [1] rather than a 0-dim tensor per tensor: checkpoints and weights.h5 hold 1-D shapes.
-  at::Tensor init = core::init_zeros({channels > 0 ? channels : 1});
+  at::Tensor init = units::init_zeros({channels > 0 ? channels : 1});
   amax = learn_scales ? register_parameter("amax", init) : register_buffer("amax", init);
 }
 
@@ -219,8 +219,9 @@ void QuantConv2dImpl::add_quantizers(bool learn_scales) {
   input_quantizer = register_module("input_quantizer", TensorQuantizer(0, learn_scales));
   weight_quantizer =
       register_module("weight_quantizer", TensorQuantizer(weight.size(0), learn_scales));
-  // Built without storage: the transform gives the amax its recipe, the weight's (train/qat.cpp).
-  if (core::deferred_init() == nullptr) {
+  // Built without storage: the transform gives the amax its recipe, the weight's
+  // (train/qat/hooks.cpp).
+  if (units::deferred_init() == nullptr) {
     at::NoGradGuard no_grad;
     weight_quantizer->amax.copy_(weight_amax(weight).to(weight_quantizer->amax.device()));
   }

@@ -1,4 +1,4 @@
-// Fake quantization for quantization-aware training (train/qat.h, docs/trainers.md "QAT"): the
+// Fake quantization for quantization-aware training (train/qat/qat.h, docs/trainers.md "QAT"): the
 // TensorQuantizer module, the quantizable convolution (QuantConv2d), and the calibrators that
 // turn collected statistics into an amax.
 //

@@ -1,11 +1,10 @@
 #include "core/error.h"
-#include "core/param_init.h"
-#include "models/checkpointable.h"
 #include "models/mlp.h"
 #include "models/model.h"
 #include "models/perception_model.h"
+#include "models/recompute.h"
 #include "models/vit.h"
-#include "parallel/tensor/tensor_parallel.h"
+#include "units/param_init.h"
 
 #include <ATen/Context.h>
 #include <ATen/SDPBackend.h>
@@ -59,27 +58,27 @@ std::vector<double> Model::stage_costs() const {
   return costs;
 }
 
-std::vector<double> Model::saved_activations(const ActivationQuery& q, Checkpointing mode,
-                                             std::vector<bool>* checkpointed) const {
+std::vector<double> Model::saved_activations(const ActivationQuery& q, Recompute mode,
+                                             std::vector<bool>* recomputed) const {
   const std::vector<UnitActivation> units = unit_activations(q);
   std::vector<double> saved(units.size(), 0.0);
-  if (checkpointed) checkpointed->assign(units.size(), false);
+  if (recomputed) recomputed->assign(units.size(), false);
   int block = 0;
   for (std::size_t u = 0; u < units.size(); ++u) {
     saved[u] = units[u].saved;
-    if (!units[u].checkpointable || !checkpointed_block(mode, block++)) continue;
+    if (!units[u].recomputable || !recomputed_block(mode, block++)) continue;
     saved[u] = u > 0 ? units[u - 1].output : 0;  // a wrapped block keeps only its input
-    if (checkpointed) (*checkpointed)[u] = true;
+    if (recomputed) (*recomputed)[u] = true;
   }
   return saved;
 }
 
-std::pair<int, int> Model::apply_activation_checkpointing(Checkpointing mode) {
+std::pair<int, int> Model::apply_recompute(Recompute mode) {
   int blocks = 0, wrapped = 0;
-  for (const auto& block : checkpointable_blocks()) {
-    auto cb = std::dynamic_pointer_cast<CheckpointableBlock>(block);
-    if (cb && checkpointed_block(mode, blocks)) {
-      cb->set_checkpointing(true);
+  for (const auto& block : recomputable_blocks()) {
+    auto cb = std::dynamic_pointer_cast<RecomputableBlock>(block);
+    if (cb && recomputed_block(mode, blocks)) {
+      cb->set_recompute(true);
       ++wrapped;
     }
     ++blocks;
@@ -129,12 +128,12 @@ void set_attention_backend(const std::string& name) {
 
 namespace {
 
-// A model as built: under shape-only construction (core/param_init.h) the LibTorch layers
+// A model as built: under shape-only construction (units/param_init.h) the LibTorch layers
 // allocated, which is dropped now; under deferred construction the rest of their tensors are kept
 // as values and every recipe is named.
 std::shared_ptr<Model> finished(std::shared_ptr<Model> model) {
-  if (core::shape_only()) core::to_meta(*model);
-  core::finish_deferred(*model);
+  if (units::shape_only()) units::to_meta(*model);
+  units::finish_deferred(*model);
   return model;
 }
 
@@ -165,7 +164,7 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
 }
 
 std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec& scene,
-                                   const parallel::tensor::TpPtr& tp) {
+                                   const units::TpLayersPtr& tp) {
   if (!tp) return build_model(cfg, scene);
   const bool vit_bev = cfg.name == "bev" && make_bev_spec(cfg, scene).encoder.backbone == "vit";
   PARALLAX_CHECK(cfg.name == "vit_cls" || vit_bev, ConfigError,
@@ -174,7 +173,7 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
                  cfg.name, cfg.name == "bev" ? " with the conv backbone" : "",
                  cfg.name == "bev" ? " or model.backbone=vit" : "");
   set_attention_backend(cfg.attention);
-  const LinearFactory linear = parallel::tensor::parallel_linear_factory(tp);
+  const LinearFactory linear = tp->linear_factory();
   if (cfg.name == "vit_cls") {
     VitSpec spec = vit_cls_spec(cfg);
     spec.dropout = cfg.dropout;

@@ -4,10 +4,10 @@
 // means this replica alone.
 #pragma once
 
-#include "core/parallel_model.h"
+#include "units/parallel_model.h"
 
 namespace parallax::models {
 
-using ReplicaMean = core::ReplicaMean;
+using ReplicaMean = units::ReplicaMean;
 
 }  // namespace parallax::models

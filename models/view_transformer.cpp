@@ -1,9 +1,9 @@
 #include "models/view_transformer.h"
 
 #include "core/error.h"
-#include "core/param_init.h"
 #include "kernels/bev_sample.h"
 #include "models/geometry.h"
+#include "units/param_init.h"
 
 #include <ATen/ATen.h>
 
@@ -14,13 +14,13 @@ ViewTransformerImpl::ViewTransformerImpl(const ViewTransformerOptions& o) : opts
                  "view transformer: need at least one height and a non-empty grid ({} x {})",
                  o.grid.nx, o.grid.ny);
   const int64_t z = static_cast<int64_t>(o.heights.size());
-  lift1_ = register_module("lift1", core::layer<QuantConv2d>(torch::nn::Conv2dOptions(
+  lift1_ = register_module("lift1", units::layer<QuantConv2d>(torch::nn::Conv2dOptions(
                                         z * o.in_channels + z, o.channels, 1)));
   norm_ = register_module("norm", torch::nn::GroupNorm(norm_groups(o.channels), o.channels));
   lift2_ = register_module(
-      "lift2", core::layer<QuantConv2d>(torch::nn::Conv2dOptions(o.channels, o.channels, 1)));
-  query_embed_ = register_parameter("query_embed",
-                                    core::init_normal({1, o.channels, o.grid.nx, o.grid.ny}, 0.02));
+      "lift2", units::layer<QuantConv2d>(torch::nn::Conv2dOptions(o.channels, o.channels, 1)));
+  query_embed_ = register_parameter(
+      "query_embed", units::init_normal({1, o.channels, o.grid.nx, o.grid.ny}, 0.02));
 }
 
 at::Tensor ViewTransformerImpl::reference_points(const c10::Device& device) const {

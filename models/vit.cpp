@@ -1,11 +1,10 @@
 #include "models/vit.h"
 
 #include "core/error.h"
-#include "core/param_init.h"
 #include "kernels/fp8.h"
 #include "kernels/layer_norm.h"
 #include "kernels/qkv_pack.h"
-#include "parallel/tensor/tensor_parallel.h"
+#include "units/param_init.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/layer_norm.h>
@@ -240,11 +239,11 @@ VisionTransformerImpl::VisionTransformerImpl(const VisionTransformerOptions& o) 
   const VitSpec& s = o.spec;
   patch_embed_ = register_module(
       "patch_embed",
-      core::layer<QuantConv2d>(torch::nn::Conv2dOptions(3, s.dim, s.patch).stride(s.patch)));
+      units::layer<QuantConv2d>(torch::nn::Conv2dOptions(3, s.dim, s.patch).stride(s.patch)));
   const int64_t tokens = grid_h() * grid_w() + (o.class_token ? 1 : 0);
   if (o.class_token)
-    cls_token_ = register_parameter("cls_token", core::init_normal({1, 1, s.dim}, 0.02));
-  pos_embed_ = register_parameter("pos_embed", core::init_normal({1, tokens, s.dim}, 0.02));
+    cls_token_ = register_parameter("cls_token", units::init_normal({1, 1, s.dim}, 0.02));
+  pos_embed_ = register_parameter("pos_embed", units::init_normal({1, tokens, s.dim}, 0.02));
   const TransformerBlockOptions bo = block_options(o);
   for (int64_t i = 0; i < s.depth; ++i) {
     blocks_.push_back(
@@ -293,8 +292,7 @@ at::Tensor VisionTransformerImpl::embed(const at::Tensor& images) {
   if (opts_.class_token) x = at::cat({cls_token_.to(dt).expand({x.size(0), -1, -1}), x}, 1);
   x = x + pos_embed_.to(dt);
   // Sequence parallel: the blocks take this rank's rows of the tokens.
-  if (opts_.tp && opts_.tp->sequence_parallel())
-    return parallel::tensor::scatter_to_sequence(x, opts_.tp);
+  if (opts_.tp && opts_.tp->sequence_parallel()) return opts_.tp->scatter_to_sequence(x);
   return x;
 }
 
@@ -305,7 +303,7 @@ at::Tensor VisionTransformerImpl::final_norm(const at::Tensor& x) {
   // (B = padded rows / T rounded down, as in AttentionImpl::forward).
   const int64_t t = grid_h() * grid_w() + (opts_.class_token ? 1 : 0);
   const int64_t b = y.size(0) * opts_.tp->size() / t;
-  return parallel::tensor::gather_from_sequence(y, b * t, opts_.tp).view({b, t, y.size(1)});
+  return opts_.tp->gather_from_sequence(y, b * t).view({b, t, y.size(1)});
 }
 
 Cost VisionTransformerImpl::analytic_cost(const VisionTransformerOptions& o) {
@@ -322,7 +320,7 @@ Cost VisionTransformerImpl::analytic_cost(const VisionTransformerOptions& o) {
 // ---- vit_cls ----------------------------------------------------------------------------------
 
 VitClassifier::VitClassifier(const VitSpec& spec, int64_t image_size, int64_t num_classes,
-                             LinearFactory linear, parallel::tensor::TpPtr tp)
+                             LinearFactory linear, units::TpLayersPtr tp)
     : spec_(spec), image_size_(image_size), num_classes_(num_classes) {
   vit_ = register_module("vit", VisionTransformer(VisionTransformerOptions{
                                     spec, image_size, image_size, true, linear, tp}));
@@ -334,7 +332,7 @@ VitClassifier::VitClassifier(const VitSpec& spec, int64_t image_size, int64_t nu
     LinearSpec head{spec.dim, num_classes, true, LinearRole::kColumn, "head"};
     head.gather_output = true;
     head.in_sequence_region = false;  // after final_norm() gathered the tokens
-    head_ = torch::nn::AnyModule(parallel::tensor::ColumnParallelLinear(head, tp));
+    head_ = tp->linear_factory()(head);
   } else {
     head_ = torch::nn::AnyModule(DenseLinear(spec.dim, num_classes));
   }
@@ -388,7 +386,7 @@ LossOutput VitClassifier::loss(const core::TensorDict& batch, const core::Tensor
   return {ce, {{"ce", ce.detach()}, {"accuracy", acc}}};
 }
 
-std::vector<std::shared_ptr<torch::nn::Module>> VitClassifier::checkpointable_blocks() {
+std::vector<std::shared_ptr<torch::nn::Module>> VitClassifier::recomputable_blocks() {
   return {vit_->blocks().begin(), vit_->blocks().end()};
 }
 
@@ -422,16 +420,10 @@ int enable_fp8(torch::nn::Module& model, const kernels::fp8::Fp8Options& options
         dynamic_cast<MlpBlockImpl*>(m.get()) == nullptr)
       continue;
     for (const auto& child : m->named_children()) {
-      torch::nn::Module* c = child.value().get();
-      if (auto* d = dynamic_cast<DenseLinearImpl*>(c)) {
-        d->enable_fp8(options);
-      } else if (auto* col = dynamic_cast<parallel::tensor::ColumnParallelLinearImpl*>(c)) {
-        col->enable_fp8(options);
-      } else if (auto* row = dynamic_cast<parallel::tensor::RowParallelLinearImpl*>(c)) {
-        row->enable_fp8(options);
-      } else {
-        continue;
-      }
+      // DenseLinear or a tensor-parallel layer, whichever the block's factory built.
+      auto* linear = dynamic_cast<kernels::fp8::Fp8Capable*>(child.value().get());
+      if (linear == nullptr) continue;
+      linear->enable_fp8(options);
       ++n;
     }
   }

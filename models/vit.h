@@ -43,15 +43,15 @@ struct TransformerBlockOptions {
   bool fused_kernels = true;  // see VitSpec
   // Tensor parallelism (null: none): `linear` then builds column/row-parallel layers over it, and
   // with sequence parallelism the token stream between blocks is this rank's row shard
-  // (parallel/tensor/tensor_parallel.h), so the block's LayerNorms are marked sequence-parallel.
-  parallel::tensor::TpPtr tp;
+  // (units/tp_layers.h), so the block's LayerNorms are marked sequence-parallel.
+  units::TpLayersPtr tp = nullptr;
 };
 
 // Multi-head self-attention: qkv (kColumn, 3 fused parts) -> SDPA -> proj (kRow). [B, T, D] ->
 // [B, T, D]; under sequence parallelism [R, D] row shards of the flattened tokens -> the same.
 //
-// QAT (train/qat.h, qat.attention): add_quantizers() registers four per-tensor quantizers on the
-// inputs of the two attention matmuls, "q_quantizer", "k_quantizer", "v_quantizer" (the heads'
+// QAT (train/qat/qat.h, qat.attention): add_quantizers() registers four per-tensor quantizers on
+// the inputs of the two attention matmuls, "q_quantizer", "k_quantizer", "v_quantizer" (the heads'
 // q, k, v) and "p_quantizer" (the softmax output), where TensorRT's INT8 attention reads Q/DQ
 // pairs. While any of them is not disabled the forward runs the attention as explicit math
 // instead of SDPA: s = fq(q) fq(k)^T / sqrt(hd), p = softmax(s) (float32), o = fq(p) fq(v), the
@@ -109,7 +109,7 @@ struct VisionTransformerOptions {
   int64_t image_h = 224, image_w = 224;
   bool class_token = false;
   LinearFactory linear = dense_linear;
-  parallel::tensor::TpPtr tp;  // see TransformerBlockOptions
+  units::TpLayersPtr tp = nullptr;  // see TransformerBlockOptions
 };
 
 // Patch embedding (conv kernel = stride = patch) + [class token] + learned position embedding
@@ -160,7 +160,7 @@ class VitClassifier : public Model {
   // `tp` (null: none): tensor-parallel blocks through `linear` and a column-parallel head with
   // gathered output.
   VitClassifier(const VitSpec& spec, int64_t image_size, int64_t num_classes,
-                LinearFactory linear = dense_linear, parallel::tensor::TpPtr tp = nullptr);
+                LinearFactory linear = dense_linear, units::TpLayersPtr tp = nullptr);
 
   core::TensorDict forward(const core::TensorDict& batch) override;
   // The chain (models/model.h): begin {images}; "vit.embed", each block, "head" -> {logits}.
@@ -172,7 +172,7 @@ class VitClassifier : public Model {
                              const std::vector<at::Tensor>& out) override;
   LossOutput loss(const core::TensorDict& batch, const core::TensorDict& pred) override;
   double forward_flops_per_sample() const override { return cost().flops; }
-  std::vector<std::shared_ptr<torch::nn::Module>> checkpointable_blocks() override;
+  std::vector<std::shared_ptr<torch::nn::Module>> recomputable_blocks() override;
   // "vit.embed" (patch embedding, class token, position embedding), "vit.block<i>" per block,
   // "head" (the ViT's final LayerNorm and the linear head).
   std::vector<Unit> units() const override;

@@ -11,8 +11,8 @@
 
 namespace parallax::optim {
 
-using parallel::comm::Communicator;
-using parallel::comm::ReduceOp;
+using comm::Communicator;
+using comm::ReduceOp;
 
 at::Tensor clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm,
                           const std::vector<Communicator*>& shard_groups) {

@@ -6,7 +6,7 @@
 // communicator: every rank already holds the full, identical set.
 #pragma once
 
-#include "parallel/comm/communicator.h"
+#include "comm/communicator.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -22,8 +22,8 @@ namespace parallax::optim {
 // counted exactly once in the global norm, in any layout.
 struct GradGroup {
   std::vector<at::Tensor> grads;
-  std::vector<parallel::comm::Communicator*> sharded_over;
-  std::vector<parallel::comm::Communicator*> replicated_over;
+  std::vector<comm::Communicator*> sharded_over;
+  std::vector<comm::Communicator*> replicated_over;
 };
 
 // The global L2 norm over every group (each group's sum of squares all-reduced over its
@@ -36,7 +36,7 @@ at::Tensor clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm)
 // 1e-6)) in place when max_norm > 0. Returns the norm as a 0-d fp32 tensor on the grads' device
 // (no host synchronisation: read it only when logging). Non-finite norms leave grads untouched.
 at::Tensor clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm,
-                          const std::vector<parallel::comm::Communicator*>& shard_groups = {});
+                          const std::vector<comm::Communicator*>& shard_groups = {});
 
 // Dynamic loss scaling for fp16 (the policy of torch.cuda.amp.GradScaler / Megatron):
 // start at `init_scale`; every step, unscale the grads and check them for inf/NaN (on every rank
@@ -58,7 +58,7 @@ class LossScaler {
   // Divides `grads` by the scale in place and returns true if any rank found inf/NaN.
   // The one host synchronisation of an fp16 step (the skip decision).
   bool unscale_and_check(const std::vector<at::Tensor>& grads,
-                         const std::vector<parallel::comm::Communicator*>& shard_groups = {});
+                         const std::vector<comm::Communicator*>& shard_groups = {});
   // The same over an engine's gradient groups: the skip decision is agreed over every
   // sharded_over communicator of any group (replicated copies agree by construction).
   bool unscale_and_check(const std::vector<GradGroup>& groups);

@@ -9,9 +9,9 @@ namespace parallax::parallel {
 std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn::Module> module,
                                      std::vector<optim::ParamGroup> groups,
                                      const OptimizerFactory& make, comm::CommPtr dp,
-                                     const ddp::DdpOptions& ddp, std::vector<core::Unit> units,
+                                     const ddp::DdpOptions& ddp, std::vector<units::Unit> units,
                                      TensorParallelInfo tp,
-                                     std::shared_ptr<const core::DeferredInit> deferred) {
+                                     std::shared_ptr<const units::DeferredInit> deferred) {
   PARALLAX_CHECK(!deferred || plan.zero_stage == 3, Error,
                  "build_engine: deferred initialisation needs ZeRO-3 (zero stage {})",
                  plan.zero_stage);
@@ -22,12 +22,6 @@ std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn
   return std::make_unique<zero::ZeroEngine>(
       std::move(module), std::move(groups), make, std::move(dp), ddp, plan.zero_stage,
       std::move(units), plan.zero_prefetch, false, std::move(tp), std::move(deferred));
-}
-
-EngineMemory predicted_memory(int zero_stage, const std::vector<ParamInfo>& params,
-                              const MemoryQuery& q) {
-  return zero_stage == 0 ? ddp::DdpEngine::memory_rule(params, q)
-                         : zero::ZeroEngine::memory_rule(zero_stage, params, q);
 }
 
 }  // namespace parallax::parallel

@@ -1,11 +1,12 @@
 // Plan step 4 (parallel/parallelize.h): the engine a validated plan asks for, ZeRO stage 0 (DDP, or
-// the plain step with one data-parallel rank) or ZeRO-1/2/3, over the data-parallel group.
+// the plain step with one data-parallel rank) or ZeRO-1/2/3, over the data-parallel group. What
+// each of them will hold is predicted without building it by parallel/memory.h.
 #pragma once
 
-#include "core/param_init.h"
 #include "parallel/ddp/ddp.h"
 #include "parallel/engine.h"
 #include "parallel/plan.h"
+#include "units/param_init.h"
 
 namespace parallax::parallel {
 
@@ -20,15 +21,9 @@ namespace parallax::parallel {
 std::unique_ptr<Engine> build_engine(const Plan& plan, std::shared_ptr<torch::nn::Module> module,
                                      std::vector<optim::ParamGroup> groups,
                                      const OptimizerFactory& make, comm::CommPtr dp,
-                                     const ddp::DdpOptions& ddp, std::vector<core::Unit> units = {},
+                                     const ddp::DdpOptions& ddp,
+                                     std::vector<units::Unit> units = {},
                                      TensorParallelInfo tp = {},
-                                     std::shared_ptr<const core::DeferredInit> deferred = nullptr);
-
-// The memory the engine build_engine() builds for `zero_stage` holds on data-parallel rank
-// q.dp_rank for fp32 `params` (this rank's, in registration order; under a pipeline its stage's):
-// the rule each engine states (DdpEngine::memory_rule, ZeroEngine::memory_rule), equal to what
-// Engine::memory() measures after a step. `parallax plan` predicts with it.
-EngineMemory predicted_memory(int zero_stage, const std::vector<ParamInfo>& params,
-                              const MemoryQuery& q);
+                                     std::shared_ptr<const units::DeferredInit> deferred = nullptr);
 
 }  // namespace parallax::parallel

@@ -1,23 +1,10 @@
 #include "parallel/engine.h"
 
 #include "core/error.h"
-#include "parallel/state.h"
 
 #include <functional>
-#include <set>
 
 namespace parallax::parallel {
-
-int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
-  std::set<const void*> seen;
-  int64_t bytes = 0;
-  for (const auto& t : tensors) {
-    if (!t.defined()) continue;
-    const auto& st = t.storage();
-    if (seen.insert(st.data()).second) bytes += static_cast<int64_t>(st.nbytes());
-  }
-  return bytes;
-}
 
 void Engine::forward_backward(int micro_steps, const std::function<at::Tensor(int)>& micro,
                               bool sync_buffers) {
@@ -42,7 +29,12 @@ void add_terms(LossTerms& into, const LossTerms& from) {
   }
 }
 
-core::ReplicaMean Engine::replica_mean() const {
+std::vector<int> Engine::model_replicas() const {
+  const comm::CommPtr dp = data_parallel_group();
+  return dp ? dp->world_ranks() : std::vector<int>{};
+}
+
+units::ReplicaMean Engine::replica_mean() const {
   const comm::CommPtr dp = data_parallel_group();
   if (!dp || dp->size() <= 1) return {};
   const bool host = dp->device_type() == c10::kCPU;
@@ -73,13 +65,19 @@ const TensorParallelInfo& Engine::tensor_parallel() const {
   return kNone;
 }
 
-LossTerms Engine::step(int micro_batches, const StepFns& fns, bool sync_buffers) {
+void Engine::set_micro_batches(int micro_batches) {
+  PARALLAX_CHECK(micro_batches >= 1, Error, "engine '{}': {} micro-batches per step", describe(),
+                 micro_batches);
+  micro_batches_ = micro_batches;
+}
+
+LossTerms Engine::step(const StepFns& fns, bool sync_buffers) {
   PARALLAX_CHECK(static_cast<bool>(fns.forward_loss), Error,
                  "engine '{}': step() needs StepFns::forward_loss (the whole model's forward)",
                  describe());
   LossTerms terms;
   forward_backward(
-      micro_batches,
+      micro_batches_,
       [&](int i) {
         MicroLoss l = fns.forward_loss(i);
         add_terms(terms, l.terms);

@@ -24,101 +24,32 @@
 //                                       reads each piece from whatever saved shards overlap it).
 //
 // parallel/ sees no model or checkpoint type: the model is a torch::nn::Module, checkpoint pieces
-// are plain StatePiece values the trainer converts.
+// are plain StatePiece values (parallel/state.h) the trainer converts. What an engine holds is
+// measured by memory() and predicted, without an engine, by the rules of parallel/memory.h.
+// The data-parallel engines share their common part (parallel/ddp/data_parallel_engine.h).
 //
 // Thread-safety: one training thread. Errors: CommError/TimeoutError from the communicators,
 // parallax::Error for misuse (a parameter without a gradient, named).
 #pragma once
 
-#include "core/boxes.h"
-#include "core/parallel_model.h"
-#include "core/unit_hooks.h"
+#include "comm/communicator.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
-#include "parallel/comm/communicator.h"
-#include "parallel/comm/topology.h"
-#include "parallel/ddp/ddp_options.h"
-#include "parallel/tensor/tensor_parallel.h"
+#include "parallel/memory.h"
+#include "parallel/state.h"
+#include "units/parallel_model.h"
+#include "units/unit_hooks.h"
 
 #include <torch/nn/module.h>
 
 #include <functional>
 #include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
 namespace parallax::parallel {
-
-// Tensor parallelism as the data-parallel engines see it (parallel/tensor/): the tp group, and the
-// parameters whose tp ranks hold different pieces (column/row-parallel weights). Every other
-// parameter is identical on every tp rank. The engines bucket and shard each rank's parameters
-// over dp as they are, and report gradients so that clipping and the inf check sum the sharded
-// ones over tp and count the replicated ones once.
-struct TensorParallelInfo {
-  comm::CommPtr tp;  // null or one rank: no tensor parallelism
-  // The split parameters by full name, and how each is split (tensor::param_layouts of the
-  // module); and the run's layout: what maps the engine's pieces to the single-process tensors a
-  // checkpoint holds (parallel/state.h).
-  std::map<std::string, tensor::ParamLayout> layouts;
-  comm::Layout layout;
-  bool active() const { return tp != nullptr && tp->size() > 1; }
-  bool is_sharded(const std::string& name) const { return layouts.count(name) != 0; }
-};
-
-// One piece of a tensor of the training state, of the global tensor `name` (of shape
-// `global_shape`): a box, [offsets, offsets + tensor.sizes()) (flat_begin < 0), or a flat range,
-// elements [flat_begin, flat_begin + tensor.numel()) of the tensor's C-order flattening with
-// `tensor` 1-D and `offsets` empty (flat_begin >= 0). The world ranks in `replicas` (this one
-// included; empty: this rank alone) hold identical copies of that piece. `tensor` is a view into
-// live state: saving reads it, loading writes into it (a flat range through its boxes,
-// flat_range_boxes, each a contiguous run of `tensor`).
-struct StatePiece {
-  std::string name;
-  at::Tensor tensor;
-  std::vector<int64_t> global_shape;
-  std::vector<int64_t> offsets;
-  std::vector<int> replicas;
-  int64_t flat_begin = -1;
-};
-
-// The geometry of pieces (core/boxes.h), named here for the engines.
-using core::Box;
-using core::flat_range_boxes;
-
-// Bytes of the distinct storages of `tensors` (views of one buffer count once, whole).
-int64_t storage_bytes(const std::vector<at::Tensor>& tensors);
-
-// Bytes one rank holds for training state (docs/PERFORMANCE.md's memory table): parameters,
-// gradients (after a backward: flat buckets, shards, accumulators; each storage counted once) and
-// optimizer state (moments, fp32 masters; per-parameter step counters left out).
-struct EngineMemory {
-  int64_t params = 0, grads = 0, optimizer = 0;
-  int64_t total() const { return params + grads + optimizer; }
-};
-
-// A parameter as an engine's memory rule sees it (Engine::memory() measured; the rules below
-// predicted): `parallax plan` describes a shape-only model so and calls the engine's own rule.
-struct ParamInfo {
-  std::string name;
-  int64_t numel = 0;
-  int unit = 0;   // index into the model's units
-  int group = 0;  // the optimizer's parameter group (optim::make_param_groups order)
-  bool tp_sharded = false;
-  bool trainable = true;  // false: frozen (a LoRA base weight)
-};
-// What else the rules need: the data-parallel group, the step's micro-batches, the model's
-// units and the optimizer's groups and state, and the bucket options.
-struct MemoryQuery {
-  int dp = 1, dp_rank = 0;
-  int micro_batches = 1;
-  int units = 1;
-  int groups = 1;                          // non-empty optimizer parameter groups
-  double optimizer_bytes_per_element = 0;  // AdamW 8 (two fp32 moments), SGD with momentum 4
-  ddp::DdpOptions ddp;
-};
 
 using OptimizerFactory =
     std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
@@ -159,6 +90,13 @@ struct MicroStepFns {
   std::function<void(int micro)> backward;
 };
 
+// What an engine measured of its last step (Engine::timing()).
+struct StepTiming {
+  bool timed = false;
+  double backward_ms = 0;
+  double exposed_comm_ms = 0;
+};
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -168,13 +106,18 @@ class Engine {
   // Re-broadcasts buffers from the group's rank 0 when the engine keeps them in sync that way
   // (parallel.ddp.broadcast_buffers); forward_backward does it before each forward when asked.
   virtual void broadcast_buffers() {}
-  // One optimizer step's forwards and backwards over `micro_batches` micro-batches: the call the
+  // One optimizer step's forwards and backwards over micro_batches() micro-batches: the call the
   // trainer makes, the same for every engine. Returns the loss terms summed over the micro-batches,
   // the same on every rank of a model replica (a pipeline sends the last stage's to the others).
   // `sync_buffers`: broadcast buffers before each forward (false under CUDA graph capture: the
   // trainer broadcasts once before the graph). The default runs fns.forward_loss through
   // forward_backward.
-  virtual LossTerms step(int micro_batches, const StepFns& fns, bool sync_buffers);
+  virtual LossTerms step(const StepFns& fns, bool sync_buffers);
+  // The micro-batches of a step (train.grad_accum). It enters an engine once, where the engine is
+  // made (parallelize(): the pipeline's constructor, which plans its schedule for it, or
+  // set_micro_batches for the others), and step() runs that many.
+  int micro_batches() const { return micro_batches_; }
+  void set_micro_batches(int micro_batches);
   // The whole-model engines' micro-batch loop (DDP, ZeRO): micro(i) runs forward + loss of
   // micro-batch i and returns the loss to backpropagate. The default runs forward_backward_split
   // with backward = micro(i).backward(); a pipelined engine refuses it.
@@ -196,17 +139,18 @@ class Engine {
   virtual void zero_grad() = 0;
   virtual optim::Optimizer& optimizer() = 0;
 
-  // The world ranks that hold identical copies of every model parameter and buffer (the dp group
-  // for DDP and ZeRO-1/2).
-  virtual std::vector<int> model_replicas() const = 0;
   // The group the engine reduces gradients over (null: none).
   virtual comm::CommPtr data_parallel_group() const = 0;
+  // The world ranks that hold identical copies of every model parameter and buffer: the
+  // data-parallel group's (DDP, ZeRO-1/2, a pipeline stage's inner engine; ZeRO-3's shards are
+  // pieces of those copies). Empty without a group: this rank alone.
+  std::vector<int> model_replicas() const;
   // The mean of a small float tensor over the data-parallel replicas, on the tensor's device
   // (GPUs: the compute stream waits for the all-reduce, the host does not): the normaliser a
   // model's loss uses so that the replicas' averaged gradients are one process's on the whole
   // batch (Model::set_replica_mean). Empty with one replica. A collective: call it inside step()
   // only, the same number of times on every replica.
-  core::ReplicaMean replica_mean() const;
+  units::ReplicaMean replica_mean() const;
   // The optimizer state as pieces named "<param name>.<state>" and "step" (no prefix), views into
   // the live state: save them, or load into them and then call optimizer_state_loaded(). At most
   // one piece per name on each rank.
@@ -217,7 +161,7 @@ class Engine {
   // The hooks the model must call around each of its units (Model::set_unit_hooks), for an engine
   // that works unit by unit (ZeRO-3 gathers and frees there); nullptr: none needed. Owned by the
   // engine: uninstall them before the engine goes.
-  virtual core::UnitHooks* unit_hooks() { return nullptr; }
+  virtual units::UnitHooks* unit_hooks() { return nullptr; }
   // The model's parameters and buffers as pieces named by their module path (no prefix), views
   // of live state, when the engine shards them (ZeRO-3); empty: the module's own tensors are whole
   // and replicated over model_replicas(), save them as they are.
@@ -243,14 +187,19 @@ class Engine {
   // The tensor parallelism the engine was built with (none unless given).
   virtual const TensorParallelInfo& tensor_parallel() const;
 
-  // What this rank holds (call after a step: gradients exist only after a backward).
+  // What this rank holds (call after a step: gradients exist only after a backward); the rules of
+  // parallel/memory.h predict the same numbers.
   virtual EngineMemory memory() = 0;
 
-  // Backward and exposed-communication time of the last step (ms; 0 when not measured).
-  virtual double last_backward_ms() const { return 0; }
-  virtual double last_exposed_comm_ms() const { return 0; }
-  // Whether the engine measures those (the metrics show NaN otherwise).
-  virtual bool timed() const { return false; }
+  // Backward and exposed-communication time of the last step (ms; 0 when not measured), and
+  // whether the engine measures them at all (the metrics show NaN otherwise).
+  virtual StepTiming timing() const { return {}; }
+  double last_backward_ms() const { return timing().backward_ms; }
+  double last_exposed_comm_ms() const { return timing().exposed_comm_ms; }
+  bool timed() const { return timing().timed; }
+
+ protected:
+  int micro_batches_ = 1;
 };
 
 // RAII: the module's parameters whole for the scope's lifetime (Engine::gather_full_params).

@@ -14,7 +14,7 @@ namespace parallax::parallel {
 namespace {
 
 TensorParallelInfo tensor_parallel_info(const torch::nn::Module& module, const tensor::TpPtr& tp,
-                                        const comm::Layout& layout) {
+                                        const comm::RankLayout& layout) {
   TensorParallelInfo info;
   if (!tp || layout.tp <= 1) return info;
   info.tp = tp->comm_ptr();
@@ -35,11 +35,11 @@ std::vector<StatePiece> checkpoint_module(const torch::nn::Module& module, const
   return global_pieces(module_pieces(module, {}), tensor_parallel_info(module, tp, plan.layout));
 }
 
-std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan,
+std::unique_ptr<Engine> parallelize(units::ParallelModel& model, const Plan& plan,
                                     const comm::Topology& topo, const tensor::TpPtr& tp,
                                     const ParallelizeOptions& options) {
   const std::shared_ptr<torch::nn::Module> module = model.as_module();
-  const comm::Layout& layout = plan.layout;
+  const comm::RankLayout& layout = plan.layout;
   PARALLAX_CHECK(!options.deferred || plan.shards_model() || layout.pp > 1, Error,
                  "parallelize: a model built with deferred initialisation needs ZeRO-3 over "
                  "several data-parallel ranks or pipeline stages (plan: {})",
@@ -55,11 +55,10 @@ std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan
   TensorParallelInfo tp_info = tensor_parallel_info(*module, tp, layout);
 
   // 2. Activation checkpointing, before any engine hooks unit boundaries.
-  if (plan.activation_checkpointing != core::Checkpointing::kNone) {
-    const auto [wrapped, blocks] =
-        model.apply_activation_checkpointing(plan.activation_checkpointing);
+  if (plan.activation_checkpointing != units::Recompute::kNone) {
+    const auto [wrapped, blocks] = model.apply_recompute(plan.activation_checkpointing);
     core::log::info("activation checkpointing ({}): {} of {} blocks",
-                    core::to_string(plan.activation_checkpointing), wrapped, blocks);
+                    units::to_string(plan.activation_checkpointing), wrapped, blocks);
   }
 
   // 4 (built inside 3 under a pipeline): DDP or ZeRO over the trainable parameters as they are
@@ -69,7 +68,7 @@ std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan
     // Deferred initialisation: ZeRO-3 materialises its shards itself; any other engine takes the
     // parameters as they are then (under a pipeline: this rank's stages', the others released),
     // so those get their values from the recipes now, one at a time.
-    std::shared_ptr<const core::DeferredInit> deferred;
+    std::shared_ptr<const units::DeferredInit> deferred;
     if (options.deferred && plan.zero_stage == 3) {
       deferred = options.deferred;
     } else if (options.deferred) {
@@ -98,7 +97,7 @@ std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan
                    "key 'parallel.pp': model '{}' does not expose its forward as a chain of "
                    "units, so it cannot be split into pipeline stages",
                    options.model_name);
-    const std::vector<core::Unit> units = model.units();
+    const std::vector<units::Unit> units = model.units();
     PARALLAX_CHECK(static_cast<int>(units.size()) == model.chain_length(), Error,
                    "model '{}': {} units but a chain of {}", options.model_name, units.size(),
                    model.chain_length());
@@ -106,7 +105,7 @@ std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan
     po.schedule = plan.pp_schedule;
     po.virtual_stages = plan.pp_virtual_stages;
     po.layout = plan.pp_layout;
-    core::ActivationQuery q;
+    units::ActivationQuery q;
     q.compute_bytes = options.compute_bytes;
     q.cuda = options.cuda;
     q.tp = layout.tp;
@@ -116,6 +115,7 @@ std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan
         module, units, model.stage_costs(), topo.pp(), options.micro_batches, po, data_parallel);
   } else {
     engine = data_parallel();
+    engine->set_micro_batches(options.micro_batches);
   }
   // ZeRO-3 gathers and frees parameters around each unit of the model's forward.
   model.set_unit_hooks(engine->unit_hooks());

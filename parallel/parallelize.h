@@ -27,12 +27,12 @@
 // the engines' first collectives (DDP and ZeRO broadcast the parameters from dp rank 0).
 #pragma once
 
-#include "core/parallel_model.h"
-#include "core/param_init.h"
 #include "optim/optimizer.h"
 #include "parallel/engine.h"
 #include "parallel/plan.h"
 #include "parallel/tensor/tensor_parallel.h"
+#include "units/parallel_model.h"
+#include "units/param_init.h"
 
 #include <memory>
 #include <string>
@@ -56,22 +56,22 @@ struct ParallelizeOptions {
   int micro_batches = 1;   // per optimizer step (train.grad_accum): the pipeline's schedule
   // The optimizer over the trainable parameters as they are after step 3 (weight decay groups).
   optim::OptimConfig optimizer;
-  // Of the activation query (core::ActivationQuery) that balances pipeline stages: the bytes of
+  // Of the activation query (units::ActivationQuery) that balances pipeline stages: the bytes of
   // the compute dtype (2 under bf16/fp16 autocast) and whether the model runs on a GPU.
   int compute_bytes = 4;
   bool cuda = false;
-  // The model's recipes when it was built under core::DeferredInitScope and its parameters are
-  // placeholders (core::place_deferred): the plan must shard the model (Plan::shards_model()) or
+  // The model's recipes when it was built under units::DeferredInitScope and its parameters are
+  // placeholders (units::place_deferred): the plan must shard the model (Plan::shards_model()) or
   // split it into pipeline stages. ZeRO-3 then materialises only each rank's shard
   // (parallel/zero/zero.h); under a pipeline, the data-parallel engine's parameters (this rank's
   // stages') get their values before it is built, the other stages' are never materialised.
   // Tensor-parallel layers record this rank's slices. Null: the model holds its values.
-  std::shared_ptr<const core::DeferredInit> deferred;
+  std::shared_ptr<const units::DeferredInit> deferred;
 };
 
 // Applies steps 1-4 to `model` (built over tensor_parallel_group(plan, topo), on its device) and
 // returns the engine. Collective over the world: every rank calls it at the same point.
-std::unique_ptr<Engine> parallelize(core::ParallelModel& model, const Plan& plan,
+std::unique_ptr<Engine> parallelize(units::ParallelModel& model, const Plan& plan,
                                     const comm::Topology& topo, const tensor::TpPtr& tp,
                                     const ParallelizeOptions& options);
 

@@ -13,17 +13,12 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
   Plan plan;
   plan.layout = comm::resolve_layout(world, p.dp, p.tp, p.pp, gpus_per_node);
   plan.zero_stage = p.zero.stage;
-  plan.activation_checkpointing = core::parse_checkpointing(activation_checkpointing);
+  plan.activation_checkpointing = units::parse_recompute(activation_checkpointing);
   plan.cuda_graph = cuda_graph;
   plan.pp_schedule = pipeline::parse_schedule_kind(p.pp_schedule);
   plan.pp_virtual_stages = p.pp_virtual_stages;
   plan.pp_layout = p.pp_layout;
-  PARALLAX_CHECK(
-      p.pp_virtual_stages == 1 || plan.pp_schedule == pipeline::ScheduleKind::kInterleaved,
-      ConfigError,
-      "keys 'parallel.pp_virtual_stages' and 'parallel.pp_schedule': {} virtual stages "
-      "per rank need pp_schedule=interleaved, not '{}'",
-      p.pp_virtual_stages, p.pp_schedule);
+  pipeline::check_virtual_stages(plan.pp_schedule, p.pp_virtual_stages);
   if (plan.layout.pp > 1) {
     PARALLAX_CHECK(p.zero.stage != 3, ConfigError,
                    "keys 'parallel.pp' and 'parallel.zero.stage': ZeRO-3 under pipeline "
@@ -35,15 +30,15 @@ Plan Plan::from(const ParallelConfig& p, const std::string& activation_checkpoin
                    "messages whose order the schedule fixes on the host) cannot be captured into "
                    "a CUDA graph in this version; set train.cuda_graph=false");
     PARALLAX_CHECK(plan.pp_schedule != pipeline::ScheduleKind::kZb ||
-                       plan.activation_checkpointing == core::Checkpointing::kNone,
+                       plan.activation_checkpointing == units::Recompute::kNone,
                    ConfigError,
                    "keys 'parallel.pp_schedule' and 'train.activation_checkpointing': zb splits "
                    "each backward into an input pass and a weight pass, and a checkpointed block "
                    "recomputes its whole backward in the first; use another schedule or "
                    "activation_checkpointing=none");
   }
-  // The model transforms (train/lora.h, train/qat.h, train/distill.h) and the layouts they run
-  // under.
+  // The model transforms (train/lora/lora.h, train/qat/qat.h, train/distill/distill.h) and the
+  // layouts they run under.
   if (plan.layout.pp > 1) {
     for (const auto& [on, key, what] :
          {std::make_tuple(transforms.lora, "lora.rank", "LoRA"),
@@ -129,7 +124,7 @@ std::string Plan::describe() const {
                 ", pipeline {}{}", pipeline::to_string(pp_schedule),
                 pp_virtual_stages > 1 ? fmt::format(" x{} virtual stages", pp_virtual_stages) : "")
           : "",
-      core::to_string(activation_checkpointing));
+      units::to_string(activation_checkpointing));
 }
 
 }  // namespace parallax::parallel

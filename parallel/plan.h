@@ -6,19 +6,19 @@
 // Pure data and validation: no communicator, no model.
 #pragma once
 
-#include "core/parallel_model.h"
-#include "parallel/comm/topology.h"
+#include "comm/topology.h"
 #include "parallel/ddp/ddp_options.h"
 #include "parallel/parallel_config.h"
 #include "parallel/pipeline/schedule.h"
+#include "units/parallel_model.h"
 
 #include <string>
 #include <vector>
 
 namespace parallax::parallel {
 
-// The model transforms a run applies before the plan (train/lora.h, train/qat.h,
-// train/distill.h): which layouts each runs under is part of the plan's validation.
+// The model transforms a run applies before the plan (train/lora/lora.h, train/qat/qat.h,
+// train/distill/distill.h): which layouts each runs under is part of the plan's validation.
 struct PlanTransforms {
   bool lora = false;     // lora.rank > 0
   bool qat = false;      // qat.enabled
@@ -26,11 +26,11 @@ struct PlanTransforms {
 };
 
 struct Plan {
-  comm::Layout layout;
+  comm::RankLayout layout;
   int zero_stage = 0;              // 0: DDP (or one process)
   bool sequence_parallel = false;  // tp > 1 only
   bool zero_prefetch = true;       // ZeRO-3: gather the next unit ahead
-  core::Checkpointing activation_checkpointing = core::Checkpointing::kNone;
+  units::Recompute activation_checkpointing = units::Recompute::kNone;
   bool cuda_graph = false;
   pipeline::ScheduleKind pp_schedule = pipeline::ScheduleKind::k1F1B;  // pp > 1
   int pp_virtual_stages = 1;

@@ -1,6 +1,6 @@
 #include "parallel/state.h"
 
-#include "parallel/comm/topology.h"
+#include "comm/topology.h"
 
 #include <algorithm>
 #include <set>

@@ -18,8 +18,6 @@
 namespace parallax::train {
 namespace {
 
-namespace comm = parallel::comm;
-
 // Rows of a 2-D float64 tensor from every rank, concatenated in rank order (variable row counts).
 at::Tensor gather_rows(const at::Tensor& rows, comm::Communicator& dp, const c10::Device& device) {
   const int64_t cols = rows.size(1);
@@ -99,6 +97,33 @@ at::Tensor rows_tensor(std::vector<double>& rows, int64_t cols) {
   const auto n = static_cast<int64_t>(rows.size()) / cols;
   if (n == 0) return at::empty({0, cols}, at::kDouble);
   return at::from_blob(rows.data(), {n, cols}, at::kDouble).clone();
+}
+
+// The detection metrics of `r` and `tp` into `m`: mAP (and per threshold), AP per class (mean over
+// the thresholds, and at 2 m), the true-positive errors per class and their means, and NDS.
+void add_detection_metrics(const data::DetectionResult& r, const data::TpErrors& tp,
+                           const core::SceneSpec& scene, std::map<std::string, double>& m) {
+  m["map"] = r.map;
+  for (std::size_t t = 0; t < r.thresholds.size(); ++t)
+    m[fmt::format("map_{}m", r.thresholds[t])] = r.map_at[t];
+  for (std::size_t c = 0; c < r.ap.size() && c < scene.box_classes.size(); ++c) {
+    for (std::size_t t = 0; t < r.thresholds.size(); ++t) {
+      if (r.thresholds[t] == 2.0) m["ap_2m_" + scene.box_classes[c]] = r.ap[c][t];
+    }
+    double ap = 0;
+    for (double a : r.ap[c]) ap += a;
+    m["ap_" + scene.box_classes[c]] = ap / static_cast<double>(r.ap[c].size());
+    m["ate_" + scene.box_classes[c]] = tp.ate[c];
+    m["ase_" + scene.box_classes[c]] = tp.ase[c];
+    m["aoe_" + scene.box_classes[c]] = tp.aoe[c];
+  }
+  m["ate"] = tp.mate;
+  m["ase"] = tp.mase;
+  m["aoe"] = tp.maoe;
+  // NDS without velocity and attributes (docs/data.md): (5 mAP + sum of (1 - min(1, err))) / 10.
+  m["nds"] = (5 * r.map + (1 - std::min(1.0, tp.mate)) + (1 - std::min(1.0, tp.mase)) +
+              (1 - std::min(1.0, tp.maoe))) /
+             10;
 }
 
 }  // namespace
@@ -196,28 +221,7 @@ std::map<std::string, double> evaluate(models::Model& model, const data::DataCon
   for (std::size_t c = 0; c < ious.size() && c < scene.bev_classes.size(); ++c)
     m["iou_" + scene.bev_classes[c]] = ious[c];
   m["miou"] = iou.miou();
-  const data::DetectionResult r = all.compute();
-  m["map"] = r.map;
-  for (std::size_t t = 0; t < r.thresholds.size(); ++t)
-    m[fmt::format("map_{}m", r.thresholds[t])] = r.map_at[t];
-  for (std::size_t c = 0; c < r.ap.size() && c < scene.box_classes.size(); ++c) {
-    for (std::size_t t = 0; t < r.thresholds.size(); ++t) {
-      if (r.thresholds[t] == 2.0) m["ap_2m_" + scene.box_classes[c]] = r.ap[c][t];
-    }
-    double ap = 0;
-    for (double a : r.ap[c]) ap += a;
-    m["ap_" + scene.box_classes[c]] = ap / static_cast<double>(r.ap[c].size());
-    m["ate_" + scene.box_classes[c]] = tp.ate[c];
-    m["ase_" + scene.box_classes[c]] = tp.ase[c];
-    m["aoe_" + scene.box_classes[c]] = tp.aoe[c];
-  }
-  m["ate"] = tp.mate;
-  m["ase"] = tp.mase;
-  m["aoe"] = tp.maoe;
-  // NDS without velocity and attributes (docs/data.md): (5 mAP + sum of (1 - min(1, err))) / 10.
-  m["nds"] = (5 * r.map + (1 - std::min(1.0, tp.mate)) + (1 - std::min(1.0, tp.mase)) +
-              (1 - std::min(1.0, tp.maoe))) /
-             10;
+  add_detection_metrics(all.compute(), tp, scene, m);
   m["eval_s"] = clock.elapsed_s();
   core::log::info(
       "eval on '{}' ({} samples in {} batches on rank {}): val_loss {:.4f} | mIoU {:.3f} | "

@@ -14,11 +14,11 @@
 // The split is `cfg.val_split`.
 #pragma once
 
+#include "comm/communicator.h"
 #include "core/scene.h"
 #include "data/data_config.h"
 #include "models/model.h"
 #include "optim/precision.h"
-#include "parallel/comm/communicator.h"
 
 #include <map>
 #include <string>
@@ -34,7 +34,7 @@ struct EvalDetections {
 
 std::map<std::string, double> evaluate(models::Model& model, const data::DataConfig& cfg,
                                        const core::SceneSpec& scene, uint64_t seed,
-                                       parallel::comm::Communicator& dp, const c10::Device& device,
+                                       comm::Communicator& dp, const c10::Device& device,
                                        const optim::PrecisionPolicy& precision,
                                        EvalDetections* detections = nullptr);
 

@@ -1,5 +1,8 @@
 // `parallax plan --calibrate`: the planner's hardware numbers measured by running the trainer.
+#include "train/planner_calibrate.h"
+
 #include "train/planner_inventory.h"
+#include "train/trainer.h"
 
 namespace parallax::train::planner {
 
@@ -115,10 +118,8 @@ Hardware calibrate(const RunConfig& cfg, Hardware hw, int steps, int64_t batch) 
   const bool sloped = t2 >= 1.2 * t1;
   const double per_sample = sloped ? (t2 - t1) / static_cast<double>(b1)
                                    : std::max(t1, t2) / static_cast<double>(t2 > 0 ? 2 * b1 : b1);
-  const auto model = [&] {
-    core::ShapeOnlyScope shape_only;
-    return models::build_model(cfg.model, run_scene(cfg));
-  }();
+  // The model shape-only, as `parallax plan` builds it (train/run.h).
+  const auto model = build_run(cfg, Purpose::kPlan)->model;
   const double flops = 3.0 * model->forward_flops_per_sample();
   hw.efficiency = std::min(1.0, flops / (per_sample / 1e3) / (hw.peak_tflops * 1e12));
   hw.overhead_ms = sloped ? std::max(0.0, t1 - per_sample * static_cast<double>(b1)) : 0.0;

@@ -3,14 +3,14 @@
 // parameters, units, costs and pipeline schedules, cached per layout).
 #pragma once
 
-#include "train/planner.h"
+#include "train/planner_types.h"
+#include "train/run_config.h"
 
-#include "train/lora.h"
-#include "train/trainer.h"
+#include "train/extension.h"
+#include "train/run.h"
 
 #include "core/error.h"
 #include "core/log.h"
-#include "core/param_init.h"
 #include "core/strings.h"
 #include "core/timer.h"
 #include "kernels/fp8.h"
@@ -18,10 +18,11 @@
 #include "optim/precision.h"
 #include "parallel/build_engine.h"
 #include "parallel/ddp/ddp.h"
-#include "parallel/pipeline/pipeline_engine.h"
 #include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/schedule_check.h"
 #include "parallel/plan.h"
 #include "parallel/tensor/tensor_parallel.h"
+#include "units/param_init.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -40,61 +41,7 @@
 
 namespace parallax::train::planner::detail {
 
-namespace comm = parallel::comm;
-
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-
-// A group that has a size and a rank and nothing else: the model's tensor-parallel layers take
-// their shard shapes from it at construction (as PyTorch's FakeProcessGroup serves shape-only
-// tracing). Any collective is an error: the planner never runs the model it builds this way.
-class ShapeOnlyGroup : public comm::Communicator {
- public:
-  ShapeOnlyGroup(int size, int rank)
-      : size_(size), rank_(rank), ranks_(static_cast<std::size_t>(size)) {
-    for (int i = 0; i < size; ++i) ranks_[static_cast<std::size_t>(i)] = i;
-  }
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  const std::string& name() const override { return name_; }
-  const std::vector<int>& world_ranks() const override { return ranks_; }
-  std::string backend() const override { return "shape-only"; }
-  c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
-  const comm::CommOptions& options() const override { return options_; }
-  const comm::CommStats& stats() const override { return stats_; }
-  comm::WorkPtr all_reduce_async(at::Tensor&, comm::ReduceOp, comm::CallSite) override { fail(); }
-  comm::WorkPtr all_reduce_async(at::Tensor&, comm::ReduceOp, comm::AllReduceAlgo,
-                                 comm::CallSite) override {
-    fail();
-  }
-  comm::WorkPtr reduce_scatter_async(const at::Tensor&, at::Tensor&, comm::ReduceOp,
-                                     comm::CallSite) override {
-    fail();
-  }
-  comm::WorkPtr all_gather_async(const at::Tensor&, at::Tensor&, comm::CallSite) override {
-    fail();
-  }
-  comm::WorkPtr all_gather_async(const at::Tensor&, std::vector<at::Tensor>&,
-                                 comm::CallSite) override {
-    fail();
-  }
-  comm::WorkPtr broadcast_async(at::Tensor&, int, comm::CallSite) override { fail(); }
-  comm::WorkPtr send_async(const at::Tensor&, int, int, comm::CallSite) override { fail(); }
-  comm::WorkPtr recv_async(at::Tensor&, int, int, comm::CallSite) override { fail(); }
-  comm::WorkPtr barrier_async(comm::BarrierKind, comm::CallSite) override { fail(); }
-  std::shared_ptr<comm::Communicator> split(int, int, const std::string&, comm::CallSite) override {
-    fail();
-  }
-
- private:
-  [[noreturn]] static void fail() {
-    throw_error<Error>("planner: the shape-only tensor-parallel group runs no collective");
-  }
-  int size_, rank_;
-  std::vector<int> ranks_;
-  std::string name_ = "tp (shape only)";
-  comm::CommOptions options_;
-  comm::CommStats stats_;
-};
 
 // The model as one tp rank builds it: its parameters (registration order), units, costs.
 struct Param {
@@ -109,7 +56,7 @@ struct Param {
 struct Built {
   std::string error;  // why the model cannot be built at this tp
   std::vector<Param> params;
-  std::vector<core::Unit> units;
+  std::vector<units::Unit> units;
   std::vector<double> unit_flops;  // per sample
   std::vector<double> pp_costs;    // what the trainer balances pipeline stages by
   int chain = 0;
@@ -131,7 +78,7 @@ struct BuiltSchedule {
 // kMaxPipelineSlots compute slots per pass kind).
 class ScheduleCache {
  public:
-  std::shared_ptr<const BuiltSchedule> get(const Layout& l) {
+  std::shared_ptr<const BuiltSchedule> get(const Candidate& l) {
     const auto key = std::make_tuple(l.schedule, l.pp, l.micro_batches, l.virtual_stages);
     if (auto it = schedules_.find(key); it != schedules_.end()) return it->second;
     auto b = std::make_shared<BuiltSchedule>();
@@ -161,7 +108,7 @@ class ScheduleCache {
 
 class Inventory {
  public:
-  explicit Inventory(const RunConfig& cfg) : cfg_(cfg), scene_(run_scene(cfg)) {}
+  explicit Inventory(const RunConfig& cfg) : cfg_(cfg) {}
 
   ScheduleCache& schedules() { return schedules_; }
 
@@ -171,27 +118,12 @@ class Inventory {
     if (it != cache_.end()) return it->second;
     Built b;
     try {
-      at::NoGradGuard ng;
-      // Shapes, names, units and layouts only: no parameter is materialised (core/param_init.h).
-      core::ShapeOnlyScope shape_only;
-      if (tp > 1) {
-        auto group = std::make_shared<parallel::tensor::TpGroup>(
-            std::make_shared<ShapeOnlyGroup>(tp, 0), key.second);
-        b.model = models::build_model(cfg_.model, scene_, group);
-      } else {
-        b.model = models::build_model(cfg_.model, scene_);
-      }
-      // LoRA: the adapters on the base, which is frozen (train/lora.h); its values do not matter.
-      if (cfg_.lora.rank > 0) {
-        PARALLAX_CHECK(tp == 1, ConfigError,
-                       "keys 'lora.rank' and 'parallel.tp': LoRA adapts dense linear layers; use "
-                       "parallel.tp=1 for LoRA in this version");
-        (void)lora::apply(*b.model, cfg_.lora);
-      }
-      // FP8: the layers the trainer converts (the same refusals), whose inputs and weights are
-      // saved as FP8 copies (models::ActivationQuery::fp8).
-      if (optim::parse_precision(cfg_.precision.mode) == optim::Precision::kFp8)
-        (void)apply_fp8(*b.model, cfg_);
+      // The model as a run of this config builds it for `parallax plan` (train/run.h): shape-only,
+      // with the extension's transform and the FP8 layers.
+      RunOptions o;
+      o.plan_tp = tp;
+      o.plan_sequence_parallel = key.second;
+      b.model = build_run(cfg_, Purpose::kPlan, o)->model;
     } catch (const ConfigError& e) {
       b.error = e.what();
       return cache_.emplace(key, std::move(b)).first->second;
@@ -236,17 +168,22 @@ class Inventory {
 
  private:
   const RunConfig& cfg_;
-  core::SceneSpec scene_;
   std::map<std::pair<int, bool>, Built> cache_;
   ScheduleCache schedules_;
 };
 
 // QAT and distillation are outside the planner's model: ConfigError naming the keys.
 inline void check_supported(const RunConfig& cfg) {
-  PARALLAX_CHECK(!cfg.qat.enabled && cfg.distill.teacher.empty(), ConfigError,
-                 "parallax plan models plain and LoRA training; keys 'qat.enabled' and "
-                 "'distill.teacher' must be off in this version (their fake-quantizers and teacher "
-                 "are not in its memory model)");
+  const Extension* e = active_extension(cfg);
+  if (e == nullptr || e->planned()) return;
+  std::vector<std::string> planned;
+  for (const Extension* x : extensions()) {
+    if (x->planned()) planned.push_back(x->title());
+  }
+  throw_error<ConfigError>(
+      "parallax plan models plain{} training; key '{}' must be off in this version ({} is not in "
+      "its memory model)",
+      planned.empty() ? "" : " and " + core::join(planned, " and "), e->key(), e->title());
 }
 
 }  // namespace parallax::train::planner::detail

@@ -19,7 +19,7 @@ std::string render_table(const std::vector<Row>& rows, const Hardware& hw, int m
   for (const auto& r : rows) {
     if (!r.fits) continue;
     if (max_rows > 0 && shown >= max_rows) break;
-    const Layout& l = r.layout;
+    const Candidate& l = r.layout;
     const std::string lay = fmt::format(
         "{} {} {} z{} {} {}x{} {} {}", l.dp, l.tp, l.pp, l.zero, l.sequence_parallel ? "sp" : "-",
         l.micro_batch, l.micro_batches,
@@ -82,7 +82,7 @@ std::string render_json(const std::vector<Row>& rows, const Hardware& hw) {
       core::json_quote(hw.source));
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
-    const Layout& l = r.layout;
+    const Candidate& l = r.layout;
     std::string ranks;
     for (const auto& m : r.ranks) ranks += (ranks.empty() ? "" : ", ") + mem_json(m);
     o << fmt::format(

@@ -1,7 +1,7 @@
 #include "train/preemption.h"
 
+#include "comm/communicator.h"
 #include "core/error.h"
-#include "parallel/comm/communicator.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
@@ -112,18 +112,17 @@ void mark_preempted() {
 // ---- PreemptionVote --------------------------------------------------------------------------
 
 struct PreemptionVote::State {
-  parallel::comm::Communicator* world = nullptr;
+  comm::Communicator* world = nullptr;
   c10::Device device{c10::kCPU};
   double timeout_s = 300;
   at::Tensor flag;  // on the communicator's device; reduced in place
   at::Tensor host;  // pinned copy of `flag` (CUDA only)
-  parallel::comm::WorkPtr work;
+  comm::WorkPtr work;
   std::optional<c10::Event> copied;  // CUDA: recorded after the copy into `host`
   bool pending_local = false;        // world of one rank: the previous call's flag
 };
 
-PreemptionVote::PreemptionVote(parallel::comm::Communicator& world, c10::Device device,
-                               double timeout_s)
+PreemptionVote::PreemptionVote(comm::Communicator& world, c10::Device device, double timeout_s)
     : s_(std::make_unique<State>()) {
   s_->world = &world;
   s_->device = world.device_type() == c10::kCPU ? c10::Device(c10::kCPU) : device;
@@ -173,8 +172,7 @@ bool PreemptionVote::should_stop() {
   }
   if (s.device.is_cuda()) {
     s.flag = at::full({1}, mine, at::TensorOptions().dtype(at::kFloat).device(s.device));
-    s.work = s.world->all_reduce_async(s.flag, parallel::comm::ReduceOp::kMax,
-                                       parallel::comm::AllReduceAlgo::kNative);
+    s.work = s.world->all_reduce_async(s.flag, comm::ReduceOp::kMax, comm::AllReduceAlgo::kNative);
     s.work->wait_stream();  // the copy below is ordered after the all-reduce, the host not
     if (!s.host.defined())
       s.host = at::empty({1}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
@@ -184,8 +182,7 @@ bool PreemptionVote::should_stop() {
     s.copied->record(impl.getStream(s.device));
   } else {
     s.flag = at::full({1}, mine, at::TensorOptions().dtype(at::kFloat));
-    s.work = s.world->all_reduce_async(s.flag, parallel::comm::ReduceOp::kMax,
-                                       parallel::comm::AllReduceAlgo::kNative);
+    s.work = s.world->all_reduce_async(s.flag, comm::ReduceOp::kMax, comm::AllReduceAlgo::kNative);
   }
   return false;
 }

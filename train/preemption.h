@@ -33,7 +33,7 @@
 #include <cstdint>
 #include <memory>
 
-namespace parallax::parallel::comm {
+namespace parallax::comm {
 class Communicator;
 }
 
@@ -85,7 +85,7 @@ class PreemptionVote {
  public:
   // `world`: the communicator every rank of the job is in; `device`: where its collectives run.
   // `timeout_s`: deadline for reading a vote (the collective's own timeout applies too).
-  PreemptionVote(parallel::comm::Communicator& world, c10::Device device, double timeout_s);
+  PreemptionVote(comm::Communicator& world, c10::Device device, double timeout_s);
   PreemptionVote(const PreemptionVote&) = delete;
   PreemptionVote& operator=(const PreemptionVote&) = delete;
 

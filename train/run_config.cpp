@@ -25,12 +25,4 @@ core::SceneSpec run_scene(const RunConfig& cfg) {
   return {};
 }
 
-parallel::Plan::Transforms plan_transforms(const RunConfig& cfg) {
-  parallel::Plan::Transforms t;
-  t.lora = cfg.lora.rank > 0;
-  t.qat = cfg.qat.enabled;
-  t.distill = !cfg.distill.teacher.empty();
-  return t;
-}
-
 }  // namespace parallax::train

@@ -1,5 +1,6 @@
 // The root config of a run (`parallax train --config X`): every section of ARCHITECTURE.md, each
-// owned by its layer, plus the `experiment` and `train` sections owned here.
+// owned by its layer, plus the `experiment` and `train` sections owned here, and the sections of
+// the trainer extensions (train/config_sections.h), which it holds without naming them.
 #pragma once
 
 #include "core/scene.h"
@@ -10,10 +11,7 @@
 #include "models/model_config.h"
 #include "optim/optim_config.h"
 #include "parallel/parallel_config.h"
-#include "parallel/plan.h"
-#include "train/distill.h"
-#include "train/lora.h"
-#include "train/qat.h"
+#include "train/config_sections.h"
 
 #include <string>
 
@@ -107,9 +105,8 @@ struct RunConfig {
   TrainConfig train;
   checkpoint::CheckpointConfig checkpoint;
   checkpoint::ExportConfig export_;
-  QatConfig qat;
-  LoraConfig lora;
-  DistillConfig distill;
+  // The trainer extensions' sections (qat, lora, distill: train/extension.h), in their order.
+  ExtensionSections extensions;
 
   template <class V>
   void visit(V& v) {
@@ -123,9 +120,7 @@ struct RunConfig {
     v("train", train);
     v("checkpoint", checkpoint);
     v("export", export_);
-    v("qat", qat);
-    v("lora", lora);
-    v("distill", distill);
+    extensions.visit(v);
   }
 
   // Cross-section rules; throws ConfigError naming the keys.
@@ -149,9 +144,5 @@ bool uses_synthetic_data(const RunConfig& cfg);
 // batches the size's benchmark scene, or none (models that take no scene). The trainer, `parallax
 // export` and `parallax eval` build the same model through it. DataError for an unreadable dataset.
 core::SceneSpec run_scene(const RunConfig& cfg);
-
-// The model transforms `cfg` applies (LoRA, QAT, distillation), for parallel::Plan::from's checks
-// of the layouts each runs under.
-parallel::Plan::Transforms plan_transforms(const RunConfig& cfg);
 
 }  // namespace parallax::train

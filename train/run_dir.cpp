@@ -1,11 +1,11 @@
 #include "train/run_dir.h"
 
 #include "checkpoint/config_record.h"
+#include "comm/agree.h"
+#include "comm/communicator.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
-#include "parallel/comm/agree.h"
-#include "parallel/comm/communicator.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -234,13 +234,13 @@ RunDirectory RunDirectory::open_local(const ExperimentConfig& cfg, bool fresh) {
   return dir;
 }
 
-RunDirectory RunDirectory::open(const ExperimentConfig& cfg, bool fresh,
-                                parallel::comm::Communicator& world, const c10::Device& device) {
+RunDirectory RunDirectory::open(const ExperimentConfig& cfg, bool fresh, comm::Communicator& world,
+                                const c10::Device& device) {
   if (world.size() == 1) return open_local(cfg, fresh);
   // Rank 0 opens (and locks) the directory; every failure of rank 0 reaches the other ranks, as its
   // own message, before any of them goes on.
   std::optional<RunDirectory> dir;
-  parallel::comm::agree_on(world, device, "", [&]() -> int64_t {
+  comm::agree_on(world, device, "", [&]() -> int64_t {
     if (world.rank() == 0) dir.emplace(open_local(cfg, fresh));
     return 0;
   });

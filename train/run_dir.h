@@ -40,7 +40,7 @@
 #include <filesystem>
 #include <string>
 
-namespace parallax::parallel::comm {
+namespace parallax::comm {
 class Communicator;
 }
 
@@ -55,8 +55,8 @@ class RunDirectory {
   // it (naming that job's pid, host and start time).
   // `fresh`: the job starts from step 0 (train.resume is empty), so committed checkpoints in the
   // directory are refused unless cfg.overwrite (see the file comment).
-  static RunDirectory open(const ExperimentConfig& cfg, bool fresh,
-                           parallel::comm::Communicator& world, const c10::Device& device);
+  static RunDirectory open(const ExperimentConfig& cfg, bool fresh, comm::Communicator& world,
+                           const c10::Device& device);
   // One process: checks experiment.name, creates the directory, checks it for symbolic links (see
   // the file comment) and takes its lock without waiting. Throws as open does, and IoError for a
   // symbolic link inside the directory.

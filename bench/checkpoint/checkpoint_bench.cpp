@@ -16,9 +16,9 @@
 // rank, including the commit; the JSON reports the slowest rank.
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/reader.h"
+#include "comm/factory.h"
 #include "core/error.h"
 #include "core/timer.h"
-#include "parallel/comm/factory.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -36,7 +36,7 @@
 
 using namespace parallax;
 namespace fs = std::filesystem;
-namespace comm = parallax::parallel::comm;
+namespace comm = parallax::comm;
 
 namespace {
 
@@ -137,6 +137,86 @@ void drop_page_cache(const std::string& dir) {
   }
 }
 
+// The state one rank saves and loads: the model (replicated), and the optimizer's moments
+// (replicated under ddp, one flat shard per rank under zero).
+struct BenchState {
+  std::vector<at::Tensor> params, m, v;
+  at::Tensor flat_m, flat_v;
+  int64_t shard_off = 0;
+  checkpoint::SaveState state;
+  // What a load reads back into the live tensors.
+  std::vector<checkpoint::LoadTarget> targets(const Options& opt);
+};
+
+std::vector<checkpoint::LoadTarget> BenchState::targets(const Options& opt) {
+  std::vector<checkpoint::LoadTarget> targets;
+  for (int i = 0; i < opt.tensors; ++i) {
+    targets.push_back({fmt::format("model/layer{}.weight", i), params[static_cast<size_t>(i)], {}});
+    if (opt.mode == "ddp") {
+      targets.push_back(
+          {fmt::format("optim/layer{}.weight.exp_avg", i), m[static_cast<size_t>(i)], {}});
+      targets.push_back(
+          {fmt::format("optim/layer{}.weight.exp_avg_sq", i), v[static_cast<size_t>(i)], {}});
+    }
+  }
+  if (opt.mode == "zero") {
+    targets.push_back({"optim/flat.exp_avg", flat_m, {shard_off}});
+    targets.push_back({"optim/flat.exp_avg_sq", flat_v, {shard_off}});
+  }
+  return targets;
+}
+
+BenchState make_state(const Options& opt, int rank, int n) {
+  BenchState bs;
+  // Tensor sizes: a geometric spread (like a transformer's mix of big matrices and small
+  // vectors), scaled so the model totals state_mb / 3.
+  const double model_bytes = opt.state_mb * 1024 * 1024 / 3;
+  std::vector<double> w;
+  double wsum = 0;
+  for (int i = 0; i < opt.tensors; ++i) {
+    w.push_back(std::pow(0.93, i % 48) * (i % 3 == 2 ? 0.01 : 1.0));
+    wsum += w.back();
+  }
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+  std::vector<at::Tensor>& params = bs.params;
+  std::vector<at::Tensor>& m = bs.m;
+  std::vector<at::Tensor>& v = bs.v;
+  for (int i = 0; i < opt.tensors; ++i) {
+    const int64_t numel = std::max<int64_t>(1, static_cast<int64_t>(model_bytes * w[i] / wsum / 4));
+    params.push_back(at::randn({numel}, gen));
+    if (opt.mode == "ddp") {
+      m.push_back(at::randn({numel}, gen));
+      v.push_back(at::rand({numel}, gen));
+    }
+  }
+  int64_t model_numel = 0;
+  for (const auto& p : params) model_numel += p.numel();
+  const int64_t shard = (model_numel + n - 1) / n;
+  const int64_t shard_off = bs.shard_off = std::min<int64_t>(model_numel, shard * rank);
+  const int64_t shard_len = std::min<int64_t>(shard, model_numel - shard_off);
+  at::Tensor& flat_m = bs.flat_m;
+  at::Tensor& flat_v = bs.flat_v;
+  if (opt.mode == "zero") {
+    flat_m = at::randn({shard_len}, gen);
+    flat_v = at::rand({shard_len}, gen);
+  }
+  checkpoint::SaveState& state = bs.state;
+  for (int i = 0; i < opt.tensors; ++i) {
+    state.add_replicated(fmt::format("model/layer{}.weight", i), params[static_cast<size_t>(i)]);
+    if (opt.mode == "ddp") {
+      state.add_replicated(fmt::format("optim/layer{}.weight.exp_avg", i),
+                           m[static_cast<size_t>(i)]);
+      state.add_replicated(fmt::format("optim/layer{}.weight.exp_avg_sq", i),
+                           v[static_cast<size_t>(i)]);
+    }
+  }
+  if (opt.mode == "zero") {
+    state.add_shard("optim/flat.exp_avg", flat_m, {model_numel}, {shard_off});
+    state.add_shard("optim/flat.exp_avg_sq", flat_v, {model_numel}, {shard_off});
+  }
+  return bs;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -154,50 +234,8 @@ int main(int argc, char** argv) {
     if (rank == 0) fs::remove_all(dir);
     wc->barrier();
 
-    // Tensor sizes: a geometric spread (like a transformer's mix of big matrices and small
-    // vectors), scaled so the model totals state_mb / 3.
-    const double model_bytes = opt.state_mb * 1024 * 1024 / 3;
-    std::vector<double> w;
-    double wsum = 0;
-    for (int i = 0; i < opt.tensors; ++i) {
-      w.push_back(std::pow(0.93, i % 48) * (i % 3 == 2 ? 0.01 : 1.0));
-      wsum += w.back();
-    }
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
-    std::vector<at::Tensor> params, m, v;
-    for (int i = 0; i < opt.tensors; ++i) {
-      const int64_t numel =
-          std::max<int64_t>(1, static_cast<int64_t>(model_bytes * w[i] / wsum / 4));
-      params.push_back(at::randn({numel}, gen));
-      if (opt.mode == "ddp") {
-        m.push_back(at::randn({numel}, gen));
-        v.push_back(at::rand({numel}, gen));
-      }
-    }
-    int64_t model_numel = 0;
-    for (const auto& p : params) model_numel += p.numel();
-    const int64_t shard = (model_numel + n - 1) / n;
-    const int64_t shard_off = std::min<int64_t>(model_numel, shard * rank);
-    const int64_t shard_len = std::min<int64_t>(shard, model_numel - shard_off);
-    at::Tensor flat_m, flat_v;
-    if (opt.mode == "zero") {
-      flat_m = at::randn({shard_len}, gen);
-      flat_v = at::rand({shard_len}, gen);
-    }
-    checkpoint::SaveState state;
-    for (int i = 0; i < opt.tensors; ++i) {
-      state.add_replicated(fmt::format("model/layer{}.weight", i), params[static_cast<size_t>(i)]);
-      if (opt.mode == "ddp") {
-        state.add_replicated(fmt::format("optim/layer{}.weight.exp_avg", i),
-                             m[static_cast<size_t>(i)]);
-        state.add_replicated(fmt::format("optim/layer{}.weight.exp_avg_sq", i),
-                             v[static_cast<size_t>(i)]);
-      }
-    }
-    if (opt.mode == "zero") {
-      state.add_shard("optim/flat.exp_avg", flat_m, {model_numel}, {shard_off});
-      state.add_shard("optim/flat.exp_avg_sq", flat_v, {model_numel}, {shard_off});
-    }
+    BenchState bs = make_state(opt, rank, n);
+    checkpoint::SaveState& state = bs.state;
     checkpoint::CheckpointerOptions co;
     co.async = opt.async;
     co.keep_last = 1;
@@ -226,21 +264,7 @@ int main(int argc, char** argv) {
         reset_peak_rss();
         core::Stopwatch lw;
         checkpoint::CheckpointReader reader(ck.last_save()->path);
-        std::vector<checkpoint::LoadTarget> targets;
-        for (int i = 0; i < opt.tensors; ++i) {
-          targets.push_back(
-              {fmt::format("model/layer{}.weight", i), params[static_cast<size_t>(i)], {}});
-          if (opt.mode == "ddp") {
-            targets.push_back(
-                {fmt::format("optim/layer{}.weight.exp_avg", i), m[static_cast<size_t>(i)], {}});
-            targets.push_back(
-                {fmt::format("optim/layer{}.weight.exp_avg_sq", i), v[static_cast<size_t>(i)], {}});
-          }
-        }
-        if (opt.mode == "zero") {
-          targets.push_back({"optim/flat.exp_avg", flat_m, {shard_off}});
-          targets.push_back({"optim/flat.exp_avg_sq", flat_v, {shard_off}});
-        }
+        std::vector<checkpoint::LoadTarget> targets = bs.targets(opt);
         checkpoint::ReadOptions ro;
         ro.verify = opt.verify;
         reader.load(targets, ro);

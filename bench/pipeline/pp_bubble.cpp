@@ -22,6 +22,8 @@
 // with TF32 off; the step's clock is read after a device synchronisation. Needs a build with NCCL.
 // Usage: mpirun -np P pp_bubble [--micro M] [--width W] [--rows R] [--steps N]
 //        [--schedules gpipe,1f1b,interleaved,zb] [--virtual V] [--device cpu|cuda]
+#include "comm/factory.h"
+#include "comm/world.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/tensor_dict.h"
@@ -30,9 +32,8 @@
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
 #include "parallel/build_engine.h"
-#include "parallel/comm/factory.h"
-#include "parallel/comm/world.h"
 #include "parallel/pipeline/pipeline_engine.h"
+#include "parallel/pipeline/schedule_check.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -91,6 +92,11 @@ double stage_fb_ms(int64_t width, int64_t rows, const c10::Device& device) {
   return ms[ms.size() / 2];
 }
 
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
 int run(int argc, char** argv) {
   int micro = 8, steps = 8, virt = 2;
   int64_t width = 1024, rows = 64;
@@ -111,7 +117,7 @@ int run(int argc, char** argv) {
   PARALLAX_CHECK(!cuda, UsageError, "--device cuda needs a build with NCCL (PARALLAX_WITH_NCCL)");
 #endif
   at::set_num_threads(1);
-  par::comm::World world;
+  parallax::comm::World world;
   core::log::set_level(core::log::Level::kWarn);
   PARALLAX_CHECK(!cuda || world.device().has_value(), UsageError,
                  "--device cuda on rank {}, which sees no GPU", world.rank());
@@ -121,7 +127,8 @@ int run(int argc, char** argv) {
     at::globalContext().setAllowTF32CuBLAS(false);
     at::globalContext().setAllowTF32CuDNN(false);
   }
-  auto comm = par::comm::make_world_communicator(cuda ? "nccl" : "mpi", par::comm::CommOptions{});
+  auto comm =
+      parallax::comm::make_world_communicator(cuda ? "nccl" : "mpi", parallax::comm::CommOptions{});
   auto self = comm->split(comm->rank(), 0, "self");
   const auto scalar = [&](double value) {
     return at::full({1}, value, at::TensorOptions().dtype(at::kDouble).device(device));
@@ -168,14 +175,14 @@ int run(int argc, char** argv) {
       return model->loss(batches[i], model->chain_end(batches[i], out)).total / micro;
     };
     at::Tensor fb = scalar(stage_fb_ms(width, rows, device));
-    comm->all_reduce(fb, par::comm::ReduceOp::kMax);
+    comm->all_reduce(fb, parallax::comm::ReduceOp::kMax);
     const double fb_ms = fb.item<double>();
     std::vector<double> bubbles, bottleneck, walls;
     for (int step = 0; step < steps + 2; ++step) {
       sync_device(device);
       comm->barrier();
       core::Stopwatch clock;
-      engine.forward_backward_stages(micro, fns, false);
+      engine.forward_backward_stages(fns, false);
       sync_device(device);
       comm->barrier();
       sync_device(device);
@@ -183,19 +190,16 @@ int run(int argc, char** argv) {
       engine.update(0.0);
       engine.zero_grad();
       at::Tensor b = scalar((wall - engine.last_compute_ms()) / engine.last_compute_ms());
-      comm->all_reduce(b, par::comm::ReduceOp::kAvg);
+      comm->all_reduce(b, parallax::comm::ReduceOp::kAvg);
       at::Tensor c = scalar(engine.last_compute_ms());
-      comm->all_reduce(c, par::comm::ReduceOp::kMax);
+      comm->all_reduce(c, parallax::comm::ReduceOp::kMax);
       if (step >= 2) {
         bubbles.push_back(b.item<double>());
         bottleneck.push_back((wall - c.item<double>()) / c.item<double>());
         walls.push_back(wall);
       }
     }
-    std::sort(bubbles.begin(), bubbles.end());
-    std::sort(bottleneck.begin(), bottleneck.end());
-    std::sort(walls.begin(), walls.end());
-    const double step_ms = walls[walls.size() / 2];
+    const double step_ms = median(walls);
     const double ideal_ms = micro * v * fb_ms;
     if (comm->rank() == 0) {
       fmt::print(
@@ -204,10 +208,9 @@ int run(int argc, char** argv) {
           "\"bubble_bottleneck\": {:.4f}, \"bubble_formula\": {:.4f}, \"bubble_plan\": {:.4f}, "
           "\"step_ms\": {:.2f}, \"device\": \"{}\", \"fb_ms\": {:.4f}, \"ideal_ms\": {:.2f}, "
           "\"bubble_ideal\": {:.4f}, \"impl\": \"parallax\"}}\n",
-          kind, p, v, micro, width, rows, bubbles[bubbles.size() / 2],
-          bottleneck[bottleneck.size() / 2], pl::formula_bubble(engine.schedule()),
-          pl::simulate(engine.schedule()).bubble(), step_ms, device_name, fb_ms, ideal_ms,
-          (step_ms - ideal_ms) / ideal_ms);
+          kind, p, v, micro, width, rows, median(bubbles), median(bottleneck),
+          pl::formula_bubble(engine.schedule()), pl::simulate(engine.schedule()).bubble(), step_ms,
+          device_name, fb_ms, ideal_ms, (step_ms - ideal_ms) / ideal_ms);
       std::fflush(stdout);
     }
   }

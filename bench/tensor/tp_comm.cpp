@@ -24,12 +24,12 @@
 // all-reduce is a reduce-scatter plus an all-gather) and saves activation memory, not traffic.
 // Usage: mpirun -np N tp_comm [--model vit_cls|bev] [--size b16|tiny] [--batch B] [--backend
 // mpi|nccl]
+#include "comm/factory.h"
+#include "comm/world.h"
 #include "core/log.h"
 #include "models/model.h"
 #include "models/perception_model.h"
 #include "models/vit.h"
-#include "parallel/comm/factory.h"
-#include "parallel/comm/world.h"
 #include "parallel/tensor/tensor_parallel.h"
 
 #include <ATen/ATen.h>
@@ -50,9 +50,9 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--backend")) backend = argv[i + 1];
     if (!std::strcmp(argv[i], "--batch")) batch = std::stoll(argv[i + 1]);
   }
-  parallel::comm::World world;
+  comm::World world;
   core::log::set_level(core::log::Level::kWarn);
-  auto comm = parallel::comm::make_world_communicator(backend, parallel::comm::CommOptions{});
+  auto comm = comm::make_world_communicator(backend, comm::CommOptions{});
   const c10::Device device = backend == "nccl" ? *world.device() : c10::Device(c10::kCPU);
   const int n = comm->size();
   models::ModelConfig mc;

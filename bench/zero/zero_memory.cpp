@@ -1,5 +1,5 @@
 // Bytes per rank of parameters, gradients and optimizer state under ZeRO stages 0, 1, 2 and 3
-// (parallel/engine.h, EngineMemory), for a model of the zoo, on CPU ranks (mpirun) or one GPU per
+// (parallel/memory.h, EngineMemory), for a model of the zoo, on CPU ranks (mpirun) or one GPU per
 // rank (--backend nccl). One optimizer step per stage (the gradients exist after a backward), then
 // one JSON line per stage from rank 0, with the formula's prediction beside the count:
 //   stage 0 (DDP)   16 Psi                       (4 params + 4 grads + 8 AdamW moments, fp32)
@@ -8,14 +8,14 @@
 //   stage 3         4 P / N + 4 P / N + 8 Psi_r  (parameters sharded too, every unit freed)
 // With one rank every stage holds 16 Psi (the flat gradient buckets are the shards).
 // Usage: mpirun -np N zero_memory [--model vit_cls] [--size b16] [--backend mpi|gloo|nccl]
+#include "comm/factory.h"
+#include "comm/world.h"
 #include "core/log.h"
 #include "models/model.h"
 #include "models/perception_model.h"
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
 #include "parallel/build_engine.h"
-#include "parallel/comm/factory.h"
-#include "parallel/comm/world.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -32,9 +32,9 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--size")) size = argv[i + 1];
     if (!std::strcmp(argv[i], "--backend")) backend = argv[i + 1];
   }
-  parallel::comm::World world;
+  comm::World world;
   core::log::set_level(core::log::Level::kWarn);
-  auto comm = parallel::comm::make_world_communicator(backend, parallel::comm::CommOptions{});
+  auto comm = comm::make_world_communicator(backend, comm::CommOptions{});
   const c10::Device device = backend == "nccl" ? *world.device() : c10::Device(c10::kCPU);
   models::ModelConfig mc;
   mc.name = model_name;

@@ -57,7 +57,7 @@
 // in backward(). Errors: CommError/TimeoutError from the communicator, parallax::Error for usage.
 #pragma once
 
-#include "parallel/comm/communicator.h"
+#include "comm/communicator.h"
 #include "parallel/ddp/grad_buckets.h"
 
 #include <torch/nn/module.h>

@@ -2,7 +2,7 @@
 // gradient buckets (parallel/ddp/ddp.h).
 #pragma once
 
-#include "parallel/comm/communicator.h"
+#include "comm/communicator.h"
 
 #include <c10/core/ScalarType.h>
 

@@ -79,8 +79,24 @@ GradBuckets::GradBuckets(std::shared_ptr<torch::nn::Module> module, comm::CommPt
     : module_(std::move(module)), group_(std::move(dp_group)), options_(options) {
   PARALLAX_CHECK(module_ != nullptr, Error, "DDP: module is null");
   PARALLAX_CHECK(group_ != nullptr, Error, "DDP: data-parallel communicator is null");
-  at::NoGradGuard no_grad;
   const bool scatter = options_.reduction == Reduction::kReduceScatter;
+  resolve_options(scatter);
+  build_buckets(scatter);
+  install_hooks();
+  int64_t total = 0;
+  for (const auto& info : bucket_info_) total += info.bytes();
+  core::log::info(
+      "{}: {} parameters in {} {} buckets ({} total, caps {}/{} MiB, algorithm {}, reduced in {}), "
+      "group '{}' of {} "
+      "ranks",
+      scatter ? "gradient buckets (reduce-scatter)" : "DDP", params_.size(), buckets_.size(),
+      to_string(mode()), core::human_bytes(static_cast<double>(total)), options_.first_bucket_mb,
+      options_.bucket_mb, comm::to_string(options_.algo),
+      options_.reduce_dtype ? reduce_dtype_name(options_.reduce_dtype) : "the gradients' dtype",
+      group_->name(), group_->size());
+}
+
+void GradBuckets::resolve_options(bool scatter) {
   PARALLAX_CHECK(!scatter || (options_.mode != BucketMode::kGrouped && !options_.reduce_dtype &&
                               options_.algo == comm::AllReduceAlgo::kNative),
                  ConfigError,
@@ -110,7 +126,10 @@ GradBuckets::GradBuckets(std::shared_ptr<torch::nn::Module> module, comm::CommPt
                      *options_.reduce_dtype == at::kHalf,
                  ConfigError, "DDP: parallel.ddp.reduce_dtype must be bf16 or fp16, got {}",
                  reduce_dtype_name(options_.reduce_dtype));
+}
 
+void GradBuckets::build_buckets(bool scatter) {
+  at::NoGradGuard no_grad;
   for (const auto& item : module_->named_parameters()) {
     if (!item.value().requires_grad()) continue;  // frozen (e.g. LoRA base): not reduced
     names_.push_back(item.key());
@@ -173,76 +192,69 @@ GradBuckets::GradBuckets(std::shared_ptr<torch::nn::Module> module, comm::CommPt
     buckets_.push_back(std::move(b));
     bucket_info_.push_back(std::move(info));
   }
+}
 
+void GradBuckets::install_hooks() {
   // Post-accumulate hooks on the AccumulateGrad nodes (what PyTorch's reducer hooks).
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [this, i](const torch::autograd::variable_list& outputs,
                   const torch::autograd::variable_list&) {
-          std::lock_guard<std::mutex> lock(mu_);
-          const bool sync = in_backward_ && require_sync_;
-          if (mode() == BucketMode::kGrouped) {
-            // The gradient stays autograd's tensor; the bucket reduces it in place at launch.
-            if (sync) mark_ready(static_cast<int64_t>(i));
-            return outputs;
-          }
-          Bucket& b = buckets_[param_bucket_[i]];
-          if (options_.transient) {
-            // Into the bucket's buffer (allocated by its first gradient), and the parameter's own
-            // gradient is dropped: no rank keeps a full gradient past its bucket's reduce-scatter.
-            PARALLAX_CHECK(
-                sync, Error,
-                "gradient buckets: a backward without gradient sync on transient buckets "
-                "(ZeRO-2 reduces every micro-step)");
-            at::Tensor& grad = params_[i].mutable_grad();
-            if (grad.defined()) {
-              at::NoGradGuard ng;
-              if (!b.buffer.defined()) {
-                b.buffer = at::zeros({bucket_info_[param_bucket_[i]].padded_numel}, grad.options());
-              }
-              b.buffer
-                  .narrow(0, bucket_info_[param_bucket_[i]].offsets[param_slot_[i]], grad.numel())
-                  .view_as(grad)
-                  .copy_(grad);
-              grad = at::Tensor();
-            }
-            mark_ready(static_cast<int64_t>(i));
-            return outputs;
-          }
-          at::Tensor& view = b.views[param_slot_[i]];
-          at::Tensor& grad = params_[i].mutable_grad();
-          // AccumulateGrad stole or replaced the gradient (it was None). In a synced backward the
-          // bucket copies it in at launch, with its other new gradients in one multi-tensor copy;
-          // otherwise it is copied now. Either way the gradient becomes the view again, so later
-          // accumulation happens in place.
-          if (grad.defined() && !grad.is_alias_of(view)) {
-            if (sync) {
-              b.incoming[param_slot_[i]] = grad;
-            } else {
-              at::NoGradGuard ng;
-              view.copy_(grad);
-              grad = view;
-            }
-          } else if (!grad.defined()) {
-            grad = view;
-          }
-          if (sync) mark_ready(static_cast<int64_t>(i));
+          on_accumulated(i);
           return outputs;
         }));
     accumulators_.push_back(std::make_shared<decltype(acc)>(acc));
   }
-  int64_t total = 0;
-  for (const auto& info : bucket_info_) total += info.bytes();
-  core::log::info(
-      "{}: {} parameters in {} {} buckets ({} total, caps {}/{} MiB, algorithm {}, reduced in {}), "
-      "group '{}' of {} "
-      "ranks",
-      scatter ? "gradient buckets (reduce-scatter)" : "DDP", params_.size(), buckets_.size(),
-      to_string(mode()), core::human_bytes(static_cast<double>(total)), options_.first_bucket_mb,
-      options_.bucket_mb, comm::to_string(options_.algo),
-      options_.reduce_dtype ? reduce_dtype_name(options_.reduce_dtype) : "the gradients' dtype",
-      group_->name(), group_->size());
+}
+
+void GradBuckets::on_accumulated(std::size_t i) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool sync = in_backward_ && require_sync_;
+  if (mode() == BucketMode::kGrouped) {
+    // The gradient stays autograd's tensor; the bucket reduces it in place at launch.
+    if (sync) mark_ready(static_cast<int64_t>(i));
+    return;
+  }
+  Bucket& b = buckets_[param_bucket_[i]];
+  if (options_.transient) {
+    // Into the bucket's buffer (allocated by its first gradient), and the parameter's own
+    // gradient is dropped: no rank keeps a full gradient past its bucket's reduce-scatter.
+    PARALLAX_CHECK(sync, Error,
+                   "gradient buckets: a backward without gradient sync on transient buckets "
+                   "(ZeRO-2 reduces every micro-step)");
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (grad.defined()) {
+      at::NoGradGuard ng;
+      if (!b.buffer.defined()) {
+        b.buffer = at::zeros({bucket_info_[param_bucket_[i]].padded_numel}, grad.options());
+      }
+      b.buffer.narrow(0, bucket_info_[param_bucket_[i]].offsets[param_slot_[i]], grad.numel())
+          .view_as(grad)
+          .copy_(grad);
+      grad = at::Tensor();
+    }
+    mark_ready(static_cast<int64_t>(i));
+    return;
+  }
+  at::Tensor& view = b.views[param_slot_[i]];
+  at::Tensor& grad = params_[i].mutable_grad();
+  // AccumulateGrad stole or replaced the gradient (it was None). In a synced backward the
+  // bucket copies it in at launch, with its other new gradients in one multi-tensor copy;
+  // otherwise it is copied now. Either way the gradient becomes the view again, so later
+  // accumulation happens in place.
+  if (grad.defined() && !grad.is_alias_of(view)) {
+    if (sync) {
+      b.incoming[param_slot_[i]] = grad;
+    } else {
+      at::NoGradGuard ng;
+      view.copy_(grad);
+      grad = view;
+    }
+  } else if (!grad.defined()) {
+    grad = view;
+  }
+  if (sync) mark_ready(static_cast<int64_t>(i));
 }
 
 GradBuckets::~GradBuckets() {

@@ -10,8 +10,8 @@
 // in backward(). Errors: CommError/TimeoutError from the communicator, parallax::Error for usage.
 #pragma once
 
+#include "comm/communicator.h"
 #include "core/timer.h"
-#include "parallel/comm/communicator.h"
 #include "parallel/ddp/ddp_options.h"
 
 #include <torch/nn/module.h>
@@ -105,6 +105,18 @@ class GradBuckets {
     comm::WorkPtr work;
   };
 
+  // The constructor's steps, in its order. Checks the options and resolves kAuto (ConfigError for
+  // those that do not go together).
+  void resolve_options(bool scatter);
+  // Assigns the trainable parameters to buckets; flat buckets get their buffers (and shards) and
+  // the parameters' gradients become views of them.
+  void build_buckets(bool scatter);
+  // Hooks every trainable parameter's AccumulateGrad node: on_accumulated() after each
+  // accumulation.
+  void install_hooks();
+  // Autograd accumulated trainable parameter `i`'s gradient (on autograd's thread): into its
+  // bucket as the layout wants it, and marked ready in a synced backward.
+  void on_accumulated(std::size_t i);
   void mark_ready(int64_t param_index);
   comm::WorkPtr issue(Bucket& b, std::vector<at::Tensor>& tensors);  // the reduction of one bucket
   bool compressed(at::ScalarType grad_dtype) const;  // reduced through a reduce_dtype copy

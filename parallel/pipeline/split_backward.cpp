@@ -42,6 +42,47 @@ class CaptureHook final : public torch::autograd::FunctionPreHook {
   std::size_t index_;
 };
 
+// The autograd graph below some roots, with its reverse edges.
+struct Graph {
+  std::unordered_map<Node*, std::vector<Node*>> parents;
+  std::unordered_map<Node*, NodePtr> owner;  // every node of the graph, held
+
+  explicit Graph(const std::vector<Edge>& root_edges) {
+    std::deque<Node*> queue;
+    for (const Edge& e : root_edges) {
+      if (e.function && owner.emplace(e.function.get(), e.function).second)
+        queue.push_back(e.function.get());
+    }
+    while (!queue.empty()) {
+      Node* n = queue.front();
+      queue.pop_front();
+      for (const Edge& e : n->next_edges()) {
+        if (!e.is_valid()) continue;
+        Node* c = e.function.get();
+        parents[c].push_back(n);
+        if (owner.emplace(c, e.function).second) queue.push_back(c);
+      }
+    }
+  }
+
+  // The nodes of the graph with a path to one of `from` (those included).
+  std::unordered_set<Node*> reverse_closure(const std::vector<Node*>& from) const {
+    std::unordered_set<Node*> out;
+    std::deque<Node*> q;
+    for (Node* n : from)
+      if (owner.count(n) && out.insert(n).second) q.push_back(n);
+    while (!q.empty()) {
+      Node* n = q.front();
+      q.pop_front();
+      const auto it = parents.find(n);
+      if (it == parents.end()) continue;
+      for (Node* p : it->second)
+        if (out.insert(p).second) q.push_back(p);
+    }
+    return out;
+  }
+};
+
 }  // namespace
 
 struct SplitBackward::State {
@@ -85,39 +126,7 @@ SplitBackward::SplitBackward(const std::vector<at::Tensor>& roots,
     state_->done = true;
     return;
   }
-  // The graph below the roots, with its reverse edges.
-  std::unordered_map<Node*, std::vector<Node*>> parents;
-  std::unordered_map<Node*, NodePtr> owner;
-  std::deque<Node*> queue;
-  for (const Edge& e : root_edges) {
-    if (e.function && owner.emplace(e.function.get(), e.function).second)
-      queue.push_back(e.function.get());
-  }
-  while (!queue.empty()) {
-    Node* n = queue.front();
-    queue.pop_front();
-    for (const Edge& e : n->next_edges()) {
-      if (!e.is_valid()) continue;
-      Node* c = e.function.get();
-      parents[c].push_back(n);
-      if (owner.emplace(c, e.function).second) queue.push_back(c);
-    }
-  }
-  const auto reverse_closure = [&](const std::vector<Node*>& from) {
-    std::unordered_set<Node*> out;
-    std::deque<Node*> q;
-    for (Node* n : from)
-      if (owner.count(n) && out.insert(n).second) q.push_back(n);
-    while (!q.empty()) {
-      Node* n = q.front();
-      q.pop_front();
-      const auto it = parents.find(n);
-      if (it == parents.end()) continue;
-      for (Node* p : it->second)
-        if (out.insert(p).second) q.push_back(p);
-    }
-    return out;
-  };
+  const Graph graph(root_edges);
   // E: what B runs (every node with a path to an input's accumulator).
   std::vector<at::Tensor> wanted;
   std::vector<std::size_t> wanted_index;
@@ -130,23 +139,23 @@ SplitBackward::SplitBackward(const std::vector<at::Tensor>& roots,
                    "the tensors it received)",
                    k);
     const auto acc = torch::autograd::impl::grad_accumulator(x);
-    if (!acc || !owner.count(acc.get())) continue;  // the roots do not depend on it
+    if (!acc || !graph.owner.count(acc.get())) continue;  // the roots do not depend on it
     wanted.push_back(x);
     wanted_index.push_back(k);
     input_nodes.push_back(acc.get());
   }
-  const std::unordered_set<Node*> E = reverse_closure(input_nodes);
+  const std::unordered_set<Node*> E = graph.reverse_closure(input_nodes);
   input_path_nodes_ = E.size();
   // The parameter side: every node with a path to a parameter's accumulator.
   std::vector<Node*> param_nodes;
   for (const at::Tensor& p : params) {
     if (!p.defined() || !p.requires_grad()) continue;
     const auto acc = torch::autograd::impl::grad_accumulator(p);
-    if (!acc || !owner.count(acc.get())) continue;  // unused by this graph
+    if (!acc || !graph.owner.count(acc.get())) continue;  // unused by this graph
     param_nodes.push_back(acc.get());
     state_->param_edges.push_back(torch::autograd::impl::gradient_edge(p));
   }
-  const std::unordered_set<Node*> R = reverse_closure(param_nodes);
+  const std::unordered_set<Node*> R = graph.reverse_closure(param_nodes);
   // U, and the edges W must not follow (back into E).
   for (Node* n : E) {
     if (!R.count(n)) continue;
@@ -163,7 +172,7 @@ SplitBackward::SplitBackward(const std::vector<at::Tensor>& roots,
       }
     }
     if (!exits) continue;
-    state_->boundary.push_back(owner.at(n));
+    state_->boundary.push_back(graph.owner.at(n));
     state_->cut.push_back(std::move(cut));
   }
   for (std::size_t k = 0; k < root_edges.size(); ++k) {

@@ -1,7 +1,7 @@
 #include "parallel/tensor/tensor_parallel.h"
 
 #include "core/error.h"
-#include "core/param_init.h"
+#include "units/param_init.h"
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -272,6 +272,18 @@ void TpGroup::mark_sequence_parallel(const at::Tensor& param) {
   if (sequence_parallel_ && param.defined()) sp_params_.push_back(param);
 }
 
+LinearFactory TpGroup::linear_factory() {
+  return parallel_linear_factory(shared_from_this());
+}
+
+at::Tensor TpGroup::scatter_to_sequence(const at::Tensor& x) {
+  return tensor::scatter_to_sequence(x, shared_from_this());
+}
+
+at::Tensor TpGroup::gather_from_sequence(const at::Tensor& shard, int64_t rows) {
+  return tensor::gather_from_sequence(shard, rows, shared_from_this());
+}
+
 void install_sequence_parallel_hooks(const TpPtr& tp) {
   if (!tp || tp->size() == 1) return;
   TpGroup* g = tp.get();
@@ -346,14 +358,14 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const LinearSpec& spec, TpPtr
   PARALLAX_CHECK(!(spec.gather_output && spec.parts > 1), Error,
                  "linear layer '{}': gather_output with fused parts is not supported", spec.name);
   // The same draws as the dense layer (models/layers.cpp), then this rank's rows (under deferred
-  // construction, the recipe of this rank's rows: core/param_init.h).
+  // construction, the recipe of this rank's rows: units/param_init.h).
   const int64_t out = spec.out_features, in = spec.in_features, parts = spec.parts;
   const int rank = tp_->rank();
-  weight = register_parameter("weight", core::init_tensor({out / n, in}, [=]() {
+  weight = register_parameter("weight", units::init_tensor({out / n, in}, [=]() {
                                 return column_slice(at::randn({out, in}) * 0.02, parts, rank, n);
                               }));
   if (spec.bias) {
-    bias = register_parameter("bias", core::init_zeros({spec.out_features / n}));
+    bias = register_parameter("bias", units::init_zeros({spec.out_features / n}));
   }
 }
 
@@ -376,11 +388,11 @@ RowParallelLinearImpl::RowParallelLinearImpl(const LinearSpec& spec, TpPtr tp)
   check_divides(spec, spec.in_features, n, "inputs");
   const int64_t out = spec.out_features, in = spec.in_features;
   const int rank = tp_->rank();
-  weight = register_parameter("weight", core::init_tensor({out, in / n}, [=]() {
+  weight = register_parameter("weight", units::init_tensor({out, in / n}, [=]() {
                                 return row_slice(at::randn({out, in}) * 0.02, rank, n);
                               }));
   if (spec.bias) {
-    bias = register_parameter("bias", core::init_zeros({spec.out_features}));
+    bias = register_parameter("bias", units::init_zeros({spec.out_features}));
     if (sequence_parallel()) tp_->mark_sequence_parallel(bias);
   }
 }
@@ -419,7 +431,8 @@ kernels::fp8::Fp8Linear tp_fp8(torch::nn::Module& layer, const at::Tensor& weigh
 
 }  // namespace
 
-void ColumnParallelLinearImpl::enable_fp8(kernels::fp8::Fp8Options options) {
+void ColumnParallelLinearImpl::enable_fp8(const kernels::fp8::Fp8Options& layer_options) {
+  kernels::fp8::Fp8Options options = layer_options;
   PARALLAX_CHECK(fp8.is_empty(), Error, "FP8: layer '{}' is FP8 already", spec_.name);
   // The input arrives whole (all-gathered under SP); the weight's rows and the output gradient's
   // columns are this rank's.
@@ -428,7 +441,8 @@ void ColumnParallelLinearImpl::enable_fp8(kernels::fp8::Fp8Options options) {
   fp8 = tp_fp8(*this, weight, spec_, tp_, std::move(options));
 }
 
-void RowParallelLinearImpl::enable_fp8(kernels::fp8::Fp8Options options) {
+void RowParallelLinearImpl::enable_fp8(const kernels::fp8::Fp8Options& layer_options) {
+  kernels::fp8::Fp8Options options = layer_options;
   PARALLAX_CHECK(fp8.is_empty(), Error, "FP8: layer '{}' is FP8 already", spec_.name);
   // The input's and the weight's columns are this rank's; the partial output's gradient is whole
   // (g's backward is the identity; under SP it is all-gathered).

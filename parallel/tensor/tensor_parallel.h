@@ -36,9 +36,10 @@
 // (naming both numbers), CommError/TimeoutError from the communicator.
 #pragma once
 
-#include "core/linear_spec.h"
+#include "comm/communicator.h"
 #include "kernels/fp8.h"
-#include "parallel/comm/communicator.h"
+#include "units/linear_spec.h"
+#include "units/tp_layers.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -54,11 +55,11 @@
 
 namespace parallax::parallel::tensor {
 
-// The layer spec and the factory interface (core/linear_spec.h); this file implements the factory
-// (parallel_linear_factory).
-using core::LinearFactory;
-using core::LinearRole;
-using core::LinearSpec;
+// The layer spec and the factory interface (units/linear_spec.h, units/tp_layers.h); this file
+// implements the factory (parallel_linear_factory, TpGroup).
+using units::LinearFactory;
+using units::LinearRole;
+using units::LinearSpec;
 
 // How a tensor-parallel layer splits one parameter: along `dim` (0: the output features of a
 // column-parallel layer, 1: the input features of a row-parallel weight) into `size` equal pieces
@@ -99,19 +100,28 @@ std::vector<SplitBox> split_boxes(const at::Tensor& local, const ParamLayout& l)
 // The whole parameter from every tp rank's `local` piece: collective over `tp` (all-gather).
 at::Tensor gather_split(const at::Tensor& local, const ParamLayout& l, comm::Communicator& tp);
 
-// The tensor-parallel group of a model and its settings; shared by the layers built for it.
-class TpGroup {
+// The tensor-parallel group of a model and its settings; shared by the layers built for it. As
+// units::TpLayers it is what models::build_model takes: the models reach the layers and the
+// sequence-parallel region below through it. Always owned by a shared_ptr (make_shared): the
+// factory and the region operators hand the layers shared_from_this().
+class TpGroup : public units::TpLayers, public std::enable_shared_from_this<TpGroup> {
  public:
   TpGroup(comm::CommPtr comm, bool sequence_parallel);
-  int size() const { return comm_->size(); }
+  int size() const override { return comm_->size(); }
   int rank() const { return comm_->rank(); }
-  bool sequence_parallel() const { return sequence_parallel_; }
+  bool sequence_parallel() const override { return sequence_parallel_; }
   comm::Communicator& comm() const { return *comm_; }
   const comm::CommPtr& comm_ptr() const { return comm_; }
 
+  // units::TpLayers: parallel_linear_factory, scatter_to_sequence and gather_from_sequence below,
+  // over this group.
+  LinearFactory linear_factory() override;
+  at::Tensor scatter_to_sequence(const at::Tensor& x) override;
+  at::Tensor gather_from_sequence(const at::Tensor& shard, int64_t rows) override;
+
   // Sequence parallel: `param`'s gradient is a partial sum over this rank's tokens (LayerNorm
   // weights and biases inside the sharded region, row-parallel biases).
-  void mark_sequence_parallel(const at::Tensor& param);
+  void mark_sequence_parallel(const at::Tensor& param) override;
   const std::vector<at::Tensor>& sequence_parallel_params() const { return sp_params_; }
 
   // Byte counters of the TP collectives since construction (or the caller's reset), by layer
@@ -164,7 +174,9 @@ void install_sequence_parallel_hooks(const TpPtr& tp);
 // initialised like the dense layer (N(0, 0.02), zero) from the full matrix, which every rank draws
 // from the same generator state, so the layer holds exactly its slice of the single-process
 // layer's initial weights.
-class ColumnParallelLinearImpl : public torch::nn::Module, public LayoutProvider {
+class ColumnParallelLinearImpl : public torch::nn::Module,
+                                 public LayoutProvider,
+                                 public kernels::fp8::Fp8Capable {
  public:
   ColumnParallelLinearImpl(const LinearSpec& spec, TpPtr tp);
   at::Tensor forward(const at::Tensor& x);
@@ -173,7 +185,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public LayoutProvider
   // The local GEMM in FP8 (kernels/fp8.h), the amax of every tensor sharded over the tp group
   // all-reduced with MAX so that all tp ranks cast with one scale. ConfigError when the local
   // weight's shape does not take the FP8 GEMMs.
-  void enable_fp8(kernels::fp8::Fp8Options options);
+  void enable_fp8(const kernels::fp8::Fp8Options& options) override;
 
   at::Tensor weight, bias;
   kernels::fp8::Fp8Linear fp8{nullptr};  // empty unless FP8
@@ -187,7 +199,9 @@ TORCH_MODULE(ColumnParallelLinear);
 
 // W [out, in] split along in. Parameters "weight" [out, in/tp] and "bias" [out] (whole, added
 // after the reduction; sequence parallel: on this rank's rows, so marked sequence-parallel).
-class RowParallelLinearImpl : public torch::nn::Module, public LayoutProvider {
+class RowParallelLinearImpl : public torch::nn::Module,
+                              public LayoutProvider,
+                              public kernels::fp8::Fp8Capable {
  public:
   RowParallelLinearImpl(const LinearSpec& spec, TpPtr tp);
   at::Tensor forward(const at::Tensor& x);
@@ -196,7 +210,7 @@ class RowParallelLinearImpl : public torch::nn::Module, public LayoutProvider {
   // The local GEMM in FP8 (kernels/fp8.h), the amax of every tensor sharded over the tp group
   // all-reduced with MAX so that all tp ranks cast with one scale. ConfigError when the local
   // weight's shape does not take the FP8 GEMMs.
-  void enable_fp8(kernels::fp8::Fp8Options options);
+  void enable_fp8(const kernels::fp8::Fp8Options& options) override;
 
   at::Tensor weight, bias;
   kernels::fp8::Fp8Linear fp8{nullptr};  // empty unless FP8

@@ -36,7 +36,7 @@ std::string ordinal(int k) {
 
 }  // namespace
 
-ParamShards::ParamShards(comm::CommPtr dp, std::vector<core::Unit> units, bool prefetch,
+ParamShards::ParamShards(comm::CommPtr dp, std::vector<units::Unit> units, bool prefetch,
                          bool always_gather)
     : dp_(std::move(dp)),
       units_(std::move(units)),

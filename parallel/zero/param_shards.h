@@ -39,8 +39,8 @@
 // mutex guards the state. Errors: parallax::Error (disagreeing ranks), CommError/TimeoutError.
 #pragma once
 
-#include "core/unit_hooks.h"
-#include "parallel/comm/communicator.h"
+#include "comm/communicator.h"
+#include "units/unit_hooks.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -50,10 +50,10 @@
 
 namespace parallax::parallel::zero {
 
-class ParamShards : public core::UnitHooks {
+class ParamShards : public units::UnitHooks {
  public:
   // Splits a communicator off `dp` for the gathers (collective over dp when N > 1).
-  ParamShards(comm::CommPtr dp, std::vector<core::Unit> units, bool prefetch,
+  ParamShards(comm::CommPtr dp, std::vector<units::Unit> units, bool prefetch,
               bool always_gather = false);
   ~ParamShards() override;
 
@@ -119,7 +119,7 @@ class ParamShards : public core::UnitHooks {
   void check_deferred_tags();  // GPUs: the tags gathered since the last check
 
   comm::CommPtr dp_, gather_;
-  std::vector<core::Unit> units_;
+  std::vector<units::Unit> units_;
   bool prefetch_;
   int n_ = 1;
   bool active_ = false;  // N > 1 or always_gather: gather and free

@@ -13,125 +13,86 @@
 
 namespace parallax::parallel::zero {
 
-int bucket_key(int group, int unit, int n_groups, int n_units, bool tp_sharded) {
-  const int tp_bit = tp_sharded ? 1 : 0;
-  if (unit < 0) return 2 * group + tp_bit;
-  return 2 * ((n_units - 1 - unit) * n_groups + group + 1) + tp_bit;
-}
-
-EngineMemory ZeroEngine::memory_rule(int stage, const std::vector<ParamInfo>& params,
-                                     const MemoryQuery& q) {
-  constexpr int64_t kF32 = 4;
-  const int64_t n = q.dp;
-  EngineMemory m;
-  // Frozen parameters (a LoRA base): whole, or under stage 3 over several ranks 1/N of each
-  // unit's (padded).
-  std::vector<const ParamInfo*> mine;
-  std::map<int, int64_t> frozen_per_unit;
-  for (const ParamInfo& p : params) {
-    if (p.trainable) {
-      mine.push_back(&p);
-    } else if (stage == 3 && n > 1) {
-      frozen_per_unit[p.unit] += p.numel;
-    } else {
-      m.params += p.numel * kF32;
-    }
-  }
-  for (const auto& [u, numel] : frozen_per_unit) m.params += (numel + n - 1) / n * kF32;
-  // The buckets the constructor builds: DDP's assignment under this engine's keys and caps
-  // (stage 3: no cap, one bucket per (unit, dtype, group)).
-  std::vector<int64_t> sizes;
-  std::vector<at::ScalarType> dtypes;
-  std::vector<int> keys;
-  for (const ParamInfo* p : mine) {
-    sizes.push_back(p->numel * kF32);
-    dtypes.push_back(at::kFloat);
-    keys.push_back(
-        bucket_key(p->group, stage == 3 ? p->unit : -1, q.groups + 1, q.units, p->tp_sharded));
-  }
-  const double mb = 1024.0 * 1024.0;
-  const int64_t first_cap = static_cast<int64_t>((stage == 3 ? 1e9 : q.ddp.first_bucket_mb) * mb);
-  const int64_t cap = static_cast<int64_t>((stage == 3 ? 1e9 : q.ddp.bucket_mb) * mb);
-  const bool reduce_each_micro = stage >= 2 && n > 1;
-  int64_t mine_elems = 0;
-  for (const auto& members : ddp::assign_buckets(sizes, dtypes, keys, first_cap, cap)) {
-    int64_t numel = 0;
-    std::vector<int64_t> offsets;
-    for (int64_t i : members) {
-      offsets.push_back(numel);
-      numel += mine[static_cast<std::size_t>(i)]->numel;
-    }
-    // Padded to a multiple of N; this rank owns elements [r S, (r + 1) S).
-    const int64_t padded = (numel + n - 1) / n * n, shard = padded / n;
-    const int64_t lo = q.dp_rank * shard, hi = lo + shard;
-    for (std::size_t k = 0; k < members.size(); ++k) {
-      const int64_t off = offsets[k], len = mine[static_cast<std::size_t>(members[k])]->numel;
-      const int64_t b = std::max(off, lo), e = std::min(off + len, hi);
-      if (len > 0 && b < e) mine_elems += e - b;
-    }
-    // Parameters: the flat buffer (stages 1, 2), this rank's shard of it (stage 3; the gathered
-    // buffer is freed between units).
-    m.params += (stage == 3 && n > 1 ? shard : padded) * kF32;
-    // Gradients: stage 1 (and any stage over one rank) the flat buffer, whose reduce-scatter shard
-    // is a second buffer over several ranks; stages 2 and 3 only the shard, plus its accumulator
-    // with several micro-steps.
-    if (!reduce_each_micro) {
-      m.grads += padded * kF32 + (n > 1 ? shard * kF32 : 0);
-    } else {
-      m.grads += shard * kF32 * (q.micro_batches > 1 ? 2 : 1);
-    }
-  }
-  // The optimizer state of this rank's pieces.
-  m.optimizer = static_cast<int64_t>(q.optimizer_bytes_per_element) * mine_elems;
-  return m;
-}
-
 ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
                        std::vector<optim::ParamGroup> groups, const OptimizerFactory& make,
                        comm::CommPtr dp, ddp::DdpOptions options, int stage,
-                       std::vector<core::Unit> units, bool prefetch, bool always_gather,
-                       TensorParallelInfo tp, std::shared_ptr<const core::DeferredInit> deferred)
-    : module_(std::move(module)),
-      dp_(std::move(dp)),
+                       std::vector<units::Unit> units, bool prefetch, bool always_gather,
+                       TensorParallelInfo tp, std::shared_ptr<const units::DeferredInit> deferred)
+    : DataParallelEngine(std::move(module), std::move(dp), std::move(tp), options.timing),
       stage_(stage),
-      timing_(options.timing),
-      broadcast_buffers_(options.broadcast_buffers),
-      tp_(std::move(tp)) {
+      broadcast_buffers_(options.broadcast_buffers) {
   PARALLAX_CHECK(stage_ >= 1 && stage_ <= 3, ConfigError, "ZeRO: stage {} is not 1, 2 or 3",
                  stage_);
   PARALLAX_CHECK(!deferred || stage_ == 3, Error,
                  "ZeRO: deferred initialisation needs stage 3 (stage {} keeps the whole model)",
                  stage_);
+  // Stage 3: the unit of every parameter; buckets never mix units either.
+  const auto unit_of = std::make_shared<const std::map<std::string, int>>(units_of_params(units));
+  if (stage_ == 3) shards_ = std::make_unique<ParamShards>(dp_, units, prefetch, always_gather);
+  // ZeRO-2/3 keep no full gradient between reduce-scatters (over one rank the shard is the whole
+  // gradient anyway: plain flat buckets, which the reducer reduces in place, for free).
+  reduce_each_micro_ = stage_ >= 2 && dp_->size() > 1;
+  options = bucket_options(std::move(options), groups, unit_of, static_cast<int>(units.size()));
+  // Identical replicas (parameters and buffers from dp rank 0; with deferred initialisation every
+  // rank replays the same recipes instead), then DDP's gradient buckets in reduce-scatter mode.
+  if (!deferred) ddp::broadcast_module(*module_, *dp_);
+  // A parameter's initial value, read once into its flat buffer.
+  const InitialValue initial = [&deferred](const std::string& name, const at::Tensor& p) {
+    return deferred ? deferred->value(name).reshape({-1}) : p.detach().reshape({-1});
+  };
+  buckets_ = std::make_unique<ddp::GradBuckets>(module_, dp_, options);
+  set_timed_buckets(buckets_.get());
+
+  std::map<std::string, int64_t> index;
+  for (const auto& item : module_->named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    index[item.key()] = static_cast<int64_t>(params_.size());
+    params_.push_back(item.value());
+  }
+  at::NoGradGuard no_grad;
+  std::map<std::string, std::size_t> piece_of;
+  for (std::size_t bi = 0; bi < buckets_->buckets().size(); ++bi)
+    add_bucket(bi, index, *unit_of, initial, deferred != nullptr, piece_of);
+  if (shards_) {
+    shard_frozen(*unit_of, initial, deferred != nullptr);
+    shards_->finish_setup();  // everything freed: only the shards stay
+    flat_params_.clear();
+  }
+  optimizer_ = make(piece_groups(groups, piece_of));
+  core::log::info("{}", describe());
+}
+
+std::map<std::string, int> ZeroEngine::units_of_params(
+    const std::vector<units::Unit>& units) const {
+  std::map<std::string, int> unit_of;
+  if (stage_ != 3) return unit_of;
+  PARALLAX_CHECK(!units.empty(), Error, "ZeRO-3: the model exposes no units");
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    for (const auto& n : units[u].param_names) {
+      PARALLAX_CHECK(unit_of.emplace(n, static_cast<int>(u)).second, Error,
+                     "ZeRO-3: parameter '{}' is in two units ('{}' and '{}')", n,
+                     units[static_cast<std::size_t>(unit_of.at(n))].name, units[u].name);
+    }
+  }
+  for (const auto& item : module_->named_parameters()) {
+    PARALLAX_CHECK(unit_of.count(item.key()) != 0, Error,
+                   "ZeRO-3: parameter '{}' is in no unit of the model (Model::units() must "
+                   "cover every parameter)",
+                   item.key());
+  }
+  return unit_of;
+}
+
+ddp::DdpOptions ZeroEngine::bucket_options(
+    ddp::DdpOptions options, const std::vector<optim::ParamGroup>& groups,
+    std::shared_ptr<const std::map<std::string, int>> unit_of, int n_units) {
   // Buckets never mix optimizer groups (their weight decay differs).
   auto group_of = std::make_shared<std::map<std::string, int>>();
   for (std::size_t g = 0; g < groups.size(); ++g)
     for (const auto& n : groups[g].names) (*group_of)[n] = static_cast<int>(g);
-  // Stage 3: the unit of every parameter; buckets never mix units either.
-  auto unit_of = std::make_shared<std::map<std::string, int>>();
-  if (stage_ == 3) {
-    PARALLAX_CHECK(!units.empty(), Error, "ZeRO-3: the model exposes no units");
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      for (const auto& n : units[u].param_names) {
-        PARALLAX_CHECK(unit_of->emplace(n, static_cast<int>(u)).second, Error,
-                       "ZeRO-3: parameter '{}' is in two units ('{}' and '{}')", n,
-                       units[static_cast<std::size_t>(unit_of->at(n))].name, units[u].name);
-      }
-    }
-    for (const auto& item : module_->named_parameters()) {
-      PARALLAX_CHECK(unit_of->count(item.key()) != 0, Error,
-                     "ZeRO-3: parameter '{}' is in no unit of the model (Model::units() must "
-                     "cover every parameter)",
-                     item.key());
-    }
-    shards_ = std::make_unique<ParamShards>(dp_, units, prefetch, always_gather);
-  }
   options.reduction = ddp::Reduction::kReduceScatter;
-  // ZeRO-2/3 keep no full gradient between reduce-scatters (over one rank the shard is the whole
-  // gradient anyway: plain flat buckets, which the reducer reduces in place, for free).
-  reduce_each_micro_ = stage_ >= 2 && dp_->size() > 1;
   options.transient = reduce_each_micro_;
   const int n_groups = static_cast<int>(groups.size()) + 1;
-  const int n_units = static_cast<int>(units.size());
   // Tensor parallel: a bucket holds only tp-sharded or only tp-replicated parameters, so each of
   // this rank's pieces is one or the other (grads()).
   options.bucket_key = [this, group_of, unit_of, n_groups, n_units](const std::string& name) {
@@ -145,113 +106,105 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
     options.bucket_mb = options.first_bucket_mb = 1e9;
     options.on_launch = [this](std::size_t bucket) { shards_->bucket_launched(bucket); };
   }
-  // Identical replicas (parameters and buffers from dp rank 0; with deferred initialisation every
-  // rank replays the same recipes instead), then DDP's gradient buckets in reduce-scatter mode.
-  if (!deferred) ddp::broadcast_module(*module_, *dp_);
-  // A parameter's initial value, read once into its flat buffer.
-  const auto initial = [&deferred](const std::string& name, const at::Tensor& p) {
-    return deferred ? deferred->value(name).reshape({-1}) : p.detach().reshape({-1});
-  };
-  buckets_ = std::make_unique<ddp::GradBuckets>(module_, dp_, options);
+  return options;
+}
 
-  std::map<std::string, int64_t> index;
-  for (const auto& item : module_->named_parameters()) {
-    if (!item.value().requires_grad()) continue;
-    index[item.key()] = static_cast<int64_t>(params_.size());
-    params_.push_back(item.value());
-  }
+void ZeroEngine::add_bucket(std::size_t bi, const std::map<std::string, int64_t>& index,
+                            const std::map<std::string, int>& unit_of, const InitialValue& initial,
+                            bool deferred, std::map<std::string, std::size_t>& piece_of) {
   const int64_t n = dp_->size(), r = dp_->rank();
-  at::NoGradGuard no_grad;
-  std::map<std::string, std::size_t> piece_of;
-  for (std::size_t bi = 0; bi < buckets_->buckets().size(); ++bi) {
-    const ddp::BucketInfo& info = buckets_->buckets()[bi];
-    const at::Tensor& first =
-        params_.at(static_cast<std::size_t>(index.at(info.param_names.front())));
-    at::Tensor flat = at::zeros({info.padded_numel}, first.options().requires_grad(false));
-    const int64_t shard = info.padded_numel / n, lo = r * shard, hi = lo + shard;
-    std::vector<at::Tensor> members;
-    const std::size_t first_piece = pieces_.size();
-    // The reduce-scatter's shard is the gradient: stage 1 reduces once per step; stage 2 reduces
-    // every micro-step and, with several, sums the shards into an accumulator (allocated then).
-    at::Tensor acc = buckets_->bucket_shard(bi);
-    for (std::size_t k = 0; k < info.param_names.size(); ++k) {
-      const int64_t pi = index.at(info.param_names[k]);
-      at::Tensor& p = params_[static_cast<std::size_t>(pi)];
-      const int64_t off = info.offsets[k], numel = p.numel();
-      at::Tensor view = flat.narrow(0, off, numel);
-      view.copy_(initial(info.param_names[k], p));
-      // The parameter becomes a view into the bucket's flat buffer (same autograd identity, so
-      // the gradient hooks stay attached): the all-gather after each step updates it in place.
-      p.set_data(view.view(p.sizes()));
-      members.push_back(p);
-      const int64_t b = std::max(off, lo), e = std::min(off + numel, hi);
-      if (numel == 0 || b >= e) continue;
-      Piece piece;
-      piece.name = info.param_names[k];
-      piece.shape = p.sizes().vec();
-      piece.begin = b - off;
-      piece.end = e - off;
-      piece.param_index = pi;
-      piece.param = flat.narrow(0, b, e - b);
-      piece.grad = acc.narrow(0, b - lo, e - b);
-      piece.bucket = bi;
-      piece.shard_offset = b - lo;
-      for (int64_t q = off / shard; q <= (off + numel - 1) / shard; ++q)
-        piece.holders.push_back(dp_->world_ranks().at(static_cast<std::size_t>(q)));
-      piece_of[piece.name] = pieces_.size();
-      pieces_.push_back(std::move(piece));
-    }
-    if (shards_) {
-      // Stage 3: the bucket is one unit's flat parameter; the pieces live in its shard.
-      const std::size_t f = shards_->flats().size();
-      shards_->add(unit_of->at(info.param_names.front()), static_cast<int>(bi), info.param_names,
-                   members, info.offsets, flat);
-      if (deferred) core::release_free_memory();  // the unit's values, dropped
-      const at::Tensor& mine = shards_->shard(f);
-      for (std::size_t k = first_piece; k < pieces_.size(); ++k) {
-        Piece& piece = pieces_[k];
-        piece.param = mine.narrow(0, piece.shard_offset, piece.end - piece.begin);
-      }
-    }
-    flat_params_.push_back(flat);
-    grad_acc_.push_back(acc);
-    shard_acc_.emplace_back();
+  const ddp::BucketInfo& info = buckets_->buckets()[bi];
+  const at::Tensor& first =
+      params_.at(static_cast<std::size_t>(index.at(info.param_names.front())));
+  at::Tensor flat = at::zeros({info.padded_numel}, first.options().requires_grad(false));
+  const int64_t shard = info.padded_numel / n, lo = r * shard, hi = lo + shard;
+  std::vector<at::Tensor> members;
+  const std::size_t first_piece = pieces_.size();
+  // The reduce-scatter's shard is the gradient: stage 1 reduces once per step; stage 2 reduces
+  // every micro-step and, with several, sums the shards into an accumulator (allocated then).
+  at::Tensor acc = buckets_->bucket_shard(bi);
+  for (std::size_t k = 0; k < info.param_names.size(); ++k) {
+    const int64_t pi = index.at(info.param_names[k]);
+    at::Tensor& p = params_[static_cast<std::size_t>(pi)];
+    const int64_t off = info.offsets[k], numel = p.numel();
+    at::Tensor view = flat.narrow(0, off, numel);
+    view.copy_(initial(info.param_names[k], p));
+    // The parameter becomes a view into the bucket's flat buffer (same autograd identity, so
+    // the gradient hooks stay attached): the all-gather after each step updates it in place.
+    p.set_data(view.view(p.sizes()));
+    members.push_back(p);
+    const int64_t b = std::max(off, lo), e = std::min(off + numel, hi);
+    if (numel == 0 || b >= e) continue;
+    Piece piece;
+    piece.name = info.param_names[k];
+    piece.shape = p.sizes().vec();
+    piece.begin = b - off;
+    piece.end = e - off;
+    piece.param_index = pi;
+    piece.param = flat.narrow(0, b, e - b);
+    piece.grad = acc.narrow(0, b - lo, e - b);
+    piece.bucket = bi;
+    piece.shard_offset = b - lo;
+    for (int64_t q = off / shard; q <= (off + numel - 1) / shard; ++q)
+      piece.holders.push_back(dp_->world_ranks().at(static_cast<std::size_t>(q)));
+    piece_of[piece.name] = pieces_.size();
+    pieces_.push_back(std::move(piece));
   }
   if (shards_) {
-    // Frozen parameters are sharded too (a LoRA base is most of the model): per unit and dtype,
-    // gathered with the unit, never reduced.
-    std::map<std::pair<int, at::ScalarType>, std::vector<std::pair<std::string, at::Tensor>>>
-        frozen;
-    for (const auto& item : module_->named_parameters()) {
-      if (item.value().requires_grad()) continue;
-      frozen[{unit_of->at(item.key()), item.value().scalar_type()}].emplace_back(item.key(),
-                                                                                 item.value());
+    // Stage 3: the bucket is one unit's flat parameter; the pieces live in its shard.
+    const std::size_t f = shards_->flats().size();
+    shards_->add(unit_of.at(info.param_names.front()), static_cast<int>(bi), info.param_names,
+                 members, info.offsets, flat);
+    if (deferred) units::release_free_memory();  // the unit's values, dropped
+    const at::Tensor& mine = shards_->shard(f);
+    for (std::size_t k = first_piece; k < pieces_.size(); ++k) {
+      Piece& piece = pieces_[k];
+      piece.param = mine.narrow(0, piece.shard_offset, piece.end - piece.begin);
     }
-    for (auto& [key, list] : frozen) {
-      int64_t numel = 0;
-      std::vector<std::string> names;
-      std::vector<at::Tensor> params;
-      std::vector<int64_t> offsets;
-      for (auto& [name, p] : list) {
-        names.push_back(name);
-        params.push_back(p);
-        offsets.push_back(numel);
-        numel += p.numel();
-      }
-      at::Tensor flat =
-          at::zeros({(numel + n - 1) / n * n}, list.front().second.options().requires_grad(false));
-      for (std::size_t k = 0; k < params.size(); ++k) {
-        at::Tensor view = flat.narrow(0, offsets[k], params[k].numel());
-        view.copy_(initial(names[k], params[k]));
-        params[k].set_data(view.view(params[k].sizes()));
-      }
-      shards_->add(key.first, -1, names, params, offsets, flat);
-      if (deferred) core::release_free_memory();
-    }
-    shards_->finish_setup();  // everything freed: only the shards stay
-    flat_params_.clear();
   }
-  // The optimizer over this rank's pieces, group by group (same names, same weight decay).
+  flat_params_.push_back(flat);
+  grad_acc_.push_back(acc);
+  shard_acc_.emplace_back();
+}
+
+void ZeroEngine::shard_frozen(const std::map<std::string, int>& unit_of,
+                              const InitialValue& initial, bool deferred) {
+  // Frozen parameters are sharded too (a LoRA base is most of the model): per unit and dtype,
+  // gathered with the unit, never reduced.
+  const int64_t n = dp_->size();
+  std::map<std::pair<int, at::ScalarType>, std::vector<std::pair<std::string, at::Tensor>>> frozen;
+  for (const auto& item : module_->named_parameters()) {
+    if (item.value().requires_grad()) continue;
+    frozen[{unit_of.at(item.key()), item.value().scalar_type()}].emplace_back(item.key(),
+                                                                              item.value());
+  }
+  for (auto& [key, list] : frozen) {
+    int64_t numel = 0;
+    std::vector<std::string> names;
+    std::vector<at::Tensor> params;
+    std::vector<int64_t> offsets;
+    for (auto& [name, p] : list) {
+      names.push_back(name);
+      params.push_back(p);
+      offsets.push_back(numel);
+      numel += p.numel();
+    }
+    at::Tensor flat =
+        at::zeros({(numel + n - 1) / n * n}, list.front().second.options().requires_grad(false));
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      at::Tensor view = flat.narrow(0, offsets[k], params[k].numel());
+      view.copy_(initial(names[k], params[k]));
+      params[k].set_data(view.view(params[k].sizes()));
+    }
+    shards_->add(key.first, -1, names, params, offsets, flat);
+    if (deferred) units::release_free_memory();
+  }
+}
+
+std::vector<optim::ParamGroup> ZeroEngine::piece_groups(
+    const std::vector<optim::ParamGroup>& groups,
+    const std::map<std::string, std::size_t>& piece_of) const {
+  // Group by group: same names, same weight decay.
   std::vector<optim::ParamGroup> sharded;
   for (const auto& g : groups) {
     optim::ParamGroup s;
@@ -265,8 +218,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module,
     }
     sharded.push_back(std::move(s));
   }
-  optimizer_ = make(std::move(sharded));
-  core::log::info("{}", describe());
+  return sharded;
 }
 
 ZeroEngine::~ZeroEngine() = default;
@@ -336,19 +288,12 @@ void ZeroEngine::forward_backward_split(int micro_steps, const MicroStepFns& fns
 }
 
 std::vector<optim::GradGroup> ZeroEngine::grads() {
-  // Every element of the gradient lives in exactly one dp rank's shard; under tensor parallelism
-  // the tp-sharded pieces are also summed over tp, the others are the same on every tp rank.
-  optim::GradGroup whole, sharded;
+  // Every element of the gradient lives in exactly one dp rank's shard.
+  std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& p : pieces_) {
-    if (p.param.grad().defined())
-      (tp_.active() && tp_.is_sharded(p.name) ? sharded : whole).grads.push_back(p.param.grad());
+    if (p.param.grad().defined()) named.emplace_back(p.name, p.param.grad());
   }
-  whole.sharded_over.push_back(dp_.get());
-  sharded.sharded_over.push_back(dp_.get());
-  if (!tp_.active()) return {std::move(whole)};
-  whole.replicated_over.push_back(tp_.tp.get());
-  sharded.sharded_over.push_back(tp_.tp.get());
-  return {std::move(whole), std::move(sharded)};
+  return grad_groups(named, /*dp_sharded=*/true);
 }
 
 void ZeroEngine::update(double lr) {
@@ -378,12 +323,12 @@ void ZeroEngine::zero_grad() {
 }
 
 std::vector<StatePiece> ZeroEngine::optimizer_state() {
-  held_ = optimizer_->state();
+  const auto& held = hold_optimizer_state();
   std::map<std::string, const Piece*> by_name;
   for (const auto& p : pieces_) by_name[p.name] = &p;
   const int me = dp_->world_ranks().at(static_cast<std::size_t>(dp_->rank()));
   std::vector<StatePiece> out;
-  for (auto& [key, t] : held_) {
+  for (const auto& [key, t] : held) {
     if (key == "step") {  // the optimizer's step count: the same on every rank
       out.push_back(StatePiece{key, t, t.sizes().vec(),
                                std::vector<int64_t>(static_cast<std::size_t>(t.dim()), 0),
@@ -407,12 +352,6 @@ std::vector<StatePiece> ZeroEngine::optimizer_state() {
     out.push_back(StatePiece{key, t.detach().view({-1}), p.shape, {}, {me}, p.begin});
   }
   return out;
-}
-
-void ZeroEngine::optimizer_state_loaded() {
-  std::map<std::string, at::Tensor> live(held_.begin(), held_.end());
-  optimizer_->load_state(live);
-  held_.clear();
 }
 
 std::vector<StatePiece> ZeroEngine::model_state() {
@@ -463,8 +402,7 @@ void ZeroEngine::release_full_params() {
 }
 
 EngineMemory ZeroEngine::memory() {
-  EngineMemory m;
-  std::vector<at::Tensor> params, grads, state;
+  std::vector<at::Tensor> params, grads;
   if (shards_) {
     for (const auto& f : shards_->flats()) {
       params.push_back(f.shard);
@@ -478,12 +416,7 @@ EngineMemory ZeroEngine::memory() {
     grads.push_back(buckets_->bucket_shard(bi));
     grads.push_back(shard_acc_[bi]);  // stage 2 with accumulation only
   }
-  for (const auto& [key, t] : optimizer_->state())
-    if (key != "step" && t.dim() > 0) state.push_back(t);
-  m.params = storage_bytes(params);
-  m.grads = storage_bytes(grads);
-  m.optimizer = storage_bytes(state);
-  return m;
+  return measure(params, grads);
 }
 
 }  // namespace parallax::parallel::zero

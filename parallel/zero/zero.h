@@ -25,6 +25,9 @@
 // Stage 3 saves the parameters the same way (model_state()). Nothing depends on the bucket layout,
 // so a checkpoint loads under any dp size, ZeRO stage or bucket size.
 //
+// Memory. parallel/memory.h's zero_memory_rule predicts what memory() measures, from the same
+// bucket keys (bucket_key.h) and DDP's bucket assignment.
+//
 // Gradient memory. Stage 1 keeps persistent flat gradient buffers (the parameters' gradients are
 // views into them, accumulating locally over micro-steps). Stages 2 and 3's buckets are transient:
 // each gradient is copied into its bucket's buffer as autograd produces it and dropped, and the
@@ -36,27 +39,27 @@
 // GPUs when the communication stream has used it.
 //
 // Deferred initialisation (stage 3). Given the recipes of a model built under
-// core::DeferredInitScope (its parameters placeholders, core::place_deferred), the engine fills
+// units::DeferredInitScope (its parameters placeholders, units::place_deferred), the engine fills
 // each unit's flat parameter from the recipes and keeps only this rank's shard, one unit at a
 // time: no rank ever holds the whole model, and the values are bitwise those of a full build
 // (every rank replays the same recipes, so nothing is broadcast).
 #pragma once
 
-#include "core/param_init.h"
+#include "parallel/ddp/data_parallel_engine.h"
 #include "parallel/ddp/ddp.h"
-#include "parallel/engine.h"
+#include "parallel/zero/bucket_key.h"
 #include "parallel/zero/param_shards.h"
+#include "units/param_init.h"
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
 
 namespace parallax::parallel::zero {
 
-// The bucket key of a parameter of optimizer group `group` (-1: none) and, under stage 3, of unit
-// `unit` of `n_units` (-1: not keyed by unit): buckets never mix groups (their weight decay
-// differs), units (stage 3 gathers and frees a unit's flat parameter) or tp-sharded with
-// tp-replicated parameters. Keys ascend in reverse unit order, so buckets come out (and are
-// launched) last unit first, the order of the backward. `n_groups`: the group count + 1.
-int bucket_key(int group, int unit, int n_groups, int n_units, bool tp_sharded);
-
-class ZeroEngine : public Engine {
+class ZeroEngine : public ddp::DataParallelEngine {
  public:
   // `stage` 1, 2 or 3. Broadcasts parameters and buffers from dp rank 0, builds the buckets and
   // the flat parameter buffers, then the optimizer over this rank's pieces with `make`. Stage 3
@@ -68,9 +71,9 @@ class ZeroEngine : public Engine {
   // model's recipes (deferred initialisation above); null: the parameters hold their values.
   ZeroEngine(std::shared_ptr<torch::nn::Module> module, std::vector<optim::ParamGroup> groups,
              const OptimizerFactory& make, comm::CommPtr dp, ddp::DdpOptions options, int stage,
-             std::vector<core::Unit> units = {}, bool prefetch = true, bool always_gather = false,
+             std::vector<units::Unit> units = {}, bool prefetch = true, bool always_gather = false,
              TensorParallelInfo tp = {},
-             std::shared_ptr<const core::DeferredInit> deferred = nullptr);
+             std::shared_ptr<const units::DeferredInit> deferred = nullptr);
   ~ZeroEngine() override;
 
   std::string describe() const override;
@@ -79,13 +82,10 @@ class ZeroEngine : public Engine {
   std::vector<optim::GradGroup> grads() override;
   void update(double lr) override;
   void zero_grad() override;
-  optim::Optimizer& optimizer() override { return *optimizer_; }
-  std::vector<int> model_replicas() const override { return dp_->world_ranks(); }
-  comm::CommPtr data_parallel_group() const override { return dp_; }
-  const TensorParallelInfo& tensor_parallel() const override { return tp_; }
+  // One flat range per parameter piece of this rank; per-parameter scalars replicated over the
+  // piece's holders.
   std::vector<StatePiece> optimizer_state() override;
-  void optimizer_state_loaded() override;
-  core::UnitHooks* unit_hooks() override { return shards_.get(); }
+  units::UnitHooks* unit_hooks() override { return shards_.get(); }
   // Stage 3 over N > 1 ranks: each parameter's flat range in this rank's shard, and the buffers
   // (whole, replicated over dp); otherwise empty (the module's tensors are whole).
   std::vector<StatePiece> model_state() override;
@@ -93,22 +93,10 @@ class ZeroEngine : public Engine {
   void release_full_params() override;
   void commit_full_params() override;
 
-  // What memory() measures after a step, predicted for fp32 `params` (this rank's, registration
-  // order; parallel/build_engine.h: predicted_memory): the buckets this engine would build and
-  // this rank's shard of each (parameters, gradients, optimizer state), frozen parameters whole
-  // (stage 3 over several ranks: 1/N of each unit's).
-  static EngineMemory memory_rule(int stage, const std::vector<ParamInfo>& params,
-                                  const MemoryQuery& q);
   // Parameters (whole: the flat buffers; stage 3: the shards and whatever is gathered now),
   // gradients (flat buffers, the reduce-scatter shards and, stages 2 and 3, the shard
   // accumulators), optimizer state (moments and masters of this rank's pieces).
   EngineMemory memory() override;
-
-  // The gradient buckets' timers (parallel/ddp/ddp.h): the last synced backward and the
-  // reduce-scatter time it did not hide.
-  double last_backward_ms() const override { return buckets_->last_backward_ms(); }
-  double last_exposed_comm_ms() const override { return buckets_->last_exposed_comm_ms(); }
-  bool timed() const override { return timing_; }
 
  private:
   // A parameter's part in this rank's shard: elements [begin, end) of the flattened parameter.
@@ -123,10 +111,31 @@ class ZeroEngine : public Engine {
     int64_t shard_offset = 0;
   };
 
-  std::shared_ptr<torch::nn::Module> module_;
-  comm::CommPtr dp_;
+  // The constructor's steps, in its order.
+  // Each parameter's unit (stage 3; Error for a parameter in no unit or in two); empty otherwise.
+  std::map<std::string, int> units_of_params(const std::vector<units::Unit>& units) const;
+  // ZeRO's bucket options over DDP's: reduce-scatter, transient under stages 2 and 3, keyed by
+  // group, unit and tp sharding (stage 3: no caps, and the launch tells the shards).
+  ddp::DdpOptions bucket_options(ddp::DdpOptions options,
+                                 const std::vector<optim::ParamGroup>& groups,
+                                 std::shared_ptr<const std::map<std::string, int>> unit_of,
+                                 int n_units);
+  // A parameter's initial value, flattened (from `deferred`'s recipes, else its own).
+  using InitialValue = std::function<at::Tensor(const std::string&, const at::Tensor&)>;
+  // Bucket `bi`'s flat parameter buffer, its parameters made views of it, and this rank's pieces
+  // (piece_of: index in pieces_ by name); stage 3 hands the buffer to the shards.
+  void add_bucket(std::size_t bi, const std::map<std::string, int64_t>& index,
+                  const std::map<std::string, int>& unit_of, const InitialValue& initial,
+                  bool deferred, std::map<std::string, std::size_t>& piece_of);
+  // Stage 3: the frozen parameters sharded per (unit, dtype), gathered with their unit.
+  void shard_frozen(const std::map<std::string, int>& unit_of, const InitialValue& initial,
+                    bool deferred);
+  // The optimizer's groups over this rank's pieces (same names and weight decay as `groups`).
+  std::vector<optim::ParamGroup> piece_groups(
+      const std::vector<optim::ParamGroup>& groups,
+      const std::map<std::string, std::size_t>& piece_of) const;
+
   int stage_;
-  bool timing_ = true;
   bool broadcast_buffers_ = true;  // parallel.ddp.broadcast_buffers, before each forward
   // Stages 2 and 3 over several ranks: every micro-step is reduce-scattered (transient buckets) and
   // the shards accumulate. With one rank there is nothing to scatter: the gradients accumulate in
@@ -139,10 +148,7 @@ class ZeroEngine : public Engine {
   bool accumulating_pieces_ = false;           // the pieces' gradients point into shard_acc_
   std::vector<at::Tensor> params_;             // trainable parameters, registration order
   std::vector<Piece> pieces_;
-  std::unique_ptr<optim::Optimizer> optimizer_;
-  std::vector<std::pair<std::string, at::Tensor>> held_;  // the last optimizer_state()
-  std::unique_ptr<ParamShards> shards_;                   // stage 3
-  TensorParallelInfo tp_;  // tp-sharded and replicated parameters never share a bucket
+  std::unique_ptr<ParamShards> shards_;  // stage 3
 };
 
 }  // namespace parallax::parallel::zero

@@ -15,8 +15,8 @@
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/training_state.h"
+#include "comm/world.h"
 #include "core/error.h"
-#include "parallel/comm/world.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -71,7 +71,7 @@ SaveState state_of(uint64_t seed, int64_t step, int64_t kib, int rank, int world
 
 int kill_loop(const std::string& dir, uint64_t seed, int64_t kib, int64_t first_step = 1,
               int64_t last_step = -1) {
-  auto& w = parallel::comm::World::current();
+  auto& w = comm::World::current();
   CheckpointerOptions o;
   o.keep_last = 2;
   o.timeout_s = 60;
@@ -128,7 +128,7 @@ struct Model : torch::nn::Module {
 };
 
 int make_model(const std::string& run_dir, uint64_t seed, bool nonfinite) {
-  auto& w = parallel::comm::World::current();
+  auto& w = comm::World::current();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   Model model;
   {
@@ -183,7 +183,7 @@ int main(int argc, char** argv) {
   const uint64_t seed = std::stoull(argv[3]);
   try {
     if (cmd == "verify") return verify(dir, seed);
-    parallel::comm::World world;
+    comm::World world;
     if (cmd == "kill-loop" && argc == 5) {
       // Resume after the last committed step, as a restarted job would.
       const auto latest = latest_checkpoint(dir);

@@ -2,8 +2,8 @@
 // the `--dir=` argument. Test scaffolding only.
 #pragma once
 
-#include "parallel/comm/communicator.h"
-#include "parallel/comm/world.h"
+#include "comm/communicator.h"
+#include "comm/world.h"
 
 #include <ATen/ATen.h>
 
@@ -14,7 +14,7 @@
 namespace parallax::ckpt_test {
 
 struct MpiEnv {
-  parallel::comm::CommPtr comm;
+  comm::CommPtr comm;
   std::string dir;
   static MpiEnv& get();
 

@@ -4,7 +4,7 @@
 // prints results on rank 0 only, failures on every rank with the rank.
 #include "mpi_env.h"
 
-#include "parallel/comm/factory.h"
+#include "comm/factory.h"
 #include "tests/common/mpi_gtest.h"
 
 #include <gtest/gtest.h>
@@ -27,8 +27,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--dir=", 6) == 0) env.dir = argv[i] + 6;
   }
-  parallax::parallel::comm::World world;
-  env.comm = parallax::parallel::comm::make_world_communicator(world, "mpi");
+  parallax::comm::World world;
+  env.comm = parallax::comm::make_world_communicator(world, "mpi");
   parallax::testing::install_rank_printer(world.rank());
   const int rc = RUN_ALL_TESTS();
   env.comm.reset();

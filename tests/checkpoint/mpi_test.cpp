@@ -134,10 +134,10 @@ TEST(CheckpointMpiTest, AsyncSaveCommitsOnEveryRankWhileTrainingGoesOn) {
     // keep changing the state and running collectives on the training communicator.
     for (;;) {
       big.add_(1.0f);
-      env.comm->all_reduce(big, parallel::comm::ReduceOp::kAvg);
+      env.comm->all_reduce(big, comm::ReduceOp::kAvg);
       ck.poll();
       at::Tensor busy = at::full({1}, ck.busy() ? 1.0f : 0.0f);
-      env.comm->all_reduce(busy, parallel::comm::ReduceOp::kMax);
+      env.comm->all_reduce(busy, comm::ReduceOp::kMax);
       if (busy.item<float>() == 0.0f) break;
     }
     ck.wait();

@@ -1,8 +1,8 @@
 // Multi-rank tests of the Communicator, run by every rank of an mpirun (mpi, nccl) or
 // torchrun-style (gloo) launch with 2 or 4 ranks. Every expected value is computed independently on
 // each rank from the other ranks' inputs, which every rank regenerates from their seeds.
+#include "comm/topology.h"
 #include "core/error.h"
-#include "parallel/comm/topology.h"
 #include "tests/comm/comm_test_util.h"
 
 #include <gtest/gtest.h>
@@ -10,8 +10,8 @@
 #include <map>
 
 using namespace parallax;
-using namespace parallax::parallel::comm;
-using namespace parallax::parallel::comm::testing;
+using namespace parallax::comm;
+using namespace parallax::comm::testing;
 
 namespace {
 
@@ -481,7 +481,7 @@ std::vector<int> group_of(const std::vector<std::vector<int>>& groups, int r) {
   return {};
 }
 
-void check_layout(const CommPtr& world, Layout layout, const Groups& expected) {
+void check_layout(const CommPtr& world, RankLayout layout, const Groups& expected) {
   Topology topo(world, layout);
   const int r = world->rank();
   for (const auto& [name, groups] : expected) {

@@ -1,7 +1,7 @@
 // main() of the multi-rank comm tests: one World per process; every rank runs the same tests in the
 // same order (they are collective). Rank 0 prints GoogleTest's usual output; other ranks print only
 // their failures, prefixed with the rank.
-#include "parallel/comm/world.h"
+#include "comm/world.h"
 
 #include "tests/comm/comm_test_util.h"
 #include "tests/common/mpi_gtest.h"
@@ -12,11 +12,11 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   int rc = 1;
   {
-    parallax::parallel::comm::World world;
+    parallax::comm::World world;
     if (parallax::testing::skip_without_gpus(world)) return 0;
     parallax::testing::install_rank_printer(world.rank());
     rc = RUN_ALL_TESTS();
-    parallax::parallel::comm::testing::world_comm_slot().reset();
+    parallax::comm::testing::world_comm_slot().reset();
   }
   return rc;
 }

@@ -3,9 +3,9 @@
 // and reproducible random inputs every rank can regenerate for every other rank.
 #pragma once
 
-#include "parallel/comm/communicator.h"
-#include "parallel/comm/factory.h"
-#include "parallel/comm/world.h"
+#include "comm/communicator.h"
+#include "comm/factory.h"
+#include "comm/world.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <string>
 
-namespace parallax::parallel::comm::testing {
+namespace parallax::comm::testing {
 
 inline std::string test_backend() {
   const char* b = std::getenv("PARALLAX_TEST_BACKEND");
@@ -59,4 +59,4 @@ inline uint64_t seed_of(uint64_t test_case, int rank) {
   return 0x9E3779B97F4A7C15ULL * (test_case + 1) + 7919ULL * rank;
 }
 
-}  // namespace parallax::parallel::comm::testing
+}  // namespace parallax::comm::testing

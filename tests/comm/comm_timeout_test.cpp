@@ -7,8 +7,8 @@
 // so the ranks report their results through the World's store and rank 0 ends the job with
 // World::abort(0 or 1) (MPI_Abort under mpirun; each rank _Exits with its own code otherwise).
 // This is the documented way out after a TimeoutError.
+#include "comm/flight_recorder.h"
 #include "core/error.h"
-#include "parallel/comm/flight_recorder.h"
 #include "tests/comm/comm_test_util.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -21,8 +21,8 @@
 #include <thread>
 
 using namespace parallax;
-using namespace parallax::parallel::comm;
-using namespace parallax::parallel::comm::testing;
+using namespace parallax::comm;
+using namespace parallax::comm::testing;
 
 namespace {
 

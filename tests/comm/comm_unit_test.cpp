@@ -1,11 +1,11 @@
 // Single-process tests of the comm layer: launcher detection, layouts, chunking, options, the
 // flight recorder, and a one-rank World with each CPU backend.
+#include "comm/factory.h"
+#include "comm/flight_recorder.h"
+#include "comm/startup.h"
+#include "comm/topology.h"
+#include "comm/world.h"
 #include "core/error.h"
-#include "parallel/comm/factory.h"
-#include "parallel/comm/flight_recorder.h"
-#include "parallel/comm/startup.h"
-#include "parallel/comm/topology.h"
-#include "parallel/comm/world.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -17,7 +17,7 @@
 #include <thread>
 
 using namespace parallax;
-using namespace parallax::parallel::comm;
+using namespace parallax::comm;
 
 namespace {
 
@@ -128,7 +128,7 @@ TEST(LaunchTest, MalformedOrMissingVariablesAreNamed) {
 }
 
 TEST(LayoutTest, ResolvesAutomaticDp) {
-  Layout l = resolve_layout(8, 0, 2, 2);
+  RankLayout l = resolve_layout(8, 0, 2, 2);
   EXPECT_EQ(l.dp, 2);
   EXPECT_EQ(l.tp, 2);
   EXPECT_EQ(l.pp, 2);
@@ -151,7 +151,7 @@ TEST(LayoutTest, ImpossibleLayoutsNameTheirNumbers) {
 }
 
 TEST(LayoutTest, TensorParallelIsInnermostAndPipelineOutermost) {
-  const Layout l = resolve_layout(8, 2, 2, 2);
+  const RankLayout l = resolve_layout(8, 2, 2, 2);
   // The example of topology.h, written out.
   EXPECT_EQ(group_ranks(l, "tp", 5), (std::vector<int>{4, 5}));
   EXPECT_EQ(group_ranks(l, "dp", 5), (std::vector<int>{5, 7}));

@@ -37,7 +37,7 @@ void install_rank_printer(int rank) {
   listeners.Append(new RankFailurePrinter(rank));
 }
 
-bool skip_without_gpus(const parallel::comm::World& world) {
+bool skip_without_gpus(const comm::World& world) {
   const char* backend = std::getenv("PARALLAX_TEST_BACKEND");
   if (!backend || std::string(backend) != "nccl") return false;
   if (world.cuda_device_count() >= world.launch().local_world_size) return false;

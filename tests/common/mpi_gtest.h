@@ -1,7 +1,7 @@
 // Support for GoogleTest binaries that run under mpirun: rank-aware output and the GPU skip rule.
 #pragma once
 
-#include "parallel/comm/world.h"
+#include "comm/world.h"
 
 namespace parallax::testing {
 
@@ -11,6 +11,6 @@ void install_rank_printer(int rank);
 
 // True, after printing the `PARALLAX_SKIP` line ctest treats as a skip, when
 // PARALLAX_TEST_BACKEND=nccl and this node has fewer GPUs than ranks.
-bool skip_without_gpus(const parallel::comm::World& world);
+bool skip_without_gpus(const comm::World& world);
 
 }  // namespace parallax::testing

@@ -188,14 +188,14 @@ TEST(BevModelTest, GradientsReachEveryParameter) {
 TEST(BevModelTest, CheckpointingEveryBlockGivesTheSameGradients) {
   at::manual_seed(35);
   auto model = build_model(bev_config("tiny", "vit"), core::SceneSpec{});
-  const auto blocks = model->checkpointable_blocks();
+  const auto blocks = model->recomputable_blocks();
   ASSERT_EQ(blocks.size(), 2u + 2u);  // 2 ViT blocks + 2 BEV encoder blocks
   for (const auto& b : blocks) ASSERT_TRUE(std::dynamic_pointer_cast<Block>(b));
   const auto batch = model->example_batch(1);
   std::vector<at::Tensor> grads[2];
   double losses[2];
   for (int ckpt = 0; ckpt < 2; ++ckpt) {
-    for (const auto& b : blocks) std::dynamic_pointer_cast<Block>(b)->set_checkpointing(ckpt == 1);
+    for (const auto& b : blocks) std::dynamic_pointer_cast<Block>(b)->set_recompute(ckpt == 1);
     model->zero_grad();
     auto loss = model->loss(batch, model->forward(batch));
     loss.total.backward();

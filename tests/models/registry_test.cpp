@@ -1,8 +1,8 @@
 // The registry: every name builds, analytic costs agree with the built models, bad names throw.
 #include "core/error.h"
-#include "core/param_init.h"
 #include "models/model.h"
 #include "models/perception_model.h"
+#include "units/param_init.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -103,9 +103,9 @@ ModelConfig config_of(const BuildCase& c) {
   return cfg;
 }
 
-// Shape-only construction (core/param_init.h, what `parallax plan` builds): the same parameters and
-// buffers as a full build (names, shapes, dtypes, requires_grad, units, costs), none of them with
-// storage.
+// Shape-only construction (units/param_init.h, what `parallax plan` builds): the same parameters
+// and buffers as a full build (names, shapes, dtypes, requires_grad, units, costs), none of them
+// with storage.
 TEST(RegistryTest, AShapeOnlyBuildHasTheFullBuildsTensorsAndHoldsNoStorage) {
   for (const BuildCase c : {BuildCase{"mlp", "tiny", "vit"}, BuildCase{"vit_cls", "tiny", "vit"},
                             BuildCase{"bev", "tiny", "vit"}, BuildCase{"bev", "tiny", "conv"},
@@ -115,15 +115,15 @@ TEST(RegistryTest, AShapeOnlyBuildHasTheFullBuildsTensorsAndHoldsNoStorage) {
     const core::SceneSpec scene = benchmark_scene(cfg.name == "bev" ? c.size : "tiny");
     std::shared_ptr<Model> meta;
     {
-      core::ShapeOnlyScope shape_only;
-      EXPECT_TRUE(core::shape_only());
+      units::ShapeOnlyScope shape_only;
+      EXPECT_TRUE(units::shape_only());
       meta = build_model(cfg, scene);
     }
-    EXPECT_FALSE(core::shape_only());
+    EXPECT_FALSE(units::shape_only());
     at::manual_seed(52);
     const auto full = build_model(cfg, scene);
-    EXPECT_TRUE(core::is_shape_only(*meta));
-    EXPECT_FALSE(core::is_shape_only(*full));
+    EXPECT_TRUE(units::is_shape_only(*meta));
+    EXPECT_FALSE(units::is_shape_only(*full));
     const auto mp = meta->named_parameters(), fp = full->named_parameters();
     ASSERT_EQ(mp.size(), fp.size());
     for (std::size_t i = 0; i < mp.size(); ++i) {
@@ -147,7 +147,7 @@ TEST(RegistryTest, AShapeOnlyBuildHasTheFullBuildsTensorsAndHoldsNoStorage) {
   }
 }
 
-// Deferred construction (core/param_init.h; ZeRO-3's parallel.meta_init): no parameter holds
+// Deferred construction (units/param_init.h; ZeRO-3's parallel.meta_init): no parameter holds
 // more than one element of storage, every parameter's and buffer's recipe gives bitwise the full
 // build's value, in any order, and the generator ends where the full build leaves it (what the
 // trainer draws next, LoRA adapters say, is unchanged).
@@ -162,14 +162,14 @@ TEST(RegistryTest, ADeferredBuildReplaysTheFullBuildsValuesBitwise) {
     const at::Tensor after_full = at::randn({16});
     at::manual_seed(7);
     std::shared_ptr<Model> deferred;
-    std::shared_ptr<core::DeferredInit> recipes;
+    std::shared_ptr<units::DeferredInit> recipes;
     {
-      core::DeferredInitScope scope;
-      EXPECT_EQ(core::deferred_init(), scope.recipes().get());
+      units::DeferredInitScope scope;
+      EXPECT_EQ(units::deferred_init(), scope.recipes().get());
       deferred = build_model(cfg, scene);
       recipes = scope.recipes();
     }
-    EXPECT_EQ(core::deferred_init(), nullptr);
+    EXPECT_EQ(units::deferred_init(), nullptr);
     EXPECT_TRUE(at::equal(at::randn({16}), after_full));
     const auto fp = full->named_parameters(), dp = deferred->named_parameters();
     ASSERT_EQ(fp.size(), dp.size());
@@ -187,7 +187,7 @@ TEST(RegistryTest, ADeferredBuildReplaysTheFullBuildsValuesBitwise) {
     for (const auto& b : full->named_buffers())
       EXPECT_TRUE(at::equal(recipes->value(b.key()), b.value())) << b.key();
     // Placed on the CPU: buffers take their values in place; parameters stay placeholders.
-    core::place_deferred(*deferred, *recipes, c10::Device(c10::kCPU));
+    units::place_deferred(*deferred, *recipes, c10::Device(c10::kCPU));
     const auto fb = full->named_buffers(), db = deferred->named_buffers();
     for (std::size_t i = 0; i < fb.size(); ++i)
       EXPECT_TRUE(at::equal(db[i].value(), fb[i].value())) << fb[i].key();

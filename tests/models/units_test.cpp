@@ -50,11 +50,11 @@ std::shared_ptr<Model> build(const Case& c) {
   return build_model(cfg, core::SceneSpec{});
 }
 
-void set_checkpointing(Model& model, bool on) {
-  for (const auto& b : model.checkpointable_blocks()) {
-    auto block = std::dynamic_pointer_cast<CheckpointableBlock>(b);
+void set_recompute(Model& model, bool on) {
+  for (const auto& b : model.recomputable_blocks()) {
+    auto block = std::dynamic_pointer_cast<RecomputableBlock>(b);
     ASSERT_TRUE(block);
-    block->set_checkpointing(on);
+    block->set_recompute(on);
   }
 }
 
@@ -273,8 +273,8 @@ TEST(UnitsTest, EachUnitReadsOnlyItsOwnParametersInsideItsWindow) {
       SCOPED_TRACE(label(c) + (ckpt ? " checkpointed" : ""));
       at::manual_seed(43);
       auto model = build(c);
-      if (ckpt && model->checkpointable_blocks().empty()) continue;
-      set_checkpointing(*model, ckpt);
+      if (ckpt && model->recomputable_blocks().empty()) continue;
+      set_recompute(*model, ckpt);
       const core::TensorDict batch =
           model->example_batch(1);  // one sample: fast, and every check is elementwise
       const Step plain = train_step(*model, batch, nullptr);
@@ -355,7 +355,7 @@ TEST(UnitsTest, ForwardWithoutHooksIsTheComposedForwardBitForBit) {
 TEST(UnitsTest, CheckpointedBlocksWithHooksGiveTheGradientsWithout) {
   at::manual_seed(53);
   auto model = build(kTiny[2]);  // bev tiny, ViT backbone: transformer and conv blocks
-  set_checkpointing(*model, true);
+  set_recompute(*model, true);
   const core::TensorDict batch =
       model->example_batch(1);  // one sample: fast, and every check is elementwise
   const Step plain = train_step(*model, batch, nullptr);
@@ -505,7 +505,7 @@ TEST(UnitsTest, Fp8LayersInCheckpointedBlocksMatchTheRunWithoutCheckpointing) {
         at::manual_seed(43);
         models.push_back(build(c));
         ASSERT_GT(enable_fp8(*models.back(), o), 0);
-        set_checkpointing(*models.back(), ckpt);
+        set_recompute(*models.back(), ckpt);
       }
       const core::TensorDict batch = models[0]->example_batch(1);
       for (int step = 0; step < 2; ++step) {

@@ -45,7 +45,7 @@ TEST(VitClassifierTest, ParameterCountMatchesTimmVitBase16) {
   EXPECT_EQ(params["vit.block11.attn.qkv.bias"].sizes(), at::IntArrayRef({2304}));
   EXPECT_EQ(params["vit.block11.mlp.fc1.weight"].sizes(), at::IntArrayRef({3072, 768}));
   EXPECT_EQ(params["head.weight"].sizes(), at::IntArrayRef({1000, 768}));
-  EXPECT_EQ(model->checkpointable_blocks().size(), 12u);
+  EXPECT_EQ(model->recomputable_blocks().size(), 12u);
 }
 
 TEST(VitClassifierTest, FlopsMatchFvcoreWithinTwoPercent) {

@@ -1,6 +1,6 @@
-// Activation checkpointing (models/checkpointable): identical gradients with and without it,
+// Activation checkpointing (models/recompute.h): identical gradients with and without it,
 // dropout masks replayed, plain execution where nothing would be saved.
-#include "models/checkpointable.h"
+#include "models/recompute.h"
 
 #include <gtest/gtest.h>
 #include <torch/nn/modules/dropout.h>
@@ -10,7 +10,7 @@ using namespace parallax;
 
 namespace {
 
-class DropoutMlpBlock : public models::CheckpointableBlock {
+class DropoutMlpBlock : public models::RecomputableBlock {
  public:
   DropoutMlpBlock() {
     fc1 = register_module("fc1", torch::nn::Linear(16, 32));
@@ -32,8 +32,8 @@ TEST(ActivationCheckpointTest, GradientsIdenticalWithAndWithoutCheckpointing) {
   const at::Tensor x = at::randn({4, 8});
   std::vector<at::Tensor> grads[2];
   for (int ckpt = 0; ckpt < 2; ++ckpt) {
-    b1->set_checkpointing(ckpt == 1);
-    b2->set_checkpointing(ckpt == 1);
+    b1->set_recompute(ckpt == 1);
+    b2->set_recompute(ckpt == 1);
     for (auto& p : b1->parameters()) p.mutable_grad() = at::Tensor();
     for (auto& p : b2->parameters()) p.mutable_grad() = at::Tensor();
     for (auto& p : stem->parameters()) p.mutable_grad() = at::Tensor();
@@ -54,7 +54,7 @@ TEST(ActivationCheckpointTest, GradientsIdenticalWithAndWithoutCheckpointing) {
 
 TEST(ActivationCheckpointTest, NoGradForwardAndEvalRunPlainly) {
   auto b = std::make_shared<DropoutMlpBlock>();
-  b->set_checkpointing(true);
+  b->set_recompute(true);
   b->eval();
   const at::Tensor x = at::randn({2, 16}, at::requires_grad());
   EXPECT_TRUE(at::equal(b->forward(x), b->forward_impl(x)));

@@ -15,13 +15,13 @@
 // all-reduce), the bound is that sum's alone. Across ranks, parameters must be bitwise identical
 // after every step.
 #include "parallel/ddp/ddp.h"
+#include "comm/factory.h"
+#include "comm/world.h"
 #include "core/error.h"
-#include "models/checkpointable.h"
 #include "models/model.h"
+#include "models/recompute.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
-#include "parallel/comm/factory.h"
-#include "parallel/comm/world.h"
 #include "tests/common/no_tf32.h"
 #include "tests/common/tolerance.h"
 
@@ -32,7 +32,7 @@
 #include <algorithm>
 
 using namespace parallax;
-namespace comm = parallax::parallel::comm;
+namespace comm = parallax::comm;
 namespace ddp = parallax::parallel::ddp;
 namespace tol = parallax::testing;
 
@@ -741,7 +741,7 @@ TEST_F(DdpTest, InfOnOneRankSkipsTheStepEverywhere) {
 
 namespace {
 
-struct ResBlock : models::CheckpointableBlock {
+struct ResBlock : models::RecomputableBlock {
   ResBlock() { fc = register_module("fc", torch::nn::Linear(24, 24)); }
   at::Tensor forward_impl(const at::Tensor& x) override { return x + at::gelu(fc(x)); }
   torch::nn::Linear fc{nullptr};
@@ -768,8 +768,8 @@ TEST_F(DdpTest, ActivationCheckpointingGivesIdenticalGradients) {
   auto b = std::make_shared<BlockNet>();
   a->to(test_device());
   b->to(test_device());
-  a->b1->set_checkpointing(true);
-  a->b2->set_checkpointing(true);
+  a->b1->set_recompute(true);
+  a->b2->set_recompute(true);
   ddp::DdpOptions o;
   o.bucket_mb = 0.001;  // a bucket per parameter or two: hooks inside the recomputation launch them
   o.first_bucket_mb = 0.001;
@@ -794,6 +794,77 @@ TEST_F(DdpTest, ActivationCheckpointingGivesIdenticalGradients) {
   }
   EXPECT_TRUE(at::equal(flat_params(*a), flat_params(*b)));
 }
+
+namespace {
+
+// Check 2's ingredients per BEV loss term (the test below): {K_whole, the elements summed over the
+// whole batch; the term's perturbation c u sum mu / D}, from the whole batch's predictions, its
+// targets and its recorded counts (class counts, heatmap positives, boxes).
+std::map<std::string, std::pair<double, double>> bev_loss_term_bounds(
+    const core::TensorDict& whole_pred, const core::TensorDict& batch,
+    const std::vector<at::Tensor>& whole_counts) {
+  const double u = tol::kFp32Unit;
+  const at::Tensor logits = whole_pred.at("bev_logits").to(at::kDouble),
+                   heat = whole_pred.at("heatmap").to(at::kDouble);
+  const at::Tensor boxes = batch.at("boxes").to(at::kDouble);
+  const double classes = static_cast<double>(logits.size(1));
+  const double seg_pert = 32 * u * (3 * logits.abs().max().item<double>() + std::log(classes) + 1);
+  // The focal and L1 normalisers: the whole batch's counts (recorded above), at least 1.
+  const double heat_pert = 64 * u * (heat.abs() + 1).sum().item<double>() /
+                           std::max(1.0, whole_counts[1].item<double>());
+  const double box_pert =
+      32 * u *
+      (4 + boxes.select(-1, 2).abs() + boxes.narrow(-1, 3, 3).clamp_min(1e-3).log().abs().sum(-1))
+          .sum()
+          .item<double>() /
+      std::max(1.0, whole_counts[2].item<double>());
+  return {
+      {"seg_ce", {static_cast<double>(logits.numel()) / classes, seg_pert}},
+      {"heatmap_focal", {static_cast<double>(heat.numel()) + 1, heat_pert}},
+      {"box_l1", {static_cast<double>(boxes.numel()) + 1, box_pert}},  // 9 per box >= 8 codes + 1
+  };
+}
+
+// One forward, loss and DDP backward of `net` on this rank's `mine`, with the mean over the
+// replicas installed on the model (`replica_mean`) or without: the averaged gradient, the loss
+// terms averaged over the ranks, and what the replica mean returned.
+struct DdpRun {
+  at::Tensor grad;
+  std::map<std::string, double> terms;  // averaged over the ranks
+  std::vector<at::Tensor> normalisers;  // what the replica mean returned
+};
+DdpRun bev_ddp_run(models::Model& net, ddp::DistributedDataParallel& engine,
+                   comm::Communicator& world, const core::TensorDict& mine, bool replica_mean) {
+  DdpRun run;
+  if (replica_mean) {
+    net.set_replica_mean([&](const at::Tensor& t) {
+      at::Tensor x = t.detach().to(at::kFloat).clone();
+      world.all_reduce(x, comm::ReduceOp::kAvg);
+      run.normalisers.push_back(x.clone());
+      return x;
+    });
+  } else {
+    net.set_replica_mean({});
+  }
+  for (auto& p : net.parameters()) p.mutable_grad() = at::Tensor();
+  const models::LossOutput loss = net.loss(mine, net.forward(mine));
+  engine.before_forward();
+  engine.before_backward();
+  loss.total.backward();
+  engine.finalize_backward();
+  for (const auto& [k, v] : loss.terms) {
+    at::Tensor m = v.detach().to(at::kDouble).clone();
+    world.all_reduce(m, comm::ReduceOp::kAvg);
+    run.terms[k] = m.item<double>();
+  }
+  std::vector<at::Tensor> parts;
+  for (const auto& g : engine.gradients()) parts.push_back(g.reshape({-1}).clone());
+  run.grad = at::cat(parts);
+  net.set_replica_mean({});  // the lambda refers to `run`
+  return run;
+}
+
+}  // namespace
 
 // The perception model's losses are normalised by counts in the batch (centre cells, target boxes,
 // labelled cells per class), which differ between the ranks' slices. With the mean over the
@@ -887,63 +958,13 @@ TEST_F(DdpTest, BevLossNormalisersSpanTheWholeBatch) {
   }
 
   ddp::DistributedDataParallel engine(net, world_, {});
-  struct DdpRun {
-    at::Tensor grad;
-    std::map<std::string, double> terms;  // averaged over the ranks
-    std::vector<at::Tensor> normalisers;  // what the replica mean returned
-  };
   auto ddp_run = [&](bool replica_mean) {
-    DdpRun run;
-    if (replica_mean) {
-      net->set_replica_mean([&](const at::Tensor& t) {
-        at::Tensor x = t.detach().to(at::kFloat).clone();
-        world_->all_reduce(x, comm::ReduceOp::kAvg);
-        run.normalisers.push_back(x.clone());
-        return x;
-      });
-    } else {
-      net->set_replica_mean({});
-    }
-    for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
-    const models::LossOutput loss = net->loss(mine, net->forward(mine));
-    engine.before_forward();
-    engine.before_backward();
-    loss.total.backward();
-    engine.finalize_backward();
-    for (const auto& [k, v] : loss.terms) {
-      at::Tensor m = v.detach().to(at::kDouble).clone();
-      world_->all_reduce(m, comm::ReduceOp::kAvg);
-      run.terms[k] = m.item<double>();
-    }
-    std::vector<at::Tensor> parts;
-    for (const auto& g : engine.gradients()) parts.push_back(g.reshape({-1}).clone());
-    run.grad = at::cat(parts);
-    net->set_replica_mean({});  // the lambda refers to `run`
-    return run;
+    return bev_ddp_run(*net, engine, *world_, mine, replica_mean);
   };
 
   // Check 2's bounds, per term: gamma(K_whole + K_rank + n + 4) of the value, plus c u sum mu / D.
-  const double u = tol::kFp32Unit;
-  const at::Tensor logits = whole_pred.at("bev_logits").to(at::kDouble),
-                   heat = whole_pred.at("heatmap").to(at::kDouble);
-  const at::Tensor boxes = batch.at("boxes").to(at::kDouble);
-  const double classes = static_cast<double>(logits.size(1));
-  const double seg_pert = 32 * u * (3 * logits.abs().max().item<double>() + std::log(classes) + 1);
-  // The focal and L1 normalisers: the whole batch's counts (recorded above), at least 1.
-  const double heat_pert = 64 * u * (heat.abs() + 1).sum().item<double>() /
-                           std::max(1.0, whole_counts[1].item<double>());
-  const double box_pert =
-      32 * u *
-      (4 + boxes.select(-1, 2).abs() + boxes.narrow(-1, 3, 3).clamp_min(1e-3).log().abs().sum(-1))
-          .sum()
-          .item<double>() /
-      std::max(1.0, whole_counts[2].item<double>());
-  const std::map<std::string, std::pair<double, double>> term_bound = {
-      // {K_whole: elements summed over the whole batch, the term's perturbation}
-      {"seg_ce", {static_cast<double>(logits.numel()) / classes, seg_pert}},
-      {"heatmap_focal", {static_cast<double>(heat.numel()) + 1, heat_pert}},
-      {"box_l1", {static_cast<double>(boxes.numel()) + 1, box_pert}},  // 9 per box >= 8 codes + 1
-  };
+  const std::map<std::string, std::pair<double, double>> term_bound =
+      bev_loss_term_bounds(whole_pred, batch, whole_counts);
   auto term_gap = [&](const DdpRun& run, const std::string& k) {
     const double a = run.terms.at(k), b = whole.terms.at(k).item<double>();
     const auto [kw, pert] = term_bound.at(k);

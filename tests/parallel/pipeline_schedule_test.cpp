@@ -1,9 +1,11 @@
-// Pipeline schedules as global plans (parallel/pipeline/schedule.h): every schedule passes its
-// check over a grid of (pp, micro-batches, virtual stages); broken plans (a missing receive, a
-// send to the wrong rank, an order that deadlocks, a missing backward) are caught before any step
-// and named; the simulated bubble equals its formula where the formula is exact; the partition.
-#include "parallel/pipeline/pipeline_engine.h"
+// Pipeline schedules as global plans (parallel/pipeline/schedule.h, schedule_check.h): every
+// schedule passes its check over a grid of (pp, micro-batches, virtual stages); broken plans (a
+// missing receive, a send to the wrong rank, an order that deadlocks, a missing backward) are
+// caught before any step and named; the simulated bubble equals its formula where the formula is
+// exact; the partition.
+#include "parallel/pipeline/partition.h"
 #include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/schedule_check.h"
 #include "parallel/plan.h"
 
 #include "core/error.h"

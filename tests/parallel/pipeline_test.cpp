@@ -36,13 +36,13 @@
 // of the pixels and cells: the same units, side inputs and loss terms, and pp alone still bitwise.
 #include "parallel/pipeline/pipeline_engine.h"
 
+#include "comm/factory.h"
+#include "comm/topology.h"
+#include "comm/world.h"
 #include "models/model.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
 #include "parallel/build_engine.h"
-#include "parallel/comm/factory.h"
-#include "parallel/comm/topology.h"
-#include "parallel/comm/world.h"
 #include "parallel/parallelize.h"
 #include "parallel/tensor/tensor_parallel.h"
 #include "tests/common/model_parallel.h"
@@ -64,7 +64,7 @@
 #include <vector>
 
 using namespace parallax;
-namespace comm = parallax::parallel::comm;
+namespace comm = parallax::comm;
 namespace par = parallax::parallel;
 namespace pl = parallax::parallel::pipeline;
 namespace tensor = parallax::parallel::tensor;
@@ -184,6 +184,7 @@ const Reference& reference(const comm::CommPtr& world, const comm::CommPtr& self
     o.mode = par::ddp::BucketMode::kFlat;
     auto engine =
         par::build_engine(par::Plan{}, dense, groups_of(*dense), optimizer_of(c), self, o);
+    engine->set_micro_batches(c.micro);
     par::StepFns fns;
     fns.forward_loss = [&](int i) {
       at::Tensor l = dense->loss(whole[i], dense->forward(whole[i])).total / c.micro;
@@ -191,7 +192,7 @@ const Reference& reference(const comm::CommPtr& world, const comm::CommPtr& self
     };
     auto row = stats.accessor<double, 2>();
     for (int step = 0; step < c.steps; ++step) {
-      row[step][0] = engine->step(c.micro, fns, false).at("loss").item<double>();
+      row[step][0] = engine->step(fns, false).at("loss").item<double>();
       row[step][1] = optim::clip_grad_norm(engine->grads(), 0).item<double>();
       for (int64_t j = 0; j < P; ++j) {
         const at::Tensor& g = params[static_cast<std::size_t>(j)].grad();
@@ -303,7 +304,7 @@ void compare(const comm::CommPtr& world, const comm::CommPtr& self, const Case& 
   std::map<std::string, double> moved;  // the parameters' bound after the steps so far (above)
   for (int step = 0; step < c.steps; ++step) {
     finished = 0;
-    const par::LossTerms terms = engine.step(c.micro, fns, false);
+    const par::LossTerms terms = engine.step(fns, false);
     const at::Tensor& ref_loss = want.loss[static_cast<std::size_t>(step)];
     // Only the last stage computes the loss; the engine sends its terms to every stage.
     EXPECT_EQ(finished, last_stage ? c.micro : 0);
@@ -548,7 +549,7 @@ void compare_messages(const comm::CommPtr& world, const comm::CommPtr& self,
   auto split = std::make_shared<ScaleChain>(units, width);
   const MessagesReference& want = messages_reference(world, self, units, rows, width, micro);
   const std::vector<at::Tensor>& inputs = want.inputs;
-  std::vector<core::Unit> chain;
+  std::vector<units::Unit> chain;
   for (int k = 0; k < units; ++k)
     chain.push_back({fmt::format("unit{}", k), {fmt::format("s{}", k)}});
   par::ddp::DdpOptions o;
@@ -569,7 +570,7 @@ void compare_messages(const comm::CommPtr& world, const comm::CommPtr& self,
   fns.finish = [&](int, const std::vector<at::Tensor>& out) {
     return out.at(0).square().mean() / micro;
   };
-  engine.forward_backward_stages(micro, fns, false);
+  engine.forward_backward_stages(fns, false);
   engine.update(kMessagesLr);
   par::FullParams full(engine);
   for (int k = 0; k < units; ++k)

@@ -23,15 +23,15 @@
 // and the observed differences are below 5e-2 of the bound (printed as "tolerance:" lines).
 #include "parallel/tensor/tensor_parallel.h"
 
+#include "comm/factory.h"
+#include "comm/topology.h"
+#include "comm/world.h"
 #include "models/model.h"
 #include "models/perception_model.h"
 #include "models/vit.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
 #include "parallel/build_engine.h"
-#include "parallel/comm/factory.h"
-#include "parallel/comm/topology.h"
-#include "parallel/comm/world.h"
 #include "tests/common/model_parallel.h"
 #include "tests/common/no_tf32.h"
 #include "tests/common/tolerance.h"
@@ -44,7 +44,7 @@
 #include <map>
 
 using namespace parallax;
-namespace comm = parallax::parallel::comm;
+namespace comm = parallax::comm;
 namespace par = parallax::parallel;
 namespace tensor = parallax::parallel::tensor;
 namespace tol = parallax::testing;

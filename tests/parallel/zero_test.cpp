@@ -15,27 +15,30 @@
 //    bound of 0 are left out (the first Adam step is lr * sign(g) there).
 //  - across ranks, parameters are bitwise identical after every step (one all-gather).
 #include "parallel/zero/zero.h"
-#include "core/param_init.h"
+#include "comm/factory.h"
+#include "comm/world.h"
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
 #include "parallel/build_engine.h"
-#include "parallel/comm/factory.h"
-#include "parallel/comm/world.h"
+#include "parallel/memory.h"
 #include "tests/common/no_tf32.h"
 #include "tests/common/tolerance.h"
+#include "units/param_init.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
+#include <map>
 #include <random>
 #include <set>
 #include <tuple>
 
 using namespace parallax;
-namespace comm = parallax::parallel::comm;
+namespace comm = parallax::comm;
 namespace par = parallax::parallel;
 namespace tol = parallax::testing;
 
@@ -53,13 +56,13 @@ c10::Device test_device() {
 // Odd sizes, so buckets and shards cut through parameters; a 1-D bias group and a 2-D decay group.
 // Three units (one per layer) whose forwards call the engine's unit hooks, as the models do.
 struct Net : torch::nn::Module {
-  // Through core::layer, as the model zoo builds its LibTorch layers, so a deferred build of it
+  // Through units::layer, as the model zoo builds its LibTorch layers, so a deferred build of it
   // records recipes (the same draws as torch::nn::Linear's constructor otherwise).
   Net() {
     using L = torch::nn::Linear;
-    fc1 = register_module("fc1", core::layer<L>(torch::nn::LinearOptions(13, 37)));
-    fc2 = register_module("fc2", core::layer<L>(torch::nn::LinearOptions(37, 29)));
-    fc3 = register_module("fc3", core::layer<L>(torch::nn::LinearOptions(29, 5)));
+    fc1 = register_module("fc1", units::layer<L>(torch::nn::LinearOptions(13, 37)));
+    fc2 = register_module("fc2", units::layer<L>(torch::nn::LinearOptions(37, 29)));
+    fc3 = register_module("fc3", units::layer<L>(torch::nn::LinearOptions(29, 5)));
   }
   // Unit i: fc1 + gelu, fc2 + gelu, fc3.
   at::Tensor unit(int i, const at::Tensor& x) {
@@ -69,14 +72,14 @@ struct Net : torch::nn::Module {
     return y;
   }
   at::Tensor forward(const at::Tensor& x) { return unit(2, unit(1, unit(0, x))); }
-  static std::vector<core::Unit> units() {
-    std::vector<core::Unit> out;
+  static std::vector<units::Unit> units() {
+    std::vector<units::Unit> out;
     for (const char* m : {"fc1", "fc2", "fc3"})
       out.push_back({m, {std::string(m) + ".weight", std::string(m) + ".bias"}});
     return out;
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
-  core::UnitHooks* hooks = nullptr;
+  units::UnitHooks* hooks = nullptr;
 };
 
 std::shared_ptr<Net> make_net(uint64_t seed) {
@@ -136,20 +139,58 @@ void train_three_steps(par::Engine& zero, Net& net, int first_batch, int rank, i
   }
 }
 
-// A Net built under deferred construction (core/param_init.h) from `seed`, placed on the test
+// A Net built under deferred construction (units/param_init.h) from `seed`, placed on the test
 // device: placeholders, and the recipes that give its full build's values.
-std::pair<std::shared_ptr<Net>, std::shared_ptr<core::DeferredInit>> deferred_net(uint64_t seed) {
+std::pair<std::shared_ptr<Net>, std::shared_ptr<units::DeferredInit>> deferred_net(uint64_t seed) {
   at::manual_seed(seed);
   std::shared_ptr<Net> net;
-  std::shared_ptr<core::DeferredInit> recipes;
+  std::shared_ptr<units::DeferredInit> recipes;
   {
-    core::DeferredInitScope scope;
+    units::DeferredInitScope scope;
     net = std::make_shared<Net>();
-    core::finish_deferred(*net);
+    units::finish_deferred(*net);
     recipes = scope.recipes();
   }
-  core::place_deferred(*net, *recipes, test_device());
+  units::place_deferred(*net, *recipes, test_device());
   return {net, recipes};
+}
+
+// The sum over `accum` micro-steps of |each micro-step's local gradient| (micro(net, i): its loss)
+// on a plain net holding `src`'s parameters, per parameter in registration order.
+std::vector<at::Tensor> local_abs_grad_sum(Net& src, int accum,
+                                           const std::function<at::Tensor(Net&, int)>& micro) {
+  std::vector<at::Tensor> abs_sum;
+  for (int i = 0; i < accum; ++i) {
+    auto probe = make_net(1);
+    {
+      at::NoGradGuard ng;
+      const auto pp = probe->parameters(), from = src.parameters();
+      for (std::size_t k = 0; k < pp.size(); ++k) pp[k].copy_(from[k]);
+    }
+    micro(*probe, i).backward();
+    const auto pp = probe->parameters();
+    for (std::size_t k = 0; k < pp.size(); ++k) {
+      at::Tensor a = pp[k].grad().abs().to(at::kDouble);
+      if (abs_sum.size() <= k)
+        abs_sum.push_back(a);
+      else
+        abs_sum[k] += a;
+    }
+  }
+  return abs_sum;
+}
+
+// One update from a fresh state, elementwise: ZeRO's parameters `b` against DDP's `a` (both from
+// `before`), where the gradient `g` is well above its bound `gb` (well-conditioned first Adam
+// steps).
+void expect_same_first_update(const at::Tensor& before, const at::Tensor& a, const at::Tensor& b,
+                              const at::Tensor& g, const at::Tensor& gb, double lr, int stage) {
+  const at::Tensor ok = g.abs() > 2 * gb;
+  const at::Tensor tolerance = 16 * tol::kFp32Unit * (before.abs() + lr);
+  EXPECT_TRUE(((a - b).abs() <= tolerance).logical_or(ok.logical_not()).all().item<bool>())
+      << "stage " << stage << ": max diff " << ((a - b).abs() * ok).max().item<double>();
+  EXPECT_GT(ok.sum().item<int64_t>(), g.numel() / 2);
+  EXPECT_FALSE(at::equal(before, b)) << "the step did not move the parameters";
 }
 
 class ZeroTest : public ::testing::TestWithParam<int> {
@@ -173,6 +214,24 @@ class ZeroTest : public ::testing::TestWithParam<int> {
     p.layout.dp = n_;
     p.zero_stage = stage;
     return p;
+  }
+  // DDP's averaged gradient of each of `net0`'s parameters (flat, double) and its bound: the sum
+  // over ranks of `abs_sum` (local_abs_grad_sum), / n, times 2 gamma of the n x accum terms
+  // (exact for two terms in one micro-step).
+  void ddp_grads_and_bounds(torch::nn::Module& net0, const std::vector<at::Tensor>& abs_sum,
+                            int accum, std::map<std::string, at::Tensor>& ddp_grad,
+                            std::map<std::string, at::Tensor>& bound) const {
+    const auto named0 = net0.named_parameters();
+    for (std::size_t k = 0; k < named0.size(); ++k) {
+      at::Tensor s = abs_sum[k].to(world_->device_type() == c10::kCPU ? c10::Device(c10::kCPU)
+                                                                      : test_device());
+      world_->all_reduce(s, comm::ReduceOp::kSum);
+      const double terms = static_cast<double>(n_ * accum);
+      bound[named0[k].key()] =
+          (terms == 2 && accum == 1 ? 0.0 : 2 * tol::gamma_k(terms)) * s.cpu() / n_;
+      ddp_grad[named0[k].key()] =
+          named0[k].value().grad().detach().cpu().to(at::kDouble).reshape({-1});
+    }
   }
   parallax::testing::NoTf32 no_tf32_;
   comm::CommPtr world_;
@@ -250,40 +309,13 @@ TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
           accum, [&](int i) { return micro(*netz, i); }, true);
       // S: the sum of |local gradient terms| over ranks and micro-steps, / n (a plain net, per
       // micro-step).
-      std::vector<at::Tensor> abs_sum;
-      for (int i = 0; i < accum; ++i) {
-        auto probe = make_net(1);
-        {
-          at::NoGradGuard ng;
-          const auto pp = probe->parameters(), src = net0->parameters();  // = netz's
-          for (std::size_t k = 0; k < pp.size(); ++k) pp[k].copy_(src[k]);
-        }
-        micro(*probe, i).backward();
-        const auto pp = probe->parameters();
-        for (std::size_t k = 0; k < pp.size(); ++k) {
-          at::Tensor a = pp[k].grad().abs().to(at::kDouble);
-          if (abs_sum.size() <= k)
-            abs_sum.push_back(a);
-          else
-            abs_sum[k] += a;
-        }
-      }
+      const std::vector<at::Tensor> abs_sum = local_abs_grad_sum(*net0, accum, micro);  // = netz's
       // Each ZeRO piece against the same range of DDP's gradient.
       const auto zg = zero->grads();
       ASSERT_EQ(zg.size(), 1u);
       ASSERT_EQ(zg[0].sharded_over.size(), 1u);
       std::map<std::string, at::Tensor> ddp_grad, bound;
-      const auto named0 = net0->named_parameters();
-      for (std::size_t k = 0; k < named0.size(); ++k) {
-        at::Tensor s = abs_sum[k].to(world_->device_type() == c10::kCPU ? c10::Device(c10::kCPU)
-                                                                        : test_device());
-        world_->all_reduce(s, comm::ReduceOp::kSum);
-        const double terms = static_cast<double>(n_ * accum);
-        bound[named0[k].key()] =
-            (terms == 2 && accum == 1 ? 0.0 : 2 * tol::gamma_k(terms)) * s.cpu() / n_;
-        ddp_grad[named0[k].key()] =
-            named0[k].value().grad().detach().cpu().to(at::kDouble).reshape({-1});
-      }
+      ddp_grads_and_bounds(*net0, abs_sum, accum, ddp_grad, bound);
       // Pieces: the optimizer's groups hold them, named by their parameter. Where each starts in
       // its parameter: stage 3 says so (model_state(): the same ranges of the shards); otherwise
       // the parameter is a view of the same flat buffer.
@@ -342,13 +374,7 @@ TEST_P(ZeroTest, MatchesDdpGradientsOneStepAndKeepsReplicasIdentical) {
           gs.push_back(ddp_grad[it.key()]);
           bs.push_back(bound[it.key()].reshape({-1}));
         }
-        const at::Tensor g = at::cat(gs), gb = at::cat(bs);
-        const at::Tensor ok = g.abs() > 2 * gb;  // well-conditioned first Adam steps
-        const at::Tensor tolerance = 16 * tol::kFp32Unit * (before.abs() + lr);
-        EXPECT_TRUE(((a - b).abs() <= tolerance).logical_or(ok.logical_not()).all().item<bool>())
-            << "stage " << stage << ": max diff " << ((a - b).abs() * ok).max().item<double>();
-        EXPECT_GT(ok.sum().item<int64_t>(), g.numel() / 2);
-        EXPECT_FALSE(at::equal(before, b)) << "the step did not move the parameters";
+        expect_same_first_update(before, a, b, at::cat(gs), at::cat(bs), lr, stage);
       } else {
         zero->update(lr);
       }
@@ -457,7 +483,7 @@ TEST_P(ZeroTest, PredictedMemoryEqualsTheMeasuredOnEveryRank) {
       q.groups = static_cast<int>(groups.size());
       q.optimizer_bytes_per_element = 8;  // AdamW: two fp32 moments
       q.ddp = bucket_options();
-      const std::vector<core::Unit> units = Net::units();
+      const std::vector<units::Unit> units = Net::units();
       std::vector<par::ParamInfo> params;
       for (const auto& item : net->named_parameters()) {
         par::ParamInfo info;
@@ -647,7 +673,7 @@ TEST_F(Zero3Test, DeferredInitialisationGivesBitwiseTheWeightsOfAFullBuild) {
   std::vector<at::Tensor> out;
   for (const bool deferred : {false, true}) {
     std::shared_ptr<Net> net;
-    std::shared_ptr<core::DeferredInit> recipes;
+    std::shared_ptr<units::DeferredInit> recipes;
     if (deferred) {
       std::tie(net, recipes) = deferred_net(29);
       for (const auto& p : net->parameters())

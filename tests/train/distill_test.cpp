@@ -1,8 +1,8 @@
-// Distillation (train/distill.h): the KL term against a float64 hand computation, gradients that
-// reach only the student (and the feature projection), a teacher that stays bit-unchanged, a
+// Distillation (train/distill/distill.h): the KL term against a float64 hand computation, gradients
+// that reach only the student (and the feature projection), a teacher that stays bit-unchanged, a
 // teacher grid resampled to the student's, and the attention-kernel order the teacher leaves as
 // the student set it.
-#include "train/distill.h"
+#include "train/distill/distill.h"
 
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/weights.h"
@@ -227,8 +227,8 @@ TEST(DistillTest, TheTeacherLoadsStrictlyAndKeepsTheStudentsAttentionKernel) {
   train::RunConfig cfg;
   cfg.model = bev("tiny");
   cfg.model.attention = "math";
-  cfg.distill.teacher = dir;
-  cfg.distill.teacher_backbone = "vit";
+  train::distill::config(cfg).teacher = dir;
+  train::distill::config(cfg).teacher_backbone = "vit";
   auto teacher = train::distill::build_teacher(cfg, scene);
   EXPECT_EQ(at::globalContext().sDPPriorityOrder()[0], at::SDPBackend::math);
   const auto want = saved->named_parameters();
@@ -240,14 +240,14 @@ TEST(DistillTest, TheTeacherLoadsStrictlyAndKeepsTheStudentsAttentionKernel) {
   models::set_attention_backend("auto");
 
   // Weights of another model: strict loading names the tensors.
-  cfg.distill.teacher_backbone = "conv";
+  train::distill::config(cfg).teacher_backbone = "conv";
   try {
     train::distill::build_teacher(cfg, scene);
     ADD_FAILURE() << "a ViT checkpoint loaded into a conv teacher";
   } catch (const CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find("encoder."), std::string::npos) << e.what();
   }
-  cfg.distill.teacher = (tmp.path / "nowhere").string();
+  train::distill::config(cfg).teacher = (tmp.path / "nowhere").string();
   try {
     train::distill::build_teacher(cfg, scene);
     ADD_FAILURE() << "a missing teacher accepted";

@@ -1,5 +1,5 @@
-// LoRA (train/lora.h, models/layers.h DenseLinear::add_lora): the adapter's arithmetic, its merge,
-// and the config errors. One process, CPU, fp32. The trainer-level behaviour (adapter-only
+// LoRA (train/lora/lora.h, models/layers.h DenseLinear::add_lora): the adapter's arithmetic, its
+// merge, and the config errors. One process, CPU, fp32. The trainer-level behaviour (adapter-only
 // checkpoints, base fingerprint, DDP and ZeRO-3, merged export) is tests/train/test_lora.py.
 //
 // Tolerance (tests/TOLERANCES.md): the merged layer computes x (W + s B A)^T + b, the adapted one
@@ -8,8 +8,9 @@
 // rounded at most (in + r + 3) times, so they differ by at most
 // 2 gamma(in + r + 3) (|x| |W|^T + s |x| |A|^T |B|^T + |b|) elementwise (the magnitudes computed
 // in float64): the bound covers either form.
-#include "train/lora.h"
+#include "train/lora/lora.h"
 #include "core/error.h"
+#include "core/glob.h"
 #include "models/layers.h"
 #include "models/model.h"
 #include "tests/common/tolerance.h"
@@ -142,8 +143,8 @@ TEST(LoraTest, ARankAboveTheSmallestTargetedLayerIsRefusedNamingIt) {
   int64_t bound = -1;
   for (const auto& item : model->named_modules("", false)) {
     auto* d = dynamic_cast<models::DenseLinearImpl*>(item.value().get());
-    if (d == nullptr || !(train::lora::glob_match(c.targets[0], item.key()) ||
-                          train::lora::glob_match(c.targets[1], item.key())))
+    if (d == nullptr ||
+        !(core::glob_match(c.targets[0], item.key()) || core::glob_match(c.targets[1], item.key())))
       continue;
     const int64_t dim = std::min(d->weight.size(0), d->weight.size(1));
     if (bound < 0 || dim < bound) {

@@ -199,7 +199,7 @@ TEST(PlannerLayouts, PipelineKeepsTheScheduleInFlightMicroBatches) {
   train::planner::Hardware hw;
   hw.gpus = 2;
   hw.cuda = false;
-  train::planner::Layout l;
+  train::planner::Candidate l;
   l.pp = 2;
   l.micro_batch = 1;
   l.micro_batches = 8;
@@ -244,7 +244,7 @@ TEST(PlannerMemory, Fp8SavesTheBlocksLinearInputsAndWeightsAsFp8) {
   ASSERT_GT(tokens * dim * hidden * blocks, 0);
   train::planner::Hardware hw;
   hw.gpus = 1;
-  train::planner::Layout l;
+  train::planner::Candidate l;
   l.micro_batch = 4;
   l.micro_batches = 2;
   const auto a = train::planner::predict(cbf, l, hw);

@@ -1,8 +1,8 @@
-// QAT (models/quant.h, train/qat.h): the fake-quant arithmetic and its straight-through gradient,
-// the calibrators on known distributions, the quantizers' placement on bev tiny, and the
+// QAT (models/quant.h, train/qat/qat.h): the fake-quant arithmetic and its straight-through
+// gradient, the calibrators on known distributions, the quantizers' placement on bev tiny, and the
 // calibration of a whole model. One process, CPU, fp32. The trainer-level behaviour (PTQ and QAT
 // through the CLI, DDP, resume, the config errors) is tests/train/test_qat.py.
-#include "train/qat.h"
+#include "train/qat/qat.h"
 
 #include "core/error.h"
 #include "models/layers.h"
@@ -542,7 +542,7 @@ TEST(QatTest, HardestCalibratesOnTheHighestLossBatchesOfThePool) {
       cfg.calib_select = select;
       cfg.calib_pool = kPool;
       const auto ls = train::qat::apply(*m, cfg);
-      const parallel::comm::CommPtr none;
+      const comm::CommPtr none;
       const train::TrainingStart start{
           *m,
           false,
@@ -596,7 +596,7 @@ TEST(QatTest, CalibrationFreezesEveryQuantizerAndTheModelStaysCloseToFp32) {
     }
     model->train();
     int drawn = 0;
-    const parallel::comm::CommPtr none;
+    const comm::CommPtr none;
     const train::TrainingStart start{*model,
                                      false,
                                      none,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""LoRA through the real `parallax` binary (issue 21; train/lora.h), vit_cls tiny on CPU:
+"""LoRA through the real `parallax` binary (issue 21; train/lora/lora.h), vit_cls tiny on CPU:
 
 - a base run, then `mpirun -np 2 parallax train ... lora.rank=4 lora.base=<base run>` (DDP):
   only the adapters train (the exported merged weights equal the base's everywhere but the adapted

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""QAT and PTQ through the real `parallax` binary (issue 21, the qat part; train/qat.h), bev_tiny
+"""QAT and PTQ through the real `parallax` binary (issue 21, the qat part; train/qat/qat.h), bev_tiny
 (conv backbone) on CPU, starting from a 2-step fp32 run:
 
 - ptq (bf16 autocast) on a generated dataset: calibrates (a "prepare" row with the calibration

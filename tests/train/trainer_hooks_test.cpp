@@ -3,9 +3,9 @@
 // term, and an extra checkpoint entry saved and read back on resume.
 #include "checkpoint/reader.h"
 #include "checkpoint/save_state.h"
+#include "comm/world.h"
 #include "core/build_info.h"
 #include "models/model.h"
-#include "parallel/comm/world.h"
 #include "train/trainer.h"
 
 #include <ATen/ATen.h>
@@ -159,7 +159,7 @@ TEST_F(TrainerHooksTest, TransformFrozenModelExtraLossAndExtraCheckpointEntries)
 // equal over the kernel variants of TOLERANCES.md). Under mpirun -np 2 (trainer_hooks_np2) as well
 // as alone.
 TEST_F(TrainerHooksTest, Zero3WithAFrozenWeightBesideATrainableBiasMatchesStage0) {
-  const auto& world = parallax::parallel::comm::World::current();
+  const auto& world = parallax::comm::World::current();
   // One directory for every rank of the job (they share the launcher as parent).
   const fs::path dir =
       fs::temp_directory_path() / ("parallax_hooks_z3_" + std::to_string(::getppid()));
@@ -200,6 +200,6 @@ TEST_F(TrainerHooksTest, Zero3WithAFrozenWeightBesideATrainableBiasMatchesStage0
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  parallax::parallel::comm::World world;
+  parallax::comm::World world;
   return RUN_ALL_TESTS();
 }
