@@ -1,6 +1,6 @@
 // Plan step 4 (parallel/parallelize.h): the engine a validated plan asks for, ZeRO stage 0 (DDP, or
 // the plain step with one data-parallel rank) or ZeRO-1/2/3, over the data-parallel group. What
-// each of them will hold is predicted without building it by parallel/memory.h.
+// each of them will hold is predicted without building it by parallel/memory_rules.h.
 #pragma once
 
 #include "parallel/ddp/ddp.h"

@@ -25,7 +25,7 @@
 //
 // parallel/ sees no model or checkpoint type: the model is a torch::nn::Module, checkpoint pieces
 // are plain StatePiece values (parallel/state.h) the trainer converts. What an engine holds is
-// measured by memory() and predicted, without an engine, by the rules of parallel/memory.h.
+// measured by memory() and predicted, without an engine, by the rules of parallel/memory_rules.h.
 // The data-parallel engines share their common part (parallel/ddp/data_parallel_engine.h).
 //
 // Thread-safety: one training thread. Errors: CommError/TimeoutError from the communicators,
@@ -188,7 +188,7 @@ class Engine {
   virtual const TensorParallelInfo& tensor_parallel() const;
 
   // What this rank holds (call after a step: gradients exist only after a backward); the rules of
-  // parallel/memory.h predict the same numbers.
+  // parallel/memory_rules.h predict the same numbers.
   virtual EngineMemory memory() = 0;
 
   // Backward and exposed-communication time of the last step (ms; 0 when not measured), and

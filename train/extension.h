@@ -14,7 +14,7 @@
 #include "core/scene.h"
 #include "parallel/plan.h"
 #include "train/config_sections.h"
-#include "train/hooks.h"
+#include "train/trainer_hooks.h"
 
 #include <memory>
 #include <string>

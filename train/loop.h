@@ -5,8 +5,8 @@
 // extension by name: those are the run's engine, precision policy and hooks.
 #pragma once
 
-#include "train/hooks.h"
 #include "train/run.h"
+#include "train/trainer_hooks.h"
 
 namespace parallax::train::detail {
 

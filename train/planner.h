@@ -7,7 +7,7 @@
 //     tp through a shape-only group, so every shard has its real shape); the pipeline partition
 //     (parallel/pipeline partition) picks each rank's units and the trainer's parameter groups
 //     are formed, then each engine's own memory rule (parallel::predicted_memory,
-//     parallel/memory.h: the rules beside the DDP and ZeRO engines, with ZeRO's bucket keys,
+//     parallel/memory_rules.h: the rules beside the DDP and ZeRO engines, with ZeRO's bucket keys,
 //     DDP's bucket assignment, padding and shard ranges) gives the bytes. These are exact: a test
 //     checks them against Engine::memory() of real runs, rank by rank.
 //   - activations: the model's per-unit activation model (Model::unit_activations) times the

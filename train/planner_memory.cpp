@@ -1,5 +1,5 @@
 // The planner's memory model: the pipeline stages a candidate gives each rank, the engines' own
-// memory rules (parallel/memory.h) on each rank's parameters, and the activation model
+// memory rules (parallel/memory_rules.h) on each rank's parameters, and the activation model
 // (Model::unit_activations, Model::saved_activations) walked over the schedule
 // (train/planner_predict.h).
 #include "train/planner_predict.h"

@@ -1,13 +1,13 @@
 // Internal to the planner (train/planner.h is the API): the prediction of one candidate layout,
 // in two concerns. planner_memory.cpp: the pipeline stages a candidate gives each rank and what
-// each rank holds (the engines' own memory rules, parallel/memory.h, and the activation model).
-// planner_predict.cpp: the step time, and predict_with(), which puts memory and time together
-// into a Row. planner.cpp enumerates the candidates and calls predict_with() on each.
+// each rank holds (the engines' own memory rules, parallel/memory_rules.h, and the activation
+// model). planner_predict.cpp: the step time, and predict_with(), which puts memory and time
+// together into a Row. planner.cpp enumerates the candidates and calls predict_with() on each.
 #pragma once
 
 #include "train/planner_inventory.h"
 
-#include "parallel/memory.h"
+#include "parallel/memory_rules.h"
 
 #include <memory>
 #include <string>

@@ -3,7 +3,7 @@
 // (planner_inventory.h, planner_predict.h) and its API share them.
 #pragma once
 
-#include "parallel/memory.h"
+#include "parallel/memory_rules.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -37,8 +37,8 @@
 #include "core/scene.h"
 #include "optim/precision.h"
 #include "parallel/plan.h"
-#include "train/hooks.h"
 #include "train/run_config.h"
+#include "train/trainer_hooks.h"
 
 #include <c10/core/Device.h>
 

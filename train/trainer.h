@@ -18,8 +18,8 @@
 // communicators; DataError from the loader.
 #pragma once
 
-#include "train/hooks.h"
 #include "train/run_config.h"
+#include "train/trainer_hooks.h"
 
 #include <memory>
 

@@ -2,7 +2,7 @@
 // gradients are all-reduced by DistributedDataParallel's buckets (ddp.h) in the last micro-step,
 // the earlier ones accumulate locally (no-sync). With one data-parallel rank it is the plain
 // single-process step (no DDP object, no communication). What it shares with ZeRO is in
-// data_parallel_engine.h; its memory rule is parallel/memory.h's ddp_memory_rule.
+// data_parallel_engine.h; its memory rule is parallel/memory_rules.h's ddp_memory_rule.
 #pragma once
 
 #include "parallel/ddp/data_parallel_engine.h"

@@ -1,6 +1,6 @@
 // ZeRO's bucketing rule, the one thing the engine (zero.h) and its memory rule
-// (parallel/memory.h: zero_memory_rule) must agree on to the byte: which parameters may share a
-// gradient bucket and in which order the buckets come. Kept apart so the memory rule reads it
+// (parallel/memory_rules.h: zero_memory_rule) must agree on to the byte: which parameters may share
+// a gradient bucket and in which order the buckets come. Kept apart so the memory rule reads it
 // without depending on the engine.
 #pragma once
 

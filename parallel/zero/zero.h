@@ -25,7 +25,7 @@
 // Stage 3 saves the parameters the same way (model_state()). Nothing depends on the bucket layout,
 // so a checkpoint loads under any dp size, ZeRO stage or bucket size.
 //
-// Memory. parallel/memory.h's zero_memory_rule predicts what memory() measures, from the same
+// Memory. parallel/memory_rules.h's zero_memory_rule predicts what memory() measures, from the same
 // bucket keys (bucket_key.h) and DDP's bucket assignment.
 //
 // Gradient memory. Stage 1 keeps persistent flat gradient buffers (the parameters' gradients are

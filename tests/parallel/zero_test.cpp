@@ -20,7 +20,7 @@
 #include "optim/grad_utils.h"
 #include "optim/optimizer.h"
 #include "parallel/build_engine.h"
-#include "parallel/memory.h"
+#include "parallel/memory_rules.h"
 #include "tests/common/no_tf32.h"
 #include "tests/common/tolerance.h"
 #include "units/param_init.h"

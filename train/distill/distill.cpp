@@ -5,8 +5,8 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "models/perception_model.h"
-#include "train/hooks.h"
 #include "train/run_config.h"
+#include "train/trainer_hooks.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/conv.h>

@@ -8,8 +8,8 @@
 #include "core/log.h"
 #include "core/strings.h"
 #include "models/layers.h"
-#include "train/hooks.h"
 #include "train/run_config.h"
+#include "train/trainer_hooks.h"
 #include "units/param_init.h"
 
 #include <ATen/ATen.h>

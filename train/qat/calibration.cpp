@@ -9,8 +9,8 @@
 #include "core/log.h"
 #include "core/timer.h"
 #include "models/quant.h"
-#include "train/hooks.h"
 #include "train/preemption.h"
+#include "train/trainer_hooks.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>

@@ -9,8 +9,8 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "models/quant.h"
-#include "train/hooks.h"
 #include "train/run_config.h"
+#include "train/trainer_hooks.h"
 #include "units/param_init.h"
 
 #include <fmt/format.h>

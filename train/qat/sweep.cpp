@@ -8,7 +8,7 @@
 #include "core/files.h"
 #include "core/log.h"
 #include "core/strings.h"
-#include "train/hooks.h"
+#include "train/trainer_hooks.h"
 
 #include <fmt/format.h>
 
