@@ -11,7 +11,7 @@ APT_PKGS=(cmake ninja-build g++ ccache libopenmpi-dev openmpi-bin libhdf5-dev li
 # module name -> pip requirement
 declare -A PY_PKGS=([torch]="torch==2.13.0" [numpy]="numpy" [h5py]="h5py" [onnx]="onnx"
                     [onnxruntime]="onnxruntime" [matplotlib]="matplotlib" [PIL]="pillow" [yaml]="pyyaml"
-                    [tensorboard]="tensorboard")
+                    [tensorboard]="tensorboard" [safetensors]="safetensors")
 
 say() { echo "[setup] $*"; }
 
