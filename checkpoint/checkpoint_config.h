@@ -34,8 +34,10 @@ struct ExportConfig {
 
   template <class V>
   void visit(V& v) {
-    v("format", format, "export format: onnx (model.onnx + parity gate) | weights (weights.h5)",
-      core::Check::one_of({"onnx", "weights"}));
+    v("format", format,
+      "export format: onnx (model.onnx + parity gate) | weights (weights.h5) | safetensors "
+      "(model.safetensors)",
+      core::Check::one_of({"onnx", "weights", "safetensors"}));
     v("opset", opset, "ONNX opset (17: the one the exporter writes)", core::Check::at_least(1));
     v("parity_frames", parity_frames, "frames compared against ONNX Runtime (0: no parity gate)",
       core::Check::at_least(0));

@@ -57,19 +57,6 @@ void finish(WeightsReport& report, const WeightsOptions& options, const std::str
 
 }  // namespace
 
-std::string WeightsReport::summary() const {
-  std::vector<std::string> parts{fmt::format("loaded {}", loaded.size())};
-  if (!missing.empty()) parts.push_back("missing: " + core::join(missing, ", "));
-  if (!unexpected.empty()) parts.push_back("unexpected: " + core::join(unexpected, ", "));
-  if (!mismatched.empty()) {
-    std::vector<std::string> m;
-    for (const auto& x : mismatched)
-      m.push_back(fmt::format("{} {} saved vs {} in the model", x.name, x.saved, x.model));
-    parts.push_back("shape mismatch: " + core::join(m, ", "));
-  }
-  return core::join(parts, "; ");
-}
-
 bool is_fp8_state(const std::string& name) {
   static const std::string kHistory = ".fp8.amax_history";
   return name.size() > kHistory.size() &&
@@ -117,6 +104,13 @@ class WeightsSource {
   WeightsSource(const std::string& path, const WeightsOptions& options)
       : prefix_(options.prefix), verify_(options.verify), where_(path) {
     std::error_code ec;
+    if (is_tensor_source(path)) {
+      mapped_ =
+          std::make_unique<MappedTensors>(path, options.pretrained.value_or(PretrainedOptions{}));
+      shapes_ = mapped_->shapes();
+      format_ = mapped_->format();
+      return;
+    }
     if (!fs::is_regular_file(path, ec)) {
       owned_ = std::make_unique<CheckpointReader>(path);
       use(*owned_);
@@ -148,10 +142,36 @@ class WeightsSource {
   // Saved tensors by module path, with their (global) shapes.
   const std::map<std::string, std::vector<int64_t>>& shapes() const { return shapes_; }
   const std::string& where() const { return where_; }
+  const std::string& format() const { return format_; }
+  const MappedTensors* mapped() const { return mapped_.get(); }
 
   // Reads every box (converted to its destination's dtype and device).
   void read(const std::vector<ReadBox>& boxes) {
     at::NoGradGuard no_grad;
+    if (mapped_) {
+      // Every tensor read and checked before the first reaches the module (a refused file loads
+      // nothing); a safetensors file is memory-mapped, so the second read costs no disk.
+      if (boxes.size() > 1) {
+        std::set<std::string> checked;
+        for (const ReadBox& b : boxes) {
+          if (checked.insert(b.name).second) check_dtype(b, mapped_->read(b.name));
+        }
+      }
+      std::string name;
+      at::Tensor whole;
+      for (const ReadBox& b : boxes) {
+        if (b.name != name) {
+          whole = mapped_->read(b.name);
+          check_dtype(b, whole);
+          name = b.name;
+        }
+        at::Tensor part = whole;
+        for (std::size_t d = 0; d < b.offsets.size(); ++d)
+          part = part.narrow(static_cast<int64_t>(d), b.offsets[d], b.dest.size(d));
+        b.dest.copy_(part);
+      }
+      return;
+    }
     if (reader_ != nullptr) {
       std::vector<LoadTarget> targets;
       for (const ReadBox& b : boxes)
@@ -181,11 +201,22 @@ class WeightsSource {
   void use(CheckpointReader& reader) {
     reader_ = &reader;
     where_ = reader.dir();
+    format_ = "checkpoint";
     for (const std::string& n : reader.names(prefix_))
       shapes_[n.substr(prefix_.size())] = reader.info(n).shape;
   }
   std::string context(const std::string& name) const {
     return fmt::format("weights file '{}', tensor '{}'", where_, name);
+  }
+  // A foreign tensor must be floating for a floating module tensor, and integral for an integral
+  // one (a bool or integer tensor is no weight; a float is no step count).
+  void check_dtype(const ReadBox& b, const at::Tensor& v) const {
+    const bool want = at::isFloatingType(b.dest.scalar_type());
+    PARALLAX_CHECK(at::isFloatingType(v.scalar_type()) == want, CheckpointError,
+                   "'{}': tensor '{}' is {}, which the model's {} '{}' cannot take; nothing was "
+                   "loaded",
+                   where_, b.name, c10::toString(v.scalar_type()),
+                   c10::toString(b.dest.scalar_type()), b.name);
   }
   // Files of format version 2 and later record a checksum for every tensor; older ones none (one
   // warning, then they load unverified).
@@ -222,6 +253,8 @@ class WeightsSource {
     verified_.insert(name);
   }
   std::unique_ptr<CheckpointReader> owned_;
+  std::unique_ptr<MappedTensors> mapped_;
+  std::string format_ = "weights.h5";
   CheckpointReader* reader_ = nullptr;
   h5::Id file_;
   std::string prefix_;
@@ -234,9 +267,23 @@ class WeightsSource {
 
 // Module tensors against the saved ones: the report (CheckpointError when strict and not clean),
 // its `loaded` the tensors to read.
-WeightsReport match_weights(const std::map<std::string, at::Tensor>& model,
+WeightsReport match_weights(const std::map<std::string, at::Tensor>& all,
                             const WeightsSource& source, const WeightsOptions& options) {
   WeightsReport report;
+  report.format = source.format();
+  // model.pretrained.target=backbone: only the module's tensors under the root.
+  const std::string root = options.pretrained ? options.pretrained->root : std::string();
+  const auto under = [&](const std::string& n) { return n.rfind(root, 0) == 0; };
+  std::map<std::string, at::Tensor> model;
+  for (const auto& [name, t] : all) {
+    if (under(name)) model.emplace(name, t);
+  }
+  if (const MappedTensors* m = source.mapped()) {
+    report.ignored = m->ignored();
+    report.adapted = m->adapted();
+    report.notes = m->notes();
+    for (const std::string& n : m->unplaced()) report.unexpected.push_back(n);
+  }
   for (const auto& [name, t] : model) {
     const auto it = source.shapes().find(name);
     if (it == source.shapes().end()) {
@@ -252,7 +299,13 @@ WeightsReport match_weights(const std::map<std::string, at::Tensor>& model,
     report.loaded.push_back(name);
   }
   for (const auto& [n, shape] : source.shapes()) {
-    if (!model.count(n) && !is_aux_tensor(n)) report.unexpected.push_back(n);
+    if (model.count(n) || is_aux_tensor(n)) continue;
+    // A Parallax source read for its backbone: the rest of its model is not for this load.
+    if (!under(n)) {
+      report.ignored.push_back(n);
+      continue;
+    }
+    report.unexpected.push_back(n);
   }
   finish(report, options, source.where());
   if (!options.strict && report.loaded.empty() && !model.empty()) {

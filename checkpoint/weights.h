@@ -18,6 +18,7 @@
 // they are stored under the prefix "model/".
 #pragma once
 
+#include "checkpoint/pretrained.h"
 #include "checkpoint/reader.h"
 
 #include <torch/nn/module.h>
@@ -47,9 +48,19 @@ struct WeightsReport {
   std::vector<std::string> missing;     // in the module, not in the source
   std::vector<std::string> unexpected;  // in the source, not in the module
   std::vector<ShapeMismatch> mismatched;
+  // A foreign file (checkpoint/pretrained.h): what its convention dropped on purpose (a classifier
+  // head), the tensors whose values were adapted (a resampled position embedding), and what was
+  // done to the names (prefix, wrapper, rules).
+  std::string format;  // "checkpoint", "weights.h5", "safetensors", "torch.save"
+  std::vector<std::string> ignored, adapted, notes;
   bool clean() const { return missing.empty() && unexpected.empty() && mismatched.empty(); }
   // "loaded 12; missing: a, b; unexpected: c; shape mismatch: d [4, 8] in the checkpoint vs [4, 9]"
   std::string summary() const;
+  // The load report as a table: one line of counts per kind, then the names of each kind
+  // (`max_names` at most per kind, then "... and N more"), for the log.
+  std::string table(std::size_t max_names = 20) const;
+  // The report as one JSON object (counts and every name), for metrics.jsonl's "load" row.
+  std::string json() const;
 };
 
 // The pieces of one saved tensor a module tensor holds (WeightsOptions::boxes_of).
@@ -74,6 +85,11 @@ struct WeightsOptions {
   // weights file (HDF5 hyperslabs), never the whole tensor.
   std::function<std::optional<TensorBoxes>(const std::string& name, const at::Tensor& local)>
       boxes_of;
+  // How a foreign file (safetensors, torch.save: checkpoint/tensor_source.h) maps into the module
+  // (checkpoint/pretrained.h); unset: Parallax's own names. With a non-empty root, only the
+  // module's tensors under it are loaded or reported missing, and a Parallax source's tensors
+  // outside it are ignored.
+  std::optional<PretrainedOptions> pretrained;
 };
 
 // A training-only tensor of a model (models/model.h, kAuxModule: "aux.<module>...", or an FP8
@@ -84,8 +100,11 @@ bool is_aux_tensor(const std::string& name);
 // either when a checkpoint without it is loaded (the history starts empty).
 bool is_fp8_state(const std::string& name);
 
-// Loads `module`'s parameters and buffers from `path`: an exported weights .h5 file, or a
-// checkpoint (a checkpoint directory, a checkpoints directory or a run directory). Values are
+// Loads `module`'s parameters and buffers from `path`: an exported weights .h5 file, a checkpoint
+// (a checkpoint directory, a checkpoints directory or a run directory), or a foreign file
+// (safetensors, a sharded safetensors set, torch.save; WeightsOptions::pretrained). A foreign
+// file's tensors are all read and checked (NaN/inf, a dtype the module tensor cannot take) before
+// the first is copied into the module: a refused file loads nothing. Values are
 // converted to each module tensor's dtype and device. Throws CheckpointError (strict, or a corrupt
 // source) naming the file and tensors.
 WeightsReport load_weights(torch::nn::Module& module, const std::string& path,

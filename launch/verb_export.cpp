@@ -13,6 +13,7 @@
 #include "data/loader.h"
 #include "launch/args.h"
 #include "launch/exit_codes.h"
+#include "launch/verb_export_safetensors.h"
 #include "launch/verbs.h"
 #include "models/model.h"
 #include "models/perception_model.h"
@@ -61,9 +62,10 @@ Settings resolve_settings(const Args& args, const std::optional<train::RunConfig
   if (args.has("batch"))
     s.cfg.batch = args.get("batch") == "dynamic" ? 0 : args.get_int("batch", 0, kIntMax);
   if (args.has("external-data")) s.cfg.external_data = args.get("external-data");
-  PARALLAX_CHECK(s.cfg.format == "weights" || s.cfg.format == "onnx", UsageError,
-                 "export: unknown format '{}' ({}); expected onnx or weights", s.cfg.format,
-                 s.origin(args, "format"));
+  PARALLAX_CHECK(
+      s.cfg.format == "weights" || s.cfg.format == "onnx" || s.cfg.format == "safetensors",
+      UsageError, "export: unknown format '{}' ({}); expected onnx, weights or safetensors",
+      s.cfg.format, s.origin(args, "format"));
   PARALLAX_CHECK(s.cfg.parity_frames >= 0 && s.cfg.batch >= 0, UsageError,
                  "export: --parity-frames {} and --batch {} must not be negative",
                  s.cfg.parity_frames, s.cfg.batch);
@@ -367,11 +369,14 @@ int export_onnx(const Args&, const Settings&, const std::string&,
 int verb_export(const std::vector<std::string>& argv) {
   Args args("export", "Export a trained model from a run's checkpoint.");
   args.option("run", "DIR", "run directory (runs/<name>); its checkpoints/latest is exported")
-      .option(
-          "format", "FORMAT",
-          "onnx (model.onnx + parity gate) | weights (weights.h5) (default: export.format, onnx)")
+      .option("format", "FORMAT",
+              "onnx (model.onnx + parity gate) | weights (weights.h5) | safetensors "
+              "(model.safetensors) (default: export.format, onnx)")
       .option("dtype", "DTYPE",
-              "onnx: fp32 | fp16; weights: fp32 | bf16 (default: export.dtype, fp32)")
+              "onnx: fp32 | fp16; weights, safetensors: fp32 | bf16 (default: export.dtype, fp32)")
+      .option("convention", "NAMES",
+              "safetensors: parallax (every tensor, Parallax's names; the default) | timm | "
+              "torchvision (the backbone only, with that library's names)")
       .option("checkpoint", "PATH",
               "export this checkpoint (a step directory, a checkpoints/ directory or its "
               "latest file) instead of the run's latest")
@@ -406,6 +411,7 @@ int verb_export(const std::vector<std::string>& argv) {
           "  parallax export --run runs/bev_tiny\n"
           "  parallax export --run runs/bev_tiny --format onnx --dtype fp16 --batch 1\n"
           "  parallax export --run runs/bev_tiny --format weights --dtype bf16\n"
+          "  parallax export --run runs/bev_vitb --format safetensors --convention timm\n"
           "  parallax export --run runs/bev_tiny --format weights --checkpoint "
           "runs/bev_tiny/checkpoints/step_00000400");
   args.parse(argv);
@@ -422,6 +428,14 @@ int verb_export(const std::vector<std::string>& argv) {
   const std::optional<train::RunConfig> cfg = load_run_config(run);
   const Settings s = resolve_settings(args, cfg);
   if (s.cfg.format == "weights") return export_weights(args, s, run, cfg);
+  if (s.cfg.format == "safetensors") {
+    return export_safetensors(run, args.has("checkpoint") ? args.get("checkpoint") : "",
+                              args.has("out") ? args.get("out") : "", s.cfg.dtype,
+                              args.has("convention") ? args.get("convention") : "",
+                              args.flag_set("force"), cfg);
+  }
+  PARALLAX_CHECK(!args.has("convention"), UsageError,
+                 "export: --convention applies to --format safetensors");
   // The first SIGTERM / SIGINT stops the export at its next frame (or the parity tool) and exits
   // kExitPreempted with nothing written; a second one exits at once.
   train::PreemptionSignals signals(

@@ -106,13 +106,18 @@ std::vector<UnitActivation> PerceptionModel::unit_activations(const ActivationQu
   const double cams = static_cast<double>(spec_.scene.num_cameras);
   const double e = q.compute_bytes;
   const int64_t stride = ImageEncoderImpl::stride_of(eo);
-  const double fhw = static_cast<double>((eo.image_h / stride) * (eo.image_w / stride));
+  const bool vit = eo.backbone == "vit";
+  const double fhw =
+      static_cast<double>(vit ? VisionTransformerImpl::grid_of(eo.image_h, eo.vit) *
+                                    VisionTransformerImpl::grid_of(eo.image_w, eo.vit)
+                              : (eo.image_h / stride) * (eo.image_w / stride));
   const double feat_out = cams * fhw * static_cast<double>(eo.out_channels) * e;
   std::vector<UnitActivation> out;
-  if (eo.backbone == "vit") {
+  if (vit) {
     const double s = eo.vit.fp32_residual ? 4 : e;
-    const BlockShape b{fhw, static_cast<double>(eo.vit.dim), static_cast<double>(eo.vit.mlp_hidden),
-                       static_cast<double>(eo.vit.heads)};
+    const double tokens = fhw + static_cast<double>(eo.vit.prefix_tokens());
+    const BlockShape b{tokens, static_cast<double>(eo.vit.dim),
+                       static_cast<double>(eo.vit.mlp_hidden), static_cast<double>(eo.vit.heads)};
     out.push_back(
         {cams * embed_saved(eo.image_h, eo.image_w, q), cams * block_output(b, q, s), false});
     for (int64_t i = 0; i < eo.vit.depth; ++i)

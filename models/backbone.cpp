@@ -16,7 +16,9 @@ void check_encoder(const ImageEncoderOptions& o) {
                    o.conv.widths.size(), o.conv.blocks.size());
   }
   const int64_t s = ImageEncoderImpl::stride_of(o);
-  PARALLAX_CHECK(o.image_h % s == 0 && o.image_w % s == 0, ConfigError,
+  // A ViT that pads to whole patches (pad_to_patch) takes any size.
+  const bool pads = o.backbone == "vit" && o.vit.pad_to_patch;
+  PARALLAX_CHECK(pads || (o.image_h % s == 0 && o.image_w % s == 0), ConfigError,
                  "model.backbone '{}' has stride {}; the image size {}x{} must be divisible by it",
                  o.backbone, s, o.image_h, o.image_w);
 }
@@ -58,8 +60,19 @@ at::Tensor ImageEncoderImpl::forward(const at::Tensor& images) {
   return conv_neck_->forward(conv_->forward(images));
 }
 
+int64_t ImageEncoderImpl::feat_h() const {
+  return vit_ ? vit_->grid_h() : opts_.image_h / stride();
+}
+int64_t ImageEncoderImpl::feat_w() const {
+  return vit_ ? vit_->grid_w() : opts_.image_w / stride();
+}
+
 at::Tensor ImageEncoderImpl::vit_neck(const at::Tensor& tokens) {
-  const at::Tensor t = vit_neck_->forward(tokens);  // [BN, T, C]
+  // The prefix tokens (class, registers) attended in the blocks; the feature map is the patches'.
+  const int64_t prefix = vit_->prefix_tokens();
+  const at::Tensor patches =
+      prefix > 0 ? tokens.narrow(1, prefix, tokens.size(1) - prefix) : tokens;
+  const at::Tensor t = vit_neck_->forward(patches);  // [BN, T, C]
   // [BN, h, w, C] viewed as NCHW: channels-last strides, no copy.
   return t.view({t.size(0), vit_->grid_h(), vit_->grid_w(), t.size(2)}).permute({0, 3, 1, 2});
 }
@@ -76,7 +89,9 @@ at::Tensor ImageEncoderImpl::forward_unit(int64_t index, const at::Tensor& x) {
 std::vector<UnitPaths> ImageEncoderImpl::unit_paths(const std::string& path) const {
   if (!vit_) return {{path, {path}}};
   const std::string vit = path + ".vit";
-  std::vector<UnitPaths> specs{{vit + ".embed", {vit + ".patch_embed", vit + ".pos_embed"}}};
+  std::vector<UnitPaths> specs{
+      {vit + ".embed",
+       {vit + ".patch_embed", vit + ".cls_token", vit + ".reg_token", vit + ".pos_embed"}}};
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     const std::string block = vit + ".block" + std::to_string(i);
     specs.push_back({block, {block}});
@@ -88,8 +103,10 @@ std::vector<UnitPaths> ImageEncoderImpl::unit_paths(const std::string& path) con
 Cost ImageEncoderImpl::analytic_cost(const ImageEncoderOptions& o) {
   check_encoder(o);
   const int64_t s = stride_of(o);
-  const int64_t fh = o.image_h / s, fw = o.image_w / s;
+  int64_t fh = o.image_h / s, fw = o.image_w / s;
   if (o.backbone == "vit") {
+    fh = VisionTransformerImpl::grid_of(o.image_h, o.vit);
+    fw = VisionTransformerImpl::grid_of(o.image_w, o.vit);
     return VisionTransformerImpl::analytic_cost({o.vit, o.image_h, o.image_w, false, o.linear}) +
            linear_cost(o.vit.dim, o.out_channels, true, static_cast<double>(fh * fw));
   }

@@ -10,6 +10,7 @@
 #include "models/vit.h"
 
 #include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include <string>
 #include <vector>
@@ -56,8 +57,14 @@ class ImageEncoderImpl : public torch::nn::Module {
   onnx::Value emit_unit(onnx::Emitter& e, int64_t index, const onnx::Value& x);
 
   int64_t stride() const { return stride_of(opts_); }
-  int64_t feat_h() const { return opts_.image_h / stride(); }
-  int64_t feat_w() const { return opts_.image_w / stride(); }
+  // The feature map's size: image / stride, rounded up for a ViT that pads to whole patches, whose
+  // map then covers feat * stride pixels, more than the image (span_h(), span_w()).
+  int64_t feat_h() const;
+  int64_t feat_w() const;
+  int64_t span_h() const { return feat_h() * stride(); }
+  int64_t span_w() const { return feat_w() * stride(); }
+  // The ViT (null for other backbones): model.pretrained's load reads its geometry.
+  const VisionTransformerImpl* vit() const { return vit_.is_empty() ? nullptr : vit_.get(); }
   // The residual/transformer blocks, in forward order.
   std::vector<std::shared_ptr<Block>> blocks() const { return blocks_; }
   // Cost of one image.

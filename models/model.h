@@ -23,6 +23,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -86,6 +87,16 @@ using units::recomputed_block;
 
 // A model is a module and a units::ParallelModel: what parallel::parallelize() composes the
 // parallelisms over (units, the chain, costs, activation recompute, unit hooks).
+class VisionTransformerImpl;
+
+// A model's image backbone: its module path with a trailing dot ("encoder.vit."), its kind
+// ("vit", "resnet", "conv") and, for a ViT, the ViT (its geometry: grid, prefix tokens, patch).
+struct BackboneSite {
+  std::string path;
+  std::string kind;
+  const VisionTransformerImpl* vit = nullptr;
+};
+
 class Model : public torch::nn::Module, public units::ParallelModel {
  public:
   std::shared_ptr<torch::nn::Module> as_module() override { return shared_from_this(); }
@@ -171,6 +182,10 @@ class Model : public torch::nn::Module, public units::ParallelModel {
   // a forward or loss that reads device values on the host, or whose shapes depend on the data.
   // Empty: capturable.
   virtual std::string graph_capture_blocker() const { return {}; }
+
+  // Where the image backbone lies, for pretrained weights (model.pretrained.target=backbone):
+  // nullopt for a model without one.
+  virtual std::optional<BackboneSite> backbone_site() const { return std::nullopt; }
 
   int64_t parameter_count() const;
 

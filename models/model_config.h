@@ -6,8 +6,39 @@
 #include "core/config.h"
 
 #include <string>
+#include <vector>
 
 namespace parallax::models {
+
+// model.pretrained: where train.load_from's weights come from and what they initialise
+// (checkpoint/pretrained.h; docs/pretrained.md).
+struct PretrainedConfig {
+  std::string source = "parallax";
+  std::string target = "model";
+  std::string prefix;
+  std::vector<std::string> rules;
+  bool strict = false;
+
+  template <class V>
+  void visit(V& v) {
+    v("source", source,
+      "naming convention of train.load_from's file: parallax (Parallax's names), timm (timm's "
+      "ViTs and DINOv2's release; timm's ResNets), torchvision (ResNets), hf (transformers' ViT "
+      "and DINOv2)",
+      core::Check::one_of({"parallax", "timm", "torchvision", "hf"}));
+    v("target", target,
+      "what the weights initialise: model (the whole model) or backbone (the image backbone only)",
+      core::Check::one_of({"model", "backbone"}));
+    v("prefix", prefix,
+      "take only the file's tensors under this prefix, stripped (e.g. 'backbone.' of a detector)");
+    v("rules", rules,
+      "renames applied to the file's names before the convention, each 'regex -> replacement' "
+      "($1 for groups); a rule that matches nothing is an error");
+    v("strict", strict,
+      "foreign files (safetensors, torch.save): refuse a load with missing, unexpected or "
+      "mismatched tensors (Parallax checkpoints and weights.h5 follow train.strict_load)");
+  }
+};
 
 struct ModelConfig {
   std::string name = "bev";
@@ -34,6 +65,7 @@ struct ModelConfig {
   double box_loss_weight = 0.25;
   double score_threshold = 0.05;
   int max_detections = 100;
+  PretrainedConfig pretrained;
 
   template <class V>
   void visit(V& v) {
@@ -41,7 +73,14 @@ struct ModelConfig {
       core::Check::one_of({"bev", "vit_cls", "mlp"}));
     v("size", size, "size preset",
       core::Check::one_of({"tiny", "small", "base", "large", "3b", "b16"}));
-    v("backbone", backbone, "image backbone", core::Check::one_of({"vit", "conv"}));
+    v("backbone", backbone,
+      "image backbone: vit (shaped by model.size), conv, or a named ViT of timm's for pretrained "
+      "weights (its own shape at every size; images padded to whole patches)",
+      core::Check::one_of({"vit", "conv", "vit_small_patch16", "vit_base_patch16",
+                           "vit_large_patch16", "vit_small_patch14_dinov2",
+                           "vit_base_patch14_dinov2", "vit_large_patch14_dinov2",
+                           "vit_small_patch14_reg4_dinov2", "vit_base_patch14_reg4_dinov2",
+                           "vit_large_patch14_reg4_dinov2"}));
     v("num_classes", num_classes, "classes of the classification head (vit_cls)",
       core::Check::at_least(1));
     v("dropout", dropout, "dropout probability", core::Check::between(0, 1));
@@ -67,6 +106,7 @@ struct ModelConfig {
       core::Check::between(0, 1));
     v("max_detections", max_detections, "bev: detections per sample after top-K",
       core::Check::at_least(1));
+    v("pretrained", pretrained);
   }
 };
 

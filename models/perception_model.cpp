@@ -54,6 +54,14 @@ std::array<double, 3> typical_size(const std::string& name) {
 
 }  // namespace
 
+std::optional<BackboneSite> PerceptionModel::backbone_site() const {
+  if (const VisionTransformerImpl* vit = encoder_->vit())
+    return BackboneSite{"encoder.vit.", "vit", vit};
+  if (spec_.encoder.backbone.rfind("resnet", 0) == 0)
+    return BackboneSite{"encoder.resnet.", "resnet", nullptr};
+  return BackboneSite{"encoder.conv.", "conv", nullptr};
+}
+
 BevGrid BevModelSpec::label_grid() const {
   return {scene.x_min, scene.y_min, scene.bev_resolution, scene.bev_x_cells(), scene.bev_y_cells()};
 }
@@ -74,6 +82,13 @@ BevModelSpec make_bev_spec(const ModelConfig& cfg, const core::SceneSpec& scene)
   s.scene = scene;
   s.encoder.backbone = cfg.backbone;
   s.encoder.vit = p.vit;
+  // A named ViT (timm's architectures, for pretrained weights: models/vit.h named_vit) keeps its
+  // own shape at every size; it pads images to whole patches (a 256 x 704 input with patch 14).
+  if (const auto named = named_vit(cfg.backbone)) {
+    s.encoder.backbone = "vit";
+    s.encoder.vit = *named;
+    s.encoder.vit.pad_to_patch = true;
+  }
   s.encoder.vit.dropout = cfg.dropout;
   s.encoder.vit.fp32_residual = cfg.fp32_residual;
   s.encoder.vit.fused_kernels = cfg.fused_kernels;
@@ -164,9 +179,10 @@ PerceptionModel::PerceptionModel(const BevModelSpec& spec, LinearFactory linear,
   const BevGrid& g = spec_.query_grid;
   const int64_t c = spec_.bev_channels;
   encoder_ = register_module("encoder", ImageEncoder(spec_.encoder));
-  view_ = register_module("view", ViewTransformer(ViewTransformerOptions{
-                                      c, c, spec_.heights, g, spec_.scene.image_height,
-                                      spec_.scene.image_width, spec_.encoder.vit.fused_kernels}));
+  view_ = register_module(
+      "view", ViewTransformer(ViewTransformerOptions{
+                  c, c, spec_.heights, g, spec_.scene.image_height, spec_.scene.image_width,
+                  spec_.encoder.vit.fused_kernels, encoder_->span_h(), encoder_->span_w()}));
   for (int64_t i = 0; i < spec_.encoder_blocks; ++i) {
     bev_blocks_.push_back(register_module("bev_block" + std::to_string(i),
                                           std::make_shared<ResidualConvBlock>(c, g.nx, g.ny)));

@@ -129,6 +129,7 @@ class PerceptionModel : public Model {
   static std::vector<ModuleCost> analytic_cost(const BevModelSpec& spec);
   const BevModelSpec& spec() const { return spec_; }
   ImageEncoder& encoder() { return encoder_; }
+  std::optional<BackboneSite> backbone_site() const override;
   // forward() also returns "bev_features" [B, bev_channels, nx, ny], the BEV encoder's output that
   // the heads read (feature distillation, train/distill/distill.h). Off by default.
   void set_feature_output(bool on) { feature_output_ = on; }

@@ -50,8 +50,8 @@ ViewTransformerImpl::Sampled ViewTransformerImpl::sample(const at::Tensor& featu
   // with atomics, which are slow (and lossy) in bf16/fp16, and the feature maps are small. The
   // result is cast back to the features' dtype.
   const at::Tensor grid =
-      at::stack({proj.uv.select(-1, 0) * (2.0 / static_cast<double>(opts_.image_w)) - 1,
-                 proj.uv.select(-1, 1) * (2.0 / static_cast<double>(opts_.image_h)) - 1},
+      at::stack({proj.uv.select(-1, 0) * (2.0 / static_cast<double>(opts_.map_w())) - 1,
+                 proj.uv.select(-1, 1) * (2.0 / static_cast<double>(opts_.map_h())) - 1},
                 -1);  // float32 [B, N, P, 2]
   const at::Tensor per_cam =
       features.to(at::kFloat).view({b, n, c, features.size(2), features.size(3)});
@@ -102,7 +102,7 @@ at::Tensor ViewTransformerImpl::forward(const at::Tensor& features, const at::Te
     const at::Tensor f = features.contiguous();  // e.g. a channels-last map from a conv neck
     if (kernels::fused_bev_sample_supported(f, proj.uv, visible)) {
       const int64_t z = static_cast<int64_t>(opts_.heights.size());
-      x = kernels::bev_sample(f, proj.uv, visible, z, opts_.image_h, opts_.image_w)
+      x = kernels::bev_sample(f, proj.uv, visible, z, opts_.map_h(), opts_.map_w())
               .lifted.view({b, -1, nx, ny});
     }
   }

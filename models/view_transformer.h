@@ -34,6 +34,11 @@ struct ViewTransformerOptions {
   // On CUDA, sample and average with kernels/bev_sample's fused kernels (one pass forward and
   // backward, no host sync) instead of the compacted ATen path of sample().
   bool fused_kernels = true;
+  // Pixels the feature maps cover (0: the image). More than the image for a ViT that pads to whole
+  // patches (models/vit.h, pad_to_patch): pixel u then lies at u / span_w of the map's width.
+  int64_t span_h = 0, span_w = 0;
+  int64_t map_h() const { return span_h > 0 ? span_h : image_h; }
+  int64_t map_w() const { return span_w > 0 ? span_w : image_w; }
 };
 
 class ViewTransformerImpl : public torch::nn::Module {

@@ -175,35 +175,49 @@ at::Tensor MlpBlockImpl::forward(const at::Tensor& x) {
   return maybe_dropout(fc2_.forward<at::Tensor>(h), dropout_, is_training());
 }
 
+LayerScaleImpl::LayerScaleImpl(int64_t dim, double init) {
+  gamma = register_parameter("gamma", units::init_tensor({dim}, [dim, init] {
+                               return at::full({dim}, init, at::TensorOptions().dtype(at::kFloat));
+                             }));
+}
+
 TransformerBlock::TransformerBlock(const TransformerBlockOptions& o) : opts_(o) {
   norm1_ = register_module("norm1",
                            torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim}).eps(1e-6)));
   attn_ = register_module("attn", Attention(o));
+  if (o.layer_scale != 0) ls1_ = register_module("ls1", LayerScale(o.dim, o.layer_scale));
   norm2_ = register_module("norm2",
                            torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim}).eps(1e-6)));
   mlp_ = register_module("mlp", MlpBlock(o));
+  if (o.layer_scale != 0) ls2_ = register_module("ls2", LayerScale(o.dim, o.layer_scale));
   if (o.tp) {
     // Under sequence parallelism these run on this rank's tokens only: partial gradients.
     for (auto* ln : {&norm1_, &norm2_}) {
       o.tp->mark_sequence_parallel((*ln)->weight);
       o.tp->mark_sequence_parallel((*ln)->bias);
     }
+    for (auto* ls : {&ls1_, &ls2_}) {
+      if (!ls->is_empty()) o.tp->mark_sequence_parallel((*ls)->gamma);
+    }
   }
 }
 
 at::Tensor TransformerBlock::forward_impl(const at::Tensor& x) {
   const bool fused = opts_.fused_kernels;
-  const at::Tensor a = attn_->forward(layer_norm_in_dtype(norm1_, x, fused));
+  at::Tensor a = attn_->forward(layer_norm_in_dtype(norm1_, x, fused));
+  if (!ls1_.is_empty()) a = ls1_->forward(a);
   // y = x + a and LayerNorm(y) in one kernel (and one backward that also adds y's other gradient);
   // add_layer_norm falls back to the ATen ops itself when the kernel cannot take the inputs.
   const auto [h, y] =
       kernels::add_layer_norm(x, a, norm2_->weight, norm2_->bias, norm2_->options.eps(), fused);
-  return y + mlp_->forward(h);
+  const at::Tensor m = mlp_->forward(h);
+  return y + (ls2_.is_empty() ? m : ls2_->forward(m));
 }
 
 Cost TransformerBlock::analytic_cost(const TransformerBlockOptions& o) {
   const double t = static_cast<double>(o.tokens);
   Cost c{4 * o.dim, 0.0};  // two LayerNorms
+  if (o.layer_scale != 0) c.params += 2 * o.dim;
   c += linear_cost(o.dim, 3 * o.dim, o.qkv_bias, t);
   c += linear_cost(o.dim, o.dim, true, t);
   c += linear_cost(o.dim, o.mlp_hidden, true, t);
@@ -216,18 +230,26 @@ Cost TransformerBlock::analytic_cost(const TransformerBlockOptions& o) {
 
 namespace {
 
+int64_t prefix_of(const VisionTransformerOptions& o) {
+  return (o.class_token || o.spec.class_token ? 1 : 0) + o.spec.reg_tokens;
+}
+
 TransformerBlockOptions block_options(const VisionTransformerOptions& o) {
-  const int64_t tokens =
-      (o.image_h / o.spec.patch) * (o.image_w / o.spec.patch) + (o.class_token ? 1 : 0);
-  return {o.spec.dim,      o.spec.heads,         o.spec.mlp_hidden,
-          o.spec.qkv_bias, o.spec.dropout,       tokens,
-          o.linear,        o.spec.fused_kernels, o.tp};
+  const int64_t tokens = VisionTransformerImpl::grid_of(o.image_h, o.spec) *
+                             VisionTransformerImpl::grid_of(o.image_w, o.spec) +
+                         prefix_of(o);
+  TransformerBlockOptions b{
+      o.spec.dim, o.spec.heads, o.spec.mlp_hidden,    o.spec.qkv_bias,    o.spec.dropout,
+      tokens,     o.linear,     o.spec.fused_kernels, o.spec.layer_scale, o.tp};
+  return b;
 }
 
 void check_vit(const VisionTransformerOptions& o) {
-  PARALLAX_CHECK(o.image_h % o.spec.patch == 0 && o.image_w % o.spec.patch == 0, ConfigError,
-                 "ViT: image size {}x{} is not divisible by the patch size {}", o.image_h,
-                 o.image_w, o.spec.patch);
+  PARALLAX_CHECK(
+      o.spec.pad_to_patch || (o.image_h % o.spec.patch == 0 && o.image_w % o.spec.patch == 0),
+      ConfigError, "ViT: image size {}x{} is not divisible by the patch size {}", o.image_h,
+      o.image_w, o.spec.patch);
+  PARALLAX_CHECK(o.spec.reg_tokens >= 0, ConfigError, "ViT: {} register tokens", o.spec.reg_tokens);
   PARALLAX_CHECK(o.spec.dim % o.spec.heads == 0, ConfigError,
                  "ViT: dim {} is not divisible by heads {}", o.spec.dim, o.spec.heads);
 }
@@ -240,10 +262,13 @@ VisionTransformerImpl::VisionTransformerImpl(const VisionTransformerOptions& o) 
   patch_embed_ = register_module(
       "patch_embed",
       units::layer<QuantConv2d>(torch::nn::Conv2dOptions(3, s.dim, s.patch).stride(s.patch)));
-  const int64_t tokens = grid_h() * grid_w() + (o.class_token ? 1 : 0);
-  if (o.class_token)
+  const int64_t pos_tokens = grid_h() * grid_w() + (s.no_embed_class ? 0 : prefix_tokens());
+  if (has_class_token())
     cls_token_ = register_parameter("cls_token", units::init_normal({1, 1, s.dim}, 0.02));
-  pos_embed_ = register_parameter("pos_embed", units::init_normal({1, tokens, s.dim}, 0.02));
+  if (s.reg_tokens > 0)
+    reg_token_ =
+        register_parameter("reg_token", units::init_normal({1, s.reg_tokens, s.dim}, 0.02));
+  pos_embed_ = register_parameter("pos_embed", units::init_normal({1, pos_tokens, s.dim}, 0.02));
   const TransformerBlockOptions bo = block_options(o);
   for (int64_t i = 0; i < s.depth; ++i) {
     blocks_.push_back(
@@ -279,8 +304,11 @@ at::Tensor VisionTransformerImpl::embed(const at::Tensor& images) {
   // Under QAT the images are the convolution's input: quantized per tensor before they become rows
   // (elementwise, so the rows hold the same values either way; in the images' layout, the one the
   // exported graph's QuantizeLinear sees), and the weight per output channel, as the conv's would.
-  const at::Tensor src =
+  at::Tensor src =
       patch_embed_->quantized() ? patch_embed_->input_quantizer->forward(images) : images;
+  // pad_to_patch: zeros at the bottom and right up to whole patches (timm's dynamic_img_pad).
+  const int64_t pad_h = grid_h() * p - opts_.image_h, pad_w = grid_w() * p - opts_.image_w;
+  if (pad_h > 0 || pad_w > 0) src = at::constant_pad_nd(src, {0, pad_w, 0, pad_h}, 0);
   const at::Tensor rows = src.reshape({b, c, grid_h(), p, grid_w(), p})
                               .permute({0, 2, 4, 1, 3, 5})
                               .reshape({-1, c * p * p});
@@ -289,8 +317,17 @@ at::Tensor VisionTransformerImpl::embed(const at::Tensor& images) {
                      .view({b, grid_h() * grid_w(), -1});
   const at::ScalarType dt = opts_.spec.fp32_residual ? at::kFloat : stream_dtype(x);
   x = x.to(dt);
-  if (opts_.class_token) x = at::cat({cls_token_.to(dt).expand({x.size(0), -1, -1}), x}, 1);
-  x = x + pos_embed_.to(dt);
+  // The prefix tokens in timm's order (class, registers), before the position embedding is added
+  // when it covers them, after when it does not (no_embed_class).
+  std::vector<at::Tensor> parts;
+  if (has_class_token()) parts.push_back(cls_token_.to(dt).expand({x.size(0), -1, -1}));
+  if (reg_token_.defined()) parts.push_back(reg_token_.to(dt).expand({x.size(0), -1, -1}));
+  if (opts_.spec.no_embed_class) x = x + pos_embed_.to(dt);
+  if (!parts.empty()) {
+    parts.push_back(x);
+    x = at::cat(parts, 1);
+  }
+  if (!opts_.spec.no_embed_class) x = x + pos_embed_.to(dt);
   // Sequence parallel: the blocks take this rank's rows of the tokens.
   if (opts_.tp && opts_.tp->sequence_parallel()) return opts_.tp->scatter_to_sequence(x);
   return x;
@@ -301,7 +338,7 @@ at::Tensor VisionTransformerImpl::final_norm(const at::Tensor& x) {
   if (x.dim() != 2) return y;
   // Sequence parallel: the consumer (neck, head) is replicated, so every rank gets all tokens
   // (B = padded rows / T rounded down, as in AttentionImpl::forward).
-  const int64_t t = grid_h() * grid_w() + (opts_.class_token ? 1 : 0);
+  const int64_t t = grid_h() * grid_w() + prefix_tokens();
   const int64_t b = y.size(0) * opts_.tp->size() / t;
   return opts_.tp->gather_from_sequence(y, b * t).view({b, t, y.size(1)});
 }
@@ -310,8 +347,9 @@ Cost VisionTransformerImpl::analytic_cost(const VisionTransformerOptions& o) {
   check_vit(o);
   const VitSpec& s = o.spec;
   const TransformerBlockOptions bo = block_options(o);
-  Cost c = conv_cost(3, s.dim, s.patch, true, o.image_h / s.patch, o.image_w / s.patch);
-  c.params += bo.tokens * s.dim + (o.class_token ? s.dim : 0);
+  Cost c = conv_cost(3, s.dim, s.patch, true, grid_of(o.image_h, s), grid_of(o.image_w, s));
+  const int64_t prefix = prefix_of(o);
+  c.params += (bo.tokens - (s.no_embed_class ? prefix : 0)) * s.dim + prefix * s.dim;
   c += TransformerBlock::analytic_cost(bo).copies(s.depth);
   c.params += 2 * s.dim;  // final LayerNorm
   return c;
@@ -369,7 +407,7 @@ core::TensorDict VitClassifier::chain_end(const core::TensorDict&,
 
 std::vector<Unit> VitClassifier::units() const {
   std::vector<UnitPaths> specs{
-      {"vit.embed", {"vit.patch_embed", "vit.cls_token", "vit.pos_embed"}}};
+      {"vit.embed", {"vit.patch_embed", "vit.cls_token", "vit.reg_token", "vit.pos_embed"}}};
   for (std::size_t i = 0; i < vit_->blocks().size(); ++i) {
     const std::string path = "vit.block" + std::to_string(i);
     specs.push_back({path, {path}});
@@ -411,6 +449,61 @@ std::vector<ModuleCost> VitClassifier::cost_breakdown() const {
 Cost VitClassifier::analytic_cost(const VitSpec& spec, int64_t image_size, int64_t num_classes) {
   return VisionTransformerImpl::analytic_cost({spec, image_size, image_size, true, dense_linear}) +
          linear_cost(spec.dim, num_classes, true, 1);
+}
+
+namespace {
+
+struct NamedVit {
+  const char* name;
+  VitSpec spec;
+};
+
+std::vector<NamedVit> named_vits() {
+  const auto vit = [](int64_t dim, int64_t depth, int64_t heads, int64_t patch) {
+    VitSpec s;
+    s.dim = dim;
+    s.depth = depth;
+    s.heads = heads;
+    s.mlp_hidden = 4 * dim;
+    s.patch = patch;
+    s.class_token = true;
+    return s;
+  };
+  // DINOv2: LayerScale initialised to 1e-5; with registers, 4 of them outside the position
+  // embedding (timm's vit_*_patch14_dinov2 and vit_*_patch14_reg4_dinov2).
+  const auto dinov2 = [&](int64_t dim, int64_t depth, int64_t heads, bool registers) {
+    VitSpec s = vit(dim, depth, heads, 14);
+    s.layer_scale = 1e-5;
+    if (registers) {
+      s.reg_tokens = 4;
+      s.no_embed_class = true;
+    }
+    return s;
+  };
+  return {{"vit_small_patch16", vit(384, 12, 6, 16)},
+          {"vit_base_patch16", vit(768, 12, 12, 16)},
+          {"vit_large_patch16", vit(1024, 24, 16, 16)},
+          {"vit_small_patch14_dinov2", dinov2(384, 12, 6, false)},
+          {"vit_base_patch14_dinov2", dinov2(768, 12, 12, false)},
+          {"vit_large_patch14_dinov2", dinov2(1024, 24, 16, false)},
+          {"vit_small_patch14_reg4_dinov2", dinov2(384, 12, 6, true)},
+          {"vit_base_patch14_reg4_dinov2", dinov2(768, 12, 12, true)},
+          {"vit_large_patch14_reg4_dinov2", dinov2(1024, 24, 16, true)}};
+}
+
+}  // namespace
+
+std::optional<VitSpec> named_vit(const std::string& name) {
+  for (const NamedVit& v : named_vits()) {
+    if (name == v.name) return v.spec;
+  }
+  return std::nullopt;
+}
+
+std::string named_vit_list() {
+  std::string out;
+  for (const NamedVit& v : named_vits()) out += (out.empty() ? "" : "|") + std::string(v.name);
+  return out;
 }
 
 int enable_fp8(torch::nn::Module& model, const kernels::fp8::Fp8Options& options) {

@@ -16,6 +16,9 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include <optional>
+#include <string>
+
 namespace parallax::models {
 
 // Shape of a ViT; the defaults are ViT-B/16.
@@ -32,7 +35,32 @@ struct VitSpec {
   bool fp32_residual = false;
   // Residual add + LayerNorm through kernels/ (fused CUDA kernels on GPU; ATen otherwise).
   bool fused_kernels = true;
+  // Prefix tokens before the patch tokens, in timm's order [class, registers..., patches]: a class
+  // token (`cls_token` [1, 1, D]) and `reg_tokens` register tokens (`reg_token` [1, R, D], as
+  // DINOv2 with registers). A backbone drops them from its feature map; they still attend.
+  bool class_token = false;
+  int64_t reg_tokens = 0;
+  // The position embedding covers the patch tokens only, added before the prefix tokens are put in
+  // front (timm's no_embed_class: DeiT-3, DINOv2 with registers); else it covers them too.
+  bool no_embed_class = false;
+  // LayerScale (CaiT, DINOv2): each block scales its attention and MLP outputs per channel by
+  // learned `ls1.gamma` and `ls2.gamma` [D], initialised to this value; 0: none.
+  double layer_scale = 0.0;
+  // An image whose size is not a multiple of the patch is padded with zeros at the bottom and
+  // right to the next multiple (timm's dynamic_img_pad), so the grid is ceil(H / p) x ceil(W / p).
+  // Off: the size must be a multiple (ConfigError otherwise).
+  bool pad_to_patch = false;
+  int64_t prefix_tokens() const { return (class_token ? 1 : 0) + reg_tokens; }
 };
+
+// The ViT shapes of a named backbone (`model.backbone`), timm's architectures without the input
+// resolution: vit_small_patch16, vit_base_patch16, vit_large_patch16 (class token, as timm's
+// vit_*_patch16_224), vit_{small,base,large}_patch14_dinov2 (class token, LayerScale 1e-5) and
+// vit_{small,base,large}_patch14_reg4_dinov2 (plus 4 register tokens, no_embed_class). nullopt
+// for any other name.
+std::optional<VitSpec> named_vit(const std::string& name);
+// The names named_vit() knows, "a|b|...".
+std::string named_vit_list();
 
 struct TransformerBlockOptions {
   int64_t dim = 768, heads = 12, mlp_hidden = 3072;
@@ -41,6 +69,7 @@ struct TransformerBlockOptions {
   int64_t tokens = 197;  // configured sequence length, for cost() and sequence parallelism
   LinearFactory linear = dense_linear;
   bool fused_kernels = true;  // see VitSpec
+  double layer_scale = 0.0;   // see VitSpec
   // Tensor parallelism (null: none): `linear` then builds column/row-parallel layers over it, and
   // with sequence parallelism the token stream between blocks is this rank's row shard
   // (units/tp_layers.h), so the block's LayerNorms are marked sequence-parallel.
@@ -88,7 +117,17 @@ class MlpBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(MlpBlock);
 
-// Pre-norm block: x + attn(ln1(x)), then + mlp(ln2(x)).
+// LayerScale: x * gamma, gamma [D] a learned per-channel scale (`<name>.gamma`, timm's name).
+class LayerScaleImpl : public torch::nn::Module {
+ public:
+  LayerScaleImpl(int64_t dim, double init);
+  at::Tensor forward(const at::Tensor& x) { return x * gamma.to(x.scalar_type()); }
+  at::Tensor gamma;
+};
+TORCH_MODULE(LayerScale);
+
+// Pre-norm block: x + attn(ln1(x)), then + mlp(ln2(x)); with LayerScale, each residual branch
+// is scaled by its ls1 / ls2 first.
 class TransformerBlock : public Block {
  public:
   explicit TransformerBlock(const TransformerBlockOptions& o);
@@ -102,19 +141,21 @@ class TransformerBlock : public Block {
   torch::nn::LayerNorm norm1_{nullptr}, norm2_{nullptr};
   Attention attn_{nullptr};
   MlpBlock mlp_{nullptr};
+  LayerScale ls1_{nullptr}, ls2_{nullptr};  // empty without VitSpec::layer_scale
 };
 
 struct VisionTransformerOptions {
   VitSpec spec;
   int64_t image_h = 224, image_w = 224;
-  bool class_token = false;
+  bool class_token = false;  // or spec.class_token
   LinearFactory linear = dense_linear;
   units::TpLayersPtr tp = nullptr;  // see TransformerBlockOptions
 };
 
-// Patch embedding (conv kernel = stride = patch) + [class token] + learned position embedding
+// Patch embedding (conv kernel = stride = patch) + [prefix tokens] + learned position embedding
 // + blocks + final LayerNorm. forward(images [B, 3, H, W], any memory format) -> tokens
-// [B, T, D] with T = (H/p)(W/p) (+1 with the class token, at index 0).
+// [B, T, D] with T = prefix_tokens() + grid_h() * grid_w(), the prefix tokens first (class token
+// at index 0, then the registers).
 class VisionTransformerImpl : public torch::nn::Module {
  public:
   explicit VisionTransformerImpl(const VisionTransformerOptions& o);
@@ -136,8 +177,16 @@ class VisionTransformerImpl : public torch::nn::Module {
   onnx::Value emit_block(onnx::Emitter& e, int64_t index, const onnx::Value& x);
   onnx::Value emit_final_norm(onnx::Emitter& e, const onnx::Value& x);
 
-  int64_t grid_h() const { return opts_.image_h / opts_.spec.patch; }
-  int64_t grid_w() const { return opts_.image_w / opts_.spec.patch; }
+  int64_t grid_h() const { return grid_of(opts_.image_h, opts_.spec); }
+  int64_t grid_w() const { return grid_of(opts_.image_w, opts_.spec); }
+  // Class token (either option) and register tokens, in front of the patch tokens.
+  int64_t prefix_tokens() const { return (has_class_token() ? 1 : 0) + opts_.spec.reg_tokens; }
+  bool has_class_token() const { return opts_.class_token || opts_.spec.class_token; }
+  const VitSpec& spec() const { return opts_.spec; }
+  // Patches along a side of `pixels` (padded up to a multiple of the patch with pad_to_patch).
+  static int64_t grid_of(int64_t pixels, const VitSpec& s) {
+    return s.pad_to_patch ? (pixels + s.patch - 1) / s.patch : pixels / s.patch;
+  }
   const std::vector<std::shared_ptr<TransformerBlock>>& blocks() const { return blocks_; }
   Cost cost() const { return analytic_cost(opts_); }
   static Cost analytic_cost(const VisionTransformerOptions& o);
@@ -145,7 +194,7 @@ class VisionTransformerImpl : public torch::nn::Module {
  private:
   VisionTransformerOptions opts_;
   QuantConv2d patch_embed_{nullptr};
-  at::Tensor cls_token_, pos_embed_;
+  at::Tensor cls_token_, reg_token_, pos_embed_;
   std::vector<std::shared_ptr<TransformerBlock>> blocks_;
   torch::nn::LayerNorm norm_{nullptr};
 };
@@ -184,6 +233,9 @@ class VitClassifier : public Model {
   }
   core::TensorDict example_batch(int64_t n) const override;
   std::vector<ModuleCost> cost_breakdown() const override;
+  std::optional<BackboneSite> backbone_site() const override {
+    return BackboneSite{"vit.", "vit", vit_.get()};
+  }
   // Input "images" uint8 [B, 3, S, S], output "logits" float32 [B, num_classes]; the units of
   // units() in order (models/onnx/vit_onnx.cpp).
   OnnxFlow emit_onnx_inputs(onnx::Emitter& e) override;

@@ -65,3 +65,20 @@ else
     say "warning: could not install nuscenes-devkit (see /tmp/parallax_nuscenes_venv.log); the devkit check of tests/data/test_nuscenes.py will skip"
   fi
 fi
+
+# The PyTorch bridge's other side (issue 60; tests/train/test_pretrained.py): torch, torchvision,
+# timm, transformers and safetensors in their own venv, because PyPI's torchvision cannot import
+# beside the CPU torch whose LibTorch Parallax builds against, and timm needs torchvision. The
+# tests make timm / torchvision / transformers models there and compare Parallax's backbones with
+# them. About 5.5 GB (a CUDA build of torch; it runs on the CPU).
+BRIDGE_VENV=${PARALLAX_BRIDGE_VENV:-$HOME/.cache/parallax/bridge-venv}
+if "$BRIDGE_VENV/bin/python3" -c "import torch, torchvision, timm, safetensors, transformers" >/dev/null 2>&1; then
+  say "PyTorch bridge venv: present ($BRIDGE_VENV)"
+else
+  say "installing torch, torchvision, timm, transformers, safetensors into $BRIDGE_VENV"
+  if ! { "$PY" -m venv "$BRIDGE_VENV" && "$BRIDGE_VENV/bin/pip" install -q --disable-pip-version-check \
+           torch==2.14.1 torchvision==0.29.1 timm transformers safetensors numpy; } >/tmp/parallax_bridge_venv.log 2>&1; then
+    say "error: could not install the PyTorch bridge venv (see /tmp/parallax_bridge_venv.log)"
+    exit 1
+  fi
+fi

@@ -271,6 +271,7 @@ void open_outputs(Run& run) {
           path, trim.kept, run.start_step, trim.dropped, trim.broken);
     }
     run.metrics = std::make_unique<MetricsWriter>(path);
+    if (!run.load_report.empty()) run.metrics->write_json("load", run.start_step, run.load_report);
   }
   // Start-up is over: from here on the run directory stays, whatever happens.
   run.run_directory->keep();

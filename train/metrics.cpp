@@ -71,6 +71,21 @@ void MetricsWriter::write(const std::string& kind, int64_t step,
   }
 }
 
+void MetricsWriter::write_json(const std::string& kind, int64_t step, const std::string& object) {
+  if (!file_) return;
+  // `object` is "{...}": its members follow kind and step on the same line.
+  const std::size_t open = object.find('{'), close = object.rfind('}');
+  PARALLAX_CHECK(open != std::string::npos && close != std::string::npos && open < close, Error,
+                 "metrics row '{}': not a JSON object", kind);
+  const std::string members = core::trim(object.substr(open + 1, close - open - 1));
+  const std::string line =
+      fmt::format("{{\"kind\": {}, \"step\": {}{}{}}}\n", core::json_quote(kind), step,
+                  members.empty() ? "" : ", ", members);
+  if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0) {
+    throw_error<IoError>("cannot write metrics to '{}': {}", path_, std::strerror(errno));
+  }
+}
+
 void MetricsWriter::sync() {
   if (!file_) return;
   if (std::fflush(file_) != 0)

@@ -30,6 +30,9 @@ class MetricsWriter {
 
   // Writes {"kind": kind, "step": step, <values...>}; non-finite values are written as null.
   void write(const std::string& kind, int64_t step, const std::map<std::string, double>& values);
+  // Writes {"kind": kind, "step": step, <the members of `object`>}; `object` is a JSON object's
+  // text (e.g. the load report, checkpoint/weights.h WeightsReport::json).
+  void write_json(const std::string& kind, int64_t step, const std::string& object);
   // Makes every row written so far durable (fflush, fsync). Throws IoError. No-op when disabled.
   void sync();
   bool enabled() const { return file_ != nullptr; }

@@ -117,6 +117,9 @@ struct Run {
   std::unique_ptr<checkpoint::CheckpointReader> resume;
   std::vector<checkpoint::ConfigChange> config_changes;  // vs the resumed checkpoint's config
   bool resumed = false;  // a checkpoint was loaded (its step may be 0: a ptq run)
+  // train.load_from's load report as JSON (checkpoint/weights.h WeightsReport::json), written as
+  // metrics.jsonl's "load" row when the run opens its outputs; empty without a load.
+  std::string load_report;
   int64_t start_step = 0;
 
   // 2. Precision.

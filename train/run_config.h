@@ -70,8 +70,12 @@ struct TrainConfig {
       core::Check::one_of({"none", "full", "selective"}));
     v("resume", resume, "resume from a checkpoint: '' (no), 'auto' (latest) or a path");
     v("load_from", load_from,
-      "initialise weights from a checkpoint or weights.h5 (fresh optimizer)");
-    v("strict_load", strict_load, "load_from: every tensor must match by name and shape");
+      "initialise weights (fresh optimizer) from a checkpoint, a run, weights.h5, a .safetensors "
+      "file or sharded set, or a torch.save file (.pt/.pth/.bin); model.pretrained says how a "
+      "foreign file's names map");
+    v("strict_load", strict_load,
+      "load_from (a Parallax checkpoint or weights.h5): every tensor must match by name and "
+      "shape");
     v("device", device, "compute device", core::Check::one_of({"auto", "cpu", "cuda"}));
     v("benchmark", benchmark, "benchmark mode: synthetic batches, no eval or checkpoints");
     v("threads", threads,

@@ -15,6 +15,7 @@
 #include "parallel/parallelize.h"
 #include "parallel/tensor/tensor_parallel.h"
 #include "train/extension.h"
+#include "train/pretrained.h"
 #include "train/run_steps.h"
 #include "units/param_init.h"
 
@@ -85,6 +86,7 @@ constexpr const char* kLoadAdvice = "point train.load_from at an earlier checkpo
 void defer_reads(Run& run, const Sources& s, units::DeferredInit& recipes) {
   ck::WeightsOptions w;
   w.strict = run.cfg.train.strict_load;
+  if (s.load_pretrained) w = pretrained_load_options(run.cfg, *run.model, s.deferred);
   read_tp_slices(run, w);
   const std::string context = load_context(run);
   comm::agree_on(
@@ -93,8 +95,9 @@ void defer_reads(Run& run, const Sources& s, units::DeferredInit& recipes) {
       [&]() -> int64_t {
         ck::DeferredWeights dw = ck::defer_weights(*run.model, s.deferred, w);
         if (s.load_pretrained) {
-          core::log::info("train.load_from={}: {} (each rank reads what it owns)", s.deferred,
-                          dw.report.summary());
+          core::log::info("train.load_from={} ({}; each rank reads what it owns):\n{}", s.deferred,
+                          dw.report.format, dw.report.table());
+          run.load_report = dw.report.json();
         }
         // Pretrained weights are checked for NaN as each tensor is read (the checkpoint of a
         // resume: after the engine, by load_resumed_state).
@@ -171,14 +174,15 @@ void build_full(Run& run, const Sources& s) {
   // loaded after the transform. A checkpoint that holds only some model tensors
   // (TrainerHooks::saves_model_tensor, e.g. LoRA's adapters) needs these weights on resume too.
   if (s.load_pretrained) {
-    ck::WeightsOptions w;
-    w.strict = run.cfg.train.strict_load;
+    ck::WeightsOptions w = pretrained_load_options(run.cfg, *run.model, run.cfg.train.load_from);
     read_tp_slices(run, w);
     // A rank that fails alone (a NaN only in its slice) must not leave the others waiting in the
     // engine's first collective.
     comm::agree_on(*run.world_comm, run.device, load_context(run), [&]() -> int64_t {
       const auto report = ck::load_weights(*run.model, run.cfg.train.load_from, w);
-      core::log::info("train.load_from={}: {}", run.cfg.train.load_from, report.summary());
+      core::log::info("train.load_from={} ({}):\n{}", run.cfg.train.load_from, report.format,
+                      report.table());
+      run.load_report = report.json();
       if (!run.hooks.checks_loaded_weights)
         ck::require_finite(*run.model, load_context(run), kLoadAdvice);
       return 0;

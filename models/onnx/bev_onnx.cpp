@@ -42,6 +42,9 @@ onnx::Value ImageEncoderImpl::emit_unit(onnx::Emitter& e, int64_t index, const o
       auto s = e.scope("vit");
       tokens = vit_->emit_final_norm(e, x);
     }
+    const int64_t prefix = vit_->prefix_tokens();
+    if (prefix > 0)  // the class and register tokens are not part of the feature map
+      tokens = e.slice(tokens, 1, prefix, prefix + vit_->grid_h() * vit_->grid_w());
     tokens = onnx::linear(e, tokens, "neck", true);  // [BN, T, C]
     // [BN, gh, gw, C] -> [BN, C, gh, gw] (forward()'s channels-last view).
     return e.transpose(e.reshape(tokens, {0, vit_->grid_h(), vit_->grid_w(), opts_.out_channels}),
@@ -101,8 +104,8 @@ onnx::Value ViewTransformerImpl::emit_onnx(onnx::Emitter& e, const onnx::Value& 
 
   // bev_sample's reference: normalised coordinates 2u/W - 1 (align_corners=false), unseen points
   // parked at -2, one bilinear sample per camera and point in float32.
-  const onnx::Value scale = e.floats({static_cast<float>(2.0 / static_cast<double>(opts_.image_w)),
-                                      static_cast<float>(2.0 / static_cast<double>(opts_.image_h))},
+  const onnx::Value scale = e.floats({static_cast<float>(2.0 / static_cast<double>(opts_.map_w())),
+                                      static_cast<float>(2.0 / static_cast<double>(opts_.map_h()))},
                                      {2});
   onnx::Value grid = e.sub(e.mul(uv, scale), e.scalar(1.0, f32));
   grid = e.op("Where", {visible, grid, e.scalar(-2.0, f32)});

@@ -53,25 +53,47 @@ onnx::Value TransformerBlock::emit_onnx(onnx::Emitter& e, const onnx::Value& x) 
     auto s = e.scope("attn");
     a = attn_->emit_onnx(e, h);
   }
+  // LayerScale: the branch times its per-channel gamma.
+  const auto scaled = [&](const char* name, const LayerScale& ls, const onnx::Value& v) {
+    if (ls.is_empty()) return v;
+    auto s = e.scope(name);
+    return e.mul(v, e.weight("gamma"));
+  };
+  a = scaled("ls1", ls1_, a);
   // kernels::add_layer_norm's reference: y = x + a, h = LayerNorm(y).
   const onnx::Value y = e.add(x, a);
   const onnx::Value h = onnx::layer_norm(e, y, "norm2", *norm2_);
-  auto s = e.scope("mlp");
-  return e.add(y, mlp_->emit_onnx(e, h));
+  onnx::Value m;
+  {
+    auto s = e.scope("mlp");
+    m = mlp_->emit_onnx(e, h);
+  }
+  return e.add(y, scaled("ls2", ls2_, m));
 }
 
 onnx::Value VisionTransformerImpl::emit_embed(onnx::Emitter& e, const onnx::Value& images) {
-  const int64_t d = opts_.spec.dim, t = grid_h() * grid_w();
-  onnx::Value x = onnx::conv2d(e, images, "patch_embed", *patch_embed_);  // [B, D, gh, gw]
-  x = e.transpose(e.reshape(x, {0, d, t}), {0, 2, 1});                    // [B, T, D]
-  if (opts_.class_token) {
-    // The class token expanded to [B, 1, D] (B from the tokens' shape) and put first.
-    const onnx::Value b = e.slice(e.op("Shape", {x}), 0, 0, 1);
-    const onnx::Value cls =
-        e.op("Expand", {e.weight("cls_token"), e.concat({b, e.ints({1, d})}, 0)});
-    x = e.concat({cls, x}, 1);
+  const int64_t d = opts_.spec.dim, t = grid_h() * grid_w(), p = opts_.spec.patch;
+  onnx::Value src = images;
+  const int64_t pad_h = grid_h() * p - opts_.image_h, pad_w = grid_w() * p - opts_.image_w;
+  if (pad_h > 0 || pad_w > 0)  // pad_to_patch: zeros at the bottom and right (ONNX Pad, NCHW)
+    src = e.op("Pad", {src, e.ints({0, 0, 0, 0, 0, 0, pad_h, pad_w})});
+  onnx::Value x = onnx::conv2d(e, src, "patch_embed", *patch_embed_);  // [B, D, gh, gw]
+  x = e.transpose(e.reshape(x, {0, d, t}), {0, 2, 1});                 // [B, T, D]
+  // The prefix tokens expanded to [B, n, D] (B from the tokens' shape) and put first, in
+  // embed()'s order; the position embedding added before them with no_embed_class.
+  std::vector<onnx::Value> parts;
+  const onnx::Value b = e.slice(e.op("Shape", {x}), 0, 0, 1);
+  const auto prefix = [&](const char* name, int64_t n) {
+    parts.push_back(e.op("Expand", {e.weight(name), e.concat({b, e.ints({n, d})}, 0)}));
+  };
+  if (has_class_token()) prefix("cls_token", 1);
+  if (opts_.spec.reg_tokens > 0) prefix("reg_token", opts_.spec.reg_tokens);
+  if (opts_.spec.no_embed_class) x = e.add(x, e.weight("pos_embed"));
+  if (!parts.empty()) {
+    parts.push_back(x);
+    x = e.concat(parts, 1);
   }
-  return e.add(x, e.weight("pos_embed"));
+  return opts_.spec.no_embed_class ? x : e.add(x, e.weight("pos_embed"));
 }
 
 onnx::Value VisionTransformerImpl::emit_block(onnx::Emitter& e, int64_t index,
