@@ -216,6 +216,21 @@ concept VisitableWith = requires(T& t, V& v) {
   t.visit(v);
 };
 
+// Any visitor: what SectionList tests an element's `visit` with.
+struct AnyVisitor {
+  template <class T>
+  void operator()(const char*, T&, const char* = "", const Check& = {}) {}
+};
+
+// A list of sections (`optim.param_groups: [{match: ..., lr_mult: ...}, ...]`): each element is a
+// section of its own, read, written and listed through its `visit`.
+template <class T>
+struct SectionList : std::false_type {};
+template <class T>
+    struct SectionList<std::vector<T>> : std::bool_constant < requires(T& t, AnyVisitor& v) {
+  t.visit(v);
+} > {};
+
 }  // namespace detail
 
 // Visitor that lists every leaf key path (for did-you-mean across sections and --help-config).
@@ -232,6 +247,20 @@ class KeyLister {
       KeyLister sub;
       sub.prefix_ = path;
       value.visit(sub);
+      entries_.insert(entries_.end(), sub.entries_.begin(), sub.entries_.end());
+    } else if constexpr (detail::SectionList<T>::value) {
+      // The list itself, then each element's keys as `<list>[].<key>` (their defaults: an
+      // element's when the key is left out).
+      entries_.push_back(
+          {path,
+           "list of sections",
+           doc,
+           value.empty() ? std::string("[]") : fmt::format("[{} sections]", value.size()),
+           {}});
+      KeyLister sub;
+      sub.prefix_ = path + "[]";
+      typename T::value_type element{};
+      element.visit(sub);
       entries_.insert(entries_.end(), sub.entries_.begin(), sub.entries_.end());
     } else {
       entries_.push_back(
@@ -259,6 +288,14 @@ class YamlWriter {
       YamlWriter sub;
       value.visit(sub);
       node_[key] = sub.node_;
+    } else if constexpr (detail::SectionList<T>::value) {
+      YAML::Node list(YAML::NodeType::Sequence);
+      for (auto& element : value) {
+        YamlWriter sub;
+        element.visit(sub);
+        list.push_back(sub.node_);
+      }
+      node_[key] = list;
     } else {
       node_[key] = value;
     }
@@ -288,6 +325,22 @@ class YamlReader {
       YamlReader sub(child, path, tree_, all_paths_);
       value.visit(sub);
       sub.finish();
+    } else if constexpr (detail::SectionList<T>::value) {
+      // Each element starts from the element type's defaults; the list replaces the default list.
+      value.clear();
+      if (child.IsNull()) return;
+      if (!child.IsSequence())
+        detail::fail_at(tree_, path, "expects a list of sections ([{key: value, ...}, ...])");
+      for (std::size_t i = 0; i < child.size(); ++i) {
+        const std::string element_path = path + "[" + std::to_string(i) + "]";
+        if (!child[i].IsMap())
+          detail::fail_at(tree_, element_path, "expects a section (a mapping of keys)");
+        typename T::value_type element{};
+        YamlReader sub(child[i], element_path, tree_, all_paths_);
+        element.visit(sub);
+        sub.finish();
+        value.push_back(std::move(element));
+      }
     } else {
       detail::read_value(child, path, tree_, value);
       detail::check_value(check, path, tree_, value);

@@ -67,6 +67,21 @@ inline constexpr const char* kAuxModule = "aux";
 std::vector<Unit> resolve_units(const torch::nn::Module& module,
                                 const std::vector<UnitPaths>& specs);
 
+// Where a parameter sits in a layered model, for layer-wise learning-rate decay (optim.layer_decay,
+// BEiT/MAE fine-tuning): layer `id` of a model with `depth` blocks, 0 for the embedding (patch
+// embedding, position embedding, class and register tokens), i + 1 for block i, depth + 1 for
+// everything after the last block (the final norm, necks, heads). Model::layer_depth answers it.
+struct LayerDepth {
+  int id = 0;
+  int depth = 0;
+};
+
+// The layer of `name` in a ViT registered at `vit_prefix` ("encoder.vit." or "vit.") with `depth`
+// blocks: `<prefix>block<i>.*` is block i, `<prefix>norm.*` comes after the last block, every other
+// `<prefix>*` (patch_embed, pos_embed, cls_token, reg_token, ...) is the embedding, and a name
+// outside the ViT comes after the last block.
+LayerDepth vit_layer_depth(const std::string& name, const std::string& vit_prefix, int depth);
+
 struct LossOutput {
   at::Tensor total;        // scalar, what backward() runs on
   core::TensorDict terms;  // each named term (detached or not), for metrics
@@ -188,6 +203,14 @@ class Model : public torch::nn::Module, public units::ParallelModel {
   virtual std::optional<BackboneSite> backbone_site() const { return std::nullopt; }
 
   int64_t parameter_count() const;
+
+  // The layer of parameter `param_name` (LayerDepth) for layer-wise lr decay; nullopt (the
+  // default) where the model has no layers (a conv backbone, the mlp): optim.layer_decay is then
+  // refused.
+  virtual std::optional<LayerDepth> layer_depth(const std::string& param_name) const {
+    (void)param_name;
+    return std::nullopt;
+  }
 
   // The ordered units; every parameter of named_parameters() is in exactly one unit. The default
   // (for models that do not override) is a single unit "model" holding every parameter; such a

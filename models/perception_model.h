@@ -102,6 +102,12 @@ class PerceptionModel : public Model {
   // conv: "encoder"), "view", "bev_block<i>", "heads" (the three heads and the resampling of the
   // segmentation logits to the label grid).
   std::vector<Unit> units() const override;
+  // ViT backbone: its layers (vit_layer_depth over "encoder.vit."; the view transformer, BEV
+  // encoder and heads come after the last block). Conv backbone: none.
+  std::optional<LayerDepth> layer_depth(const std::string& param_name) const override {
+    if (spec_.encoder.backbone != "vit") return std::nullopt;
+    return vit_layer_depth(param_name, "encoder.vit.", static_cast<int>(spec_.encoder.vit.depth));
+  }
   std::vector<UnitActivation> unit_activations(
       const ActivationQuery& q) const override;  // models/activations.cpp
   core::TensorDict postprocess(const core::TensorDict& pred) override;

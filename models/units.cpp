@@ -2,6 +2,7 @@
 #include "models/model.h"
 
 #include <algorithm>
+#include <cctype>
 
 namespace parallax::models {
 
@@ -99,6 +100,23 @@ std::vector<at::Tensor> Model::run_chain(int first, int last, const core::Tensor
     }
   }
   return in;
+}
+
+LayerDepth vit_layer_depth(const std::string& name, const std::string& vit_prefix, int depth) {
+  const LayerDepth after{depth + 1, depth};
+  if (name.compare(0, vit_prefix.size(), vit_prefix) != 0) return after;
+  const std::string rest = name.substr(vit_prefix.size());
+  if (rest.compare(0, 5, "norm.") == 0) return after;
+  if (rest.compare(0, 5, "block") == 0) {
+    std::size_t i = 5;
+    int block = 0;
+    while (i < rest.size() && std::isdigit(static_cast<unsigned char>(rest[i]))) {
+      block = block * 10 + (rest[i] - '0');
+      ++i;
+    }
+    if (i > 5 && i < rest.size() && rest[i] == '.') return {block + 1, depth};
+  }
+  return {0, depth};  // patch_embed, pos_embed, cls_token, reg_token, ...
 }
 
 }  // namespace parallax::models

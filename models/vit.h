@@ -225,6 +225,10 @@ class VitClassifier : public Model {
   // "vit.embed" (patch embedding, class token, position embedding), "vit.block<i>" per block,
   // "head" (the ViT's final LayerNorm and the linear head).
   std::vector<Unit> units() const override;
+  // vit_layer_depth over "vit." (the head comes after the last block).
+  std::optional<LayerDepth> layer_depth(const std::string& param_name) const override {
+    return vit_layer_depth(param_name, "vit.", static_cast<int>(spec_.depth));
+  }
   std::vector<UnitActivation> unit_activations(
       const ActivationQuery& q) const override;  // models/activations.cpp
   core::TensorDict postprocess(const core::TensorDict& pred) override;

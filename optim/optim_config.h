@@ -2,6 +2,7 @@
 #pragma once
 
 #include "core/config.h"
+#include "optim/param_groups.h"
 
 #include <cmath>
 #include <string>
@@ -20,6 +21,8 @@ struct OptimConfig {
   bool nesterov = false;
   double grad_clip = 1.0;  // 0: off
   std::string fused = "auto";
+  std::vector<ParamGroupRule> param_groups;  // optim/param_groups.h
+  double layer_decay = 1.0;
 
   template <class V>
   void visit(V& v) {
@@ -34,6 +37,17 @@ struct OptimConfig {
     v("grad_clip", grad_clip, "clip the global gradient norm to this value (0: off)",
       core::Check::at_least(0));
     v("fused", fused, "fused AdamW kernel on CUDA", core::Check::one_of({"auto", "on", "off"}));
+    v("param_groups", param_groups,
+      "per-parameter rules {match, lr_mult, weight_decay_mult, frozen} (mmengine's "
+      "paramwise_cfg); the first rule in list order whose glob matches a parameter's name "
+      "decides (docs/training.md, Parameter groups)");
+    core::Check in_0_1 = core::Check::positive();
+    in_0_1.max = 1;
+    v("layer_decay", layer_decay,
+      "layer-wise lr decay of ViT fine-tuning (BEiT/MAE): layer i of a depth-d ViT trains at lr x "
+      "layer_decay^(d+1-i) (embedding i=0, block b i=b+1, after the last block i=d+1), times its "
+      "rule's lr_mult; 1: off",
+      in_0_1);
   }
   void validate() const {
     if (betas.size() != 2)
@@ -50,6 +64,19 @@ struct OptimConfig {
     for (const auto& [key, v] : values) {
       if (!std::isfinite(v))
         throw_error<ConfigError>("key '{}' must be a finite number, got {}", key, v);
+    }
+    for (std::size_t i = 0; i < param_groups.size(); ++i) {
+      const ParamGroupRule& r = param_groups[i];
+      if (r.match.empty())
+        throw_error<ConfigError>("key 'optim.param_groups[{}].match' must not be empty", i);
+      const std::pair<const char*, double> mults[] = {{"lr_mult", r.lr_mult},
+                                                      {"weight_decay_mult", r.weight_decay_mult}};
+      for (const auto& [key, v] : mults) {
+        if (!std::isfinite(v) || v < 0) {
+          throw_error<ConfigError>(
+              "key 'optim.param_groups[{}].{}' must be a finite number >= 0, got {}", i, key, v);
+        }
+      }
     }
   }
 };

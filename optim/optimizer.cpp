@@ -42,7 +42,10 @@ void Optimizer::step(double lr) {
     }
     if (active.empty()) continue;
     any = true;
-    update(active, grads, lr, lr_tensor_, groups_[g].weight_decay);
+    // The group's learning rate as one double product, lr * lr_mult, rounded once where the kernel
+    // takes it (a double for the fused kernels on CPU, as for torch.optim's param groups).
+    update(active, grads, lr * groups_[g].lr_mult, capturable() ? group_lr_[g] : at::Tensor(),
+           groups_[g].weight_decay);
     for (Slot* s : active) {
       if (!s->master.is_same(s->param)) s->param.detach().copy_(s->master);
     }
@@ -55,12 +58,21 @@ void Optimizer::set_capturable(c10::Device device) {
                  "key 'optim.fused': CUDA graph capture (train.cuda_graph) needs the fused "
                  "optimizer kernels, which "
                  "read the learning rate from device memory; set optim.fused=auto");
-  lr_tensor_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+  // One tensor per distinct lr_mult (layer decay gives depth + 2 of them; rules a few more), which
+  // the groups that share it read.
+  group_lr_.clear();
+  for (const auto& g : groups_) {
+    at::Tensor& t = lr_tensors_[g.lr_mult];
+    if (!t.defined()) t = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+    group_lr_.push_back(t);
+  }
+  if (lr_tensors_.empty())  // no group: still capturable (nothing to update)
+    lr_tensors_[1.0] = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
 }
 
 void Optimizer::set_lr(double lr) {
   PARALLAX_CHECK(capturable(), Error, "Optimizer::set_lr() needs set_capturable() first");
-  lr_tensor_.fill_(lr);
+  for (auto& [mult, t] : lr_tensors_) t.fill_(lr * mult);
 }
 
 void Optimizer::zero_grad(bool set_to_none) {

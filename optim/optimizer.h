@@ -29,18 +29,21 @@ class Optimizer {
   explicit Optimizer(std::vector<ParamGroup> groups);
   virtual ~Optimizer() = default;
 
-  // One update with learning rate `lr` for every parameter that has a gradient. Parameters
-  // without a gradient (frozen, or unused with find_unused) are skipped and their state untouched.
-  // Capturable mode: `lr` is ignored (see set_capturable) and the step is not counted.
+  // One update with learning rate `lr` x the group's lr_mult for every parameter that has a
+  // gradient. Parameters without a gradient (frozen, or unused with find_unused) are skipped and
+  // their state untouched. Capturable mode: `lr` is ignored (see set_capturable) and the step is
+  // not counted.
   void step(double lr);
   // Capturable mode (CUDA graphs, train.cuda_graph): the fused kernels read the learning rate from
-  // a one-element fp32 tensor on `device` that set_lr() writes, instead of taking it as a kernel
-  // argument that a captured graph would freeze; step() does not count steps, because a captured
-  // call runs no update (the caller counts what ran with count_step()). Needs the fused kernels:
-  // ConfigError naming optim.fused otherwise. Call before the first step.
+  // a one-element fp32 tensor on `device` (one per distinct group lr_mult) that set_lr() writes,
+  // instead of taking it as a kernel argument that a captured graph would freeze; step() does not
+  // count steps, because a captured call runs no update (the caller counts what ran with
+  // count_step()). Needs the fused kernels: ConfigError naming optim.fused otherwise. Call before
+  // the first step.
   void set_capturable(c10::Device device);
-  bool capturable() const { return lr_tensor_.defined(); }
-  // Capturable mode: the learning rate of the next step (an fp32 fill on the current stream).
+  bool capturable() const { return !lr_tensors_.empty(); }
+  // Capturable mode: the learning rate of the next step (fp32 fills on the current stream, lr x
+  // each distinct lr_mult).
   void set_lr(double lr);
   void count_step() { ++steps_; }
   // Sets every gradient to None (frees memory) or zeroes it in place (`set_to_none` false; keeps
@@ -67,8 +70,9 @@ class Optimizer {
   };
   // Creates state for a slot on first use.
   virtual void init_state(Slot& slot) = 0;
-  // Updates `slots` (all have grads; masters fp32) with their fp32 grads. `lr_tensor` is defined
-  // in capturable mode (and then used instead of `lr`).
+  // Updates `slots` (all have grads; masters fp32) with their fp32 grads at learning rate `lr`
+  // (already times the group's lr_mult). `lr_tensor` is defined in capturable mode (and then used
+  // instead of `lr`; it holds the group's lr x lr_mult).
   virtual void update(std::vector<Slot*>& slots, std::vector<at::Tensor>& grads, double lr,
                       const at::Tensor& lr_tensor, double weight_decay) = 0;
   // Whether update() runs ATen's fused kernel (the only path that takes a tensor learning rate).
@@ -77,7 +81,9 @@ class Optimizer {
   std::vector<ParamGroup> groups_;
   std::vector<std::vector<Slot>> slots_;  // per group
   int64_t steps_ = 0;
-  at::Tensor lr_tensor_;  // capturable mode only
+  // Capturable mode only: lr x lr_mult per distinct lr_mult, and each group's tensor among them.
+  std::map<double, at::Tensor> lr_tensors_;
+  std::vector<at::Tensor> group_lr_;
 };
 
 class AdamW : public Optimizer {

@@ -64,6 +64,8 @@ std::unique_ptr<Engine> parallelize(units::ParallelModel& model, const Plan& pla
   // 4 (built inside 3 under a pipeline): DDP or ZeRO over the trainable parameters as they are
   // then (under pipeline parallelism: this rank's stages').
   const optim::OptimConfig optim_cfg = options.optimizer;
+  const optim::GroupSettings group_settings = optim::group_settings(
+      optim_cfg.weight_decay, optim_cfg.param_groups, optim_cfg.layer_decay, options.layer_of);
   const auto data_parallel = [&]() -> std::unique_ptr<Engine> {
     // Deferred initialisation: ZeRO-3 materialises its shards itself; any other engine takes the
     // parameters as they are then (under a pipeline: this rank's stages', the others released),
@@ -82,7 +84,7 @@ std::unique_ptr<Engine> parallelize(units::ParallelModel& model, const Plan& pla
     for (const auto& item : module->named_parameters())
       trainable.emplace_back(item.key(), item.value());
     return build_engine(
-        plan, module, optim::make_param_groups(trainable, optim_cfg.weight_decay),
+        plan, module, optim::make_param_groups(trainable, group_settings),
         [optim_cfg](std::vector<optim::ParamGroup> groups) {
           return optim::build_optimizer(optim_cfg, std::move(groups));
         },

@@ -54,8 +54,12 @@ std::vector<StatePiece> checkpoint_module(const torch::nn::Module& module, const
 struct ParallelizeOptions {
   std::string model_name;  // in errors ("model 'mlp' does not expose ...")
   int micro_batches = 1;   // per optimizer step (train.grad_accum): the pipeline's schedule
-  // The optimizer over the trainable parameters as they are after step 3 (weight decay groups).
+  // The optimizer over the trainable parameters as they are after step 3: its groups as
+  // optim::make_param_groups decides them from optimizer.weight_decay, .param_groups and
+  // .layer_decay (optim/param_groups.h). The trainer has applied the rules' `frozen` already.
   optim::OptimConfig optimizer;
+  // Each parameter's layer (the model's Model::layer_depth), for optimizer.layer_decay != 1.
+  optim::LayerOf layer_of;
   // Of the activation query (units::ActivationQuery) that balances pipeline stages: the bytes of
   // the compute dtype (2 under bf16/fp16 autocast) and whether the model runs on a GPU.
   int compute_bytes = 4;

@@ -221,6 +221,7 @@ void build_engine(Run& run, const std::shared_ptr<units::DeferredInit>& recipes)
   po.model_name = run.cfg.model.name;
   po.micro_batches = run.cfg.train.grad_accum;
   po.optimizer = run.cfg.optim;
+  po.layer_of = layer_of(*run.model);
   po.compute_bytes = run.precision.compute_bytes();
   po.cuda = run.device.is_cuda();
   po.deferred = recipes;
@@ -293,6 +294,9 @@ void assemble_training(Run& run) {
   const double resident_before = proc_status_mib("VmRSS");
   const bool peak_reset = resident_before >= 0 && reset_peak_resident();
   const std::shared_ptr<units::DeferredInit> recipes = build_training_model(run);
+  // optim.param_groups: checked against the whole model and its frozen rules applied before the
+  // engine (and, under a pipeline, the split) sees the parameters.
+  apply_param_groups(run, /*log=*/true);
   const double model_mib =
       static_cast<double>(run.model->parameter_count()) * 4 / (1024.0 * 1024.0);
   build_engine(run, recipes);
@@ -304,7 +308,10 @@ void assemble_training(Run& run) {
         "parameters: {:.1f} MiB)",
         proc_status_mib("VmHWM") - resident_before, resident_before, model_mib);
   }
-  if (run.resume) load_resumed_state(run);
+  if (run.resume) {
+    compare_param_groups(run);
+    load_resumed_state(run);
+  }
   // A resumed delayed-scaling history decides the scales from the first step on.
   run.precision.fp8_histories_loaded();
   open_outputs(run);

@@ -170,6 +170,7 @@ void Cadence::save(int64_t step) {
   ck::add_rng(state);
   ck::add_loss_scaler(state, run_.precision.scaler());
   if (run_.hooks.save_extra) run_.hooks.save_extra(state);
+  save_param_groups(run_, state);
   const auto pos = run_.source->position();
   state.set_extra("data.epoch", pos.first);
   state.set_extra("data.position", pos.second);

@@ -135,6 +135,9 @@ struct Run {
   std::shared_ptr<models::Model> model;
   std::shared_ptr<models::Model> frozen;
   std::string loaded;  // eval, export: what was read into the model, for the report
+  // optim.param_groups as applied to the model (train, plan): the start table's rows, which
+  // checkpoints record (train/run_param_groups.cpp).
+  std::vector<optim::GroupRow> param_group_rows;
 
   // 5. The engine (train): owns the optimizer, the micro-batch loop and the layout of
   // parameters, gradients and optimizer state across ranks.

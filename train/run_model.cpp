@@ -336,6 +336,9 @@ void build_shape_model(Run& run, int tp, bool sequence_parallel) {
   // FP8: the layers the trainer converts (the same refusals), whose inputs and weights are saved
   // as FP8 copies (models::ActivationQuery::fp8).
   if (run.precision.fp8()) apply_fp8(run);
+  // The rules' frozen parameters carry no gradient and no optimizer state: the planner reads
+  // requires_grad (planner_inventory.h).
+  apply_param_groups(run, /*log=*/false);
 }
 
 }  // namespace parallax::train::detail

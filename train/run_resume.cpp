@@ -147,7 +147,23 @@ void check_resumed_state_finite(const Run& run) {
 // state tensor, read as the boxes it covers), from whatever shards of whatever layout overlap
 // them.
 void load_optimizer_state(Run& run) {
-  run.resume->load(load_targets(ck::kOptimPrefix, run.engine->checkpoint_optimizer()));
+  std::vector<ck::LoadTarget> targets =
+      load_targets(ck::kOptimPrefix, run.engine->checkpoint_optimizer());
+  // A parameter a frozen rule of the checkpoint's optim.param_groups matched has no state there:
+  // unfrozen now, it starts fresh (compare_param_groups warned). The state of a parameter frozen
+  // now is in the checkpoint and simply not read.
+  const auto& saved = run.resume->metadata().tensors;
+  targets.erase(std::remove_if(targets.begin(), targets.end(),
+                               [&](const ck::LoadTarget& t) {
+                                 if (saved.count(t.name)) return false;
+                                 const std::string state =
+                                     t.name.substr(std::string(ck::kOptimPrefix).size());
+                                 const auto dot = state.rfind('.');
+                                 return dot != std::string::npos &&
+                                        frozen_in_checkpoint(run, state.substr(0, dot));
+                               }),
+                targets.end());
+  run.resume->load(targets);
   run.engine->optimizer_state_loaded();
 }
 

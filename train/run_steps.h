@@ -11,6 +11,7 @@
 
 #include "checkpoint/reader.h"
 #include "checkpoint/resume.h"
+#include "checkpoint/save_state.h"
 #include "parallel/state.h"
 #include "train/run.h"
 
@@ -54,6 +55,25 @@ void build_shape_model(Run& run, int tp, bool sequence_parallel);
 // amaxes over the replicas of this rank's layers once the topology exists). ConfigError naming
 // precision.mode where the model has none.
 void apply_fp8(Run& run);
+
+// ---- run_param_groups.cpp
+// optim.param_groups and optim.layer_decay applied to run.model (train, plan), before any engine
+// is built: the rules checked against the whole model's parameter names (ConfigError naming
+// optim.param_groups[i].match for a rule that decides nothing, optim.param_groups when everything
+// would be frozen, optim.layer_decay for a model without layers), the frozen rules' parameters set
+// requires_grad false, run.param_group_rows filled; with `log`, rank 0 prints the table.
+void apply_param_groups(Run& run, bool log);
+// The model's layers (Model::layer_depth) as optim sees them.
+optim::LayerOf layer_of(const models::Model& model);
+// The table as the checkpoint's metadata extras: "optim.layer_decay", "optim.param_groups.count",
+// "optim.param_groups.<i>.{match,lr_mult,weight_decay_mult,frozen,params}".
+void save_param_groups(const Run& run, checkpoint::SaveState& state);
+// Resume: warns (rank 0) once per rule that differs from the checkpoint's table, and once for
+// layer_decay; silent for a checkpoint saved without a table.
+void compare_param_groups(const Run& run);
+// Resume: whether the optimizer state of `param` may be missing from the checkpoint (a frozen rule
+// of the checkpoint's table matched it: the parameter was not trained then).
+bool frozen_in_checkpoint(const Run& run, const std::string& param);
 
 // ---- run_resume.cpp
 // The checkpoint to resume from, agreed by every rank (train.resume); opens it into run.resume

@@ -86,7 +86,7 @@ std::map<std::string, int> ZeroEngine::units_of_params(
 ddp::DdpOptions ZeroEngine::bucket_options(
     ddp::DdpOptions options, const std::vector<optim::ParamGroup>& groups,
     std::shared_ptr<const std::map<std::string, int>> unit_of, int n_units) {
-  // Buckets never mix optimizer groups (their weight decay differs).
+  // Buckets never mix optimizer groups (their weight decay or lr multiplier differs).
   auto group_of = std::make_shared<std::map<std::string, int>>();
   for (std::size_t g = 0; g < groups.size(); ++g)
     for (const auto& n : groups[g].names) (*group_of)[n] = static_cast<int>(g);
@@ -204,12 +204,14 @@ void ZeroEngine::shard_frozen(const std::map<std::string, int>& unit_of,
 std::vector<optim::ParamGroup> ZeroEngine::piece_groups(
     const std::vector<optim::ParamGroup>& groups,
     const std::map<std::string, std::size_t>& piece_of) const {
-  // Group by group: same names, same weight decay.
+  // Group by group: same names, same weight decay and lr multiplier. A rank's shard of a flat
+  // buffer holds pieces of several parameters, each in its own parameter's group.
   std::vector<optim::ParamGroup> sharded;
   for (const auto& g : groups) {
     optim::ParamGroup s;
     s.name = g.name;
     s.weight_decay = g.weight_decay;
+    s.lr_mult = g.lr_mult;
     for (const auto& name : g.names) {
       const auto it = piece_of.find(name);
       if (it == piece_of.end()) continue;  // no element of it in this rank's shard

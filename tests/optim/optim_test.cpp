@@ -3,6 +3,7 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "core/strings.h"
 #include "models/model.h"
 #include "models/perception_model.h"
 #include "optim/grad_utils.h"
@@ -333,6 +334,270 @@ TEST(ParamGroupsTest, BevQueryEmbeddingGetsNoDecay) {
     }
   }
   EXPECT_TRUE(found) << "the bev model has no query_embed parameter any more";
+}
+
+// ---- optim.param_groups and optim.layer_decay (optim/param_groups.h) ---------------------------
+
+namespace {
+
+optim::ParamGroupRule rule(const std::string& match, double lr_mult, double wd_mult = 1.0,
+                           bool frozen = false) {
+  optim::ParamGroupRule r;
+  r.match = match;
+  r.lr_mult = lr_mult;
+  r.weight_decay_mult = wd_mult;
+  r.frozen = frozen;
+  return r;
+}
+
+// The optim section as the run config holds it (keys named from the root).
+struct Root {
+  optim::OptimConfig optim;
+  template <class V>
+  void visit(V& v) {
+    v("optim", optim);
+  }
+  void validate() const { optim.validate(); }
+};
+
+// `fn` throws a ConfigError whose message names `needle`.
+template <class Fn>
+void expect_config_error(Fn&& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no ConfigError (expected one naming '" << needle << "')";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// The bev tiny model's parameter names and shapes (ViT backbone "encoder.vit.*").
+std::vector<optim::ParamShape> bev_tiny_shapes() {
+  models::ModelConfig c;
+  c.name = "bev";
+  c.size = "tiny";
+  auto model = models::build_model(c, models::benchmark_scene("tiny"));
+  std::vector<optim::ParamShape> out;
+  for (const auto& it : model->named_parameters())
+    out.push_back({it.key(), it.value().dim(), it.value().numel(), false});
+  return out;
+}
+
+}  // namespace
+
+TEST(ParamGroupsTest, FirstMatchingRuleDecides) {
+  optim::GroupSettings s = optim::group_settings(
+      0.05, {rule("encoder.vit.block0.*", 0.5, 2.0), rule("encoder.*", 0.1, 0.0)}, 1.0, {});
+  // block0 is matched by both rules: the first one in list order decides.
+  const auto a = optim::assign_param("encoder.vit.block0.mlp.fc1.weight", 2, s);
+  EXPECT_EQ(a.rule, 0);
+  EXPECT_EQ(a.lr_mult, 0.5);
+  EXPECT_EQ(a.weight_decay, 0.05 * 2.0);
+  const auto b = optim::assign_param("encoder.vit.block1.mlp.fc1.weight", 2, s);
+  EXPECT_EQ(b.rule, 1);
+  EXPECT_EQ(b.lr_mult, 0.1);
+  EXPECT_EQ(b.weight_decay, 0.0);  // weight_decay_mult 0
+  // No rule: defaults; 1-D and embeddings never decay whatever the rule says.
+  const auto c = optim::assign_param("heads.seg_out.weight", 4, s);
+  EXPECT_EQ(c.rule, -1);
+  EXPECT_EQ(c.lr_mult, 1.0);
+  EXPECT_EQ(c.weight_decay, 0.05);
+  EXPECT_EQ(optim::assign_param("encoder.vit.block0.norm1.weight", 1, s).weight_decay, 0.0);
+  EXPECT_EQ(optim::assign_param("encoder.vit.pos_embed", 3, s).weight_decay, 0.0);
+  // The reverse order: the broad rule takes block0 too, and the narrow one decides nothing, which
+  // check_param_groups names as an error.
+  std::swap(s.rules[0], s.rules[1]);
+  EXPECT_EQ(optim::assign_param("encoder.vit.block0.mlp.fc1.weight", 2, s).rule, 0);
+  expect_config_error([&] { optim::check_param_groups(bev_tiny_shapes(), s); },
+                      "optim.param_groups[1].match");
+}
+
+TEST(ParamGroupsTest, RuleMatchingNoParameterIsAnError) {
+  const auto shapes = bev_tiny_shapes();
+  const optim::GroupSettings s =
+      optim::group_settings(0.05, {rule("encoder.*", 0.1), rule("encodr.vit.*", 0.5)}, 1.0, {});
+  try {
+    optim::check_param_groups(shapes, s);
+    FAIL() << "a rule that matches nothing was accepted";
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("optim.param_groups[1].match"), std::string::npos) << what;
+    EXPECT_NE(what.find("encodr.vit.*"), std::string::npos) << what;
+    EXPECT_NE(what.find("matches no parameter"), std::string::npos) << what;
+  }
+}
+
+TEST(ParamGroupsTest, FreezingEverythingIsAnError) {
+  const auto shapes = bev_tiny_shapes();
+  expect_config_error(
+      [&] {
+        optim::check_param_groups(shapes,
+                                  optim::group_settings(0.05, {rule("*", 1, 1, true)}, 1.0, {}));
+      },
+      "optim.param_groups");
+  // Freezing part of it is fine; the table counts the frozen rule's parameters.
+  const auto rows = optim::check_param_groups(
+      shapes, optim::group_settings(0.05, {rule("encoder.*", 1, 1, true)}, 1.0, {}));
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_TRUE(rows[0].frozen);
+  EXPECT_GT(rows[0].params, 0);
+  EXPECT_EQ(rows[1].label, "(default)");
+}
+
+TEST(ParamGroupsTest, ConfigReadsRulesAndRefusesUnknownKeysAndBadValues) {
+  const auto load = [](const std::string& yaml) {
+    Root r;
+    std::string text = "optim:\n";
+    for (const auto& line : core::split(yaml, '\n'))
+      if (!line.empty()) text += "  " + line + "\n";
+    core::bind(core::ConfigTree::from_string(text, "test.yaml"), r);
+    return r.optim;
+  };
+  const auto c = load(
+      "param_groups: [{match: 'encoder.*', lr_mult: 0.1}, {match: 'x', frozen: true}]\n"
+      "layer_decay: 0.75\n");
+  ASSERT_EQ(c.param_groups.size(), 2u);
+  EXPECT_EQ(c.param_groups[0].match, "encoder.*");
+  EXPECT_EQ(c.param_groups[0].lr_mult, 0.1);
+  EXPECT_EQ(c.param_groups[0].weight_decay_mult, 1.0);  // the element's default
+  EXPECT_TRUE(c.param_groups[1].frozen);
+  EXPECT_EQ(c.layer_decay, 0.75);
+  expect_config_error([&] { load("param_groups: [{match: 'a', lr_mul: 0.1}]\n"); },
+                      "optim.param_groups[0].lr_mul");
+  expect_config_error([&] { load("param_groups: [{match: 'a', lr_mult: -1}]\n"); },
+                      "optim.param_groups[0].lr_mult");
+  expect_config_error([&] { load("param_groups: [{match: 'a', weight_decay_mult: .inf}]\n"); },
+                      "optim.param_groups[0].weight_decay_mult");
+  expect_config_error([&] { load("layer_decay: 0\n"); }, "optim.layer_decay");
+  expect_config_error([&] { load("layer_decay: 1.5\n"); }, "optim.layer_decay");
+  // Written back as a list of sections, and read again to the same rules.
+  Root w;
+  w.optim = c;
+  Root again_root;
+  core::bind(core::ConfigTree::from_string(core::emit_yaml(core::to_yaml(w)), "again.yaml"),
+             again_root);
+  const optim::OptimConfig& again = again_root.optim;
+  ASSERT_EQ(again.param_groups.size(), 2u);
+  EXPECT_EQ(again.param_groups[0].lr_mult, 0.1);
+  EXPECT_TRUE(again.param_groups[1].frozen);
+}
+
+// BEiT/MAE: lr scale = layer_decay^(depth + 1 - id), embedding id 0, block i id i + 1, after the
+// last block depth + 1 (scale 1); the ids come from the model (Model::layer_depth).
+TEST(ParamGroupsTest, LayerDecayScalesOfAVitNameSet) {
+  const int depth = 2;
+  const double d = 0.75;
+  struct Case {
+    const char* name;
+    int id;
+  } cases[] = {{"encoder.vit.patch_embed.weight", 0},
+               {"encoder.vit.pos_embed", 0},
+               {"encoder.vit.reg_token", 0},
+               {"encoder.vit.cls_token", 0},
+               {"encoder.vit.block0.attn.qkv.weight", 1},
+               {"encoder.vit.block0.ls1.gamma", 1},
+               {"encoder.vit.block1.mlp.fc2.bias", 2},
+               {"encoder.vit.block1.ls2.gamma", 2},
+               {"encoder.vit.norm.weight", 3},
+               {"encoder.neck.weight", 3},
+               {"heads.seg_out.weight", 3}};
+  for (const auto& c : cases) {
+    const models::LayerDepth ld = models::vit_layer_depth(c.name, "encoder.vit.", depth);
+    EXPECT_EQ(ld.id, c.id) << c.name;
+    EXPECT_EQ(ld.depth, depth) << c.name;
+  }
+  // vit_cls names "vit.*", and a block number of two digits.
+  EXPECT_EQ(models::vit_layer_depth("vit.block11.attn.proj.weight", "vit.", 12).id, 12);
+  EXPECT_EQ(models::vit_layer_depth("head.weight", "vit.", 12).id, 13);
+  // Through the settings: the scale times the rule's lr_mult.
+  const optim::LayerOf layers = [&](const std::string& n) -> std::optional<optim::LayerPosition> {
+    const auto ld = models::vit_layer_depth(n, "encoder.vit.", depth);
+    return optim::LayerPosition{ld.id, ld.depth};
+  };
+  const auto s = optim::group_settings(0.05, {rule("encoder.vit.block1.*", 0.5)}, d, layers);
+  for (const auto& c : cases) {
+    const auto a = optim::assign_param(c.name, 2, s);
+    const double scale = std::pow(d, depth + 1 - c.id);
+    EXPECT_EQ(a.layer, c.id) << c.name;
+    EXPECT_DOUBLE_EQ(a.lr_mult, scale * (a.rule == 0 ? 0.5 : 1.0)) << c.name;
+  }
+  EXPECT_DOUBLE_EQ(optim::assign_param("encoder.vit.patch_embed.weight", 4, s).lr_mult, d * d * d);
+  // The real bev tiny model reports the same ids; the conv backbone reports none.
+  models::ModelConfig mc;
+  mc.name = "bev";
+  mc.size = "tiny";
+  auto vit = models::build_model(mc, models::benchmark_scene("tiny"));
+  EXPECT_EQ(vit->layer_depth("encoder.vit.block0.attn.qkv.weight")->id, 1);
+  EXPECT_EQ(vit->layer_depth("encoder.vit.pos_embed")->id, 0);
+  mc.backbone = "conv";
+  auto conv = models::build_model(mc, models::benchmark_scene("tiny"));
+  EXPECT_FALSE(conv->layer_depth(conv->named_parameters()[0].key()).has_value());
+}
+
+TEST(ParamGroupsTest, GroupsCarryLrMultAndTheDefaultGroupsStayTwo) {
+  auto lin = torch::nn::Linear(4, 3);
+  auto enc = torch::nn::Linear(3, 3);
+  optim::NamedParams named = {{"encoder.fc.weight", enc->weight},
+                              {"encoder.fc.bias", enc->bias},
+                              {"head.weight", lin->weight},
+                              {"head.bias", lin->bias}};
+  const auto plain = optim::make_param_groups(named, optim::group_settings(0.05, {}, 1.0, {}));
+  ASSERT_EQ(plain.size(), 2u);
+  EXPECT_EQ(plain[0].name, "decay");
+  EXPECT_EQ(plain[0].lr_mult, 1.0);
+  const auto g = optim::make_param_groups(
+      named, optim::group_settings(0.05, {rule("encoder.*", 0.1, 0.5)}, 1.0, {}));
+  ASSERT_EQ(g.size(), 4u);
+  EXPECT_EQ(g[0].names, (std::vector<std::string>{"encoder.fc.weight"}));
+  EXPECT_EQ(g[0].lr_mult, 0.1);
+  EXPECT_EQ(g[0].weight_decay, 0.05 * 0.5);
+  EXPECT_EQ(g[1].names, (std::vector<std::string>{"encoder.fc.bias"}));
+  EXPECT_EQ(g[1].lr_mult, 0.1);
+  EXPECT_EQ(g[1].weight_decay, 0.0);
+  EXPECT_EQ(g[2].lr_mult, 1.0);
+  EXPECT_EQ(g[2].weight_decay, 0.05);
+}
+
+// Optimizer::step uses lr x the group's lr_mult, in both kernels of both optimizers: with plain
+// SGD (momentum 0, no decay) a parameter moves by exactly lr * mult * grad.
+TEST(ParamGroupsTest, StepUsesEachGroupsLrMult) {
+  for (const bool fused : {true, false}) {
+    at::manual_seed(5);
+    at::Tensor a = at::randn({6, 5}).set_requires_grad(true);
+    at::Tensor b = at::randn({7}).set_requires_grad(true);
+    const at::Tensor a0 = a.detach().clone(), b0 = b.detach().clone();
+    a.mutable_grad() = at::randn({6, 5});
+    b.mutable_grad() = at::randn({7});
+    optim::ParamGroup ga{"a", {"a"}, {a}, 0.0, 0.1};
+    optim::ParamGroup gb{"b", {"b"}, {b}, 0.0, 1.0};
+    optim::Sgd sgd({ga, gb}, 0.0, false, fused);
+    const double lr = 0.3;
+    sgd.step(lr);
+    // at::_fused_sgd_ (momentum 0, weight decay 0) and the reference both compute
+    // p + (-lr_f) * g in fp32 with lr_f the float of the double lr * mult: add_(g, -lr * mult)
+    // rounds the same products and sums once each.
+    EXPECT_TRUE(at::equal(a.detach(), a0.add(a.grad(), -(lr * 0.1)))) << "fused " << fused;
+    EXPECT_TRUE(at::equal(b.detach(), b0.add(b.grad(), -lr))) << "fused " << fused;
+    EXPECT_FALSE(at::equal(a.detach(), a0.add(a.grad(), -lr)));
+  }
+  // Capturable mode (CUDA graphs; here the CPU fused kernel): one lr tensor per distinct lr_mult,
+  // written by set_lr as the fp32 of lr * mult, the same rate the plain step rounds to.
+  at::manual_seed(6);
+  at::Tensor a = at::randn({6, 5}).set_requires_grad(true);
+  at::Tensor b = at::randn({7}).set_requires_grad(true);
+  at::Tensor c = at::randn({3}).set_requires_grad(true);
+  const at::Tensor a0 = a.detach().clone(), b0 = b.detach().clone(), c0 = c.detach().clone();
+  for (at::Tensor* t : {&a, &b, &c}) t->mutable_grad() = at::randn_like(*t);
+  optim::Sgd sgd(
+      {optim::ParamGroup{"a", {"a"}, {a}, 0.0, 0.1}, optim::ParamGroup{"b", {"b"}, {b}, 0.0, 1.0},
+       optim::ParamGroup{"c", {"c"}, {c}, 0.0, 0.1}},
+      0.0, false, true);
+  sgd.set_capturable(at::Device(at::kCPU));
+  sgd.set_lr(0.3);
+  sgd.step(/*ignored*/ 123.0);
+  EXPECT_TRUE(at::equal(a.detach(), a0.add(a.grad(), -(0.3 * 0.1))));
+  EXPECT_TRUE(at::equal(b.detach(), b0.add(b.grad(), -0.3)));
+  EXPECT_TRUE(at::equal(c.detach(), c0.add(c.grad(), -(0.3 * 0.1))));
 }
 
 TEST(ScheduleTest, WarmupThenCosineLinearConstant) {
