@@ -15,8 +15,8 @@
 namespace parallax::optim {
 
 const std::vector<std::string>& default_no_decay_names() {
-  static const std::vector<std::string> kNames = {"pos_embed", "cls_token", "dist_token",
-                                                  "query_embed"};
+  static const std::vector<std::string> kNames = {"pos_embed", "cls_token", "reg_token",
+                                                  "dist_token", "query_embed"};
   return kNames;
 }
 

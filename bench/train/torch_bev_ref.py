@@ -37,6 +37,8 @@ count matches what `parallax train` logged.
   torchrun --nproc-per-node 2 bench/train/torch_bev_ref.py --size large --batch 8 --tp 2 [--sp]
   python3 bench/train/torch_bev_ref.py --device cpu --size tiny --batch 2 --warmup 1 --iters 3
   python3 bench/train/torch_bev_ref.py --size base --params-only   # parameters / FLOPs per module
+  python3 bench/train/torch_bev_ref.py --device cpu --size tiny --scene default --batch 1 \
+      --weights runs/X/export/model.safetensors   # from a run's `parallax export --format safetensors`
 
 Tensor parallelism (`--tp N`, `--sp`; issue 24 row 3): PyTorch DTensor TP as its documentation
 and torchtitan apply it (`parallelize_module` over a 1-D device mesh of the N ranks; every rank
@@ -146,6 +148,9 @@ def parse_args():
     ap.add_argument("--tp", type=int, default=1,
                     help="DTensor tensor parallelism over all ranks (torchrun; tp = world size, one batch)")
     ap.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism (DTensor SequenceParallel)")
+    ap.add_argument("--weights", default="",
+                    help="start from a Parallax whole-model export (`parallax export --format "
+                         "safetensors`), loaded with strict=True: the same names and shapes")
     ap.add_argument("--check", action="store_true",
                     help="print the first two steps' losses (the second after one SGD step: the "
                          "gradients; float32 on CPU: compare --tp N [--sp] with one process)")
@@ -221,6 +226,9 @@ def main():
     dev, distributed, rank, world, local_rank = init_process(a.device)
     cuda = dev.type == "cuda"
     spec, model = build(a.size, a.scene, seed=0)
+    if a.weights:
+        from safetensors.torch import load_file
+        model.load_state_dict(load_file(a.weights), strict=True)
     model = model.to(dev)
     n_params = sum(p.numel() for p in model.parameters())
     analytic_flops = sum(r[2] for r in analytic_cost(spec))

@@ -147,6 +147,12 @@ class PretrainedTest(unittest.TestCase):
         d = self.fixture("vit", name, 224, 224)
         self.compare(name, 224, 224, os.path.join(d, "model.pt"), os.path.join(d, "io.safetensors"),
                      "--source", "timm")
+        # Its patch-14 embedding into a patch-16 ViT: refused with both sizes named.
+        r = tool("vit_small_patch16", 224, 224, os.path.join(d, "model.pt"),
+                 os.path.join(d, "io.safetensors"), os.path.join(self.dir, "x.safetensors"),
+                 "--source", "timm")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("patch 14, the model's patch is 16", r.stderr)
 
     def test_wrong_mapping_is_caught(self):
         # The comparison can fail: the ViT-B/16 weights with two blocks' qkv swapped give another
@@ -227,6 +233,26 @@ class PretrainedTrainTest(unittest.TestCase):
         got, want = load_file(out)["tokens"], load_file(io)["ref"]
         err = (got - want).abs().max().item() / want.abs().max().item()
         self.assertLess(err, RTOL)
+
+    def test_torch_reference_loads_the_whole_model(self):
+        # bench/train/torch_bev_ref.py mirrors the bev model with the ViT preset backbone in plain
+        # torch.nn with Parallax's names: the whole-model export loads into it with strict=True.
+        cmd = [PARALLAX, "train", "--config", os.path.join(SRC, "configs", "bev_tiny.yaml"),
+               "model.backbone=vit", "data.synthetic=true", "data.batch_size=1", "train.steps=1",
+               "train.eval_every=0", f"experiment.output_dir={self.dir}", "experiment.name=whole"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+        run = os.path.join(self.dir, "whole")
+        r = subprocess.run([PARALLAX, "export", "--run", run, "--format", "safetensors"],
+                           capture_output=True, text=True, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        ref = os.path.join(SRC, "bench", "train", "torch_bev_ref.py")
+        r = subprocess.run([BRIDGE, ref, "--device", "cpu", "--size", "tiny", "--scene", "default",
+                            "--batch", "1", "--warmup", "0", "--iters", "1", "--window", "1",
+                            "--weights", os.path.join(run, "export", "model.safetensors")],
+                           capture_output=True, text=True, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+        self.assertIn('"step_ms"', r.stdout)
 
     def refused(self, name, path, *overrides, says=None):
         r = self.train(name, path, *overrides)
