@@ -75,6 +75,9 @@ class ImageEncoderImpl : public torch::nn::Module {
   int64_t span_w() const { return feat_w() * stride(); }
   // The ViT (null for other backbones): model.pretrained's load reads its geometry.
   const VisionTransformerImpl* vit() const { return vit_.is_empty() ? nullptr : vit_.get(); }
+  // The ResNet trunk (null for other backbones): its stages alone, for comparisons with
+  // torchvision's (tests/train/backbone_tool.cpp).
+  ResNetImpl* resnet() { return resnet_.is_empty() ? nullptr : resnet_.get(); }
   // The residual/transformer/bottleneck blocks, in forward order.
   std::vector<std::shared_ptr<Block>> blocks() const { return blocks_; }
   // Cost of one image.
