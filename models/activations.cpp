@@ -10,6 +10,7 @@
 // norm in fp32, the convolution saves its own cast copy, which counts in its unit.
 #include "models/mlp.h"
 #include "models/perception_model.h"
+#include "models/resnet.h"
 #include "models/vit.h"
 
 #include <algorithm>
@@ -82,6 +83,55 @@ double residual_saved(double c, double hw, bool input_fresh, const ActivationQue
          c * hw * nb;
 }
 
+// A ResNet Bottleneck (resnet.cpp) from `in` channels at `hw_in` pixels to 4 `width` at `hw_out`:
+// every FrozenBatchNorm2d's multiply-add keeps its input (the convolution's output) and every
+// in-place ReLU its output (the next convolution's input); the block's last ReLU output is the
+// next block's input. Its own input counts here only when `input_fresh` (the stem's max-pool
+// output, which nothing before saved). Under autocast every tensor is in the compute dtype: the
+// convolutions return it and the norm computes in it.
+UnitActivation::InnerBlock bottleneck_saved(double in, double width, double hw_in, double hw_out,
+                                            bool downsample, bool input_fresh,
+                                            const ActivationQuery& q) {
+  const double e = q.compute_bytes, out = 4 * width;
+  double b = input_fresh ? in * hw_in * e : 0;
+  b += 2 * width * hw_in * e;             // bn1's input, relu's output (conv2's input)
+  b += 2 * width * hw_out * e;            // bn2's input, relu's output (conv3's input)
+  b += out * hw_out * e;                  // bn3's input
+  if (downsample) b += out * hw_out * e;  // the downsample norm's input
+  b += out * hw_out * e;                  // the final ReLU's output
+  return {b, in * hw_in * e};
+}
+
+// The ResNet units of the bev encoder (ImageEncoderImpl::unit_paths), per image: the stem with
+// layer1, layer2, layer3, then layer4 with the FPN, whose 3x3 convolution keeps its input P4 (the
+// laterals' inputs C4 and C5 are counted where they were made; the upsample and add keep nothing).
+std::vector<UnitActivation> resnet_units(const ImageEncoderOptions& eo, const ActivationQuery& q) {
+  const double e = q.compute_bytes;
+  const double h = static_cast<double>(eo.image_h), w = static_cast<double>(eo.image_w);
+  const std::vector<int64_t> layers = resnet_layers(ImageEncoderImpl::resnet_depth(eo.backbone));
+  std::vector<UnitActivation> out(4);
+  // Stem: conv1's input (the images, or their cast copy), bn1's input and the ReLU output at
+  // stride 2, the max-pool's int64 indices at stride 4.
+  out[0].saved = 3 * h * w * e + 2 * 64 * (h * w / 4) * e + 64 * (h * w / 16) * 8;
+  double in = 64, hw = h * w / 16;
+  for (std::size_t s = 0; s < 4; ++s) {
+    const double width = static_cast<double>(int64_t{64} << s), stride = s == 0 ? 1 : 2;
+    for (int64_t b = 0; b < layers[s]; ++b) {
+      const double hw_out = b == 0 ? hw / (stride * stride) : hw;
+      const bool ds = b == 0;  // every stage's first block changes the channels
+      out[s].inner.push_back(bottleneck_saved(in, width, hw, hw_out, ds, s == 0 && b == 0, q));
+      out[s].saved += out[s].inner.back().saved;
+      in = 4 * width;
+      hw = hw_out;
+    }
+    out[s].output = in * hw * e;
+  }
+  const double oc = static_cast<double>(eo.out_channels);
+  out[3].saved += oc * hw * 4 * e;  // P4 at stride 16 (hw is stride 32's)
+  out[3].output = oc * hw * 4 * e;
+  return out;
+}
+
 }  // namespace
 
 std::vector<UnitActivation> VitClassifier::unit_activations(const ActivationQuery& q) const {
@@ -124,6 +174,16 @@ std::vector<UnitActivation> PerceptionModel::unit_activations(const ActivationQu
       out.push_back({cams * block_saved(b, q, s), cams * block_output(b, q, s), true});
     // Neck: the final LayerNorm's input and stats, the linear's input.
     out.push_back({cams * b.tokens * (s * b.dim + 8 + e * b.dim), feat_out, false});
+  } else if (ImageEncoderImpl::resnet_depth(eo.backbone) > 0) {
+    for (UnitActivation u : resnet_units(eo, q)) {
+      u.saved *= cams;
+      u.output *= cams;
+      for (auto& inner : u.inner) {
+        inner.saved *= cams;
+        inner.input *= cams;
+      }
+      out.push_back(u);
+    }
   } else {
     // One unit: stride-2 ConvNormActs and residual blocks, then the 1x1 neck (its input saved).
     double saved = 0, in = 3, h = static_cast<double>(eo.image_h),

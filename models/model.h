@@ -90,9 +90,21 @@ struct LossOutput {
 // The planner's activation model (units/parallel_model.h: the parallel engines read it too).
 using ActivationQuery = units::ActivationQuery;
 struct UnitActivation {
+  struct InnerBlock;
+  // Not an aggregate, so that {saved, output, recomputable} leaves `inner` empty without a warning.
+  UnitActivation(double saved_bytes = 0, double output_bytes = 0, bool is_block = false)
+      : saved(saved_bytes), output(output_bytes), recomputable(is_block) {}
+
   double saved = 0;           // bytes per sample kept from this unit's forward to its backward
   double output = 0;          // bytes per sample of the unit's outputs (a pipeline message)
   bool recomputable = false;  // one of recomputable_blocks(): recomputed under Recompute
+  // A unit that is not one block but holds several of recomputable_blocks() (a ResNet stage's
+  // bottlenecks), in forward order: the bytes each keeps (part of `saved`) and its input's, which
+  // is all it keeps once wrapped.
+  struct InnerBlock {
+    double saved = 0, input = 0;
+  };
+  std::vector<InnerBlock> inner;
 };
 
 // Activation recompute (units/parallel_model.h; the config's train.activation_checkpointing): the
@@ -178,7 +190,8 @@ class Model : public torch::nn::Module, public units::ParallelModel {
   // Bytes per sample each unit keeps from its forward to its backward under activation recompute
   // `mode` (train.activation_checkpointing: none | selective | full, wrapped as
   // recomputed_block() says): a wrapped block keeps only its input. Empty where the model has no
-  // activation model. `recomputed`, if given, receives which units are recomputed. The pipeline
+  // activation model. `recomputed`, if given, receives which units are recomputed (a unit of
+  // UnitActivation::inner blocks: when any of them is). The pipeline
   // partition (second criterion) and `parallax plan` both use it.
   std::vector<double> saved_activations(const ActivationQuery& q, Recompute mode,
                                         std::vector<bool>* recomputed = nullptr) const override;

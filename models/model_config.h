@@ -74,10 +74,12 @@ struct ModelConfig {
     v("size", size, "size preset",
       core::Check::one_of({"tiny", "small", "base", "large", "3b", "b16"}));
     v("backbone", backbone,
-      "image backbone: vit (shaped by model.size), conv, or a named ViT of timm's for pretrained "
-      "weights (its own shape at every size; images padded to whole patches)",
-      core::Check::one_of({"vit", "conv", "vit_small_patch16", "vit_base_patch16",
-                           "vit_large_patch16", "vit_small_patch14_dinov2",
+      "image backbone: vit (shaped by model.size), conv, resnet50 / resnet101 (bev: torchvision's "
+      "ResNet with frozen batch norm and an FPN, stride 16, images divisible by 32), or a named "
+      "ViT of timm's for pretrained weights (the named ViTs and ResNets keep their own shape at "
+      "every size; the ViTs pad images to whole patches)",
+      core::Check::one_of({"vit", "conv", "resnet50", "resnet101", "vit_small_patch16",
+                           "vit_base_patch16", "vit_large_patch16", "vit_small_patch14_dinov2",
                            "vit_base_patch14_dinov2", "vit_large_patch14_dinov2",
                            "vit_small_patch14_reg4_dinov2", "vit_base_patch14_reg4_dinov2",
                            "vit_large_patch14_reg4_dinov2"}));

@@ -239,7 +239,13 @@ std::vector<double> PerceptionModel::unit_flops() const {
     enc_total += n;
   }
   std::vector<double> out;
-  for (double n : enc_params) out.push_back(c[0].flops * (enc_total > 0 ? n / enc_total : 1.0 / e));
+  const std::vector<double> per_image = ImageEncoderImpl::unit_flops(spec_.encoder);
+  if (static_cast<int64_t>(per_image.size()) == e) {
+    for (double f : per_image) out.push_back(f * static_cast<double>(spec_.scene.num_cameras));
+  } else {
+    for (double n : enc_params)
+      out.push_back(c[0].flops * (enc_total > 0 ? n / enc_total : 1.0 / e));
+  }
   out.push_back(c[1].flops);
   for (int64_t i = 0; i < nb; ++i) out.push_back(c[2].flops / static_cast<double>(nb));
   out.push_back(c[3].flops);

@@ -86,7 +86,8 @@ class PerceptionModel : public Model {
   int chain_length() const override;
   // analytic_cost()'s components over the units: the backbone's FLOPs shared by the encoder's
   // units in proportion to their parameters (a ViT's embedding and blocks are GEMMs over the same
-  // tokens), the view transformer's to its unit, the BEV encoder's equally over its blocks, the
+  // tokens; a ResNet's units have their own counts, ImageEncoderImpl::unit_flops), the view
+  // transformer's to its unit, the BEV encoder's equally over its blocks, the
   // heads' to theirs.
   std::vector<double> unit_flops() const override;
   std::vector<at::Tensor> chain_begin(const core::TensorDict& batch) override;
@@ -99,8 +100,8 @@ class PerceptionModel : public Model {
   // Every residual/transformer block: image backbone blocks, then BEV encoder blocks.
   std::vector<std::shared_ptr<torch::nn::Module>> recomputable_blocks() override;
   // The image encoder's units (ViT: "encoder.vit.embed", "encoder.vit.block<i>", "encoder.neck";
-  // conv: "encoder"), "view", "bev_block<i>", "heads" (the three heads and the resampling of the
-  // segmentation logits to the label grid).
+  // conv: "encoder"; ResNet: "encoder.resnet.layer<1..3>", "encoder.fpn"), "view", "bev_block<i>",
+  // "heads" (the three heads and the resampling of the segmentation logits to the label grid).
   std::vector<Unit> units() const override;
   // ViT backbone: its layers (vit_layer_depth over "encoder.vit."; the view transformer, BEV
   // encoder and heads come after the last block). Conv backbone: none.

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -226,6 +228,20 @@ void QuantConv2dImpl::add_quantizers(bool learn_scales) {
     weight_quantizer->amax.copy_(weight_amax(weight).to(weight_quantizer->amax.device()));
   }
   // Data-independent: the weight's amax is known now; what QAT enables, it enables quantizing.
+}
+
+}  // namespace parallax::models
+
+namespace parallax::models {
+
+void QuantConv2dImpl::set_initial_weight(at::Tensor w) {
+  PARALLAX_CHECK(w.sizes() == weight.sizes() && !quantized(), Error,
+                 "QuantConv2d: set_initial_weight with a tensor of shape {} for a weight of {}{}",
+                 fmt::format("{}", w.sizes()), fmt::format("{}", weight.sizes()),
+                 quantized() ? " after quantizers were added" : "");
+  w.set_requires_grad(true);
+  parameters_["weight"] = w;
+  weight = w;
 }
 
 }  // namespace parallax::models

@@ -135,6 +135,10 @@ class QuantConv2dImpl : public torch::nn::Conv2dImpl {
   bool quantized() const { return !input_quantizer.is_empty(); }
   // The weight the forward uses: fake-quantized when the weight quantizer is on.
   at::Tensor effective_weight();
+  // Replaces the weight LibTorch initialised by `w` (its shape; made by units::init_*, so that
+  // shape-only and deferred construction record it), for another initialisation (the ResNet's
+  // kaiming-normal fan_out). Construction only: before any quantizer or engine sees the layer.
+  void set_initial_weight(at::Tensor w);
 
   TensorQuantizer input_quantizer{nullptr}, weight_quantizer{nullptr};
 };

@@ -66,6 +66,11 @@ std::vector<double> Model::saved_activations(const ActivationQuery& q, Recompute
   int block = 0;
   for (std::size_t u = 0; u < units.size(); ++u) {
     saved[u] = units[u].saved;
+    for (const auto& inner : units[u].inner) {
+      if (!recomputed_block(mode, block++)) continue;
+      saved[u] -= inner.saved - inner.input;
+      if (recomputed) (*recomputed)[u] = true;
+    }
     if (!units[u].recomputable || !recomputed_block(mode, block++)) continue;
     saved[u] = u > 0 ? units[u - 1].output : 0;  // a wrapped block keeps only its input
     if (recomputed) (*recomputed)[u] = true;
@@ -168,9 +173,12 @@ std::shared_ptr<Model> build_model(const ModelConfig& cfg, const core::SceneSpec
   if (!tp) return build_model(cfg, scene);
   const bool vit_bev = cfg.name == "bev" && make_bev_spec(cfg, scene).encoder.backbone == "vit";
   PARALLAX_CHECK(cfg.name == "vit_cls" || vit_bev, ConfigError,
-                 "key 'parallel.tp': model '{}'{} has no tensor-parallel layers (only the ViT's "
-                 "attention and MLP blocks are split); use parallel.tp=1{}",
-                 cfg.name, cfg.name == "bev" ? " with the conv backbone" : "",
+                 "key 'parallel.tp': TP splits ViT blocks only, and model '{}'{} has none; use "
+                 "parallel.tp=1{}",
+                 cfg.name,
+                 cfg.name == "bev" ? fmt::format(" with the {} backbone (model.backbone={})",
+                                                 cfg.backbone, cfg.backbone)
+                                   : "",
                  cfg.name == "bev" ? " or model.backbone=vit" : "");
   set_attention_backend(cfg.attention);
   const LinearFactory linear = tp->linear_factory();

@@ -1,5 +1,6 @@
-// ONNX emitters of the `bev` model (models/perception_model.h): image normalisation, both image
-// backbones, the view transformer, the BEV encoder and the heads.
+// ONNX emitters of the `bev` model (models/perception_model.h): image normalisation, the image
+// backbones (the ResNet's layers in models/onnx/resnet_onnx.cpp), the view transformer, the BEV
+// encoder and the heads.
 //
 // The view transformer's sampling follows kernels/bev_sample.h's reference, written with plain ops
 // as TensorRT's guidance for BEV models asks (no NonZero, no boolean indexing, no plugins): the
@@ -49,6 +50,20 @@ onnx::Value ImageEncoderImpl::emit_unit(onnx::Emitter& e, int64_t index, const o
     // [BN, gh, gw, C] -> [BN, C, gh, gw] (forward()'s channels-last view).
     return e.transpose(e.reshape(tokens, {0, vit_->grid_h(), vit_->grid_w(), opts_.out_channels}),
                        {0, 3, 1, 2});
+  }
+  if (resnet_) {
+    if (index == 3) {  // x: C4; layer4, then the FPN on C4 and C5
+      onnx::Value c5;
+      {
+        auto s = e.scope("resnet");
+        c5 = resnet_->emit_layer(e, 4, x);
+      }
+      auto s = e.scope("fpn");
+      return fpn_->emit_onnx(e, x, c5);
+    }
+    auto s = e.scope("resnet");
+    return index == 0 ? resnet_->emit_layer(e, 1, resnet_->emit_stem(e, x))
+                      : resnet_->emit_layer(e, index + 1, x);
   }
   onnx::Value y = x;
   {

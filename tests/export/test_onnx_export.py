@@ -6,6 +6,8 @@
   step: export -> libonnx checker and shape inference -> onnx.checker(full_check) -> ONNX Runtime
   parity on 8 frames, ORT fed batches of 2 through the dynamic batch axis; the initializer names
   equal weights.h5's names;
+- bev tiny with the ResNet-50 backbone on 2 cameras of 64 x 128: the gate passes, initializers
+  named as weights.h5 (torchvision's names under encoder.resnet), no BatchNormalization op;
 - fp16 with a fixed batch and forced external data; the run config's `export` section supplies the
   defaults and the command line overrides them;
 - bad input, one `parallax: error:` line each and no model.onnx: no checkpoint in the run, an
@@ -152,6 +154,32 @@ class ExportTest(unittest.TestCase):
                     im = model.graph.input[0].type.tensor_type
                     self.assertEqual(im.elem_type, onnx.TensorProto.UINT8)
                     self.assertEqual([d.dim_param or d.dim_value for d in im.shape.dim], ["batch", 6, 128, 224, 3])
+
+    def test_bev_resnet50_passes_the_gate_with_torchvision_names(self):
+        # ResNet-50 (frozen batch norm as Mul/Add, FPN with a nearest Resize) on 2 cameras of
+        # 64 x 128, trained a step (the norms' affine moved, their statistics not), 4 frames.
+        data = os.path.join(TMP, "data_resnet")
+        run(["datagen", "--out", data, "--scenes", "1", "--val-scenes", "2", "--threads", "2",
+             "--samples-per-pixel", "1", "--cameras", "2", "--height", "64", "--width", "128"])
+        d = train("bev_resnet50", BEV, "model.backbone=resnet50", f"data.path={data}", "data.batch_size=1",
+                  "data.num_workers=0", "train.steps=1")
+        p = run(["export", "--run", d, "--parity-frames", "4"])
+        self.assertIn("PASS", p.stdout)
+        rep, model = self.check_export(d, frames=4)
+        inits = {t.name for t in model.graph.initializer}
+        meta = {m.key: m.value for m in model.metadata_props}
+        skipped = {s.split(":")[0] for s in meta["parallax.not_exported"].split("; ") if s}
+        # Every norm's counter, and nothing else, is left out.
+        self.assertEqual(len(skipped), 53)
+        self.assertTrue(all(s.endswith(".num_batches_tracked") for s in skipped), skipped)
+        self.assertEqual(inits, weights_names(d) - skipped)
+        for name in ("encoder.resnet.conv1.weight", "encoder.resnet.bn1.running_var",
+                     "encoder.resnet.layer1.0.downsample.1.weight", "encoder.resnet.layer4.2.bn3.bias",
+                     "encoder.fpn.fpn_convs.0.weight"):
+            self.assertIn(name, inits)
+        ops = {n.op_type for n in model.graph.node}
+        self.assertTrue({"Conv", "MaxPool", "Resize", "Mul", "Add", "Relu"} <= ops, ops)
+        self.assertNotIn("BatchNormalization", ops)
 
     def test_fp16_fixed_batch_external_data(self):
         d = RUNS["bev_vit"]

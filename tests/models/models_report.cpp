@@ -24,6 +24,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace parallax;
@@ -234,6 +235,17 @@ int main(int argc, char** argv) {
                   analytic_cost(cfg, core::SceneSpec{}));
       }
     }
+  }
+  // The ResNet trunks do not scale with the size: tiny and base (BEVDet's 256 x 704 input).
+  for (const auto& [size, backbone] : std::vector<std::pair<const char*, const char*>>{
+           {"tiny", "resnet50"}, {"base", "resnet50"}, {"base", "resnet101"}}) {
+    ModelConfig cfg;
+    cfg.name = "bev";
+    cfg.size = size;
+    cfg.backbone = backbone;
+    const core::SceneSpec scene = benchmark_scene(size);
+    print_row(fmt::format("bev/{} ({})", size, backbone), scene_text(scene),
+              analytic_cost(cfg, scene));
   }
   if (iters > 0) {
     at::set_num_threads(1);

@@ -39,7 +39,8 @@ std::string label(const Case& c) {
 const std::vector<Case> kTiny = {{"mlp", "tiny", "vit", 0.0},
                                  {"vit_cls", "tiny", "vit", 0.1},
                                  {"bev", "tiny", "vit", 0.1},
-                                 {"bev", "tiny", "conv", 0.0}};
+                                 {"bev", "tiny", "conv", 0.0},
+                                 {"bev", "tiny", "resnet50", 0.0}};
 
 std::shared_ptr<Model> build(const Case& c) {
   ModelConfig cfg;
@@ -47,7 +48,14 @@ std::shared_ptr<Model> build(const Case& c) {
   cfg.size = c.size;
   cfg.backbone = c.backbone;
   cfg.dropout = c.dropout;
-  return build_model(cfg, core::SceneSpec{});
+  core::SceneSpec scene;
+  if (c.backbone.rfind("resnet", 0) == 0) {
+    // ResNet-50 on 2 cameras of 64 x 128 (2.7 GFLOPs forward per sample): cheap enough for CI.
+    scene.num_cameras = 2;
+    scene.image_height = 64;
+    scene.image_width = 128;
+  }
+  return build_model(cfg, scene);
 }
 
 void set_recompute(Model& model, bool on) {
@@ -196,6 +204,9 @@ TEST(UnitsTest, UnitNamesFollowTheModulePaths) {
   EXPECT_EQ(names(kTiny[2]), (V{"encoder.vit.embed", "encoder.vit.block0", "encoder.vit.block1",
                                 "encoder.neck", "view", "bev_block0", "bev_block1", "heads"}));
   EXPECT_EQ(names(kTiny[3]), (V{"encoder", "view", "bev_block0", "bev_block1", "heads"}));
+  EXPECT_EQ(names(kTiny[4]),
+            (V{"encoder.resnet.layer1", "encoder.resnet.layer2", "encoder.resnet.layer3",
+               "encoder.fpn", "view", "bev_block0", "bev_block1", "heads"}));
   // The small position parameters sit with the layers that read them.
   const auto vit = build(kTiny[1])->units();
   EXPECT_EQ(vit.front().param_names, (V{"vit.cls_token", "vit.pos_embed", "vit.patch_embed.weight",
@@ -471,7 +482,7 @@ TEST(UnitsTest, TheChainHasOneLinkPerUnitAndIsTheForward) {
 
 // The bev model's FLOPs per unit (pipeline balance) cover its forward FLOPs exactly.
 TEST(UnitsTest, BevUnitFlopsSumToTheForwardFlops) {
-  for (const char* backbone : {"vit", "conv"}) {
+  for (const char* backbone : {"vit", "conv", "resnet50"}) {
     SCOPED_TRACE(backbone);
     auto model = build({"bev", "tiny", backbone, 0.0});
     const std::vector<double> f = model->unit_flops();

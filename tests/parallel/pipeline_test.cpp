@@ -1,7 +1,8 @@
 // The pipeline engine (parallel/pipeline/pipeline_engine.h) against the single-process model on
 // the same micro-batches and initial weights, under mpirun (MPI on CPU tensors; gloo with
 // PARALLAX_TEST_BACKEND=gloo): every schedule
-// (gpipe, 1f1b, interleaved, zb) at pp = world for vit_cls and bev with the ViT backbone; and, on
+// (gpipe, 1f1b, interleaved, zb) at pp = world for vit_cls and bev with the ViT backbone (bev with
+// ResNet-50 under 1f1b); and, on
 // 4 and 8 ranks, dp x pp with DDP and ZeRO-1/2 and dp x tp x pp. fp32, TF32 off.
 //
 // Tolerances (tests/TOLERANCES.md, "pipeline parallel"):
@@ -433,6 +434,24 @@ TEST_F(PipelineTest, BevWithVitBackboneEverySchedule) {
   c.schedule = "interleaved";
   c.virtual_stages = 2;
   c.micro = world_->size() * 2;
+  compare(world_, self_, c);
+}
+
+// bev with the ResNet-50 backbone (frozen batch norm, FPN; its four encoder units are stages'
+// units, C4 crosses a stage boundary) through parallelize(), so its stage costs
+// (ImageEncoderImpl::unit_flops) and activation model are the ones cutting it: pp alone, bitwise.
+// 2 cameras of 64 x 128 (the ResNet needs sizes divisible by 32), two micro-batches: np2 only, a
+// few seconds on 2 cores.
+TEST_F(PipelineTest, BevWithResNetBackboneTrainsAsOneProcess) {
+  if (world_->size() != 2) GTEST_SKIP() << "ResNet-50 on CPU: the 2-rank run only";
+  models::ModelConfig cfg = bev_vit_config();
+  cfg.backbone = "resnet50";
+  core::SceneSpec scene = small_scene();
+  scene.num_cameras = 2;
+  scene.image_width = 128;
+  Case c{cfg, scene};
+  c.micro = 2;
+  c.parallelize = true;
   compare(world_, self_, c);
 }
 

@@ -455,4 +455,14 @@ TEST_F(TensorParallelTest, ShapesTheTpSizeDoesNotDivideAreConfigErrors) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("conv backbone"), std::string::npos) << e.what();
   }
+  models::ModelConfig resnet = bev_vit_config();
+  resnet.backbone = "resnet50";
+  try {
+    models::build_model(resnet, core::SceneSpec{}, group);
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("TP splits ViT blocks only"), std::string::npos) << m;
+    EXPECT_NE(m.find("model.backbone=resnet50"), std::string::npos) << m;
+  }
 }

@@ -78,6 +78,11 @@ int main(int argc, char** argv) {
       // The ViT alone: embedding, blocks, final LayerNorm (not the neck).
       out.emplace_back(
           "tokens", const_cast<models::VisionTransformerImpl*>(vit)->forward(images).contiguous());
+    } else if (models::ResNetImpl* resnet = enc->resnet()) {
+      // The trunk alone: stem and the four stages, C5 at stride 32 (not the FPN).
+      at::Tensor x = resnet->stem(images);
+      for (int64_t s = 1; s <= 4; ++s) x = resnet->layer(s, x);
+      out.emplace_back("features", x.contiguous());
     } else {
       throw_error<UsageError>("backbone_tool: backbone '{}' has no reference output here",
                               a["backbone"]);

@@ -113,6 +113,23 @@ class PretrainedTest(unittest.TestCase):
             self.assertEqual(r.returncode, 0, r.stderr)
         self.assertTrue(torch.equal(load_file(a)["tokens"], load_file(b)["tokens"]))
 
+    def test_resnet50_from_torchvision(self):
+        # torchvision's resnet50 (BN statistics randomised) against the model.backbone=resnet50
+        # trunk with its frozen batch norms, at 128 x 224: every name maps one to one (318 tensors
+        # loaded, fc's two ignored). Tolerance: the module docstring's bound; a 53-convolution trunk
+        # of K <= 4608 terms stays far inside it (the norms are fixed affine maps; measured 1.3e-6).
+        d = self.fixture("resnet", "resnet50", 128, 224)
+        io = os.path.join(d, "io.safetensors")
+        for f in ("model.safetensors", "model.pt"):
+            out, err = self.compare("resnet50", 128, 224, os.path.join(d, f), io,
+                                    "--source", "torchvision", key="features")
+            counts = report_counts(out)
+            self.assertEqual(counts.get("loaded"), 318, out)
+            self.assertEqual(counts.get("ignored"), 2, out)
+            self.assertEqual(counts.get("missing"), 0, out)
+            self.assertEqual(counts.get("unexpected"), 0, out)
+            print(f"tolerance: resnet50 from {f}: {err:.3g} of max |ref|, bound {RTOL}", file=sys.stderr)
+
     def test_dinov2_registers_at_256x704(self):
         # Patch 14: the 256 x 704 image is padded to 266 x 714 (19 x 51 patches), the 37 x 37
         # position grid resampled to it once at load; timm resamples it in every forward

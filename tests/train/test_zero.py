@@ -24,6 +24,7 @@
   ulp, see above, can round a bf16 matmul input to the neighbouring bf16 value, 2^-8 relative, on
   some elements; measured bitwise over the kernel variants of TOLERANCES.md, 5e-6 at step 3
   before), and evaluation runs and logs its metrics.
+- bev with the ResNet-50 backbone: DDP and ZeRO-3 on 2 ranks against one process (2 SGD steps).
 - resume under the same layout is bitwise (losses and exported weights; AdamW: the same
   arithmetic).
 - ZeRO-3's deferred initialisation (parallel.meta_init, the default; issue 37) on vit_cls b16
@@ -161,6 +162,37 @@ class ZeroCliTest(tt.RunDirTest):
         self.assertNotEqual(want[1], tp["true"][1])  # the weights were loaded
         for label in ("h5", "ckpt"):
             self.assertEqual(loaded[label, "true"], want, label)
+
+    def test_bev_resnet50_ddp_and_zero3_match_one_process(self):
+        # ResNet-50 (frozen batch norm, FPN) on 2 cameras of 64 x 128: one process with 2 samples a
+        # step, DDP and ZeRO-3 on 2 ranks with 1 each (DistributedSampler: rank r takes the r-th of
+        # each pair, so the global batches are the same), 2 SGD steps. ZeRO-3 builds the model
+        # deferred (parallel.meta_init), so its step 1 (same weights, same per-rank forward) is
+        # bitwise DDP's and step 2 within 1e-5 (the SGD pieces, as above). DDP against one process:
+        # step 1 within first_step_bounds (measured: the terms 1 ulp apart or equal, the total and
+        # the gradient norm equal), step 2 within 1e-4 relative (kind N: the step-1 gradient's
+        # rounding through one SGD step; measured 6.5e-8, and ZeRO-3's step 2 1 ulp from DDP's).
+        data = os.path.join(self.d, "data")
+        tt.run(["datagen", "--out", data, "--scenes", "4", "--val-scenes", "1", "--threads", "2",
+                "--samples-per-pixel", "1", "--cameras", "2", "--height", "64", "--width", "128"])
+        common = ["model.backbone=resnet50", f"data.path={data}", "train.steps=2", "train.log_every=1",
+                  "train.eval_every=0", "schedule.warmup_steps=1", "train.device=cpu", "checkpoint.every=0",
+                  *tt.sgd(1e-2)]
+
+        def bev(name, ranks, *extra):
+            tt.run(["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", f"experiment.name={name}",
+                    *common, *extra], ranks=ranks)
+            return tt.rows(os.path.join(self.d, name))
+
+        one = bev("one", 1, "data.batch_size=2")
+        ddp = bev("ddp", 2, "data.batch_size=1", "parallel.zero.stage=0")
+        z3 = bev("z3", 2, "data.batch_size=1", "parallel.zero.stage=3")
+        for rows in (one, ddp, z3):
+            self.assertEqual(sorted(rows), [1, 2])
+        self.assertEqual(z3[1]["loss"], ddp[1]["loss"], "ZeRO-3 step 1 differs from DDP")
+        self.assert_losses(z3, ddp, [2], 1e-5, "resnet50 ZeRO-3 vs DDP")
+        self.assert_first_step(ddp[1], one[1], "resnet50 DDP vs one process")
+        self.assert_losses(ddp, one, [2], 1e-4, "resnet50 DDP vs one process")
 
     def test_resume_under_zero2_is_bitwise(self):
         full = os.path.join(self.d, "full")

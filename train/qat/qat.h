@@ -2,10 +2,10 @@
 // docs/trainers.md "QAT"): symmetric INT8 fake quantization (models/quant.h) on the input (per
 // tensor) and weight (per output channel) of every linear layer (models::DenseLinear) and
 // convolution (models::QuantConv2d), and on the two inputs of every residual Add
-// (models::ResidualConvBlock, one shared per-tensor quantizer), of the model but those `qat.skip`
-// names, calibrated over `qat.calib_batches` training batches before the first step. Built on the
-// Trainer's extension points (train/trainer.h): a model transform (the quantizers), prepare (the
-// calibration) and extra checkpoint entries.
+// (models::ResidualConvBlock and models::Bottleneck, one shared per-tensor quantizer), of the model
+// but those `qat.skip` names, calibrated over `qat.calib_batches` training batches before the first
+// step. Built on the Trainer's extension points (train/trainer.h): a model transform (the
+// quantizers), prepare (the calibration) and extra checkpoint entries.
 //
 // A run: the model is built and its fp32 weights loaded (train.load_from, required), the
 // quantizers added (weights' amax: the per-channel max of |W| at that point, frozen), then, after
@@ -59,10 +59,10 @@ QatMode parse_qat_mode(const std::string& name);
 namespace qat {
 
 // A quantized layer: its module path and its quantizers. A Linear or Conv has `input` (per tensor)
-// and `weight` (per output channel); a residual Add (models::ResidualConvBlock) has only `input`,
-// the quantizer its two summands share (`weight` null); an attention matmul input (qat.attention,
-// models::AttentionImpl) has only `input`, and its path is the attention's with ".q", ".k", ".v"
-// or ".p" appended (the quantizer is the module "<attention>.q_quantizer", ...).
+// and `weight` (per output channel); a residual Add (models::ResidualConvBlock, models::Bottleneck)
+// has only `input`, the quantizer its two summands share (`weight` null); an attention matmul input
+// (qat.attention, models::AttentionImpl) has only `input`, and its path is the attention's with
+// ".q", ".k", ".v" or ".p" appended (the quantizer is the module "<attention>.q_quantizer", ...).
 struct Layer {
   enum class Kind { kLinear, kAdd, kAttention };
   std::string path;
@@ -81,10 +81,10 @@ struct Layer {
 std::vector<Layer> layers(torch::nn::Module& model);
 
 // Adds quantizers (disabled) to every DenseLinear, QuantConv2d and residual Add
-// (ResidualConvBlock), and with cfg.attention every ViT attention, of `model` but those `cfg.skip`
-// names; returns the layers quantized and, in
-// `skipped`, how many were skipped. ConfigError naming the key when a skip glob matches no layer
-// (listing some that exist), or when no layer is left.
+// (ResidualConvBlock, Bottleneck), and with cfg.attention every ViT attention, of `model` but those
+// `cfg.skip` names; returns the layers quantized and, in `skipped`, how many were skipped.
+// ConfigError naming the key when a skip glob matches no layer (listing some that exist), or when
+// no layer is left.
 std::vector<Layer> apply(models::Model& model, const QatConfig& cfg, int64_t* skipped = nullptr);
 
 // crc32 of every amax of `layers` (their bytes, in order), as 8 hex digits: what the calibration

@@ -7,6 +7,7 @@
 #include "core/glob.h"
 #include "core/strings.h"
 #include "models/layers.h"
+#include "models/resnet.h"
 #include "models/vit.h"
 
 #include <fmt/format.h>
@@ -41,6 +42,12 @@ bool quantizable(torch::nn::Module* module, Layer* out, bool attention) {
   if (auto* r = dynamic_cast<models::ResidualConvBlock*>(module)) {
     out->kind = Layer::Kind::kAdd;
     out->input = r->add_quantizer.is_empty() ? nullptr : r->add_quantizer.ptr();
+    out->weight = nullptr;
+    return true;
+  }
+  if (auto* b = dynamic_cast<models::Bottleneck*>(module)) {
+    out->kind = Layer::Kind::kAdd;
+    out->input = b->add_quantizer.is_empty() ? nullptr : b->add_quantizer.ptr();
     out->weight = nullptr;
     return true;
   }
@@ -125,6 +132,8 @@ std::vector<Layer> apply(models::Model& model, const QatConfig& cfg, int64_t* sk
       c->add_quantizers(cfg.learn_scales);
     } else if (auto* a = dynamic_cast<models::AttentionImpl*>(item.value().get())) {
       a->add_quantizers(cfg.learn_scales);
+    } else if (auto* b = dynamic_cast<models::Bottleneck*>(item.value().get())) {
+      b->add_quantizers(cfg.learn_scales);
     } else {
       dynamic_cast<models::ResidualConvBlock*>(item.value().get())
           ->add_quantizers(cfg.learn_scales);
