@@ -169,7 +169,7 @@ class PretrainedTest(unittest.TestCase):
                  os.path.join(d, "io.safetensors"), os.path.join(self.dir, "x.safetensors"),
                  "--source", "timm")
         self.assertNotEqual(r.returncode, 0)
-        self.assertIn("patch 14, the model's patch is 16", r.stderr)
+        self.assertIn("(patch 14), the model's patch is 16", r.stderr)
 
     def test_wrong_mapping_is_caught(self):
         # The comparison can fail: the ViT-B/16 weights with two blocks' qkv swapped give another
@@ -248,6 +248,36 @@ class PretrainedTrainTest(unittest.TestCase):
                  "--strict")
         self.assertEqual(r.returncode, 0, r.stderr)
         got, want = load_file(out)["tokens"], load_file(io)["ref"]
+        err = (got - want).abs().max().item() / want.abs().max().item()
+        self.assertLess(err, RTOL)
+
+    def test_resnet50_through_train_and_back_into_torchvision(self):
+        # torchvision's resnet50 file into `parallax train` (model.backbone=resnet50), one step,
+        # then the trunk out with torchvision's names: torchvision loads it strictly (fc replaced
+        # by Identity) and computes what Parallax's trunk computes from the run's own export.
+        src = os.path.join(self.dir, "r50")
+        if not os.path.isdir(src):
+            os.makedirs(src)
+            bridge("resnet", "resnet50", 128, 224, src)
+        r = self.train("r50run", os.path.join(src, "model.pt"), "model.backbone=resnet50",
+                       "model.pretrained.source=torchvision")
+        self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+        run = os.path.join(self.dir, "r50run")
+        for extra in ([], ["--convention", "torchvision"]):
+            r = subprocess.run([PARALLAX, "export", "--run", run, "--format", "safetensors",
+                                *extra], capture_output=True, text=True, timeout=600)
+            self.assertEqual(r.returncode, 0, r.stderr)
+        io = os.path.join(src, "io.safetensors")
+        ref = os.path.join(self.dir, "tv128.safetensors")
+        bridge("tv_load", "resnet50", os.path.join(run, "export", "backbone.torchvision.safetensors"),
+               io, ref)
+        io2 = os.path.join(self.dir, "io_r50.safetensors")
+        save_file({"images": load_file(io)["images"], "ref": load_file(ref)["features"]}, io2)
+        out = os.path.join(self.dir, "p_r50.safetensors")
+        r = tool("resnet50", 128, 224, os.path.join(run, "export", "model.safetensors"), io2, out,
+                 "--source", "parallax", "--strict")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        got, want = load_file(out)["features"], load_file(io2)["ref"]
         err = (got - want).abs().max().item() / want.abs().max().item()
         self.assertLess(err, RTOL)
 

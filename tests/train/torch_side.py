@@ -11,6 +11,8 @@ torchvision, timm, safetensors; scripts/setup.sh makes it: PARALLAX_BRIDGE_PYTHO
       same way, with the trunk's stride-32 output.
   torch_side.py timm_load NAME H W FILE IO OUT   timm model NAME at img_size H x W (no head),
       load_state_dict(FILE, strict=True), forward_features on IO's images -> OUT.
+  torch_side.py tv_load NAME FILE IO OUT  torchvision resnet NAME, fc = Identity, strict load of FILE,
+      the trunk's output on IO's images -> OUT.
   torch_side.py shard FILE DIR           FILE split into two shards with a
       model.safetensors.index.json, as transformers writes them.
 """
@@ -127,6 +129,18 @@ def timm_load(name, h, w, file, io, out):
     save_file({"tokens": model.forward_features(x).contiguous()}, out)
 
 
+def tv_load(name, file, io, out):
+    """torchvision resnet NAME with its classifier replaced by Identity, load_state_dict(FILE,
+    strict=True), the trunk's stride-32 output on IO's images -> OUT."""
+    import torchvision
+    model = getattr(torchvision.models, name)()
+    model.fc = torch.nn.Identity()
+    model.eval()
+    model.load_state_dict(load_file(file), strict=True)
+    trunk = torch.nn.Sequential(*list(model.children())[:-2])
+    save_file({"features": trunk(load_file(io)["images"]).contiguous()}, out)
+
+
 def shard(file, out_dir):
     state = load_file(file)
     names = sorted(state)
@@ -152,6 +166,8 @@ if __name__ == "__main__":
         resnet(args[0], int(args[1]), int(args[2]), args[3])
     elif cmd == "timm_load":
         timm_load(args[0], int(args[1]), int(args[2]), args[3], args[4], args[5])
+    elif cmd == "tv_load":
+        tv_load(args[0], args[1], args[2], args[3])
     elif cmd == "shard":
         shard(args[0], args[1])
     else:
