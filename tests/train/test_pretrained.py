@@ -300,6 +300,19 @@ class PretrainedTrainTest(unittest.TestCase):
                            capture_output=True, text=True, timeout=600)
         self.assertEqual(r.returncode, 0, r.stderr[-2000:])
         self.assertIn('"step_ms"', r.stdout)
+        # The same file as a LoRA base and as a distillation teacher (whole models, Parallax's
+        # names, strict).
+        whole = os.path.join(run, "export", "model.safetensors")
+        for name, extra, says in (
+                ("lora", ["lora.rank=4", "lora.alpha=8", f"lora.base={whole}"], "lora.base="),
+                ("dist", [f"distill.teacher={whole}", "distill.teacher_backbone=vit"],
+                 "distill.teacher=")):
+            r = subprocess.run(cmd[:-1] + [f"experiment.name={name}", *extra],
+                               capture_output=True, text=True, timeout=600)
+            self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+            line = [l for l in r.stderr.splitlines() if says in l]
+            self.assertTrue(line and "loaded 65" in line[0] and "missing" not in line[0],
+                            r.stderr[-2000:])
 
     def refused(self, name, path, *overrides, says=None):
         r = self.train(name, path, *overrides)
