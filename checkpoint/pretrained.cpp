@@ -135,7 +135,8 @@ CanonMap from_hf(const std::vector<std::pair<std::string, SourceTensor>>& names,
       {"embeddings.position_embeddings", "pos_embed"},
       {"embeddings.patch_embeddings.projection.", "patch_embed.proj."},
       {"layernorm.", "norm."}};
-  static const std::regex kBlock(R"(^encoder\.layer\.(\d+)\.(.*)$)");
+  // transformers 4 nests the blocks as encoder.layer.<i>; transformers 5's ViTModel as layers.<i>.
+  static const std::regex kBlock(R"(^(?:encoder\.layer|layers)\.(\d+)\.(.*)$)");
   for (const auto& [raw, t] : names) {
     std::string name = raw;
     for (const char* model : {"vit.", "dinov2."}) {

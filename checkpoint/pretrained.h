@@ -16,7 +16,8 @@
 //        dropped); for a ResNet, torchvision's names (timm's ResNets use them too);
 //      - torchvision: torchvision's ResNet names (conv1, bn1, layer<s>.<b>.*, downsample.<k>);
 //      - hf: Hugging Face transformers' ViTModel and Dinov2Model / Dinov2WithRegistersModel names
-//        (embeddings.*, encoder.layer.<i>.*: query, key and value (transformers 5: q_proj, k_proj,
+//        (embeddings.*, encoder.layer.<i>.* or transformers 5's layers.<i>.*: query, key and value
+//        (transformers 5: q_proj, k_proj,
 //        v_proj) concatenated into qkv);
 //      tensors a convention knows but the backbone does not use (a classifier head, fc, pooler,
 //      mask_token) are "ignored", not "unexpected";

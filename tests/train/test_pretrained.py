@@ -159,6 +159,13 @@ class PretrainedTest(unittest.TestCase):
                               os.path.join(d, "io.safetensors"), "--source", "hf", "--strict")
         self.assertIn("folded", out)
 
+    def test_vit_from_transformers(self):
+        # transformers' ViTModel (google/vit's layout): layernorm_before/after, intermediate and
+        # output dense layers, the pooler ignored.
+        d = self.fixture("hf_vit", "-", 224, 224)
+        self.compare("vit_small_patch16", 224, 224, os.path.join(d, "model.safetensors"),
+                     os.path.join(d, "io.safetensors"), "--source", "hf", "--strict")
+
     def test_dinov2_without_registers(self):
         name = "vit_small_patch14_dinov2"
         d = self.fixture("vit", name, 224, 224)

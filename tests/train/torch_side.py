@@ -106,6 +106,27 @@ def hf_dinov2(h, w, out_dir):
     save_file({"images": x, "ref": ref.contiguous()}, os.path.join(out_dir, "io.safetensors"))
 
 
+def hf_vit(h, w, out_dir):
+    """transformers' ViTModel (ViT-S/16 shape, LayerNorm eps 1e-6 as timm's; google/vit files use
+    1e-12) made at h x w (square), its state dict and last_hidden_state."""
+    from transformers import ViTConfig, ViTModel
+    assert h == w
+    cfg = ViTConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6,
+                    intermediate_size=1536, patch_size=16, image_size=h, layer_norm_eps=1e-6)
+    model = ViTModel(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    for name, t in model.state_dict().items():
+        if name.endswith(("position_embeddings", "cls_token")):
+            t.copy_(0.5 * torch.randn(t.shape, generator=g))
+        elif name.endswith("bias") or "norm" in name:
+            t.add_(0.1 * torch.randn(t.shape, generator=g))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              os.path.join(out_dir, "model.safetensors"))
+    x = images(h, w)
+    ref = model(pixel_values=x).last_hidden_state
+    save_file({"images": x, "ref": ref.contiguous()}, os.path.join(out_dir, "io.safetensors"))
+
+
 def resnet(name, h, w, out_dir):
     import torchvision
     model = getattr(torchvision.models, name)()
@@ -160,6 +181,8 @@ if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "vit":
         vit(args[0], int(args[1]), int(args[2]), args[3], "--fb" in args)
+    elif cmd == "hf_vit":
+        hf_vit(int(args[1]), int(args[2]), args[3])
     elif cmd == "hf_dinov2":
         hf_dinov2(int(args[1]), int(args[2]), args[3])
     elif cmd == "resnet":
