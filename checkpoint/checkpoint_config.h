@@ -36,7 +36,7 @@ struct ExportConfig {
   void visit(V& v) {
     v("format", format,
       "export format: onnx (model.onnx + parity gate) | weights (weights.h5) | safetensors "
-      "(model.safetensors)",
+      "(a .safetensors file)",
       core::Check::one_of({"onnx", "weights", "safetensors"}));
     v("opset", opset, "ONNX opset (17: the one the exporter writes)", core::Check::at_least(1));
     v("parity_frames", parity_frames, "frames compared against ONNX Runtime (0: no parity gate)",

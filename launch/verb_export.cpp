@@ -371,7 +371,7 @@ int verb_export(const std::vector<std::string>& argv) {
   args.option("run", "DIR", "run directory (runs/<name>); its checkpoints/latest is exported")
       .option("format", "FORMAT",
               "onnx (model.onnx + parity gate) | weights (weights.h5) | safetensors "
-              "(model.safetensors) (default: export.format, onnx)")
+              "(a .safetensors file) (default: export.format, onnx)")
       .option("dtype", "DTYPE",
               "onnx: fp32 | fp16; weights, safetensors: fp32 | bf16 (default: export.dtype, fp32)")
       .option("convention", "NAMES",
@@ -381,7 +381,8 @@ int verb_export(const std::vector<std::string>& argv) {
               "export this checkpoint (a step directory, a checkpoints/ directory or its "
               "latest file) instead of the run's latest")
       .option("out", "FILE",
-              "output file (default: <run>/export/model.onnx or <run>/export/weights.h5)")
+              "output file (default: <run>/export/model.onnx, weights.h5, model.safetensors or "
+              "backbone.<convention>.safetensors)")
       .option("opset", "N", "onnx: ONNX opset; 17 is the one written (default: export.opset, 17)")
       .option("parity-frames", "N",
               "onnx: frames compared against ONNX Runtime; 0 skips the gate (default: "

@@ -221,7 +221,7 @@ class PlannerTest(tt.RunDirTest):
         self.assertLess(len(rows), 20000)
         reasons = " ".join(r["reason"] for r in rows)
         self.assertTrue("units to spread over them" in reasons)  # pp > units: one row per (tp, pp)
-        self.assertTrue("no tensor-parallel layers" in reasons)  # bev_tiny's conv backbone at tp > 1
+        self.assertTrue("TP splits ViT blocks only" in reasons)  # bev_tiny's conv backbone at tp > 1
 
         # --top 0: every layout that fits.
         out = os.path.join(self.d, "top0.json")
