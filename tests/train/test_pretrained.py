@@ -153,7 +153,7 @@ class PretrainedTest(unittest.TestCase):
     def test_dinov2_from_transformers(self):
         # transformers' Dinov2WithRegistersModel: its names (query, key and value concatenated
         # into qkv, layer_scale*.lambda1, the class position folded into the class token).
-        d = self.fixture("hf_dinov2", "-", 224, 224)
+        d = self.fixture("hf_dinov2", "hf_dinov2", 224, 224)
         out, _ = self.compare("vit_small_patch14_reg4_dinov2", 224, 224,
                               os.path.join(d, "model.safetensors"),
                               os.path.join(d, "io.safetensors"), "--source", "hf", "--strict")
@@ -162,7 +162,7 @@ class PretrainedTest(unittest.TestCase):
     def test_vit_from_transformers(self):
         # transformers' ViTModel (google/vit's layout): layernorm_before/after, intermediate and
         # output dense layers, the pooler ignored.
-        d = self.fixture("hf_vit", "-", 224, 224)
+        d = self.fixture("hf_vit", "hf_vit", 224, 224)
         self.compare("vit_small_patch16", 224, 224, os.path.join(d, "model.safetensors"),
                      os.path.join(d, "io.safetensors"), "--source", "hf", "--strict")
 
