@@ -65,7 +65,8 @@ PYTHON_TAGS = {"python", "py", "python3"}
 COMMAND = re.compile(r"^(\$ )?(parallax|mpirun|srun|torchrun|python3?|trtexec|polygraphy|ctest|"
                      r"cmake|cd|tensorboard|sbatch|(build[\w-]*/bin|scripts|bench|tools)/\S+)(\s|$)")
 # `model.onnx` and `data.md` in a help text are files, not config keys.
-FILE_SUFFIXES = {"md", "onnx", "yaml", "json", "h5", "py", "sh", "txt", "data", "png", "jsonl"}
+FILE_SUFFIXES = {"md", "onnx", "yaml", "json", "h5", "py", "sh", "txt", "data", "png", "jsonl",
+                 "safetensors", "pt", "pth"}
 MARKER = re.compile(r"<!--\s*doc-test:(.*?)-->", re.S)
 # The small dataset every `datagen` of the docs makes instead of 1000 scenes (sub "{tiny}").
 TINY_DATAGEN = ("--scenes 8 --val-scenes 4 --cameras 2 --height 64 --width 112 "
