@@ -8,6 +8,25 @@
 
 namespace parallax::checkpoint::files {
 
+// Closes a file descriptor on scope exit (callers check the errors of a final close themselves,
+// after release()).
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd();
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() {
+    const int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+
+ private:
+  int fd_;
+};
+
 // fsync of a file or a directory (so that renames and creations inside it are durable).
 void fsync_path(const std::string& path, bool directory);
 // Writes `text` to `path` (created or truncated), fsyncs and closes it.

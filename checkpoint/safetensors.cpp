@@ -53,21 +53,7 @@ std::string errno_text(int e) {
   return std::strerror(e);
 }
 
-// Closes a file descriptor on scope exit.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int release() { return std::exchange(fd_, -1); }
-
- private:
-  int fd_;
-};
+using files::Fd;
 
 // A read-only mapping of a whole file; unmapped when the last owner (the source, or a tensor view
 // through its deleter) lets go.
@@ -458,7 +444,7 @@ int64_t write_safetensors(const std::string& path,
   const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   const std::string tmp =
       (dir / ("." + target.filename().string() + ".tmp." + files::random_hex(4))).string();
-  safetensors::Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  files::Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
   if (fd.get() < 0)
     throw_error<IoError>("cannot create '{}': {}", tmp, safetensors::errno_text(errno));
   try {

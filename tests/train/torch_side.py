@@ -91,6 +91,12 @@ def hf_dinov2(h, w, out_dir):
                                     intermediate_size=1536, patch_size=14, image_size=h,
                                     num_register_tokens=4, layer_norm_eps=1e-6)
     model = Dinov2WithRegistersModel(cfg).eval()
+    save_hf(model, h, w, out_dir)
+
+
+def save_hf(model, h, w, out_dir):
+    """A transformers model with random values where initialisation leaves constants (as
+    randomise()), its state dict and its last_hidden_state on random images."""
     g = torch.Generator().manual_seed(1)
     for name, t in model.state_dict().items():
         if "lambda1" in name:
@@ -114,17 +120,7 @@ def hf_vit(h, w, out_dir):
     cfg = ViTConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6,
                     intermediate_size=1536, patch_size=16, image_size=h, layer_norm_eps=1e-6)
     model = ViTModel(cfg).eval()
-    g = torch.Generator().manual_seed(1)
-    for name, t in model.state_dict().items():
-        if name.endswith(("position_embeddings", "cls_token")):
-            t.copy_(0.5 * torch.randn(t.shape, generator=g))
-        elif name.endswith("bias") or "norm" in name:
-            t.add_(0.1 * torch.randn(t.shape, generator=g))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              os.path.join(out_dir, "model.safetensors"))
-    x = images(h, w)
-    ref = model(pixel_values=x).last_hidden_state
-    save_file({"images": x, "ref": ref.contiguous()}, os.path.join(out_dir, "io.safetensors"))
+    save_hf(model, h, w, out_dir)
 
 
 def resnet(name, h, w, out_dir):
