@@ -82,6 +82,20 @@ class CudaGraphTest(tt.RunDirTest):
         # accumulates in a different order run to run on other GPUs or library versions.
         self.assert_same_run("vit_eager", "vit_graph", 1e-4, 1e-4, "ViT-B/16 bf16 1 GPU")
 
+    def test_one_gpu_vit_param_groups_match_eager(self):
+        # Layer decay (13 distinct rates over ViT-B/16's 14 layer ids), a frozen stem and a decay
+        # multiplier: the captured step keeps one device lr tensor per distinct multiplier, written
+        # each step by set_lr, and the fused AdamW kernel reads it as the fp32 of lr x mult, the
+        # rate the eager step passes as a scalar.
+        common = ["data.batch_size=16", "train.steps=8", "train.log_every=1", "train.benchmark=false",
+                  "schedule.name=cosine", "schedule.warmup_steps=3", "optim.layer_decay=0.75",
+                  "optim.param_groups=[{match: 'vit.patch_embed.*', frozen: true},"
+                  " {match: 'head.*', lr_mult: 2.0, weight_decay_mult: 0.0}]"]
+        p = self.train(W1, "pg_eager", *common)
+        self.assertIn("optim.layer_decay=0.75", p.stderr)
+        self.train(W1, "pg_graph", *common, "train.cuda_graph=true")
+        self.assert_same_run("pg_eager", "pg_graph", 1e-4, 1e-4, "ViT-B/16 bf16 param groups 1 GPU")
+
     def test_one_gpu_vit_fp8_matches_eager(self):
         if not tt.fp8_gpu():
             self.skipTest("needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
