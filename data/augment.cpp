@@ -319,9 +319,12 @@ SceneRecord apply_augment(const SceneRecord& in, const AugmentParams& p, const B
     }
   }
 
-  // Boxes: centre through A, yaw mirrored then rotated; drop those leaving the grid.
+  // Boxes: centre through A, yaw mirrored then rotated; drop those leaving the grid. A box's
+  // velocity is a vector in the same frame: through A's 2x2 block (NaN, unknown, stays NaN).
   const at::Tensor B_in = in.boxes.contiguous();
-  std::vector<float> rows;
+  const bool has_vel = in.velocities.defined();
+  const at::Tensor V_in = has_vel ? in.velocities.contiguous() : at::Tensor();
+  std::vector<float> rows, vel;
   for (int64_t i = 0; i < B_in.size(0); ++i) {
     const float* b = B_in.data_ptr<float>() + i * kBoxColumns;
     const double x = A[0] * b[kBoxX] + A[1] * b[kBoxY], y = A[3] * b[kBoxX] + A[4] * b[kBoxY];
@@ -332,10 +335,32 @@ SceneRecord apply_augment(const SceneRecord& in, const AugmentParams& p, const B
     const double yaw = (p.flip_y ? -b[kBoxYaw] : b[kBoxYaw]) + p.rotation_rad;
     r[kBoxYaw] = static_cast<float>(geom::wrap_angle(yaw));
     rows.insert(rows.end(), r.begin(), r.end());
+    if (has_vel) {
+      const float* v = V_in.data_ptr<float>() + i * 2;
+      vel.push_back(static_cast<float>(A[0] * v[0] + A[1] * v[1]));
+      vel.push_back(static_cast<float>(A[3] * v[0] + A[4] * v[1]));
+    }
   }
   const auto K = static_cast<int64_t>(rows.size()) / kBoxColumns;
   out.boxes = at::empty({K, kBoxColumns}, at::kFloat);
   std::copy(rows.begin(), rows.end(), out.boxes.data_ptr<float>());
+  if (has_vel) {
+    out.velocities = at::empty({K, 2}, at::kFloat);
+    std::copy(vel.begin(), vel.end(), out.velocities.data_ptr<float>());
+  }
+  // The augmented ego frame is A times the stored one: ego_to_global' = ego_to_global [A^T 0; 0 1]
+  // (A is orthogonal), so a point keeps its global position.
+  if (in.ego_to_global.defined()) {
+    const at::Tensor E = in.ego_to_global.to(at::kDouble).contiguous();
+    out.ego_to_global = E.clone();
+    const double* e = E.data_ptr<double>();
+    double* o = out.ego_to_global.data_ptr<double>();
+    for (int r = 0; r < 4; ++r) {
+      for (int c = 0; c < 3; ++c)
+        o[r * 4 + c] =
+            e[r * 4 + 0] * A[c * 3 + 0] + e[r * 4 + 1] * A[c * 3 + 1] + e[r * 4 + 2] * A[c * 3 + 2];
+    }
+  }
 
   // BEV labels: each new cell takes the label of the cell under A^-1 of its centre (A^-1 = A^T).
   const at::Tensor S_in = in.bev_semantics.contiguous();

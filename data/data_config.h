@@ -46,6 +46,9 @@ struct DataConfig {
   bool shuffle = true;
   bool drop_last = true;
   bool augment = true;
+  // Which scenes an epoch reads (training): "uniform" (every scene once, shuffled) or "cbgs"
+  // (class-balanced grouping and sampling, data/cbgs.h).
+  std::string sampler = "uniform";
   std::string train_split = "train";
   std::string val_split = "val";
   bool pin_memory = true;
@@ -72,6 +75,11 @@ struct DataConfig {
       core::Check::between(1, 1024));
     v("shuffle", shuffle, "reshuffle every epoch (deterministic by seed and epoch)");
     v("drop_last", drop_last, "drop the last incomplete batch of an epoch");
+    v("sampler", sampler,
+      "training epochs: uniform (every scene once, shuffled by data.shuffle) or cbgs "
+      "(class-balanced grouping and sampling, CenterPoint / mmdetection3d: each class drawn "
+      "equally often, afresh each epoch; a scene's copies stay on one rank)",
+      core::Check::one_of({"uniform", "cbgs"}));
     v("augment", augment, "photometric and geometric augmentation (train split only)");
     v("train_split", train_split, "split of the dataset used for training");
     v("val_split", val_split, "split of the dataset used for evaluation");

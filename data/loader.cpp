@@ -49,6 +49,7 @@ LoaderOptions LoaderOptions::from_config(const DataConfig& cfg, uint64_t seed, i
   o.world = world;
   if (training) {
     o.shuffle = cfg.shuffle;
+    o.class_balanced = cfg.sampler == "cbgs";
     o.drop_last = cfg.drop_last;
     o.repeat = true;
     o.augment = cfg.augment;
@@ -120,11 +121,22 @@ core::SceneSpec DataLoader::scene_spec() const {
   return s;
 }
 
+DistributedSampler make_sampler(const Dataset& dataset, const LoaderOptions& opts) {
+  if (!opts.class_balanced)
+    return DistributedSampler(dataset.size(), opts.rank, opts.world, opts.shuffle, opts.seed);
+  std::vector<std::vector<int>> classes(static_cast<size_t>(dataset.size()));
+  for (int64_t i = 0; i < dataset.size(); ++i)
+    classes[static_cast<size_t>(i)] = dataset.shard_of(i).visible_box_classes(i);
+  auto groups = std::make_shared<const CbgsGroups>(
+      cbgs_groups(classes, static_cast<int>(dataset.info().box_classes.size())));
+  return DistributedSampler(std::move(groups), opts.rank, opts.world, opts.seed);
+}
+
 DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, LoaderOptions opts,
                        LoaderState start)
     : dataset_(std::move(dataset)),
       opts_(std::move(opts)),
-      sampler_(dataset_->size(), opts_.rank, opts_.world, opts_.shuffle, opts_.seed) {
+      sampler_(make_sampler(*dataset_, opts_)) {
   const std::string what =
       fmt::format("loader for split '{}' of '{}' (rank {} of {})", dataset_->split(),
                   dataset_->info().dir, opts_.rank, opts_.world);
@@ -240,8 +252,12 @@ core::TensorDict DataLoader::build(const Plan& plan) const {
   at::Tensor c2e = alloc({B, N, 4, 4}, at::kFloat, pin_);
   at::Tensor bev = alloc({B, X, Y}, at::kLong, pin_);
   at::Tensor boxes = alloc({B, M, kBoxColumns}, at::kFloat, pin_);
+  // Each box's ground velocity (vx, vy) in the ego frame, row for row with `boxes`; NaN where
+  // the dataset has none and on padding rows.
+  at::Tensor vel = alloc({B, M, 2}, at::kFloat, pin_);
   at::Tensor index = alloc({B}, at::kLong, pin_);
   float* boxes_p = boxes.data_ptr<float>();
+  float* vel_p = vel.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t scene = plan.scenes[static_cast<size_t>(b)];
     SceneRecord rec = select_ ? dataset_->read(scene, sel_) : dataset_->read(scene);
@@ -277,6 +293,14 @@ core::TensorDict DataLoader::build(const Plan& plan) const {
       std::memcpy(rows + static_cast<int64_t>(k) * kBoxColumns,
                   bx.data_ptr<float>() + keep[k] * kBoxColumns, sizeof(float) * kBoxColumns);
     }
+    float* v = vel_p + b * M * 2;
+    std::fill(v, v + M * 2, std::numeric_limits<float>::quiet_NaN());
+    if (rec.velocities.defined()) {
+      const at::Tensor rv = rec.velocities.contiguous();
+      for (size_t k = 0; k < keep.size(); ++k)
+        std::memcpy(v + static_cast<int64_t>(k) * 2, rv.data_ptr<float>() + keep[k] * 2,
+                    sizeof(float) * 2);
+    }
     index.data_ptr<int64_t>()[b] = scene;
   }
   out.emplace("images", images);
@@ -284,6 +308,7 @@ core::TensorDict DataLoader::build(const Plan& plan) const {
   out.emplace("cam_to_ego", c2e);
   out.emplace("bev_semantics", bev);
   out.emplace("boxes", boxes);
+  out.emplace("velocities", vel);
   out.emplace("scene_index", index);
   return out;
 }

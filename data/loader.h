@@ -21,7 +21,9 @@
 //
 // Batches (docs/data.md): "images" uint8 [B, N, H, W, 3], "intrinsics" float32 [B, N, 3, 3],
 // "cam_to_ego" float32 [B, N, 4, 4], "bev_semantics" int64 [B, X, Y], "boxes" float32
-// [B, max_boxes, 9] (padding rows: all zero except class = -1), "scene_index" int64 [B].
+// [B, max_boxes, 9] (padding rows: all zero except class = -1), "velocities" float32
+// [B, max_boxes, 2] (each box's (vx, vy) in the ego frame, m/s, row for row with "boxes"; NaN
+// where the dataset stores none and on padding rows), "scene_index" int64 [B].
 #pragma once
 
 #include "core/tensor_dict.h"
@@ -49,6 +51,7 @@ struct LoaderOptions {
   bool shuffle = true;
   bool drop_last = true;
   bool repeat = true;  // endless across epochs (training); false: one epoch then end (evaluation)
+  bool class_balanced = false;  // data.sampler=cbgs (data/cbgs.h); training only
   bool augment = false;
   AugmentOptions aug;
   bool pin_memory = true;  // only takes effect when CUDA is available
@@ -67,6 +70,10 @@ struct LoaderOptions {
   static LoaderOptions from_config(const DataConfig& cfg, uint64_t seed, int rank, int world,
                                    bool training);
 };
+
+// The sampler `opts` asks for over `dataset`: class-balanced groups (read from every scene's
+// boxes) when opts.class_balanced, else a permutation per epoch (opts.shuffle).
+DistributedSampler make_sampler(const Dataset& dataset, const LoaderOptions& opts);
 
 // The scene the model is built for: dataset.json's, with data.image_size and data.cameras
 // applied (checked: ConfigError naming the key).

@@ -76,10 +76,12 @@ class Rng {
 
 // Stream identifiers for core::derive_seed(seed, index, stream) in the data layer.
 enum class SeedStream : uint64_t {
-  kSplit = 101,    // per split: the split's base seed
-  kScene = 102,    // per scene: layout, objects, rig jitter, lighting
-  kShuffle = 103,  // per epoch: the sampler's permutation
-  kAugment = 104,  // per (epoch, scene): augmentation parameters
+  kSplit = 101,      // per split: the split's base seed
+  kScene = 102,      // per scene: layout, objects, rig jitter, lighting
+  kShuffle = 103,    // per epoch: the sampler's permutation
+  kAugment = 104,    // per (epoch, scene): augmentation parameters
+  kCbgsDraw = 110,   // per epoch: the class-balanced draw (data/cbgs.h)
+  kCbgsSplit = 111,  // per epoch: its split across ranks and each rank's order
 };
 
 }  // namespace parallax::data

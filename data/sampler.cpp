@@ -16,7 +16,17 @@ DistributedSampler::DistributedSampler(int64_t size, int rank, int world, bool s
   }
 }
 
+DistributedSampler::DistributedSampler(std::shared_ptr<const CbgsGroups> groups, int rank,
+                                       int world, uint64_t seed)
+    : DistributedSampler(groups ? groups->epoch_slots : 0, rank, world, true, seed) {
+  groups_ = std::move(groups);
+}
+
 std::vector<int64_t> DistributedSampler::indices(int64_t epoch) const {
+  if (groups_) {
+    return cbgs_rank_slots(cbgs_draw(*groups_, seed_, epoch), rank_, world_, rank_size(), seed_,
+                           epoch);
+  }
   std::vector<int64_t> perm(static_cast<size_t>(size_));
   std::iota(perm.begin(), perm.end(), 0);
   if (shuffle_) {
@@ -35,6 +45,7 @@ std::vector<int64_t> DistributedSampler::indices(int64_t epoch) const {
 }
 
 int64_t DistributedSampler::rank_size() const {
+  if (groups_) return size_ / world_;  // every rank the same
   return size_ / world_ + (rank_ < size_ % world_ ? 1 : 0);
 }
 

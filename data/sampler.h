@@ -6,10 +6,17 @@
 // differing by at most one. `num_batches` is the same on every rank when `drop_last` is set (the
 // ranks step in lockstep through their collectives; each rank drops the tail of its list), and is
 // ceil(|list| / batch) otherwise (evaluation: every scene once, ranks may differ by one batch).
+//
+// With class-balanced groups (data.sampler=cbgs, data/cbgs.h) an epoch is a fresh class-balanced
+// draw of scene slots (repeats allowed) instead of a permutation; each scene's copies go to one
+// rank, and every rank reads the same number of slots (floor(slots / world)).
 // Immutable after construction; thread-safe.
 #pragma once
 
+#include "data/cbgs.h"
+
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace parallax::data {
@@ -17,6 +24,8 @@ namespace parallax::data {
 class DistributedSampler {
  public:
   DistributedSampler(int64_t size, int rank, int world, bool shuffle, uint64_t seed);
+  // Class-balanced (data/cbgs.h): size() is the epoch's slot count.
+  DistributedSampler(std::shared_ptr<const CbgsGroups> groups, int rank, int world, uint64_t seed);
 
   // This rank's scene indices for `epoch`, in reading order.
   std::vector<int64_t> indices(int64_t epoch) const;
@@ -37,6 +46,7 @@ class DistributedSampler {
   int rank_, world_;
   bool shuffle_;
   uint64_t seed_;
+  std::shared_ptr<const CbgsGroups> groups_;  // null: a permutation per epoch
 };
 
 }  // namespace parallax::data

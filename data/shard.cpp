@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -376,6 +377,30 @@ SampleMeta ShardReader::sample_meta(int64_t index) const {
       throw_error<DataError>("{} holds NaN or infinite values", ctx);
   }
   return m;
+}
+
+std::vector<int> ShardReader::visible_box_classes(int64_t index) const {
+  const std::string w = where(index);
+  if (!has_scene(index)) throw_error<DataError>("{}: no such scene in this shard", w);
+  h5::Hdf5Lock lock;
+  h5::Id group(H5Gopen2(file_, ("scenes/" + scene_name(index)).c_str(), H5P_DEFAULT),
+               w + ": cannot open group");
+  const std::string ctx = fmt::format("{}: dataset 'boxes'", w);
+  if (!h5::link_exists(group, "boxes")) throw_error<DataError>("{}: dataset 'boxes' is missing", w);
+  h5::Id ds(H5Dopen2(group, "boxes", H5P_DEFAULT), ctx + ": cannot open");
+  const h5::DatasetShape shape = h5::dataset_shape(ds, ctx);
+  check_type("boxes", shape, w);
+  check_basic_shape("boxes", shape, w);
+  const at::Tensor boxes =
+      h5::read_tensor(ds, shape, at::kFloat, ctx + ": cannot read (corrupt shard?)").contiguous();
+  std::vector<int> out;
+  const float* b = boxes.data_ptr<float>();
+  for (int64_t k = 0; k < boxes.size(0); ++k) {
+    const float* r = b + k * kBoxColumns;
+    if (r[kBoxVisibility] > 0 && std::isfinite(r[kBoxClass]))
+      out.push_back(static_cast<int>(std::lround(r[kBoxClass])));
+  }
+  return out;
 }
 
 std::vector<SampleMeta> split_sample_meta(const DatasetInfo& info, const std::string& split) {

@@ -58,6 +58,9 @@ class ShardReader {
   std::map<std::string, h5::DatasetShape> shapes(int64_t index) const;
   // Scene `index`'s sample token and ego pose (SampleMeta), without reading its data.
   SampleMeta sample_meta(int64_t index) const;
+  // The classes of scene `index`'s visible boxes (visibility > 0), one per box, reading only its
+  // `boxes` dataset (class-balanced sampling, data/cbgs.h).
+  std::vector<int> visible_box_classes(int64_t index) const;
   // "'<path>' scene 000123": the prefix of messages about that scene.
   std::string where(int64_t index) const;
 

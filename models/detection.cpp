@@ -5,7 +5,7 @@
 namespace parallax::models {
 
 DetectionTargets encode_detection_targets(const at::Tensor& boxes, const BevGrid& grid,
-                                          int64_t num_classes) {
+                                          int64_t num_classes, const at::Tensor& velocities) {
   const at::Tensor bx = boxes.to(at::kFloat);
   const int64_t b = bx.size(0), k = bx.size(1);
   const auto f32 = bx.options();
@@ -40,7 +40,13 @@ DetectionTargets encode_detection_targets(const at::Tensor& boxes, const BevGrid
     }
     heatmap = at::stack(per_class, 1);
   }
-  return {heatmap, codes, index, mask};
+  DetectionTargets t{heatmap, codes, index, mask, {}, {}};
+  if (velocities.defined()) {
+    const at::Tensor v = velocities.to(bx.device(), at::kFloat);
+    t.velocity_mask = v.isfinite() & mask.unsqueeze(-1);
+    t.velocity = at::where(t.velocity_mask, v, at::zeros_like(v));
+  }
+  return t;
 }
 
 namespace {
@@ -65,12 +71,17 @@ at::Tensor heatmap_focal_loss(const at::Tensor& logits, const at::Tensor& target
 
 at::Tensor box_regression_loss(const at::Tensor& box_reg, const DetectionTargets& targets,
                                const ReplicaMean& mean) {
-  const int64_t b = box_reg.size(0), k = targets.index.size(1);
-  const at::Tensor flat = box_reg.reshape({b, kBoxCodeSize, -1});
-  const at::Tensor idx = targets.index.unsqueeze(1).expand({b, kBoxCodeSize, k});
-  const at::Tensor pred = flat.gather(2, idx).transpose(1, 2).to(at::kFloat);  // [B, K, 8]
+  const int64_t b = box_reg.size(0), k = targets.index.size(1), c = box_reg.size(1);
+  const at::Tensor flat = box_reg.reshape({b, c, -1});
+  const at::Tensor idx = targets.index.unsqueeze(1).expand({b, c, k});
+  const at::Tensor pred = flat.gather(2, idx).transpose(1, 2).to(at::kFloat);  // [B, K, c]
   const at::Tensor m = targets.mask.to(at::kFloat);
-  const at::Tensor l1 = (pred - targets.codes).abs().sum(-1) * m;
+  at::Tensor l1 = (pred.narrow(-1, 0, kBoxCodeSize) - targets.codes).abs().sum(-1) * m;
+  if (c == kBoxCodeSize + kVelocityCodeSize && targets.velocity.defined()) {
+    const at::Tensor dv =
+        (pred.narrow(-1, kBoxCodeSize, kVelocityCodeSize) - targets.velocity).abs();
+    l1 = l1 + kVelocityCodeWeight * (dv * targets.velocity_mask.to(at::kFloat)).sum(-1);
+  }
   return l1.sum() / normaliser(m.sum(), mean);
 }
 
@@ -84,10 +95,11 @@ Detections decode_detections(const at::Tensor& heatmap_logits, const at::Tensor&
   auto [scores, idx] = peak.reshape({b, c * q}).topk(k, 1);
   const at::Tensor cls = at::div(idx, q, "floor");
   const at::Tensor cell = idx.remainder(q);
-  const at::Tensor codes = box_reg.reshape({b, kBoxCodeSize, q})
-                               .gather(2, cell.unsqueeze(1).expand({b, kBoxCodeSize, k}))
+  const int64_t nc = box_reg.size(1);
+  const at::Tensor codes = box_reg.reshape({b, nc, q})
+                               .gather(2, cell.unsqueeze(1).expand({b, nc, k}))
                                .transpose(1, 2)
-                               .to(at::kFloat);  // [B, k, 8]
+                               .to(at::kFloat);  // [B, k, nc]
   const at::Tensor i = at::div(cell, grid.ny, "floor").to(at::kFloat),
                    j = cell.remainder(grid.ny).to(at::kFloat);
   auto code = [&](int64_t e) { return codes.select(-1, e); };
@@ -101,12 +113,19 @@ Detections decode_detections(const at::Tensor& heatmap_logits, const at::Tensor&
   pad[7] = -1;
   at::Tensor out_boxes = at::where(keep.unsqueeze(-1), box, pad);
   at::Tensor out_scores = at::where(keep, scores, at::zeros_like(scores));
+  at::Tensor out_vel;
+  if (nc == kBoxCodeSize + kVelocityCodeSize) {
+    out_vel = at::where(keep.unsqueeze(-1), codes.narrow(-1, kBoxCodeSize, kVelocityCodeSize),
+                        at::zeros({kVelocityCodeSize}, box.options()));
+  }
   if (k < max_detections) {
     const int64_t extra = max_detections - k;
     out_boxes = at::cat({out_boxes, pad.expand({b, extra, 9})}, 1);
     out_scores = at::cat({out_scores, at::zeros({b, extra}, out_scores.options())}, 1);
+    if (out_vel.defined())
+      out_vel = at::cat({out_vel, at::zeros({b, extra, kVelocityCodeSize}, out_vel.options())}, 1);
   }
-  return {out_boxes, out_scores};
+  return {out_boxes, out_scores, out_vel};
 }
 
 }  // namespace parallax::models

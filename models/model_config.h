@@ -65,6 +65,9 @@ struct ModelConfig {
   double box_loss_weight = 0.25;
   double score_threshold = 0.05;
   int max_detections = 100;
+  // bev: the detection head also regresses each box's ground velocity (vx, vy), CenterPoint's
+  // two extra code channels, trained where the data knows the velocity.
+  bool velocity = false;
   PretrainedConfig pretrained;
 
   template <class V>
@@ -108,6 +111,9 @@ struct ModelConfig {
       core::Check::between(0, 1));
     v("max_detections", max_detections, "bev: detections per sample after top-K",
       core::Check::at_least(1));
+    v("velocity", velocity,
+      "bev: the detection head predicts each box's velocity (vx, vy) in m/s, trained on the "
+      "boxes whose velocity the data holds (datagen --sequence-length > 1, converted nuScenes)");
     v("pretrained", pretrained);
   }
 };

@@ -116,6 +116,7 @@ BevModelSpec make_bev_spec(const ModelConfig& cfg, const core::SceneSpec& scene)
   s.box_loss_weight = cfg.box_loss_weight;
   s.score_threshold = cfg.score_threshold;
   s.max_detections = cfg.max_detections;
+  s.velocity = cfg.velocity;
   return s;
 }
 
@@ -134,13 +135,14 @@ core::SceneSpec benchmark_scene(const std::string& size) {
 // ---- heads ------------------------------------------------------------------------------------
 
 BevHeadsImpl::BevHeadsImpl(int64_t channels, int64_t head_channels, int64_t seg_classes,
-                           int64_t box_classes, int64_t nx, int64_t ny)
+                           int64_t box_classes, int64_t nx, int64_t ny, int64_t code_size)
     : channels_(channels),
       head_channels_(head_channels),
       seg_classes_(seg_classes),
       box_classes_(box_classes),
       nx_(nx),
-      ny_(ny) {
+      ny_(ny),
+      code_size_(code_size) {
   const ConvNormActOptions o{channels, head_channels, 3, 1, true, nx, ny};
   seg_conv_ = register_module("seg_conv", ConvNormAct(o));
   seg_out_ = register_module("seg_out", units::layer<QuantConv2d>(torch::nn::Conv2dOptions(
@@ -149,8 +151,8 @@ BevHeadsImpl::BevHeadsImpl(int64_t channels, int64_t head_channels, int64_t seg_
   heat_out_ = register_module("heat_out", units::layer<QuantConv2d>(torch::nn::Conv2dOptions(
                                               head_channels, box_classes, 1)));
   reg_conv_ = register_module("reg_conv", ConvNormAct(o));
-  reg_out_ = register_module("reg_out", units::layer<QuantConv2d>(torch::nn::Conv2dOptions(
-                                            head_channels, kBoxCodeSize, 1)));
+  reg_out_ = register_module(
+      "reg_out", units::layer<QuantConv2d>(torch::nn::Conv2dOptions(head_channels, code_size, 1)));
   // Prior probability 0.1 (CenterNet).
   units::init_modify(heat_out_->bias, [](at::Tensor& b) { b.fill_(-std::log((1 - 0.1) / 0.1)); });
 }
@@ -162,11 +164,11 @@ core::TensorDict BevHeadsImpl::forward(const at::Tensor& bev) {
 }
 
 Cost BevHeadsImpl::analytic_cost(int64_t channels, int64_t head_channels, int64_t seg_classes,
-                                 int64_t box_classes, int64_t nx, int64_t ny) {
+                                 int64_t box_classes, int64_t nx, int64_t ny, int64_t code_size) {
   const Cost branch = ConvNormActImpl::analytic_cost({channels, head_channels, 3, 1, true, nx, ny});
   return branch.copies(3) + conv_cost(head_channels, seg_classes, 1, true, nx, ny) +
          conv_cost(head_channels, box_classes, 1, true, nx, ny) +
-         conv_cost(head_channels, kBoxCodeSize, 1, true, nx, ny);
+         conv_cost(head_channels, code_size, 1, true, nx, ny);
 }
 
 // ---- model ------------------------------------------------------------------------------------
@@ -187,10 +189,10 @@ PerceptionModel::PerceptionModel(const BevModelSpec& spec, LinearFactory linear,
     bev_blocks_.push_back(register_module("bev_block" + std::to_string(i),
                                           std::make_shared<ResidualConvBlock>(c, g.nx, g.ny)));
   }
-  heads_ = register_module(
-      "heads",
-      BevHeads(c, spec_.head_channels, static_cast<int64_t>(spec_.scene.bev_classes.size()),
-               static_cast<int64_t>(spec_.scene.box_classes.size()), g.nx, g.ny));
+  heads_ = register_module("heads", BevHeads(c, spec_.head_channels,
+                                             static_cast<int64_t>(spec_.scene.bev_classes.size()),
+                                             static_cast<int64_t>(spec_.scene.box_classes.size()),
+                                             g.nx, g.ny, box_code_size(spec_.velocity)));
   for (const auto& name : spec_.scene.box_classes)
     box_to_bev_class_.push_back(class_index(spec_.scene.bev_classes, name));
 }
@@ -330,9 +332,11 @@ LossOutput PerceptionModel::loss(const core::TensorDict& batch, const core::Tens
                              at::Reduction::None, -100);
   const at::Tensor seg = per_cell.sum() / (counts * weight).sum().clamp_min(1e-12);
   // Detection (CenterPoint): targets on the query grid from the padded boxes.
-  const DetectionTargets t =
-      encode_detection_targets(batch.at("boxes").to(logits.device()), spec_.query_grid,
-                               static_cast<int64_t>(spec_.scene.box_classes.size()));
+  const DetectionTargets t = encode_detection_targets(
+      batch.at("boxes").to(logits.device()), spec_.query_grid,
+      static_cast<int64_t>(spec_.scene.box_classes.size()),
+      spec_.velocity && batch.count("velocities") ? batch.at("velocities").to(logits.device())
+                                                  : at::Tensor());
   const at::Tensor heat = heatmap_focal_loss(pred.at("heatmap"), t.heatmap, mean);
   const at::Tensor reg = box_regression_loss(pred.at("box_reg"), t, mean);
   at::Tensor total =
@@ -357,9 +361,11 @@ std::vector<std::shared_ptr<torch::nn::Module>> PerceptionModel::recomputable_bl
 core::TensorDict PerceptionModel::postprocess(const core::TensorDict& pred) {
   Detections d = decode_detections(pred.at("heatmap"), pred.at("box_reg"), spec_.query_grid,
                                    spec_.max_detections, spec_.score_threshold);
-  return {{"bev_labels", pred.at("bev_logits").argmax(1)},
-          {"det_boxes", d.boxes},
-          {"det_scores", d.scores}};
+  core::TensorDict out{{"bev_labels", pred.at("bev_logits").argmax(1)},
+                       {"det_boxes", d.boxes},
+                       {"det_scores", d.scores}};
+  if (d.velocities.defined()) out.emplace("det_velocities", d.velocities);
+  return out;
 }
 
 std::vector<ModuleCost> PerceptionModel::analytic_cost(const BevModelSpec& s) {
@@ -372,7 +378,7 @@ std::vector<ModuleCost> PerceptionModel::analytic_cost(const BevModelSpec& s) {
       ResidualConvBlock::analytic_cost(s.bev_channels, g.nx, g.ny).copies(s.encoder_blocks);
   const Cost heads = BevHeadsImpl::analytic_cost(
       s.bev_channels, s.head_channels, static_cast<int64_t>(s.scene.bev_classes.size()),
-      static_cast<int64_t>(s.scene.box_classes.size()), g.nx, g.ny);
+      static_cast<int64_t>(s.scene.box_classes.size()), g.nx, g.ny, box_code_size(s.velocity));
   return {{"backbone", backbone.params, backbone.flops},
           {"view_transformer", view.params, view.flops},
           {"bev_encoder", enc.params, enc.flops},
@@ -454,12 +460,20 @@ core::TensorDict PerceptionModel::example_batch(int64_t n) const {
         (along.abs() <= v(l) / 2) & (across.abs() <= v(w) / 2) & v(row_valid) & (bev_cls >= 0);
     sem = at::where(inside, bev_cls, sem);
   }
-  return {{"images", images},
-          {"intrinsics", rig.intrinsics},
-          {"cam_to_ego", rig.cam_to_ego},
-          {"bev_semantics", sem},
-          {"boxes", boxes},
-          {"scene_index", at::arange(n, at::kLong)}};
+  core::TensorDict batch{{"images", images},
+                         {"intrinsics", rig.intrinsics},
+                         {"cam_to_ego", rig.cam_to_ego},
+                         {"bev_semantics", sem},
+                         {"boxes", boxes},
+                         {"scene_index", at::arange(n, at::kLong)}};
+  if (spec_.velocity) {
+    // Ground velocities up to 8 m/s per axis, one box in four unknown (NaN, as a converted
+    // dataset has them), padding rows unknown.
+    const at::Tensor v = (at::rand({n, kmax, 2}) * 16 - 8);
+    const at::Tensor known = (at::rand({n, kmax, 1}) >= 0.25) & row_valid.unsqueeze(-1);
+    batch.emplace("velocities", at::where(known, v, at::full_like(v, NAN)));
+  }
+  return batch;
 }
 
 }  // namespace parallax::models

@@ -17,6 +17,7 @@
 
 #include "models/backbone.h"
 #include "models/bev_grid.h"
+#include "models/detection.h"
 #include "models/model.h"
 #include "models/view_transformer.h"
 
@@ -38,6 +39,7 @@ struct BevModelSpec {
   double seg_loss_weight = 1.0, heatmap_loss_weight = 1.0, box_loss_weight = 0.25;
   double score_threshold = 0.05;
   int64_t max_detections = 100;
+  bool velocity = false;  // the detection head regresses (vx, vy) (model.velocity)
 
   BevGrid label_grid() const;
 };
@@ -55,19 +57,24 @@ core::SceneSpec benchmark_scene(const std::string& size);
 // Segmentation and detection heads: per task a 3x3 ConvNormAct to head_channels and a 1x1 conv.
 class BevHeadsImpl : public torch::nn::Module {
  public:
+  // `code_size`: the box regression channels (models/detection.h box_code_size: 8, 10 with
+  // velocity).
   BevHeadsImpl(int64_t channels, int64_t head_channels, int64_t seg_classes, int64_t box_classes,
-               int64_t nx, int64_t ny);
+               int64_t nx, int64_t ny, int64_t code_size = kBoxCodeSize);
   core::TensorDict forward(const at::Tensor& bev);  // "seg", "heatmap", "box_reg" on the query grid
   // forward() as ONNX nodes: {seg, heatmap, box_reg}.
   std::vector<onnx::Value> emit_onnx(onnx::Emitter& e, const onnx::Value& bev);
   Cost cost() const {
-    return analytic_cost(channels_, head_channels_, seg_classes_, box_classes_, nx_, ny_);
+    return analytic_cost(channels_, head_channels_, seg_classes_, box_classes_, nx_, ny_,
+                         code_size_);
   }
   static Cost analytic_cost(int64_t channels, int64_t head_channels, int64_t seg_classes,
-                            int64_t box_classes, int64_t nx, int64_t ny);
+                            int64_t box_classes, int64_t nx, int64_t ny,
+                            int64_t code_size = kBoxCodeSize);
+  int64_t code_size() const { return code_size_; }
 
  private:
-  int64_t channels_, head_channels_, seg_classes_, box_classes_, nx_, ny_;
+  int64_t channels_, head_channels_, seg_classes_, box_classes_, nx_, ny_, code_size_;
   ConvNormAct seg_conv_{nullptr}, heat_conv_{nullptr}, reg_conv_{nullptr};
   QuantConv2d seg_out_{nullptr}, heat_out_{nullptr}, reg_out_{nullptr};
 };

@@ -78,8 +78,7 @@ class DatasetSource : public BatchSource {
           start.second * start_world;  // scenes of the epoch's permutation read
       const auto opts = data::LoaderOptions::from_config(cfg, seed, rank, world, true);
       const int64_t per_epoch =
-          data::DistributedSampler(ds->size(), rank, world, opts.shuffle, opts.seed)
-              .samples_used(opts.batch_size, opts.drop_last);
+          data::make_sampler(*ds, opts).samples_used(opts.batch_size, opts.drop_last);
       st.position = consumed / world;
       if (consumed % world != 0 || st.position >= per_epoch) st = {start.first + 1, 0};
     }
@@ -102,9 +101,16 @@ class DatasetSource : public BatchSource {
       if (loader_->decode_scale() > 1)
         input += fmt::format(" decoded at 1/{}", loader_->decode_scale());
     }
-    return fmt::format("'{}' split '{}': {} scenes, {}, {} batches per epoch per rank, {} workers",
-                       path_, split_, loader_->dataset().size(), input,
-                       loader_->batches_per_epoch(), loader_->options().num_workers);
+    std::string order;
+    if (loader_->options().class_balanced) {
+      // data/cbgs.h: the epoch's slots, each class drawn equally often.
+      order = fmt::format(" (class-balanced, data.sampler=cbgs: {} slots per epoch)",
+                          loader_->sampler().size());
+    }
+    return fmt::format(
+        "'{}' split '{}': {} scenes, {}, {} batches per epoch per rank{}, {} workers", path_,
+        split_, loader_->dataset().size(), input, loader_->batches_per_epoch(), order,
+        loader_->options().num_workers);
   }
   std::pair<int64_t, int64_t> position() const override {
     const auto st = loader_->state();

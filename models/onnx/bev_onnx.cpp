@@ -243,7 +243,8 @@ void PerceptionModel::emit_onnx_outputs(onnx::Emitter& e, const OnnxFlow& flow) 
              "float32 [B, N, 3, 3]; cam_to_ego: float32 [B, N, 4, 4] (docs/data.md)");
   e.output("bev_logits", out.at(0), at::kFloat, {onnx::kBatch, seg_classes, lg.nx, lg.ny});
   e.output("heatmap", out.at(1), at::kFloat, {onnx::kBatch, box_classes, g.nx, g.ny});
-  e.output("box_reg", out.at(2), at::kFloat, {onnx::kBatch, kBoxCodeSize, g.nx, g.ny});
+  e.output("box_reg", out.at(2), at::kFloat,
+           {onnx::kBatch, box_code_size(spec_.velocity), g.nx, g.ny});
 }
 
 }  // namespace parallax::models

@@ -202,6 +202,56 @@ TEST_F(AugmentTest, BevTransformMovesBoxesWithTheirCells) {
   }
 }
 
+// A box's velocity turns with the BEV transform (row for row with the kept boxes, NaN staying
+// NaN), and the ego pose changes so that every point keeps its global position.
+TEST_F(AugmentTest, BevTransformTurnsVelocitiesAndKeepsGlobalPositions) {
+  SceneRecord s = *scene_;
+  const int64_t K = s.boxes.size(0);
+  ASSERT_GT(K, 3);
+  at::manual_seed(5);
+  s.velocities = at::rand({K, 2}) * 16 - 8;
+  s.velocities[1][0] = NAN;
+  at::Tensor pose = at::eye(4, at::kDouble);
+  pose[0][0] = std::cos(0.7);
+  pose[0][1] = -std::sin(0.7);
+  pose[1][0] = std::sin(0.7);
+  pose[1][1] = std::cos(0.7);
+  pose[0][3] = 412.5;
+  pose[1][3] = -1033.25;
+  s.ego_to_global = pose;
+  const BevGrid g;
+  for (auto [rot, flip] : {std::pair{0.0, true}, std::pair{0.3, false}, std::pair{-0.2, true}}) {
+    const SceneRecord a = apply_augment(s, params(1.0, 0, 0, rot, flip), g);
+    ASSERT_TRUE(a.velocities.defined());
+    ASSERT_EQ(a.velocities.sizes(), at::IntArrayRef({a.boxes.size(0), 2}));
+    const at::Tensor A = bev_matrix(rot, flip);
+    const at::Tensor moved = at::matmul(s.boxes.slice(1, 0, 3).to(at::kDouble), A.t());
+    for (int64_t k = 0; k < a.boxes.size(0); ++k) {
+      const int64_t src =
+          (moved - a.boxes[k].slice(0, 0, 3).to(at::kDouble)).norm(2, 1).argmin().item<int64_t>();
+      const at::Tensor v0 = s.velocities[src].to(at::kDouble);
+      if (at::isnan(v0).any().item<bool>()) {
+        // vx unknown: the turned vector mixes it into both components unless A keeps axes apart.
+        EXPECT_TRUE(at::isnan(a.velocities[k]).any().item<bool>()) << k;
+        continue;
+      }
+      const at::Tensor want = at::matmul(A.slice(0, 0, 2).slice(1, 0, 2), v0);
+      // Turned in double and stored as float: within u |v| per component (|v| <= 8 sqrt 2), plus
+      // the rotation's 2 products and sum in double.
+      EXPECT_TRUE(tol::within(a.velocities[k].to(at::kDouble), want,
+                              at::full({2}, tol::gamma_k(2) * 12, at::kDouble)))
+          << a.velocities[k] << want;
+    }
+    // Global positions: ego_to_global' (A p) = ego_to_global p, for p a box centre, within the
+    // double arithmetic on coordinates up to ~1100 m (2^-52 relative per operation, 12 of them).
+    ASSERT_TRUE(a.ego_to_global.defined());
+    const at::Tensor p = at::tensor({12.5, -7.25, 1.0, 1.0}, at::kDouble);
+    const at::Tensor pa = at::matmul(at::block_diag({A, at::ones({1, 1}, at::kDouble)}), p);
+    const at::Tensor before = at::matmul(pose, p), after = at::matmul(a.ego_to_global, pa);
+    EXPECT_LT((before - after).abs().max().item<double>(), 12 * 1100 * 2.3e-16) << before << after;
+  }
+}
+
 TEST(PhotometricTest, MatchesTheReferenceFormulas) {
   at::manual_seed(3);
   const int64_t H = 16, W = 24;

@@ -185,6 +185,51 @@ TEST(BevModelTest, GradientsReachEveryParameter) {
   }
 }
 
+// model.velocity: two more regression channels (counted by the analytic cost), velocities in the
+// example batch, a velocity gradient on every head channel, and decoded velocities; the loss
+// without the batch's "velocities" is the 8-entry loss.
+TEST(BevModelTest, VelocityHeadTrainsAndDecodesVelocities) {
+  at::manual_seed(36);
+  ModelConfig cfg = bev_config("tiny", "conv");
+  cfg.velocity = true;
+  auto model = std::dynamic_pointer_cast<PerceptionModel>(build_model(cfg, core::SceneSpec{}));
+  ASSERT_TRUE(model);
+  const auto costs = analytic_cost(cfg, core::SceneSpec{});
+  EXPECT_EQ(model->parameter_count(), total_params(costs));
+  const auto plain = analytic_cost(bev_config("tiny", "conv"), core::SceneSpec{});
+  // reg_out: 2 more output channels of a 1x1 conv from head_channels, with bias.
+  EXPECT_EQ(total_params(costs) - total_params(plain), 2 * (model->spec().head_channels + 1));
+  const auto batch = model->example_batch(2);
+  ASSERT_TRUE(batch.count("velocities"));
+  EXPECT_EQ(batch.at("velocities").sizes(), at::IntArrayRef({2, model->spec().scene.max_boxes, 2}));
+  const auto pred = model->forward(batch);
+  EXPECT_EQ(pred.at("box_reg").size(1), 10);
+  auto loss = model->loss(batch, pred);
+  ASSERT_TRUE(std::isfinite(loss.total.item<double>()));
+  loss.total.backward();
+  const at::Tensor g = model->named_parameters()["heads.reg_out.weight"].grad();
+  ASSERT_TRUE(g.defined());
+  EXPECT_GT(g.narrow(0, 8, 2).abs().sum().item<double>(), 0.0);
+  // Without velocities in the batch the velocity channels get no gradient.
+  model->zero_grad();
+  core::TensorDict no_vel = batch;
+  no_vel.erase("velocities");
+  model->loss(no_vel, model->forward(no_vel)).total.backward();
+  EXPECT_EQ(model->named_parameters()["heads.reg_out.weight"]
+                .grad()
+                .narrow(0, 8, 2)
+                .abs()
+                .sum()
+                .item<double>(),
+            0.0);
+  const auto out = model->postprocess(pred);
+  ASSERT_TRUE(out.count("det_velocities"));
+  EXPECT_EQ(out.at("det_velocities").sizes(), at::IntArrayRef({2, 100, 2}));
+  // The plain model decodes none.
+  auto plain_model = build_model(bev_config("tiny", "conv"), core::SceneSpec{});
+  EXPECT_FALSE(plain_model->postprocess(plain_model->forward(batch)).count("det_velocities"));
+}
+
 TEST(BevModelTest, CheckpointingEveryBlockGivesTheSameGradients) {
   at::manual_seed(35);
   auto model = build_model(bev_config("tiny", "vit"), core::SceneSpec{});

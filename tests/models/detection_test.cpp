@@ -152,6 +152,77 @@ TEST(DetectionTargetsTest, PostprocessOfEncodedTargetsRecoversTheBoxes) {
   }
 }
 
+// Velocity codes (model.velocity): a known velocity entry adds 0.2 |pred - v| to its box's sum; an
+// unknown one (NaN) and a non-target box add nothing; decoding hands the codes back per detection.
+TEST(DetectionTargetsTest, VelocityCodesTrainOnlyKnownEntriesAndDecode) {
+  at::manual_seed(25);
+  const int64_t b = 2, n = 4, k = 6, cs = box_code_size(true);
+  ASSERT_EQ(cs, 10);
+  const at::Tensor boxes = random_boxes(b, n, k, 3);
+  at::Tensor vel = at::rand({b, k, 2}) * 16 - 8;
+  vel[0][1][0] = NAN;              // box (0, 1): vx unknown, vy known
+  vel[1][2] = at::full({2}, NAN);  // box (1, 2): both unknown
+  const DetectionTargets t = encode_detection_targets(boxes, kGrid, 3, vel);
+  ASSERT_EQ(t.mask.sum().item<int64_t>(), b * n);
+  // Padding rows (class -1) are not targets, so their finite random velocities are masked too.
+  EXPECT_EQ(t.velocity_mask.sum().item<int64_t>(), b * n * 2 - 3);
+  EXPECT_FALSE(at::isnan(t.velocity).any().item<bool>());
+  // A prediction holding every code and known velocity exactly: loss 0.
+  at::Tensor reg = at::randn({b, cs, 2500});
+  const at::Tensor idx = t.index.unsqueeze(1).expand({b, cs, k});
+  const at::Tensor full = at::cat({t.codes, t.velocity}, -1);
+  const at::Tensor codes =
+      at::where(t.mask.unsqueeze(-1), full, reg.gather(2, idx).transpose(1, 2));
+  reg.scatter_(2, idx, codes.transpose(1, 2));
+  at::Tensor reg4 = reg.view({b, cs, 50, 50});
+  EXPECT_EQ(box_regression_loss(reg4, t).item<double>(), 0.0);
+  // The unknown entries hold 0 in the prediction (the masked target); moving them changes nothing.
+  auto at_cell = [&](int64_t s, int64_t row, int64_t ch) {
+    const int64_t cell = t.index[s][row].item<int64_t>();
+    return reg4[s][ch][cell / 50][cell % 50];
+  };
+  at_cell(0, 1, 8) += 5.0;
+  at_cell(1, 2, 8) += 5.0;
+  at_cell(1, 2, 9) -= 5.0;
+  EXPECT_EQ(box_regression_loss(reg4, t).item<double>(), 0.0);
+  // A known entry off by 1.5: 0.2 * 1.5 / 8 boxes. Rounding: fl(fl(v + 1.5) - v) within
+  // u (|v| + 3) of 1.5 with |v| <= 8, times 0.2 and the sum and division (3 more roundings).
+  at_cell(0, 1, 9) += 1.5;
+  EXPECT_NEAR(box_regression_loss(reg4, t).item<double>(), kVelocityCodeWeight * 1.5 / 8,
+              tol::gamma_k(5) * 0.2 * (8 + 3) / 8);
+  // Without velocity targets (a dataset without velocities) the 10-channel head trains its first
+  // 8 entries only.
+  const DetectionTargets t8 = encode_detection_targets(boxes, kGrid, 3);
+  EXPECT_FALSE(t8.velocity.defined());
+  EXPECT_EQ(box_regression_loss(reg4, t8).item<double>(), 0.0);
+
+  // Decoding: each detection's velocity is the code at its cell.
+  const at::Tensor heat_logits = at::logit(t.heatmap, 1e-4);
+  const Detections d = decode_detections(heat_logits, reg4, kGrid, 20, 0.5);
+  ASSERT_TRUE(d.velocities.defined());
+  ASSERT_EQ(d.velocities.sizes(), at::IntArrayRef({b, 20, 2}));
+  for (int64_t s = 0; s < b; ++s) {
+    for (int64_t r = 0; r < n; ++r) {
+      // Find the detection at this box's centre cell by position: same x within the code's
+      // rounding (the box sits alone in its cell).
+      const at::Tensor dx = (d.boxes[s].select(-1, 0) - boxes[s][r][0]).abs() +
+                            (d.boxes[s].select(-1, 1) - boxes[s][r][1]).abs();
+      const int64_t j = dx.argmin().item<int64_t>();
+      ASSERT_LT(dx[j].item<double>(), 1e-4);
+      for (int64_t c = 0; c < 2; ++c) {
+        EXPECT_EQ(d.velocities[s][j][c].item<float>(), at_cell(s, r, 8 + c).item<float>())
+            << s << " " << r << " " << c;
+      }
+    }
+    // Rows past the kept detections are padding: velocity 0.
+    const at::Tensor pad = d.boxes[s].select(-1, 7) < 0;
+    EXPECT_EQ(d.velocities[s].index({pad}).abs().sum().item<double>(), 0.0);
+  }
+  // An 8-channel head decodes no velocities.
+  EXPECT_FALSE(
+      decode_detections(heat_logits, reg4.narrow(1, 0, 8), kGrid, 20, 0.5).velocities.defined());
+}
+
 TEST(FocalLossTest, MatchesTheCenterNetFormula) {
   at::manual_seed(24);
   const at::Tensor logits = at::randn({2, 3, 6, 6}) * 2;
