@@ -54,8 +54,7 @@ std::vector<int64_t> cbgs_draw(const CbgsGroups& g, uint64_t seed, int64_t epoch
   out.reserve(static_cast<size_t>(g.epoch_slots));
   for (const auto& scenes : g.scenes) {
     if (scenes.empty()) continue;
-    for (int64_t k = 0; k < g.draws_per_class; ++k)
-      out.push_back(scenes[rng.below(scenes.size())]);
+    for (int64_t k = 0; k < g.draws_per_class; ++k) out.push_back(scenes[rng.below(scenes.size())]);
   }
   return out;
 }
@@ -86,8 +85,9 @@ std::vector<int64_t> cbgs_rank_slots(const std::vector<int64_t>& draw, int rank,
     if (r == rank) mine.insert(mine.end(), static_cast<size_t>(n), scene);
   }
   // This rank's order: its own stream, so ranks do not share an order.
-  Rng order(core::derive_seed(seed, static_cast<uint64_t>(epoch) * 65536 + 1 + static_cast<uint64_t>(rank),
-                              static_cast<uint64_t>(SeedStream::kCbgsSplit)));
+  Rng order(core::derive_seed(
+      seed, static_cast<uint64_t>(epoch) * 65536 + 1 + static_cast<uint64_t>(rank),
+      static_cast<uint64_t>(SeedStream::kCbgsSplit)));
   shuffle(mine, order);
   std::vector<int64_t> out;
   out.reserve(static_cast<size_t>(rank_slots));

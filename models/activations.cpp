@@ -214,6 +214,26 @@ std::vector<UnitActivation> PerceptionModel::unit_activations(const ActivationQu
       feat_copy + (static_cast<double>(eo.out_channels) * z + z) * cells * e + 2 * c * cells * nb;
   if (nb != e) view += c * cells * e;
   out.push_back({view, c * cells * e, false});
+  if (spec_.frames > 1) {
+    // Frames > 1: each encoder unit and the view also carry the previous frames' outputs (F - 1
+    // more), and keep their activations only with prev_grad. The temporal unit keeps the
+    // concatenation (the fusing ConvNormAct's input) and the aligned maps' sampling grid.
+    const double prev = static_cast<double>(spec_.frames - 1);
+    for (UnitActivation& u : out) {
+      u.output *= 1 + prev;
+      if (spec_.prev_grad) {
+        u.saved *= 1 + prev;
+        for (auto& inner : u.inner) {
+          inner.saved *= 1 + prev;
+          inner.input *= 1 + prev;
+        }
+      }
+    }
+    const double f = static_cast<double>(spec_.frames);
+    out.push_back({cna_saved(c * f, cells, c, cells, true, false, q) + prev * cells * 2 * 4 +
+                       (spec_.prev_grad ? prev * c * cells * e : 0),
+                   c * cells * nb, false});
+  }
   for (int64_t i = 0; i < spec_.encoder_blocks; ++i)
     out.push_back({residual_saved(c, cells, i == 0, q), c * cells * nb, true});
   // Heads: three ConvNormAct branches on the BEV features (each casts its own input under

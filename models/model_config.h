@@ -10,6 +10,24 @@
 
 namespace parallax::models {
 
+// model.temporal (bev): fuse the BEV features of the previous keyframes, aligned to the current
+// ego frame by the ego motion (models/temporal.h; docs/models.md, "Temporal fusion").
+struct TemporalConfig {
+  int frames = 1;          // keyframes seen per sample, the current one included; 1 = off
+  bool prev_grad = false;  // backpropagate through the previous frames (BEVDet4D: no)
+
+  template <class V>
+  void visit(V& v) {
+    v("frames", frames,
+      "bev: keyframes per sample, the current one included (1: single-frame; needs data.frames "
+      "equal to it)",
+      core::Check::between(1, 16));
+    v("prev_grad", prev_grad,
+      "bev: train the image backbone and view transformer through the previous frames too "
+      "(false, as BEVDet4D: they run without gradient, saving their activations' memory)");
+  }
+};
+
 // model.pretrained: where train.load_from's weights come from and what they initialise
 // (checkpoint/pretrained.h; docs/pretrained.md).
 struct PretrainedConfig {
@@ -68,6 +86,7 @@ struct ModelConfig {
   // bev: the detection head also regresses each box's ground velocity (vx, vy), CenterPoint's
   // two extra code channels, trained where the data knows the velocity.
   bool velocity = false;
+  TemporalConfig temporal;
   PretrainedConfig pretrained;
 
   template <class V>
@@ -114,6 +133,7 @@ struct ModelConfig {
     v("velocity", velocity,
       "bev: the detection head predicts each box's velocity (vx, vy) in m/s, trained on the "
       "boxes whose velocity the data holds (datagen --sequence-length > 1, converted nuScenes)");
+    v("temporal", temporal);
     v("pretrained", pretrained);
   }
 };

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <map>
 #include <numbers>
+#include <optional>
 
 namespace parallax::models {
 
@@ -117,6 +118,8 @@ BevModelSpec make_bev_spec(const ModelConfig& cfg, const core::SceneSpec& scene)
   s.score_threshold = cfg.score_threshold;
   s.max_detections = cfg.max_detections;
   s.velocity = cfg.velocity;
+  s.frames = cfg.temporal.frames;
+  s.prev_grad = cfg.temporal.prev_grad;
   return s;
 }
 
@@ -185,6 +188,8 @@ PerceptionModel::PerceptionModel(const BevModelSpec& spec, LinearFactory linear,
       "view", ViewTransformer(ViewTransformerOptions{
                   c, c, spec_.heights, g, spec_.scene.image_height, spec_.scene.image_width,
                   spec_.encoder.vit.fused_kernels, encoder_->span_h(), encoder_->span_w()}));
+  if (spec_.frames > 1)
+    temporal_ = register_module("temporal", TemporalFusion(c, spec_.frames, g.nx, g.ny));
   for (int64_t i = 0; i < spec_.encoder_blocks; ++i) {
     bev_blocks_.push_back(register_module("bev_block" + std::to_string(i),
                                           std::make_shared<ResidualConvBlock>(c, g.nx, g.ny)));
@@ -215,6 +220,44 @@ void PerceptionModel::check_batch(const core::TensorDict& batch) const {
                  "4], got {} and {}",
                  fmt::format("{}", batch.at("intrinsics").sizes()),
                  fmt::format("{}", batch.at("cam_to_ego").sizes()));
+  if (spec_.frames < 2) return;
+  const int64_t f = spec_.frames - 1, n = sc.num_cameras;
+  const std::vector<std::pair<const char*, std::vector<int64_t>>> prev = {
+      {"prev_images", {b, f, n, sc.image_height, sc.image_width, 3}},
+      {"prev_intrinsics", {b, f, n, 3, 3}},
+      {"prev_cam_to_ego", {b, f, n, 4, 4}},
+      {"prev_to_current", {b, f, 4, 4}}};
+  for (const auto& [key, shape] : prev) {
+    PARALLAX_CHECK(batch.count(key), Error,
+                   "model 'bev' with model.temporal.frames = {}: batch has no '{}' (the previous "
+                   "keyframes: set data.frames = {}; docs/data.md)",
+                   spec_.frames, key, spec_.frames);
+    PARALLAX_CHECK(batch.at(key).sizes() == at::IntArrayRef(shape), Error,
+                   "model 'bev': batch '{}' must be [{}], got {}", key, fmt::join(shape, ", "),
+                   fmt::format("{}", batch.at(key).sizes()));
+  }
+}
+
+int PerceptionModel::temporal_unit() const {
+  return spec_.frames > 1 ? static_cast<int>(encoder_->num_units() + 1) : -1;
+}
+
+at::Tensor PerceptionModel::previous_frames(int unit, const core::TensorDict& batch,
+                                            const at::Tensor& x) {
+  // BEVDet4D runs the previous frames without gradient: their activations are not kept.
+  std::optional<at::NoGradGuard> no_grad;
+  if (!spec_.prev_grad) no_grad.emplace();
+  const int64_t e = encoder_->num_units();
+  if (unit == 0) {
+    // [B, F-1, N, H, W, 3] -> [B (F-1) N, 3, H, W], as the current frame's images.
+    const at::Tensor images = x.reshape({-1, x.size(3), x.size(4), 3}).permute({0, 3, 1, 2});
+    return encoder_->forward_unit(0, normalize_images(images, encoder_->param_dtype()));
+  }
+  if (unit < e) return encoder_->forward_unit(unit, x);
+  // The view transformer, each previous frame with its own cameras: [B (F-1), C, nx, ny].
+  const at::Tensor& k = batch.at("prev_intrinsics");
+  const at::Tensor& c2e = batch.at("prev_cam_to_ego");
+  return view_->forward(x, k.reshape({-1, k.size(2), 3, 3}), c2e.reshape({-1, c2e.size(2), 4, 4}));
 }
 
 core::TensorDict PerceptionModel::forward(const core::TensorDict& batch) {
@@ -222,7 +265,8 @@ core::TensorDict PerceptionModel::forward(const core::TensorDict& batch) {
 }
 
 int PerceptionModel::chain_length() const {
-  return static_cast<int>(encoder_->num_units() + 1 + static_cast<int64_t>(bev_blocks_.size()) + 1);
+  return static_cast<int>(encoder_->num_units() + 1 + (spec_.frames > 1 ? 1 : 0) +
+                          static_cast<int64_t>(bev_blocks_.size()) + 1);
 }
 
 std::vector<double> PerceptionModel::unit_flops() const {
@@ -242,20 +286,26 @@ std::vector<double> PerceptionModel::unit_flops() const {
   }
   std::vector<double> out;
   const std::vector<double> per_image = ImageEncoderImpl::unit_flops(spec_.encoder);
+  // Every frame's images go through the encoder and the view transformer (c[0], c[1] count them).
+  const double images =
+      static_cast<double>(spec_.scene.num_cameras) * static_cast<double>(spec_.frames);
   if (static_cast<int64_t>(per_image.size()) == e) {
-    for (double f : per_image) out.push_back(f * static_cast<double>(spec_.scene.num_cameras));
+    for (double f : per_image) out.push_back(f * images);
   } else {
     for (double n : enc_params)
       out.push_back(c[0].flops * (enc_total > 0 ? n / enc_total : 1.0 / e));
   }
   out.push_back(c[1].flops);
-  for (int64_t i = 0; i < nb; ++i) out.push_back(c[2].flops / static_cast<double>(nb));
-  out.push_back(c[3].flops);
+  const std::size_t k = spec_.frames > 1 ? 3 : 2;  // the BEV encoder's component
+  if (spec_.frames > 1) out.push_back(c[2].flops);
+  for (int64_t i = 0; i < nb; ++i) out.push_back(c[k].flops / static_cast<double>(nb));
+  out.push_back(c[k + 1].flops);
   return out;
 }
 
 std::vector<at::Tensor> PerceptionModel::chain_begin(const core::TensorDict& batch) {
   check_batch(batch);
+  if (spec_.frames > 1) return {batch.at("images"), batch.at("prev_images")};
   return {batch.at("images")};
 }
 
@@ -265,17 +315,34 @@ std::vector<at::Tensor> PerceptionModel::chain_unit(int unit, const core::Tensor
                                                     const std::vector<at::Tensor>& in) {
   const int64_t e = encoder_->num_units();
   const int64_t nb = static_cast<int64_t>(bev_blocks_.size());
+  const int64_t t = spec_.frames > 1 ? 1 : 0;  // the temporal unit after the view
   const at::Tensor& x = in.at(0);
+  // Frames > 1: the image encoder and the view transformer carry {current, previous}.
+  auto with_previous = [&](at::Tensor current) -> std::vector<at::Tensor> {
+    if (!t) return {std::move(current)};
+    return {std::move(current), previous_frames(unit, batch, in.at(1))};
+  };
   if (unit == 0) {
     const int64_t b = x.size(0), n = x.size(1);
     // [B, N, H, W, 3] is NCHW in channels-last layout once the camera dim is folded: no copy.
     const at::Tensor images = x.reshape({b * n, x.size(2), x.size(3), 3}).permute({0, 3, 1, 2});
-    return {encoder_->forward_unit(0, normalize_images(images, encoder_->param_dtype()))};
+    return with_previous(
+        encoder_->forward_unit(0, normalize_images(images, encoder_->param_dtype())));
   }
-  if (unit < e) return {encoder_->forward_unit(unit, x)};
-  if (unit == e) return {view_->forward(x, batch.at("intrinsics"), batch.at("cam_to_ego"))};
-  if (unit <= e + nb) return {bev_blocks_[static_cast<std::size_t>(unit - e - 1)]->forward(x)};
-  PARALLAX_CHECK(unit == e + nb + 1, Error, "model 'bev': no unit {} (it has {})", unit,
+  if (unit < e) return with_previous(encoder_->forward_unit(unit, x));
+  if (unit == e)
+    return with_previous(view_->forward(x, batch.at("intrinsics"), batch.at("cam_to_ego")));
+  if (t && unit == e + 1) {
+    // Align each previous BEV to the current ego frame, then fuse (models/temporal.h).
+    const at::Tensor& poses = batch.at("prev_to_current");
+    const at::Tensor aligned =
+        align_bev(in.at(1), poses.reshape({-1, 4, 4}).to(x.device()), spec_.query_grid);
+    return {temporal_->forward(
+        x, aligned.view({x.size(0), spec_.frames - 1, x.size(1), x.size(2), x.size(3)}))};
+  }
+  if (unit <= e + t + nb)
+    return {bev_blocks_[static_cast<std::size_t>(unit - e - t - 1)]->forward(x)};
+  PARALLAX_CHECK(unit == e + t + nb + 1, Error, "model 'bev': no unit {} (it has {})", unit,
                  chain_length());
   core::TensorDict heads = heads_->forward(x);
   at::Tensor seg = heads.at("seg");
@@ -298,6 +365,7 @@ core::TensorDict PerceptionModel::chain_end(const core::TensorDict&,
 std::vector<Unit> PerceptionModel::units() const {
   std::vector<UnitPaths> specs = encoder_->unit_paths("encoder");
   specs.push_back({"view", {"view"}});
+  if (spec_.frames > 1) specs.push_back({"temporal", {"temporal"}});
   for (std::size_t i = 0; i < bev_blocks_.size(); ++i) {
     const std::string path = "bev_block" + std::to_string(i);
     specs.push_back({path, {path}});
@@ -370,19 +438,29 @@ core::TensorDict PerceptionModel::postprocess(const core::TensorDict& pred) {
 
 std::vector<ModuleCost> PerceptionModel::analytic_cost(const BevModelSpec& s) {
   const BevGrid& g = s.query_grid;
-  const Cost backbone =
-      ImageEncoderImpl::analytic_cost(s.encoder).applied(static_cast<double>(s.scene.num_cameras));
-  const Cost view = ViewTransformerImpl::analytic_cost(
-      {s.bev_channels, s.bev_channels, s.heights, g, s.scene.image_height, s.scene.image_width});
+  const double frames = static_cast<double>(s.frames);
+  const Cost backbone = ImageEncoderImpl::analytic_cost(s.encoder).applied(
+      static_cast<double>(s.scene.num_cameras) * frames);
+  const Cost view =
+      ViewTransformerImpl::analytic_cost(
+          {s.bev_channels, s.bev_channels, s.heights, g, s.scene.image_height, s.scene.image_width})
+          .applied(frames);
   const Cost enc =
       ResidualConvBlock::analytic_cost(s.bev_channels, g.nx, g.ny).copies(s.encoder_blocks);
   const Cost heads = BevHeadsImpl::analytic_cost(
       s.bev_channels, s.head_channels, static_cast<int64_t>(s.scene.bev_classes.size()),
       static_cast<int64_t>(s.scene.box_classes.size()), g.nx, g.ny, box_code_size(s.velocity));
-  return {{"backbone", backbone.params, backbone.flops},
-          {"view_transformer", view.params, view.flops},
-          {"bev_encoder", enc.params, enc.flops},
-          {"heads", heads.params, heads.flops}};
+  std::vector<ModuleCost> out{{"backbone", backbone.params, backbone.flops},
+                              {"view_transformer", view.params, view.flops}};
+  if (s.frames > 1) {
+    // Alignment (grid_sample: 4 multiply-adds per channel and cell) and the fusing conv.
+    const Cost fuse = TemporalFusionImpl::analytic_cost(s.bev_channels, s.frames, g.nx, g.ny);
+    const double align = 8.0 * static_cast<double>(s.bev_channels * g.nx * g.ny) * (frames - 1);
+    out.push_back({"temporal", fuse.params, fuse.flops + align});
+  }
+  out.push_back({"bev_encoder", enc.params, enc.flops});
+  out.push_back({"heads", heads.params, heads.flops});
+  return out;
 }
 
 // ---- example batch ----------------------------------------------------------------------------
@@ -472,6 +550,26 @@ core::TensorDict PerceptionModel::example_batch(int64_t n) const {
     const at::Tensor v = (at::rand({n, kmax, 2}) * 16 - 8);
     const at::Tensor known = (at::rand({n, kmax, 1}) >= 0.25) & row_valid.unsqueeze(-1);
     batch.emplace("velocities", at::where(known, v, at::full_like(v, NAN)));
+  }
+  if (spec_.frames > 1) {
+    // The previous keyframes: noise images on the same rig, the ego 0-2 m behind per frame and
+    // turned by up to 0.05 rad (a car at up to 4 m/s, keyframes 0.5 s apart).
+    const int64_t f = spec_.frames - 1;
+    batch.emplace("prev_images",
+                  at::randint(0, 256, {n, f, cams, sc.image_height, sc.image_width, 3}, at::kByte));
+    batch.emplace("prev_intrinsics",
+                  rig.intrinsics.unsqueeze(1).expand({n, f, cams, 3, 3}).clone());
+    batch.emplace("prev_cam_to_ego",
+                  rig.cam_to_ego.unsqueeze(1).expand({n, f, cams, 4, 4}).clone());
+    const at::Tensor k = at::arange(1, f + 1, f32).view({1, f});
+    const at::Tensor yaw = (at::rand({n, 1}) * 0.1 - 0.05) * k;
+    at::Tensor pose = at::eye(4, f32).expand({n, f, 4, 4}).clone();
+    pose.select(-1, 0).select(-1, 0).copy_(yaw.cos());
+    pose.select(-1, 1).select(-1, 0).copy_(-yaw.sin());
+    pose.select(-1, 0).select(-1, 1).copy_(yaw.sin());
+    pose.select(-1, 1).select(-1, 1).copy_(yaw.cos());
+    pose.select(-1, 3).select(-1, 0).copy_(-(at::rand({n, 1}) * 2) * k);
+    batch.emplace("prev_to_current", pose);
   }
   return batch;
 }

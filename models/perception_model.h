@@ -10,15 +10,21 @@
 //     "box_reg"    [B, 8, nx, ny]             box codes (models/detection.h)
 //
 // Batches follow docs/data.md: it reads "images", "intrinsics", "cam_to_ego" in forward() and
-// "bev_semantics", "boxes" in loss(). postprocess() gives "bev_labels", "det_boxes", "det_scores".
-// The model is built for one SceneSpec (cameras, image size, BEV grid, classes) and checks batches
-// against it.
+// "bev_semantics", "boxes" in loss(). With model.temporal.frames = F > 1 (models/temporal.h) it
+// also reads the F - 1 previous keyframes, nearest first: "prev_images" [B, F-1, N, H, W, 3],
+// "prev_intrinsics" [B, F-1, N, 3, 3], "prev_cam_to_ego" [B, F-1, N, 4, 4] (each in its own ego
+// frame) and "prev_to_current" [B, F-1, 4, 4] (that ego frame's pose in the current one); the
+// chain carries {current, previous} through the image encoder and the view transformer, and a
+// "temporal" unit after the view aligns and fuses them. postprocess() gives "bev_labels",
+// "det_boxes", "det_scores". The model is built for one SceneSpec (cameras, image size, BEV grid,
+// classes) and checks batches against it.
 #pragma once
 
 #include "models/backbone.h"
 #include "models/bev_grid.h"
 #include "models/detection.h"
 #include "models/model.h"
+#include "models/temporal.h"
 #include "models/view_transformer.h"
 
 #include <string>
@@ -39,7 +45,9 @@ struct BevModelSpec {
   double seg_loss_weight = 1.0, heatmap_loss_weight = 1.0, box_loss_weight = 0.25;
   double score_threshold = 0.05;
   int64_t max_detections = 100;
-  bool velocity = false;  // the detection head regresses (vx, vy) (model.velocity)
+  bool velocity = false;   // the detection head regresses (vx, vy) (model.velocity)
+  int64_t frames = 1;      // keyframes per sample (model.temporal.frames; models/temporal.h)
+  bool prev_grad = false;  // gradients through the previous frames (model.temporal.prev_grad)
 
   BevGrid label_grid() const;
 };
@@ -151,10 +159,16 @@ class PerceptionModel : public Model {
 
  private:
   void check_batch(const core::TensorDict& batch) const;
+  // Frames > 1: the image encoder's unit `unit` or the view transformer on the previous frames
+  // (without gradient unless prev_grad).
+  at::Tensor previous_frames(int unit, const core::TensorDict& batch, const at::Tensor& x);
+  // The temporal unit's index (frames > 1), -1 otherwise.
+  int temporal_unit() const;
 
   BevModelSpec spec_;
   ImageEncoder encoder_{nullptr};
   ViewTransformer view_{nullptr};
+  TemporalFusion temporal_{nullptr};  // frames > 1 only
   std::vector<std::shared_ptr<ResidualConvBlock>> bev_blocks_;
   BevHeads heads_{nullptr};
   std::vector<int64_t> box_to_bev_class_;  // box class -> bev class index (-1 if absent)

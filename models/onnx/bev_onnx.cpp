@@ -10,6 +10,7 @@
 // cameras that see a point and its seen flag as arithmetic on the visibility mask cast to float.
 // LibTorch's CPU path samples only the visible points of each camera (ViewTransformerImpl::sample);
 // the result is the same, since a parked point reads zeros and is weighted 0 anyway.
+#include "core/error.h"
 #include "models/detection.h"
 #include "models/geometry.h"
 #include "models/onnx/ops.h"
@@ -165,6 +166,11 @@ std::vector<onnx::Value> BevHeadsImpl::emit_onnx(onnx::Emitter& e, const onnx::V
 }
 
 Model::OnnxFlow PerceptionModel::emit_onnx_inputs(onnx::Emitter& e) {
+  // The streaming graph (the previous BEV in, the current one out) is not built yet.
+  PARALLAX_CHECK(spec_.frames == 1, ConfigError,
+                 "export: ONNX of a temporal bev model (model.temporal.frames = {}) is not "
+                 "supported yet; export the weights (--format weights) instead",
+                 spec_.frames);
   const auto& sc = spec_.scene;
   const int64_t n = sc.num_cameras, h = sc.image_height, w = sc.image_width;
   const onnx::Value images = e.input("images", at::kByte, {onnx::kBatch, n, h, w, 3});

@@ -1,8 +1,8 @@
 // Class-balanced grouping and sampling (data/cbgs.h): every class drawn equally often, a fresh
 // draw each epoch, ranks that never share a scene and read the same number of slots, and the
 // loader's data.sampler=cbgs on a generated dataset.
-#include "core/error.h"
 #include "data/cbgs.h"
+#include "core/error.h"
 #include "data/datagen.h"
 #include "data/dataset.h"
 #include "data/loader.h"
@@ -97,8 +97,7 @@ TEST(CbgsTest, RanksNeverShareAScene) {
 
 TEST(CbgsTest, RefusesSplitsItCannotBalance) {
   std::vector<std::vector<int>> none(5);
-  testing::expect_data_error([&] { cbgs_groups(none, 3); },
-                                                     {"data.sampler=cbgs", "5 scenes"});
+  testing::expect_data_error([&] { cbgs_groups(none, 3); }, {"data.sampler=cbgs", "5 scenes"});
   std::vector<std::vector<int>> two = {{0}, {1}};
   const auto g = std::make_shared<const CbgsGroups>(cbgs_groups(two, 2));
   testing::expect_data_error([&] { DistributedSampler(g, 0, 3, 1).indices(0); },
@@ -139,7 +138,8 @@ TEST(CbgsTest, LoaderDrawsClassBalancedScenesOfTheDataset) {
   o.world = 1;
   const DistributedSampler s = make_sampler(*ds, o);
   std::vector<std::vector<int>> classes;
-  for (int64_t i = 0; i < ds->size(); ++i) classes.push_back(ds->shard_of(i).visible_box_classes(i));
+  for (int64_t i = 0; i < ds->size(); ++i)
+    classes.push_back(ds->shard_of(i).visible_box_classes(i));
   EXPECT_EQ(s.size(), cbgs_groups(classes, 3).epoch_slots);
 }
 
