@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "data/jpeg.h"
+#include "data/shard_sequence.h"
 
 #include <fmt/format.h>
 
@@ -196,6 +197,9 @@ void read_velocities(hid_t group, SceneRecord& rec, const std::string& w) {
                            shape.describe(), rec.boxes.size(0));
   }
   rec.velocities = h5::read_tensor(ds, shape, at::kFloat, ctx + ": cannot read (corrupt shard?)");
+  // NaN means "unknown" (docs/data.md); an infinity is a broken file.
+  if (rec.velocities.isinf().any().item<bool>())
+    throw_error<DataError>("{} holds infinite values (NaN marks an unknown velocity)", ctx);
 }
 
 }  // namespace
@@ -337,6 +341,7 @@ SceneRecord ShardReader::read_impl(int64_t index, const DatasetInfo* info,
     }
     if (auto token = h5::read_string_attribute(group, kSampleToken, w)) rec.sample_token = *token;
     read_velocities(group, rec, w);
+    read_sequence_fields(group, rec, w);
   }
   if (sel) {
     apply_selection(rec, jpeg, *info, *sel, w);
@@ -376,6 +381,15 @@ SampleMeta ShardReader::sample_meta(int64_t index) const {
       throw_error<DataError>("{} holds NaN or infinite values", ctx);
   }
   return m;
+}
+
+SequenceInfo ShardReader::sequence_info(int64_t index) const {
+  const std::string w = where(index);
+  if (!has_scene(index)) throw_error<DataError>("{}: no such scene in this shard", w);
+  h5::Hdf5Lock lock;
+  h5::Id group(H5Gopen2(file_, ("scenes/" + scene_name(index)).c_str(), H5P_DEFAULT),
+               w + ": cannot open group");
+  return read_sequence_info(group, index, w);
 }
 
 std::vector<SampleMeta> split_sample_meta(const DatasetInfo& info, const std::string& split) {
@@ -527,6 +541,7 @@ void ShardWriter::write(const SceneRecord& s) {
   if (!s.sample_token.empty()) h5::write_string_attribute(group, kSampleToken, s.sample_token, ctx);
   if (s.ego_to_global.defined())
     h5::write_tensor(group, kEgoToGlobal, s.ego_to_global.contiguous(), {0, {}, true}, ctx);
+  write_sequence_fields(group, s, ctx);
   ++written_;
 }
 
