@@ -153,11 +153,14 @@ int verb_datagen(const std::vector<std::string>& argv) {
   }
   const std::string layout = args.get("layout");
   if (layout == "nuscenes") {
-    if (o.gen.sequence_length > 1) {
+    // A sequence is one nuScenes scene: its samples are the sequence's frames.
+    if (o.gen.sequence_length > 1 && args.has("samples-per-scene") &&
+        args.get_int("samples-per-scene") != o.gen.sequence_length) {
       throw_error<UsageError>(
-          "datagen: --sequence-length {} with --layout nuscenes is not supported yet (only "
-          "--layout parallax writes sequences)",
-          o.gen.sequence_length);
+          "datagen: --samples-per-scene {} with --sequence-length {}: each sequence is one "
+          "nuScenes "
+          "scene of its frames (leave --samples-per-scene out)",
+          args.get_int("samples-per-scene"), o.gen.sequence_length);
     }
     data::NuScenesLayoutOptions lo;
     lo.datagen = o;

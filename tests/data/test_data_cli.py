@@ -238,8 +238,8 @@ class DataCliTest(unittest.TestCase):
                          "--frame-interval", "1e-9", *SMALL)
         self.assert_one_error_line(rc, err, "--frame-interval", "1 microsecond")
         rc, _, err = run("datagen", "--out", out, "--scenes", "4", "--sequence-length", "2", "--layout", "nuscenes",
-                         *SMALL)
-        self.assert_one_error_line(rc, err, "--sequence-length 2 with --layout nuscenes")
+                         "--samples-per-scene", "3", *SMALL)
+        self.assert_one_error_line(rc, err, "--samples-per-scene 3 with --sequence-length 2")
         self.assertFalse(os.path.exists(os.path.join(out, "dataset.json")))
 
 
