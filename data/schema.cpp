@@ -362,6 +362,29 @@ void check_scene(const SceneRecord& s, const DatasetInfo& info, const std::strin
       throw_error<DataError>("{}: boxes hold a visibility outside [0, 1]", where);
     }
   }
+  check_sequence_fields(s, where);
+}
+
+void check_sequence_fields(const SceneRecord& s, const std::string& where) {
+  const int64_t K = s.boxes.size(0);
+  if (s.velocities.defined()) {
+    if (s.velocities.dim() != 2 || s.velocities.size(0) != K || s.velocities.size(1) != 2 ||
+        !s.velocities.is_floating_point()) {
+      throw_error<DataError>("{}: velocities [{}] for {} boxes, expected float [{}, 2]", where,
+                             fmt::join(s.velocities.sizes(), ", "), K, K);
+    }
+    if (s.velocities.isinf().any().item<bool>())
+      throw_error<DataError>("{}: velocities hold infinite values (NaN marks unknown)", where);
+  }
+  if (s.instance_ids.defined() && (s.instance_ids.dim() != 1 || s.instance_ids.size(0) != K ||
+                                   s.instance_ids.scalar_type() != at::kLong)) {
+    throw_error<DataError>("{}: instance_ids [{}] for {} boxes, expected int64 [{}]", where,
+                           fmt::join(s.instance_ids.sizes(), ", "), K, K);
+  }
+  if (s.prev_index != -1 && (s.prev_index < 0 || s.prev_index >= s.index)) {
+    throw_error<DataError>("{}: prev_index {} is not an earlier scene of the split (-1, or 0..{})",
+                           where, s.prev_index, s.index - 1);
+  }
 }
 
 std::string join_path(const std::string& dir, const std::string& file) {

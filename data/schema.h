@@ -131,8 +131,12 @@ inline const std::vector<std::string>& scene_dataset_names() {
 std::vector<int64_t> expected_shape(const DatasetInfo& info, const std::string& name);
 
 // Checks dtypes, shapes and label ranges (bev class < |bev_classes|, box class in
-// [0, |box_classes|), visibility in [0, 1], finite numbers). `where` names the file and scene.
+// [0, |box_classes|), visibility in [0, 1], finite numbers) and the optional fields
+// (check_sequence_fields). `where` names the file and scene.
 void check_scene(const SceneRecord& scene, const DatasetInfo& info, const std::string& where);
+// The optional fields' part of it (check_scene calls it): velocities float [K, 2] without
+// infinities, instance_ids int64 [K], prev_index -1 or an earlier index than the scene's.
+void check_sequence_fields(const SceneRecord& scene, const std::string& where);
 
 // "<dir>/<file>" as a string.
 std::string join_path(const std::string& dir, const std::string& file);
