@@ -4,6 +4,7 @@
 #include "core/error.h"
 #include "data/datagen.h"
 #include "data/dataset.h"
+#include "data/geometry.h"
 #include "data/shard.h"
 #include "test_util.h"
 
@@ -138,6 +139,34 @@ TEST_F(SequenceDatasetTest, StationaryObjectsStayAtOneWorldPoint) {
     }
   }
   EXPECT_GT(checked, 10);
+}
+
+TEST_F(SequenceDatasetTest, NothingOverlapsAnythingElseOrTheEgoInAnyFrame) {
+  // The generator stops whatever would touch something (footprints 0.2 m apart at 4 instants per
+  // frame interval, frames among them); the stored float32 boxes are within 4e-6 m of those, so
+  // no two footprints of a frame may intersect, nor any the ego's (4.8 x 2 m at the origin).
+  const auto ds = Dataset::open(dir_->str(), "train");
+  geom::Box ego;
+  ego.l = 4.8;
+  ego.w = 2.0;
+  for (int64_t i = 0; i < ds->size(); ++i) {
+    const at::Tensor b = ds->read(i).boxes;
+    std::vector<geom::Box> boxes;
+    for (int64_t k = 0; k < b.size(0); ++k) {
+      const float* r = b.data_ptr<float>() + k * kBoxColumns;
+      geom::Box box;
+      box.x = r[kBoxX];
+      box.y = r[kBoxY];
+      box.l = r[kBoxL];
+      box.w = r[kBoxW];
+      box.yaw = r[kBoxYaw];
+      EXPECT_FALSE(box.footprint_overlaps(ego, 0)) << "scene " << i << " box " << k;
+      for (size_t j = 0; j < boxes.size(); ++j)
+        EXPECT_FALSE(box.footprint_overlaps(boxes[j], 0))
+            << "scene " << i << " boxes " << j << ", " << k;
+      boxes.push_back(box);
+    }
+  }
 }
 
 TEST_F(SequenceDatasetTest, PrevIndexWalksBackThroughOneSequence) {
