@@ -274,6 +274,10 @@ SceneRecord apply_augment(const SceneRecord& in, const AugmentParams& p, const B
   SceneRecord out;
   out.index = in.index;
   out.sample_token = in.sample_token;
+  out.sequence = in.sequence;
+  out.frame = in.frame;
+  out.prev_index = in.prev_index;
+  out.timestamp_us = in.timestamp_us;
   const int64_t N = in.images.size(0), H = in.images.size(1), W = in.images.size(2);
   const int64_t Ho = fit ? fit->height : H, Wo = fit ? fit->width : W;
   const double fx = fit ? fit->sx : 1.0, fy = fit ? fit->sy : 1.0;
@@ -322,9 +326,11 @@ SceneRecord apply_augment(const SceneRecord& in, const AugmentParams& p, const B
   // Boxes: centre through A, yaw mirrored then rotated; drop those leaving the grid. A box's
   // velocity is a vector in the same frame: through A's 2x2 block (NaN, unknown, stays NaN).
   const at::Tensor B_in = in.boxes.contiguous();
-  const bool has_vel = in.velocities.defined();
+  const bool has_vel = in.velocities.defined(), has_ids = in.instance_ids.defined();
   const at::Tensor V_in = has_vel ? in.velocities.contiguous() : at::Tensor();
+  const at::Tensor I_in = has_ids ? in.instance_ids.to(at::kLong).contiguous() : at::Tensor();
   std::vector<float> rows, vel;
+  std::vector<int64_t> ids;
   for (int64_t i = 0; i < B_in.size(0); ++i) {
     const float* b = B_in.data_ptr<float>() + i * kBoxColumns;
     const double x = A[0] * b[kBoxX] + A[1] * b[kBoxY], y = A[3] * b[kBoxX] + A[4] * b[kBoxY];
@@ -335,6 +341,7 @@ SceneRecord apply_augment(const SceneRecord& in, const AugmentParams& p, const B
     const double yaw = (p.flip_y ? -b[kBoxYaw] : b[kBoxYaw]) + p.rotation_rad;
     r[kBoxYaw] = static_cast<float>(geom::wrap_angle(yaw));
     rows.insert(rows.end(), r.begin(), r.end());
+    if (has_ids) ids.push_back(I_in.data_ptr<int64_t>()[i]);
     if (has_vel) {
       const float* v = V_in.data_ptr<float>() + i * 2;
       vel.push_back(static_cast<float>(A[0] * v[0] + A[1] * v[1]));
@@ -347,6 +354,10 @@ SceneRecord apply_augment(const SceneRecord& in, const AugmentParams& p, const B
   if (has_vel) {
     out.velocities = at::empty({K, 2}, at::kFloat);
     std::copy(vel.begin(), vel.end(), out.velocities.data_ptr<float>());
+  }
+  if (has_ids) {
+    out.instance_ids = at::empty({K}, at::kLong);
+    std::copy(ids.begin(), ids.end(), out.instance_ids.data_ptr<int64_t>());
   }
   // The augmented ego frame is A times the stored one: ego_to_global' = ego_to_global [A^T 0; 0 1]
   // (A is orthogonal), so a point keeps its global position.

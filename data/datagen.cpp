@@ -9,6 +9,7 @@
 #include "data/ordered_pool.h"
 #include "data/random.h"
 #include "data/render.h"
+#include "data/sequence_gen.h"
 #include "data/shard.h"
 
 #include <ATen/ops/empty.h>
@@ -34,6 +35,12 @@ void check_options(const DatagenOptions& o) {
   if (o.gen.height < 8 || o.gen.height > 4096 || o.gen.width < 8 || o.gen.width > 4096) {
     bad(fmt::format("--height and --width must be in 8..4096, got {} x {}", o.gen.height,
                     o.gen.width));
+  }
+  if (o.gen.sequence_length < 1)
+    bad(fmt::format("--sequence-length must be >= 1, got {}", o.gen.sequence_length));
+  if (o.gen.frame_interval_us < 1) {
+    bad(fmt::format("--frame-interval must be at least 1 microsecond, got {} us",
+                    o.gen.frame_interval_us));
   }
   if (o.shard_scenes < 1) bad(fmt::format("--shard-scenes must be >= 1, got {}", o.shard_scenes));
   if (o.threads < 0) bad(fmt::format("--threads must be >= 0, got {}", o.threads));
@@ -72,10 +79,11 @@ uint64_t split_seed(uint64_t seed, const std::string& split) {
   return core::derive_seed(seed, id, static_cast<uint64_t>(SeedStream::kSplit));
 }
 
-GeneratedScene generate_scene(const GeneratorOptions& opts, uint64_t split_seed_value,
-                              int64_t index, bool with_buffers) {
-  GeneratedScene g;
-  g.layout = make_layout(opts, scene_seed(split_seed_value, index));
+namespace {
+
+// Renders and labels g.layout into g.record (and the buffers).
+void render_scene(const GeneratorOptions& opts, GeneratedScene& g, int64_t index,
+                  bool with_buffers) {
   const int64_t N = opts.cameras, H = opts.height, W = opts.width;
   SceneRecord& r = g.record;
   r.index = index;
@@ -99,6 +107,37 @@ GeneratedScene generate_scene(const GeneratorOptions& opts, uint64_t split_seed_
   }
   r.bev_semantics = bev_labels(g.layout, opts.bev);
   r.boxes = box_labels(g.layout);
+}
+
+}  // namespace
+
+GeneratedScene generate_scene(const GeneratorOptions& opts, uint64_t split_seed_value,
+                              int64_t index, bool with_buffers) {
+  GeneratedScene g;
+  if (opts.sequence_length <= 1) {
+    g.layout = make_layout(opts, scene_seed(split_seed_value, index));
+    render_scene(opts, g, index, with_buffers);
+    return g;
+  }
+  // Frame f of sequence s: the sequence's world (a pure function of its seed, so every frame's
+  // job rebuilds the same one on whatever thread), moved to t_f.
+  const int64_t L = opts.sequence_length, s = index / L, f = index % L;
+  const double horizon_s = static_cast<double>((L - 1) * opts.frame_interval_us) * 1e-6;
+  const SequenceWorld world = make_sequence_world(opts, scene_seed(split_seed_value, s), horizon_s);
+  const int64_t t_us = f * opts.frame_interval_us;
+  SequenceFrame frame = sequence_frame(opts, world, static_cast<double>(t_us) * 1e-6);
+  g.layout = std::move(frame.layout);
+  render_scene(opts, g, index, with_buffers);
+  SceneRecord& r = g.record;
+  r.velocities = frame.velocities;
+  r.ego_to_global = frame.ego_to_global;
+  r.instance_ids = at::empty({static_cast<int64_t>(frame.instance_ids.size())}, at::kLong);
+  std::copy(frame.instance_ids.begin(), frame.instance_ids.end(),
+            r.instance_ids.data_ptr<int64_t>());
+  r.sequence = s;
+  r.frame = f;
+  r.prev_index = f > 0 ? index - 1 : -1;
+  r.timestamp_us = t_us;
   return g;
 }
 
@@ -125,6 +164,9 @@ DatagenSummary generate_dataset(const DatagenOptions& o) {
   info.image_codec = o.image_codec;
   info.jpeg_quality = o.image_codec == "jpeg" ? o.jpeg_quality : 0;
   info.bev = o.gen.bev;
+  info.sequence_length = o.gen.sequence_length;
+  info.frame_interval =
+      o.gen.sequence_length > 1 ? static_cast<double>(o.gen.frame_interval_us) * 1e-6 : 0.0;
 
   struct Job {
     std::string split;

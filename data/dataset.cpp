@@ -53,6 +53,10 @@ SceneRecord Dataset::read(int64_t index) const {
   return shard_of(index).read(index, &info_);
 }
 
+SequenceInfo Dataset::sequence_info(int64_t index) const {
+  return shard_of(index).sequence_info(index);
+}
+
 SceneRecord Dataset::read(int64_t index, const ShardReader::Selection& sel) const {
   return shard_of(index).read(index, info_, sel);
 }

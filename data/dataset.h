@@ -29,6 +29,13 @@ class Dataset {
   SceneRecord read(int64_t index) const;
   // The same, only `sel`'s cameras and at its decode scale (ShardReader::Selection).
   SceneRecord read(int64_t index, const ShardReader::Selection& sel) const;
+  // Scene `index`'s place in its sequence (all -1 for an independent scene), read from its
+  // group's attributes only: cheap enough to walk a sequence back frame by frame before reading
+  // any images. Checked (a prev_index that is not an earlier scene of the split is a DataError).
+  SequenceInfo sequence_info(int64_t index) const;
+  // The split index of the previous frame of scene `index`'s sequence; -1 at a sequence start
+  // and for an independent scene.
+  int64_t prev_index(int64_t index) const { return sequence_info(index).prev_index; }
   // The shard holding scene `index`.
   const ShardReader& shard_of(int64_t index) const;
   const std::vector<std::unique_ptr<ShardReader>>& shards() const { return shards_; }

@@ -73,7 +73,15 @@ std::string shapes_line(const ShardReader& shard, int64_t index) {
   const auto shapes = shard.shapes(index);
   for (const auto& name : scene_dataset_names())
     parts.push_back(name + " " + shapes.at(name).describe());
-  return core::join(parts, ", ");
+  std::string line = core::join(parts, ", ");
+  // Where the scene sits in its sequence (docs/data.md, "Sequences"), when it does.
+  const SequenceInfo seq = shard.sequence_info(index);
+  if (seq.in_sequence()) {
+    line += fmt::format(" | sequence {} frame {} prev {}", seq.sequence, seq.frame,
+                        seq.prev_index < 0 ? std::string("-") : scene_name(seq.prev_index));
+  }
+  if (seq.timestamp_us >= 0) line += fmt::format(" t {} us", seq.timestamp_us);
+  return line;
 }
 
 void print_scene_shapes(std::FILE* out, const ShardReader& shard, const InspectOptions& opts) {
@@ -102,6 +110,9 @@ void print_header(std::FILE* out, const DatasetInfo& info) {
                        g.y_cells(), g.resolution, g.x_min, g.x_max, g.y_min, g.y_max));
   say(out, fmt::format("bev classes: {}", core::join(info.bev_classes, ", ")));
   say(out, fmt::format("box classes: {}", core::join(info.box_classes, ", ")));
+  say(out, info.sequence_length > 1 ? fmt::format("sequences: {} frames each, {} s apart",
+                                                  info.sequence_length, info.frame_interval)
+                                    : std::string("sequences: none (independent scenes)"));
 }
 
 int64_t file_bytes(const std::string& path) {

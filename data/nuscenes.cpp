@@ -451,8 +451,13 @@ void write_shards(Converter& cv, const DatasetInfo& info, const std::vector<Job>
                   core::Progress& progress) {
   const NuScenesConvertOptions& o = cv.o;
   OrderedPool<SceneRecord> pool(static_cast<int64_t>(todo.size()), workers, [&](int64_t j) {
-    SceneRecord r = cv.make(todo[static_cast<size_t>(j)]);
-    r.index = todo[static_cast<size_t>(j)].index;
+    const Job& job = todo[static_cast<size_t>(j)];
+    SceneRecord r = cv.make(job);
+    r.index = job.index;
+    r.sequence = job.sequence;
+    r.frame = job.frame;
+    r.prev_index = job.prev_index;
+    r.timestamp_us = std::llround(num(cv.sample, *job.sample, "timestamp"));
     return r;
   });
   std::unique_ptr<ShardWriter> writer;
@@ -499,8 +504,20 @@ NuScenesConvertSummary convert_nuscenes(const NuScenesConvertOptions& opts) {
   const auto by_split = plan_samples(cv, splits);
   std::vector<Job> jobs;
   for (const auto& [split, samples] : by_split) {
-    for (size_t i = 0; i < samples.size(); ++i)
-      jobs.push_back({split, static_cast<int64_t>(i), samples[i]});
+    for (size_t i = 0; i < samples.size(); ++i) {
+      Job job{split, static_cast<int64_t>(i), samples[i]};
+      // A scene's samples are consecutive in the split: the previous keyframe is the previous
+      // job exactly when the sample's 'prev' names it.
+      if (i > 0 &&
+          str(cv.sample, *samples[i], "prev") == str(cv.sample, *samples[i - 1], "token")) {
+        job.sequence = jobs.back().sequence;
+        job.frame = jobs.back().frame + 1;
+        job.prev_index = static_cast<int64_t>(i) - 1;
+      } else if (i > 0) {
+        job.sequence = jobs.back().sequence + 1;
+      }
+      jobs.push_back(job);
+    }
   }
   if (jobs.empty())
     throw_error<DataError>("nuScenes: '{}' holds no sample to convert", core::clip(cv.dir, 200));

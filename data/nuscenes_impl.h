@@ -117,6 +117,9 @@ struct Job {
   std::string split;
   int64_t index = 0;  // within the split
   const json* sample = nullptr;
+  // The sample's place in its nuScenes scene (SceneRecord's sequence fields): the scene's number
+  // within the split, the sample's index in it and the split index of the previous keyframe.
+  int64_t sequence = 0, frame = 0, prev_index = -1;
 };
 
 struct Converter {

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <regex>
 #include <thread>
@@ -66,6 +67,12 @@ void check_layout_options(const NuScenesLayoutOptions& lo) {
         "libturbojpeg0-dev and rebuild)");
   if (!std::regex_match(lo.version, std::regex("v1\\.0-[A-Za-z0-9_-]+")))
     throw_error<UsageError>("datagen: --version must look like v1.0-mini, got '{}'", lo.version);
+  if (o.gen.sequence_length < 1 || o.gen.frame_interval_us < 1) {
+    throw_error<UsageError>(
+        "datagen: --sequence-length must be >= 1 and --frame-interval at least 1 us, got {} and "
+        "{} us",
+        o.gen.sequence_length, o.gen.frame_interval_us);
+  }
   if (lo.samples_per_scene < 1)
     throw_error<UsageError>("datagen: --samples-per-scene must be >= 1, got {}",
                             lo.samples_per_scene);
@@ -260,15 +267,31 @@ struct Layout {
     }
   }
 
-  // Sample `id`'s boxes: ego -> global. Each object is its own instance (the scenes are
-  // independent).
-  void add_boxes(int64_t id, const std::string& stoken, const geom::Pose& ego,
-                 const SceneRecord& r) {
+  // Sample `id`'s boxes: ego -> global. Independent scenes: each object is its own instance. A
+  // sequence's frames (`tracks` given): one instance per instance id of the sequence (nuScenes
+  // scene `scene_no`), its annotations linked prev/next in frame order, as the devkit's velocity
+  // needs; `tracks` maps an instance id to the rows of its last annotation and of its instance.
+  void add_boxes(int64_t id, int64_t scene_no, const std::string& stoken, const geom::Pose& ego,
+                 const SceneRecord& r, std::map<int64_t, std::pair<size_t, size_t>>* tracks) {
     const float* b = r.boxes.data_ptr<float>();
     for (int64_t k = 0; k < r.boxes.size(0); ++k) {
       const float* row = b + k * kBoxColumns;
       const std::string at = make_token(seed, "annotation", id, k);
-      const std::string it = make_token(seed, "instance", id, k);
+      const int64_t iid = tracks ? r.instance_ids.data_ptr<int64_t>()[k] : 0;
+      const std::string it = tracks ? make_token(seed, "sequence_instance", scene_no, iid)
+                                    : make_token(seed, "instance", id, k);
+      const auto track =
+          tracks ? tracks->find(iid) : std::map<int64_t, std::pair<size_t, size_t>>::iterator();
+      const bool seen = tracks && track != tracks->end();
+      std::string prev;
+      if (seen) {
+        json& last = annotation[track->second.first];
+        last["next"] = at;
+        prev = last["token"].get<std::string>();
+        json& inst = instance[track->second.second];
+        inst["nbr_annotations"] = inst["nbr_annotations"].get<int64_t>() + 1;
+        inst["last_annotation_token"] = at;
+      }
       const auto cls = static_cast<size_t>(row[kBoxClass]);
       const geom::Vec3 c = ego.apply({row[kBoxX], row[kBoxY], row[kBoxZ]});
       const geom::Mat3 rot = ego.R * geom::Mat3::rot_z(row[kBoxYaw]);
@@ -284,16 +307,21 @@ struct Layout {
            {"size", json::array({static_cast<double>(row[kBoxW]), static_cast<double>(row[kBoxL]),
                                  static_cast<double>(row[kBoxH])})},
            {"rotation", quat_json(rot)},
-           {"prev", ""},
+           {"prev", prev},
            {"next", ""},
            // visibility is the fraction of the box's 9 points seen: a count out of 9
            {"num_lidar_pts", static_cast<int64_t>(std::lround(vis * 9))},
            {"num_radar_pts", 0}});
+      if (seen) {
+        track->second.first = annotation.size() - 1;
+        continue;
+      }
       instance.push_back({{"token", it},
                           {"category_token", cat_tokens.at(cls)},
                           {"nbr_annotations", 1},
                           {"first_annotation_token", at},
                           {"last_annotation_token", at}});
+      if (tracks) (*tracks)[iid] = {annotation.size() - 1, instance.size() - 1};
     }
   }
 
@@ -349,6 +377,10 @@ struct SceneCursor {
   int64_t placed = 0;  // samples placed so far: sample n sits near x = 500 n m
   std::string scene_token, prev_sample;
   size_t scene_row = 0;  // the scene's index in Layout::scene
+  // A sequence (one nuScenes scene): its world's global pose, drawn at its first frame, and its
+  // instances' last annotations (Layout::add_boxes).
+  geom::Pose world;
+  std::map<int64_t, std::pair<size_t, size_t>> tracks;
 };
 
 // Sample `i` of `split` (generated scene `g`): a new scene record when one starts, the sample, its
@@ -370,17 +402,40 @@ void add_sample(Layout& L, SceneCursor& cur, const std::string& split, uint64_t 
     split_names.push_back(name);
     cur.prev_sample.clear();
   }
+  // A frame of a sequence: its sample time is the frame's, its ego pose the frame's pose in the
+  // sequence's world carried to the world's global pose.
+  const bool sequence = g.record.sequence >= 0;
   const int64_t base_us = 1764374400000000;  // 2025-11-29 00:00 UTC
-  const int64_t ts = base_us + cur.scene_no * 100000000 + cur.in_scene * 500000;
+  const int64_t ts = base_us + cur.scene_no * 100000000 +
+                     (sequence ? g.record.timestamp_us : cur.in_scene * 500000);
   const std::string stoken = make_token(seed, "sample", cur.scene_no, cur.in_scene);
-  // A random global ego pose (yaw only, on the ground, as nuScenes' localisation gives).
-  std::mt19937_64 rng(core::derive_seed(sseed, static_cast<uint64_t>(i), 977));
-  // Samples 500 m apart in x (each one's map reaches ~120 m from it, so they never overlap).
-  std::uniform_real_distribution<double> jitter(-100, 100), side(-1000, 1000),
-      ang(-geom::kPi, geom::kPi);
-  const double ex = 500.0 * static_cast<double>(cur.placed++) + jitter(rng), ey = side(rng),
-               eyaw = ang(rng);
-  const geom::Pose ego{geom::Mat3::rot_z(eyaw), {ex, ey, 0}};
+  if (!sequence || cur.in_scene == 0) {
+    // A random global ego pose (yaw only, on the ground, as nuScenes' localisation gives).
+    std::mt19937_64 rng(core::derive_seed(sseed, static_cast<uint64_t>(i), 977));
+    // Samples (sequences) 500 m apart in x (each one's map reaches ~120 m from it, so they never
+    // overlap), plus a sequence's longest drive (12 m/s over its frames).
+    std::uniform_real_distribution<double> jitter(-100, 100), side(-1000, 1000),
+        ang(-geom::kPi, geom::kPi);
+    const double ex = 500.0 * static_cast<double>(cur.placed) + jitter(rng), ey = side(rng),
+                 eyaw = ang(rng);
+    const double drive_m =
+        sequence
+            ? 12e-6 * static_cast<double>((L.o.gen.sequence_length - 1) * L.o.gen.frame_interval_us)
+            : 0.0;
+    cur.placed += 1 + static_cast<int64_t>(drive_m / 500.0);
+    cur.world = {geom::Mat3::rot_z(eyaw), {ex, ey, 0}};
+    cur.tracks.clear();
+  }
+  geom::Pose ego = cur.world;
+  if (sequence) {
+    const double* T = g.record.ego_to_global.data_ptr<double>();
+    geom::Pose frame;
+    for (int r = 0; r < 3; ++r) {
+      for (int c = 0; c < 3; ++c) frame.R.m[r][c] = T[r * 4 + c];
+    }
+    frame.t = {T[3], T[7], T[11]};
+    ego = nusc::compose(cur.world, frame);
+  }
   L.sample.push_back({{"token", stoken},
                       {"timestamp", ts},
                       {"prev", cur.prev_sample},
@@ -397,9 +452,9 @@ void add_sample(Layout& L, SceneCursor& cur, const std::string& split, uint64_t 
   scene_row["nbr_samples"] = cur.in_scene + 1;
   const int64_t id = cur.scene_no * 1000 + cur.in_scene;
   L.add_lidar(id, stoken, ts, ego);
-  L.add_roads(ego, g.layout);
+  if (!sequence || cur.in_scene == 0) L.add_roads(ego, g.layout);  // one map per world
   L.add_cameras(id, stoken, ts, ego, g.record);
-  L.add_boxes(id, stoken, ego, g.record);
+  L.add_boxes(id, cur.scene_no, stoken, ego, g.record, sequence ? &cur.tracks : nullptr);
   cur.prev_sample = stoken;
 }
 
@@ -438,7 +493,10 @@ void write_nuscenes_layout(const NuScenesLayoutOptions& lo) {
     cur.in_scene = 0;
     for (int64_t i = 0; i < n; ++i) {
       add_sample(L, cur, split, sseed, i, pool.take(i), splits[split]);
-      if (++cur.in_scene == lo.samples_per_scene) {
+      // Sequences: one nuScenes scene per sequence.
+      const int64_t per_scene =
+          o.gen.sequence_length > 1 ? o.gen.sequence_length : lo.samples_per_scene;
+      if (++cur.in_scene == per_scene) {
         cur.in_scene = 0;
         ++cur.scene_no;
       }

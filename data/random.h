@@ -80,6 +80,7 @@ enum class SeedStream : uint64_t {
   kScene = 102,      // per scene: layout, objects, rig jitter, lighting
   kShuffle = 103,    // per epoch: the sampler's permutation
   kAugment = 104,    // per (epoch, scene): augmentation parameters
+  kMotion = 105,     // per sequence: the ego's and the objects' speeds (data/sequence_gen.h)
   kCbgsDraw = 110,   // per epoch: the class-balanced draw (data/cbgs.h)
   kCbgsSplit = 111,  // per epoch: its split across ranks and each rank's order
 };

@@ -245,9 +245,13 @@ class CameraRenderer {
     return c + Rgb{glow, glow, glow * 0.9};
   }
 
-  Rgb ground(double x, double y) const {
+  Rgb ground(double gx, double gy) const {
     const uint64_t seed = L_.texture_seed;
-    switch (classify_ground(L_, x, y)) {
+    const Ground kind = classify_ground(L_, gx, gy);
+    // Textures in world coordinates (SceneLayout::texture_dx); adding 0 leaves a lone scene's
+    // coordinates, and so its pixels, exactly as they were.
+    const double x = gx + L_.texture_dx, y = gy + L_.texture_dy;
+    switch (kind) {
       case Ground::kGrass: {
         const double n1 = value_noise(x * 0.12, y * 0.12, seed),
                      n2 = value_noise(x * 1.7, y * 1.7, seed + 1);
@@ -260,7 +264,7 @@ class CameraRenderer {
             Rgb{0.63, 0.61, 0.58} * (0.92 + 0.12 * (value_noise(x * 1.3, y * 1.3, seed + 2) - 0.5));
         for (const auto& r : L_.roads) {
           double s = 0, t = 0;
-          r.local(x, y, s, t);
+          r.local(gx, gy, s, t);
           const double e = std::abs(t) - r.half_width();
           if (s < r.s_min || s > r.s_max || e <= 0 || e > r.sidewalk) continue;
           if (e < 0.2) return Rgb{0.76, 0.75, 0.73};  // curb

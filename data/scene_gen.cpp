@@ -132,6 +132,8 @@ struct Placer {
     Box b;
     size_for(cls, b);
     const Road& r = pick_road();
+    const int road = static_cast<int>(&r - layout.roads.data());
+    int lane = -1;
     const double hw = r.half_width();
     const double s = rng.uniform(-45, 45);
     double t = 0, yaw = r.angle;
@@ -139,6 +141,7 @@ struct Placer {
     if (cls == kVehicle) {
       const int k = static_cast<int>(rng.below(static_cast<uint64_t>(r.lanes)));
       t = r.lane_centre(k) + rng.normal(0, 0.15);
+      lane = k;
       yaw = r.angle + (k < r.forward_lanes ? 0.0 : kPi) + rng.normal(0, 0.03);
     } else if (cls == kPedestrian) {
       if (rng.bernoulli(0.75)) {
@@ -153,6 +156,7 @@ struct Placer {
       if (rng.bernoulli(0.7)) {
         const bool fwd = rng.bernoulli(0.5);
         t = (fwd ? -1 : 1) * (hw - 0.9) + rng.normal(0, 0.15);
+        lane = fwd ? 0 : r.lanes - 1;
         yaw = r.angle + (fwd ? 0.0 : kPi) + rng.normal(0, 0.05);
       } else {
         surface = Surface::kSidewalk;
@@ -164,12 +168,8 @@ struct Placer {
     b.yaw = geom::wrap_angle(yaw);
     b = round_box(b);
     if (!in_bev(b) || !free(b, 0.4)) return false;
-    const bool on_surface = footprint_all(b, 1.0, [&](double x, double y) {
-      const Ground g = classify_ground(layout, x, y);
-      return surface == Surface::kRoad ? is_road(g) : g == Ground::kSidewalk;
-    });
-    if (!on_surface) return false;
-    layout.objects.push_back({b, cls, color_for(cls)});
+    if (!footprint_on_surface(layout, b, surface == Surface::kSidewalk)) return false;
+    layout.objects.push_back({b, cls, color_for(cls), road, lane, surface == Surface::kSidewalk});
     return true;
   }
 
@@ -217,6 +217,13 @@ void Road::point(double s, double t, double& x, double& y) const {
   const double c = std::cos(angle), sn = std::sin(angle);
   x = ox + c * s - sn * t;
   y = oy + sn * s + c * t;
+}
+
+bool footprint_on_surface(const SceneLayout& layout, const Box& box, bool sidewalk) {
+  return footprint_all(box, 1.0, [&](double x, double y) {
+    const Ground g = classify_ground(layout, x, y);
+    return sidewalk ? g == Ground::kSidewalk : is_road(g);
+  });
 }
 
 uint64_t scene_seed(uint64_t split_seed, int64_t index) {

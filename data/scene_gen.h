@@ -32,6 +32,10 @@ struct GeneratorOptions {
   int width = 224;
   BevGrid bev;
   int samples_per_pixel = 4;  // 1 (pixel centre) or 4 (rotated-grid anti-aliasing)
+  // Sequences (data/sequence_gen.h): scene i of a split is frame i % L of sequence i / L, frames
+  // `frame_interval_us` microseconds apart. 1: every scene is an independent snapshot.
+  int64_t sequence_length = 1;
+  int64_t frame_interval_us = 500000;
 };
 
 struct Rgb {
@@ -62,6 +66,12 @@ struct Object {
   geom::Box box;
   int cls = kVehicle;
   Rgb color;
+  // Where the placer put it, so a sequence (data/sequence_gen.h) can move it along there: the
+  // index of its road in SceneLayout::roads, its lane (0 = rightmost) when it stands on a lane
+  // along the traffic, -1 otherwise; `sidewalk` when it stands on a sidewalk.
+  int road = -1;
+  int lane = -1;
+  bool sidewalk = false;
 };
 
 struct Building {
@@ -81,6 +91,10 @@ struct SceneLayout {
   double exposure = 1;
   std::vector<double> camera_exposure;  // per camera
   uint64_t texture_seed = 0;
+  // The ground textures are drawn at (x + texture_dx, y + texture_dy) for ego-frame point (x, y):
+  // a sequence's frames set it to the ego's offset from the sequence's world origin, so the
+  // asphalt and grass stay fixed to the world while the ego moves (0 for a lone scene).
+  double texture_dx = 0, texture_dy = 0;
 };
 
 // The seed of scene `index` of a split whose base seed is `split_seed`.
@@ -91,6 +105,9 @@ SceneLayout make_layout(const GeneratorOptions& opts, uint64_t seed);
 
 // The ground at ego-frame point (x, y).
 Ground classify_ground(const SceneLayout& layout, double x, double y);
+// Whether the footprint of `box` (corners, centre and edge points every ~1 m) lies on a road
+// (`sidewalk` false: lanes, markings, intersections) or on a sidewalk (`sidewalk` true).
+bool footprint_on_surface(const SceneLayout& layout, const geom::Box& box, bool sidewalk);
 
 // Labels (docs/data.md): bev_semantics uint8 [X, Y] and boxes float32 [K, 9] (visibility from the
 // layout's cameras).

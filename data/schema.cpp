@@ -149,6 +149,29 @@ void check_shard_inside(const std::string& file, const std::string& dir, const s
   }
 }
 
+// `sequence_length` and `frame_interval` (both or neither; absent: independent scenes).
+void read_sequence_keys(const JsonReader& r, const YAML::Node& root, const std::string& file,
+                        DatasetInfo& info) {
+  if (!root["sequence_length"].IsDefined()) {
+    if (root["frame_interval"].IsDefined()) {
+      throw_error<DataError>("'{}': key 'frame_interval' without 'sequence_length'", file);
+    }
+    return;
+  }
+  info.sequence_length =
+      r.scalar<int64_t>(root, "sequence_length", "sequence_length", "an integer");
+  if (info.sequence_length < 1) {
+    throw_error<DataError>("'{}': key 'sequence_length' is {} (must be >= 1)", file,
+                           info.sequence_length);
+  }
+  if (info.sequence_length == 1 && !root["frame_interval"].IsDefined()) return;
+  info.frame_interval = r.scalar<double>(root, "frame_interval", "frame_interval", "a number");
+  if (!(info.frame_interval > 0) || !std::isfinite(info.frame_interval)) {
+    throw_error<DataError>("'{}': key 'frame_interval' is {} (seconds between frames, > 0)", file,
+                           info.frame_interval);
+  }
+}
+
 }  // namespace
 
 DatasetInfo read_dataset_info(const std::string& dir) {
@@ -230,6 +253,7 @@ DatasetInfo read_dataset_info(const std::string& dir) {
     throw_error<DataError>("'{}': bev_classes needs 1..255 entries and box_classes at least one",
                            file);
   }
+  read_sequence_keys(r, root, file, info);
   const YAML::Node splits = r.child(root, "splits", "splits");
   if (!splits.IsMap()) throw_error<DataError>("'{}': key 'splits' must be an object", file);
   for (const auto& kv : splits) {
@@ -263,6 +287,11 @@ std::string dataset_json(const DatasetInfo& info) {
     out += fmt::format("  \"bev_source\": {},\n", core::json_quote(info.bev_source));
   out += fmt::format("  \"bev_classes\": {},\n", core::json_strings(info.bev_classes));
   out += fmt::format("  \"box_classes\": {},\n", core::json_strings(info.box_classes));
+  // Only for sequences, so a dataset of independent scenes keeps its dataset.json byte for byte.
+  if (info.sequence_length > 1) {
+    out += fmt::format("  \"sequence_length\": {}, \"frame_interval\": {},\n", info.sequence_length,
+                       info.frame_interval);
+  }
   out += "  \"splits\": {";
   size_t i = 0;
   for (const auto& [name, s] : info.splits) {
@@ -332,6 +361,29 @@ void check_scene(const SceneRecord& s, const DatasetInfo& info, const std::strin
     if ((vis < 0).any().item<bool>() || (vis > 1).any().item<bool>()) {
       throw_error<DataError>("{}: boxes hold a visibility outside [0, 1]", where);
     }
+  }
+  check_sequence_fields(s, where);
+}
+
+void check_sequence_fields(const SceneRecord& s, const std::string& where) {
+  const int64_t K = s.boxes.size(0);
+  if (s.velocities.defined()) {
+    if (s.velocities.dim() != 2 || s.velocities.size(0) != K || s.velocities.size(1) != 2 ||
+        !s.velocities.is_floating_point()) {
+      throw_error<DataError>("{}: velocities [{}] for {} boxes, expected float [{}, 2]", where,
+                             fmt::join(s.velocities.sizes(), ", "), K, K);
+    }
+    if (s.velocities.isinf().any().item<bool>())
+      throw_error<DataError>("{}: velocities hold infinite values (NaN marks unknown)", where);
+  }
+  if (s.instance_ids.defined() && (s.instance_ids.dim() != 1 || s.instance_ids.size(0) != K ||
+                                   s.instance_ids.scalar_type() != at::kLong)) {
+    throw_error<DataError>("{}: instance_ids [{}] for {} boxes, expected int64 [{}]", where,
+                           fmt::join(s.instance_ids.sizes(), ", "), K, K);
+  }
+  if (s.prev_index != -1 && (s.prev_index < 0 || s.prev_index >= s.index)) {
+    throw_error<DataError>("{}: prev_index {} is not an earlier scene of the split (-1, or 0..{})",
+                           where, s.prev_index, s.index - 1);
   }
 }
 

@@ -64,6 +64,12 @@ struct DatasetInfo {
   std::vector<std::string> box_classes = {"vehicle", "pedestrian", "cyclist"};
   std::map<std::string, SplitInfo> splits;
   std::string dir;  // the folder it was read from ("" when built in memory)
+  // Sequences (docs/data.md, "Sequences"): scene i of a split is frame i % sequence_length of
+  // sequence i / sequence_length (the last one may be shorter), frames `frame_interval` seconds
+  // apart. dataset.json holds both keys only when sequence_length > 1; absent: 1 and 0
+  // (independent scenes).
+  int64_t sequence_length = 1;
+  double frame_interval = 0;
 
   // What the model builder needs; `max_boxes` is the loader's padding of `boxes`.
   core::SceneSpec scene_spec(int64_t max_boxes = 64) const;
@@ -98,6 +104,17 @@ struct SceneRecord {
   // nuScenes scene: the reference ego pose, the ego origin offset included), so detections can be
   // written in the global frame the source's ground truth is in.
   at::Tensor ego_to_global;
+  // Optional sequence information (docs/data.md, "Sequences"; absent from a shard of independent
+  // scenes, which reads back as the defaults): frame `frame` of sequence `sequence` (ids within
+  // the split), its time in microseconds (`timestamp_us`, from the sequence's start for a
+  // generated one), the split index of the previous frame (`prev_index`, -1 at a sequence start;
+  // a reader refuses one that is not an earlier scene of the split) and each box's identity over
+  // its sequence (`instance_ids` int64 [K]).
+  int64_t sequence = -1;
+  int64_t frame = -1;
+  int64_t prev_index = -1;
+  int64_t timestamp_us = -1;
+  at::Tensor instance_ids;
   // Writer only: each camera's JPEG bytes to store as they are (a converter passing a source's
   // JPEG files through without decoding); `images` is then not read. Needs a JPEG ShardWriter.
   std::vector<std::vector<uint8_t>> jpeg;
@@ -114,8 +131,12 @@ inline const std::vector<std::string>& scene_dataset_names() {
 std::vector<int64_t> expected_shape(const DatasetInfo& info, const std::string& name);
 
 // Checks dtypes, shapes and label ranges (bev class < |bev_classes|, box class in
-// [0, |box_classes|), visibility in [0, 1], finite numbers). `where` names the file and scene.
+// [0, |box_classes|), visibility in [0, 1], finite numbers) and the optional fields
+// (check_sequence_fields). `where` names the file and scene.
 void check_scene(const SceneRecord& scene, const DatasetInfo& info, const std::string& where);
+// The optional fields' part of it (check_scene calls it): velocities float [K, 2] without
+// infinities, instance_ids int64 [K], prev_index -1 or an earlier index than the scene's.
+void check_sequence_fields(const SceneRecord& scene, const std::string& where);
 
 // "<dir>/<file>" as a string.
 std::string join_path(const std::string& dir, const std::string& file);

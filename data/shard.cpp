@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "data/jpeg.h"
+#include "data/shard_sequence.h"
 
 #include <fmt/format.h>
 
@@ -197,6 +198,9 @@ void read_velocities(hid_t group, SceneRecord& rec, const std::string& w) {
                            shape.describe(), rec.boxes.size(0));
   }
   rec.velocities = h5::read_tensor(ds, shape, at::kFloat, ctx + ": cannot read (corrupt shard?)");
+  // NaN means "unknown" (docs/data.md); an infinity is a broken file.
+  if (rec.velocities.isinf().any().item<bool>())
+    throw_error<DataError>("{} holds infinite values (NaN marks an unknown velocity)", ctx);
 }
 
 }  // namespace
@@ -338,6 +342,7 @@ SceneRecord ShardReader::read_impl(int64_t index, const DatasetInfo* info,
     }
     if (auto token = h5::read_string_attribute(group, kSampleToken, w)) rec.sample_token = *token;
     read_velocities(group, rec, w);
+    read_sequence_fields(group, rec, w);
   }
   if (sel) {
     apply_selection(rec, jpeg, *info, *sel, w);
@@ -401,6 +406,15 @@ std::vector<int> ShardReader::visible_box_classes(int64_t index) const {
       out.push_back(static_cast<int>(std::lround(r[kBoxClass])));
   }
   return out;
+}
+
+SequenceInfo ShardReader::sequence_info(int64_t index) const {
+  const std::string w = where(index);
+  if (!has_scene(index)) throw_error<DataError>("{}: no such scene in this shard", w);
+  h5::Hdf5Lock lock;
+  h5::Id group(H5Gopen2(file_, ("scenes/" + scene_name(index)).c_str(), H5P_DEFAULT),
+               w + ": cannot open group");
+  return read_sequence_info(group, index, w);
 }
 
 std::vector<SampleMeta> split_sample_meta(const DatasetInfo& info, const std::string& split) {
@@ -552,6 +566,7 @@ void ShardWriter::write(const SceneRecord& s) {
   if (!s.sample_token.empty()) h5::write_string_attribute(group, kSampleToken, s.sample_token, ctx);
   if (s.ego_to_global.defined())
     h5::write_tensor(group, kEgoToGlobal, s.ego_to_global.contiguous(), {0, {}, true}, ctx);
+  write_sequence_fields(group, s, ctx);
   ++written_;
 }
 

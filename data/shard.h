@@ -29,6 +29,13 @@ struct SampleMeta {
   at::Tensor ego_to_global;
 };
 
+// Where a scene sits in its sequence (SceneRecord's sequence fields; docs/data.md, "Sequences"):
+// all -1 for a scene stored without them (an independent scene, an older shard).
+struct SequenceInfo {
+  int64_t sequence = -1, frame = -1, prev_index = -1, timestamp_us = -1;
+  bool in_sequence() const { return sequence >= 0; }
+};
+
 class ShardReader {
  public:
   // Opens `path`, checks its `schema_version` attribute and lists its scenes. Throws DataError
@@ -61,6 +68,9 @@ class ShardReader {
   // The classes of scene `index`'s visible boxes (visibility > 0), one per box, reading only its
   // `boxes` dataset (class-balanced sampling, data/cbgs.h).
   std::vector<int> visible_box_classes(int64_t index) const;
+  // Scene `index`'s SequenceInfo, from its group's attributes only (no dataset is read);
+  // checked as read() checks it.
+  SequenceInfo sequence_info(int64_t index) const;
   // "'<path>' scene 000123": the prefix of messages about that scene.
   std::string where(int64_t index) const;
 

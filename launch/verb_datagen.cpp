@@ -28,6 +28,8 @@ constexpr int64_t kMaxScenes = 1 << 22;
 constexpr int64_t kMaxPixels = 4096;
 // Render threads.
 constexpr int64_t kMaxThreads = 1024;
+// Seconds between a sequence's frames: an hour (sequence times stay far inside int64 us).
+constexpr double kMaxFrameInterval = 3600;
 
 }  // namespace
 
@@ -60,12 +62,21 @@ int verb_datagen(const std::vector<std::string>& argv) {
               "parallax")
       .option("version", "V", "with --layout nuscenes: the version folder", "v1.0-mini")
       .option("samples-per-scene", "K", "with --layout nuscenes: keyframe samples per scene", "4")
+      .option("sequence-length", "L",
+              "frames per driving sequence: scene i is frame i % L of sequence i / L, one world "
+              "seen as the ego and the objects move (the last sequence of a split may be "
+              "shorter); 1: independent scenes",
+              "1")
+      .option("frame-interval", "S",
+              "seconds between the frames of a sequence (nuScenes keyframes: 0.5)", "0.5")
       .flag("overwrite", "replace a dataset already in --out")
       .epilog(
           "examples:\n"
           "  parallax datagen --out datasets/synth --scenes 1000 --val-scenes 100\n"
           "  parallax datagen --out /tmp/tiny --scenes 16 --cameras 4 --height 64 --width 112 "
-          "--threads 2");
+          "--threads 2\n"
+          "  parallax datagen --out datasets/seq --scenes 400 --sequence-length 8 --frame-interval "
+          "0.5");
   args.parse(argv);
   if (args.help_requested()) {
     std::fputs(args.help_text().c_str(), stdout);
@@ -113,6 +124,16 @@ int verb_datagen(const std::vector<std::string>& argv) {
   o.image_codec = args.get("image-codec");
   o.jpeg_quality = static_cast<int>(args.get_int("quality", 1, 100));
   o.overwrite = args.flag_set("overwrite");
+  o.gen.sequence_length = args.get_int("sequence-length", 1, kMaxScenes);
+  // Whole microseconds (the stored timestamps' unit), so the motion is evaluated at exactly the
+  // stored times.
+  const double interval = args.get_double("frame-interval", 0, kMaxFrameInterval, true);
+  o.gen.frame_interval_us = std::llround(interval * 1e6);
+  if (o.gen.frame_interval_us < 1) {
+    throw_error<UsageError>(
+        "datagen: --frame-interval {} s is less than 1 microsecond (timestamps are in us)",
+        interval);
+  }
   // Memory: the generator keeps up to 2 scenes per thread in flight (rendered, not yet written),
   // each of cameras x H x W x 3 image bytes and the BEV grid's cells; they must fit in this
   // machine's memory.
@@ -132,6 +153,15 @@ int verb_datagen(const std::vector<std::string>& argv) {
   }
   const std::string layout = args.get("layout");
   if (layout == "nuscenes") {
+    // A sequence is one nuScenes scene: its samples are the sequence's frames.
+    if (o.gen.sequence_length > 1 && args.has("samples-per-scene") &&
+        args.get_int("samples-per-scene") != o.gen.sequence_length) {
+      throw_error<UsageError>(
+          "datagen: --samples-per-scene {} with --sequence-length {}: each sequence is one "
+          "nuScenes "
+          "scene of its frames (leave --samples-per-scene out)",
+          args.get_int("samples-per-scene"), o.gen.sequence_length);
+    }
     data::NuScenesLayoutOptions lo;
     lo.datagen = o;
     lo.version = args.get("version");

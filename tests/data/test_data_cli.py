@@ -57,7 +57,7 @@ class DataCliTest(unittest.TestCase):
         rc, out, _ = run("datagen", "--help")
         self.assertEqual(rc, 0)
         for s in ("--out DIR", "--scenes N", "--val-scenes M", "--cameras N", "--seed S", "--shard-scenes K",
-                  "--threads T", "examples:"):
+                  "--threads T", "--sequence-length L", "--frame-interval S", "examples:"):
             self.assertIn(s, out)
         rc, out, _ = run("inspect", "--help")
         self.assertEqual(rc, 0)
@@ -194,6 +194,53 @@ class DataCliTest(unittest.TestCase):
         self.assert_one_error_line(rc, err, "already holds a dataset", "--overwrite")
         rc, _, err = run("datagen", "--out", os.path.join(self.tmp, "x"), "--scenes", "2", "--cameras", "0")
         self.assert_one_error_line(rc, err, "--cameras")
+
+    def test_datagen_writes_sequences_that_h5py_and_inspect_read(self):
+        sd = os.path.join(self.tmp, "seq")
+        rc, _, err = run("datagen", "--out", sd, "--scenes", "7", "--val-scenes", "0", "--shard-scenes", "4",
+                         "--sequence-length", "3", "--frame-interval", "0.25", *SMALL)
+        self.assertEqual(rc, 0, err)
+        with open(os.path.join(sd, "dataset.json")) as f:
+            meta = json.load(f)
+        self.assertEqual((meta["sequence_length"], meta["frame_interval"]), (3, 0.25))
+        import h5py
+        import numpy as np
+        # Scenes 0..6: sequences of 3, 3 and 1 frames (the last one shorter).
+        want = [(0, 0, -1), (0, 1, 0), (0, 2, 1), (1, 0, -1), (1, 1, 3), (1, 2, 4), (2, 0, -1)]
+        for i, (seq, frame, prev) in enumerate(want):
+            with h5py.File(os.path.join(sd, f"train_{i // 4:05d}.h5"), "r") as f:
+                s = f[f"scenes/{i:06d}"]
+                a = s.attrs
+                self.assertEqual((a["sequence"], a["frame"], a["prev_index"]), (seq, frame, prev))
+                self.assertEqual(a["timestamp_us"], frame * 250000)
+                k = s["boxes"].shape[0]
+                self.assertEqual((s["velocities"].dtype.str, s["velocities"].shape), ("<f4", (k, 2)))
+                self.assertEqual((s["instance_ids"].dtype.str, s["instance_ids"].shape), ("<i8", (k,)))
+                self.assertEqual((s["ego_to_global"].dtype.str, s["ego_to_global"].shape), ("<f8", (4, 4)))
+                self.assertTrue(np.isfinite(s["velocities"][()]).all())
+        rc, out, err = run("inspect", sd)
+        self.assertEqual(rc, 0, err)
+        for line in ("sequences: 3 frames each, 0.25 s apart", "| sequence 0 frame 1 prev 000000 t 250000 us"):
+            self.assertIn(line, out)
+        rc, out, _ = run("inspect", self.ds)
+        self.assertIn("sequences: none (independent scenes)", out)
+        self.assertNotIn("| sequence", out)
+
+    def test_bad_sequence_options_are_one_error_line_each(self):
+        out = os.path.join(self.tmp, "seq_bad")
+        rc, _, err = run("datagen", "--out", out, "--scenes", "4", "--sequence-length", "0", *SMALL)
+        self.assert_one_error_line(rc, err, "--sequence-length", "got 0")
+        for v in ("0", "-0.5"):
+            rc, _, err = run("datagen", "--out", out, "--scenes", "4", "--sequence-length", "2",
+                             "--frame-interval", v, *SMALL)
+            self.assert_one_error_line(rc, err, "--frame-interval", "> 0")
+        rc, _, err = run("datagen", "--out", out, "--scenes", "4", "--sequence-length", "2",
+                         "--frame-interval", "1e-9", *SMALL)
+        self.assert_one_error_line(rc, err, "--frame-interval", "1 microsecond")
+        rc, _, err = run("datagen", "--out", out, "--scenes", "4", "--sequence-length", "2", "--layout", "nuscenes",
+                         "--samples-per-scene", "3", *SMALL)
+        self.assert_one_error_line(rc, err, "--samples-per-scene 3 with --sequence-length 2")
+        self.assertFalse(os.path.exists(os.path.join(out, "dataset.json")))
 
 
 if __name__ == "__main__":

@@ -654,6 +654,88 @@ class HostileTablesTest(unittest.TestCase):
         self.assertFalse(os.path.exists(os.path.join(out, "dataset.json")))
 
 
+class NuScenesSequenceTest(unittest.TestCase):
+    """`datagen --layout nuscenes --sequence-length L`: each sequence is one nuScenes scene (its frames the
+    samples, the moving ego's poses, instances linked prev/next); converting it gives the devkit-style
+    velocities of datagen's own sequences and keeps the previous-keyframe links."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="parallax_nuscenes_seq_")
+        cls.native = os.path.join(cls.tmp, "native")
+        cls.root = os.path.join(cls.tmp, "nusc")
+        small = ["--height", "40", "--width", "64", "--samples-per-pixel", "1", "--threads", "2", "--seed", "9",
+                 "--sequence-length", "4"]
+        # 10 train scenes: sequences of 4, 4 and 2 frames; 4 val scenes: one sequence.
+        for args in (["--out", cls.native], ["--out", cls.root, "--layout", "nuscenes", "--image-codec", "jpeg"]):
+            rc, _, err = run("datagen", "--scenes", "10", "--val-scenes", "4", *small, *args)
+            assert rc == 0, err
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_the_layout_has_one_scene_per_sequence_with_linked_instances(self):
+        tables = os.path.join(self.root, "v1.0-mini")
+        def load(name):
+            with open(os.path.join(tables, name + ".json")) as f:
+                return json.load(f)
+        scene, sample, ann, inst = load("scene"), load("sample"), load("sample_annotation"), load("instance")
+        self.assertEqual([s["nbr_samples"] for s in scene], [4, 4, 2, 4])
+        by_token = {s["token"]: s for s in sample}
+        for sc in scene:
+            tok, ts = sc["first_sample_token"], []
+            while tok:
+                ts.append(by_token[tok]["timestamp"])
+                tok = by_token[tok]["next"]
+            self.assertEqual(np.diff(ts).tolist(), [500000] * (len(ts) - 1))
+        anns = {a["token"]: a for a in ann}
+        for i in inst:
+            chain, tok = [], i["first_annotation_token"]
+            while tok:
+                chain.append(tok)
+                nxt = anns[tok]["next"]
+                if nxt:
+                    self.assertEqual(anns[nxt]["prev"], tok)
+                tok = nxt
+            self.assertEqual(len(chain), i["nbr_annotations"])
+            self.assertEqual(chain[-1], i["last_annotation_token"])
+        self.assertLess(len(inst), len(ann))  # objects seen in several frames are one instance
+
+    def test_conversion_gives_datagens_velocities_and_previous_keyframes(self):
+        out = os.path.join(self.tmp, "conv")
+        rc, _, err = run("convert", "nuscenes", "--dataroot", self.root, "--out", out, "--splits",
+                         os.path.join(self.root, "parallax_splits.json"), "--workers", "2", "--bev-range", "25")
+        self.assertEqual(rc, 0, err)
+        compared, moving = 0, 0
+        for split in ("train", "val"):
+            nat, conv = scenes(self.native, split), scenes(out, split)
+            self.assertEqual(sorted(nat), sorted(conv))
+            for i in nat:
+                a, b = nat[i], conv[i]
+                with h5py.File(os.path.join(out, f"{split}_00000.h5"), "r") as f:
+                    cb = dict(f[f"scenes/{i:06d}"].attrs)
+                with h5py.File(os.path.join(self.native, f"{split}_00000.h5"), "r") as f:
+                    ca = dict(f[f"scenes/{i:06d}"].attrs)
+                for k in ("sequence", "frame", "prev_index"):
+                    self.assertEqual(cb[k], ca[k], f"{split} scene {i}: {k}")
+                va, vb = a["velocities"].astype(np.float64), b["velocities"].astype(np.float64)
+                self.assertEqual(va.shape, vb.shape)
+                known = ~np.isnan(vb[:, 0])  # NaN: an instance in this frame only
+                # The converter's centre difference of global centres over sample times against the
+                # generator's exact velocity. Each centre is the float32 ego-frame centre (|x| <=
+                # 25.25 m < 64: half an ulp, 2^-24 * 64 = 3.8e-6 m) carried through float64 poses of
+                # < 10 km (~1e-12 m); the difference of two such, a vector of norm <= sqrt(2) * 2 *
+                # 3.8e-6 m, over at least one frame interval (0.5 s), rotated (norm kept); plus both
+                # sides' float32 storage of |v| < 16 m/s (2^-24 * 16 each).
+                tol = np.sqrt(2) * 2 * 2.0 ** -24 * 64 / 0.5 + 2 * 2.0 ** -24 * 16 + 1e-9
+                np.testing.assert_allclose(vb[known], va[known], rtol=0, atol=tol)
+                compared += int(known.sum())
+                moving += int((np.abs(va[known]).max(axis=1, initial=0) > 0).sum())
+        self.assertGreater(compared, 50)
+        self.assertGreater(moving, 10)
+
+
 if __name__ == "__main__":
     PARALLAX = sys.argv[1]
     sys.argv = sys.argv[:1] + sys.argv[2:]
