@@ -2,8 +2,9 @@
 // its disjoint share of the scenes, BEV IoU counts are summed and detections gathered across
 // ranks, and every rank returns the same nuScenes-style metrics (docs/data.md):
 //   val_loss, miou, iou_<bev class>, map, map_0.5m, map_1m, map_2m, map_4m, ap_<box class> (over
-//   the thresholds), ap_2m_<box class>, ate, ase, aoe (true-positive errors at 2 m, means over
-//   classes), ate_/ase_/aoe_<box class>, nds.
+//   the thresholds), ap_2m_<box class>, ate, ase, aoe, ave, aae (true-positive errors at 2 m, means
+//   over classes), ate_/ase_/aoe_/ave_<box class>, nds (the nuScenes detection score), nds_no_aae
+//   (without the attribute term: data/detection_score.h).
 // val_loss is the mean over the split's samples of each sample's own loss (the model's loss of a
 // batch of that one sample), summed and counted in float64 across ranks: the same on any number of
 // ranks and any batch size, up to the order of the float64 sum (and to any rounding the forward
@@ -25,9 +26,14 @@
 
 namespace parallax::train {
 
-// Every rank's detections and ground truth, gathered (identical on every rank), float64:
-//   pred [P, 11]: scene_index, class, x, y, z, l, w, h, yaw, score, row (within its scene);
-//   gt   [G, 9]:  scene_index, class, x, y, z, l, w, h, yaw (visible boxes of a class only).
+// Every rank's detections and ground truth, gathered (identical on every rank), float64 (values
+// of float32: they travel as float32), in the scenes' ego frame (data/detection_score.h):
+//   pred [P, 13]: scene_index, class, x, y, z, l, w, h, yaw, score, row (within its scene), vx, vy;
+//   gt   [G, 11]: scene_index, class, x, y, z, l, w, h, yaw, vx, vy (visible boxes of a class
+//   only).
+// Velocities in m/s: a prediction's from the postprocess output's `det_velocities` [B, K, 2], (0,
+// 0) where the model has none; the ground truth's from the batch's `velocities` [B, max_boxes, 2],
+// NaN where unknown or where the loader carries none.
 struct EvalDetections {
   at::Tensor pred, gt;
 };
