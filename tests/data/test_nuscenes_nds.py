@@ -186,11 +186,13 @@ class NuScenesNdsTest(unittest.TestCase):
         return json.loads(p.stdout.strip().splitlines()[-1]), rows
 
     def assert_same(self, ours, theirs, what):
+        self.compared += 1
         if theirs is None or (isinstance(theirs, float) and math.isnan(theirs)):
             self.assertIsNone(ours, f"{what}: the devkit has NaN, Parallax {ours}")
         else:
             self.assertIsNotNone(ours, f"{what}: Parallax has NaN, the devkit {theirs}")
             self.assertLessEqual(abs(ours - theirs), TOL, f"{what}: Parallax {ours}, devkit {theirs}")
+            self.worst = max(self.worst, abs(ours - theirs))
 
     def test_parallax_metrics_equal_the_devkits_on_a_submission_with_known_errors(self):
         if not os.path.exists(DEVKIT_PY):
@@ -221,6 +223,7 @@ class NuScenesNdsTest(unittest.TestCase):
         self.assertTrue(0.05 < m["label_tp_errors"]["car"]["vel_err"] < 0.99, m["label_tp_errors"]["car"])
         self.assertEqual(m["tp_errors"]["attr_err"], 1.0)
 
+        self.compared, self.worst = 0, 0.0
         self.assert_same(ours["map"], m["mean_ap"], "mAP")
         for c, ap in m["mean_dist_aps"].items():
             self.assert_same(ours[f"ap_{c}"], ap, f"AP {c}")
@@ -235,6 +238,7 @@ class NuScenesNdsTest(unittest.TestCase):
         s = m["tp_scores"]
         want = (5 * m["mean_ap"] + sum(s[n] for n in TP if n != "attr_err")) / 9
         self.assert_same(ours["nds_no_aae"], want, "NDS without AAE")
+        print(f"  {self.compared} numbers compared, the largest difference {self.worst:.3g}", file=sys.stderr)
 
         # The dumps: predictions' velocities (0, 0) (no velocity head), every finite ground-truth
         # velocity the devkit's (float32 in the ego frame, rotated back: 1e-5 relative), the

@@ -191,8 +191,8 @@ class EvalTest(unittest.TestCase):
         for e in ("ate", "ase", "aoe", "ave", "aae", "nds", "nds_no_aae"):
             self.assertLessEqual(abs(s[e] - m1[e]), 1e-12, e)
         # NDS is the devkit's formula on these numbers (docs/data.md): no attribute is predicted,
-        # so AAE is 1 and its term 0. The same double operations in the same order: equal (1e-15 as
-        # margin, below one ulp of values near 1).
+        # so AAE is 1 and its term 0. The same double operations in the same order: equal (1e-15,
+        # about 9 ulp of values near 1, is margin only).
         self.assertEqual(m1["aae"], 1.0)
         terms = sum(max(1 - m1[e], 0.0) for e in ("ate", "ase", "aoe", "ave"))
         self.assertLessEqual(abs(m1["nds"] - (5 * m1["map"] + terms) / 10), 1e-15)
