@@ -60,17 +60,17 @@ at::Tensor velocities_or(const core::TensorDict& d, const char* key, int64_t B, 
   return v;
 }
 
-// Rows of `pred_rows` [P, 13] and `gt_rows` [G, 11] (EvalDetections) from one batch: the
-// postprocessed `post` (det_boxes, det_scores, det_velocities where the model predicts them, else
-// (0, 0)) and the batch (boxes, velocities where the loader carries them, else NaN).
-void append_rows(const core::TensorDict& post, const core::TensorDict& batch, int64_t num_classes,
-                 std::vector<double>& pred_rows, std::vector<double>& gt_rows) {
+}  // namespace
+
+void append_eval_rows(const core::TensorDict& post, const core::TensorDict& batch,
+                      int64_t num_classes, std::vector<double>& pred_rows,
+                      std::vector<double>& gt_rows) {
   const at::Tensor det =
       post.at("det_boxes").to(at::kCPU).to(at::kFloat).to(at::kDouble).contiguous();
   const at::Tensor scores =
       post.at("det_scores").to(at::kCPU).to(at::kFloat).to(at::kDouble).contiguous();
-  const at::Tensor gt = batch.at("boxes").to(at::kDouble).contiguous();
-  const at::Tensor ids = batch.at("scene_index").to(at::kLong).contiguous();
+  const at::Tensor gt = batch.at("boxes").to(at::kCPU).to(at::kDouble).contiguous();
+  const at::Tensor ids = batch.at("scene_index").to(at::kCPU).to(at::kLong).contiguous();
   const int64_t B = ids.size(0), K = det.size(1), G = gt.size(1), Cd = det.size(2);
   const at::Tensor dv = velocities_or(post, "det_velocities", B, K, 0.0f).to(at::kDouble);
   const at::Tensor gv = velocities_or(batch, "velocities", B, G, NAN).to(at::kDouble);
@@ -110,6 +110,8 @@ void append_rows(const core::TensorDict& post, const core::TensorDict& batch, in
     }
   }
 }
+
+namespace {
 
 // Sample `b` of a batch of `batch` samples: every tensor of `d` whose first dimension is the
 // batch, narrowed to that sample (kept 4-D etc.); any other tensor whole.
@@ -172,7 +174,7 @@ std::map<std::string, double> evaluate(models::Model& model, const data::DataCon
       ++batches;
       const core::TensorDict post = model.postprocess(pred);
       iou.update(post.at("bev_labels").cpu(), batch->at("bev_semantics"));
-      append_rows(post, *batch, num_boxes, pred_rows, gt_rows);
+      append_eval_rows(post, *batch, num_boxes, pred_rows, gt_rows);
     }
   }
   if (was_training) model.train();

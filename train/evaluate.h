@@ -23,6 +23,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 namespace parallax::train {
 
@@ -37,6 +38,16 @@ namespace parallax::train {
 struct EvalDetections {
   at::Tensor pred, gt;
 };
+
+// One batch's rows of EvalDetections, appended flat to `pred_rows` (13 per row) and `gt_rows` (11
+// per row): from the postprocessed output `post` (det_boxes [B, K, 9], det_scores [B, K],
+// det_velocities [B, K, 2] if present) and the batch (boxes [B, G, 9], scene_index [B], velocities
+// [B, G, 2] if present). Predictions of a class outside [0, num_classes) and ground truth of such a
+// class or with visibility 0 are left out. Throws Error naming the key when a velocity tensor's
+// shape does not match its boxes'. (Exposed for tests.)
+void append_eval_rows(const core::TensorDict& post, const core::TensorDict& batch,
+                      int64_t num_classes, std::vector<double>& pred_rows,
+                      std::vector<double>& gt_rows);
 
 std::map<std::string, double> evaluate(models::Model& model, const data::DataConfig& cfg,
                                        const core::SceneSpec& scene, uint64_t seed,
