@@ -289,7 +289,7 @@ void DetectionApMetric::reset() {
   gts_.clear();
 }
 
-// ---- True-positive errors --------------------------------------------------------------------
+// ---- numpy.interp ----------------------------------------------------------------------------
 
 double interp(double x, const std::vector<double>& xp, const std::vector<double>& fp, double left,
               double right) {
@@ -299,127 +299,6 @@ double interp(double x, const std::vector<double>& xp, const std::vector<double>
   if (j + 1 == xp.size() || xp[j] == x) return fp[j];
   const double slope = (fp[j + 1] - fp[j]) / (xp[j + 1] - xp[j]);
   return slope * (x - xp[j]) + fp[j];
-}
-
-namespace {
-
-// The devkit's calc_tp for one class: `errors` of the true positives in score order, `conf` their
-// scores, `rec` and `all_conf` the recall and score after each prediction (all predictions).
-double class_tp_error(const std::vector<double>& errors, const std::vector<double>& conf,
-                      const std::vector<double>& rec, const std::vector<double>& all_conf) {
-  if (errors.empty()) return 1.0;
-  constexpr int kPoints = 101;
-  // Confidence at each recall point (numpy.interp(rec_interp, rec, conf, right=0)).
-  std::vector<double> conf_at(kPoints);
-  int max_recall_ind = -1;
-  for (int i = 0; i < kPoints; ++i) {
-    const double x = i == kPoints - 1 ? 1.0 : i * 0.01;
-    conf_at[static_cast<size_t>(i)] = interp(x, rec, all_conf, all_conf.front(), 0.0);
-    if (conf_at[static_cast<size_t>(i)] != 0) max_recall_ind = i;
-  }
-  // Running mean over the true positives, then numpy.interp(conf_at[::-1], conf[::-1],
-  // cummean[::-1])[::-1]: the matched scores reversed are ascending.
-  std::vector<double> mean(errors.size());
-  double sum = 0;
-  for (size_t i = 0; i < errors.size(); ++i) {
-    sum += errors[i];
-    mean[i] = sum / static_cast<double>(i + 1);
-  }
-  const std::vector<double> xp(conf.rbegin(), conf.rend()), fp(mean.rbegin(), mean.rend());
-  const int first = 11;  // round(100 * min_recall) + 1
-  if (max_recall_ind < first) return 1.0;
-  double total = 0;
-  for (int i = first; i <= max_recall_ind; ++i)
-    total += interp(conf_at[static_cast<size_t>(i)], xp, fp, fp.front(), fp.back());
-  return total / static_cast<double>(max_recall_ind - first + 1);
-}
-
-}  // namespace
-
-TpErrors detection_tp_errors(const at::Tensor& pred_in, const at::Tensor& gt_in,
-                             int64_t num_classes, double threshold) {
-  const at::Tensor pred = pred_in.to(at::kCPU).to(at::kDouble).contiguous();
-  const at::Tensor gt = gt_in.to(at::kCPU).to(at::kDouble).contiguous();
-  if (pred.dim() != 2 || pred.size(1) != 11 || gt.dim() != 2 || gt.size(1) != 9) {
-    throw_error<Error>("detection_tp_errors: expected pred [P, 11] and gt [G, 9]; got [{}], [{}]",
-                       fmt::join(pred.sizes(), ", "), fmt::join(gt.sizes(), ", "));
-  }
-  const double* p = pred.data_ptr<double>();
-  const double* g = gt.data_ptr<double>();
-  TpErrors r;
-  for (int64_t c = 0; c < num_classes; ++c) {
-    std::map<int64_t, std::vector<const double*>> gt_by_sample;
-    int64_t npos = 0;
-    for (int64_t i = 0; i < gt.size(0); ++i) {
-      const double* row = g + i * 9;
-      if (std::lround(row[1]) != c) continue;
-      gt_by_sample[std::lround(row[0])].push_back(row);
-      ++npos;
-    }
-    std::vector<const double*> preds;
-    for (int64_t i = 0; i < pred.size(0); ++i) {
-      if (std::lround(p[i * 11 + 1]) == c) preds.push_back(p + i * 11);
-    }
-    // The order of DetectionApMetric::compute: score descending, then sample, then row.
-    std::stable_sort(preds.begin(), preds.end(), [](const double* a, const double* b) {
-      if (a[9] != b[9]) return a[9] > b[9];
-      if (a[0] != b[0]) return a[0] < b[0];
-      return a[10] < b[10];
-    });
-    std::vector<double> ate, ase, aoe, conf, rec, all_conf;
-    std::map<int64_t, std::vector<bool>> taken;
-    double ctp = 0;
-    for (const double* q : preds) {
-      const int64_t sample = std::lround(q[0]);
-      const auto it = gt_by_sample.find(sample);
-      double best = std::numeric_limits<double>::infinity();
-      int64_t best_i = -1;
-      if (it != gt_by_sample.end()) {
-        auto& tk = taken[sample];
-        tk.resize(it->second.size(), false);
-        for (size_t i = 0; i < it->second.size(); ++i) {
-          if (tk[i]) continue;
-          const double dist = std::hypot(it->second[i][2] - q[2], it->second[i][3] - q[3]);
-          if (dist < best) {
-            best = dist;
-            best_i = static_cast<int64_t>(i);
-          }
-        }
-      }
-      if (best < threshold) {
-        taken[sample][static_cast<size_t>(best_i)] = true;
-        const double* m = it->second[static_cast<size_t>(best_i)];
-        ate.push_back(best);
-        const double inter = std::min(m[5], q[5]) * std::min(m[6], q[6]) * std::min(m[7], q[7]);
-        const double uni = m[5] * m[6] * m[7] + q[5] * q[6] * q[7] - inter;
-        ase.push_back(1.0 - inter / uni);
-        // The devkit's angle_diff with period 2 pi: (a - b + pi) mod 2 pi - pi, absolute value.
-        constexpr double kPi = 3.14159265358979323846;
-        double d = std::fmod(m[8] - q[8] + kPi, 2 * kPi);
-        if (d < 0) d += 2 * kPi;  // Python's % takes the sign of the divisor
-        d -= kPi;
-        if (d > kPi) d -= 2 * kPi;
-        aoe.push_back(std::fabs(d));
-        conf.push_back(q[9]);
-        ctp += 1;
-      }
-      rec.push_back(npos > 0 ? ctp / static_cast<double>(npos) : 0.0);
-      all_conf.push_back(q[9]);
-    }
-    const bool none = npos == 0 || ate.empty();
-    r.ate.push_back(none ? 1.0 : class_tp_error(ate, conf, rec, all_conf));
-    r.ase.push_back(none ? 1.0 : class_tp_error(ase, conf, rec, all_conf));
-    r.aoe.push_back(none ? 1.0 : class_tp_error(aoe, conf, rec, all_conf));
-  }
-  const auto mean = [](const std::vector<double>& v) {
-    double s = 0;
-    for (double x : v) s += x;
-    return v.empty() ? 1.0 : s / static_cast<double>(v.size());
-  };
-  r.mate = mean(r.ate);
-  r.mase = mean(r.ase);
-  r.maoe = mean(r.aoe);
-  return r;
 }
 
 }  // namespace parallax::data

@@ -89,27 +89,7 @@ class DetectionApMetric {
   std::vector<Gt> gts_;
 };
 
-// True-positive errors at one centre-distance threshold (the devkit's `dist_th_tp`, 2 m), as
-// nuscenes/eval/detection/algo.py `accumulate` and `calc_tp` compute them. Predictions are matched
-// exactly as DetectionApMetric matches them at that threshold; for each true positive:
-//   ATE = BEV centre distance (x, y) in metres;
-//   ASE = 1 - IoU of the two boxes after aligning centres and headings: prod(min(l, w, h)) over
-//         vol_gt + vol_pred - prod(min(l, w, h));
-//   AOE = the smallest yaw difference in radians, in [0, pi] (period 2 pi: no class is symmetric).
-// Per class, the running mean of each error over the true positives in score order is resampled
-// at the 101 recall points via the confidence (numpy.interp of the running mean against the
-// matched scores, at the confidence interpolated at each recall point, right = 0), and the error
-// is the mean over the recall points from 0.11 up to the highest recall reached; a class with no
-// true positive, no ground truth or a highest recall below 0.11 has error 1 (the devkit's
-// convention). Means over classes average every class.
-struct TpErrors {
-  std::vector<double> ate, ase, aoe;  // per class
-  double mate = 1, mase = 1, maoe = 1;
-};
-// `pred` float64 [P, 11]: sample, class, x, y, z, l, w, h, yaw, score, row (within its sample);
-// `gt` float64 [G, 9]: sample, class, x, y, z, l, w, h, yaw (visible rows only; class >= 0).
-TpErrors detection_tp_errors(const at::Tensor& pred, const at::Tensor& gt, int64_t num_classes,
-                             double threshold = 2.0);
+// The true-positive errors (ATE, ASE, AOE, AVE, AAE) and NDS: data/detection_score.h.
 
 // numpy.interp(x, xp, fp, left, right) for a non-decreasing, non-empty `xp` (duplicates allowed:
 // the last xp equal to x wins) (exposed for tests).

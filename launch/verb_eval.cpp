@@ -8,12 +8,12 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "core/strings.h"
-#include "data/geometry.h"
 #include "data/schema.h"
 #include "data/shard.h"
 #include "launch/args.h"
 #include "launch/bootstrap.h"
 #include "launch/exit_codes.h"
+#include "launch/submission.h"
 #include "launch/verbs.h"
 #include "train/evaluate.h"
 #include "train/preemption.h"
@@ -37,58 +37,6 @@ namespace {
 // A JSON number; NaN and infinities (e.g. the IoU of a class that never occurs) become null.
 std::string json_number(double v) {
   return std::isfinite(v) ? fmt::format("{}", v) : "null";
-}
-
-// `rows` (train::EvalDetections) as the nuScenes detection submission JSON: every scene of the
-// split is a sample (token = its sample token, or its scene index), listed even without boxes.
-// Boxes are in the scene's ego frame, or in the source's global frame where the scene holds its
-// ego pose (a converted nuScenes dataset: what the devkit's ground truth is in). Ground truth
-// carries detection_score -1, as the devkit's ground-truth boxes do.
-std::string submission_json(const at::Tensor& rows, bool predictions,
-                            const std::vector<data::SampleMeta>& samples,
-                            const std::vector<std::string>& classes, const std::string& meta) {
-  const auto scenes = static_cast<int64_t>(samples.size());
-  std::vector<std::string> tokens;
-  for (size_t i = 0; i < samples.size(); ++i)
-    tokens.push_back(samples[i].token.empty() ? std::to_string(i) : samples[i].token);
-  const at::Tensor r = rows.to(at::kDouble).contiguous();
-  const int64_t cols = r.size(1);
-  const double* p = r.data_ptr<double>();
-  std::vector<std::vector<std::string>> by_sample(static_cast<size_t>(scenes));
-  for (int64_t i = 0; i < r.size(0); ++i) {
-    const double* q = p + i * cols;
-    const int64_t sample = std::lround(q[0]);
-    PARALLAX_CHECK(sample >= 0 && sample < scenes, Error,
-                   "eval: scene index {} outside the split's {} scenes", sample, scenes);
-    const double yaw = q[8];
-    double x = q[2], y = q[3], z = q[4];
-    std::array<double, 4> rot = {std::cos(yaw / 2), 0.0, 0.0, std::sin(yaw / 2)};
-    const at::Tensor& pose = samples[static_cast<size_t>(sample)].ego_to_global;
-    if (pose.defined()) {
-      const double* T = pose.data_ptr<double>();
-      namespace geom = data::geom;
-      geom::Mat3 R;
-      for (int a = 0; a < 3; ++a) {
-        for (int b = 0; b < 3; ++b) R.m[a][b] = T[a * 4 + b];
-      }
-      const geom::Vec3 g = R * geom::Vec3{x, y, z} + geom::Vec3{T[3], T[7], T[11]};
-      x = g.x, y = g.y, z = g.z;
-      rot = geom::quaternion_wxyz(R * geom::Mat3::rot_z(yaw));
-    }
-    by_sample[static_cast<size_t>(sample)].push_back(fmt::format(
-        "{{\"sample_token\": \"{}\", \"translation\": [{}, {}, {}], \"size\": [{}, {}, {}], "
-        "\"rotation\": [{}, {}, {}, {}], \"velocity\": [0.0, 0.0], \"detection_name\": {}, "
-        "\"detection_score\": {}, \"attribute_name\": \"\"}}",
-        tokens[static_cast<size_t>(sample)], x, y, z, q[6], q[5], q[7], rot[0], rot[1], rot[2],
-        rot[3], core::json_quote(classes.at(static_cast<size_t>(std::lround(q[1])))),
-        predictions ? q[9] : -1.0));
-  }
-  std::string out = fmt::format("{{\"meta\": {},\n\"results\": {{", meta);
-  for (int64_t s = 0; s < scenes; ++s) {
-    out += fmt::format("{}\n\"{}\": [{}]", s ? "," : "", tokens[static_cast<size_t>(s)],
-                       core::join(by_sample[static_cast<size_t>(s)], ",\n  "));
-  }
-  return out + "}}\n";
 }
 
 // The predictions and the ground truth of `det` as submission JSON (submission_json).
@@ -165,10 +113,12 @@ std::vector<core::OutputFile> eval_outputs(const Args& args, const std::string* 
 }  // namespace
 
 int verb_eval(const std::vector<std::string>& argv) {
-  Args args("eval",
-            "Evaluate a checkpoint on a dataset split: BEV IoU per class, nuScenes-style detection "
-            "mAP, the true-positive errors ATE, ASE, AOE and an NDS-style score (docs/data.md). "
-            "Works alone or under mpirun, srun or torchrun, on any number of ranks.");
+  Args args(
+      "eval",
+      "Evaluate a checkpoint on a dataset split: BEV IoU per class, nuScenes-style detection "
+      "mAP, the true-positive errors ATE, ASE, AOE, AVE, AAE and the nuScenes detection score NDS "
+      "(docs/data.md). "
+      "Works alone or under mpirun, srun or torchrun, on any number of ranks.");
   args.option("config", "FILE", "YAML config of the run (its model and data sections)")
       .option("checkpoint", "PATH",
               "a checkpoint directory, a run's checkpoints/ or checkpoints/latest (its latest), a "

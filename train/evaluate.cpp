@@ -1,8 +1,10 @@
 #include "train/evaluate.h"
 
+#include "core/error.h"
 #include "core/log.h"
 #include "core/timer.h"
 #include "data/dataset.h"
+#include "data/detection_score.h"
 #include "data/loader.h"
 #include "data/metrics.h"
 #include "data/schema.h"
@@ -45,44 +47,71 @@ at::Tensor gather_rows(const at::Tensor& rows, comm::Communicator& dp, const c10
   return at::cat(out).to(at::kDouble);
 }
 
-// Rows of `pred_rows` [P, 11] and `gt_rows` [G, 9] (EvalDetections) from one batch.
-void append_rows(const at::Tensor& det_in, const at::Tensor& scores_in, const at::Tensor& gt_in,
-                 const at::Tensor& ids_in, int64_t num_classes, std::vector<double>& pred_rows,
-                 std::vector<double>& gt_rows) {
-  const at::Tensor det = det_in.to(at::kDouble).contiguous();
-  const at::Tensor scores = scores_in.to(at::kDouble).contiguous();
-  const at::Tensor gt = gt_in.to(at::kDouble).contiguous();
-  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+// `key` of `d` as float [B, N, 2] on the CPU, or `fill` of that shape where `d` has no such key
+// (velocities absent on a path: data/detection_score.h says what each side means then).
+at::Tensor velocities_or(const core::TensorDict& d, const char* key, int64_t B, int64_t N,
+                         float fill) {
+  const auto it = d.find(key);
+  if (it == d.end()) return at::full({B, N, 2}, fill, at::kFloat);
+  const at::Tensor v = it->second.to(at::kCPU).to(at::kFloat).contiguous();
+  PARALLAX_CHECK(v.dim() == 3 && v.size(0) == B && v.size(1) == N && v.size(2) == 2, Error,
+                 "eval: '{}' must be [{}, {}, 2] beside its boxes, got [{}]", key, B, N,
+                 fmt::join(v.sizes(), ", "));
+  return v;
+}
+
+}  // namespace
+
+void append_eval_rows(const core::TensorDict& post, const core::TensorDict& batch,
+                      int64_t num_classes, std::vector<double>& pred_rows,
+                      std::vector<double>& gt_rows) {
+  const at::Tensor det =
+      post.at("det_boxes").to(at::kCPU).to(at::kFloat).to(at::kDouble).contiguous();
+  const at::Tensor scores =
+      post.at("det_scores").to(at::kCPU).to(at::kFloat).to(at::kDouble).contiguous();
+  const at::Tensor gt = batch.at("boxes").to(at::kCPU).to(at::kDouble).contiguous();
+  const at::Tensor ids = batch.at("scene_index").to(at::kCPU).to(at::kLong).contiguous();
   const int64_t B = ids.size(0), K = det.size(1), G = gt.size(1), Cd = det.size(2);
+  const at::Tensor dv = velocities_or(post, "det_velocities", B, K, 0.0f).to(at::kDouble);
+  const at::Tensor gv = velocities_or(batch, "velocities", B, G, NAN).to(at::kDouble);
+  const double* dvp = dv.data_ptr<double>();
+  const double* gvp = gv.data_ptr<double>();
   for (int64_t b = 0; b < B; ++b) {
     const auto sample = static_cast<double>(ids.data_ptr<int64_t>()[b]);
     for (int64_t k = 0; k < K; ++k) {
       const double* r = det.data_ptr<double>() + (b * K + k) * Cd;
       const auto cls = std::lround(r[data::kBoxClass]);
       if (cls < 0 || cls >= num_classes) continue;
-      const double row[11] = {sample,
-                              static_cast<double>(cls),
-                              r[0],
-                              r[1],
-                              r[2],
-                              r[3],
-                              r[4],
-                              r[5],
-                              r[data::kBoxYaw],
-                              scores.data_ptr<double>()[b * K + k],
-                              static_cast<double>(k)};
-      pred_rows.insert(pred_rows.end(), row, row + 11);
+      const double* v = dvp + (b * K + k) * 2;
+      const double row[data::kTpPredColumns] = {sample,
+                                                static_cast<double>(cls),
+                                                r[0],
+                                                r[1],
+                                                r[2],
+                                                r[3],
+                                                r[4],
+                                                r[5],
+                                                r[data::kBoxYaw],
+                                                scores.data_ptr<double>()[b * K + k],
+                                                static_cast<double>(k),
+                                                v[0],
+                                                v[1]};
+      pred_rows.insert(pred_rows.end(), row, row + data::kTpPredColumns);
     }
     for (int64_t k = 0; k < G; ++k) {
       const double* r = gt.data_ptr<double>() + (b * G + k) * data::kBoxColumns;
       const auto cls = std::lround(r[data::kBoxClass]);
       if (cls < 0 || cls >= num_classes || !(r[data::kBoxVisibility] > 0)) continue;
-      const double row[9] = {sample, static_cast<double>(cls), r[0], r[1], r[2], r[3], r[4],
-                             r[5],   r[data::kBoxYaw]};
-      gt_rows.insert(gt_rows.end(), row, row + 9);
+      const double* v = gvp + (b * G + k) * 2;
+      const double row[data::kTpGtColumns] = {
+          sample, static_cast<double>(cls), r[0], r[1], r[2], r[3], r[4],
+          r[5],   r[data::kBoxYaw],         v[0], v[1]};
+      gt_rows.insert(gt_rows.end(), row, row + data::kTpGtColumns);
     }
   }
 }
+
+namespace {
 
 // Sample `b` of a batch of `batch` samples: every tensor of `d` whose first dimension is the
 // batch, narrowed to that sample (kept 4-D etc.); any other tensor whole.
@@ -97,33 +126,6 @@ at::Tensor rows_tensor(std::vector<double>& rows, int64_t cols) {
   const auto n = static_cast<int64_t>(rows.size()) / cols;
   if (n == 0) return at::empty({0, cols}, at::kDouble);
   return at::from_blob(rows.data(), {n, cols}, at::kDouble).clone();
-}
-
-// The detection metrics of `r` and `tp` into `m`: mAP (and per threshold), AP per class (mean over
-// the thresholds, and at 2 m), the true-positive errors per class and their means, and NDS.
-void add_detection_metrics(const data::DetectionResult& r, const data::TpErrors& tp,
-                           const core::SceneSpec& scene, std::map<std::string, double>& m) {
-  m["map"] = r.map;
-  for (std::size_t t = 0; t < r.thresholds.size(); ++t)
-    m[fmt::format("map_{}m", r.thresholds[t])] = r.map_at[t];
-  for (std::size_t c = 0; c < r.ap.size() && c < scene.box_classes.size(); ++c) {
-    for (std::size_t t = 0; t < r.thresholds.size(); ++t) {
-      if (r.thresholds[t] == 2.0) m["ap_2m_" + scene.box_classes[c]] = r.ap[c][t];
-    }
-    double ap = 0;
-    for (double a : r.ap[c]) ap += a;
-    m["ap_" + scene.box_classes[c]] = ap / static_cast<double>(r.ap[c].size());
-    m["ate_" + scene.box_classes[c]] = tp.ate[c];
-    m["ase_" + scene.box_classes[c]] = tp.ase[c];
-    m["aoe_" + scene.box_classes[c]] = tp.aoe[c];
-  }
-  m["ate"] = tp.mate;
-  m["ase"] = tp.mase;
-  m["aoe"] = tp.maoe;
-  // NDS without velocity and attributes (docs/data.md): (5 mAP + sum of (1 - min(1, err))) / 10.
-  m["nds"] = (5 * r.map + (1 - std::min(1.0, tp.mate)) + (1 - std::min(1.0, tp.mase)) +
-              (1 - std::min(1.0, tp.maoe))) /
-             10;
 }
 
 }  // namespace
@@ -172,9 +174,7 @@ std::map<std::string, double> evaluate(models::Model& model, const data::DataCon
       ++batches;
       const core::TensorDict post = model.postprocess(pred);
       iou.update(post.at("bev_labels").cpu(), batch->at("bev_semantics"));
-      append_rows(post.at("det_boxes").to(at::kFloat).cpu(),
-                  post.at("det_scores").to(at::kFloat).cpu(), batch->at("boxes"),
-                  batch->at("scene_index"), num_boxes, pred_rows, gt_rows);
+      append_eval_rows(post, *batch, num_boxes, pred_rows, gt_rows);
     }
   }
   if (was_training) model.train();
@@ -205,13 +205,14 @@ std::map<std::string, double> evaluate(models::Model& model, const data::DataCon
   dp.all_reduce(loss_t, comm::ReduceOp::kSum);
   loss_t = loss_t.cpu();
   // Detections: every rank gathers every rank's rows and computes the same AP and errors. The
-  // float32 transport is exact: the boxes and scores are float32 model outputs and labels.
-  const at::Tensor pred_all = gather_rows(rows_tensor(pred_rows, 11), dp, device);
-  const at::Tensor gt_all = gather_rows(rows_tensor(gt_rows, 9), dp, device);
+  // float32 transport is exact: the boxes, scores and velocities are float32 model outputs and
+  // labels (NaN, an unknown velocity, travels as NaN).
+  const at::Tensor pred_all = gather_rows(rows_tensor(pred_rows, data::kTpPredColumns), dp, device);
+  const at::Tensor gt_all = gather_rows(rows_tensor(gt_rows, data::kTpGtColumns), dp, device);
   data::DetectionApMetric all(num_boxes);
   all.merge({{"pred", at::cat({pred_all.narrow(1, 0, 4), pred_all.narrow(1, 9, 2)}, 1)},
              {"gt", gt_all.narrow(1, 0, 4)}});
-  const data::TpErrors tp = data::detection_tp_errors(pred_all, gt_all, num_boxes, 2.0);
+  const data::TpErrors tp = data::detection_tp_errors(pred_all, gt_all, scene.box_classes, 2.0);
   if (detections) *detections = {pred_all, gt_all};
 
   std::map<std::string, double> m;
@@ -221,7 +222,7 @@ std::map<std::string, double> evaluate(models::Model& model, const data::DataCon
   for (std::size_t c = 0; c < ious.size() && c < scene.bev_classes.size(); ++c)
     m["iou_" + scene.bev_classes[c]] = ious[c];
   m["miou"] = iou.miou();
-  add_detection_metrics(all.compute(), tp, scene, m);
+  data::add_detection_metrics(all.compute(), tp, scene.box_classes, m);
   m["eval_s"] = clock.elapsed_s();
   core::log::info(
       "eval on '{}' ({} samples in {} batches on rank {}): val_loss {:.4f} | mIoU {:.3f} | "

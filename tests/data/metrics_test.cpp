@@ -1,11 +1,17 @@
-// BEV IoU and nuScenes-style detection AP against hand-computed values.
+// BEV IoU, nuScenes-style detection AP, the true-positive errors (ATE, ASE, AOE, AVE, AAE) and NDS
+// against hand-computed values.
 #include "data/metrics.h"
 #include "core/error.h"
+#include "data/detection_score.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
 
 namespace parallax::data {
 namespace {
@@ -201,7 +207,7 @@ TEST(DetectionTpErrorsTest, HandComputedTwoTruePositives) {
                                     0., 0., 10., 0., 0., 4., 2., 1.5, 0.},
                                    at::kDouble)
                             .reshape({2, 9});
-  const TpErrors e = detection_tp_errors(pred, gt, 2, 2.0);
+  const TpErrors e = detection_tp_errors(pred, gt, {"a", "b"}, 2.0);
   EXPECT_NEAR(e.ate[0], 77.25 / 90, 1e-12);
   EXPECT_NEAR(e.ase[0], 77.25 / 180, 1e-12);
   EXPECT_NEAR(e.aoe[0], 77.25 / 180, 1e-12);
@@ -209,11 +215,15 @@ TEST(DetectionTpErrorsTest, HandComputedTwoTruePositives) {
   // means average both classes.
   EXPECT_EQ(e.ate[1], 1.0);
   EXPECT_NEAR(e.mate, (77.25 / 90 + 1) / 2, 1e-12);
+  // The 11/9-column forms: the ground truth's velocity is unknown (NaN), so every running mean of
+  // AVE is the devkit's all-NaN 1, as AAE's always is.
+  EXPECT_EQ(e.ave[0], 1.0);
+  EXPECT_EQ(e.aae[0], 1.0);
   // Beyond the threshold the first prediction is a false positive: only the exact one matches,
   // at recall 0.5 after two predictions; its running mean is 0 at every point up to 0.5.
   const at::Tensor far = pred.clone();
   far[0][2] = 3.0;
-  const TpErrors f = detection_tp_errors(far, gt, 1, 2.0);
+  const TpErrors f = detection_tp_errors(far, gt, {"a"}, 2.0);
   EXPECT_EQ(f.ate[0], 0.0);
 }
 
@@ -223,10 +233,126 @@ TEST(DetectionTpErrorsTest, YawDifferenceWrapsAroundTwoPi) {
       at::tensor({0., 0., 0., 0., 0., 4., 2., 1.5, 3.0, 0.9, 0.}, at::kDouble).reshape({1, 11});
   const at::Tensor gt =
       at::tensor({0., 0., 0., 0., 0., 4., 2., 1.5, -3.0}, at::kDouble).reshape({1, 9});
-  const TpErrors e = detection_tp_errors(pred, gt, 1, 2.0);
+  const TpErrors e = detection_tp_errors(pred, gt, {"a"}, 2.0);
   EXPECT_NEAR(e.aoe[0], 2 * M_PI - 6.0, 1e-12);
   EXPECT_EQ(e.ate[0], 0.0);
   EXPECT_EQ(e.ase[0], 0.0);
+}
+
+// The devkit's cummean: NaN skipped, 0 before the first number, all NaN gives ones; nanmean.
+TEST(DetectionTpErrorsTest, NanAwareRunningMeanAndNanMean) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_EQ(nan_cummean({nan, 2.0, nan, 4.0}), (std::vector<double>{0.0, 2.0, 2.0, 3.0}));
+  EXPECT_EQ(nan_cummean({nan, nan}), (std::vector<double>{1.0, 1.0}));
+  EXPECT_EQ(nan_cummean({1.0, 2.0}), (std::vector<double>{1.0, 1.5}));
+  EXPECT_EQ(nan_mean({nan, 1.0, 2.0}), 1.5);
+  EXPECT_TRUE(std::isnan(nan_mean({nan, nan})));
+}
+
+// The two true positives of HandComputedTwoTruePositives with velocities: the first's ground
+// truth has none (NaN), the second's prediction is (3, 4) m/s off (error 5). The devkit's running
+// mean is [0, 5] (0 before the first number), against the scores [0.9, 0.8]. At recall x <= 0.5
+// the confidence is 0.9: running mean 0 (39 points 0.11 .. 0.49); above, the confidence
+// 0.9 - 0.2 (x - 0.5) interpolates the running mean to 10 (x - 0.5), mean 2.5 over the 51 points
+// 0.50 .. 1.00. AVE = 51 * 2.5 / 90. Rounding as in HandComputedTwoTruePositives (values <= 5):
+// far inside 1e-12. A running mean that skipped the leading NaN instead (5 throughout) would give
+// 5, one with NaN would give NaN: this test tells them apart.
+TEST(DetectionTpErrorsTest, VelocityErrorSkipsUnknownGroundTruthAsTheDevkit) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const at::Tensor pred = at::tensor({0., 0., 1.,  0., 0., 2., 2., 1.5, 0.5, 0.9, 0., 7.0, -1.0,  //
+                                      0., 0., 10., 0., 0., 4., 2., 1.5, 0.,  0.8, 1., 4.0, 6.0},
+                                     at::kDouble)
+                              .reshape({2, kTpPredColumns});
+  const at::Tensor gt = at::tensor({0., 0., 0.,  0., 0., 4., 2., 1.5, 0., nan, nan,  //
+                                    0., 0., 10., 0., 0., 4., 2., 1.5, 0., 1.0, 2.0},
+                                   at::kDouble)
+                            .reshape({2, kTpGtColumns});
+  const TpErrors e = detection_tp_errors(pred, gt, {"car"}, 2.0);
+  EXPECT_NEAR(e.ave[0], 51 * 2.5 / 90, 1e-12);
+  EXPECT_NEAR(e.ate[0], 77.25 / 90, 1e-12);  // the velocity columns change nothing else
+  EXPECT_EQ(e.aae[0], 1.0);                  // no attribute: the devkit's all-NaN 1
+  EXPECT_NEAR(e.mave, e.ave[0], 0.0);
+  // Both ground-truth velocities unknown: AVE 1 (all NaN), whatever the predictions say.
+  const at::Tensor unknown = gt.clone();
+  unknown.narrow(1, 9, 2).fill_(nan);
+  EXPECT_EQ(detection_tp_errors(pred, unknown, {"car"}, 2.0).ave[0], 1.0);
+}
+
+// One true positive per class (recall 1 from the first prediction on: every recall point's
+// running mean is that match's error, exactly):
+//   car: 0.5 m off, yaw 0.3 off, velocity (1, 2) vs (1, 0): ATE 0.5, AOE 0.3, AVE 2;
+//   traffic_cone: 0.25 m off, yaw 1 off: ATE 0.25, and no AOE, AVE, AAE (NaN);
+//   barrier: yaw pi - 0.1 off, which its period pi makes 0.1: ATE 0, AOE 0.1, no AVE, AAE.
+// Means skip NaN: ATE (0.5 + 0.25 + 0) / 3, AOE (0.3 + 0.1) / 2, AVE 2 and AAE 1 (car alone).
+TEST(DetectionTpErrorsTest, ClassExceptionsByNameAndNanMeans) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double pi = 3.14159265358979323846;
+  const at::Tensor pred = at::tensor({0., 0., 0.5, 0.,   0., 4., 2., 1.5, 0.3,     0.9, 0., 1., 2.,
+                                      0., 1., 10., 0.25, 0., .3, .3, .7,  1.0,     0.8, 1., 0., 0.,
+                                      0., 2., 20., 0.,   0., 2., .5, 1.,  pi - .1, 0.7, 2., 0., 0.},
+                                     at::kDouble)
+                              .reshape({3, kTpPredColumns});
+  const at::Tensor gt = at::tensor({0., 0., 0.,  0., 0., 4., 2., 1.5, 0., 1.,  0.,   //
+                                    0., 1., 10., 0., 0., .3, .3, .7,  0., nan, nan,  //
+                                    0., 2., 20., 0., 0., 2., .5, 1.,  0., 0.,  0.},
+                                   at::kDouble)
+                            .reshape({3, kTpGtColumns});
+  const TpErrors e = detection_tp_errors(pred, gt, {"car", "traffic_cone", "barrier"}, 2.0);
+  // Each error is one subtraction, hypot or fmod of values <= 20: within 1e-14; 1e-12 is margin.
+  EXPECT_NEAR(e.ate[0], 0.5, 1e-12);
+  EXPECT_NEAR(e.aoe[0], 0.3, 1e-12);
+  EXPECT_NEAR(e.ave[0], 2.0, 1e-12);
+  EXPECT_EQ(e.aae[0], 1.0);
+  EXPECT_NEAR(e.ate[1], 0.25, 1e-12);
+  EXPECT_TRUE(std::isnan(e.aoe[1]) && std::isnan(e.ave[1]) && std::isnan(e.aae[1]));
+  EXPECT_EQ(e.ate[2], 0.0);
+  EXPECT_NEAR(e.aoe[2], 0.1, 1e-12);  // period 2 pi would give pi - 0.1
+  EXPECT_TRUE(std::isnan(e.ave[2]) && std::isnan(e.aae[2]));
+  EXPECT_NEAR(e.mate, 0.75 / 3, 1e-12);
+  EXPECT_NEAR(e.maoe, 0.2, 1e-12);
+  EXPECT_NEAR(e.mave, 2.0, 1e-12);
+  EXPECT_EQ(e.maae, 1.0);
+  EXPECT_EQ(e.mase, 0.0);
+  // The same boxes under names without exceptions: every error counts, yaw period 2 pi.
+  const TpErrors plain = detection_tp_errors(pred, gt, {"a", "b", "c"}, 2.0);
+  EXPECT_NEAR(plain.aoe[2], pi - 0.1, 1e-12);
+  EXPECT_NEAR(plain.aoe[1], 1.0, 1e-12);
+  EXPECT_EQ(plain.ave[1], 1.0);  // NaN ground truth: all-NaN running mean
+  EXPECT_NEAR(plain.ave[2], 0.0, 0.0);
+}
+
+// NDS = (5 mAP + sum of max(1 - err, 0)) / 10 and without AAE / 9; a NaN mean scores 0.
+// mAP 0.6 and errors ATE 0.25, ASE 0, AOE 0.2, AVE 2 (clipped to score 0), AAE 1: the scores
+// sum to 0.75 + 1 + 0.8 + 0 + 0 = 2.55, NDS = 5.55 / 10, NDS without AAE = 5.55 / 9. A handful of
+// roundings of values <= 5.55: 1e-14; 1e-12 is margin.
+TEST(DetectionTpErrorsTest, DetectionScoreIsTheDevkitFormula) {
+  TpErrors tp;
+  tp.mate = 0.25, tp.mase = 0.0, tp.maoe = 0.2, tp.mave = 2.0, tp.maae = 1.0;
+  const DetectionScore s = detection_score(0.6, tp);
+  EXPECT_NEAR(s.nds, 0.555, 1e-12);
+  EXPECT_NEAR(s.nds_no_aae, 5.55 / 9, 1e-12);
+  tp.mave = std::numeric_limits<double>::quiet_NaN();  // every class exempt: score 0, as 2 gives
+  EXPECT_NEAR(detection_score(0.6, tp).nds, 0.555, 1e-12);
+  tp.maae = 0.5;  // the attribute term moves NDS only
+  EXPECT_NEAR(detection_score(0.6, tp).nds, 0.605, 1e-12);
+  EXPECT_NEAR(detection_score(0.6, tp).nds_no_aae, 5.55 / 9, 1e-12);
+  // The keys eval reports, from the same numbers.
+  DetectionResult r;
+  r.thresholds = {0.5, 1.0, 2.0, 4.0};
+  r.ap = {{0.2, 0.4, 0.8, 1.0}};
+  r.map_at = {0.2, 0.4, 0.8, 1.0};
+  r.map = 0.6;
+  tp.ate = {0.25}, tp.ase = {0.0}, tp.aoe = {0.2}, tp.ave = {2.0}, tp.aae = {0.5};
+  std::map<std::string, double> m;
+  add_detection_metrics(r, tp, {"car"}, m);
+  EXPECT_NEAR(m.at("ap_car"), 0.6, 1e-15);
+  EXPECT_EQ(m.at("ap_2m_car"), 0.8);
+  EXPECT_EQ(m.at("ave_car"), 2.0);
+  EXPECT_EQ(m.at("nds"), detection_score(0.6, tp).nds);
+  EXPECT_EQ(m.at("nds_no_aae"), detection_score(0.6, tp).nds_no_aae);
+  for (const char* k : {"map", "map_0.5m", "map_1m", "map_2m", "map_4m", "ate", "ase", "aoe", "ave",
+                        "aae", "ate_car", "ase_car", "aoe_car"})
+    EXPECT_TRUE(m.count(k)) << k;
 }
 
 }  // namespace

@@ -150,7 +150,8 @@ class EvalTest(unittest.TestCase):
         runs = {r: self.evaluate(r, f"r{r}") for r in (1, 2, 3)}
         out1, doc1, pred1 = runs[1]
         m1 = doc1["metrics"]
-        for k in ("map", "map_2m", "miou", "ate", "ase", "aoe", "nds", "val_loss", "ap_vehicle"):
+        for k in ("map", "map_2m", "miou", "ate", "ase", "aoe", "ave", "aae", "nds", "nds_no_aae", "val_loss",
+                  "ap_vehicle", "ave_vehicle"):
             self.assertIn(k, m1)
         for r, (_, doc, pred) in runs.items():
             self.assertEqual(doc["ranks"], r)
@@ -185,10 +186,17 @@ class EvalTest(unittest.TestCase):
         self.assertLessEqual(abs(s["map_at"][2.0] - m1["map_2m"]), 1e-12)
         for c, ap in s["ap"].items():
             self.assertLessEqual(abs(ap - m1[f"ap_{c}"]), 1e-12, c)
-            for e in ("ate", "ase", "aoe"):
+            for e in ("ate", "ase", "aoe", "ave"):
                 self.assertLessEqual(abs(s["tp"][c][e] - m1[f"{e}_{c}"]), 1e-12, (c, e))
-        for e in ("ate", "ase", "aoe", "nds"):
+        for e in ("ate", "ase", "aoe", "ave", "aae", "nds", "nds_no_aae"):
             self.assertLessEqual(abs(s[e] - m1[e]), 1e-12, e)
+        # NDS is the devkit's formula on these numbers (docs/data.md): no attribute is predicted,
+        # so AAE is 1 and its term 0. The same double operations in the same order: equal (1e-15,
+        # about 9 ulp of values near 1, is margin only).
+        self.assertEqual(m1["aae"], 1.0)
+        terms = sum(max(1 - m1[e], 0.0) for e in ("ate", "ase", "aoe", "ave"))
+        self.assertLessEqual(abs(m1["nds"] - (5 * m1["map"] + terms) / 10), 1e-15)
+        self.assertLessEqual(abs(m1["nds_no_aae"] - (5 * m1["map"] + terms) / 9), 1e-15)
         # The checks above must not pass trivially: detections score AP > 0 and some class has
         # true positives at 2 m (an error of exactly 1 is the no-true-positive convention; ATE is
         # in metres and may exceed 1).
@@ -227,7 +235,13 @@ class EvalTest(unittest.TestCase):
             # AP in double: 90 terms of (1 - 0.1) summed, divided by 90 and by 0.9: within 64 ulp
             # of 1 (the bound of tests/data/metrics_test.cpp's kApTol).
             self.assertAlmostEqual(s["ap"][c], 1.0, delta=64 * 2.0 ** -53, msg=c)
-            self.assertEqual(s["tp"][c], {"ate": 0.0, "ase": 0.0, "aoe": 0.0}, c)
+            e = s["tp"][c]
+            self.assertEqual({k: e[k] for k in ("ate", "ase", "aoe")}, {"ate": 0.0, "ase": 0.0, "aoe": 0.0}, c)
+            # The ground truth's velocity, where known, is its own prediction's (0); unknown
+            # (NaN, written `NaN`) everywhere gives the devkit's all-NaN 1. No attribute: AAE 1.
+            vels = [b["velocity"] for v in doc["results"].values() for b in v if b["detection_name"] == c]
+            self.assertEqual(e["ave"], 1.0 if all(math.isnan(x) for v in vels for x in v) else 0.0, c)
+            self.assertEqual(e["aae"], 1.0, c)
 
     def nan_weights(self):
         """The run's exported weights with one NaN: (file, tensor name)."""
