@@ -49,6 +49,9 @@ struct DataConfig {
   // Which scenes an epoch reads (training): "uniform" (every scene once, shuffled) or "cbgs"
   // (class-balanced grouping and sampling, data/cbgs.h).
   std::string sampler = "uniform";
+  // Keyframes per sample, the current one included (a temporal model's model.temporal.frames):
+  // the loader adds the previous frames of the sample's sequence (docs/data.md, "Frames").
+  int frames = 1;
   std::string train_split = "train";
   std::string val_split = "val";
   bool pin_memory = true;
@@ -75,6 +78,11 @@ struct DataConfig {
       core::Check::between(1, 1024));
     v("shuffle", shuffle, "reshuffle every epoch (deterministic by seed and epoch)");
     v("drop_last", drop_last, "drop the last incomplete batch of an epoch");
+    v("frames", frames,
+      "keyframes per sample, the current one included: the previous ones of its sequence come "
+      "as prev_images, prev_intrinsics, prev_cam_to_ego and prev_to_current (repeating the "
+      "sequence's first frame at its start); needs a dataset with sequences",
+      core::Check::between(1, 16));
     v("sampler", sampler,
       "training epochs: uniform (every scene once, shuffled by data.shuffle) or cbgs "
       "(class-balanced grouping and sampling, CenterPoint / mmdetection3d: each class drawn "

@@ -5,6 +5,8 @@
 
 #include <ATen/Context.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/inverse.h>
+#include <ATen/ops/matmul.h>
 
 #include <algorithm>
 #include <atomic>
@@ -44,6 +46,7 @@ LoaderOptions LoaderOptions::from_config(const DataConfig& cfg, uint64_t seed, i
   o.prefetch = cfg.prefetch;
   o.pin_memory = cfg.pin_memory;
   o.max_boxes = cfg.max_boxes;
+  o.frames = cfg.frames;
   o.seed = seed;
   o.rank = rank;
   o.world = world;
@@ -162,6 +165,22 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, LoaderOptions opt
         "{}: loader state (epoch {}, position {}) is outside an epoch of {} samples", what,
         start.epoch, start.position, samples_per_epoch_);
   }
+  if (opts_.frames > 1 && dataset_->size() > 0) {
+    // data.frames needs sequences: frames linked to their previous keyframe, with ego poses.
+    const DatasetInfo& di = dataset_->info();
+    if (!dataset_->sequence_info(0).in_sequence()) {
+      throw_error<DataError>(
+          "{}: data.frames = {} needs a dataset of sequences, and '{}' holds independent scenes "
+          "(generate sequences with datagen --sequence-length, or convert nuScenes)",
+          what, opts_.frames, di.dir);
+    }
+    if (di.sequence_length > 1 && opts_.frames > di.sequence_length) {
+      throw_error<DataError>(
+          "{}: data.frames = {} is longer than the dataset's sequences ({} frames, "
+          "sequence_length in dataset.json)",
+          what, opts_.frames, di.sequence_length);
+    }
+  }
   pin_ = opts_.pin_memory && at::hasCUDA();
   box_to_bev_ = box_to_bev_classes(dataset_->info());
   // The model's input: which cameras, what size, and how to get there from the stored images.
@@ -258,14 +277,17 @@ core::TensorDict DataLoader::build(const Plan& plan) const {
   at::Tensor index = alloc({B}, at::kLong, pin_);
   float* boxes_p = boxes.data_ptr<float>();
   float* vel_p = vel.data_ptr<float>();
+  std::vector<SceneRecord> poses;  // the current frames' ego poses (data.frames > 1)
   for (int64_t b = 0; b < B; ++b) {
     const int64_t scene = plan.scenes[static_cast<size_t>(b)];
-    SceneRecord rec = select_ ? dataset_->read(scene, sel_) : dataset_->read(scene);
-    if (opts_.augment) {
-      rec = apply_augment(rec, draw_augment(opts_.aug, N, H, W, opts_.seed, plan.epoch, scene),
-                          info.bev, box_to_bev_, fit_ ? &*fit_ : nullptr);
-    } else if (fit_) {
-      fit_images(rec, *fit_);
+    std::optional<AugmentParams> aug;
+    if (opts_.augment) aug = draw_augment(opts_.aug, N, H, W, opts_.seed, plan.epoch, scene);
+    SceneRecord rec = read_scene(scene, aug ? &*aug : nullptr);
+    if (opts_.frames > 1) {
+      SceneRecord p;
+      p.index = rec.index;
+      p.ego_to_global = rec.ego_to_global;
+      poses.push_back(std::move(p));
     }
     std::memcpy(images.data_ptr<uint8_t>() + b * N * H * W * 3,
                 rec.images.contiguous().data_ptr<uint8_t>(), static_cast<size_t>(N * H * W * 3));
@@ -310,7 +332,81 @@ core::TensorDict DataLoader::build(const Plan& plan) const {
   out.emplace("boxes", boxes);
   out.emplace("velocities", vel);
   out.emplace("scene_index", index);
+  if (opts_.frames > 1) add_previous_frames(plan, poses, out);
   return out;
+}
+
+SceneRecord DataLoader::read_scene(int64_t scene, const AugmentParams* aug) const {
+  SceneRecord rec = select_ ? dataset_->read(scene, sel_) : dataset_->read(scene);
+  // The ego pose (not part of read()): the frames' relative motion (data.frames > 1).
+  if (opts_.frames > 1) rec.ego_to_global = dataset_->shard_of(scene).sample_meta(scene).ego_to_global;
+  if (aug) {
+    rec = apply_augment(rec, *aug, dataset_->info().bev, box_to_bev_, fit_ ? &*fit_ : nullptr);
+  } else if (fit_) {
+    fit_images(rec, *fit_);
+  }
+  return rec;
+}
+
+void DataLoader::add_previous_frames(const Plan& plan, const std::vector<SceneRecord>& current,
+                                     core::TensorDict& out) const {
+  const auto B = static_cast<int64_t>(plan.scenes.size());
+  const int64_t F = opts_.frames - 1, N = out_cameras_, H = out_height_, W = out_width_;
+  at::Tensor images = alloc({B, F, N, H, W, 3}, at::kByte, pin_);
+  at::Tensor intr = alloc({B, F, N, 3, 3}, at::kFloat, pin_);
+  at::Tensor c2e = alloc({B, F, N, 4, 4}, at::kFloat, pin_);
+  at::Tensor to_current = alloc({B, F, 4, 4}, at::kFloat, pin_);
+  at::Tensor repeated = alloc({B, F}, at::kBool, pin_);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t scene = plan.scenes[static_cast<size_t>(b)];
+    // The same augmentation for every frame of a sample: the BEV rotation and flip move each
+    // frame's cameras and ego pose alike, so the poses between frames stay consistent.
+    std::optional<AugmentParams> aug;
+    if (opts_.augment)
+      aug = draw_augment(opts_.aug, N, H, W, opts_.seed, plan.epoch, scene);
+    const SceneRecord& cur = current[static_cast<size_t>(b)];
+    const std::string where = dataset_->shard_of(scene).where(scene);
+    if (!cur.ego_to_global.defined()) {
+      throw_error<DataError>(
+          "{}: data.frames = {} needs each frame's ego pose (ego_to_global), and this scene has "
+          "none (a dataset of independent scenes? datagen --sequence-length, or a converted "
+          "nuScenes)",
+          where, opts_.frames);
+    }
+    const at::Tensor cur_inv = at::inverse(cur.ego_to_global.to(at::kDouble));
+    // Walk back: frame k (1 = the previous keyframe) is the scene k steps back in the sequence,
+    // or the earliest one there is, repeated (BEVDet4D at a sequence's start).
+    int64_t at_scene = scene;
+    for (int64_t k = 0; k < F; ++k) {
+      const int64_t prev = dataset_->prev_index(at_scene);
+      const bool repeat = prev < 0;
+      if (!repeat) at_scene = prev;
+      repeated.data_ptr<bool>()[b * F + k] = repeat;
+      // At a sequence's start the earliest frame (the current one, or the first of its
+      // sequence) stands in; a frame read once for this sample is read again (no cache: the
+      // repeats are at most F - 1 per sample, at sequence starts only).
+      const SceneRecord frame = read_scene(at_scene, aug ? &*aug : nullptr);
+      if (!frame.ego_to_global.defined()) {
+        throw_error<DataError>("{}: data.frames = {}: the previous frame {} has no ego pose",
+                               where, opts_.frames, dataset_->shard_of(at_scene).where(at_scene));
+      }
+      std::memcpy(images.data_ptr<uint8_t>() + (b * F + k) * N * H * W * 3,
+                  frame.images.contiguous().data_ptr<uint8_t>(), static_cast<size_t>(N * H * W * 3));
+      std::memcpy(intr.data_ptr<float>() + (b * F + k) * N * 9,
+                  frame.intrinsics.contiguous().data_ptr<float>(), static_cast<size_t>(N * 9) * 4);
+      std::memcpy(c2e.data_ptr<float>() + (b * F + k) * N * 16,
+                  frame.cam_to_ego.contiguous().data_ptr<float>(), static_cast<size_t>(N * 16) * 4);
+      // The previous ego frame in the current one: T_current^-1 T_previous, in double.
+      const at::Tensor rel = at::matmul(cur_inv, frame.ego_to_global.to(at::kDouble)).to(at::kFloat);
+      std::memcpy(to_current.data_ptr<float>() + (b * F + k) * 16, rel.contiguous().data_ptr<float>(),
+                  16 * 4);
+    }
+  }
+  out.emplace("prev_images", images);
+  out.emplace("prev_intrinsics", intr);
+  out.emplace("prev_cam_to_ego", c2e);
+  out.emplace("prev_to_current", to_current);
+  out.emplace("prev_repeated", repeated);
 }
 
 void DataLoader::worker() {

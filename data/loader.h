@@ -52,6 +52,7 @@ struct LoaderOptions {
   bool drop_last = true;
   bool repeat = true;  // endless across epochs (training); false: one epoch then end (evaluation)
   bool class_balanced = false;  // data.sampler=cbgs (data/cbgs.h); training only
+  int64_t frames = 1;           // data.frames: keyframes per sample, the current one included
   bool augment = false;
   AugmentOptions aug;
   bool pin_memory = true;  // only takes effect when CUDA is available
@@ -133,6 +134,12 @@ class DataLoader {
   int64_t batches_per_epoch_ = 0, samples_per_epoch_ = 0;
   int64_t end_epoch_ = 0;  // planning stops at this epoch (only without `repeat`)
   bool pin_ = false;
+  // Scene `scene` read as the model sees it: the selected cameras, fitted, augmented with `aug`
+  // when training.
+  SceneRecord read_scene(int64_t scene, const AugmentParams* aug) const;
+  // The previous frames' keys of a batch (data.frames > 1; docs/data.md, "Frames").
+  void add_previous_frames(const Plan& plan, const std::vector<SceneRecord>& current,
+                           core::TensorDict& out) const;
   std::vector<int> box_to_bev_;
   // What each scene is read as (cameras, decode scale) and fitted to (the model's input).
   int64_t out_cameras_ = 0, out_height_ = 0, out_width_ = 0;
