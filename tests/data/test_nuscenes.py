@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """`parallax datagen --layout nuscenes` and `parallax convert nuscenes` (issue 38), end to end:
 
+- sequences (`datagen --layout nuscenes --sequence-length`): one nuScenes scene per sequence with
+  frame timestamps and instances linked prev/next; converted, its velocities are datagen's within
+  the bound of float32 centres, as are nuscenes-devkit's box_velocity speeds, and each scene keeps
+  its sequence, frame and previous keyframe (prev_index);
 - the round trip: datagen's synthetic scenes written in the nuScenes layout (random global ego
   poses, boxes in the global frame, JPEG files) and converted back give datagen's own dataset of
   the same seed: box centres within 1e-4 m, yaws within 1e-5 rad, sizes, classes (vehicle -> car,
