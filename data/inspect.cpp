@@ -110,9 +110,11 @@ void print_header(std::FILE* out, const DatasetInfo& info) {
                        g.y_cells(), g.resolution, g.x_min, g.x_max, g.y_min, g.y_max));
   say(out, fmt::format("bev classes: {}", core::join(info.bev_classes, ", ")));
   say(out, fmt::format("box classes: {}", core::join(info.box_classes, ", ")));
-  say(out, info.sequence_length > 1 ? fmt::format("sequences: {} frames each, {} s apart",
-                                                  info.sequence_length, info.frame_interval)
-                                    : std::string("sequences: none (independent scenes)"));
+  say(out, info.sequence_length > 1
+               ? fmt::format("sequences: {} frames each, {} s apart", info.sequence_length,
+                             info.frame_interval)
+               : std::string("sequences: none declared (a converted dataset's scenes may still "
+                             "link their previous frame: see the per-scene lines)"));
 }
 
 int64_t file_bytes(const std::string& path) {

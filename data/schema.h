@@ -101,8 +101,9 @@ struct SceneRecord {
   at::Tensor velocities;
   std::string sample_token;
   // Optional: the ego frame's pose in the source's global frame, float64 [4, 4] (a converted
-  // nuScenes scene: the reference ego pose, the ego origin offset included), so detections can be
-  // written in the global frame the source's ground truth is in.
+  // nuScenes scene: the reference ego pose, the ego origin offset included; a generated
+  // sequence's frame: its pose in the sequence's world frame), so detections can be written in
+  // the global frame the source's ground truth is in.
   at::Tensor ego_to_global;
   // Optional sequence information (docs/data.md, "Sequences"; absent from a shard of independent
   // scenes, which reads back as the defaults): frame `frame` of sequence `sequence` (ids within

@@ -203,6 +203,20 @@ void read_velocities(hid_t group, SceneRecord& rec, const std::string& w) {
     throw_error<DataError>("{} holds infinite values (NaN marks an unknown velocity)", ctx);
 }
 
+// The optional ego pose (float64 [4, 4], finite); undefined when the scene has none.
+at::Tensor read_ego_to_global(hid_t group, const std::string& w) {
+  if (!h5::link_exists(group, kEgoToGlobal)) return {};
+  const std::string ctx = fmt::format("{}: dataset '{}'", w, kEgoToGlobal);
+  h5::Id ds(H5Dopen2(group, kEgoToGlobal, H5P_DEFAULT), ctx + ": cannot open");
+  const h5::DatasetShape shape = h5::dataset_shape(ds, ctx);
+  if (shape.type_class != H5T_FLOAT || shape.dims != std::vector<int64_t>{4, 4})
+    throw_error<DataError>("{} is {}, expected float [4, 4]", ctx, shape.describe());
+  at::Tensor t = h5::read_tensor(ds, shape, at::kDouble, ctx + ": cannot read (corrupt shard?)");
+  if (!t.isfinite().all().item<bool>())
+    throw_error<DataError>("{} holds NaN or infinite values", ctx);
+  return t;
+}
+
 }  // namespace
 
 ShardReader::ShardReader(std::string path) : path_(std::move(path)) {
@@ -342,6 +356,7 @@ SceneRecord ShardReader::read_impl(int64_t index, const DatasetInfo* info,
     }
     if (auto token = h5::read_string_attribute(group, kSampleToken, w)) rec.sample_token = *token;
     read_velocities(group, rec, w);
+    rec.ego_to_global = read_ego_to_global(group, w);
     read_sequence_fields(group, rec, w);
   }
   if (sel) {
@@ -370,17 +385,7 @@ SampleMeta ShardReader::sample_meta(int64_t index) const {
                w + ": cannot open group");
   SampleMeta m;
   m.token = h5::read_string_attribute(group, kSampleToken, w).value_or("");
-  if (h5::link_exists(group, kEgoToGlobal)) {
-    const std::string ctx = fmt::format("{}: dataset '{}'", w, kEgoToGlobal);
-    h5::Id ds(H5Dopen2(group, kEgoToGlobal, H5P_DEFAULT), ctx + ": cannot open");
-    const h5::DatasetShape shape = h5::dataset_shape(ds, ctx);
-    if (shape.type_class != H5T_FLOAT || shape.dims != std::vector<int64_t>{4, 4})
-      throw_error<DataError>("{} is {}, expected float [4, 4]", ctx, shape.describe());
-    m.ego_to_global =
-        h5::read_tensor(ds, shape, at::kDouble, ctx + ": cannot read (corrupt shard?)");
-    if (!m.ego_to_global.isfinite().all().item<bool>())
-      throw_error<DataError>("{} holds NaN or infinite values", ctx);
-  }
+  m.ego_to_global = read_ego_to_global(group, w);
   return m;
 }
 

@@ -43,8 +43,10 @@ struct WorldBox {
 // Frame `index`'s boxes by instance id, mapped to the world frame with its stored ego_to_global.
 std::map<int64_t, WorldBox> world_boxes(const Dataset& ds, int64_t index, at::Tensor* pose) {
   const SceneRecord r = ds.read(index);
-  const at::Tensor T = ds.shard_of(index).sample_meta(index).ego_to_global;
+  const at::Tensor T = r.ego_to_global;
   EXPECT_TRUE(T.defined()) << "scene " << index << " has no ego_to_global";
+  // The metadata-only reader gives the same pose.
+  EXPECT_TRUE(at::equal(T, ds.shard_of(index).sample_meta(index).ego_to_global));
   EXPECT_TRUE(r.velocities.defined() && r.instance_ids.defined()) << "scene " << index;
   if (pose) *pose = T;
   const double* t = T.data_ptr<double>();
@@ -224,7 +226,7 @@ TEST(SequenceDatagenTest, SequenceLengthOneIsTodaysFilesWhateverTheFrameInterval
   EXPECT_EQ(ds->info().sequence_length, 1);
   for (int64_t i = 0; i < ds->size(); ++i) {
     const SceneRecord r = ds->read(i);
-    EXPECT_FALSE(r.velocities.defined() || r.instance_ids.defined());
+    EXPECT_FALSE(r.velocities.defined() || r.instance_ids.defined() || r.ego_to_global.defined());
     EXPECT_EQ(r.sequence, -1);
     EXPECT_EQ(ds->prev_index(i), -1);
     EXPECT_FALSE(ds->sequence_info(i).in_sequence());

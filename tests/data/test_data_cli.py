@@ -223,7 +223,7 @@ class DataCliTest(unittest.TestCase):
         for line in ("sequences: 3 frames each, 0.25 s apart", "| sequence 0 frame 1 prev 000000 t 250000 us"):
             self.assertIn(line, out)
         rc, out, _ = run("inspect", self.ds)
-        self.assertIn("sequences: none (independent scenes)", out)
+        self.assertIn("sequences: none declared", out)
         self.assertNotIn("| sequence", out)
 
     def test_bad_sequence_options_are_one_error_line_each(self):

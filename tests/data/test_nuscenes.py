@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """`parallax datagen --layout nuscenes` and `parallax convert nuscenes` (issue 38), end to end:
 
+- sequences (`datagen --layout nuscenes --sequence-length`): one nuScenes scene per sequence with
+  frame timestamps and instances linked prev/next; converted, its velocities are datagen's within
+  the bound of float32 centres, as are nuscenes-devkit's box_velocity speeds, and each scene keeps
+  its sequence, frame and previous keyframe (prev_index);
 - the round trip: datagen's synthetic scenes written in the nuScenes layout (random global ego
   poses, boxes in the global frame, JPEG files) and converted back give datagen's own dataset of
   the same seed: box centres within 1e-4 m, yaws within 1e-5 rad, sizes, classes (vehicle -> car,
@@ -734,6 +738,44 @@ class NuScenesSequenceTest(unittest.TestCase):
                 moving += int((np.abs(va[known]).max(axis=1, initial=0) > 0).sum())
         self.assertGreater(compared, 50)
         self.assertGreater(moving, 10)
+
+    def test_nuscenes_devkit_velocities_are_datagens_speeds(self):
+        if not os.path.exists(DEVKIT_PY):
+            self.skipTest(f"nuscenes-devkit not installed ({DEVKIT_PY}; scripts/setup.sh installs it)")
+        # Per scene (by name) and sample (in order): the devkit's box_velocity of each annotation.
+        script = r"""
+import json, sys
+from nuscenes.nuscenes import NuScenes
+nusc = NuScenes(version="v1.0-mini", dataroot=sys.argv[1], verbose=False)
+out = []
+for sc in sorted(nusc.scene, key=lambda s: s["name"]):
+    tok = sc["first_sample_token"]
+    while tok:
+        s = nusc.get("sample", tok)
+        out.append([[float(v) for v in nusc.box_velocity(a)[:2]] for a in s["anns"]])
+        tok = s["next"]
+json.dump(out, sys.stdout)
+"""
+        p = subprocess.run([DEVKIT_PY, "-c", script, self.root], capture_output=True, text=True, timeout=600)
+        self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+        got = json.loads(p.stdout)
+        nat = [scenes(self.native, "train")[i] for i in range(10)] + [scenes(self.native, "val")[i] for i in range(4)]
+        self.assertEqual(len(got), len(nat))
+        compared = 0
+        for g, a in zip(got, nat):
+            vg, va = np.array(g, dtype=np.float64).reshape(-1, 2), a["velocities"].astype(np.float64)
+            self.assertEqual(vg.shape, va.shape)
+            known = ~np.isnan(vg[:, 0])
+            # Global velocities (the devkit) against ego-frame ones: compare speeds, which a
+            # rotation keeps. |speed difference| <= the norm of the velocity error: the centre
+            # difference's (sqrt(2) * 2 * 2^-24 * 64 m over >= 0.5 s, as in the conversion test)
+            # plus the stored float32 velocity's (sqrt(2) * 2^-24 * 16 m/s); the devkit's float64
+            # arithmetic adds ~1e-12.
+            tol = np.sqrt(2) * (2 * 2.0 ** -24 * 64 / 0.5 + 2.0 ** -24 * 16) + 1e-9
+            np.testing.assert_allclose(np.hypot(vg[known, 0], vg[known, 1]), np.hypot(va[known, 0], va[known, 1]),
+                                       rtol=0, atol=tol)
+            compared += int(known.sum())
+        self.assertGreater(compared, 50)
 
 
 if __name__ == "__main__":
