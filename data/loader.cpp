@@ -339,7 +339,8 @@ core::TensorDict DataLoader::build(const Plan& plan) const {
 SceneRecord DataLoader::read_scene(int64_t scene, const AugmentParams* aug) const {
   SceneRecord rec = select_ ? dataset_->read(scene, sel_) : dataset_->read(scene);
   // The ego pose (not part of read()): the frames' relative motion (data.frames > 1).
-  if (opts_.frames > 1) rec.ego_to_global = dataset_->shard_of(scene).sample_meta(scene).ego_to_global;
+  if (opts_.frames > 1)
+    rec.ego_to_global = dataset_->shard_of(scene).sample_meta(scene).ego_to_global;
   if (aug) {
     rec = apply_augment(rec, *aug, dataset_->info().bev, box_to_bev_, fit_ ? &*fit_ : nullptr);
   } else if (fit_) {
@@ -362,8 +363,7 @@ void DataLoader::add_previous_frames(const Plan& plan, const std::vector<SceneRe
     // The same augmentation for every frame of a sample: the BEV rotation and flip move each
     // frame's cameras and ego pose alike, so the poses between frames stay consistent.
     std::optional<AugmentParams> aug;
-    if (opts_.augment)
-      aug = draw_augment(opts_.aug, N, H, W, opts_.seed, plan.epoch, scene);
+    if (opts_.augment) aug = draw_augment(opts_.aug, N, H, W, opts_.seed, plan.epoch, scene);
     const SceneRecord& cur = current[static_cast<size_t>(b)];
     const std::string where = dataset_->shard_of(scene).where(scene);
     if (!cur.ego_to_global.defined()) {
@@ -387,19 +387,21 @@ void DataLoader::add_previous_frames(const Plan& plan, const std::vector<SceneRe
       // repeats are at most F - 1 per sample, at sequence starts only).
       const SceneRecord frame = read_scene(at_scene, aug ? &*aug : nullptr);
       if (!frame.ego_to_global.defined()) {
-        throw_error<DataError>("{}: data.frames = {}: the previous frame {} has no ego pose",
-                               where, opts_.frames, dataset_->shard_of(at_scene).where(at_scene));
+        throw_error<DataError>("{}: data.frames = {}: the previous frame {} has no ego pose", where,
+                               opts_.frames, dataset_->shard_of(at_scene).where(at_scene));
       }
       std::memcpy(images.data_ptr<uint8_t>() + (b * F + k) * N * H * W * 3,
-                  frame.images.contiguous().data_ptr<uint8_t>(), static_cast<size_t>(N * H * W * 3));
+                  frame.images.contiguous().data_ptr<uint8_t>(),
+                  static_cast<size_t>(N * H * W * 3));
       std::memcpy(intr.data_ptr<float>() + (b * F + k) * N * 9,
                   frame.intrinsics.contiguous().data_ptr<float>(), static_cast<size_t>(N * 9) * 4);
       std::memcpy(c2e.data_ptr<float>() + (b * F + k) * N * 16,
                   frame.cam_to_ego.contiguous().data_ptr<float>(), static_cast<size_t>(N * 16) * 4);
       // The previous ego frame in the current one: T_current^-1 T_previous, in double.
-      const at::Tensor rel = at::matmul(cur_inv, frame.ego_to_global.to(at::kDouble)).to(at::kFloat);
-      std::memcpy(to_current.data_ptr<float>() + (b * F + k) * 16, rel.contiguous().data_ptr<float>(),
-                  16 * 4);
+      const at::Tensor rel =
+          at::matmul(cur_inv, frame.ego_to_global.to(at::kDouble)).to(at::kFloat);
+      std::memcpy(to_current.data_ptr<float>() + (b * F + k) * 16,
+                  rel.contiguous().data_ptr<float>(), 16 * 4);
     }
   }
   out.emplace("prev_images", images);

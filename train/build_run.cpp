@@ -173,6 +173,7 @@ void open_training_world(Run& run) {
 void open_data(Run& run) {
   const RunConfig& cfg = run.cfg;
   run.synthetic = uses_synthetic_data(cfg);
+  check_frames(cfg);
   if (run.purpose == Purpose::kEval) {
     // `parallax eval` evaluates a bev model on the dataset (it refuses anything else).
     run.scene = data::loader_scene_spec(data::read_dataset_info(cfg.data.path), cfg.data);

@@ -19,7 +19,7 @@ bool uses_synthetic_data(const RunConfig& cfg) {
   return cfg.data.synthetic || cfg.train.benchmark || cfg.model.name != "bev";
 }
 
-core::SceneSpec run_scene(const RunConfig& cfg) {
+void check_frames(const RunConfig& cfg) {
   // The loader's frames feed the temporal model's: one number for both (synthetic batches come
   // with the model's frames, so data.frames may stay 1 there).
   const int model_frames = cfg.model.name == "bev" ? cfg.model.temporal.frames : 1;
@@ -29,6 +29,10 @@ core::SceneSpec run_scene(const RunConfig& cfg) {
         "as many keyframes as the loader gives; set both to the same number",
         cfg.data.frames, model_frames);
   }
+}
+
+core::SceneSpec run_scene(const RunConfig& cfg) {
+  check_frames(cfg);
   if (!uses_synthetic_data(cfg))
     return data::loader_scene_spec(data::read_dataset_info(cfg.data.path), cfg.data);
   if (cfg.model.name == "bev") return models::benchmark_scene(cfg.model.size);

@@ -148,5 +148,8 @@ bool uses_synthetic_data(const RunConfig& cfg);
 // batches the size's benchmark scene, or none (models that take no scene). The trainer, `parallax
 // export` and `parallax eval` build the same model through it. DataError for an unreadable dataset.
 core::SceneSpec run_scene(const RunConfig& cfg);
+// ConfigError naming both keys when data.frames and model.temporal.frames differ (synthetic
+// batches may leave data.frames at 1: they come with the model's frames).
+void check_frames(const RunConfig& cfg);
 
 }  // namespace parallax::train

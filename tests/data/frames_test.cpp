@@ -19,14 +19,14 @@ using testing::expect_data_error;
 using testing::small_options;
 using testing::TempDir;
 
-constexpr int64_t kLength = 4;
+constexpr int64_t kFramesSeqLength = 4;
 
 class FramesTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = std::make_unique<TempDir>("frames");
-    DatagenOptions o = small_options(dir_->str(), 3 * kLength, kLength, 9);
-    o.gen.sequence_length = kLength;
+    DatagenOptions o = small_options(dir_->str(), 3 * kFramesSeqLength, kFramesSeqLength, 9);
+    o.gen.sequence_length = kFramesSeqLength;
     o.gen.frame_interval_us = 500000;
     generate_dataset(o);
     ds_ = Dataset::open(dir_->str(), "train");
@@ -52,7 +52,7 @@ std::unique_ptr<TempDir> FramesTest::dir_;
 std::shared_ptr<Dataset> FramesTest::ds_;
 
 // Static boxes (velocity 0) by instance id: their centres in scene `index`'s ego frame.
-std::map<int64_t, std::array<double, 2>> static_boxes(const SceneRecord& r) {
+std::map<int64_t, std::array<double, 2>> frames_static_boxes(const SceneRecord& r) {
   std::map<int64_t, std::array<double, 2>> out;
   for (int64_t k = 0; k < r.boxes.size(0); ++k) {
     const float* v = r.velocities.data_ptr<float>() + 2 * k;
@@ -72,7 +72,7 @@ TEST_F(FramesTest, PreviousFramesFollowTheSequenceAndItsStartRepeats) {
   const at::Tensor idx = b->at("scene_index");
   for (int64_t i = 0; i < 4; ++i) {
     const int64_t scene = idx[i].item<int64_t>();
-    const int64_t frame = scene % kLength;  // unshuffled: scenes 0..3 are frames 0..3
+    const int64_t frame = scene % kFramesSeqLength;  // unshuffled: scenes 0..3 are frames 0..3
     for (int64_t k = 0; k < 2; ++k) {
       // Frame k + 1 back, or the sequence's first frame where there is none.
       const int64_t want = scene - std::min(k + 1, frame);
@@ -106,7 +106,7 @@ TEST_F(FramesTest, PrevToCurrentMovesStaticPointsOntoThemselves) {
       ASSERT_TRUE(b.has_value());
       for (int64_t i = 0; i < b->at("scene_index").size(0); ++i) {
         const int64_t scene = b->at("scene_index")[i].item<int64_t>();
-        if (scene % kLength == 0) continue;
+        if (scene % kFramesSeqLength == 0) continue;
         // The loader's current frame (augmented as the batch is) against its previous one, read
         // and augmented with the same draw.
         AugmentParams p;
@@ -117,7 +117,7 @@ TEST_F(FramesTest, PrevToCurrentMovesStaticPointsOntoThemselves) {
           cur = apply_augment(cur, p, ds_->info().bev);
           prev = apply_augment(prev, p, ds_->info().bev);
         }
-        const auto now = static_boxes(cur), before = static_boxes(prev);
+        const auto now = frames_static_boxes(cur), before = frames_static_boxes(prev);
         const at::Tensor T = b->at("prev_to_current")[i][0].to(at::kDouble);
         for (const auto& [id, c] : before) {
           if (!now.count(id)) continue;
@@ -137,7 +137,7 @@ TEST_F(FramesTest, PrevToCurrentMovesStaticPointsOntoThemselves) {
 
 TEST_F(FramesTest, DatasetsThatCannotGiveFramesAreRefused) {
   LoaderOptions o = options(false);
-  o.frames = kLength + 1;
+  o.frames = kFramesSeqLength + 1;
   expect_data_error([&] { DataLoader(ds_, o); }, {"data.frames = 5", "sequence_length"});
   TempDir plain("frames_plain");
   generate_dataset(small_options(plain.str(), 4, 1));

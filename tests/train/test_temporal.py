@@ -13,7 +13,11 @@ steps, conv backbone unless said:
 - tensor parallelism on the ViT backbone (tp 2) against one process with the ViT backbone:
   step 1 within tt.first_step_bounds, step 2 within 1e-4;
 - prev_grad=true (backpropagating through the previous frame) under the pipeline and ZeRO-3 against
-  one process, as above.
+  one process, as above;
+- on a generated sequence dataset (datagen --sequence-length 4) with data.frames = 2, the velocity
+  head and class-balanced sampling: 2 ranks train, evaluate (mAVE, NDS) and resume exactly;
+- one line each: data.frames and model.temporal.frames that differ, data.frames on a dataset of
+  independent scenes, data.frames longer than the sequences.
 
 Usage: test_temporal.py <parallax binary> <mpirun>
 """
@@ -70,6 +74,39 @@ class TemporalTest(tt.RunDirTest):
         nograd = self.bev("gref", 1, "data.batch_size=2")
         self.assertEqual(nograd[1]["loss"], one[1]["loss"])
         self.assertNotEqual(nograd[2]["loss"], one[2]["loss"])
+
+    def test_generated_sequences_train_evaluate_and_resume(self):
+        data = os.path.join(self.d, "seq")
+        tt.run(["datagen", "--out", data, "--scenes", "16", "--val-scenes", "8", "--sequence-length", "4",
+                "--cameras", "2", "--height", "64", "--width", "112", "--samples-per-pixel", "1"])
+        common = ["train", "--config", tt.BEV, f"experiment.output_dir={self.d}", f"data.path={data}",
+                  "model.backbone=conv", "model.temporal.frames=2", "data.frames=2", "model.velocity=true",
+                  "data.sampler=cbgs", "data.batch_size=1", "data.num_workers=1", "train.device=cpu",
+                  "train.log_every=1", "train.eval_every=0", *tt.sgd(1e-2)]
+        tt.run([*common, "experiment.name=full", "train.steps=4", "checkpoint.every=2", "train.eval_every=4"], ranks=2)
+        run_dir = os.path.join(self.d, "full")
+        ev = tt.metrics(run_dir, "eval")
+        self.assertEqual(len(ev), 1)
+        for key in ("map", "ave", "aae", "nds", "nds_no_aae"):
+            self.assertIn(key, ev[0])
+        step2 = os.path.join(run_dir, "checkpoints", "step_00000002")
+        tt.run([*common, "experiment.name=resumed", "train.steps=4", f"train.resume={step2}"], ranks=2)
+        a, b = tt.losses(run_dir), tt.losses(os.path.join(self.d, "resumed"))
+        self.assertEqual(sorted(b), [3, 4])
+        for s in b:
+            self.assertEqual(a[s], b[s], f"step {s}")
+        # Bad combinations: one line each, naming the keys.
+        plain = os.path.join(self.d, "plain")
+        tt.run(["datagen", "--out", plain, "--scenes", "4", "--val-scenes", "1", "--cameras", "2", "--height", "64",
+                "--width", "112", "--samples-per-pixel", "1"])
+        cases = [(["data.frames=1"], "'data.frames' (1) and 'model.temporal.frames' (2) differ"),
+                 ([f"data.path={plain}"], "holds independent scenes"),
+                 (["data.frames=5", "model.temporal.frames=5"], "longer than the dataset's sequences")]
+        for extra, needle in cases:
+            p = tt.run([*common, "experiment.name=bad", "train.steps=1", *extra], check=False)
+            self.assertNotEqual(p.returncode, 0, extra)
+            self.assertIn(needle, p.stderr)
+            self.assertEqual(len([l for l in p.stderr.splitlines() if l.startswith("parallax: error:")]), 1, extra)
 
 
 if __name__ == "__main__":
