@@ -338,9 +338,6 @@ core::TensorDict DataLoader::build(const Plan& plan) const {
 
 SceneRecord DataLoader::read_scene(int64_t scene, const AugmentParams* aug) const {
   SceneRecord rec = select_ ? dataset_->read(scene, sel_) : dataset_->read(scene);
-  // The ego pose (not part of read()): the frames' relative motion (data.frames > 1).
-  if (opts_.frames > 1)
-    rec.ego_to_global = dataset_->shard_of(scene).sample_meta(scene).ego_to_global;
   if (aug) {
     rec = apply_augment(rec, *aug, dataset_->info().bev, box_to_bev_, fit_ ? &*fit_ : nullptr);
   } else if (fit_) {

@@ -9,6 +9,7 @@
 #include "models/backbone.h"
 #include "models/model.h"
 #include "models/perception_model.h"
+#include "models/temporal.h"
 #include "models/vit.h"
 
 #include <ATen/ATen.h>
@@ -29,10 +30,13 @@ namespace {
 struct Case {
   std::string name, size, backbone;
   double dropout;
+  int frames = 1;          // bev: model.temporal.frames
+  bool prev_grad = false;  // bev: model.temporal.prev_grad
 };
 
 std::string label(const Case& c) {
-  return c.name + "_" + c.size + (c.name == "bev" ? "_" + c.backbone : "");
+  return c.name + "_" + c.size + (c.name == "bev" ? "_" + c.backbone : "") +
+         (c.frames > 1 ? "_frames" + std::to_string(c.frames) + (c.prev_grad ? "_grad" : "") : "");
 }
 
 // Dropout > 0 where the model has dropout, so the comparisons below also cover the RNG stream.
@@ -40,7 +44,11 @@ const std::vector<Case> kTiny = {{"mlp", "tiny", "vit", 0.0},
                                  {"vit_cls", "tiny", "vit", 0.1},
                                  {"bev", "tiny", "vit", 0.1},
                                  {"bev", "tiny", "conv", 0.0},
-                                 {"bev", "tiny", "resnet50", 0.0}};
+                                 {"bev", "tiny", "resnet50", 0.0},
+                                 // Temporal (models/temporal.h): the encoder and view units carry
+                                 // the previous frame, the temporal unit fuses it.
+                                 {"bev", "tiny", "conv", 0.0, 2, false},
+                                 {"bev", "tiny", "conv", 0.0, 2, true}};
 
 std::shared_ptr<Model> build(const Case& c) {
   ModelConfig cfg;
@@ -48,6 +56,8 @@ std::shared_ptr<Model> build(const Case& c) {
   cfg.size = c.size;
   cfg.backbone = c.backbone;
   cfg.dropout = c.dropout;
+  cfg.temporal.frames = c.frames;
+  cfg.temporal.prev_grad = c.prev_grad;
   core::SceneSpec scene;
   if (c.backbone.rfind("resnet", 0) == 0) {
     // ResNet-50 on 2 cameras of 64 x 128 (2.7 GFLOPs forward per sample): cheap enough for CI.
@@ -329,6 +339,21 @@ core::TensorDict composed_forward(const Case& c, Model& model, const core::Tenso
       im.reshape({im.size(0) * im.size(1), im.size(2), im.size(3), 3}).permute({0, 3, 1, 2});
   x = bev.encoder()->forward(normalize_images(x, at::kFloat));
   x = bev.view_transformer()->forward(x, batch.at("intrinsics"), batch.at("cam_to_ego"));
+  if (bev.spec().frames > 1) {
+    // The previous frames through the same encoder and view, aligned, then fused.
+    const at::Tensor& pi = batch.at("prev_images");
+    at::Tensor p = pi.reshape({-1, pi.size(3), pi.size(4), 3}).permute({0, 3, 1, 2});
+    p = bev.encoder()->forward(normalize_images(p, at::kFloat));
+    const at::Tensor& k = batch.at("prev_intrinsics");
+    const at::Tensor& e = batch.at("prev_cam_to_ego");
+    p = bev.view_transformer()->forward(p, k.reshape({-1, k.size(2), 3, 3}),
+                                        e.reshape({-1, e.size(2), 4, 4}));
+    const at::Tensor aligned =
+        align_bev(p, batch.at("prev_to_current").reshape({-1, 4, 4}), bev.spec().query_grid);
+    x = std::dynamic_pointer_cast<TemporalFusionImpl>(children["temporal"])
+            ->forward(x, aligned.view(
+                             {x.size(0), bev.spec().frames - 1, x.size(1), x.size(2), x.size(3)}));
+  }
   for (int64_t i = 0; i < bev.spec().encoder_blocks; ++i) {
     x = std::dynamic_pointer_cast<ResidualConvBlock>(children["bev_block" + std::to_string(i)])
             ->forward(x);
@@ -482,9 +507,11 @@ TEST(UnitsTest, TheChainHasOneLinkPerUnitAndIsTheForward) {
 
 // The bev model's FLOPs per unit (pipeline balance) cover its forward FLOPs exactly.
 TEST(UnitsTest, BevUnitFlopsSumToTheForwardFlops) {
-  for (const char* backbone : {"vit", "conv", "resnet50"}) {
-    SCOPED_TRACE(backbone);
-    auto model = build({"bev", "tiny", backbone, 0.0});
+  for (const Case& c :
+       {Case{"bev", "tiny", "vit", 0.0}, Case{"bev", "tiny", "conv", 0.0},
+        Case{"bev", "tiny", "resnet50", 0.0}, Case{"bev", "tiny", "conv", 0.0, 3}}) {
+    SCOPED_TRACE(label(c));
+    auto model = build(c);
     const std::vector<double> f = model->unit_flops();
     ASSERT_EQ(f.size(), model->units().size());
     double sum = 0;
